@@ -1,0 +1,16 @@
+"""specjax: speculative decoding in JAX with composable acceptance rules.
+
+    import jax, specjax
+    from specjax.rules import mars
+
+    target, draft = specjax.load("ckpt/target"), specjax.load("ckpt/draft")
+    out = specjax.decode(specjax.pair(target, draft), prompts, rule=mars(theta=0.9),
+                         key=jax.random.key(0))
+"""
+
+from specjax._src.lm import KVCache, LanguageModel, LMOutput, Model
+from specjax._src.models.config import ModelConfig
+
+__version__ = "0.1.0"
+
+# Public entry points are appended below as their modules land.

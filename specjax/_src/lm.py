@@ -1,0 +1,139 @@
+"""The language-model protocol the decode loop runs on.
+
+Any model that implements :class:`LanguageModel` plugs into ``specjax.decode``:
+the Flax decoders in :mod:`specjax._src.models`, or a bigram table in a test.
+
+A model is split into a *static* half (an object holding the config and the
+pure functions, hashable, closed over by ``jax.jit``) and a *dynamic* half (the
+params pytree, traced). :class:`Model` bundles the two with the tokenizer; it is
+what ``specjax.load`` returns.
+
+Cache contract (what makes speculative decoding cheap):
+
+* ``init_cache(batch_size, max_length)`` preallocates every buffer once.
+* ``apply(params, tokens[B, T], cache)`` writes the T new entries of sequence
+  ``b`` at positions ``cache.lengths[b] ... cache.lengths[b] + T - 1`` and
+  returns a cache whose ``lengths`` are ``cache.lengths + T``. Token ``t`` of
+  sequence ``b`` sits at absolute position ``cache.lengths[b] + t``; it attends
+  to the cached entries before ``cache.lengths[b]`` and to tokens ``<= t`` of
+  the block.
+* Entries at or beyond ``lengths[b]`` are never read, so rolling back rejected
+  tokens is ``cache.replace(lengths=new_lengths)``: no buffer is copied, and the
+  next append overwrites them. Ragged prompts use the same mechanism: prefill
+  the right-padded batch, then reset ``lengths`` to the true prompt lengths.
+* The caller guarantees ``lengths + T <= max_length``; ``specjax.decode``
+  checks this before tracing, because XLA clamps out-of-range writes silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+Array = jax.Array
+Params = Any
+
+
+@struct.dataclass
+class KVCache:
+    """Preallocated per-layer key/value buffers with per-sequence lengths.
+
+    Separate buffers per layer (a tuple, not one stacked ``[L, ...]`` array):
+    see the models module for why this layout was chosen on CPU.
+
+    Attributes:
+      keys: per layer, ``[B, S, num_kv_heads, head_dim]``.
+      values: per layer, ``[B, S, num_kv_heads, head_dim]``.
+      lengths: ``[B]`` int32, number of valid entries of each sequence.
+    """
+
+    keys: tuple[Array, ...]
+    values: tuple[Array, ...]
+    lengths: Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        if not self.keys:
+            return _UNBOUNDED
+        return self.keys[0].shape[1]
+
+    def rollback(self, lengths: Array) -> "KVCache":
+        """Forgets every entry at or beyond ``lengths`` (``[B]``); copies nothing."""
+        return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+    @classmethod
+    def empty(cls, batch_size: int) -> "KVCache":
+        """A cache with no buffers, for stateless models (a bigram table)."""
+        return cls(keys=(), values=(), lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+# A cache with no buffers can hold any length (a bigram model needs no history).
+_UNBOUNDED = 2**31 - 1
+
+
+class LMOutput(NamedTuple):
+    """What one forward returns.
+
+    Attributes:
+      logits: ``[B, T, V]`` float32, for every input position.
+      hidden: one ``[B, T, H]`` array per requested layer, in request order.
+      cache: the cache after appending the T tokens (``None`` if none given).
+    """
+
+    logits: Array
+    hidden: tuple[Array, ...]
+    cache: KVCache | None
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """The static half of a model. Must be hashable (it is a jit static).
+
+    Attributes:
+      vocab_size: size of the logits' last axis.
+      hidden_size: width of the hidden states ``apply`` can return.
+      num_layers: number of blocks; ``hidden_layers`` index them like Python
+        lists (``-1`` is the output of the last block, before the final norm).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
+        ...
+
+    def apply(
+        self,
+        params: Params,
+        tokens: Array,
+        cache: KVCache | None = None,
+        *,
+        hidden_layers: Sequence[int] = (),
+    ) -> LMOutput:
+        """Runs ``tokens[B, T]``; with ``cache=None`` a plain causal forward from position 0."""
+        ...
+
+
+@struct.dataclass
+class Model:
+    """A loaded model: static module, params pytree, optional tokenizer.
+
+    A pytree whose only leaves are the params, so it can be passed straight to
+    jitted functions.
+    """
+
+    params: Params
+    module: LanguageModel = struct.field(pytree_node=False)
+    tokenizer: Any = struct.field(pytree_node=False, default=None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.module.vocab_size

@@ -1,0 +1,90 @@
+"""Static configuration of the decoder family (Llama, Mistral, Qwen2, Qwen3, GPT-2).
+
+A frozen, hashable dataclass: it is closed over by jitted functions as a
+static, so two models with equal configs share compiled programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style rope scaling (``rope_type == "llama3"``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Everything that decides the decoder's shapes and layout.
+
+    Attributes:
+      model_type: one of ``SUPPORTED_MODEL_TYPES``; the layout follows from it.
+      vocab_size: rows of the embedding table (may include padding rows).
+      hidden_size: model width H.
+      num_layers: number of decoder blocks.
+      num_heads: query heads.
+      num_kv_heads: key/value heads (GQA when < num_heads).
+      head_dim: per-head width (Qwen3 sets it explicitly; else H / num_heads).
+      intermediate_size: MLP width.
+      max_position_embeddings: positions the model supports (GPT-2: table size).
+      rope_theta: RoPE base (rotary layouts only).
+      rope_scaling: Llama 3 scaling, or None.
+      norm_eps: RMSNorm / LayerNorm epsilon.
+      tie_word_embeddings: the LM head reuses the embedding table.
+      attention_bias: q/k/v projections carry biases (Qwen2; GPT-2 has all biases).
+      qk_norm: RMSNorm on q and k per head (Qwen3).
+      sliding_window: attend to at most this many previous positions (Mistral), or None.
+      activation: MLP activation: "silu" (gated MLP) or "gelu_new" (GPT-2 MLP).
+      bos_token_id / eos_token_id / pad_token_id: from the HF config, if set.
+      dtype: parameter and compute dtype name, "float32" or "bfloat16".
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: Optional[int] = None
+    activation: str = "silu"
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"Unsupported model_type {self.model_type!r}; specjax supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}."
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})."
+            )
+
+    @property
+    def is_gpt2(self) -> bool:
+        return self.model_type == "gpt2"
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
