@@ -93,8 +93,14 @@ class RuleSpec(NamedTuple):
     params: tuple[tuple[str, Any], ...] = ()
 
     def __str__(self) -> str:
+        # The inverse of ``specjax.rules.parse_rule``: "mars:theta=0.9", and
+        # combinators as "any_of(speculative_sampling,mars:theta=0.9)".
         if not self.params:
             return self.name
+        subs = self.params[0][1] if len(self.params) == 1 else None
+        if (self.params[0][0] == "rules" and isinstance(subs, tuple)
+                and all(isinstance(s, RuleSpec) for s in subs)):
+            return self.name + "(" + ",".join(str(s) for s in subs) + ")"
         return self.name + ":" + ",".join(f"{k}={v}" for k, v in self.params)
 
     def get(self, key: str, default: Any = None) -> Any:

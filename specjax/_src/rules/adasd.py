@@ -1,0 +1,99 @@
+"""AdaSD's verification threshold: JS-distance acceptance with running means (adasd.txt)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specjax._src.rules import common
+from specjax._src.rules.base import (
+    AcceptanceRule,
+    Path,
+    RuleSpec,
+    Verdict,
+    VerifyInputs,
+    lossless_decision,
+)
+
+Array = jax.Array
+
+
+class AdaSDState(NamedTuple):
+    """One sequence's running JS-distance statistics (float32 scalars).
+
+    Counts are float so the state is one dtype; they stay exact up to 2**24.
+    """
+
+    accepted_sum: Array
+    accepted_count: Array
+    rejected_sum: Array
+    rejected_count: Array
+
+
+def adasd_threshold(state: AdaSDState) -> Array:
+    """``(mean accepted + mean rejected) / 2``; ``-1`` (relax nothing) until
+    at least one accepted and one rejected token have been recorded."""
+    both = (state.accepted_count > 0) & (state.rejected_count > 0)
+    mean_acc = state.accepted_sum / jnp.maximum(state.accepted_count, 1.0)
+    mean_rej = state.rejected_sum / jnp.maximum(state.rejected_count, 1.0)
+    return jnp.where(both, 0.5 * (mean_acc + mean_rej), -1.0)
+
+
+def slot_js_distance(inputs: VerifyInputs) -> Array:
+    """``[K]`` JS distance between the draft and target distributions per slot."""
+    k = inputs.draft_tokens.shape[0]
+    return common.js_distance(inputs.target_probs[:k], inputs.draft_probs)
+
+
+def adasd() -> AcceptanceRule:
+    """AdaSD's verification: accept draft tokens whose distributions agree.
+
+    At slot k, ``d_k = JS distance(q_k, p_k)`` (base 2, in [0, 1]) between the
+    draft's and the target's whole distributions. If ``d_k < threshold`` the draft
+    token is accepted whatever its identity; otherwise the standard rule decides
+    (sampling: ``U <= p/q``; greedy: exact match). Acceptances the standard
+    rule makes are ``EXACT``; those only the threshold makes are ``RELAXED``.
+
+    Threshold: ``(mean d of accepted tokens + mean d of rejected tokens) / 2``
+    over everything this sequence has decided so far (the paper's rule, not its
+    appendix variants A-C). Before the sequence has seen both an accepted and a
+    rejected token, one of the means does not exist and nothing is relaxed:
+    AdaSD starts out as the standard rule. Statistics are per sequence (the
+    paper runs one sequence at a time), so batches do not interact.
+
+    ``update`` records the tokens actually decided this cycle: the accepted
+    prefix (under "accepted", whichever path accepted it) and the first
+    rejected slot, if any, under "rejected"; slots after it and invalid slots are
+    not recorded. Greedy decoding uses the models' T=1 distributions.
+
+    Correction after a rejection: the standard rule's — residual
+    ``norm(max(0, p - q))`` when sampling, ``argmax p`` when greedy.
+    """
+
+    def init() -> AdaSDState:
+        zero = jnp.zeros((), jnp.float32)
+        return AdaSDState(zero, zero, zero, zero)
+
+    def verify(inputs: VerifyInputs, state: AdaSDState, *, greedy: bool) -> Verdict:
+        exact, correction = lossless_decision(inputs, greedy=greedy)
+        close = slot_js_distance(inputs) < adasd_threshold(state)
+        accept = exact | close
+        return Verdict(accept, common.paths(accept, exact, Path.RELAXED), correction)
+
+    def update(state: AdaSDState, inputs: VerifyInputs, verdict, num_accepted, *, greedy):
+        del verdict, greedy
+        d = slot_js_distance(inputs)
+        slot = jnp.arange(d.shape[0])
+        valid = inputs.valid.astype(bool)
+        was_accepted = (valid & (slot < num_accepted)).astype(jnp.float32)
+        was_rejected = (valid & (slot == num_accepted)).astype(jnp.float32)
+        return AdaSDState(
+            accepted_sum=state.accepted_sum + jnp.sum(was_accepted * d),
+            accepted_count=state.accepted_count + jnp.sum(was_accepted),
+            rejected_sum=state.rejected_sum + jnp.sum(was_rejected * d),
+            rejected_count=state.rejected_count + jnp.sum(was_rejected),
+        )
+
+    return AcceptanceRule(init=init, verify=verify, update=update, spec=RuleSpec("adasd"))

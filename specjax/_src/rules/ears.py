@@ -1,0 +1,62 @@
+"""EARS: efficient adaptive rejection sampling (ears.txt)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from specjax._src.rules import common
+from specjax._src.rules.base import (
+    AcceptanceRule,
+    Path,
+    RuleSpec,
+    Verdict,
+    VerifyInputs,
+    lossless_decision,
+    no_state,
+    stateless_update,
+    token_prob,
+)
+
+
+def ears(beta: float = 0.1) -> AcceptanceRule:
+    """Speculative sampling with an uncertainty-scaled tolerance on the coin.
+
+    Sampling: accept ``x`` iff ``p(x) / max(q(x), 1e-10) >= max(U - beta * (1 - max p), 0)``.
+    Slots the lossless test ``U <= p(x)/q(x)`` accepts are ``EXACT``; slots only
+    the tolerance accepts are ``PARDON``. Correction after a rejection: the
+    residual ``norm(max(0, p - q))``, as in standard SD (the paper's choice).
+
+    Greedy (temperature 0): exact match, no pardons. EARS relaxes the random
+    threshold ``U``, and greedy verification has none; the paper evaluates
+    T > 0 only. Correction: ``argmax p``.
+
+    ``beta = 0`` is standard speculative sampling, token for token: the pardon
+    test is only consulted where the lossless test (computed exactly as
+    :func:`speculative_sampling` does) rejects, and then cannot pass.
+
+    Args:
+      beta: base tolerance, ``>= 0``; the paper uses 0.05-0.2.
+    """
+    beta = common.check_nonnegative("ears: beta", beta)
+
+    def verify(inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
+        del state
+        exact, correction = lossless_decision(inputs, greedy=greedy)
+        if greedy:
+            return Verdict(exact, common.paths(exact, exact, Path.PARDON), correction)
+        k = inputs.draft_tokens.shape[0]
+        p = token_prob(inputs.target_probs, inputs.draft_tokens)
+        q = token_prob(inputs.draft_probs, inputs.draft_tokens)
+        tolerance = beta * (1.0 - inputs.target_probs[:k].max(-1))
+        # p / max(q, 1e-10) >= thr, written without a division.
+        threshold = jnp.maximum(inputs.uniforms - tolerance, 0.0)
+        pardon = p >= threshold * jnp.maximum(q, 1e-10)
+        accept = exact | pardon
+        return Verdict(accept, common.paths(accept, exact, Path.PARDON), correction)
+
+    return AcceptanceRule(
+        init=no_state,
+        verify=verify,
+        update=stateless_update,
+        spec=RuleSpec("ears", (("beta", beta),)),
+    )
