@@ -14,3 +14,5 @@ from specjax._src.models.config import ModelConfig
 __version__ = "0.1.0"
 
 # Public entry points are appended below as their modules land.
+from specjax._src.models.decoder import Decoder
+from specjax._src.models.loading import export_hf, load, logits, save_orbax

@@ -10,6 +10,9 @@ import dataclasses
 from typing import Optional
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# "gelu_new" / "gelu_pytorch_tanh" are the tanh approximation GPT-2 uses; "gelu" is exact.
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +44,18 @@ class ModelConfig:
       norm_eps: RMSNorm / LayerNorm epsilon.
       tie_word_embeddings: the LM head reuses the embedding table.
       attention_bias: q/k/v projections carry biases (Qwen2; GPT-2 has all biases).
+      attention_out_bias: the attention output projection carries a bias (Llama
+        and Qwen3 with ``attention_bias=True`` in their HF config; not Qwen2).
+      mlp_bias: the gated MLP's projections carry biases (Llama ``mlp_bias``).
       qk_norm: RMSNorm on q and k per head (Qwen3).
       sliding_window: attend to at most this many previous positions (Mistral), or None.
       activation: MLP activation: "silu" (gated MLP) or "gelu_new" (GPT-2 MLP).
       bos_token_id / eos_token_id / pad_token_id: from the HF config, if set.
-      dtype: parameter and compute dtype name, "float32" or "bfloat16".
+        ``eos_token_id`` is the first one when the HF config lists several.
+      eos_token_ids: every end-of-sequence id (Llama 3 lists several); ``()``
+        when none is set.
+      dtype: parameter and compute dtype name: "float32" or "bfloat16"
+        ("float16" is accepted for checkpoints stored that way).
     """
 
     model_type: str
@@ -62,12 +72,15 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: Optional[int] = None
     activation: str = "silu"
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     pad_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
 
     def __post_init__(self):
@@ -81,6 +94,17 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})."
             )
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"Unsupported dtype {self.dtype!r}; use one of {', '.join(SUPPORTED_DTYPES)}."
+            )
+        if self.activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"Unsupported activation {self.activation!r}; specjax supports "
+                f"{', '.join(SUPPORTED_ACTIVATIONS)}."
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}.")
 
     @property
     def is_gpt2(self) -> bool:

@@ -1,0 +1,417 @@
+"""The Hugging Face side: config mapping, tensor names, streamed safetensors I/O.
+
+Only safetensors are read: pickle-based ``*.bin`` / ``*.pt`` weights can run
+arbitrary code when unpickled, so they are refused (see :func:`find_weight_files`).
+No code from a checkpoint directory is ever imported (no ``trust_remote_code``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any, Iterator, NamedTuple, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax._src.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+
+# Buffers some checkpoints carry that are recomputed, not learned.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+# --------------------------------------------------------------------------- #
+# Config
+# --------------------------------------------------------------------------- #
+
+
+def _rope(hf: dict) -> tuple[float, Optional[RopeScaling]]:
+    """(rope_theta, scaling) from either the transformers 5 ``rope_parameters``
+    or the 4.x ``rope_theta`` + ``rope_scaling`` layout."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(
+            f"Unsupported rope scaling type {rope_type!r}; specjax supports "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}."
+        )
+    return theta, RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _eos(hf: dict) -> tuple[Optional[int], tuple[int, ...]]:
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return None, ()
+    ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return (ids[0] if ids else None), ids
+
+
+def _dtype_name(hf: dict) -> str:
+    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return name if name in ("float32", "bfloat16", "float16") else "float32"
+
+
+def from_hf_config(hf: dict, dtype: Optional[str] = None) -> ModelConfig:
+    """Maps a Hugging Face ``config.json`` dict to a :class:`ModelConfig`.
+
+    Args:
+      hf: the parsed ``config.json``.
+      dtype: params/compute dtype; ``None`` keeps the checkpoint's own.
+
+    Raises:
+      ValueError: unknown ``model_type``, unsupported rope scaling, or a
+        variant of a supported family that this decoder does not implement.
+    """
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"Unsupported model_type {model_type!r} in config.json; specjax supports "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    eos, eos_ids = _eos(hf)
+    common = dict(
+        model_type=model_type,
+        vocab_size=int(hf["vocab_size"]),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos,
+        eos_token_ids=eos_ids,
+        pad_token_id=hf.get("pad_token_id"),
+        dtype=dtype or _dtype_name(hf),
+    )
+    if model_type == "gpt2":
+        for flag in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+            if hf.get(flag):
+                raise ValueError(f"GPT-2 with {flag}=True is not supported by specjax.")
+        if not hf.get("scale_attn_weights", True):
+            raise ValueError("GPT-2 with scale_attn_weights=False is not supported by specjax.")
+        h, heads = int(hf["n_embd"]), int(hf["n_head"])
+        return ModelConfig(
+            hidden_size=h,
+            num_layers=int(hf["n_layer"]),
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=h // heads,
+            intermediate_size=int(hf.get("n_inner") or 4 * h),
+            max_position_embeddings=int(hf["n_positions"]),
+            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            activation=hf.get("activation_function", "gelu_new"),
+            **common,
+        )
+
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        if "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]):
+            raise ValueError(
+                f"{model_type} with use_sliding_window=True (per-layer sliding windows) "
+                "is not supported by specjax."
+            )
+    theta, scaling = _rope(hf)
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported by specjax.")
+    h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    attention_bias = bool(hf.get("attention_bias", False))
+    layout = {
+        "llama": dict(attention_bias=attention_bias, attention_out_bias=attention_bias,
+                      mlp_bias=bool(hf.get("mlp_bias", False))),
+        "mistral": dict(sliding_window=hf.get("sliding_window")),
+        "qwen2": dict(attention_bias=True),
+        "qwen3": dict(attention_bias=attention_bias, attention_out_bias=attention_bias,
+                      qk_norm=True),
+    }[model_type]
+    return ModelConfig(
+        hidden_size=h,
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or h // heads),
+        intermediate_size=int(hf["intermediate_size"]),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        activation=hf.get("hidden_act", "silu"),
+        **layout,
+        **common,
+    )
+
+
+def _check_expressible(cfg: ModelConfig) -> None:
+    """Raises if ``cfg`` has a feature its HF family cannot represent."""
+    problems = []
+    if cfg.model_type != "mistral" and cfg.sliding_window is not None:
+        problems.append("sliding_window (only mistral has it)")
+    if cfg.model_type == "qwen2" and (not cfg.attention_bias or cfg.attention_out_bias):
+        problems.append("qwen2 needs attention_bias=True, attention_out_bias=False")
+    if cfg.model_type in ("llama", "qwen3") and cfg.attention_bias != cfg.attention_out_bias:
+        problems.append(f"{cfg.model_type} biases q/k/v/o together")
+    if cfg.model_type == "mistral" and (cfg.attention_bias or cfg.attention_out_bias):
+        problems.append("mistral has no attention biases")
+    if cfg.mlp_bias and cfg.model_type != "llama":
+        problems.append("mlp_bias (only llama has it)")
+    if cfg.qk_norm != (cfg.model_type == "qwen3"):
+        problems.append("qk_norm is on exactly for qwen3")
+    if cfg.rope_scaling is not None and cfg.model_type == "gpt2":
+        problems.append("gpt2 has no rope")
+    if cfg.model_type == "gpt2" and (cfg.num_kv_heads != cfg.num_heads
+                                     or cfg.head_dim * cfg.num_heads != cfg.hidden_size):
+        problems.append("gpt2 has no GQA and head_dim = hidden/heads")
+    if problems:
+        raise ValueError(
+            "This config cannot be written as a Hugging Face "
+            f"{_ARCHITECTURES[cfg.model_type]}: " + "; ".join(problems) + "."
+        )
+
+
+def to_hf_config(cfg: ModelConfig) -> dict:
+    """The ``config.json`` dict transformers needs to rebuild ``cfg``'s model.
+
+    Writes the rope settings both as transformers 5 ``rope_parameters`` and as
+    the 4.x ``rope_theta`` / ``rope_scaling`` keys.
+    """
+    _check_expressible(cfg)
+    out: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[cfg.model_type]],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "dtype": cfg.dtype,
+        "torch_dtype": cfg.dtype,
+    }
+    if cfg.is_gpt2:
+        out.update(
+            n_embd=cfg.hidden_size,
+            n_layer=cfg.num_layers,
+            n_head=cfg.num_heads,
+            n_inner=cfg.intermediate_size,
+            n_positions=cfg.max_position_embeddings,
+            layer_norm_epsilon=cfg.norm_eps,
+            activation_function=cfg.activation,
+        )
+        return out
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope.update(
+            rope_type="llama3",
+            factor=s.factor,
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_position_embeddings,
+        )
+    out.update(
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.norm_eps,
+        hidden_act=cfg.activation,
+        rope_theta=cfg.rope_theta,
+        rope_parameters=rope,
+        rope_scaling=dict(rope) if cfg.rope_scaling is not None else None,
+    )
+    if cfg.model_type in ("llama", "qwen3"):
+        out["attention_bias"] = cfg.attention_bias
+    if cfg.model_type == "llama":
+        out["mlp_bias"] = cfg.mlp_bias
+    if cfg.model_type == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    if cfg.model_type in ("qwen2", "qwen3"):
+        out.update(use_sliding_window=False, sliding_window=None)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Tensor names
+# --------------------------------------------------------------------------- #
+
+
+class TensorSpec(NamedTuple):
+    """One parameter: where it lives in specjax's tree and in the HF file.
+
+    ``transpose``: the HF tensor is a ``torch.nn.Linear`` weight ``[out, in]``;
+    specjax stores ``[in, out]``. (GPT-2's ``Conv1D`` is already ``[in, out]``.)
+    """
+
+    path: tuple[str, ...]
+    hf_name: str
+    transpose: bool
+
+
+def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Every parameter of ``Decoder(cfg)`` with its Hugging Face tensor name."""
+    specs: list[TensorSpec] = []
+
+    def add(path: str, name: str, transpose: bool = False):
+        specs.append(TensorSpec(tuple(path.split("/")), name, transpose))
+
+    if cfg.is_gpt2:
+        p = "transformer."
+        add("embed/embedding", p + "wte.weight")
+        add("pos_embed/embedding", p + "wpe.weight")
+        for i in range(cfg.num_layers):
+            h, l = f"{p}h.{i}.", f"layer_{i}/"
+            for ours, theirs in [("attn_norm", "ln_1"), ("mlp_norm", "ln_2")]:
+                add(l + ours + "/scale", h + theirs + ".weight")
+                add(l + ours + "/bias", h + theirs + ".bias")
+            for ours, theirs in [("attn/qkv", "attn.c_attn"), ("attn/o", "attn.c_proj"),
+                                 ("mlp/fc", "mlp.c_fc"), ("mlp/proj", "mlp.c_proj")]:
+                add(l + ours + "/kernel", h + theirs + ".weight")
+                add(l + ours + "/bias", h + theirs + ".bias")
+        add("final_norm/scale", p + "ln_f.weight")
+        add("final_norm/bias", p + "ln_f.bias")
+    else:
+        add("embed/embedding", "model.embed_tokens.weight")
+        for i in range(cfg.num_layers):
+            h, l = f"model.layers.{i}.", f"layer_{i}/"
+            add(l + "attn_norm/scale", h + "input_layernorm.weight")
+            add(l + "mlp_norm/scale", h + "post_attention_layernorm.weight")
+            for proj in "qkvo":
+                add(f"{l}attn/{proj}/kernel", f"{h}self_attn.{proj}_proj.weight", True)
+                if cfg.attention_out_bias if proj == "o" else cfg.attention_bias:
+                    add(f"{l}attn/{proj}/bias", f"{h}self_attn.{proj}_proj.bias")
+            if cfg.qk_norm:
+                add(l + "attn/q_norm/scale", h + "self_attn.q_norm.weight")
+                add(l + "attn/k_norm/scale", h + "self_attn.k_norm.weight")
+            for proj in ("gate", "up", "down"):
+                add(f"{l}mlp/{proj}/kernel", f"{h}mlp.{proj}_proj.weight", True)
+                if cfg.mlp_bias:
+                    add(f"{l}mlp/{proj}/bias", f"{h}mlp.{proj}_proj.bias")
+        add("final_norm/scale", "model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec(("lm_head",), "lm_head.weight", True))
+    return specs
+
+
+def canonical_name(name: str, cfg: ModelConfig) -> str:
+    """Original GPT-2 checkpoints omit the ``transformer.`` prefix; add it back."""
+    if cfg.is_gpt2 and not name.startswith(("transformer.", "lm_head.")):
+        return "transformer." + name
+    return name
+
+
+def is_ignored(name: str, cfg: ModelConfig) -> bool:
+    """Tensors we skip: recomputed buffers, and a tied head saved anyway."""
+    if name.endswith(_IGNORED_SUFFIXES):
+        return True
+    return cfg.tie_word_embeddings and name == "lm_head.weight"
+
+
+# --------------------------------------------------------------------------- #
+# Files
+# --------------------------------------------------------------------------- #
+
+_PICKLE_PATTERNS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def find_weight_files(path: str) -> list[str]:
+    """The safetensors files of an HF directory (following a shard index).
+
+    Raises:
+      ValueError: no safetensors, with an explanation if pickle weights exist.
+    """
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
+        if missing:
+            raise ValueError(
+                f"{index} lists shards that are not in the directory: {', '.join(missing)}."
+            )
+        return [os.path.join(path, f) for f in files]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if files:
+        return [os.path.join(path, f) for f in files]
+    pickles = sorted(f for f in os.listdir(path) if f.endswith(_PICKLE_PATTERNS))
+    if pickles:
+        raise ValueError(
+            f"{path} holds only pickle-based weights ({', '.join(pickles)}). specjax refuses "
+            "them: unpickling can execute arbitrary code from the checkpoint. Convert them "
+            "once, in an environment you trust, with transformers: "
+            "`AutoModelForCausalLM.from_pretrained(path).save_pretrained(out_dir, "
+            "safe_serialization=True)`, then load out_dir."
+        )
+    raise ValueError(f"No weights found in {path}: expected model.safetensors "
+                     "(or a sharded model.safetensors.index.json).")
+
+
+def iter_tensors(files: list[str], cfg: ModelConfig, dtype) -> Iterator[tuple[str, Any, tuple]]:
+    """Yields ``(canonical name, lazy loader, shape)`` for every tensor, one file at a time.
+
+    The loader reads the tensor only when called, so a caller can check shapes
+    first and hold one tensor at a time.
+    """
+    from safetensors import safe_open
+
+    for file in files:
+        # "flax" rather than "np": NumPy has no bfloat16 and safetensors' numpy
+        # backend refuses bf16 tensors.
+        with safe_open(file, framework="flax") as f:
+            for name in f.keys():
+                shape = tuple(f.get_slice(name).get_shape())
+                yield canonical_name(name, cfg), (lambda f=f, n=name: f.get_tensor(n)), shape
+
+
+# safetensors dtype codes.
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def write_safetensors(path: str, tensors: list[tuple[str, tuple, Any, Any]]) -> Iterator[str]:
+    """Writes a safetensors file, materialising one tensor at a time.
+
+    Args:
+      path: output file.
+      tensors: ``(name, shape, dtype, make)`` where ``make()`` returns the
+        tensor as an array of that shape and dtype.
+
+    Yields:
+      each name after it is written (for a progress bar).
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype, _ in tensors:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
+        header[name] = {
+            "dtype": _ST_DTYPES[jnp.dtype(dtype).name],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format aligns the data to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, shape, dtype, make in tensors:
+            arr = np.ascontiguousarray(np.asarray(make()))
+            if arr.shape != tuple(shape) or arr.dtype != jnp.dtype(dtype):
+                raise AssertionError(f"{name}: made {arr.shape} {arr.dtype}, declared {shape} {dtype}")
+            f.write(arr.tobytes())
+            yield name

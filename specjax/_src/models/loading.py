@@ -1,0 +1,363 @@
+"""Checkpoints in and out: Hugging Face directories, Orbax directories, logits.
+
+``load(path)`` reads either
+
+* a Hugging Face directory: ``config.json``, ``model.safetensors`` (or the
+  shards of ``model.safetensors.index.json``), ``tokenizer.json`` if present; or
+* a directory written by :func:`save_orbax` (``python -m checkpoints_conversion
+  to-orbax``): ``specjax_config.json``, ``params/`` (Orbax), ``tokenizer.json``.
+
+Tensors are streamed one at a time from safetensors and converted to the
+target dtype as they arrive, so peak memory is the model plus one tensor.
+Pickle weights are refused (see :func:`specjax._src.models.hf.find_weight_files`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax._src.lm import Model
+from specjax._src.models import hf
+from specjax._src.models.config import ModelConfig, RopeScaling
+from specjax._src.models.decoder import Decoder
+
+ORBAX_CONFIG = "specjax_config.json"
+ORBAX_FORMAT = "specjax-orbax"
+ORBAX_VERSION = 1
+_PARAMS_DIR = "params"
+_TOKENIZER = "tokenizer.json"
+
+Progress = Optional[Callable[[Any], Any]]  # e.g. `functools.partial(tqdm, desc=...)`
+
+
+# --------------------------------------------------------------------------- #
+# Small helpers
+# --------------------------------------------------------------------------- #
+
+
+def _dtype_name(dtype: Any) -> Optional[str]:
+    return None if dtype is None else jnp.dtype(dtype).name
+
+
+def _set(tree: dict, path: Sequence[str], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: dict, path: Sequence[str]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _load_tokenizer(path: str):
+    file = os.path.join(path, _TOKENIZER)
+    if not os.path.exists(file):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(file)
+
+
+def _save_tokenizer(model: Model, path: str) -> None:
+    if model.tokenizer is not None:
+        model.tokenizer.save(os.path.join(path, _TOKENIZER))
+
+
+def _shape_str(shape) -> str:
+    return "(" + ", ".join(str(int(d)) for d in shape) + ")"
+
+
+def config_to_dict(cfg: ModelConfig) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    return ModelConfig(**d)
+
+
+# --------------------------------------------------------------------------- #
+# Hugging Face in
+# --------------------------------------------------------------------------- #
+
+
+def read_hf_config(path: str) -> dict:
+    file = os.path.join(path, "config.json")
+    if not os.path.exists(file):
+        raise ValueError(f"{path} is not a checkpoint directory: no config.json or {ORBAX_CONFIG}.")
+    with open(file) as f:
+        return json.load(f)
+
+
+def load_hf(path: str, dtype: Any = None, *, progress: Progress = None) -> Model:
+    """Loads a Hugging Face safetensors directory.
+
+    Args:
+      path: directory with ``config.json`` and safetensors weights.
+      dtype: params and compute dtype (``"float32"``, ``"bfloat16"``); ``None``
+        keeps the checkpoint's.
+      progress: optional wrapper over the tensor iterator (a tqdm factory).
+
+    Raises:
+      ValueError: unknown model type, unsupported rope scaling, pickle-only
+        weights, or a missing / misshaped / unexpected tensor (named).
+    """
+    cfg = hf.from_hf_config(read_hf_config(path), _dtype_name(dtype))
+    module = Decoder(cfg)
+    expected = module.param_shapes()
+    specs = {s.hf_name: s for s in hf.tensor_specs(cfg)}
+    files = hf.find_weight_files(path)
+    target = jnp.dtype(cfg.dtype)
+
+    params: dict = {}
+    unexpected = []
+    tensors = hf.iter_tensors(files, cfg, target)
+    if progress is not None:
+        tensors = progress(tensors)
+    for name, read, shape in tensors:
+        spec = specs.get(name)
+        if spec is None:
+            if not hf.is_ignored(name, cfg):
+                unexpected.append(name)
+            continue
+        want = _get(expected, spec.path).shape
+        want_hf = tuple(reversed(want)) if spec.transpose else tuple(want)
+        if shape != want_hf:
+            raise ValueError(
+                f"Tensor {name!r} in {path} has shape {_shape_str(shape)}, but config.json "
+                f"implies {_shape_str(want_hf)}."
+            )
+        tensor = read()
+        if spec.transpose:
+            tensor = tensor.T
+        # One tensor at a time: the copy made by the cast/transpose is freed
+        # before the next tensor is read.
+        _set(params, spec.path, jnp.asarray(tensor, dtype=target))
+        del tensor
+    missing = [n for n, s in specs.items() if not _has(params, s.path)]
+    if missing:
+        raise ValueError(
+            f"Checkpoint {path} is missing tensor(s) {', '.join(repr(m) for m in missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            + f" that a {cfg.model_type} config needs."
+        )
+    if unexpected:
+        raise ValueError(
+            f"Checkpoint {path} has tensor(s) a {cfg.model_type} model with this config "
+            f"does not use: {', '.join(repr(u) for u in unexpected[:5])}"
+            + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+            + ". Is config.json from the same model?"
+        )
+    return Model(params=params, module=module, tokenizer=_load_tokenizer(path))
+
+
+def _has(tree: dict, path: Sequence[str]) -> bool:
+    try:
+        _get(tree, path)
+        return True
+    except KeyError:
+        return False
+
+
+# --------------------------------------------------------------------------- #
+# Orbax
+# --------------------------------------------------------------------------- #
+
+
+def is_orbax_dir(path: str) -> bool:
+    return os.path.exists(os.path.join(path, ORBAX_CONFIG))
+
+
+def save_orbax(model: Model, path: str) -> None:
+    """Writes ``model`` as an Orbax checkpoint directory that :func:`load` reads.
+
+    ``specjax_config.json`` is written last, so a conversion interrupted
+    midway leaves a directory that :func:`load` rejects instead of misreading.
+
+    Raises:
+      ValueError: ``path`` exists and is not empty.
+    """
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    if os.path.exists(path) and os.listdir(path):
+        raise ValueError(f"Refusing to write into non-empty directory {path}.")
+    os.makedirs(path, exist_ok=True)
+    module = model.module
+    if not isinstance(module, Decoder):
+        raise TypeError(f"save_orbax needs a specjax Decoder model, got {type(module).__name__}.")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(path, _PARAMS_DIR), model.params)
+        ckptr.wait_until_finished()
+    _save_tokenizer(model, path)
+    shapes = {
+        "/".join(str(getattr(k, "key", k)) for k in kp): [list(x.shape), x.dtype.name]
+        for kp, x in jax.tree_util.tree_flatten_with_path(model.params)[0]
+    }
+    meta = {
+        "format": ORBAX_FORMAT,
+        "version": ORBAX_VERSION,
+        "config": config_to_dict(module.config),
+        "params": shapes,
+    }
+    with open(os.path.join(path, ORBAX_CONFIG), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def load_orbax(path: str, dtype: Any = None) -> Model:
+    """Loads a directory written by :func:`save_orbax`.
+
+    Raises:
+      ValueError: the directory is truncated or corrupted (names what).
+    """
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    try:
+        with open(os.path.join(path, ORBAX_CONFIG)) as f:
+            meta = json.load(f)
+        if meta.get("format") != ORBAX_FORMAT:
+            raise ValueError(f"format is {meta.get('format')!r}, expected {ORBAX_FORMAT!r}")
+        cfg = config_from_dict(meta["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"Orbax checkpoint {path} has an unreadable {ORBAX_CONFIG}: {e}") from e
+    module = Decoder(cfg)
+    abstract = module.param_shapes()
+    params_dir = os.path.join(path, _PARAMS_DIR)
+    if not os.path.isdir(params_dir):
+        raise ValueError(f"Orbax checkpoint {path} is truncated: no {_PARAMS_DIR}/ directory.")
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            params = ckptr.restore(params_dir, abstract)
+        # Force the reads now so that a corrupted file fails here.
+        params = jax.block_until_ready(params)
+    except Exception as e:  # orbax/tensorstore raise many types for damaged files
+        raise ValueError(
+            f"Orbax checkpoint {path} is truncated or corrupted and cannot be restored "
+            f"({type(e).__name__}: {str(e)[:300]}). Convert the source checkpoint again."
+        ) from e
+    got = jax.tree.map(lambda x: (tuple(x.shape), x.dtype.name), params)
+    want = jax.tree.map(lambda x: (tuple(x.shape), x.dtype.name), abstract)
+    if got != want:
+        raise ValueError(f"Orbax checkpoint {path} does not match its {ORBAX_CONFIG}.")
+    model = Model(params=params, module=module, tokenizer=_load_tokenizer(path))
+    if dtype is not None and jnp.dtype(dtype).name != cfg.dtype:
+        model = astype(model, dtype)
+    return model
+
+
+def astype(model: Model, dtype: Any) -> Model:
+    """The same model with params and compute in ``dtype``."""
+    cfg = model.module.config.replace(dtype=jnp.dtype(dtype).name)
+    params = jax.tree.map(lambda x: x.astype(dtype), model.params)
+    return Model(params=params, module=Decoder(cfg), tokenizer=model.tokenizer)
+
+
+# --------------------------------------------------------------------------- #
+# Hugging Face out
+# --------------------------------------------------------------------------- #
+
+
+def export_hf(model: Model, path: str, *, progress: Progress = None) -> None:
+    """Writes ``model`` as a Hugging Face directory (``config.json``,
+    ``model.safetensors``, ``tokenizer.json`` if the model has one) that
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+
+    Tensors are converted and written one at a time.
+    """
+    module = model.module
+    if not isinstance(module, Decoder):
+        raise TypeError(f"export_hf needs a specjax Decoder model, got {type(module).__name__}.")
+    cfg = module.config
+    hf_config = hf.to_hf_config(cfg)  # validates before anything is written
+    os.makedirs(path, exist_ok=True)
+    entries = []
+    for spec in hf.tensor_specs(cfg):
+        leaf = _get(model.params, spec.path)
+        shape = tuple(reversed(leaf.shape)) if spec.transpose else tuple(leaf.shape)
+        make = functools.partial(_hf_tensor, leaf, spec.transpose)
+        entries.append((spec.hf_name, shape, leaf.dtype, make))
+    written = hf.write_safetensors(os.path.join(path, "model.safetensors"), entries)
+    if progress is not None:
+        written = progress(written, total=len(entries))
+    for _ in written:
+        pass
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    _save_tokenizer(model, path)
+
+
+def _hf_tensor(leaf, transpose: bool) -> np.ndarray:
+    arr = np.asarray(leaf)
+    return arr.T if transpose else arr
+
+
+# --------------------------------------------------------------------------- #
+# Public entry points
+# --------------------------------------------------------------------------- #
+
+
+def load(path: str, dtype: Any = None) -> Model:
+    """Loads a model from a Hugging Face or a converted Orbax directory.
+
+    Args:
+      path: checkpoint directory. Orbax if it holds ``specjax_config.json``,
+        else Hugging Face (``config.json`` + safetensors).
+      dtype: ``"float32"`` or ``"bfloat16"`` (or a jnp dtype); ``None`` keeps
+        the checkpoint's dtype.
+
+    Returns:
+      :class:`specjax.Model` with ``params``, ``module`` (a :class:`Decoder`)
+      and ``tokenizer`` (a ``tokenizers.Tokenizer``, or None).
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"Checkpoint directory {path} does not exist.")
+    if is_orbax_dir(path):
+        return load_orbax(path, dtype)
+    return load_hf(path, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_logits(module, params, tokens):
+    return module.apply(params, tokens).logits
+
+
+def logits(model: Model, token_ids) -> jax.Array:
+    """Float32 logits ``[B, T, V]`` of a causal forward over whole sequences.
+
+    Args:
+      model: from :func:`load` (any :class:`specjax.Model`).
+      token_ids: ``[B, T]`` ints: an array or a list of equal-length lists
+        (a single flat list is treated as one sequence).
+    """
+    try:
+        tokens = np.asarray(token_ids)
+    except ValueError as e:
+        raise ValueError("token_ids must be rectangular: lists of equal length.") from e
+    if tokens.dtype == object:
+        raise ValueError("token_ids must be rectangular: lists of equal length.")
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"token_ids must be [batch, time] integers, got {tokens.dtype} {tokens.shape}.")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= model.vocab_size):
+        raise ValueError(
+            f"token ids must lie in [0, {model.vocab_size}); got {tokens.min()} ... {tokens.max()}."
+        )
+    return _forward_logits(model.module, model.params, jnp.asarray(tokens, jnp.int32))
