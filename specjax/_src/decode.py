@@ -1,0 +1,1068 @@
+"""The engine: one jitted, batched draft-verify ``while_loop``.
+
+``decode`` runs the whole generation on device — prefill, then cycles of
+(draft up to K tokens, verify them in one target forward, accept per sequence,
+commit, roll the caches back by length) — inside one ``jax.lax.while_loop``
+with fixed-size buffers. There is no host round trip per cycle.
+
+Loop state (per sequence ``b``; ``P`` padded prompt length, ``N``
+``max_new_tokens``, ``K`` ``num_draft``):
+
+* ``tokens[B, P + N + K + 1]``: prompt and committed tokens, in place;
+  ``num_committed[b]`` of them are valid. Each cycle writes its ``K + 1``
+  candidate block at ``num_committed`` (only the committed prefix counts).
+* the target cache holds every committed token but the last:
+  ``lengths = num_committed - 1``. Verification feeds ``[last, d_1 .. d_K]``
+  (``T = K + 1``); logits at slot ``k`` judge ``d_{k+1}``, slot ``K`` gives
+  the bonus.
+* the draft cache holds every committed token but the last two:
+  ``lengths = max(num_committed - 2, 0)``. The first draft step of a cycle is a
+  ``T = 2`` forward over those two tokens, which absorbs both the correction /
+  bonus token the draft has not seen and its own last draft when all K were
+  accepted, with no extra forward. A one-token prompt feeds ``[t_0, pad]`` and
+  reads the logits at index 0.
+* after accepting ``n`` drafts and committing ``c <= n + 1`` tokens, both
+  caches roll back (a length reset, nothing copied) to restore the two
+  invariants.
+* ``done[b]`` (EOS, ``max_new_tokens`` or non-finite logits): finished
+  sequences keep running masked, commit nothing and keep their lengths, so
+  their caches never overflow; the loop ends when every sequence is done.
+
+Randomness: sequence ``b`` draws from ``fold_in(key, b)`` (or from ``key[b]``
+when one key per sequence is given), then ``fold_in(., cycle)``: its output
+never depends on its batch companions and is fixed by the key.
+
+Hooks for later rules and diagnostics:
+
+* hidden states: a rule whose spec (or any nested spec of a combinator) has a
+  ``hidden_layers`` parameter, e.g. ``RuleSpec("pad", (("hidden_layers", (-8,)),))``,
+  gets ``inputs.features["hidden"] = {layer: [K, H]}``: the target's block
+  output at each draft token's own position, from the verification forward.
+* ``decode(..., diagnostics=fn)``: ``fn(inputs, verdict, num_accepted) -> dict``
+  of per-sequence scalars, evaluated per cycle on live sequences and summed
+  into ``stats.extra`` (e.g. theory diagnostics).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax._src import drafting as drafting_lib
+from specjax._src import sampling
+from specjax._src.lm import KVCache, Model
+from specjax._src.rules.base import (
+    NUM_PATHS,
+    AcceptanceRule,
+    RuleSpec,
+    VerifyInputs,
+    speculative_sampling,
+)
+from specjax._src.stats import DecodeStats
+
+Array = jax.Array
+
+# ---------------------------------------------------------------------------
+# Public containers
+# ---------------------------------------------------------------------------
+
+
+@struct.dataclass
+class ModelPair:
+    """A target and a draft model as one pytree (the leaves are both params).
+
+    Attributes:
+      target, draft: the two :class:`~specjax.Model`\\ s.
+      vocab_size: the usable vocabulary (static). Logits beyond it (embedding
+        padding rows) are dropped before any sampling or verification.
+    """
+
+    target: Model
+    draft: Model
+    vocab_size: int = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class DecodeOutput:
+    """What ``decode`` and ``generate`` return.
+
+    Attributes:
+      tokens: ``[B, max_new_tokens]`` int32 generated tokens (the prompt
+        excluded), ``pad_token_id`` after each sequence's end.
+      lengths: ``[B]`` int32 tokens generated per sequence (an EOS included).
+      stats: :class:`DecodeStats`.
+    """
+
+    tokens: Array
+    lengths: Array
+    stats: DecodeStats
+
+    def to_lists(self) -> list[list[int]]:
+        """The generated tokens as ragged Python lists."""
+        toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
+        return [toks[b, : lens[b]].tolist() for b in range(toks.shape[0])]
+
+
+# ---------------------------------------------------------------------------
+# Vocabulary and pairing
+# ---------------------------------------------------------------------------
+
+
+def _tokenizer_size(tok) -> Optional[int]:
+    try:
+        return int(len(tok))
+    except TypeError:
+        size = getattr(tok, "vocab_size", None)
+        return None if size is None else int(size)
+
+
+def _same_tokenizer(a, b) -> bool:
+    if a is b:
+        return True
+    if hasattr(a, "get_vocab") and hasattr(b, "get_vocab"):
+        return a.get_vocab() == b.get_vocab()
+    return _tokenizer_size(a) == _tokenizer_size(b)
+
+
+def _model_vocab(model: Model) -> int:
+    size = model.vocab_size
+    tok = model.tokenizer
+    if tok is not None:
+        tsize = _tokenizer_size(tok)
+        if tsize is not None:
+            if tsize > size:
+                raise ValueError(
+                    f"The tokenizer has {tsize} tokens but the model's logits cover only {size}."
+                )
+            size = tsize
+    return size
+
+
+def pair(target: Model, draft: Model, *, vocab_size: Optional[int] = None) -> ModelPair:
+    """Pairs a target and a draft model into one pytree for :func:`decode`.
+
+    Vocabularies: models of one family often pad their embedding tables to
+    different sizes. The usable vocabulary is the tokenizer's size when a
+    tokenizer is attached (both tokenizers, if both are, must have the same
+    vocabulary), else the common ``vocab_size``; ``vocab_size=`` overrides it
+    (needed when the tables differ and neither model carries a tokenizer).
+    Logits beyond it are ignored.
+
+    Raises:
+      TypeError: if either argument is not a :class:`~specjax.Model`.
+      ValueError: for a real vocabulary mismatch.
+    """
+    for name, m in (("target", target), ("draft", draft)):
+        if not isinstance(m, Model):
+            raise TypeError(
+                f"pair(): {name} must be a specjax.Model (from specjax.load or "
+                f"Model(params, module, tokenizer)), got {type(m).__name__}."
+            )
+    tv, dv = target.vocab_size, draft.vocab_size
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is not None and dt is not None and not _same_tokenizer(tt, dt):
+        raise ValueError(
+            "pair(): the target's and the draft's tokenizers have different vocabularies "
+            f"({_tokenizer_size(tt)} vs {_tokenizer_size(dt)} tokens); speculative decoding "
+            "needs one shared vocabulary."
+        )
+    if vocab_size is None:
+        tok = tt if tt is not None else dt
+        if tok is not None:
+            vocab_size = _tokenizer_size(tok)
+        elif tv == dv:
+            vocab_size = tv
+        else:
+            raise ValueError(
+                f"pair(): the target has vocab_size {tv} and the draft {dv}, and neither "
+                "carries a tokenizer to tell padding rows from real tokens. If the extra rows "
+                f"are padding, pass vocab_size=<real vocabulary size> (<= {min(tv, dv)})."
+            )
+    vocab_size = int(vocab_size)
+    if not 1 <= vocab_size <= min(tv, dv):
+        raise ValueError(
+            f"pair(): vocabulary mismatch: {vocab_size} usable tokens, but the target's logits "
+            f"cover {tv} and the draft's {dv}."
+        )
+    return ModelPair(target=target, draft=draft, vocab_size=vocab_size)
+
+
+# ---------------------------------------------------------------------------
+# Static (hashable) configuration
+# ---------------------------------------------------------------------------
+
+
+def _structural_key(obj: Any, depth: int = 0) -> Any:
+    """A hashable key equal for two closures built by the same factory with
+    equal captured values, so ``mars(0.9)`` built twice reuses one compiled loop.
+
+    Falls back to object identity for anything unhashable (arrays).
+    """
+    if depth > 32:
+        return ("id", id(obj))
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, complex)):
+        return (type(obj).__name__, obj)
+    if isinstance(obj, tuple):
+        return (type(obj), tuple(_structural_key(x, depth + 1) for x in obj))
+    if isinstance(obj, list):
+        return ("list", tuple(_structural_key(x, depth + 1) for x in obj))
+    if isinstance(obj, dict):
+        try:
+            items = sorted(obj.items(), key=lambda kv: repr(kv[0]))
+        except Exception:  # pragma: no cover - defensive
+            return ("id", id(obj))
+        return ("dict", tuple((repr(k), _structural_key(v, depth + 1)) for k, v in items))
+    if isinstance(obj, functools.partial):
+        return (
+            "partial",
+            _structural_key(obj.func, depth + 1),
+            _structural_key(obj.args, depth + 1),
+            _structural_key(obj.keywords, depth + 1),
+        )
+    if isinstance(obj, types.FunctionType):
+        cells = []
+        for cell in obj.__closure__ or ():
+            try:
+                cells.append(_structural_key(cell.cell_contents, depth + 1))
+            except ValueError:  # empty cell
+                cells.append(("empty",))
+        return (
+            "fn",
+            obj.__code__,
+            _structural_key(obj.__defaults__, depth + 1),
+            _structural_key(obj.__kwdefaults__, depth + 1),
+            tuple(cells),
+        )
+    try:
+        hash(obj)
+    except TypeError:
+        return ("id", id(obj))
+    return ("obj", obj)
+
+
+class _Keyed:
+    """Wraps a rule / policy / hook as a jit static, hashed structurally."""
+
+    __slots__ = ("value", "_key", "_hash")
+
+    def __init__(self, value):
+        self.value = value
+        self._key = _structural_key(value)
+        self._hash = hash(self._key)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return isinstance(other, _Keyed) and self._key == other._key
+
+
+class _Config(NamedTuple):
+    rule: Optional[_Keyed]
+    drafting: Optional[_Keyed]
+    diagnostics: Optional[_Keyed]
+    num_draft: int
+    max_new_tokens: int
+    cache_length: int
+    greedy: bool
+    top_k: Optional[int]
+    use_top_p: bool
+    eos: tuple[int, ...]
+    pad_id: int
+    hidden_layers: tuple[int, ...]
+
+
+def _hidden_layers(spec: Any) -> tuple[int, ...]:
+    """Every ``hidden_layers`` declared in a rule spec and its nested specs, in order."""
+    found: list[int] = []
+
+    def visit(s):
+        if isinstance(s, RuleSpec):
+            for name, value in s.params:
+                if name == "hidden_layers":
+                    layers = value if isinstance(value, (tuple, list)) else (value,)
+                    for layer in layers:
+                        if int(layer) not in found:
+                            found.append(int(layer))
+                else:
+                    visit(value)
+        elif isinstance(s, (tuple, list)):
+            for x in s:
+                visit(x)
+
+    visit(spec)
+    return tuple(found)
+
+
+# ---------------------------------------------------------------------------
+# Input checks (all before tracing)
+# ---------------------------------------------------------------------------
+
+
+def _prepare_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Returns right-padded ``int32 [B, P]`` prompts and ``int32 [B]`` lengths."""
+    if isinstance(prompt_ids, (list, tuple)):
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty: pass at least one prompt.")
+        if all(np.ndim(p) == 0 for p in prompt_ids):
+            rows = [list(prompt_ids)]  # one prompt given as a flat list of ids
+        else:
+            rows = []
+            for i, p in enumerate(prompt_ids):
+                if np.ndim(p) != 1:
+                    raise ValueError(
+                        f"prompt {i} must be a flat sequence of token ids, got shape {np.shape(p)}."
+                    )
+                rows.append(list(np.asarray(p).tolist()))
+        if prompt_lengths is not None:
+            raise ValueError("prompt_lengths is only for a padded array; a list is already ragged.")
+        lengths = np.array([len(r) for r in rows], np.int64)
+        width = max(int(lengths.max()), 1)
+        tokens = np.zeros((len(rows), width), np.int64)
+        for i, r in enumerate(rows):
+            if r:
+                tokens[i, : len(r)] = np.asarray(r, np.int64)
+    else:
+        arr = np.asarray(prompt_ids)
+        if arr.dtype == object:
+            raise ValueError(
+                "prompt_ids is a ragged array: pass a list of token lists, or a right-padded "
+                "[batch, length] array together with prompt_lengths=."
+            )
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2:
+            raise ValueError(f"prompt_ids must be [batch, length], got shape {arr.shape}.")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"prompt_ids must hold integer token ids, got dtype {arr.dtype}.")
+        if arr.shape[0] == 0:
+            raise ValueError("prompt_ids is empty: pass at least one prompt.")
+        tokens = arr.astype(np.int64)
+        if prompt_lengths is None:
+            lengths = np.full((arr.shape[0],), arr.shape[1], np.int64)
+        else:
+            lengths = np.asarray(prompt_lengths).astype(np.int64).reshape(-1)
+            if lengths.shape[0] != arr.shape[0]:
+                raise ValueError(
+                    f"prompt_lengths has {lengths.shape[0]} entries for {arr.shape[0]} prompts."
+                )
+            if (lengths > arr.shape[1]).any():
+                raise ValueError(
+                    f"prompt_lengths exceed the padded width {arr.shape[1]}: {lengths.tolist()}."
+                )
+        col = np.arange(tokens.shape[1])[None, :]
+        tokens = np.where(col < lengths[:, None], tokens, 0)
+    empty = np.flatnonzero(lengths < 1)
+    if empty.size:
+        raise ValueError(
+            f"empty prompt(s) at index {empty.tolist()}: every sequence needs at least one "
+            "token (e.g. a BOS token)."
+        )
+    col = np.arange(tokens.shape[1])[None, :]
+    real = col < lengths[:, None]
+    out_of_vocab = real & ((tokens < 0) | (tokens >= vocab_size))
+    if out_of_vocab.any():
+        b, t = np.argwhere(out_of_vocab)[0]
+        raise ValueError(
+            f"token id {int(tokens[b, t])} (prompt {b}, position {t}) is outside the "
+            f"vocabulary [0, {vocab_size})."
+        )
+    return tokens.astype(np.int32), lengths.astype(np.int32)
+
+
+def _eos_ids(eos_token_id, vocab_size: int) -> tuple[int, ...]:
+    if eos_token_id is None:
+        return ()
+    ids = (eos_token_id,) if np.ndim(eos_token_id) == 0 else tuple(np.asarray(eos_token_id).tolist())
+    out = []
+    for i in ids:
+        if int(i) != i or not 0 <= int(i) < vocab_size:
+            raise ValueError(f"eos_token_id {i!r} is outside the vocabulary [0, {vocab_size}).")
+        out.append(int(i))
+    return tuple(out)
+
+
+def _sequence_keys_input(key, batch: int, greedy: bool):
+    """A typed PRNG key (scalar: folded per sequence on device) or ``[B]`` keys."""
+    if key is None:
+        if greedy:
+            return jax.random.key(0)
+        raise TypeError("decode/generate need key=jax.random.key(seed) when sampling (temperature > 0).")
+    if isinstance(key, (int, np.integer)):
+        raise TypeError(f"key must be a JAX PRNG key such as jax.random.key({key}), not an int.")
+    if not hasattr(key, "dtype"):
+        raise TypeError(f"key must be a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__}.")
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        typed = key
+    elif key.dtype == jnp.uint32 and key.shape[-1:] == (2,):
+        typed = jax.random.wrap_key_data(key)  # a legacy jax.random.PRNGKey
+    else:
+        raise TypeError(
+            f"key must be a JAX PRNG key (jax.random.key(seed)), got an array of dtype "
+            f"{key.dtype} and shape {key.shape}."
+        )
+    if typed.ndim == 0:
+        return typed
+    if typed.shape == (batch,):
+        return typed
+    raise ValueError(
+        f"key must be one PRNG key or one per sequence (shape ({batch},)), got shape {typed.shape}."
+    )
+
+
+def _max_positions(module) -> Optional[int]:
+    value = getattr(module, "max_position_embeddings", None)
+    if value is None:
+        value = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    return None if value is None else int(value)
+
+
+def _check_length(
+    modules: Sequence[tuple[str, Any]], needed: int, max_length: Optional[int], what: str
+) -> int:
+    """Cache length to allocate; raises if the models or ``max_length`` are too short."""
+    for name, module in modules:
+        limit = _max_positions(module)
+        if limit is not None and needed > limit:
+            raise ValueError(
+                f"{what} needs {needed} positions but the {name} model supports "
+                f"{limit} (max_position_embeddings): shorten the prompts or lower "
+                "max_new_tokens (or num_draft)."
+            )
+    if max_length is None:
+        return needed
+    if int(max_length) < needed:
+        raise ValueError(
+            f"max_length={max_length} is too short: {what} needs a cache of {needed} "
+            "positions; raise max_length, or shorten the prompts / lower max_new_tokens "
+            "(or num_draft)."
+        )
+    return int(max_length)
+
+
+def _check_common(temperature, top_k, top_p, max_new_tokens) -> None:
+    sampling.check_sampling_args(temperature, top_k, top_p)
+    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+
+
+# ---------------------------------------------------------------------------
+# Device-side helpers
+# ---------------------------------------------------------------------------
+
+
+def _gather(tokens: Array, index: Array) -> Array:
+    """``tokens[b, index[b]]``."""
+    return jnp.take_along_axis(tokens, index[:, None].astype(jnp.int32), axis=1)[:, 0]
+
+
+def _row(x: Array, index: Array) -> Array:
+    """``x[b, index[b]]`` for ``x[B, T, ...]``."""
+    idx = index.astype(jnp.int32).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(x, idx, axis=1)[:, 0]
+
+
+def _where_b(mask: Array, new, old):
+    """Per-sequence select over two pytrees with leading batch axes."""
+
+    def sel(n, o):
+        m = mask.reshape(mask.shape + (1,) * (n.ndim - mask.ndim))
+        return jnp.where(m, n, o)
+
+    return jax.tree_util.tree_map(sel, new, old)
+
+
+def _batched_init(init_fn: Callable[[], Any], batch: int):
+    return jax.tree_util.tree_map(
+        lambda x: jnp.broadcast_to(jnp.asarray(x), (batch,) + jnp.shape(x)), init_fn()
+    )
+
+
+def _per_sequence_keys(key: Array, batch: int) -> Array:
+    if key.ndim == 0:
+        return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch, dtype=jnp.uint32))
+    return key
+
+
+def _warp(cfg: _Config, raw: Array, temperature, top_p) -> Array:
+    if cfg.greedy:
+        return raw.astype(jnp.float32)
+    return sampling.warp_logits(raw, temperature, cfg.top_k, top_p if cfg.use_top_p else None)
+
+
+def _prefill(module, params, prompts: Array, keep: Array, cache_length: int) -> KVCache:
+    batch = prompts.shape[0]
+    cache = module.init_cache(batch, cache_length)
+    out = module.apply(params, prompts, cache)
+    return out.cache.rollback(keep)
+
+
+def _extract(cfg: _Config, tokens: Array, prompt_lengths: Array, generated: Array) -> Array:
+    n = cfg.max_new_tokens
+    out = jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (n,)))(
+        tokens, prompt_lengths
+    )
+    return jnp.where(jnp.arange(n)[None, :] < generated[:, None], out, cfg.pad_id)
+
+
+def _is_eos(cfg: _Config, tokens: Array) -> Array:
+    if not cfg.eos:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(cfg.eos, jnp.int32))
+
+
+# ---------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------
+
+
+@struct.dataclass
+class _DecodeState:
+    step: Array  # scalar int32: cycles run
+    tokens: Array  # [B, L]
+    num_committed: Array  # [B]
+    done: Array  # [B] bool
+    bad: Array  # [B] int32: 0 ok, 1 target logits non-finite, 2 draft logits non-finite
+    target_cache: KVCache
+    draft_cache: KVCache
+    rule_state: Any
+    policy_state: Any
+    stats: DecodeStats
+
+
+class _Drafts(NamedTuple):
+    tokens: Array  # [B, K]
+    logits: Array  # [B, K, V] warped (raw when greedy)
+    valid: Array  # [B, K]
+    entropies: Array  # [B, K]
+    token_probs: Array  # [B, K]
+    bad: Array  # [B]
+    forwards: Array  # scalar int32
+
+
+def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_keys, temperature, top_p):
+    module, params = pair_params.draft.module, pair_params.draft.params
+    policy: drafting_lib.DraftingPolicy = cfg.drafting.value
+    vocab, k_max = pair_params.vocab_size, cfg.num_draft
+    nc, tokens = state.num_committed, state.tokens
+    batch = nc.shape[0]
+
+    # First step: a T=2 forward over the last two committed tokens (or [t0, pad]).
+    first = _gather(tokens, jnp.maximum(nc - 2, 0))
+    second = jnp.where(nc >= 2, _gather(tokens, jnp.maximum(nc - 1, 0)), 0)
+    out = module.apply(params, jnp.stack([first, second], axis=1), state.draft_cache)
+    raw0 = _row(out.logits[..., :vocab], jnp.minimum(nc - 1, 1))
+    cache = out.cache.rollback(nc)
+
+    budget = jax.vmap(lambda s: policy.budget(s, k_max), axis_size=batch)(state.policy_state)
+    budget = jnp.clip(jnp.asarray(budget, jnp.int32), 1, k_max)
+
+    def process(j, raw, active, bufs: _Drafts) -> tuple[Array, _Drafts]:
+        logits = _warp(cfg, raw, temperature, top_p)
+        probs = jax.nn.softmax(logits, axis=-1)
+        if cfg.greedy:
+            tok = jnp.argmax(raw, axis=-1).astype(jnp.int32)
+        else:
+            keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(draft_keys)
+            tok = jax.vmap(sampling.sample_logits)(keys, logits)
+        tok_p = jnp.take_along_axis(probs, tok[:, None], axis=-1)[:, 0]
+        ent = sampling.entropy(probs)
+        step = drafting_lib.DraftStep(
+            position=jnp.full((batch,), j, jnp.int32), token=tok, probs=probs, token_prob=tok_p, entropy=ent
+        )
+        go = jax.vmap(policy.proceed)(state.policy_state, step)
+        bufs = _Drafts(
+            tokens=bufs.tokens.at[:, j].set(tok),
+            logits=bufs.logits.at[:, j].set(logits),
+            valid=bufs.valid.at[:, j].set(active),
+            entropies=bufs.entropies.at[:, j].set(ent),
+            token_probs=bufs.token_probs.at[:, j].set(tok_p),
+            bad=bufs.bad | (active & sampling.nonfinite_rows(raw)),
+            forwards=bufs.forwards,
+        )
+        next_active = active & (j + 1 < budget) & jnp.asarray(go, bool)
+        return next_active, bufs
+
+    bufs = _Drafts(
+        tokens=jnp.zeros((batch, k_max), jnp.int32),
+        logits=jnp.zeros((batch, k_max, vocab), jnp.float32),
+        valid=jnp.zeros((batch, k_max), bool),
+        entropies=jnp.zeros((batch, k_max), jnp.float32),
+        token_probs=jnp.zeros((batch, k_max), jnp.float32),
+        bad=jnp.zeros((batch,), bool),
+        forwards=jnp.int32(1),
+    )
+    active, bufs = process(0, raw0, ~state.done, bufs)
+
+    def cond(carry):
+        j, active, _, _ = carry
+        return (j < k_max) & active.any()
+
+    def body(carry):
+        j, active, cache, bufs = carry
+        prev = jax.lax.dynamic_index_in_dim(bufs.tokens, j - 1, axis=1, keepdims=True)
+        out = module.apply(params, prev, cache)
+        active, bufs = process(j, out.logits[:, 0, :vocab], active, bufs)
+        return j + 1, active, out.cache, bufs._replace(forwards=bufs.forwards + 1)
+
+    _, _, cache, bufs = jax.lax.while_loop(cond, body, (jnp.int32(1), active, cache, bufs))
+    return bufs, cache
+
+
+def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys, temperature, top_p, state):
+    """One draft-verify cycle. Returns ``(state, diagnostics or None)``."""
+    rule: AcceptanceRule = cfg.rule.value
+    policy: drafting_lib.DraftingPolicy = cfg.drafting.value
+    k_max, vocab = cfg.num_draft, pair_params.vocab_size
+    nc, done = state.num_committed, state.done
+    batch = nc.shape[0]
+
+    cycle_keys = jax.vmap(lambda k: jax.random.fold_in(k, state.step))(seq_keys)
+    split = jax.vmap(lambda k: jax.random.split(k, 3))(cycle_keys)
+    draft_keys, uniform_keys, emit_keys = split[:, 0], split[:, 1], split[:, 2]
+
+    # ---- draft ----
+    drafts, draft_cache = _draft_phase(cfg, pair_params, state, draft_keys, temperature, top_p)
+    draft_probs = jax.nn.softmax(drafts.logits, axis=-1)
+
+    # ---- verify: one target forward over [last, d_1 .. d_K] ----
+    last = _gather(state.tokens, nc - 1)
+    block_in = jnp.concatenate([last[:, None], drafts.tokens], axis=1)
+    out = pair_params.target.module.apply(
+        pair_params.target.params, block_in, state.target_cache, hidden_layers=cfg.hidden_layers
+    )
+    raw = out.logits[..., :vocab]
+    target_logits = _warp(cfg, raw, temperature, top_p)
+    target_probs = jax.nn.softmax(target_logits, axis=-1)
+    features = {}
+    if cfg.hidden_layers:
+        features["hidden"] = {layer: h[:, 1:] for layer, h in zip(cfg.hidden_layers, out.hidden)}
+    uniforms = jax.vmap(lambda k: jax.random.uniform(k, (k_max,), jnp.float32))(uniform_keys)
+    inputs = VerifyInputs(
+        draft_tokens=drafts.tokens,
+        draft_logits=drafts.logits,
+        draft_probs=draft_probs,
+        target_logits=target_logits,
+        target_probs=target_probs,
+        uniforms=uniforms,
+        valid=drafts.valid,
+        features=features,
+    )
+    verdict = jax.vmap(functools.partial(rule.verify, greedy=cfg.greedy))(inputs, state.rule_state)
+
+    # ---- accept: leading run of accepted valid slots ----
+    accept = jnp.asarray(verdict.accept, bool) & drafts.valid
+    n = jnp.cumprod(accept.astype(jnp.int32), axis=1).sum(1)
+    v = drafts.valid.sum(1).astype(jnp.int32)
+    correction = _row(verdict.correction, jnp.minimum(n, k_max - 1))
+    if cfg.greedy:
+        corr_tok = jnp.argmax(correction, axis=-1).astype(jnp.int32)
+        bonus_tok = jnp.argmax(_row(target_logits, n), axis=-1).astype(jnp.int32)
+    else:
+        corr_tok = jax.vmap(sampling.sample_probs)(emit_keys, correction)
+        bonus_tok = jax.vmap(sampling.sample_probs)(emit_keys, _row(target_probs, n))
+    emitted = jnp.where(n < v, corr_tok, bonus_tok)
+
+    # ---- non-finite logits: stop the sequence, emit nothing ----
+    slots = jnp.arange(k_max + 1)[None, :]
+    target_bad = (sampling.nonfinite_rows(raw) & (slots <= v[:, None])).any(1)
+    live_before = ~done
+    new_bad = jnp.where(
+        live_before & drafts.bad, 2, jnp.where(live_before & target_bad, 1, 0)
+    ).astype(jnp.int32)
+    bad = jnp.where(state.bad > 0, state.bad, new_bad)
+    live = live_before & (new_bad == 0)
+
+    # ---- commit: drafts[:n] + emitted, cut at EOS and max_new_tokens ----
+    block = jnp.concatenate([drafts.tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    block = jnp.where(slots == n[:, None], emitted[:, None], block)
+    is_eos = _is_eos(cfg, block) & (slots <= n[:, None])
+    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), k_max + 1)
+    room = cfg.max_new_tokens - (nc - prompt_lengths)
+    n_commit = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), room)
+    n_commit = jnp.where(live, n_commit, 0).astype(jnp.int32)
+    hit_eos = live & (first_eos < n_commit)
+    new_nc = nc + n_commit
+    tokens = jax.vmap(lambda row, blk, off: jax.lax.dynamic_update_slice(row, blk, (off,)))(
+        state.tokens, block, nc
+    )
+    new_done = done | (new_bad > 0) | hit_eos | (new_nc - prompt_lengths >= cfg.max_new_tokens)
+
+    # ---- roll the caches back to their invariants ----
+    target_cache = out.cache.rollback(new_nc - 1)
+    draft_cache = draft_cache.rollback(jnp.maximum(new_nc - 2, 0))
+
+    # ---- running states ----
+    rule_state = jax.vmap(functools.partial(rule.update, greedy=cfg.greedy))(
+        state.rule_state, inputs, verdict, n
+    )
+    rule_state = _where_b(live, rule_state, state.rule_state)
+    outcome = drafting_lib.DraftOutcome(
+        num_drafted=v,
+        num_accepted=n,
+        valid=drafts.valid,
+        entropies=drafts.entropies,
+        token_probs=drafts.token_probs,
+    )
+    policy_state = jax.vmap(policy.update)(state.policy_state, outcome)
+    policy_state = _where_b(live, policy_state, state.policy_state)
+
+    # ---- stats ----
+    live_i = live.astype(jnp.int32)
+    pos = jnp.arange(k_max)[None, :]
+    acc_at = (pos < n[:, None]).astype(jnp.int32) * live_i[:, None]
+    path_counts = (
+        jax.nn.one_hot(jnp.asarray(verdict.path, jnp.int32), NUM_PATHS, dtype=jnp.int32)
+        * acc_at[..., None]
+    ).sum(1)
+    s = state.stats
+    stats = s.replace(
+        cycles=s.cycles + live_i,
+        drafted=s.drafted + v * live_i,
+        accepted=s.accepted + n * live_i,
+        tokens=s.tokens + n_commit,
+        drafted_at=s.drafted_at + drafts.valid.astype(jnp.int32) * live_i[:, None],
+        accepted_at=s.accepted_at + acc_at,
+        accepted_by_path=s.accepted_by_path + path_counts,
+        draft_forwards=s.draft_forwards + drafts.forwards,
+        target_forwards=s.target_forwards + 1,
+    )
+    diag = None
+    if cfg.diagnostics is not None:
+        values = jax.vmap(cfg.diagnostics.value)(inputs, verdict, n)
+        diag = jax.tree_util.tree_map(
+            lambda x: jnp.where(live.reshape(live.shape + (1,) * (x.ndim - 1)), x, 0), values
+        )
+
+    new_state = _DecodeState(
+        step=state.step + 1,
+        tokens=tokens,
+        num_committed=new_nc,
+        done=new_done,
+        bad=bad,
+        target_cache=target_cache,
+        draft_cache=draft_cache,
+        rule_state=rule_state,
+        policy_state=policy_state,
+        stats=stats,
+    )
+    return new_state, diag
+
+
+def _decode_impl(pair_params: ModelPair, prompts, prompt_lengths, key, temperature, top_p, *, cfg: _Config):
+    batch, width = prompts.shape
+    k_max, n_max = cfg.num_draft, cfg.max_new_tokens
+    rule: AcceptanceRule = cfg.rule.value
+    policy: drafting_lib.DraftingPolicy = cfg.drafting.value
+    seq_keys = _per_sequence_keys(key, batch)
+
+    target_cache = _prefill(
+        pair_params.target.module, pair_params.target.params, prompts, prompt_lengths - 1, cfg.cache_length
+    )
+    draft_cache = _prefill(
+        pair_params.draft.module,
+        pair_params.draft.params,
+        prompts,
+        jnp.maximum(prompt_lengths - 2, 0),
+        cfg.cache_length,
+    )
+    tokens = jnp.zeros((batch, width + n_max + k_max + 1), jnp.int32).at[:, :width].set(prompts)
+    state = _DecodeState(
+        step=jnp.int32(0),
+        tokens=tokens,
+        num_committed=prompt_lengths,
+        done=jnp.zeros((batch,), bool),
+        bad=jnp.zeros((batch,), jnp.int32),
+        target_cache=target_cache,
+        draft_cache=draft_cache,
+        rule_state=_batched_init(rule.init, batch),
+        policy_state=_batched_init(lambda: policy.init(k_max), batch),
+        stats=DecodeStats.zeros(batch, k_max),
+    )
+    cycle = functools.partial(_decode_cycle, cfg, pair_params, prompt_lengths, seq_keys, temperature, top_p)
+    if cfg.diagnostics is not None:
+        shapes = jax.eval_shape(lambda s: cycle(s)[1], state)
+        extra = jax.tree_util.tree_map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
+        state = state.replace(stats=state.stats.replace(extra=extra))
+
+    def cond(s: _DecodeState):
+        return (~s.done.all()) & (s.step < n_max)
+
+    def body(s: _DecodeState):
+        new, diag = cycle(s)
+        if diag is not None:
+            extra = jax.tree_util.tree_map(jnp.add, new.stats.extra, diag)
+            new = new.replace(stats=new.stats.replace(extra=extra))
+        return new
+
+    state = jax.lax.while_loop(cond, body, state)
+    generated = state.num_committed - prompt_lengths
+    out = DecodeOutput(
+        tokens=_extract(cfg, state.tokens, prompt_lengths, generated),
+        lengths=generated,
+        stats=state.stats,
+    )
+    return out, state.bad
+
+
+_decode_jit = jax.jit(_decode_impl, static_argnames=("cfg",))
+
+
+def _raise_if_bad(bad, out, which: dict[int, str]) -> None:
+    bad = np.asarray(bad)
+    rows = np.flatnonzero(bad)
+    if rows.size == 0:
+        return
+    parts = [f"sequence {int(b)} ({which[int(bad[b])]} model)" for b in rows]
+    err = FloatingPointError(
+        "non-finite logits (NaN or inf) in " + ", ".join(parts) + "; those sequences were "
+        "stopped before the bad step and nothing was emitted from it. Check the params "
+        "(e.g. a bfloat16 overflow) and the inputs."
+    )
+    err.output = out
+    raise err
+
+
+def decode(
+    params: ModelPair,
+    prompt_ids,
+    *,
+    rule: Optional[AcceptanceRule] = None,
+    drafting: Optional[drafting_lib.DraftingPolicy] = None,
+    num_draft: int = 4,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    eos_token_id=None,
+    key=None,
+    max_length: Optional[int] = None,
+    prompt_lengths=None,
+    pad_token_id: int = 0,
+    diagnostics: Optional[Callable] = None,
+) -> DecodeOutput:
+    """Speculative decoding: draft with ``params.draft``, verify with ``params.target``.
+
+    Args:
+      params: ``specjax.pair(target, draft)``.
+      prompt_ids: a ragged list of token lists, or a right-padded ``[B, P]``
+        int array (with ``prompt_lengths`` unless every row is full).
+      rule: acceptance rule (default ``speculative_sampling()``, lossless).
+      drafting: drafting policy (default ``specjax.drafting.fixed()``, i.e.
+        always ``num_draft`` tokens).
+      num_draft: K, the most tokens drafted per cycle (buffer shapes).
+      max_new_tokens: N, tokens generated per sequence at most.
+      temperature: 0 for greedy; applied with ``top_k`` / ``top_p`` identically
+        to both models.
+      eos_token_id: an id or a list of ids that end a sequence (kept in the output).
+      key: ``jax.random.key(seed)`` (sequence ``b`` uses ``fold_in(key, b)``),
+        or one key per sequence (shape ``[B]``). Optional when greedy.
+      max_length: cache length to allocate (default: just enough,
+        ``P + N + K``).
+      prompt_lengths: ``[B]`` true lengths of a padded ``prompt_ids`` array.
+      pad_token_id: fills ``tokens`` after each sequence's end.
+      diagnostics: optional hook ``(inputs, verdict, num_accepted) -> dict`` of
+        per-sequence scalars, summed per sequence into ``stats.extra``.
+
+    Returns:
+      :class:`DecodeOutput`.
+
+    Raises:
+      ValueError / TypeError: for bad arguments (before anything is traced).
+      FloatingPointError: if a model produced NaN / inf logits (the sequence
+        is named; ``err.output`` holds what was generated).
+    """
+    if not isinstance(params, ModelPair):
+        raise TypeError(
+            "decode(): params must be specjax.pair(target, draft); for target-only decoding "
+            f"use specjax.generate. Got {type(params).__name__}."
+        )
+    rule = speculative_sampling() if rule is None else rule
+    if not isinstance(rule, AcceptanceRule):
+        raise TypeError(f"rule must be an AcceptanceRule (e.g. specjax.rules.mars(0.9)), got {type(rule).__name__}.")
+    drafting = drafting_lib.fixed() if drafting is None else drafting
+    if not isinstance(drafting, drafting_lib.DraftingPolicy):
+        raise TypeError(
+            f"drafting must be a DraftingPolicy (e.g. specjax.drafting.heuristic()), got {type(drafting).__name__}."
+        )
+    if isinstance(num_draft, bool) or int(num_draft) != num_draft or num_draft < 1:
+        raise ValueError(f"num_draft (K) must be an integer >= 1, got {num_draft!r}.")
+    num_draft = int(num_draft)
+    fixed_k = drafting_lib.max_fixed_k(drafting)
+    if fixed_k is not None and fixed_k > num_draft:
+        raise ValueError(
+            f"drafting fixed(k={fixed_k}) exceeds num_draft={num_draft}; pass num_draft={fixed_k}."
+        )
+    _check_common(temperature, top_k, top_p, max_new_tokens)
+    greedy = float(temperature) == 0.0
+    vocab = params.vocab_size
+    prompts, lengths = _prepare_prompts(prompt_ids, prompt_lengths, vocab)
+    batch, width = prompts.shape
+    eos = _eos_ids(eos_token_id, vocab)
+    key = _sequence_keys_input(key, batch, greedy)
+    cache_length = _check_length(
+        [("target", params.target.module), ("draft", params.draft.module)],
+        width + int(max_new_tokens) + num_draft,
+        max_length,
+        f"decoding (longest prompt {width} + max_new_tokens {max_new_tokens} + num_draft {num_draft})",
+    )
+    cfg = _Config(
+        rule=_Keyed(rule),
+        drafting=_Keyed(drafting),
+        diagnostics=None if diagnostics is None else _Keyed(diagnostics),
+        num_draft=num_draft,
+        max_new_tokens=int(max_new_tokens),
+        cache_length=cache_length,
+        greedy=greedy,
+        top_k=None if (greedy or top_k is None) else int(top_k),
+        use_top_p=(not greedy) and top_p is not None and float(top_p) < 1.0,
+        eos=eos,
+        pad_id=int(pad_token_id),
+        hidden_layers=_hidden_layers(rule.spec),
+    )
+    temp = np.float32(1.0 if greedy else temperature)
+    top_p_value = np.float32(1.0 if top_p is None else top_p)
+    out, bad = _decode_jit(params, prompts, lengths, key, temp, top_p_value, cfg=cfg)
+    _raise_if_bad(bad, out, {1: "target", 2: "draft"})
+    return out
+
+
+# ---------------------------------------------------------------------------
+# generate: the target-only baseline
+# ---------------------------------------------------------------------------
+
+
+@struct.dataclass
+class _GenState:
+    step: Array
+    tokens: Array
+    num_committed: Array
+    done: Array
+    bad: Array
+    cache: KVCache
+
+
+def _generate_impl(model: Model, vocab: int, prompts, prompt_lengths, key, temperature, top_p, *, cfg: _Config):
+    batch, width = prompts.shape
+    n_max = cfg.max_new_tokens
+    seq_keys = _per_sequence_keys(key, batch)
+    cache = _prefill(model.module, model.params, prompts, prompt_lengths - 1, cfg.cache_length)
+    state = _GenState(
+        step=jnp.int32(0),
+        tokens=jnp.zeros((batch, width + n_max + 1), jnp.int32).at[:, :width].set(prompts),
+        num_committed=prompt_lengths,
+        done=jnp.zeros((batch,), bool),
+        bad=jnp.zeros((batch,), jnp.int32),
+        cache=cache,
+    )
+
+    def cond(s: _GenState):
+        return (~s.done.all()) & (s.step < n_max)
+
+    def body(s: _GenState):
+        nc = s.num_committed
+        last = _gather(s.tokens, nc - 1)
+        out = model.module.apply(model.params, last[:, None], s.cache)
+        raw = out.logits[:, 0, :vocab]
+        if cfg.greedy:
+            tok = jnp.argmax(raw, axis=-1).astype(jnp.int32)
+        else:
+            logits = _warp(cfg, raw, temperature, top_p)
+            keys = jax.vmap(lambda k: jax.random.fold_in(k, s.step))(seq_keys)
+            tok = jax.vmap(sampling.sample_logits)(keys, logits)
+        bad_now = ~s.done & sampling.nonfinite_rows(raw)
+        live = ~s.done & ~bad_now
+        tokens = jax.vmap(lambda row, t, off: jax.lax.dynamic_update_slice(row, t[None], (off,)))(
+            s.tokens, tok, nc
+        )
+        new_nc = nc + live.astype(jnp.int32)
+        hit_eos = live & _is_eos(cfg, tok)
+        done = s.done | bad_now | hit_eos | (new_nc - prompt_lengths >= n_max)
+        return _GenState(
+            step=s.step + 1,
+            tokens=tokens,
+            num_committed=new_nc,
+            done=done,
+            bad=jnp.where(bad_now, 1, s.bad),
+            cache=out.cache.rollback(new_nc - 1),
+        )
+
+    state = jax.lax.while_loop(cond, body, state)
+    generated = state.num_committed - prompt_lengths
+    stats = DecodeStats.zeros(batch, 0).replace(
+        cycles=generated, tokens=generated, target_forwards=state.step
+    )
+    out = DecodeOutput(
+        tokens=_extract(cfg, state.tokens, prompt_lengths, generated), lengths=generated, stats=stats
+    )
+    return out, state.bad
+
+
+_generate_jit = jax.jit(_generate_impl, static_argnames=("vocab", "cfg"))
+
+
+def generate(
+    model,
+    prompt_ids,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    eos_token_id=None,
+    key=None,
+    max_length: Optional[int] = None,
+    prompt_lengths=None,
+    pad_token_id: int = 0,
+) -> DecodeOutput:
+    """Target-only autoregressive sampling: the baseline ``decode`` is compared to.
+
+    Same sampling semantics (warps, greedy at temperature 0, EOS, padding,
+    per-sequence keys) and output type as :func:`decode`; ``stats`` count one
+    cycle per token. ``model`` is a :class:`~specjax.Model`, or a
+    :class:`ModelPair` (its target is used, with the pair's vocabulary).
+    One jitted ``while_loop``, one ``T = 1`` forward per token.
+    """
+    if isinstance(model, ModelPair):
+        vocab, model = model.vocab_size, model.target
+    elif isinstance(model, Model):
+        vocab = _model_vocab(model)
+    else:
+        raise TypeError(f"generate(): model must be a specjax.Model, got {type(model).__name__}.")
+    _check_common(temperature, top_k, top_p, max_new_tokens)
+    greedy = float(temperature) == 0.0
+    prompts, lengths = _prepare_prompts(prompt_ids, prompt_lengths, vocab)
+    batch, width = prompts.shape
+    eos = _eos_ids(eos_token_id, vocab)
+    key = _sequence_keys_input(key, batch, greedy)
+    cache_length = _check_length(
+        [("target", model.module)],
+        width + int(max_new_tokens),
+        max_length,
+        f"generation (longest prompt {width} + max_new_tokens {max_new_tokens})",
+    )
+    cfg = _Config(
+        rule=None,
+        drafting=None,
+        diagnostics=None,
+        num_draft=0,
+        max_new_tokens=int(max_new_tokens),
+        cache_length=cache_length,
+        greedy=greedy,
+        top_k=None if (greedy or top_k is None) else int(top_k),
+        use_top_p=(not greedy) and top_p is not None and float(top_p) < 1.0,
+        eos=eos,
+        pad_id=int(pad_token_id),
+        hidden_layers=(),
+    )
+    temp = np.float32(1.0 if greedy else temperature)
+    top_p_value = np.float32(1.0 if top_p is None else top_p)
+    out, bad = _generate_jit(model, vocab, prompts, lengths, key, temp, top_p_value, cfg=cfg)
+    _raise_if_bad(bad, out, {1: "target"})
+    return out

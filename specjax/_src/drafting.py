@@ -1,0 +1,274 @@
+"""Drafting policies: how many tokens the draft proposes in each cycle.
+
+A separate axis from acceptance rules, built the same way: a small NamedTuple
+of pure functions over one sequence's state, made by lowercase factories and
+composed with :func:`combine`. The engine vmaps every function over the batch,
+so each sequence drafts its own number of tokens.
+
+Per cycle, for one sequence (``K = num_draft``, the static cap and the shape of
+every draft buffer)::
+
+    budget = clip(policy.budget(state, K), 1, K)     # before drafting
+    for j in range(K):                                # while any sequence is drafting
+        draw draft token j                            # always at least one
+        keep drafting iff j + 1 < budget and policy.proceed(state, DraftStep(...))
+    ... verification ...
+    state = policy.update(state, DraftOutcome(...))   # once, after verification
+
+The token that triggers a stop is still proposed (it is already drawn; verifying
+it costs nothing extra, since the target verifies a fixed-width block): this is
+what Hugging Face's stopping criteria do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from specjax._src.rules.base import RuleSpec
+
+Array = jax.Array
+PolicyState = Any
+
+# Policies reuse the rules' (name, params) spec: one format for reports.
+PolicySpec = RuleSpec
+
+
+class DraftStep(NamedTuple):
+    """What a policy sees right after the draft proposed the token at ``position``.
+
+    Attributes:
+      position: int32 scalar, 0-based draft slot.
+      token: int32 scalar, the proposed token.
+      probs: ``[V]`` the draft distribution it was drawn from (after the
+        sampling warp; ``softmax(raw logits)`` when greedy).
+      token_prob: ``probs[token]``.
+      entropy: entropy of ``probs`` in nats.
+    """
+
+    position: Array
+    token: Array
+    probs: Array
+    token_prob: Array
+    entropy: Array
+
+
+class DraftOutcome(NamedTuple):
+    """One sequence's cycle as the policy learns it after verification.
+
+    Attributes:
+      num_drafted: int32, valid draft slots this cycle.
+      num_accepted: int32, length of the accepted prefix (``<= num_drafted``).
+      valid: ``[K]`` bool, slots that were drafted.
+      entropies: ``[K]`` draft entropies (nats) per slot.
+      token_probs: ``[K]`` draft probability of each proposed token.
+    """
+
+    num_drafted: Array
+    num_accepted: Array
+    valid: Array
+    entropies: Array
+    token_probs: Array
+
+
+class DraftingPolicy(NamedTuple):
+    """A drafting policy: pure per-sequence functions plus a spec.
+
+    Attributes:
+      init: ``(num_draft: int) -> state``, one sequence's initial state.
+      budget: ``(state, num_draft: int) -> int32``, the most tokens to draft
+        this cycle (the engine clips it to ``[1, num_draft]``).
+      proceed: ``(state, DraftStep) -> bool``, draft another token after this one?
+      update: ``(state, DraftOutcome) -> state``, once per cycle.
+      spec: name and parameters.
+    """
+
+    init: Callable[[int], PolicyState]
+    budget: Callable[[PolicyState, int], Array]
+    proceed: Callable[[PolicyState, DraftStep], Array]
+    update: Callable[[PolicyState, DraftOutcome], PolicyState]
+    spec: PolicySpec
+
+
+def _no_state(num_draft: int) -> tuple:
+    del num_draft
+    return ()
+
+
+def _full_budget(state, num_draft: int) -> Array:
+    del state
+    return jnp.int32(num_draft)
+
+
+def _always(state, step: DraftStep) -> Array:
+    del state, step
+    return jnp.bool_(True)
+
+
+def _keep_state(state, outcome: DraftOutcome):
+    del outcome
+    return state
+
+
+def fixed(k: Optional[int] = None) -> DraftingPolicy:
+    """Always draft ``k`` tokens (``None``: ``num_draft``). ``k`` must not exceed
+    ``num_draft``, which ``decode`` checks."""
+    if k is not None and (isinstance(k, bool) or int(k) != k or k < 1):
+        raise ValueError(f"fixed(k): k must be a positive integer, got {k!r}.")
+
+    def budget(state, num_draft: int) -> Array:
+        del state
+        return jnp.int32(num_draft if k is None else min(int(k), num_draft))
+
+    params = () if k is None else (("k", int(k)),)
+    return DraftingPolicy(_no_state, budget, _always, _keep_state, PolicySpec("fixed", params))
+
+
+class AdaSDEntropyState(NamedTuple):
+    """Running sum and count of the entropies of rejected draft tokens (float32)."""
+
+    rejected_entropy_sum: Array
+    rejected_count: Array
+
+
+def adasd_entropy_threshold(state: AdaSDEntropyState) -> Array:
+    """Mean entropy of the rejected draft tokens so far; ``+inf`` before any rejection."""
+    return jnp.where(
+        state.rejected_count > 0,
+        state.rejected_entropy_sum / jnp.maximum(state.rejected_count, 1.0),
+        jnp.inf,
+    )
+
+
+def adasd_entropy(window: int = 20) -> DraftingPolicy:
+    """AdaSD's generation threshold (adasd.txt, section 4.3).
+
+    Threshold = mean entropy (nats) of every previously *rejected* draft token
+    of this sequence (the first rejected slot of each cycle; later slots are
+    never judged). Drafting stops after a token whose draft entropy exceeds the
+    threshold. Before any rejection the threshold is ``+inf``: draft up to the
+    cap. ``window`` is the paper's hard cap on drafts per cycle (20); the
+    effective cap is ``min(window, num_draft)``.
+    """
+    if isinstance(window, bool) or int(window) != window or window < 1:
+        raise ValueError(f"adasd_entropy(window): must be a positive integer, got {window!r}.")
+
+    def init(num_draft: int) -> AdaSDEntropyState:
+        del num_draft
+        return AdaSDEntropyState(jnp.float32(0.0), jnp.float32(0.0))
+
+    def budget(state, num_draft: int) -> Array:
+        del state
+        return jnp.int32(min(int(window), num_draft))
+
+    def proceed(state: AdaSDEntropyState, step: DraftStep) -> Array:
+        return step.entropy <= adasd_entropy_threshold(state)
+
+    def update(state: AdaSDEntropyState, outcome: DraftOutcome) -> AdaSDEntropyState:
+        rejected = outcome.num_accepted < outcome.num_drafted
+        k = outcome.entropies.shape[0]
+        slot = jnp.minimum(outcome.num_accepted, k - 1)
+        ent = outcome.entropies[slot]
+        return AdaSDEntropyState(
+            state.rejected_entropy_sum + jnp.where(rejected, ent, 0.0),
+            state.rejected_count + rejected.astype(jnp.float32),
+        )
+
+    return DraftingPolicy(
+        init, budget, proceed, update, PolicySpec("adasd_entropy", (("window", int(window)),))
+    )
+
+
+def heuristic(initial: Optional[int] = None) -> DraftingPolicy:
+    """Hugging Face's "heuristic" schedule, per sequence.
+
+    Starts at ``initial`` drafts (``None``: ``num_draft``); after each cycle,
+    ``+2`` if every drafted token was accepted, else ``-1``, clipped to
+    ``[1, num_draft]``.
+    """
+    if initial is not None and (isinstance(initial, bool) or int(initial) != initial or initial < 1):
+        raise ValueError(f"heuristic(initial): must be a positive integer, got {initial!r}.")
+
+    def init(num_draft: int) -> Array:
+        start = num_draft if initial is None else min(int(initial), num_draft)
+        return jnp.int32(start)
+
+    def budget(state: Array, num_draft: int) -> Array:
+        del num_draft
+        return state
+
+    def update(state: Array, outcome: DraftOutcome) -> Array:
+        k = outcome.valid.shape[0]
+        all_accepted = outcome.num_accepted >= outcome.num_drafted
+        new = jnp.where(all_accepted, state + 2, state - 1)
+        return jnp.clip(new, 1, k).astype(jnp.int32)
+
+    params = () if initial is None else (("initial", int(initial)),)
+    return DraftingPolicy(init, budget, _always, update, PolicySpec("heuristic", params))
+
+
+def confidence(threshold: float = 0.4) -> DraftingPolicy:
+    """Stop drafting after a token whose draft probability is below ``threshold``
+    (Hugging Face's ``assistant_confidence_threshold``; default 0.4)."""
+    if not 0.0 <= float(threshold) <= 1.0:
+        raise ValueError(f"confidence(threshold): must be in [0, 1], got {threshold!r}.")
+
+    def proceed(state, step: DraftStep) -> Array:
+        del state
+        return step.token_prob >= threshold
+
+    return DraftingPolicy(
+        _no_state,
+        _full_budget,
+        proceed,
+        _keep_state,
+        PolicySpec("confidence", (("threshold", float(threshold)),)),
+    )
+
+
+def combine(*policies: DraftingPolicy) -> DraftingPolicy:
+    """Runs several policies together: the budget is the smallest, drafting
+    stops as soon as any of them says stop, each updates its own state.
+
+    ``combine(heuristic(), confidence(0.4))`` is Hugging Face's default.
+    """
+    if not policies:
+        raise ValueError("combine() needs at least one policy.")
+    for p in policies:
+        if not isinstance(p, DraftingPolicy):
+            raise TypeError(f"combine() takes DraftingPolicy objects, got {type(p).__name__}.")
+
+    def init(num_draft: int):
+        return tuple(p.init(num_draft) for p in policies)
+
+    def budget(state, num_draft: int) -> Array:
+        budgets = [jnp.asarray(p.budget(s, num_draft), jnp.int32) for p, s in zip(policies, state)]
+        return jnp.min(jnp.stack(budgets))
+
+    def proceed(state, step: DraftStep) -> Array:
+        flags = [jnp.asarray(p.proceed(s, step), bool) for p, s in zip(policies, state)]
+        return jnp.all(jnp.stack(flags))
+
+    def update(state, outcome: DraftOutcome):
+        return tuple(p.update(s, outcome) for p, s in zip(policies, state))
+
+    spec = PolicySpec("combine", tuple((f"p{i}", p.spec) for i, p in enumerate(policies)))
+    return DraftingPolicy(init, budget, proceed, update, spec)
+
+
+def max_fixed_k(policy: DraftingPolicy) -> Optional[int]:
+    """The largest ``k`` of any ``fixed(k)`` inside ``policy`` (for ``decode``'s check)."""
+    found = []
+
+    def visit(spec):
+        if not isinstance(spec, RuleSpec):
+            return
+        if spec.name == "fixed" and spec.get("k") is not None:
+            found.append(int(spec.get("k")))
+        for _, value in spec.params:
+            visit(value)
+
+    visit(policy.spec)
+    return max(found) if found else None

@@ -1,0 +1,114 @@
+"""Sampling warps shared by the target, the draft and the baseline.
+
+Speculative sampling is lossless only if ``p`` and ``q`` are warped the same
+way, so every model's logits go through :func:`warp_logits` with the same
+settings: temperature first, then top-k, then top-p (the order Hugging Face
+uses). Filtered tokens get ``-inf``.
+
+Temperature 0 means greedy: no warp at all (:func:`warp_logits` is not called;
+tokens are the argmax of the raw logits, and rules see ``softmax(raw)``).
+
+``top_k`` is a static Python int (it fixes the shape of ``lax.top_k``);
+``temperature`` and ``top_p`` may be traced scalars, so changing them does not
+recompile the decode loop.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def apply_top_k(logits: Array, top_k: int) -> Array:
+    """Keeps the ``top_k`` largest logits of the last axis (ties with the k-th kept)."""
+    vocab = logits.shape[-1]
+    if top_k >= vocab:
+        return logits
+    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    return jnp.where(logits < kth, -jnp.inf, logits)
+
+
+def apply_top_p(logits: Array, top_p) -> Array:
+    """Nucleus filter: keeps the smallest set of most likely tokens whose mass is
+    ``>= top_p`` (ties with its least likely member kept).
+
+    A token is kept iff the mass of the strictly more likely tokens (in sorted
+    order) is below ``top_p``, so the most likely token is always kept.
+    """
+    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep = mass_before < top_p
+    num_keep = jnp.maximum(keep.sum(-1, keepdims=True), 1)
+    threshold = jnp.take_along_axis(sorted_logits, num_keep - 1, axis=-1)
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def warp_logits(
+    logits: Array,
+    temperature,
+    top_k: Optional[int] = None,
+    top_p=None,
+) -> Array:
+    """Temperature, then top-k, then top-p over the last axis; float32 out.
+
+    Args:
+      logits: ``[..., V]`` raw logits.
+      temperature: positive scalar (Python or traced). Greedy decoding never
+        calls this.
+      top_k: static int or None.
+      top_p: scalar in (0, 1] (Python or traced), or None for no nucleus filter.
+    """
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k is not None:
+        logits = apply_top_k(logits, int(top_k))
+    if top_p is not None:
+        logits = apply_top_p(logits, top_p)
+    return logits
+
+
+def sample_logits(key: Array, logits: Array) -> Array:
+    """One token from ``softmax(logits)`` (``[V]`` -> int32 scalar)."""
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sample_probs(key: Array, probs: Array) -> Array:
+    """One token from a probability vector ``[V]`` (zeros are never drawn)."""
+    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+
+
+def entropy(probs: Array) -> Array:
+    """Shannon entropy in nats over the last axis (``0 log 0 = 0``)."""
+    return jax.scipy.special.entr(probs).sum(-1)
+
+
+def nonfinite_rows(logits: Array) -> Array:
+    """True where a row of raw logits holds a NaN or ``+inf``, or is all ``-inf``.
+
+    ``-inf`` entries alone are legitimate (masked tokens); a row with no
+    finite entry is not a distribution.
+    """
+    bad = jnp.isnan(logits) | jnp.isposinf(logits)
+    return bad.any(-1) | jnp.isneginf(logits).all(-1)
+
+
+def check_sampling_args(temperature, top_k, top_p) -> None:
+    """Raises ``ValueError`` for settings no warp can honour."""
+    try:
+        temperature = float(temperature)
+    except TypeError as e:  # pragma: no cover - defensive
+        raise TypeError(f"temperature must be a number, got {temperature!r}") from e
+    if not temperature >= 0.0:  # also rejects NaN
+        raise ValueError(
+            f"temperature must be >= 0 (0 means greedy), got {temperature}."
+        )
+    if top_k is not None:
+        if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 1:
+            raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}.")
+    if top_p is not None:
+        if not (0.0 < float(top_p) <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")

@@ -1,0 +1,41 @@
+"""Drafting policies: how many tokens the draft proposes per cycle.
+
+A separate, composable axis from acceptance rules::
+
+    import specjax
+    from specjax import drafting
+
+    out = specjax.decode(params, prompts, drafting=drafting.heuristic(), num_draft=8, key=key)
+    hf_default = drafting.combine(drafting.heuristic(), drafting.confidence(0.4))
+
+``num_draft`` (K) is the cap and the shape of every draft buffer; each policy
+decides, per sequence, how many of the K slots to fill.
+"""
+
+from specjax._src.drafting import (
+    AdaSDEntropyState,
+    DraftingPolicy,
+    DraftOutcome,
+    DraftStep,
+    PolicySpec,
+    adasd_entropy,
+    adasd_entropy_threshold,
+    combine,
+    confidence,
+    fixed,
+    heuristic,
+)
+
+__all__ = (
+    "DraftingPolicy",
+    "DraftStep",
+    "DraftOutcome",
+    "PolicySpec",
+    "fixed",
+    "adasd_entropy",
+    "AdaSDEntropyState",
+    "adasd_entropy_threshold",
+    "heuristic",
+    "confidence",
+    "combine",
+)
