@@ -1,0 +1,56 @@
+"""Acceptance certificates: when is a greedy draft guaranteed to be accepted?
+
+For a deterministic rule whose accepted set is an upper level set of the target
+distribution p, ``certificate(rule, p)`` is the smallest ``KL(p || q)`` of any
+drafter q whose argmax the rule rejects: a drafter closer than that to the
+target is always accepted. See ``specjax._src.theory`` for the derivations.
+
+    from specjax import theory
+    from specjax.rules import additive
+    c = theory.certificate(additive(t=0.3), target_probs)        # [..., V] -> [...]
+    d = theory.position_diagnostics(additive(t=0.3), target_probs, draft_probs)
+"""
+
+from specjax._src.theory import (
+    COMBINATORS,
+    LEVEL_SET_RULES,
+    accepted_set,
+    certificate,
+    check_certifiable,
+    entropy,
+    greedy_certificate,
+    greedy_margin_bounds,
+    kl_divergence,
+    level_set_certificate,
+    margin_bounds,
+    num_accepted,
+    position_diagnostics,
+    rejection_margin,
+    summarize_diagnostics,
+    top_margin,
+    tree_certificate,
+    tree_margin_bounds,
+    universal_bound,
+)
+
+__all__ = [
+    "COMBINATORS",
+    "LEVEL_SET_RULES",
+    "accepted_set",
+    "certificate",
+    "check_certifiable",
+    "entropy",
+    "greedy_certificate",
+    "greedy_margin_bounds",
+    "kl_divergence",
+    "level_set_certificate",
+    "margin_bounds",
+    "num_accepted",
+    "position_diagnostics",
+    "rejection_margin",
+    "summarize_diagnostics",
+    "top_margin",
+    "tree_certificate",
+    "tree_margin_bounds",
+    "universal_bound",
+]
