@@ -362,21 +362,38 @@ def find_weight_files(path: str) -> list[str]:
                      "(or a sharded model.safetensors.index.json).")
 
 
-def iter_tensors(files: list[str], cfg: ModelConfig, dtype) -> Iterator[tuple[str, Any, tuple]]:
-    """Yields ``(canonical name, lazy loader, shape)`` for every tensor, one file at a time.
+def count_tensors(files: list[str]) -> int:
+    """Number of tensors in ``files`` (reads headers only)."""
+    from safetensors import safe_open
 
-    The loader reads the tensor only when called, so a caller can check shapes
-    first and hold one tensor at a time.
+    total = 0
+    for file in files:
+        with safe_open(file, framework="np") as f:
+            total += len(f.keys())
+    return total
+
+
+def iter_tensors(files: list[str], cfg: ModelConfig) -> Iterator[tuple[str, Any, tuple]]:
+    """Yields ``(canonical name, read, shape)`` for every tensor, one file at a time.
+
+    ``read()`` returns the tensor as a NumPy array (bfloat16 via ml_dtypes) and
+    reads it only when called, so a caller can check shapes first and hold one
+    tensor at a time.
     """
     from safetensors import safe_open
 
     for file in files:
-        # "flax" rather than "np": NumPy has no bfloat16 and safetensors' numpy
-        # backend refuses bf16 tensors.
-        with safe_open(file, framework="flax") as f:
+        # NumPy has no native bfloat16 and safetensors' "np" backend refuses
+        # BF16 tensors: read those through the "flax" backend instead.
+        with safe_open(file, framework="np") as f, safe_open(file, framework="flax") as fj:
             for name in f.keys():
-                shape = tuple(f.get_slice(name).get_shape())
-                yield canonical_name(name, cfg), (lambda f=f, n=name: f.get_tensor(n)), shape
+                sl = f.get_slice(name)
+                shape = tuple(sl.get_shape())
+                if sl.get_dtype() == "BF16":
+                    read = lambda n=name: np.asarray(fj.get_tensor(n))  # noqa: E731
+                else:
+                    read = lambda n=name: f.get_tensor(n)  # noqa: E731
+                yield canonical_name(name, cfg), read, shape
 
 
 # safetensors dtype codes.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
+import zlib
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -99,6 +99,12 @@ def config_from_dict(d: dict) -> ModelConfig:
 def read_hf_config(path: str) -> dict:
     file = os.path.join(path, "config.json")
     if not os.path.exists(file):
+        if os.path.isdir(os.path.join(path, _PARAMS_DIR)):
+            raise ValueError(
+                f"Orbax checkpoint {path} is truncated: it has {_PARAMS_DIR}/ but no "
+                f"{ORBAX_CONFIG} (written last, so the conversion did not finish). "
+                "Convert the source checkpoint again."
+            )
         raise ValueError(f"{path} is not a checkpoint directory: no config.json or {ORBAX_CONFIG}.")
     with open(file) as f:
         return json.load(f)
@@ -126,9 +132,9 @@ def load_hf(path: str, dtype: Any = None, *, progress: Progress = None) -> Model
 
     params: dict = {}
     unexpected = []
-    tensors = hf.iter_tensors(files, cfg, target)
+    tensors = hf.iter_tensors(files, cfg)
     if progress is not None:
-        tensors = progress(tensors)
+        tensors = progress(tensors, total=hf.count_tensors(files))
     for name, read, shape in tensors:
         spec = specs.get(name)
         if spec is None:
@@ -142,12 +148,13 @@ def load_hf(path: str, dtype: Any = None, *, progress: Progress = None) -> Model
                 f"Tensor {name!r} in {path} has shape {_shape_str(shape)}, but config.json "
                 f"implies {_shape_str(want_hf)}."
             )
+        # One tensor at a time, cast and transposed on the host with NumPy (a
+        # jnp op would compile once per distinct shape); the temporary copy is
+        # freed before the next tensor is read.
         tensor = read()
         if spec.transpose:
             tensor = tensor.T
-        # One tensor at a time: the copy made by the cast/transpose is freed
-        # before the next tensor is read.
-        _set(params, spec.path, jnp.asarray(tensor, dtype=target))
+        _set(params, spec.path, jnp.asarray(np.ascontiguousarray(tensor, dtype=target)))
         del tensor
     missing = [n for n, s in specs.items() if not _has(params, s.path)]
     if missing:
@@ -205,15 +212,11 @@ def save_orbax(model: Model, path: str) -> None:
         ckptr.save(os.path.join(path, _PARAMS_DIR), model.params)
         ckptr.wait_until_finished()
     _save_tokenizer(model, path)
-    shapes = {
-        "/".join(str(getattr(k, "key", k)) for k in kp): [list(x.shape), x.dtype.name]
-        for kp, x in jax.tree_util.tree_flatten_with_path(model.params)[0]
-    }
     meta = {
         "format": ORBAX_FORMAT,
         "version": ORBAX_VERSION,
         "config": config_to_dict(module.config),
-        "params": shapes,
+        "checksums": _checksums(model.params),
     }
     with open(os.path.join(path, ORBAX_CONFIG), "w") as f:
         json.dump(meta, f, indent=1)
@@ -249,16 +252,36 @@ def load_orbax(path: str, dtype: Any = None) -> Model:
     except Exception as e:  # orbax/tensorstore raise many types for damaged files
         raise ValueError(
             f"Orbax checkpoint {path} is truncated or corrupted and cannot be restored "
-            f"({type(e).__name__}: {str(e)[:300]}). Convert the source checkpoint again."
+            f"({type(e).__name__}: {_first_line(e)}). Convert the source checkpoint again."
         ) from e
-    got = jax.tree.map(lambda x: (tuple(x.shape), x.dtype.name), params)
-    want = jax.tree.map(lambda x: (tuple(x.shape), x.dtype.name), abstract)
-    if got != want:
-        raise ValueError(f"Orbax checkpoint {path} does not match its {ORBAX_CONFIG}.")
+    want = meta.get("checksums")
+    if want is not None:
+        got = _checksums(params)
+        bad = sorted(k for k in want if got.get(k) != want[k])
+        if bad:
+            raise ValueError(
+                f"Orbax checkpoint {path} is corrupted: param(s) {', '.join(bad[:5])} do not "
+                f"match the checksums in {ORBAX_CONFIG}. Convert the source checkpoint again."
+            )
     model = Model(params=params, module=module, tokenizer=_load_tokenizer(path))
     if dtype is not None and jnp.dtype(dtype).name != cfg.dtype:
         model = astype(model, dtype)
     return model
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).split("See full TensorStore")[0].strip().splitlines()[0][:300]
+
+
+def _checksums(params) -> dict:
+    """CRC32 of every leaf's bytes, keyed by its path: Orbax reads a flipped
+    byte back without complaint, so :func:`load_orbax` checks these."""
+    out = {}
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        key = "/".join(str(getattr(k, "key", k)) for k in kp)
+        arr = np.ascontiguousarray(np.asarray(leaf))
+        out[key] = [list(arr.shape), arr.dtype.name, zlib.crc32(arr.view(np.uint8).reshape(-1))]
+    return out
 
 
 def astype(model: Model, dtype: Any) -> Model:
