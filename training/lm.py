@@ -1,0 +1,439 @@
+"""Train the embedded target/draft pair: ``python -m training.lm --model target|draft``.
+
+Corpus and task: :mod:`training.data` (CPython stdlib source + ``assert A + B
+== C`` with 0..99 operands; held-out task pairs and held-out stdlib files are
+never trained on). Tokenizer: :mod:`training.tokenizer` (byte-level BPE, 2048
+tokens, digits split). Models: Llama-layout :class:`specjax._src.models.
+decoder.Decoder`, float32 training, AdamW with warmup + cosine
+(:mod:`training.common`), Orbax checkpoints every few minutes under
+``--out``; ``--resume`` continues an interrupted run exactly (step, params,
+optimizer state; batches are a pure function of ``(seed, step)``).
+
+At the end: held-out code and task loss, greedy exact match on the held-out
+task, ``MODEL_CARD.md``, and a Hugging Face directory (config.json,
+model.safetensors in bf16, tokenizer.json) written through the project's
+exporter into ``--export`` (default ``specjax/assets/models/<model>``).
+
+Reproduce the shipped pair (2-core CPU, both runs side by side, one core each;
+the tokenizer/corpus cache is built once by the first command)::
+
+    python -m training.lm --prepare-only
+    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false taskset -c 0 \\
+        python -m training.lm --model target --out runs/target &
+    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false taskset -c 1 \\
+        python -m training.lm --model draft --out runs/draft &
+
+(defaults: 3,500 steps of batch 16 x 128 tokens, 75% task rows, seed 0). An
+interrupted run continues with the same command plus ``--resume``;
+``--export-only`` re-runs the final evaluation and export from the last
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import pathlib
+import platform
+import shutil
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specjax._src.models.config import ModelConfig
+from specjax._src.models import decoder as decoder_lib
+from specjax._src.models.decoder import Decoder
+from training import common, data
+from training import tokenizer as tokenizer_lib
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ASSETS = REPO / "specjax" / "assets"
+
+# Model presets (Llama layout). Sizes chosen for a 2-core CPU budget of about
+# an hour per model; the draft is ~10x smaller and trains the same steps.
+PRESETS = {
+    "target": dict(
+        hidden_size=160, num_layers=4, num_heads=5, num_kv_heads=5, head_dim=32,
+        intermediate_size=448, tie_word_embeddings=False, peak_lr=3e-3,
+    ),
+    "draft": dict(
+        hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32,
+        intermediate_size=192, tie_word_embeddings=True, peak_lr=5e-3,
+    ),
+    # For tests only.
+    "tiny": dict(
+        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16,
+        intermediate_size=64, tie_word_embeddings=True, peak_lr=3e-3,
+    ),
+}
+MAX_POSITIONS = 256  # RoPE has no table; trained on 128-token windows.
+
+
+def model_config(name: str, vocab_size: int) -> ModelConfig:
+    p = {k: v for k, v in PRESETS[name].items() if k != "peak_lr"}
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=vocab_size,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        bos_token_id=tokenizer_lib.BOS_ID,
+        eos_token_id=tokenizer_lib.EOS_ID,
+        pad_token_id=tokenizer_lib.PAD_ID,
+        dtype="float32",
+        **p,
+    )
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def _rms(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale * y.astype(x.dtype)
+
+
+def train_logits(cfg: ModelConfig, params, tokens):
+    """``Decoder(cfg).apply(params, tokens).logits`` for the plain Llama layout, faster to train.
+
+    Reads the Decoder's own params tree and reuses its RoPE and attention
+    helpers; the only difference is that every dense layer runs on
+    ``[B * T, H]`` matrices instead of ``[B, T, H]``. On XLA's CPU backend the
+    weight gradient of a dot that contracts over two dimensions (batch and
+    time, what ``[B, T, H] @ W`` gives) is 2-5x slower than the same 2-D
+    matmul, and that made the whole train step ~1.5x slower. The test suite
+    checks this forward against ``Decoder.apply`` (equal logits), and the
+    task evaluation runs the Decoder itself.
+    """
+    if cfg.model_type != "llama" or cfg.attention_bias or cfg.qk_norm or cfg.is_gpt2:
+        raise ValueError("train_logits covers the plain Llama layout only")
+    b, t = tokens.shape
+    n, kv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    x = params["embed"]["embedding"][tokens].reshape(b * t, h)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    inv_freq = decoder_lib.rope_inv_freq(cfg)
+    mask = decoder_lib.attention_mask(positions, t, cfg.sliding_window)
+    for i in range(cfg.num_layers):
+        lp = params[f"layer_{i}"]
+        a, m = lp["attn"], lp["mlp"]
+        y = _rms(x, lp["attn_norm"]["scale"], cfg.norm_eps)
+        q = (y @ a["q"]["kernel"]).reshape(b, t, n, d)
+        k = (y @ a["k"]["kernel"]).reshape(b, t, kv, d)
+        v = (y @ a["v"]["kernel"]).reshape(b, t, kv, d)
+        q = decoder_lib.apply_rope(q, positions, inv_freq)
+        k = decoder_lib.apply_rope(k, positions, inv_freq)
+        o = decoder_lib.grouped_attention(q, k, v, mask, d**-0.5).reshape(b * t, n * d)
+        x = x + o @ a["o"]["kernel"]
+        y = _rms(x, lp["mlp_norm"]["scale"], cfg.norm_eps)
+        x = x + (jax.nn.silu(y @ m["gate"]["kernel"]) * (y @ m["up"]["kernel"])) @ m["down"]["kernel"]
+    x = _rms(x, params["final_norm"]["scale"], cfg.norm_eps)
+    head = params["embed"]["embedding"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(x, head, preferred_element_type=jnp.float32).reshape(b, t, -1)
+
+
+def lm_loss(module: Decoder, params, tokens):
+    """Mean next-token NLL over non-pad targets. ``tokens`` is ``[B, L + 1]``."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = train_logits(module.config, params, inputs)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    mask = (targets != tokenizer_lib.PAD_ID).astype(jnp.float32)
+    total = jnp.maximum(mask.sum(), 1.0)
+    loss = (nll * mask).sum() / total
+    return loss, {"tokens": mask.sum()}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _sum_nll(module, params, tokens):
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logp = jax.nn.log_softmax(module.apply(params, inputs).logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    mask = (targets != tokenizer_lib.PAD_ID).astype(jnp.float32)
+    return (nll * mask).sum(), mask.sum()
+
+
+def heldout_loss(module, params, corpus, *, task_fraction, batches=16, batch_size=16,
+                 seq_len=128, seed=12345) -> float:
+    tot, n = 0.0, 0.0
+    for i in range(batches):
+        rows = data.make_batch(corpus, seed=seed, step=i, batch_size=batch_size,
+                               seq_len=seq_len, task_fraction=task_fraction, split="heldout")
+        s, c = _sum_nll(module, params, jnp.asarray(rows))
+        tot, n = tot + float(s), n + float(c)
+    return tot / max(n, 1.0)
+
+
+# ----------------------------------------------------------------------------- task eval
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def greedy_fill(module, params, buf, lengths, steps: int):
+    """Greedy continuation in a right-padded buffer with full causal forwards.
+
+    ``buf[B, S]`` holds prompts of ``lengths[B]`` tokens; writes ``steps``
+    greedy tokens after each. Padding after a prompt never influences it
+    (causal attention), so no cache or mask is needed.
+    """
+    rows = jnp.arange(buf.shape[0])
+
+    def body(i, carry):
+        buf, lengths = carry
+        logits = module.apply(params, buf).logits
+        nxt = jnp.argmax(logits[rows, lengths - 1], axis=-1).astype(buf.dtype)
+        buf = buf.at[rows, lengths].set(nxt)
+        return buf, lengths + 1
+
+    buf, _ = jax.lax.fori_loop(0, steps, body, (buf, lengths))
+    return buf
+
+
+def task_accuracy(module, params, corpus, pairs=None, *, chunk=250, steps=6):
+    """Greedy exact match on ``pairs`` (default: the whole held-out set)."""
+    tok = corpus.tokenizer
+    pairs = corpus.task_heldout if pairs is None else pairs
+    prompts = [[tokenizer_lib.BOS_ID] + ids for ids in tokenizer_lib.encode_batch(
+        tok, [data.task_prompt(int(a), int(b)) for a, b in pairs])]
+    width = max(len(p) for p in prompts) + steps
+    correct, examples = 0, []
+    for s in range(0, len(prompts), chunk):
+        part = prompts[s : s + chunk]
+        buf = np.full((chunk, width), tokenizer_lib.PAD_ID, np.int32)
+        lengths = np.ones((chunk,), np.int32)
+        for i, p in enumerate(part):
+            buf[i, : len(p)] = p
+            lengths[i] = len(p)
+        out = np.asarray(greedy_fill(module, params, jnp.asarray(buf), jnp.asarray(lengths), steps))
+        for i, p in enumerate(part):
+            a, b = pairs[s + i]
+            text = tokenizer_lib.decode(tok, out[i, len(p) : len(p) + steps])
+            ok = data.score_answer(text, data.task_answer(int(a), int(b)))
+            correct += ok
+            if len(examples) < 5:
+                examples.append(f"{data.task_prompt(int(a), int(b))}{text.split(chr(10))[0]}")
+    return correct / len(prompts), examples
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _write_card(path: pathlib.Path, name: str, summary: dict, cfg: ModelConfig) -> None:
+    cfgd = dataclasses.asdict(cfg)
+    lines = [
+        f"# specjax embedded {name} model",
+        "",
+        f"A {summary['params'] / 1e6:.2f}M-parameter Llama-layout decoder trained from scratch by "
+        f"`python -m training.lm --model {name}` on CPython {platform.python_version()}'s "
+        "standard-library source (held-out files excluded) mixed with a verifiable "
+        "arithmetic task written as Python (`assert A + B == C`, operands 0..99; the "
+        f"held-out pairs are never trained on). It is the {'target' if name == 'target' else 'draft'} "
+        "half of specjax's embedded default pair, made for studying speculative decoding "
+        "rules, not for use as a code model.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| parameters | {summary['params']:,} |",
+        f"| optimizer steps | {summary['steps']:,} (batch {summary['batch']} x {summary['seq_len']} tokens, "
+        f"{summary['task_fraction']:.0%} task rows) |",
+        f"| tokens seen | {summary['tokens_seen']:,} |",
+        f"| wall time | {summary['train_seconds'] / 60:.1f} min ({summary['hardware']}) |",
+        f"| held-out code loss | {summary['heldout_code_loss']:.3f} nats/token |",
+        f"| held-out task loss | {summary['heldout_task_loss']:.3f} nats/token |",
+        f"| held-out task exact match (greedy) | {summary['task_accuracy']:.1%} "
+        f"({summary['task_examples']} problems) |",
+        f"| final train loss | {summary['final_train_loss']:.3f} |",
+        "",
+        "Training: AdamW (b2 0.95, weight decay 0.1, clip 1.0), linear warmup "
+        f"{summary['warmup']} steps to {summary['peak_lr']:g} then cosine to 10%, float32; "
+        "weights stored in bfloat16. Every row starts with `<bos>` (the tokenizer adds it).",
+        f"Context: trained on {summary['seq_len'] + 1}-token windows; keep prompt + generation "
+        "within about that length.",
+        "",
+        "Task prompt format: `<bos>assert 37 + 48 ==`; the answer is the greedy "
+        "continuation up to the newline (` 85`).",
+        "",
+        "Sample greedy answers on held-out problems:",
+        "",
+        *[f"    {e}" for e in summary["task_samples"]],
+        "",
+        "## Config",
+        "",
+        "```json",
+        json.dumps(cfgd, indent=2, default=str),
+        "```",
+        "",
+        "## Eval curve (held-out task exact match during training)",
+        "",
+        *[f"- step {e['step']}: {e.get('task_acc', float('nan')):.1%}" for e in summary.get("evals", [])],
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def export(module: Decoder, params, tokenizer, out_dir: pathlib.Path) -> bool:
+    """HF directory through the project's exporter, in bf16. False if unavailable."""
+    try:
+        from specjax._src.models import loading
+    except ImportError as e:  # the exporter lands separately
+        print(f"export skipped: {e}", file=sys.stderr)
+        return False
+    import specjax
+
+    cfg = module.config.replace(dtype="bfloat16")
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    model = specjax.Model(params=bf16, module=Decoder(cfg), tokenizer=tokenizer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    loading.export_hf(model, str(out_dir))
+    if not (out_dir / "tokenizer.json").exists():
+        tokenizer.save(str(out_dir / "tokenizer.json"))
+    return True
+
+
+def write_task_assets(corpus: data.Corpus, out_dir: pathlib.Path, n_code: int = 64) -> None:
+    """Held-out task problems and held-out stdlib code prompts, as JSONL."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "arith_heldout.jsonl", "w") as f:
+        for a, b in corpus.task_heldout:
+            a, b = int(a), int(b)
+            f.write(json.dumps({"prompt": data.task_prompt(a, b), "answer": data.task_answer(a, b)}) + "\n")
+    with open(out_dir / "code_prompts.jsonl", "w") as f:
+        for p in data.heldout_code_prompts(corpus, n_code):
+            f.write(json.dumps({"prompt": p}) + "\n")
+    (out_dir / "README.md").write_text(
+        "Held-out evaluation data for the embedded pair (never trained on).\n\n"
+        "- `arith_heldout.jsonl`: `{prompt, answer}`; feed `<bos>` + prompt, greedy-decode to the "
+        "newline, compare the stripped line to `answer` (exact match).\n"
+        "- `code_prompts.jsonl`: `{prompt}`: ~48-token snippets cut at line starts from "
+        f"held-out CPython {platform.python_version()} stdlib files.\n\n"
+        "Written by `python -m training.lm` (see `training/data.py`).\n"
+    )
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m training.lm", description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(PRESETS), default="target")
+    p.add_argument("--steps", type=int, default=3500)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--task-fraction", type=float, default=0.75)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (preset default)")
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=tokenizer_lib.DEFAULT_VOCAB_SIZE)
+    p.add_argument("--out", default=None, help="run dir (default runs/<model>)")
+    p.add_argument("--corpus-cache", default="runs/corpus")
+    p.add_argument("--export", default=None, help="HF export dir (default specjax/assets/models/<model>)")
+    p.add_argument("--no-export", action="store_true")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--export-only", action="store_true", help="evaluate + export the latest checkpoint")
+    p.add_argument("--prepare-only", action="store_true", help="build the tokenizer/corpus cache and task assets")
+    p.add_argument("--ckpt-minutes", type=float, default=3.0)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = pathlib.Path(args.out or f"runs/{args.model}")
+    corpus = data.build_corpus(args.corpus_cache, vocab_size=args.vocab)
+    if args.prepare_only:
+        write_task_assets(corpus, ASSETS / "task")
+        print(f"corpus ready in {args.corpus_cache}: {len(corpus.code_train):,} train code tokens, "
+              f"{len(corpus.code_heldout):,} held-out; task assets in {ASSETS / 'task'}")
+        return
+    tok = corpus.tokenizer
+    cfg = model_config(args.model, tok.get_vocab_size())
+    module = Decoder(cfg)
+    peak_lr = args.lr if args.lr is not None else PRESETS[args.model]["peak_lr"]
+    optimizer = common.adamw(peak_lr, args.steps, warmup_steps=args.warmup)
+    state = common.init_state(module.init(jax.random.key(args.seed)), optimizer)
+    n_params = common.param_count(state["params"])
+    tokens_per_step = args.batch * args.seq
+    meta = {
+        "model": args.model, "config": dataclasses.asdict(cfg), "seed": args.seed,
+        "steps": args.steps, "batch": args.batch, "seq_len": args.seq,
+        "task_fraction": args.task_fraction, "peak_lr": peak_lr, "warmup": args.warmup,
+        "params": n_params,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = str(out / "train.log")
+    ckpt = common.Checkpointer(out / "checkpoints", every_seconds=60 * args.ckpt_minutes)
+    if ckpt.latest_step() is not None:
+        if not (args.resume or args.export_only):
+            raise SystemExit(f"{out} already has checkpoints; pass --resume (or use a new --out).")
+        state, saved = ckpt.restore(state)
+        for k in ("seed", "steps", "batch", "seq_len", "task_fraction", "config"):
+            if json.dumps(saved.get(k)) != json.dumps(meta[k]):
+                raise SystemExit(f"--resume with different {k}: checkpoint has {saved.get(k)}, now {meta[k]}")
+        meta = saved
+        print(f"resumed {out} at step {int(state['step'])}", flush=True)
+    elif args.export_only:
+        raise SystemExit(f"no checkpoint in {out}")
+    print(f"{args.model}: {n_params:,} params, {args.steps} steps x {tokens_per_step} tokens, "
+          f"devices {jax.devices()}", flush=True)
+
+    train_step = common.make_train_step(functools.partial(lm_loss, module), optimizer)
+    batch_fn = lambda step: jnp.asarray(data.make_batch(  # noqa: E731
+        corpus, seed=args.seed, step=step, batch_size=args.batch, seq_len=args.seq,
+        task_fraction=args.task_fraction))
+    eval_pairs = corpus.task_heldout[:200]
+
+    def eval_fn(step, st):
+        acc, _ = task_accuracy(module, st["params"], corpus, eval_pairs)
+        return {"task_acc": acc}
+
+    if not args.export_only:
+        state, meta = common.train_loop(
+            state, train_step, batch_fn, args.steps, checkpointer=ckpt, meta=meta,
+            tokens_per_step=tokens_per_step, eval_fn=eval_fn, eval_every=args.eval_every,
+            log_every=args.log_every, desc=args.model, log_file=log_file,
+            progress=not args.no_progress,
+        )
+    ckpt.close()
+
+    params = state["params"]
+    t0 = time.time()
+    acc, samples = task_accuracy(module, params, corpus)
+    code_loss = heldout_loss(module, params, corpus, task_fraction=0.0, seq_len=args.seq)
+    task_loss = heldout_loss(module, params, corpus, task_fraction=1.0, seq_len=args.seq)
+    summary = {
+        **{k: meta[k] for k in ("params", "steps", "batch", "task_fraction", "peak_lr", "warmup")},
+        "seq_len": args.seq,
+        "tokens_seen": int(meta["tokens_seen"]),
+        "train_seconds": float(meta["train_seconds"]),
+        "final_train_loss": float(meta.get("last_loss", float("nan"))),
+        "heldout_code_loss": code_loss,
+        "heldout_task_loss": task_loss,
+        "task_accuracy": acc,
+        "task_examples": len(corpus.task_heldout),
+        "task_samples": samples,
+        "evals": meta.get("evals", []),
+        "hardware": f"{os.cpu_count()}-core CPU, {platform.machine()}, jax {jax.__version__}",
+        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    print(json.dumps({k: v for k, v in summary.items() if k != "evals"}, indent=1), flush=True)
+    print(f"final eval took {time.time() - t0:.1f}s", flush=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    _write_card(out / "MODEL_CARD.md", args.model, summary, cfg)
+    if not args.no_export:
+        dest = pathlib.Path(args.export or ASSETS / "models" / args.model)
+        if export(module, params, tok, dest):
+            shutil.copy(out / "MODEL_CARD.md", dest / "MODEL_CARD.md")
+            print(f"exported to {dest}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
