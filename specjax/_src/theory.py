@@ -46,6 +46,7 @@ Universal bound (derived): ``C <= log 2`` for every level-set rule, since
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -94,6 +95,7 @@ def _bregman(p: Array, t: Array) -> Array:
     return t * _h((p - t) / t)
 
 
+@jax.jit
 def kl_divergence(p: Array, q: Array) -> Array:
     """``KL(p || q) = sum p log(p/q)`` over the last axis, ``[..., V] -> [...]``.
 
@@ -174,6 +176,36 @@ def check_certifiable(rule: Any) -> RuleSpec:
     return spec
 
 
+def _concrete(value: Any) -> Any:
+    # numpy / concrete jax scalars -> Python numbers, so the spec is a hashable static arg.
+    try:
+        return value.item() if hasattr(value, "item") else value
+    except Exception:  # a tracer: left as is (jit then reports a non-hashable static arg)
+        return value
+
+
+def _normalize(spec: RuleSpec) -> RuleSpec:
+    """A canonical, hashable spec: children of combinators become specs too."""
+    if spec.name in COMBINATORS:
+        return RuleSpec(spec.name, (("rules", tuple(_normalize(c) for c in _children(spec))),))
+    return RuleSpec(spec.name, tuple((k, _concrete(v)) for k, v in spec.params))
+
+
+def _rule_fn(fn):
+    """Checks and canonicalises the rule, then runs ``fn`` jitted with the spec static.
+
+    Jitting here compiles each (rule, shape) once instead of dispatching dozens of
+    small ops eagerly; inside a caller's jit it simply inlines.
+    """
+    jitted = jax.jit(fn, static_argnums=0)
+
+    @functools.wraps(fn)
+    def wrapper(rule, *arrays):
+        return jitted(_normalize(check_certifiable(rule)), *map(jnp.asarray, arrays))
+
+    return wrapper
+
+
 def _threshold_mask(spec: RuleSpec, p: Array) -> Array | None:
     """``bool[..., V]`` for threshold rules (a level set of p); None for rank rules."""
     top = p.max(-1, keepdims=True)
@@ -196,6 +228,7 @@ def _rank_size(spec: RuleSpec) -> int | None:
     return None
 
 
+@_rule_fn
 def num_accepted(rule: Any, probs: Array) -> Array:
     """``int32[...]``: size k of the accepted set; it is the first k tokens of the
     stable descending order of ``probs[..., V]``."""
@@ -212,6 +245,7 @@ def num_accepted(rule: Any, probs: Array) -> Array:
     return jnp.full(p.shape[:-1], min(max(_rank_size(spec), 0), v), jnp.int32)
 
 
+@_rule_fn
 def accepted_set(rule: Any, probs: Array) -> Array:
     """``bool[..., V]``: the tokens the rule accepts as a greedy draft at ``probs[..., V]``.
 
@@ -232,6 +266,7 @@ def accepted_set(rule: Any, probs: Array) -> Array:
 # Certificates.
 
 
+@jax.jit
 def level_set_certificate(probs: Array, k: Array) -> Array:
     """Exact certificate of an accepted set that is the top-``k`` prefix of ``p``.
 
@@ -263,6 +298,7 @@ def level_set_certificate(probs: Array, k: Array) -> Array:
     return jnp.where(k >= v, jnp.inf, c)
 
 
+@_rule_fn
 def certificate(rule: Any, probs: Array) -> Array:
     """Exact acceptance certificate ``C(p)`` of a level-set rule.
 
@@ -283,6 +319,7 @@ def certificate(rule: Any, probs: Array) -> Array:
     return level_set_certificate(p, num_accepted(rule, p))
 
 
+@jax.jit
 def greedy_certificate(probs: Array) -> Array:
     """Closed form for strict greedy (derived): with ``a = p(1)``, ``b = p(2)``,
     ``C = a log(2a/(a+b)) + b log(2b/(a+b))`` (the water-fill with ``P = {1}``).
@@ -298,6 +335,7 @@ def greedy_certificate(probs: Array) -> Array:
     return _bregman(a, t) + _bregman(b, t)
 
 
+@jax.jit
 def top_margin(probs: Array) -> Array:
     """``p(1) - p(2)`` over the last axis (``p(1)`` if ``V = 1``)."""
     p = jnp.asarray(probs)
@@ -307,6 +345,7 @@ def top_margin(probs: Array) -> Array:
     return top2[..., 0] - top2[..., 1]
 
 
+@jax.jit
 def greedy_margin_bounds(margin: Array) -> tuple[Array, Array]:
     """Margin-only bounds on the strict greedy certificate, ``g = p(1) - p(2)``.
 
@@ -323,6 +362,7 @@ def greedy_margin_bounds(margin: Array) -> tuple[Array, Array]:
     return (_h(g) + _h(-g)) / 2, g * math.log(2.0)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def tree_certificate(probs: Array, m: int) -> Array:
     """Exact certificate that the target's top token stays in the drafter's top-m.
 
@@ -363,6 +403,7 @@ def tree_certificate(probs: Array, m: int) -> Array:
     return _bregman(top, level) + jnp.where(raised, _bregman(up, level[..., None]), 0.0).sum(-1)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def tree_margin_bounds(probs: Array, m: int) -> tuple[Array, Array]:
     """Margin-only bounds on ``tree_certificate(probs, m)`` (derived here, not quoted).
 
@@ -403,6 +444,7 @@ def universal_bound(m: int = 1) -> float:
     return math.log(m + 1.0)
 
 
+@_rule_fn
 def rejection_margin(rule: Any, probs: Array) -> Array:
     """``p(1) - p(y*)``: the gap between the top token and the most likely rejected
     one (``+inf`` where nothing is rejected). For strict greedy, ``p(1) - p(2)``."""
@@ -414,6 +456,7 @@ def rejection_margin(rule: Any, probs: Array) -> Array:
     return jnp.where(k >= v, jnp.inf, s[..., 0] - y)
 
 
+@_rule_fn
 def margin_bounds(rule: Any, probs: Array) -> tuple[Array, Array]:
     """Margin-based ``(lower, upper)`` bounds on ``certificate(rule, probs)``.
 
@@ -441,6 +484,7 @@ def margin_bounds(rule: Any, probs: Array) -> tuple[Array, Array]:
 # Live diagnostics.
 
 
+@_rule_fn
 def position_diagnostics(rule: Any, target_probs: Array, draft_probs: Array) -> dict[str, Array]:
     """Per-position certificate diagnostics, cheap and jit/vmap-safe.
 
