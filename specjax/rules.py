@@ -34,6 +34,7 @@ from specjax._src.rules.common import entropy, js_distance
 from specjax._src.rules.criteria import criterion, additive, multiplicative, top_m, typical
 from specjax._src.rules.ears import ears
 from specjax._src.rules.mars import mars
+from specjax._src.rules.pad import PivotHead, PivotHeadConfig, load_head, pad, pivot_features, pivot_pardon
 from specjax._src.rules.parse import parse_rule, parse_spec, rule_from_spec
 
 __all__ = (
@@ -55,6 +56,12 @@ __all__ = (
     "additive",
     "multiplicative",
     "top_m",
+    "pad",
+    "pivot_pardon",
+    "PivotHead",
+    "PivotHeadConfig",
+    "load_head",
+    "pivot_features",
     # combinators and building blocks for custom rules
     "any_of",
     "all_of",

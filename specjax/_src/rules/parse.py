@@ -22,6 +22,7 @@ from specjax._src.rules.combinators import all_of, any_of
 from specjax._src.rules.criteria import additive, multiplicative, top_m, typical
 from specjax._src.rules.ears import ears
 from specjax._src.rules.mars import mars
+from specjax._src.rules.pad import pad_from_spec
 
 RULES: dict[str, Callable[..., AcceptanceRule]] = {
     "speculative_sampling": speculative_sampling,
@@ -32,9 +33,11 @@ RULES: dict[str, Callable[..., AcceptanceRule]] = {
     "additive": additive,
     "multiplicative": multiplicative,
     "top_m": top_m,
+    "pad": pad_from_spec,  # "pad:head=specjax/assets/pivot,sigma=0.7"
 }
 ALIASES = {"sd": "speculative_sampling", "lossless": "speculative_sampling"}
 COMBINATORS = {"any_of": any_of, "all_of": all_of}
+STRING_PARAMS = {"head"}  # values kept as text (a path), not parsed as numbers
 
 _NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*")
 _KEY_EQ = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=")
@@ -129,7 +132,9 @@ class _Parser:
                 value = self.match(_VALUE)
                 if not value:
                     raise self.error(f"expected a value for {key.group(1)!r}")
-                params.append((key.group(1), _number(value.group(1), f"{name}: {key.group(1)}")))
+                text = value.group(1)
+                params.append((key.group(1), text if key.group(1) in STRING_PARAMS
+                               else _number(text, f"{name}: {key.group(1)}")))
                 # A comma continues the parameters only if "key=" follows it.
                 if not (self.peek(",") and _KEY_EQ.match(self.text, self.text.index(",", self.pos) + 1)):
                     break

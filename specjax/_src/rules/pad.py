@@ -1,0 +1,446 @@
+"""PAD: pivot-aware speculative decoding (pad.txt; authors' code amir-zsh/PAD).
+
+Accept a draft token iff the lossless test accepts it, OR a small classifier
+(the *pivot head*) says the token is not a pivot — ``P(pivot) <= sigma`` — and
+the target gives it at least ``min_prob``. A pivot is a token whose acceptance
+would lower the task's expected utility (labels come from target rollouts, see
+``training/rollouts.py``; the head is fitted by ``python -m training.pivot``).
+
+Features (:func:`pivot_features`, shared by the labelling code and the rule so
+the two cannot drift), per draft slot ``k`` judging draft token ``x_k``:
+
+* the target's block output at layer ``layer`` at ``x_k``'s own position —
+  in the engine, ``inputs.features["hidden"][layer][k]``, produced by the
+  verification forward itself (no second forward);
+* the entropy of the target's distribution at the preceding position (the
+  slot that judges ``x_k``), ``H(p_k)`` in nats;
+* the target's probability of the draft token there, ``p_k(x_k)``.
+
+``p`` is the distribution the rule sees, ``inputs.target_probs``: at
+temperature 0 the engine passes ``softmax(raw logits)`` and at temperature 1
+(no top-k / top-p) the same thing, so a head trained on ``softmax(raw)``
+features (what the labelling code uses) sees identical features at T=0 and
+T=1. At other temperatures the features shift with the warp.
+
+The head (:class:`PivotHead`) is a Flax module plus params, with feature
+standardisation (mean / std from the training split) folded in. Architectures:
+
+* ``"pad"`` (default, the authors'): ``Linear(H->64)`` on the hidden state,
+  ``Linear(2->16)`` on the two scalars, concat, ``Linear(80->128)``, ReLU,
+  ``Linear(128->2)``;
+* ``"linear"``: ``Linear(H+2 -> 2)``;
+* ``"mlp"``: ``Linear(H+2 -> w)``, ReLU, ``Linear(w -> w)``, ReLU, ``Linear(w -> 2)``.
+
+A head directory holds ``config.json`` and ``params.npz``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any, Optional, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax._src.rules import common
+from specjax._src.rules.base import (
+    AcceptanceRule,
+    Path,
+    RuleSpec,
+    Verdict,
+    VerifyInputs,
+    lossless_decision,
+    no_state,
+    speculative_sampling,
+    stateless_update,
+    token_prob,
+)
+from specjax._src.rules.combinators import any_of
+
+Array = jax.Array
+
+ARCHS = ("pad", "linear", "mlp")
+NUM_SCALARS = 2  # target entropy, target probability of the draft token
+DEFAULT_LAYER = -8  # the authors' layer; clamped to the target's depth
+CONFIG_FILE = "config.json"
+PARAMS_FILE = "params.npz"
+
+
+# ---------------------------------------------------------------------------
+# Features
+# ---------------------------------------------------------------------------
+
+
+def resolve_layer(layer: int, num_layers: int) -> int:
+    """Clamps a list-style layer index to a model of ``num_layers`` blocks.
+
+    Negative indices count from the end and are clamped to ``-num_layers``
+    (the authors' ``-8`` on a 4-layer model is ``-4``, the first block's
+    output); non-negative ones to ``num_layers - 1``. Returns a negative index
+    (what the head records and the rule asks the engine for).
+    """
+    layer, num_layers = int(layer), int(num_layers)
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if layer < 0:
+        return max(layer, -num_layers)
+    return min(layer, num_layers - 1) - num_layers
+
+
+def pivot_features(hidden: Array, target_probs: Array, draft_tokens: Array) -> tuple[Array, Array]:
+    """The head's inputs for ``K`` draft slots.
+
+    Args:
+      hidden: ``[..., K, H]`` target block output at each draft token's own position.
+      target_probs: ``[..., K(+1), V]`` target distribution; row ``k`` judges
+        draft token ``k`` (extra rows, e.g. the bonus slot, are ignored).
+      draft_tokens: ``[..., K]`` int draft tokens.
+
+    Returns:
+      ``(hidden [..., K, H] float32, scalars [..., K, 2] float32)`` with
+      ``scalars = (entropy of p_k in nats, p_k(x_k))``.
+    """
+    k = draft_tokens.shape[-1]
+    p = target_probs[..., :k, :].astype(jnp.float32)
+    ent = common.entropy(p)
+    prob = jnp.take_along_axis(p, draft_tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return hidden.astype(jnp.float32), jnp.stack([ent, prob], axis=-1)
+
+
+# ---------------------------------------------------------------------------
+# The head
+# ---------------------------------------------------------------------------
+
+
+class PivotNet(nn.Module):
+    """The classifier; returns ``[..., 2]`` logits (index 1 = pivot)."""
+
+    arch: str = "pad"
+    hidden_proj: int = 64
+    scalar_proj: int = 16
+    width: int = 128
+
+    @nn.compact
+    def __call__(self, hidden: Array, scalars: Array) -> Array:
+        if self.arch == "pad":
+            h = nn.Dense(self.hidden_proj, name="hidden_proj")(hidden)
+            s = nn.Dense(self.scalar_proj, name="scalar_proj")(scalars)
+            z = nn.relu(nn.Dense(self.width, name="fc")(jnp.concatenate([h, s], -1)))
+            return nn.Dense(2, name="out")(z)
+        x = jnp.concatenate([hidden, scalars], -1)
+        if self.arch == "linear":
+            return nn.Dense(2, name="out")(x)
+        if self.arch == "mlp":
+            x = nn.relu(nn.Dense(self.width, name="fc1")(x))
+            x = nn.relu(nn.Dense(self.width, name="fc2")(x))
+            return nn.Dense(2, name="out")(x)
+        raise ValueError(f"unknown pivot head arch {self.arch!r}; valid: {', '.join(ARCHS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PivotHeadConfig:
+    """What a head was built for (hashable; saved as ``config.json``).
+
+    Attributes:
+      hidden_size: width of the target hidden states it reads.
+      layer: the (negative) block index its hidden states come from.
+      target_num_layers: depth of the target it was trained on (``None`` if unknown).
+      arch: ``"pad"``, ``"linear"`` or ``"mlp"``.
+      hidden_proj, scalar_proj, width: layer widths (see :class:`PivotNet`).
+      info: free-form JSON-able metadata (training metrics, label settings).
+    """
+
+    hidden_size: int
+    layer: int = DEFAULT_LAYER
+    target_num_layers: Optional[int] = None
+    arch: str = "pad"
+    hidden_proj: int = 64
+    scalar_proj: int = 16
+    width: int = 128
+    info: Any = dataclasses.field(default=None, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown pivot head arch {self.arch!r}; valid: {', '.join(ARCHS)}")
+        if int(self.hidden_size) < 1:
+            raise ValueError(f"hidden_size must be >= 1, got {self.hidden_size}")
+
+    def net(self) -> PivotNet:
+        return PivotNet(self.arch, self.hidden_proj, self.scalar_proj, self.width)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _flatten(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}/{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out.update(_flatten(v, key))
+        else:
+            out[key] = np.asarray(v)
+    return out
+
+
+def _unflatten(flat) -> dict:
+    tree: dict = {}
+    for key, value in flat.items():
+        node = tree
+        parts = key.split("/")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = jnp.asarray(value)
+    return tree
+
+
+def init_norm(hidden_size: int) -> dict:
+    """Identity standardisation."""
+    return {
+        "hidden_mean": jnp.zeros((hidden_size,), jnp.float32),
+        "hidden_std": jnp.ones((hidden_size,), jnp.float32),
+        "scalar_mean": jnp.zeros((NUM_SCALARS,), jnp.float32),
+        "scalar_std": jnp.ones((NUM_SCALARS,), jnp.float32),
+    }
+
+
+def fit_norm(hidden: np.ndarray, scalars: np.ndarray) -> dict:
+    """Per-feature mean / std (std floored) of a training split."""
+    hidden, scalars = np.asarray(hidden, np.float64), np.asarray(scalars, np.float64)
+    return {
+        "hidden_mean": jnp.asarray(hidden.mean(0), jnp.float32),
+        "hidden_std": jnp.asarray(np.maximum(hidden.std(0), 1e-3), jnp.float32),
+        "scalar_mean": jnp.asarray(scalars.mean(0), jnp.float32),
+        "scalar_std": jnp.asarray(np.maximum(scalars.std(0), 1e-3), jnp.float32),
+    }
+
+
+def head_logits(config: PivotHeadConfig, params: dict, hidden: Array, scalars: Array) -> Array:
+    """``[..., 2]`` logits. ``params = {"net": flax params, "norm": standardisation}``;
+    the standardisation is a constant (no gradient flows into it)."""
+    norm = jax.lax.stop_gradient(params["norm"])
+    h = (hidden - norm["hidden_mean"]) / norm["hidden_std"]
+    s = (scalars - norm["scalar_mean"]) / norm["scalar_std"]
+    return config.net().apply({"params": params["net"]}, h, s)
+
+
+def init_head_params(config: PivotHeadConfig, key: Array, norm: Optional[dict] = None) -> dict:
+    net = config.net().init(
+        key, jnp.zeros((1, config.hidden_size), jnp.float32), jnp.zeros((1, NUM_SCALARS), jnp.float32)
+    )["params"]
+    return {"net": net, "norm": init_norm(config.hidden_size) if norm is None else norm}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PivotHead:
+    """A trained pivot classifier: config + params (``{"net", "norm"}``).
+
+    ``source`` is the directory it was loaded from (``None`` if built in
+    memory); :func:`pad` records it in the rule's spec.
+    """
+
+    config: PivotHeadConfig
+    params: Any
+    source: Optional[str] = None
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def layer(self) -> int:
+        return int(self.config.layer)
+
+    def logits(self, hidden: Array, scalars: Array) -> Array:
+        return head_logits(self.config, self.params, hidden, scalars)
+
+    def prob_pivot(self, hidden: Array, scalars: Array) -> Array:
+        """``P(pivot)`` for ``hidden [..., H]``, ``scalars [..., 2]``."""
+        return jax.nn.softmax(self.logits(hidden, scalars), axis=-1)[..., 1]
+
+    def save(self, directory: Union[str, os.PathLike]) -> pathlib.Path:
+        """Writes ``config.json`` and ``params.npz`` into ``directory``."""
+        d = pathlib.Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / CONFIG_FILE).write_text(json.dumps(self.config.to_json(), indent=2, sort_keys=True) + "\n")
+        np.savez(d / PARAMS_FILE, **_flatten(jax.device_get(self.params)))
+        return d
+
+    @classmethod
+    def load(cls, directory: Union[str, os.PathLike]) -> "PivotHead":
+        return load_head(directory)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"PivotHead(arch={c.arch}, hidden_size={c.hidden_size}, layer={c.layer}, "
+                f"source={self.source!r})")
+
+
+_HEAD_CACHE: dict = {}
+
+
+def load_head(directory: Union[str, os.PathLike]) -> PivotHead:
+    """Loads a head written by :meth:`PivotHead.save` / ``python -m training.pivot``.
+
+    Loading the same unchanged directory twice returns the same object, so
+    ``pad(head=PATH)`` built twice reuses one compiled decode loop.
+
+    Raises:
+      FileNotFoundError: no such directory, or ``config.json`` / ``params.npz`` missing.
+    """
+    d = pathlib.Path(directory)
+    cfg_file, params_file = d / CONFIG_FILE, d / PARAMS_FILE
+    for f in (cfg_file, params_file):
+        if not f.is_file():
+            raise FileNotFoundError(
+                f"pivot head: {f} not found. A head directory holds {CONFIG_FILE} and "
+                f"{PARAMS_FILE}; write one with `python -m training.pivot --out {d}` "
+                "(or PivotHead.save)."
+            )
+    stamp = (str(d.resolve()), cfg_file.stat().st_mtime_ns, params_file.stat().st_mtime_ns)
+    if stamp in _HEAD_CACHE:
+        return _HEAD_CACHE[stamp]
+    raw = json.loads(cfg_file.read_text())
+    known = {f.name for f in dataclasses.fields(PivotHeadConfig)}
+    config = PivotHeadConfig(**{k: v for k, v in raw.items() if k in known})
+    with np.load(params_file) as z:
+        params = _unflatten({k: z[k] for k in z.files})
+    if "net" not in params or "norm" not in params:
+        raise ValueError(f"pivot head: {params_file} lacks the 'net' / 'norm' groups.")
+    head = PivotHead(config, params, source=str(d))
+    _HEAD_CACHE[stamp] = head
+    return head
+
+
+# ---------------------------------------------------------------------------
+# The rule
+# ---------------------------------------------------------------------------
+
+
+def _as_head(head) -> PivotHead:
+    if isinstance(head, PivotHead):
+        return head
+    if isinstance(head, (str, os.PathLike)):
+        return load_head(head)
+    raise TypeError(
+        f"pad(): head must be a PivotHead or a directory written by `python -m training.pivot`, "
+        f"got {type(head).__name__}."
+    )
+
+
+def _check_layer(head: PivotHead, hidden_layer) -> int:
+    if hidden_layer is None:
+        return head.layer
+    n = head.config.target_num_layers
+    want = resolve_layer(hidden_layer, n) if n else int(hidden_layer)
+    if n:
+        same = (want % n) == (head.layer % n)
+    else:
+        same = want == head.layer
+    if not same:
+        raise ValueError(
+            f"pad(): hidden_layer={hidden_layer} but this head was trained on layer {head.layer}"
+            + (f" of a {n}-layer target" if n else "")
+            + "; leave hidden_layer unset to use the head's layer, or train a head for that layer."
+        )
+    return head.layer
+
+
+def pivot_pardon(head: PivotHead, sigma: float, min_prob: float, layer: int) -> AcceptanceRule:
+    """The relaxed half of PAD on its own: accept iff the lossless test accepts
+    (``EXACT``) or ``P(pivot) <= sigma`` and ``p(x) >= min_prob`` (``PARDON``).
+    Correction: the lossless one (residual, or argmax when greedy)."""
+
+    def verify(inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
+        del state
+        exact, correction = lossless_decision(inputs, greedy=greedy)
+        feats = inputs.features.get("hidden") if isinstance(inputs.features, dict) else None
+        if feats is None or layer not in feats:
+            raise ValueError(
+                f"pad(): no target hidden states for layer {layer} in inputs.features['hidden'] "
+                f"(got {None if feats is None else sorted(feats)}). The rule's spec declares "
+                "hidden_layers so specjax.decode provides them; a custom engine must do the same."
+            )
+        hidden = feats[layer]
+        if hidden.shape[-1] != head.hidden_size:
+            raise ValueError(
+                f"pad(): the pivot head reads hidden states of size {head.hidden_size}, but the "
+                f"target's layer {layer} gives size {hidden.shape[-1]}: this head was trained "
+                "for a different target model."
+            )
+        h, scalars = pivot_features(hidden, inputs.target_probs, inputs.draft_tokens)
+        p_pivot = head.prob_pivot(h, scalars)
+        p_x = token_prob(inputs.target_probs, inputs.draft_tokens)
+        pardon = (p_pivot <= sigma) & (p_x >= min_prob)
+        accept = exact | pardon
+        return Verdict(accept, common.paths(accept, exact, Path.PARDON), correction)
+
+    spec = RuleSpec(
+        "pivot_pardon",
+        (("sigma", sigma), ("min_prob", min_prob), ("hidden_layers", layer)),
+    )
+    return AcceptanceRule(init=no_state, verify=verify, update=stateless_update, spec=spec)
+
+
+def pad(
+    head: Union[PivotHead, str, os.PathLike],
+    sigma: float = 0.5,
+    min_prob: float = 1e-4,
+    hidden_layer: Optional[int] = None,
+) -> AcceptanceRule:
+    """Pivot-aware speculative decoding.
+
+    Accept slot ``k`` iff the lossless test accepts it (path ``EXACT``) or the
+    pivot head gives ``P(pivot) <= sigma`` and ``p(x_k) >= min_prob`` (path
+    ``PARDON``). It is ``any_of(speculative_sampling(), pivot_pardon(...))``
+    with its own spec, so it composes like every rule. Correction after a
+    rejection: the residual ``norm(max(0, p - q))`` (greedy: ``argmax p``).
+
+    The head runs inside the jitted decode loop on the hidden states the
+    verification forward already produced (the spec declares
+    ``hidden_layers``, which makes :func:`specjax.decode` return them).
+
+    ``sigma = 0`` with a head that never outputs exactly 0, or any head that
+    calls every token a pivot, is the lossless rule token for token.
+
+    Args:
+      head: a :class:`PivotHead` or a directory written by
+        ``python -m training.pivot`` (e.g. the shipped ``specjax/assets/pivot``).
+      sigma: pivot-probability threshold in ``[0, 1]``; higher accepts more
+        (the paper: 0.5, 0.7).
+      min_prob: the target must give the draft token at least this probability.
+      hidden_layer: the target block whose output the head reads. Default: the
+        layer the head was trained on (the authors' ``-8``, clamped to the
+        target's depth); passing another layer raises.
+
+    Raises:
+      FileNotFoundError: a head directory without its files.
+      ValueError: bad sigma / min_prob / layer; at trace time, a head whose
+        hidden size differs from the target's.
+    """
+    head = _as_head(head)
+    sigma = common.check_interval("pad: sigma", sigma, 0.0, 1.0)
+    min_prob = common.check_interval("pad: min_prob", min_prob, 0.0, 1.0)
+    layer = _check_layer(head, hidden_layer)
+    inner = any_of(speculative_sampling(), pivot_pardon(head, sigma, min_prob, layer))
+    head_ref = head.source if head.source is not None else f"<PivotHead@{id(head):x}>"
+    spec = RuleSpec(
+        "pad",
+        (("head", head_ref), ("sigma", sigma), ("min_prob", min_prob), ("hidden_layers", layer)),
+    )
+    return inner._replace(spec=spec)
+
+
+def pad_from_spec(head, sigma: float = 0.5, min_prob: float = 1e-4, hidden_layers: Optional[int] = None):
+    """:func:`pad` under the parameter names of its spec (for ``parse_rule``):
+    ``"pad:head=specjax/assets/pivot,sigma=0.7"``."""
+    if isinstance(hidden_layers, (tuple, list)):
+        if len(hidden_layers) != 1:
+            raise ValueError(f"pad takes one hidden layer, got {hidden_layers}")
+        hidden_layers = hidden_layers[0]
+    return pad(head, sigma=sigma, min_prob=min_prob, hidden_layer=hidden_layers)

@@ -1,0 +1,123 @@
+"""The pivot head's trainer and PAD's labelling.
+
+Training runs on a small separable synthetic set (full batch, deterministic on
+CPU), so a run killed between checkpoints and resumed must end with exactly
+the parameters of an uninterrupted run. Labelling runs a tiny random pair with
+a toy utility whose values are known in advance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from training import pivot, rollouts
+from training.rollouts import LabelConfig, decide_pivot, training_filter
+
+H = 8
+
+
+def synthetic(n=160, seed=0):
+    """Pivots have a shifted hidden direction and a low p(x): linearly separable."""
+    rng = np.random.default_rng(seed)
+    y = (np.arange(n) % 3 == 0).astype(np.int32)  # imbalanced: 1/3 pivots
+    hidden = rng.normal(size=(n, H)).astype(np.float32) * 3.0 + 10.0
+    hidden[:, 0] += np.where(y == 1, 8.0, -8.0)
+    scalars = np.stack([rng.uniform(0, 3, n), np.where(y == 1, 0.1, 0.4) + rng.uniform(0, 0.1, n)], 1)
+    return hidden, scalars.astype(np.float32), y
+
+
+CFG = pivot.TrainConfig(steps=60, lr=3e-3, warmup=5, checkpoint_every=20)
+
+
+def test_training_reduces_heldout_loss_and_separates():
+    head, report = pivot.train_head(*synthetic(), config=CFG, layer=-2, progress=False, log=lambda *_: None)
+    assert report["best_val_loss"] < 0.5 * report["initial_val_loss"]
+    assert report["heldout"]["auc"] > 0.95
+    assert report["heldout"]["recall@0.5"] > 0.9
+    assert head.config.hidden_size == H and head.layer == -2
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
+    data = synthetic()
+    whole, rep_whole = pivot.train_head(*data, config=CFG, progress=False, log=lambda *_: None)
+    ckpt = tmp_path / "ckpt"
+    # "Kill" after 30 steps: the last checkpoint is at step 20, so 10 steps are replayed.
+    pivot.train_head(*data, config=CFG, ckpt_dir=ckpt, progress=False, stop_after=30, log=lambda *_: None)
+    logs = []
+    resumed, rep_resumed = pivot.train_head(*data, config=CFG, ckpt_dir=ckpt, progress=False, log=logs.append)
+    assert any("resuming from step 20" in m for m in logs)
+    assert rep_resumed["steps_run"] == CFG.steps
+    assert rep_resumed["best_step"] == rep_whole["best_step"]
+    import jax
+    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    # A checkpoint directory of another run is refused, not silently mixed in.
+    other = pivot.TrainConfig(steps=60, lr=1e-2, warmup=5, checkpoint_every=20)
+    with pytest.raises(ValueError, match="different run"):
+        pivot.train_head(*data, config=other, ckpt_dir=ckpt, progress=False, log=lambda *_: None)
+
+
+def test_clear_errors_for_bad_labelled_sets(tmp_path):
+    h, s, y = synthetic(20)
+    with pytest.raises(ValueError, match="empty"):
+        pivot.train_head(h[:0], s[:0], y[:0], config=CFG, progress=False)
+    with pytest.raises(ValueError, match="one class only"):
+        pivot.train_head(h, s, np.zeros_like(y), config=CFG, progress=False)
+    with pytest.raises(ValueError, match="one class only"):
+        pivot.train_head(h, s, np.ones_like(y), config=CFG, progress=False)
+    with pytest.raises(FileNotFoundError, match="--gather"):
+        rollouts.LabelledSet.load(tmp_path / "missing.npz")
+
+
+def test_pivot_formula_and_filter_by_hand():
+    u_d = np.array([0.5, 0.5, 0.9, 0.0, 0.3])
+    u_t = np.array([0.8, 0.8, 0.9, 0.0, 0.9])
+    # mul: 0.5 < 0.7*0.8=0.56 yes; 0.5 < 0.56 yes; 0.9 < 0.63 no; 0 < 0 no; 0.3 < 0.63 yes
+    np.testing.assert_array_equal(decide_pivot(u_d, u_t, 0.7, "mul"), [1, 1, 0, 0, 1])
+    np.testing.assert_array_equal(decide_pivot(u_d, u_t, 1.0, "mul"), [1, 1, 0, 0, 1])
+    np.testing.assert_array_equal(decide_pivot(u_d, u_t, 0.6, "mul"), [0, 0, 0, 0, 1])
+    # add: u_d < u_t - 0.25 -> 0.5<0.55 yes, yes, 0.9<0.65 no, 0<-0.25 no, 0.3<0.65 yes
+    np.testing.assert_array_equal(decide_pivot(u_d, u_t, 0.25, "add"), [1, 1, 0, 0, 1])
+    pv = decide_pivot(u_d, u_t, 1.0)
+    # positives kept if u_d <= 0.3; negatives if u_d >= 0.8; u_t == 0 dropped
+    np.testing.assert_array_equal(training_filter(u_d, u_t, pv, 0.3, 0.8), [0, 0, 1, 0, 1])
+
+
+def test_labelling_follows_the_formula_on_a_toy_utility():
+    """Utility depends only on the first generated token: 1 if even, else 0.25.
+
+    So at the first position u_draft = f(x_d), u_target = f(x_t) whatever the
+    rollouts do; later every rollout shares that first token and
+    u_draft = u_target (never a pivot with thr <= 1). The trajectory keeps
+    x_d unless it is a pivot.
+    """
+    import jax
+
+    from test_pad import tiny_pair
+
+    f = lambda c: 1.0 if c[0] % 2 == 0 else 0.25  # noqa: E731
+    calls = []
+
+    def utility(ex, comps):
+        calls.append(len(comps))
+        return np.array([f(c) for c in comps])
+
+    prompts = [[5, 17, 3], [40, 2, 9, 11, 60], [7], [33, 34], [1, 2, 3, 4], [90, 80, 70], [12], [64, 65]]
+    cfg = LabelConfig(num_rollouts=3, max_new_tokens=4, batch_size=8, thr=0.5)
+    ds, traj = rollouts.gather_labels(tiny_pair(), prompts, utility, cfg, progress=False,
+                                      return_trajectories=True)
+    assert len(ds) > 0 and ds.meta["layer"] == -2 and ds.hidden.shape[1] == 32
+    assert all(c % (2 * 3) == 0 for c in calls)  # N rollouts per side, all in one call per step
+    first = ds.position == 0
+    assert first.any()
+    fx = np.vectorize(lambda t: f([t]))
+    np.testing.assert_allclose(ds.u_draft[first], fx(ds.draft_token[first]))
+    np.testing.assert_allclose(ds.u_target[first], fx(ds.target_token[first]))
+    np.testing.assert_array_equal(ds.labels, (ds.u_draft < 0.5 * ds.u_target).astype(int))
+    np.testing.assert_array_equal(ds.u_draft[~first], ds.u_target[~first])
+    assert (ds.labels[~first] == 0).all()
+    for i in range(len(ds)):
+        t = traj[ds.example[i]][ds.position[i]]
+        assert t == (ds.target_token[i] if ds.labels[i] else ds.draft_token[i])
+    del jax

@@ -1,0 +1,527 @@
+"""Fit PAD's pivot head: ``python -m training.pivot``.
+
+PAD (pivot-aware speculative decoding) accepts a draft token that standard
+speculative decoding would reject when a small classifier — the *pivot head* —
+says rejecting it would not change the task's outcome. This command
+
+1. gathers a labelled dataset (``--gather``), or loads a cached one
+   (``--dataset PATH``, the default path is reused when it exists): the draft
+   proposes, the target judges, and every rejected draft token is labelled
+   pivot / non-pivot from target rollouts scored by the task's utility
+   (:mod:`training.rollouts`; defaults: the embedded pair in
+   ``specjax/assets/models`` and the training split of its arithmetic task —
+   never the held-out problems);
+2. trains the head (:mod:`specjax._src.rules.pad`; the authors' architecture
+   by default, ``--arch linear|mlp`` too) with Optax AdamW on class-balanced
+   cross-entropy, full batch, on an 80/20 stratified split; keeps the
+   parameters with the best held-out loss; Orbax checkpoints under
+   ``--ckpt-dir`` so a killed run continues where it stopped when re-run with
+   the same command;
+3. reports held-out ROC AUC, pivot recall (pivots the head would still
+   reject) and the share of non-pivots it would accept, at each ``--sigma``;
+4. writes the head (``config.json`` + ``params.npz`` + ``report.json``) to
+   ``--out`` (default ``specjax/assets/pivot``), where
+   ``specjax.rules.pad(head=DIR)`` loads it.
+
+``--evaluate`` instead measures a written head on the embedded pair's
+held-out task: tau and exact-match accuracy of lossless SD and PAD at each
+``--sigma``, against target-only decoding (``specjax.generate``).
+
+Examples::
+
+    python -m training.pivot --gather --prompts 1200          # label, train, write the head
+    python -m training.pivot                                  # retrain from the cached labels
+    python -m training.pivot --evaluate --temperatures 0 1    # tau / accuracy on held-out problems
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import pathlib
+import shutil
+import sys
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specjax._src.rules.pad import (
+    ARCHS,
+    PivotHead,
+    PivotHeadConfig,
+    fit_norm,
+    head_logits,
+    init_head_params,
+)
+from training import common
+from training.rollouts import LabelConfig, LabelledSet
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ASSETS = REPO / "specjax" / "assets"
+DEFAULT_DATASET = REPO / "runs" / "pivot" / "labels.npz"
+DEFAULT_CKPT = REPO / "runs" / "pivot" / "ckpt"
+DEFAULT_OUT = ASSETS / "pivot"
+
+
+# ----------------------------------------------------------------------------- data checks
+
+
+def check_labels(labels: np.ndarray, what: str = "labelled set") -> None:
+    """Raises ``ValueError`` for an empty set or one with a single class."""
+    labels = np.asarray(labels)
+    if labels.size == 0:
+        raise ValueError(
+            f"the {what} is empty: no rejected draft tokens survived labelling and filtering. "
+            "Gather more prompts (--prompts), or loosen the filter (--pos-max-draft-util / "
+            "--neg-min-draft-util)."
+        )
+    n_pos = int((labels == 1).sum())
+    n_neg = int((labels == 0).sum())
+    if n_pos + n_neg != labels.size:
+        raise ValueError(f"labels must be 0 (non-pivot) or 1 (pivot), got {np.unique(labels).tolist()}.")
+    if n_pos < 2 or n_neg < 2:
+        only = "pivot" if n_neg == 0 else "non-pivot" if n_pos == 0 else None
+        msg = (f"the {what} has labels of one class only ({labels.size} {only} rows)" if only
+               else f"the {what} has {n_pos} pivot and {n_neg} non-pivot rows")
+        raise ValueError(
+            msg + ": a classifier needs at least 2 of each class (one per split). Gather more "
+            "prompts, or change --thr / --mode so both outcomes occur."
+        )
+
+
+def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Train / held-out indices, each class split ``1 - f : f`` (at least one each side)."""
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for c in (0, 1):
+        idx = np.flatnonzero(labels == c)
+        idx = idx[rng.permutation(len(idx))]
+        n_val = int(np.clip(round(len(idx) * val_fraction), 1, len(idx) - 1))
+        val.append(idx[:n_val])
+        train.append(idx[n_val:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Mann-Whitney AUC (ties count one half)."""
+    scores, labels = np.asarray(scores, np.float64), np.asarray(labels)
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    if len(pos) == 0 or len(neg) == 0:
+        return float("nan")
+    order = np.argsort(np.concatenate([pos, neg]), kind="mergesort")
+    allv = np.concatenate([pos, neg])[order]
+    ranks = np.empty(len(allv))
+    i = 0
+    while i < len(allv):  # average ranks over ties
+        j = i
+        while j + 1 < len(allv) and allv[j + 1] == allv[i]:
+            j += 1
+        ranks[i: j + 1] = (i + j) / 2 + 1
+        i = j + 1
+    r = np.empty(len(allv))
+    r[order] = ranks
+    r_pos = r[: len(pos)].sum()
+    return float((r_pos - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+
+
+def classifier_report(p_pivot: np.ndarray, labels: np.ndarray, sigmas: Sequence[float]) -> dict:
+    """AUC; per sigma, pivot recall (P > sigma: PAD still rejects) and the
+    share of non-pivots PAD would accept (P <= sigma)."""
+    p_pivot, labels = np.asarray(p_pivot), np.asarray(labels)
+    out = {"auc": roc_auc(p_pivot, labels), "n": int(labels.size), "pivots": int(labels.sum())}
+    for s in sigmas:
+        flag = p_pivot > s
+        out[f"recall@{s:g}"] = float(flag[labels == 1].mean()) if (labels == 1).any() else float("nan")
+        out[f"nonpivot_accept@{s:g}"] = float((~flag[labels == 0]).mean()) if (labels == 0).any() else float("nan")
+    return out
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    arch: str = "pad"
+    steps: int = 2000
+    lr: float = 1e-3  # the authors use 1e-5 on unnormalised 4096-d features
+    weight_decay: float = 0.01
+    warmup: int = 50
+    val_fraction: float = 0.2
+    seed: int = 0
+    width: int = 128
+    checkpoint_every: int = 200
+
+
+def _balanced_ce(logits, labels, weights):
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    w = weights[labels]
+    return jnp.sum(w * ce) / jnp.sum(w)
+
+
+def _class_weights(labels: np.ndarray) -> np.ndarray:
+    counts = np.bincount(labels, minlength=2).astype(np.float64)
+    return (labels.size / (2.0 * np.maximum(counts, 1.0))).astype(np.float32)
+
+
+def _fingerprint(*arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(str(a.shape).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]
+
+
+def train_head(
+    hidden: np.ndarray,
+    scalars: np.ndarray,
+    labels: np.ndarray,
+    *,
+    config: TrainConfig = TrainConfig(),
+    layer: int = -8,
+    target_num_layers: Optional[int] = None,
+    ckpt_dir: Optional[str | pathlib.Path] = None,
+    fresh: bool = False,
+    sigmas: Sequence[float] = (0.5, 0.7),
+    progress: bool = True,
+    stop_after: Optional[int] = None,
+    log=print,
+) -> tuple[PivotHead, dict]:
+    """Trains a pivot head; returns ``(head with the best held-out loss, report)``.
+
+    With ``ckpt_dir``, Orbax checkpoints (every ``config.checkpoint_every``
+    steps and at the end) hold the optimizer state and the best parameters so
+    far; calling again with the same data and config resumes from the latest
+    one and ends exactly where an uninterrupted run would. ``stop_after``
+    stops after that many steps of this call (simulates a kill; tests).
+
+    Raises:
+      ValueError: empty data, one class only, mismatched shapes, or a
+        checkpoint directory holding a different run (pass ``fresh=True``).
+    """
+    hidden = np.asarray(hidden, np.float32)
+    scalars = np.asarray(scalars, np.float32)
+    labels = np.asarray(labels).astype(np.int32).reshape(-1)
+    check_labels(labels)
+    if hidden.ndim != 2 or scalars.shape != (len(labels), 2) or hidden.shape[0] != len(labels):
+        raise ValueError(
+            f"expected hidden [N, H], scalars [N, 2], labels [N]; got {hidden.shape}, "
+            f"{scalars.shape}, {labels.shape}."
+        )
+    if config.arch not in ARCHS:
+        raise ValueError(f"unknown arch {config.arch!r}; valid: {', '.join(ARCHS)}")
+    tr, va = stratified_split(labels, config.val_fraction, config.seed)
+    norm = fit_norm(hidden[tr], scalars[tr])
+    head_cfg = PivotHeadConfig(hidden_size=hidden.shape[1], layer=int(layer),
+                               target_num_layers=target_num_layers, arch=config.arch, width=config.width)
+    params0 = init_head_params(head_cfg, jax.random.key(config.seed), norm)
+    net0 = params0["net"]
+
+    train = tuple(jnp.asarray(x) for x in (hidden[tr], scalars[tr], labels[tr], _class_weights(labels[tr])))
+    val = tuple(jnp.asarray(x) for x in (hidden[va], scalars[va], labels[va], _class_weights(labels[va])))
+
+    def loss_on(net, data):
+        h, s, y, w = data
+        logits = head_logits(head_cfg, {"net": net, "norm": norm}, h, s)
+        return _balanced_ce(logits, y, w)
+
+    optimizer = common.adamw(
+        config.lr, config.steps, warmup_steps=min(config.warmup, max(config.steps // 10, 1)),
+        weight_decay=config.weight_decay, b2=0.999, clip_norm=None,
+    )
+
+    @jax.jit
+    def step_fn(state, batch):
+        tr_data, va_data = batch
+        loss, grads = jax.value_and_grad(loss_on)(state["params"], tr_data)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        vloss = loss_on(params, va_data)
+        better = vloss < state["best_loss"]
+        best = jax.tree.map(lambda n, o: jnp.where(better, n, o), params, state["best_params"])
+        new = {
+            "step": state["step"] + 1,
+            "params": params,
+            "opt_state": opt_state,
+            "best_params": best,
+            "best_loss": jnp.where(better, vloss, state["best_loss"]),
+            "best_step": jnp.where(better, state["step"] + 1, state["best_step"]),
+        }
+        return new, {"loss": loss, "val_loss": vloss, "grad_norm": optax.global_norm(grads)}
+
+    init_val = float(jax.jit(loss_on)(net0, val))
+    state = common.init_state(net0, optimizer)
+    state.update(best_params=net0, best_loss=jnp.float32(init_val), best_step=jnp.int32(0))
+
+    run_id = {
+        "data": _fingerprint(hidden, scalars, labels),
+        "train": dataclasses.asdict(config) | {"checkpoint_every": None},
+        "layer": int(layer),
+    }
+    meta = {"run": run_id, "initial_val_loss": init_val}
+    ckpt = None
+    if ckpt_dir is not None:
+        ckpt_dir = pathlib.Path(ckpt_dir)
+        if fresh and ckpt_dir.exists():
+            shutil.rmtree(ckpt_dir)
+        ckpt = common.Checkpointer(ckpt_dir, every_seconds=float("inf"),
+                                   every_steps=max(int(config.checkpoint_every), 1))
+        restored = ckpt.restore(state)
+        if restored is not None:
+            r_state, r_meta = restored
+            if r_meta.get("run") != json.loads(json.dumps(run_id)):
+                ckpt.close()
+                raise ValueError(
+                    f"{ckpt_dir} holds checkpoints of a different run (other data or settings); "
+                    "pass --fresh to discard them or choose another --ckpt-dir."
+                )
+            state, meta = r_state, r_meta
+            log(f"[pivot] resuming from step {int(state['step'])} in {ckpt_dir}")
+
+    batch = (train, val)
+    try:
+        state, meta = common.train_loop(
+            state, step_fn, lambda step: batch, config.steps, checkpointer=ckpt, meta=meta,
+            log_every=max(config.steps // 10, 1), desc="pivot", progress=progress, stop_after=stop_after,
+        )
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+
+    best_net = jax.device_get(state["best_params"])
+    head = PivotHead(head_cfg, {"net": best_net, "norm": jax.device_get(norm)})
+    p_val = np.asarray(head.prob_pivot(val[0], val[1]))
+    p_tr = np.asarray(head.prob_pivot(train[0], train[1]))
+    report = {
+        "steps_run": int(state["step"]),
+        "best_step": int(state["best_step"]),
+        "initial_val_loss": float(meta["initial_val_loss"]),
+        "best_val_loss": float(state["best_loss"]),
+        "final_train_loss": float(meta.get("last_loss", float("nan"))),
+        "train_rows": int(len(tr)),
+        "val_rows": int(len(va)),
+        "heldout": classifier_report(p_val, labels[va], sigmas),
+        "train": classifier_report(p_tr, labels[tr], sigmas),
+    }
+    head = dataclasses.replace(head, config=dataclasses.replace(head_cfg, info=report))
+    return head, report
+
+
+# ----------------------------------------------------------------------------- embedded pair
+
+
+def _load_pair(target_dir, draft_dir):
+    import specjax
+
+    for d in (target_dir, draft_dir):
+        if not (pathlib.Path(d) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{d}/config.json not found: the embedded pair is trained by `python -m training.lm` "
+                "(or pass --target / --draft)."
+            )
+    target, draft = specjax.load(str(target_dir)), specjax.load(str(draft_dir))
+    return specjax.pair(target, draft), target.tokenizer
+
+
+def task_prompts(tokenizer, pairs) -> tuple[list[list[int]], list[str]]:
+    from training import data
+    from training import tokenizer as tokenizer_lib
+
+    texts = [data.task_prompt(int(a), int(b)) for a, b in pairs]
+    prompts = [[tokenizer_lib.BOS_ID] + ids for ids in tokenizer_lib.encode_batch(tokenizer, texts)]
+    return prompts, [data.task_answer(int(a), int(b)) for a, b in pairs]
+
+
+def gather_task_labels(args) -> LabelledSet:
+    from training import data, rollouts
+    from training import tokenizer as tokenizer_lib
+
+    pair, tok = _load_pair(args.target, args.draft)
+    pool = data.train_pairs()  # every pair outside the held-out set
+    rng = np.random.default_rng(args.seed)
+    pairs = pool[rng.choice(len(pool), size=min(args.prompts, len(pool)), replace=False)]
+    prompts, answers = task_prompts(tok, pairs)
+    eos = rollouts.newline_token_ids(tok, pair.vocab_size) + [tokenizer_lib.EOS_ID]
+    parts = []
+    for temp in args.label_temperatures:
+        cfg = LabelConfig(
+            num_rollouts=args.rollouts, rollout_temperature=args.rollout_temperature, thr=args.thr,
+            mode=args.mode, temperature=temp, max_new_tokens=args.max_new_tokens,
+            hidden_layer=args.hidden_layer, batch_size=args.batch, seed=args.seed,
+            pos_max_draft_util=args.pos_max_draft_util, neg_min_draft_util=args.neg_min_draft_util,
+        )
+        print(f"[pivot] labelling {len(prompts)} training-split task prompts at T={temp} "
+              f"({args.rollouts} rollouts per side at T={args.rollout_temperature})", flush=True)
+        parts.append(rollouts.gather_labels(pair, prompts, rollouts.task_utility(tok, answers), cfg,
+                                            eos_token_ids=eos, progress=not args.no_progress))
+    meta = dict(parts[0].meta)
+    meta["label_temperatures"] = list(args.label_temperatures)
+    meta["task_pairs"] = "training split (training.data.train_pairs), held-out pairs excluded"
+    for k in ("steps", "candidates", "pivots"):
+        meta[k] = sum(p.meta[k] for p in parts)
+    ds = LabelledSet.concat(parts, parts[0].hidden.shape[1], meta)
+    ds.save(args.dataset)
+    print(f"[pivot] {len(ds)} labelled rejections ({int(ds.labels.sum())} pivots), "
+          f"{int(ds.keep.sum())} kept by the filter -> {args.dataset}", flush=True)
+    return ds
+
+
+def evaluate(args) -> dict:
+    """Tau and accuracy on the held-out task: target-only, lossless SD, PAD per sigma."""
+    import specjax
+    from specjax.rules import pad, speculative_sampling
+    from training import data, rollouts
+    from training import tokenizer as tokenizer_lib
+
+    pair, tok = _load_pair(args.target, args.draft)
+    pairs = data.heldout_pairs()[: args.eval_prompts]
+    prompts, answers = task_prompts(tok, pairs)
+    eos = rollouts.newline_token_ids(tok, pair.vocab_size) + [tokenizer_lib.EOS_ID]
+    head = args.head or args.out
+
+    def acc(out):
+        return float(np.mean([data.score_answer(tokenizer_lib.decode(tok, t), a)
+                              for t, a in zip(out.to_lists(), answers)]))
+
+    results = {}
+    common_kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+    for temp in args.temperatures:
+        rows = {}
+        seeds = [0] if temp == 0 else list(range(args.eval_seeds))
+        for name, rule in [("sd", speculative_sampling())] + [
+            (f"pad@{s:g}", pad(head, sigma=s)) for s in args.sigma
+        ] + [("target", None)]:
+            accs, taus, pard = [], [], []
+            for seed in seeds:
+                key = jax.random.key(1000 + seed)
+                if rule is None:
+                    out = specjax.generate(pair, prompts, temperature=temp, key=key, **common_kw)
+                else:
+                    out = specjax.decode(pair, prompts, rule=rule, num_draft=args.num_draft,
+                                         temperature=temp, key=key, **common_kw)
+                    taus.append(out.stats.tau)
+                    paths = out.stats.accepted_by_path_total
+                    pard.append(paths.get("pardon", 0) / max(sum(paths.values()), 1))
+                accs.append(acc(out))
+            rows[name] = {"accuracy": float(np.mean(accs))}
+            if taus:
+                rows[name].update(tau=float(np.mean(taus)), pardon_share=float(np.mean(pard)))
+        tgt = rows["target"]["accuracy"]
+        for name, r in rows.items():
+            r["recovery"] = r["accuracy"] / tgt if tgt > 0 else float("nan")
+        results[f"T={temp:g}"] = rows
+        print(f"[pivot] held-out task, T={temp:g}, K={args.num_draft}, {len(prompts)} problems"
+              f"{'' if temp == 0 else f', {len(seeds)} seeds'}:")
+        for name, r in rows.items():
+            extra = f" tau {r['tau']:.3f}  pardoned {r['pardon_share']:.1%} of accepted" if "tau" in r else ""
+            print(f"  {name:8s} acc {r['accuracy']:.3f}  recovery {r['recovery']:.3f}{extra}")
+    return results
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m training.pivot",
+        description=__doc__.split("Examples::")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Examples:\n" + __doc__.split("Examples::")[1],
+    )
+    g = p.add_argument_group("models and files")
+    g.add_argument("--target", default=str(ASSETS / "models" / "target"), help="target model directory (HF or converted)")
+    g.add_argument("--draft", default=str(ASSETS / "models" / "draft"), help="draft model directory")
+    g.add_argument("--dataset", default=str(DEFAULT_DATASET),
+                   help="labelled dataset (.npz): loaded if it exists, written by --gather (default: %(default)s)")
+    g.add_argument("--gather", action="store_true", help="(re)gather labels with rollouts even if --dataset exists")
+    g.add_argument("--out", default=str(DEFAULT_OUT), help="where the trained head is written (default: %(default)s)")
+    g.add_argument("--ckpt-dir", default=str(DEFAULT_CKPT), help="Orbax checkpoints; a re-run resumes (default: %(default)s)")
+    g.add_argument("--fresh", action="store_true", help="discard existing checkpoints in --ckpt-dir")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    g = p.add_argument_group("labelling (with --gather)")
+    g.add_argument("--prompts", type=int, default=1000, help="training-split task prompts to label (default: %(default)s)")
+    g.add_argument("--rollouts", type=int, default=20, help="target rollouts per side per rejection (default: %(default)s)")
+    g.add_argument("--rollout-temperature", type=float, default=0.7, help="rollout sampling temperature (default: %(default)s)")
+    g.add_argument("--label-temperatures", type=float, nargs="+", default=[0.0, 1.0],
+                   help="temperatures of the labelled trajectories; 0 = greedy mismatches, >0 = SD rejections (default: %(default)s)")
+    g.add_argument("--thr", type=float, default=1.0, help="pivot iff util(draft) < thr*util(target) (mul) (default: %(default)s)")
+    g.add_argument("--mode", choices=("mul", "add"), default="mul", help="add: pivot iff util(draft) < util(target) - thr")
+    g.add_argument("--pos-max-draft-util", type=float, default=0.5, help="keep pivots only if util(draft) <= this (default: %(default)s)")
+    g.add_argument("--neg-min-draft-util", type=float, default=0.8, help="keep non-pivots only if util(draft) >= this (default: %(default)s)")
+    g.add_argument("--hidden-layer", type=int, default=-8, help="target block whose output is the feature; clamped to the depth (default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=6, help="answer budget in tokens (default: %(default)s)")
+    g.add_argument("--batch", type=int, default=32, help="prompts per labelling batch (default: %(default)s)")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--arch", choices=ARCHS, default="pad", help="pad = the authors' head (default), linear, mlp")
+    g.add_argument("--steps", type=int, default=2000, help="full-batch AdamW steps (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: %(default)s)")
+    g.add_argument("--val-fraction", type=float, default=0.2, help="held-out share, stratified (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="split, init and prompt sampling seed (default: %(default)s)")
+    g.add_argument("--sigma", type=float, nargs="+", default=[0.5, 0.7], help="thresholds to report / evaluate (default: %(default)s)")
+    g.add_argument("--all-rows", action="store_true", help="train on every labelled row, not only those the authors' filter keeps")
+
+    g = p.add_argument_group("evaluation (--evaluate)")
+    g.add_argument("--evaluate", action="store_true", help="measure tau / accuracy of a written head on the held-out task, then exit")
+    g.add_argument("--head", default=None, help="head directory to evaluate (default: --out)")
+    g.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="decode temperatures (default: %(default)s)")
+    g.add_argument("--num-draft", type=int, default=4, help="K, draft tokens per cycle (default: %(default)s)")
+    g.add_argument("--eval-prompts", type=int, default=500, help="held-out problems (default: all %(default)s)")
+    g.add_argument("--eval-seeds", type=int, default=3, help="seeds averaged at T > 0 (default: %(default)s)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.evaluate:
+        res = evaluate(args)
+        out = pathlib.Path(args.head or args.out) / "eval.json"
+        if out.parent.is_dir():
+            out.write_text(json.dumps(res, indent=2) + "\n")
+            print(f"[pivot] wrote {out}")
+        return 0
+    t0 = time.time()
+    if args.gather or not pathlib.Path(args.dataset).is_file():
+        ds = gather_task_labels(args)
+    else:
+        ds = LabelledSet.load(args.dataset)
+        print(f"[pivot] loaded {len(ds)} labelled rows from {args.dataset}")
+    if args.all_rows:
+        hidden, scalars, labels = ds.hidden, ds.scalars, ds.labels
+    else:
+        hidden, scalars, labels = ds.training_rows()
+    print(f"[pivot] training on {len(labels)} rows ({int(np.sum(labels))} pivots)", flush=True)
+    cfg = TrainConfig(arch=args.arch, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
+                      val_fraction=args.val_fraction, seed=args.seed)
+    head, report = train_head(
+        hidden, scalars, labels, config=cfg, layer=int(ds.meta.get("layer", args.hidden_layer)),
+        target_num_layers=ds.meta.get("target_num_layers"), ckpt_dir=args.ckpt_dir, fresh=args.fresh,
+        sigmas=args.sigma, progress=not args.no_progress,
+    )
+    report["dataset"] = {k: ds.meta.get(k) for k in ("candidates", "pivots", "num_prompts", "label_temperatures", "config")}
+    report["dataset"]["kept_rows"] = int(ds.keep.sum())
+    head = dataclasses.replace(head, config=dataclasses.replace(head.config, info=report))
+    out = head.save(args.out)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    h = report["heldout"]
+    print(f"[pivot] best held-out loss {report['best_val_loss']:.4f} (from {report['initial_val_loss']:.4f}) "
+          f"at step {report['best_step']}; held-out AUC {h['auc']:.3f}; "
+          + ", ".join(f"sigma {s:g}: pivot recall {h[f'recall@{s:g}']:.3f}, non-pivots accepted "
+                      f"{h[f'nonpivot_accept@{s:g}']:.3f}" for s in args.sigma))
+    print(f"[pivot] wrote {out} in {time.time() - t0:.0f} s; use specjax.rules.pad(head='{out}')")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
