@@ -31,11 +31,11 @@ CFG = pivot.TrainConfig(steps=60, lr=3e-3, warmup=5, checkpoint_every=20)
 
 
 def test_training_reduces_heldout_loss_and_separates():
-    head, report = pivot.train_head(*synthetic(), config=CFG, layer=-2, progress=False, log=lambda *_: None)
+    head, report = pivot.train_head(*synthetic(), config=CFG, progress=False, log=lambda *_: None)
     assert report["best_val_loss"] < 0.5 * report["initial_val_loss"]
     assert report["heldout"]["auc"] > 0.95
     assert report["heldout"]["recall@0.5"] > 0.9
-    assert head.config.hidden_size == H and head.layer == -2
+    assert head.config.hidden_size == H and head.layer == -8
 
 
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):

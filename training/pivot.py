@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -148,7 +149,7 @@ def classifier_report(p_pivot: np.ndarray, labels: np.ndarray, sigmas: Sequence[
 # ----------------------------------------------------------------------------- training
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     arch: str = "pad"
     steps: int = 2000
@@ -179,6 +180,48 @@ def _fingerprint(*arrays) -> str:
         h.update(str(a.shape).encode())
         h.update(a.tobytes())
     return h.hexdigest()[:16]
+
+
+def _optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
+    return common.adamw(
+        tcfg.lr, tcfg.steps, warmup_steps=min(tcfg.warmup, max(tcfg.steps // 10, 1)),
+        weight_decay=tcfg.weight_decay, b2=0.999, clip_norm=None,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("head_cfg",))
+def _loss(net, norm, data, *, head_cfg):
+    h, s, y, w = data
+    return _balanced_ce(head_logits(head_cfg, {"net": net, "norm": norm}, h, s), y, w)
+
+
+@functools.partial(jax.jit, static_argnames=("head_cfg",))
+def _prob_pivot(params, h, s, *, head_cfg):
+    return jax.nn.softmax(head_logits(head_cfg, params, h, s), -1)[..., 1]
+
+
+@functools.partial(jax.jit, static_argnames=("head_cfg", "tcfg"))
+def _train_step(state, batch, *, head_cfg, tcfg):
+    """One full-batch AdamW step, then the held-out loss; keeps the best params
+    (and their step) in the state, so checkpoints carry them across a resume.
+    Module-level with static configs: repeated / resumed runs reuse one compile."""
+    tr_data, va_data, norm = batch
+    optimizer = _optimizer(tcfg)
+    loss, grads = jax.value_and_grad(_loss)(state["params"], norm, tr_data, head_cfg=head_cfg)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    vloss = _loss(params, norm, va_data, head_cfg=head_cfg)
+    better = vloss < state["best_loss"]
+    best = jax.tree.map(lambda n, o: jnp.where(better, n, o), params, state["best_params"])
+    new = {
+        "step": state["step"] + 1,
+        "params": params,
+        "opt_state": opt_state,
+        "best_params": best,
+        "best_loss": jnp.where(better, vloss, state["best_loss"]),
+        "best_step": jnp.where(better, state["step"] + 1, state["best_step"]),
+    }
+    return new, {"loss": loss, "val_loss": vloss, "grad_norm": optax.global_norm(grads)}
 
 
 def train_head(
@@ -229,37 +272,10 @@ def train_head(
     train = tuple(jnp.asarray(x) for x in (hidden[tr], scalars[tr], labels[tr], _class_weights(labels[tr])))
     val = tuple(jnp.asarray(x) for x in (hidden[va], scalars[va], labels[va], _class_weights(labels[va])))
 
-    def loss_on(net, data):
-        h, s, y, w = data
-        logits = head_logits(head_cfg, {"net": net, "norm": norm}, h, s)
-        return _balanced_ce(logits, y, w)
+    step_fn = functools.partial(_train_step, head_cfg=head_cfg, tcfg=config)
 
-    optimizer = common.adamw(
-        config.lr, config.steps, warmup_steps=min(config.warmup, max(config.steps // 10, 1)),
-        weight_decay=config.weight_decay, b2=0.999, clip_norm=None,
-    )
-
-    @jax.jit
-    def step_fn(state, batch):
-        tr_data, va_data = batch
-        loss, grads = jax.value_and_grad(loss_on)(state["params"], tr_data)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        vloss = loss_on(params, va_data)
-        better = vloss < state["best_loss"]
-        best = jax.tree.map(lambda n, o: jnp.where(better, n, o), params, state["best_params"])
-        new = {
-            "step": state["step"] + 1,
-            "params": params,
-            "opt_state": opt_state,
-            "best_params": best,
-            "best_loss": jnp.where(better, vloss, state["best_loss"]),
-            "best_step": jnp.where(better, state["step"] + 1, state["best_step"]),
-        }
-        return new, {"loss": loss, "val_loss": vloss, "grad_norm": optax.global_norm(grads)}
-
-    init_val = float(jax.jit(loss_on)(net0, val))
-    state = common.init_state(net0, optimizer)
+    init_val = float(_loss(net0, norm, val, head_cfg=head_cfg))
+    state = common.init_state(net0, _optimizer(config))
     state.update(best_params=net0, best_loss=jnp.float32(init_val), best_step=jnp.int32(0))
 
     run_id = {
@@ -287,7 +303,7 @@ def train_head(
             state, meta = r_state, r_meta
             log(f"[pivot] resuming from step {int(state['step'])} in {ckpt_dir}")
 
-    batch = (train, val)
+    batch = (train, val, norm)
     try:
         state, meta = common.train_loop(
             state, step_fn, lambda step: batch, config.steps, checkpointer=ckpt, meta=meta,
@@ -299,8 +315,8 @@ def train_head(
 
     best_net = jax.device_get(state["best_params"])
     head = PivotHead(head_cfg, {"net": best_net, "norm": jax.device_get(norm)})
-    p_val = np.asarray(head.prob_pivot(val[0], val[1]))
-    p_tr = np.asarray(head.prob_pivot(train[0], train[1]))
+    p_val = np.asarray(_prob_pivot(head.params, val[0], val[1], head_cfg=head_cfg))
+    p_tr = np.asarray(_prob_pivot(head.params, train[0], train[1], head_cfg=head_cfg))
     report = {
         "steps_run": int(state["step"]),
         "best_step": int(state["best_step"]),

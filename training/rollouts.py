@@ -12,9 +12,10 @@ proposing and the target judging (pad.txt, the authors' labelling):
 2. where standard SD rejects ``x_d`` (greedy: ``x_d != argmax p``; sampling:
    the coin ``U * q(x) > p(x)``, with the correction ``x_t`` drawn from the
    residual), ``N`` target continuations at ``rollout_temperature`` are
-   sampled from ``prefix + x_d`` and ``N`` from ``prefix + x_t`` — all rows of
-   a batch in one jitted :func:`specjax.generate` call with one key per row,
-   not a Python loop per rollout — and each is scored by the utility;
+   sampled from ``prefix + x_d`` and ``N`` from ``prefix + x_t`` — the
+   rollouts of ``rollout_chunk`` candidates at once in one jitted
+   :func:`specjax.generate` call (fixed shape, one key per row), not a Python
+   loop per rollout — and each is scored by the utility;
 3. ``pivot = util(draft) < thr * util(target)`` (``mode="mul"``) or
    ``util(draft) < util(target) - thr`` (``mode="add"``);
 4. the trajectory continues with ``x_d`` if it is not a pivot, else ``x_t``.
@@ -67,7 +68,8 @@ class LabelConfig:
     temperature: float = 0.0  # the labelled trajectory: 0 greedy, > 0 SD sampling
     max_new_tokens: int = 6  # trajectory length; rollouts get the same budget
     hidden_layer: int = -8  # clamped to the target's depth
-    batch_size: int = 32  # prompts per trajectory batch (rollout rows: 2 * N * batch)
+    batch_size: int = 32  # prompts per trajectory batch
+    rollout_chunk: int = 8  # candidates per generate call (rows: 2 * N * chunk)
     pos_max_draft_util: float = 0.5
     neg_min_draft_util: float = 0.8
     seed: int = 0
@@ -307,7 +309,8 @@ def gather_labels(
             stats["steps"] += 1
             if cand.any():
                 u_d, u_t = _rollout_utilities(pair, buf, lengths, plen, idx, x_d, x_t, cand, utility,
-                                              k_roll, n_roll, m, float(config.rollout_temperature), eos)
+                                              k_roll, n_roll, m, float(config.rollout_temperature), eos,
+                                              chunk=config.rollout_chunk)
                 pivot = decide_pivot(u_d, u_t, config.thr, config.mode)
                 keep = training_filter(u_d, u_t, pivot, config.pos_max_draft_util, config.neg_min_draft_util)
                 chosen = np.where(cand & pivot, x_t, x_d)
@@ -351,34 +354,40 @@ def gather_labels(
 
 
 def _rollout_utilities(pair, buf, lengths, plen, idx, x_d, x_t, cand, utility, key, n_roll, m,
-                       temperature, eos):
+                       temperature, eos, chunk: int = 8):
     """Mean utility of ``n_roll`` target rollouts from ``prefix + x_d`` and ``prefix + x_t``
-    for every row of the batch (non-candidates are computed too, to keep one
-    compiled shape, and ignored). One :func:`specjax.generate` call."""
+    for the candidate rows of the batch.
+
+    Candidates are packed ``chunk`` at a time (the last chunk padded by
+    repeating a candidate) into ``[chunk * 2 * n_roll, W]`` prompt rows, so
+    every call of :func:`specjax.generate` has one shape: one compile, one
+    jitted on-device loop per chunk with one PRNG key per row.
+    """
     bsz, width = buf.shape
-    rows = np.arange(bsz)
-    starts = np.empty((bsz, 2, width), np.int32)
-    for side, tok in enumerate((x_d, x_t)):
-        s = buf.copy()
-        s[rows, lengths] = tok
-        starts[:, side] = s
-    prompts = np.repeat(starts[:, :, None, :], n_roll, axis=2).reshape(-1, width)
-    plens = np.repeat(np.broadcast_to((lengths + 1)[:, None], (bsz, 2)), n_roll, axis=1).reshape(-1)
-    keys = jax.random.split(key, prompts.shape[0])
-    out = specjax.generate(
-        pair, prompts, prompt_lengths=plens, max_new_tokens=m, temperature=temperature,
-        eos_token_id=list(eos) if eos else None, key=keys,
-    )
-    toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
-    sel = np.flatnonzero(np.repeat(cand, 2 * n_roll))
-    comps = []
-    ex = []
-    for j in sel:
-        b = j // (2 * n_roll)
-        comps.append(prompts[j, plen[b]: plens[j]].tolist() + toks[j, : lens[j]].tolist())
-        ex.append(idx[b])
-    util = np.zeros((bsz * 2 * n_roll,), np.float64)
-    if sel.size:
-        util[sel] = np.asarray(utility(np.asarray(ex), comps), np.float64)
-    util = util.reshape(bsz, 2, n_roll).mean(-1)
-    return util[:, 0], util[:, 1]
+    util_d = np.zeros((bsz,), np.float64)
+    util_t = np.zeros((bsz,), np.float64)
+    rows_c = np.flatnonzero(cand)
+    chunk = int(min(chunk, bsz))
+    for ci, c0 in enumerate(range(0, len(rows_c), chunk)):
+        sel = rows_c[c0: c0 + chunk]
+        real = len(sel)
+        sel = np.concatenate([sel, np.full((chunk - real,), sel[0])])
+        starts = np.repeat(buf[sel][:, None, :], 2, axis=1)  # [C, 2, W]
+        starts[np.arange(chunk), 0, lengths[sel]] = x_d[sel]
+        starts[np.arange(chunk), 1, lengths[sel]] = x_t[sel]
+        prompts = np.repeat(starts[:, :, None, :], n_roll, axis=2).reshape(-1, width)
+        plens = np.repeat(lengths[sel] + 1, 2 * n_roll)
+        keys = jax.random.split(jax.random.fold_in(key, ci), prompts.shape[0])
+        out = specjax.generate(
+            pair, prompts, prompt_lengths=plens, max_new_tokens=m, temperature=temperature,
+            eos_token_id=list(eos) if eos else None, key=keys,
+        )
+        toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
+        n_used = real * 2 * n_roll
+        owner = np.repeat(sel, 2 * n_roll)[:n_used]
+        comps = [prompts[j, plen[owner[j]]: plens[j]].tolist() + toks[j, : lens[j]].tolist()
+                 for j in range(n_used)]
+        u = np.asarray(utility(np.asarray(idx[owner]), comps), np.float64).reshape(real, 2, n_roll).mean(-1)
+        util_d[sel[:real]] = u[:, 0]
+        util_t[sel[:real]] = u[:, 1]
+    return util_d, util_t
