@@ -345,7 +345,10 @@ def _load_pair(target_dir, draft_dir):
                 "(or pass --target / --draft)."
             )
     target, draft = specjax.load(str(target_dir)), specjax.load(str(draft_dir))
-    return specjax.pair(target, draft), target.tokenizer
+    tok = target.tokenizer
+    # A tokenizers.Tokenizer has neither len() nor .vocab_size; pass its size explicitly.
+    size = tok.get_vocab_size() if hasattr(tok, "get_vocab_size") else None
+    return specjax.pair(target, draft, vocab_size=size), tok
 
 
 def task_prompts(tokenizer, pairs) -> tuple[list[list[int]], list[str]]:
