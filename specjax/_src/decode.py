@@ -546,7 +546,7 @@ class _Drafts(NamedTuple):
     forwards: Array  # scalar int32
 
 
-def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_keys, temperature, top_p):
+def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_gumbel, temperature, top_p):
     module, params = pair_params.draft.module, pair_params.draft.params
     policy: drafting_lib.DraftingPolicy = cfg.drafting.value
     vocab, k_max = pair_params.vocab_size, cfg.num_draft
@@ -569,8 +569,8 @@ def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_keys, t
         if cfg.greedy:
             tok = jnp.argmax(raw, axis=-1).astype(jnp.int32)
         else:
-            keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(draft_keys)
-            tok = jax.vmap(sampling.sample_logits)(keys, logits)
+            noise = jax.lax.dynamic_index_in_dim(draft_gumbel, j, axis=1, keepdims=False)
+            tok = sampling.gumbel_argmax(logits, noise)
         tok_p = jnp.take_along_axis(probs, tok[:, None], axis=-1)[:, 0]
         ent = sampling.entropy(probs)
         step = drafting_lib.DraftStep(
@@ -623,12 +623,20 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys
     nc, done = state.num_committed, state.done
     batch = nc.shape[0]
 
-    cycle_keys = jax.vmap(lambda k: jax.random.fold_in(k, state.step))(seq_keys)
-    split = jax.vmap(lambda k: jax.random.split(k, 3))(cycle_keys)
-    draft_keys, uniform_keys, emit_keys = split[:, 0], split[:, 1], split[:, 2]
+    # All of a cycle's randomness in one draw per sequence: Gumbel noise for the
+    # K draft samples and the emitted token, and the K acceptance uniforms.
+    if cfg.greedy:
+        draft_gumbel = emit_gumbel = None
+        uniforms = jnp.zeros((batch, k_max), jnp.float32)  # rules ignore them when greedy
+    else:
+        size = (k_max + 1) * vocab + k_max
+        u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, state.step), (size,)))(seq_keys)
+        gumbel = sampling.gumbel_from_uniform(u[:, : (k_max + 1) * vocab]).reshape(batch, k_max + 1, vocab)
+        draft_gumbel, emit_gumbel = gumbel[:, :k_max], gumbel[:, k_max]
+        uniforms = u[:, (k_max + 1) * vocab :]
 
     # ---- draft ----
-    drafts, draft_cache = _draft_phase(cfg, pair_params, state, draft_keys, temperature, top_p)
+    drafts, draft_cache = _draft_phase(cfg, pair_params, state, draft_gumbel, temperature, top_p)
     draft_probs = jax.nn.softmax(drafts.logits, axis=-1)
 
     # ---- verify: one target forward over [last, d_1 .. d_K] ----
@@ -643,7 +651,6 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys
     features = {}
     if cfg.hidden_layers:
         features["hidden"] = {layer: h[:, 1:] for layer, h in zip(cfg.hidden_layers, out.hidden)}
-    uniforms = jax.vmap(lambda k: jax.random.uniform(k, (k_max,), jnp.float32))(uniform_keys)
     inputs = VerifyInputs(
         draft_tokens=drafts.tokens,
         draft_logits=drafts.logits,
@@ -665,8 +672,9 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys
         corr_tok = jnp.argmax(correction, axis=-1).astype(jnp.int32)
         bonus_tok = jnp.argmax(_row(target_logits, n), axis=-1).astype(jnp.int32)
     else:
-        corr_tok = jax.vmap(sampling.sample_probs)(emit_keys, correction)
-        bonus_tok = jax.vmap(sampling.sample_probs)(emit_keys, _row(target_probs, n))
+        # One noise vector serves both: only one of the two tokens is used.
+        corr_tok = sampling.gumbel_argmax(jnp.log(correction), emit_gumbel)
+        bonus_tok = sampling.gumbel_argmax(jnp.log(_row(target_probs, n)), emit_gumbel)
     emitted = jnp.where(n < v, corr_tok, bonus_tok)
 
     # ---- non-finite logits: stop the sequence, emit nothing ----
@@ -974,8 +982,8 @@ def _generate_impl(model: Model, vocab: int, prompts, prompt_lengths, key, tempe
             tok = jnp.argmax(raw, axis=-1).astype(jnp.int32)
         else:
             logits = _warp(cfg, raw, temperature, top_p)
-            keys = jax.vmap(lambda k: jax.random.fold_in(k, s.step))(seq_keys)
-            tok = jax.vmap(sampling.sample_logits)(keys, logits)
+            u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, s.step), (vocab,)))(seq_keys)
+            tok = sampling.gumbel_argmax(logits, sampling.gumbel_from_uniform(u))
         bad_now = ~s.done & sampling.nonfinite_rows(raw)
         live = ~s.done & ~bad_now
         tokens = jax.vmap(lambda row, t, off: jax.lax.dynamic_update_slice(row, t[None], (off,)))(

@@ -71,6 +71,26 @@ def warp_logits(
     return logits
 
 
+def gumbel_from_uniform(u: Array) -> Array:
+    """Gumbel(0, 1) noise from Uniform(tiny, 1) draws."""
+    return -jnp.log(-jnp.log(u))
+
+
+def uniform_open(key: Array, shape) -> Array:
+    """Uniform draws in ``[tiny, 1)`` (safe for ``log``)."""
+    return jax.random.uniform(key, shape, jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+
+
+def gumbel_argmax(logits: Array, gumbel: Array) -> Array:
+    """Gumbel-max sampling: ``argmax(logits + g)`` is a draw from ``softmax(logits)``.
+
+    The engine draws all of a cycle's noise with one PRNG call per sequence
+    (fewer inlined PRNG kernels: much faster to compile than one
+    ``jax.random.categorical`` per call site).
+    """
+    return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
+
+
 def sample_logits(key: Array, logits: Array) -> Array:
     """One token from ``softmax(logits)`` (``[V]`` -> int32 scalar)."""
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

@@ -1,0 +1,579 @@
+"""The decode loop: losslessness, greedy parity, compilation, invariance, errors, stats.
+
+Small models keep this file fast on CPU: a bigram table with vocabulary 8 for
+the exact-distribution tests (its two-token distribution is enumerable), and
+tiny random Flax decoders (hidden 32, vocabulary 96) for greedy parity and
+batch invariance. Decoder programs are compiled a handful of times only: the
+tests share shapes so the compile cache is reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import specjax
+from specjax import Decoder, Model, ModelConfig
+from specjax.rules import (
+    AcceptanceRule,
+    Path,
+    RuleSpec,
+    Verdict,
+    lossless_decision,
+    mars,
+    speculative_sampling,
+)
+
+from bigram import bigram_model, random_table
+
+VOCAB = 8
+
+
+# ---------------------------------------------------------------------------
+# Models and helpers
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bigram_pair():
+    target = bigram_model(random_table(0, VOCAB))
+    draft = bigram_model(random_table(1, VOCAB))
+    return specjax.pair(target, draft)
+
+
+def tiny_decoder_pair():
+    """A 2-layer random Llama target and a 1-layer draft sharing its first layer.
+
+    The LM head is scaled up so distributions are peaked (random init gives
+    near-uniform logits); the draft's head is perturbed so it agrees with the
+    target only part of the time.
+    """
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=96, hidden_size=32, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128,
+    )
+    module = Decoder(cfg)
+    params = module.init(jax.random.key(0))
+    params["lm_head"] = params["lm_head"] * 30.0
+    draft_params = {k: v for k, v in params.items() if k != "layer_1"}
+    head = draft_params["lm_head"]
+    noise = jax.random.normal(jax.random.key(5), head.shape)
+    draft_params["lm_head"] = head + 0.3 * jnp.std(head) * noise
+    target = Model(params, module)
+    draft = Model(draft_params, Decoder(cfg.replace(num_layers=1)))
+    return specjax.pair(target, draft)
+
+
+@pytest.fixture(scope="module")
+def decoder_pair():
+    return tiny_decoder_pair()
+
+
+def random_prompts(seed, count, vocab, max_len, min_len=1):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=int(rng.integers(min_len, max_len + 1))).tolist() for _ in range(count)]
+
+
+def padded(prompts, width):
+    arr = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        arr[i, : len(p)] = p
+    return arr, np.array([len(p) for p in prompts], np.int32)
+
+
+@contextlib.contextmanager
+def count_compilations():
+    """Counts XLA backend compilations (every jit cache miss compiles)."""
+    counter = {"n": 0}
+
+    def listener(event, duration, **kwargs):
+        del duration, kwargs
+        if event == "/jax/core/compile/backend_compile_duration":
+            counter["n"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counter
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+# ---------------------------------------------------------------------------
+# Lossless: the first two tokens follow the target's exact distribution
+# ---------------------------------------------------------------------------
+
+
+def np_warp_probs(logits, temperature, top_k, top_p):
+    """An independent numpy reference of temperature -> top-k -> top-p."""
+    z = np.asarray(logits, np.float64) / temperature
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = np.sort(z)[::-1][top_k - 1]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p is not None:
+        order = np.argsort(-p)
+        mass_before = np.cumsum(p[order]) - p[order]
+        keep = np.zeros_like(p, bool)
+        keep[order[mass_before < top_p]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def exact_two_token_distribution(table, last, temperature, top_k, top_p):
+    v = table.shape[0]
+    first = np_warp_probs(table[last], temperature, top_k, top_p)
+    joint = np.zeros((v, v))
+    for x in range(v):
+        joint[x] = first[x] * np_warp_probs(table[x], temperature, top_k, top_p)
+    return joint
+
+
+def two_token_counts(pair, *, rule, num_draft, temperature, top_k, top_p, samples=20000, seed=0):
+    """Samples the first two generated tokens for `samples` sequences whose
+    prompts all end in token 3 (half are [3], half [5, 3]: both prompt paths)."""
+    prompts = np.array([[3, 0], [5, 3]] * (samples // 2), np.int32)
+    lengths = np.array([1, 2] * (samples // 2), np.int32)
+    out = specjax.decode(
+        pair, prompts, prompt_lengths=lengths, rule=rule, num_draft=num_draft, max_new_tokens=2,
+        temperature=temperature, top_k=top_k, top_p=top_p, key=jax.random.key(seed),
+    )
+    toks = np.asarray(out.tokens)
+    assert (np.asarray(out.lengths) == 2).all()
+    counts = np.zeros((VOCAB, VOCAB))
+    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    return counts
+
+
+def goodness_of_fit(counts, expected_probs):
+    """Chi-square p-value (cells with expected count < 5 pooled) and TV distance.
+
+    Also asserts that no impossible pair was ever produced.
+    """
+    n = counts.sum()
+    exp = expected_probs.ravel() * n
+    obs = counts.ravel()
+    impossible = exp == 0
+    assert obs[impossible].sum() == 0, "produced a token pair the target gives probability 0"
+    big = exp >= 5
+    f_obs = np.append(obs[big], obs[~big & ~impossible].sum())
+    f_exp = np.append(exp[big], exp[~big & ~impossible].sum())
+    if f_exp[-1] == 0:
+        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
+    pvalue = scipy_stats.chisquare(f_obs, f_exp).pvalue
+    tv = 0.5 * np.abs(counts / n - expected_probs).sum()
+    return pvalue, tv
+
+
+def wrong_residual_rule():
+    """Deliberately wrong: on rejection, resample from p instead of norm(max(0, p - q))."""
+
+    def verify(inputs, state, *, greedy):
+        del state
+        accept, _ = lossless_decision(inputs, greedy=greedy)
+        k = inputs.draft_tokens.shape[0]
+        path = jnp.where(accept, Path.EXACT, Path.REJECTED).astype(jnp.int32)
+        return Verdict(accept=accept, path=path, correction=inputs.target_probs[:k])
+
+    base = speculative_sampling()
+    return AcceptanceRule(base.init, verify, base.update, RuleSpec("wrong_residual"))
+
+
+LOSSLESS_CASES = [
+    # (num_draft, temperature, top_k, top_p)
+    (3, 1.0, None, None),
+    (1, 1.0, 3, None),
+    (2, 0.7, None, 0.8),
+    (4, 1.3, 5, 0.9),
+]
+
+
+@pytest.mark.parametrize("num_draft,temperature,top_k,top_p", LOSSLESS_CASES)
+def test_lossless_first_two_tokens(bigram_pair, num_draft, temperature, top_k, top_p):
+    table = np.asarray(bigram_pair.target.params["table"])
+    expected = exact_two_token_distribution(table, 3, temperature, top_k, top_p)
+    counts = two_token_counts(
+        bigram_pair, rule=speculative_sampling(), num_draft=num_draft,
+        temperature=temperature, top_k=top_k, top_p=top_p,
+    )
+    pvalue, tv = goodness_of_fit(counts, expected)
+    assert pvalue > 1e-3, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
+    assert tv < 0.03
+
+
+def test_lossless_bound_rejects_a_wrong_residual(bigram_pair):
+    """The same statistic and thresholds fail a rule with the wrong correction."""
+    table = np.asarray(bigram_pair.target.params["table"])
+    expected = exact_two_token_distribution(table, 3, 1.0, None, None)
+    counts = two_token_counts(
+        bigram_pair, rule=wrong_residual_rule(), num_draft=3, temperature=1.0, top_k=None, top_p=None,
+    )
+    pvalue, tv = goodness_of_fit(counts, expected)
+    assert pvalue < 1e-6 and tv > 0.03, f"wrong residual not detected: p={pvalue:.2e}, TV={tv:.4f}"
+
+
+def test_lossless_bound_rejects_a_missing_warp(bigram_pair):
+    """Samples without the top-k warp are caught against the warped target."""
+    table = np.asarray(bigram_pair.target.params["table"])
+    expected = exact_two_token_distribution(table, 3, 1.0, 3, None)
+    # Plain T=1 samples (the first case's program) judged against the top-3
+    # distribution: must be rejected.
+    counts = two_token_counts(
+        bigram_pair, rule=speculative_sampling(), num_draft=3, temperature=1.0, top_k=None, top_p=None,
+    )
+    with pytest.raises(AssertionError, match="probability 0"):
+        goodness_of_fit(counts, expected)
+
+
+# ---------------------------------------------------------------------------
+# Greedy: decode == generate
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_draft", [2, 5])
+def test_greedy_matches_generate_bigram(bigram_pair, num_draft):
+    prompts = random_prompts(1, 30, VOCAB, 9)
+    eos = 6
+    out = specjax.decode(bigram_pair, prompts, num_draft=num_draft, max_new_tokens=13, temperature=0.0, eos_token_id=eos)
+    ref = specjax.generate(bigram_pair.target, prompts, max_new_tokens=13, temperature=0.0, eos_token_id=eos)
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    lens = np.asarray(out.lengths)
+    toks = np.asarray(out.tokens)
+    for b in range(len(prompts)):
+        row = toks[b, : lens[b]].tolist()
+        assert eos not in row[:-1]
+        assert lens[b] == 13 or row[-1] == eos
+        assert (toks[b, lens[b]:] == 0).all()  # padded after the end
+    assert ref.stats.tau == 1.0  # generate: one token per cycle
+    np.testing.assert_array_equal(np.asarray(ref.stats.cycles), np.asarray(ref.lengths))
+
+
+@pytest.mark.parametrize("num_draft", [1, 3])
+def test_greedy_matches_generate_decoder(decoder_pair, num_draft):
+    """50 prompts of lengths 1..12 in two mixed batches of 25 (one compile per K)."""
+    prompts = random_prompts(7, 50, 96, 12)
+    for batch in (prompts[:25], prompts[25:]):
+        arr, lens = padded(batch, 12)
+        out = specjax.decode(decoder_pair, arr, prompt_lengths=lens, num_draft=num_draft, max_new_tokens=16, temperature=0.0)
+        ref = specjax.generate(decoder_pair, arr, prompt_lengths=lens, max_new_tokens=16, temperature=0.0)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+        np.testing.assert_array_equal(np.asarray(out.lengths), 16)
+        s = out.stats
+        assert 0.0 < s.acceptance_rate < 1.0  # both the accept and the reject paths ran
+
+
+# ---------------------------------------------------------------------------
+# Compilation, invariance, determinism
+# ---------------------------------------------------------------------------
+
+# Decoder sampling runs share one shape (one compiled program).
+DEC_SHAPE = dict(num_draft=3, max_new_tokens=16)
+DEC_BATCH = 25
+
+
+def test_second_call_compiles_nothing(decoder_pair):
+    arr, lens = padded(random_prompts(3, DEC_BATCH, 96, 12), 12)
+    specjax.decode(decoder_pair, arr, prompt_lengths=lens, key=jax.random.key(0), **DEC_SHAPE)
+    specjax.generate(decoder_pair, arr, prompt_lengths=lens, max_new_tokens=16, temperature=0.0)
+    arr2, lens2 = padded(random_prompts(4, DEC_BATCH, 96, 12), 12)
+    key = jax.random.key(1)
+    rule = speculative_sampling()  # a new, equal rule object
+    with count_compilations() as compiled:
+        # New prompts, key, rule object and temperature (a traced scalar).
+        out = specjax.decode(
+            decoder_pair, arr2, prompt_lengths=lens2, key=key, rule=rule, temperature=0.8, **DEC_SHAPE
+        )
+        ref = specjax.generate(decoder_pair, arr2, prompt_lengths=lens2, max_new_tokens=16, temperature=0.0)
+        jax.block_until_ready((out.tokens, ref.tokens))
+    assert compiled["n"] == 0
+
+
+def test_equal_rules_and_temperatures_share_one_program(bigram_pair):
+    prompts = [[1, 2], [3]]
+    kw = dict(num_draft=2, max_new_tokens=5, top_p=0.9)
+    specjax.decode(bigram_pair, prompts, rule=mars(theta=0.9), key=jax.random.key(0), temperature=1.0, **kw)
+    key = jax.random.key(1)
+    with count_compilations() as compiled:
+        specjax.decode(bigram_pair, [[4, 4], [5]], rule=mars(theta=0.9), key=key, temperature=0.7, **kw)
+    assert compiled["n"] == 0
+    with count_compilations() as compiled:
+        specjax.decode(bigram_pair, prompts, rule=mars(theta=0.8), key=key, temperature=0.7, **kw)
+    assert compiled["n"] >= 1  # a different theta is a different program
+
+
+def test_batch_invariance_bigram(bigram_pair):
+    prompts = random_prompts(5, 6, VOCAB, 5)
+    arr, lens = padded(prompts, 5)
+    keys = jax.random.split(jax.random.key(3), 6)
+    kw = dict(num_draft=3, max_new_tokens=12, eos_token_id=6, top_k=6)
+    batch = specjax.decode(bigram_pair, arr, prompt_lengths=lens, key=keys, **kw)
+    for i in range(6):
+        alone = specjax.decode(bigram_pair, arr[i : i + 1], prompt_lengths=lens[i : i + 1], key=keys[i : i + 1], **kw)
+        np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(batch.tokens)[i])
+        assert int(alone.lengths[0]) == int(batch.lengths[i])
+        assert int(alone.stats.cycles[0]) == int(batch.stats.cycles[i])
+    # One key for the batch means fold_in(key, i) for sequence i.
+    single = specjax.decode(bigram_pair, arr, prompt_lengths=lens, key=jax.random.key(9), **kw)
+    for i in (0, 4):
+        k = jax.random.fold_in(jax.random.key(9), i)[None]
+        alone = specjax.decode(bigram_pair, arr[i : i + 1], prompt_lengths=lens[i : i + 1], key=k, **kw)
+        np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(single.tokens)[i])
+
+
+def test_batch_invariance_and_determinism_decoder(decoder_pair):
+    """A sequence's output does not depend on its companions; a key fixes it."""
+    n = DEC_BATCH
+    a = random_prompts(11, n, 96, 12)
+    b = [a[0]] + random_prompts(12, n - 1, 96, 12)
+    keys_a = jax.random.split(jax.random.key(5), n)
+    keys_b = jnp.concatenate([keys_a[:1], jax.random.split(jax.random.key(6), n - 1)])
+    arr_a, lens_a = padded(a, 12)
+    arr_b, lens_b = padded(b, 12)
+    out_a = specjax.decode(decoder_pair, arr_a, prompt_lengths=lens_a, key=keys_a, **DEC_SHAPE)
+    out_b = specjax.decode(decoder_pair, arr_b, prompt_lengths=lens_b, key=keys_b, **DEC_SHAPE)
+    np.testing.assert_array_equal(np.asarray(out_a.tokens)[0], np.asarray(out_b.tokens)[0])
+    again = specjax.decode(decoder_pair, arr_a, prompt_lengths=lens_a, key=keys_a, **DEC_SHAPE)
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(out_a.tokens))
+    other = specjax.decode(decoder_pair, arr_a, prompt_lengths=lens_a, key=jax.random.split(jax.random.key(99), n), **DEC_SHAPE)
+    assert (np.asarray(other.tokens) != np.asarray(out_a.tokens)).any()
+
+
+def test_generate_is_deterministic_and_batch_invariant(bigram_pair):
+    prompts = random_prompts(8, 4, VOCAB, 4)
+    arr, lens = padded(prompts, 4)
+    keys = jax.random.split(jax.random.key(0), 4)
+    out = specjax.generate(bigram_pair.target, arr, prompt_lengths=lens, max_new_tokens=9, key=keys, top_p=0.9)
+    again = specjax.generate(bigram_pair.target, arr, prompt_lengths=lens, max_new_tokens=9, key=keys, top_p=0.9)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(again.tokens))
+    alone = specjax.generate(bigram_pair.target, arr[2:3], prompt_lengths=lens[2:3], max_new_tokens=9, key=keys[2:3], top_p=0.9)
+    np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(out.tokens)[2])
+
+
+# ---------------------------------------------------------------------------
+# Stats
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_draft", [3])
+def test_stats_when_draft_equals_target(num_draft):
+    model = bigram_model(random_table(0, VOCAB))
+    pair = specjax.pair(model, model)
+    n = 3 * (num_draft + 1)
+    out = specjax.decode(pair, [[1], [2, 3], [4, 5, 6]], num_draft=num_draft, max_new_tokens=n, key=jax.random.key(0))
+    s = out.stats
+    np.testing.assert_array_equal(np.asarray(s.cycles), 3)
+    np.testing.assert_array_equal(np.asarray(s.drafted), 3 * num_draft)
+    np.testing.assert_array_equal(np.asarray(s.accepted), 3 * num_draft)
+    np.testing.assert_array_equal(np.asarray(s.accepted_at), 3)
+    np.testing.assert_array_equal(np.asarray(s.drafted_at), 3)
+    assert s.tau == num_draft + 1
+    assert s.acceptance_rate == 1.0
+    np.testing.assert_array_equal(s.acceptance_by_position, 1.0)
+    assert s.accepted_by_path_total == {"exact": 9 * num_draft, "relaxed": 0, "pardon": 0}
+    assert int(s.target_forwards) == 3 and int(s.draft_forwards) == 3 * num_draft
+    summary = s.summary()
+    assert all(isinstance(v, float) for v in summary.values())
+    assert summary["tau"] == num_draft + 1 and "tau=" in str(s)
+
+
+def test_stats_when_draft_never_agrees():
+    table = random_table(0, VOCAB)
+    # Draft table: every row's argmax moved away from the target's argmax.
+    draft = table.copy()
+    for r in range(VOCAB):
+        draft[r, np.argmax(table[r])] = -10.0
+        draft[r, (np.argmax(table[r]) + 1) % VOCAB] = 10.0
+    pair = specjax.pair(bigram_model(table), bigram_model(draft))
+    out = specjax.decode(pair, [[1], [2, 3]], num_draft=3, max_new_tokens=7, temperature=0.0)
+    s = out.stats
+    assert s.acceptance_rate == 0.0 and s.tau == 1.0
+    np.testing.assert_array_equal(np.asarray(s.cycles), 7)
+
+
+def test_stats_are_consistent(bigram_pair):
+    prompts = random_prompts(2, 16, VOCAB, 6)
+    out = specjax.decode(bigram_pair, prompts, num_draft=4, max_new_tokens=20, key=jax.random.key(1), eos_token_id=7)
+    s = out.stats
+    cycles, drafted, accepted = (np.asarray(x) for x in (s.cycles, s.drafted, s.accepted))
+    tokens = np.asarray(s.tokens)
+    np.testing.assert_array_equal(tokens, np.asarray(out.lengths))
+    assert s.tau == pytest.approx(tokens.sum() / cycles.sum())
+    assert s.acceptance_rate == pytest.approx(accepted.sum() / drafted.sum())
+    np.testing.assert_array_equal(np.asarray(s.accepted_at).sum(1), accepted)
+    np.testing.assert_array_equal(np.asarray(s.drafted_at).sum(1), drafted)
+    np.testing.assert_array_equal(np.asarray(s.accepted_by_path).sum(1), accepted)
+    assert (np.diff(np.asarray(s.accepted_at), axis=1) <= 0).all()  # acceptance is a prefix
+    assert (tokens <= accepted + cycles).all() and (tokens >= cycles).all()
+    np.testing.assert_allclose(s.tau_per_sequence, tokens / cycles)
+    rates = s.acceptance_by_position
+    assert rates.shape == (4,) and np.all((rates >= 0) & (rates <= 1))
+    # Cycles at tau < K + 1 at least once: both paths exercised.
+    assert 0.0 < s.acceptance_rate < 1.0
+
+
+# ---------------------------------------------------------------------------
+# Hooks: hidden states for rules, diagnostics into stats
+# ---------------------------------------------------------------------------
+
+
+def test_hidden_state_hook_and_diagnostics(bigram_pair):
+    base = speculative_sampling()
+    seen = {}
+
+    def verify(inputs, state, *, greedy):
+        seen["shape"] = inputs.features["hidden"][-1].shape
+        return base.verify(inputs, state, greedy=greedy)
+
+    probe = AcceptanceRule(base.init, verify, base.update, RuleSpec("probe", (("hidden_layers", (-1,)),)))
+
+    def diagnostics(inputs, verdict, num_accepted):
+        # For the bigram, the hidden state at a draft token's position is the
+        # target's raw logits there: the row that judges the next slot.
+        err = jnp.abs(inputs.features["hidden"][-1] - inputs.target_logits[1:]).max()
+        return {"cycles": jnp.int32(1), "hidden_err": err, "accepted": num_accepted}
+
+    out = specjax.decode(
+        bigram_pair, [[1, 2], [3]], rule=probe, num_draft=3, max_new_tokens=9, temperature=0.0,
+        diagnostics=diagnostics,
+    )
+    assert seen["shape"] == (3, VOCAB)
+    extra = out.stats.extra
+    np.testing.assert_array_equal(np.asarray(extra["cycles"]), np.asarray(out.stats.cycles))
+    np.testing.assert_array_equal(np.asarray(extra["accepted"]), np.asarray(out.stats.accepted))
+    assert float(np.max(extra["hidden_err"])) == 0.0
+    assert "extra_cycles" in out.stats.summary()
+
+
+def test_defaults_work_with_a_lossy_rule(bigram_pair):
+    out = specjax.decode(bigram_pair, [[1, 2, 3], [4]], rule=mars(theta=0.9), key=jax.random.key(0))
+    assert out.tokens.shape == (2, 64)
+    np.testing.assert_array_equal(np.asarray(out.lengths), 64)
+
+
+def test_padded_vocab_is_truncated():
+    """A draft whose table has padding rows pairs with vocab_size= and never emits them."""
+    table = random_table(0, VOCAB)
+    big = np.full((VOCAB + 4, VOCAB + 4), 50.0, np.float32)  # padding logits would win
+    big[:VOCAB, :VOCAB] = table
+    pair = specjax.pair(bigram_model(table), bigram_model(big), vocab_size=VOCAB)
+    greedy = specjax.decode(pair, [[1], [2]], num_draft=2, max_new_tokens=10, temperature=0.0)
+    ref = specjax.generate(pair, [[1], [2]], max_new_tokens=10, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(greedy.tokens), np.asarray(ref.tokens))
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+
+def test_bad_arguments_raise_clear_errors(bigram_pair):
+    key = jax.random.key(0)
+    p = [[1, 2]]
+    with pytest.raises(ValueError, match="num_draft"):
+        specjax.decode(bigram_pair, p, num_draft=0, key=key)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        specjax.decode(bigram_pair, p, temperature=-0.5, key=key)
+    with pytest.raises(ValueError, match="top_k"):
+        specjax.decode(bigram_pair, p, top_k=0, key=key)
+    with pytest.raises(ValueError, match="top_p"):
+        specjax.decode(bigram_pair, p, top_p=0.0, key=key)
+    with pytest.raises(ValueError, match="top_p"):
+        specjax.generate(bigram_pair.target, p, top_p=1.5, key=key)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        specjax.decode(bigram_pair, p, max_new_tokens=0, key=key)
+    with pytest.raises(ValueError, match=r"empty prompt\(s\) at index \[1\]"):
+        specjax.decode(bigram_pair, [[1], []], key=key)
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        specjax.decode(bigram_pair, [], key=key)
+    with pytest.raises(ValueError, match=r"token id 8 .*outside the vocabulary \[0, 8\)"):
+        specjax.decode(bigram_pair, [[1, 8]], key=key)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        specjax.decode(bigram_pair, [[1, -1]], key=key)
+    with pytest.raises(ValueError, match="ragged array"):
+        specjax.decode(bigram_pair, np.array([[1, 2], [3]], dtype=object), key=key)
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        specjax.decode(bigram_pair, np.ones((2, 3), np.int32), prompt_lengths=[3], key=key)
+    with pytest.raises(TypeError, match="PRNG key"):
+        specjax.decode(bigram_pair, p, key=0)
+    with pytest.raises(TypeError, match="PRNG key"):
+        specjax.decode(bigram_pair, p, key=np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="key=jax.random.key"):
+        specjax.decode(bigram_pair, p)  # sampling without a key
+    with pytest.raises(TypeError, match="specjax.pair"):
+        specjax.decode(bigram_pair.target, p, key=key)
+    with pytest.raises(TypeError, match="AcceptanceRule"):
+        specjax.decode(bigram_pair, p, rule="mars", key=key)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        specjax.decode(bigram_pair, p, eos_token_id=99, key=key)
+
+
+def test_length_limits():
+    short = bigram_model(random_table(0, VOCAB), max_position_embeddings=16)
+    pair = specjax.pair(short, short)
+    key = jax.random.key(0)
+    # 4 + 8 + 4 = 16 positions fit exactly; one more does not.
+    specjax.decode(pair, [[1, 2, 3, 4]], num_draft=4, max_new_tokens=8, key=key)
+    with pytest.raises(ValueError, match=r"needs 17 positions .*supports 16.*max_new_tokens"):
+        specjax.decode(pair, [[1, 2, 3, 4]], num_draft=4, max_new_tokens=9, key=key)
+    with pytest.raises(ValueError, match=r"max_length=10 is too short"):
+        specjax.decode(pair, [[1, 2]], num_draft=2, max_new_tokens=8, max_length=10, key=key)
+    with pytest.raises(ValueError, match="needs 21 positions"):
+        specjax.generate(short, [[1] * 5], max_new_tokens=16, key=key)
+
+
+def test_pair_vocabulary_checks():
+    a = bigram_model(random_table(0, 8))
+    b = bigram_model(random_table(1, 10))
+    with pytest.raises(ValueError, match="vocab_size 8 and the draft 10.*pass vocab_size="):
+        specjax.pair(a, b)
+    assert specjax.pair(a, b, vocab_size=8).vocab_size == 8
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        specjax.pair(a, b, vocab_size=9)
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def __len__(self):
+            return len(self.vocab)
+
+        def get_vocab(self):
+            return dict(self.vocab)
+
+    t1 = Tok({f"t{i}": i for i in range(7)})
+    t2 = Tok({f"u{i}": i for i in range(7)})
+    a_tok = bigram_model(random_table(0, 8), tokenizer=t1)
+    b_tok = bigram_model(random_table(1, 10), tokenizer=Tok({f"t{i}": i for i in range(7)}))
+    assert specjax.pair(a_tok, b_tok).vocab_size == 7  # padding rows beyond the tokenizer
+    with pytest.raises(ValueError, match="tokenizers have different vocabularies"):
+        specjax.pair(a_tok, bigram_model(random_table(1, 10), tokenizer=t2))
+    with pytest.raises(TypeError, match="specjax.Model"):
+        specjax.pair(a, "draft")
+
+
+def nan_table(row):
+    table = random_table(0, VOCAB)
+    table[:, row] = -1e9  # unreachable from other rows
+    table[row] = np.nan
+    return table
+
+
+def test_nan_logits_raise_floating_point_error():
+    good = bigram_model(random_table(0, VOCAB))
+    bad = bigram_model(nan_table(5))
+    key = jax.random.key(0)
+    with pytest.raises(FloatingPointError, match=r"sequence 1 \(target model\)") as info:
+        specjax.decode(specjax.pair(bad, good), [[1], [5]], num_draft=2, max_new_tokens=6, key=key)
+    partial = info.value.output
+    assert int(partial.lengths[0]) == 6 and int(partial.lengths[1]) == 0
+    with pytest.raises(FloatingPointError, match=r"sequence 0 \(draft model\)"):
+        specjax.decode(specjax.pair(good, bad), [[2, 5]], num_draft=2, max_new_tokens=6, temperature=0.0)
+    with pytest.raises(FloatingPointError, match=r"sequence 0 \(target model\)"):
+        specjax.generate(bad, [[5]], max_new_tokens=3, key=key)
