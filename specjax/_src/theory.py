@@ -8,9 +8,11 @@ and checked numerically against brute-force minimisation in
 Setting. ``p`` is the target's distribution over ``V`` tokens, ``q`` the
 drafter's; the drafter proposes ``argmax q``. A deterministic rule accepts a
 draft token ``y`` iff ``y`` lies in an accepted set ``A(p)`` that is an upper
-level set of ``p`` (with ties at rank cut-offs broken towards the lower token
-id, as ``jnp.argmax`` and ``lax.top_k`` do). So ``A(p)`` is always a prefix of
-the stable descending order of ``p``; its size ``k`` is all a certificate needs.
+level set of ``p`` (strict greedy breaks ties towards the lower token id, as
+``jnp.argmax`` does; see "Conservative choices" for top-m). So ``A(p)`` is a
+prefix of the stable descending order of ``p``; its size ``k`` is all a
+certificate needs. Certificates are for greedy decoding (the drafter proposes
+its argmax); ``speculative_sampling`` is certified in its temperature-0 form.
 
 Certificate. ``C(p) = inf { KL(p || q) : q rejects }``. "q rejects" means the
 token it proposes lies outside ``A``; whatever tie-breaking the drafter uses,
@@ -63,7 +65,7 @@ from specjax._src.rules.base import RuleSpec
 
 Array = jax.Array
 
-# Certifiable rule names; "greedy" is accepted as an alias of the strict rule.
+# Certifiable rule names; "greedy", "sd" and "lossless" are aliases of the strict rule.
 LEVEL_SET_RULES = ("speculative_sampling", "additive", "multiplicative", "top_m", "typical")
 _ALIASES = {"greedy": "speculative_sampling", "sd": "speculative_sampling", "lossless": "speculative_sampling"}
 COMBINATORS = ("any_of", "all_of")
