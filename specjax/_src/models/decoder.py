@@ -18,10 +18,13 @@ Params layout: one subtree per block (``layer_0``, ``layer_1``, ...), and one
 KV buffer per block, never a stacked ``[L, ...]`` array with a scan over
 layers. On XLA's CPU backend, a 27.8M-param Llama-shaped model with stacked
 weights indexed per layer took 43 ms per decoded token against 7.4 ms with
-per-layer buffers; ``benchmarks/model_layout.py`` measures the per-layer
-layout chosen here at about 3 ms per token (batch 1, 2-core CPU, 28M params).
-Scan-over-layers compiles faster on TPU; the per-layer layout was chosen
-for the CPU (where the tests and small-model users run).
+per-layer buffers (issue 2's measurement). ``benchmarks/model_layout.py``
+re-measured it on this project's shared 2-core CPU (batch 1, 27.7M params,
+greedy decode inside one jitted loop, other jobs running): per-layer buffers
+cost about 15 ms of CPU time per token, the same weights stacked with a
+``lax.scan`` about 35 ms (wall times under that load: 13-36 ms vs 52-85 ms).
+Scan-over-layers compiles faster on TPU; the per-layer layout is chosen for
+the CPU, where the tests and small-model users run.
 
 Cache contract: see :mod:`specjax._src.lm`. Attention runs over the whole
 preallocated buffer with a mask (key position ``s`` is visible to the query at
