@@ -375,7 +375,8 @@ def gather_task_labels(args) -> LabelledSet:
         cfg = LabelConfig(
             num_rollouts=args.rollouts, rollout_temperature=args.rollout_temperature, thr=args.thr,
             mode=args.mode, temperature=temp, max_new_tokens=args.max_new_tokens,
-            hidden_layer=args.hidden_layer, batch_size=args.batch, seed=args.seed,
+            hidden_layer=-8 if args.hidden_layer is None else args.hidden_layer, batch_size=args.batch,
+            seed=args.seed, all_layers=args.all_layers,
             pos_max_draft_util=args.pos_max_draft_util, neg_min_draft_util=args.neg_min_draft_util,
         )
         print(f"[pivot] labelling {len(prompts)} training-split task prompts at T={temp} "
@@ -446,13 +447,59 @@ def evaluate(args) -> dict:
     return results
 
 
+def write_card(directory: str | pathlib.Path) -> pathlib.Path:
+    """``README.md`` of a head directory from its ``report.json`` (and ``eval.json``)."""
+    d = pathlib.Path(directory)
+    rep = json.loads((d / "report.json").read_text()) if (d / "report.json").is_file() else {}
+    ev = json.loads((d / "eval.json").read_text()) if (d / "eval.json").is_file() else {}
+    cfg = json.loads((d / "config.json").read_text())
+    lines = [
+        "# PAD pivot head",
+        "",
+        f"Architecture `{cfg['arch']}` over the target's layer {cfg['layer']} hidden state "
+        f"(size {cfg['hidden_size']}, target depth {cfg.get('target_num_layers')}) plus the target's "
+        "entropy and probability of the draft token at the judging slot. Load it with "
+        f"`specjax.rules.pad(head=\"{d}\", sigma=0.5)`; written by `python -m training.pivot`.",
+        "",
+    ]
+    if rep:
+        h = rep["heldout"]
+        ds = rep.get("dataset", {})
+        lines += [
+            "## Training",
+            "",
+            f"- labels: {ds.get('candidates')} SD rejections on {ds.get('num_prompts')} training-split task "
+            f"prompts per trajectory temperature {ds.get('label_temperatures')}, {ds.get('pivots')} pivots; "
+            f"{ds.get('kept_rows')} rows kept by the authors' filter",
+            f"- {rep['train_rows']} train / {rep['val_rows']} held-out rows; best held-out loss "
+            f"{rep['best_val_loss']:.4f} (initial {rep['initial_val_loss']:.4f}) at step {rep['best_step']}",
+            f"- held-out ROC AUC {h['auc']:.3f}; "
+            + "; ".join(f"sigma {k.split('@')[1]}: pivot recall {v:.3f}, non-pivots accepted "
+                        f"{h['nonpivot_accept@' + k.split('@')[1]]:.3f}" for k, v in h.items() if k.startswith("recall@")),
+            "",
+        ]
+    if ev:
+        lines += ["## Held-out task (`python -m training.pivot --evaluate`)", "",
+                  "| T | method | accuracy | recovery vs target | tau | pardoned share of accepted |",
+                  "|---|---|---|---|---|---|"]
+        for t, rows in ev.items():
+            for name, r in rows.items():
+                tau = f"{r['tau']:.3f}" if "tau" in r else "-"
+                pard = f"{r['pardon_share']:.1%}" if "pardon_share" in r else "-"
+                lines.append(f"| {t[2:]} | {name} | {r['accuracy']:.3f} | {r['recovery']:.3f} | {tau} | {pard} |")
+        lines.append("")
+    out = d / "README.md"
+    out.write_text("\n".join(lines))
+    return out
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m training.pivot",
-        description=__doc__.split("Examples::")[0],
+        description=__doc__.split("Examples::")[0].replace("``", "").replace(":mod:", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Examples:\n" + __doc__.split("Examples::")[1],
     )
@@ -477,7 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=("mul", "add"), default="mul", help="add: pivot iff util(draft) < util(target) - thr")
     g.add_argument("--pos-max-draft-util", type=float, default=0.5, help="keep pivots only if util(draft) <= this (default: %(default)s)")
     g.add_argument("--neg-min-draft-util", type=float, default=0.8, help="keep non-pivots only if util(draft) >= this (default: %(default)s)")
-    g.add_argument("--hidden-layer", type=int, default=-8, help="target block whose output is the feature; clamped to the depth (default: %(default)s)")
+    g.add_argument("--hidden-layer", type=int, default=None,
+                   help="target block whose output is the feature, clamped to the depth; gathering default -8 "
+                        "(the authors'); training default: the dataset's layer (another needs --all-layers)")
+    g.add_argument("--all-layers", action="store_true", help="store every block's hidden state in the dataset")
     g.add_argument("--max-new-tokens", type=int, default=6, help="answer budget in tokens (default: %(default)s)")
     g.add_argument("--batch", type=int, default=32, help="prompts per labelling batch (default: %(default)s)")
 
@@ -508,7 +558,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out = pathlib.Path(args.head or args.out) / "eval.json"
         if out.parent.is_dir():
             out.write_text(json.dumps(res, indent=2) + "\n")
-            print(f"[pivot] wrote {out}")
+            write_card(out.parent)
+            print(f"[pivot] wrote {out} and README.md")
         return 0
     t0 = time.time()
     if args.gather or not pathlib.Path(args.dataset).is_file():
@@ -516,15 +567,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         ds = LabelledSet.load(args.dataset)
         print(f"[pivot] loaded {len(ds)} labelled rows from {args.dataset}")
-    if args.all_rows:
-        hidden, scalars, labels = ds.hidden, ds.scalars, ds.labels
-    else:
-        hidden, scalars, labels = ds.training_rows()
+    layer = int(ds.meta.get("layer", -8))
+    hidden_all = ds.hidden
+    if args.hidden_layer is not None:
+        from specjax._src.rules.pad import resolve_layer
+
+        hidden_all = ds.hidden_at(args.hidden_layer)
+        layer = resolve_layer(args.hidden_layer, int(ds.meta.get("target_num_layers") or 1 << 30))
+    rows = np.ones(len(ds), bool) if args.all_rows else ds.keep.astype(bool)
+    hidden, scalars, labels = hidden_all[rows], ds.scalars[rows], ds.labels[rows]
     print(f"[pivot] training on {len(labels)} rows ({int(np.sum(labels))} pivots)", flush=True)
     cfg = TrainConfig(arch=args.arch, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
                       val_fraction=args.val_fraction, seed=args.seed)
     head, report = train_head(
-        hidden, scalars, labels, config=cfg, layer=int(ds.meta.get("layer", args.hidden_layer)),
+        hidden, scalars, labels, config=cfg, layer=layer,
         target_num_layers=ds.meta.get("target_num_layers"), ckpt_dir=args.ckpt_dir, fresh=args.fresh,
         sigmas=args.sigma, progress=not args.no_progress,
     )
@@ -533,6 +589,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     head = dataclasses.replace(head, config=dataclasses.replace(head.config, info=report))
     out = head.save(args.out)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_card(out)
     h = report["heldout"]
     print(f"[pivot] best held-out loss {report['best_val_loss']:.4f} (from {report['initial_val_loss']:.4f}) "
           f"at step {report['best_step']}; held-out AUC {h['auc']:.3f}; "

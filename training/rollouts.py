@@ -68,6 +68,7 @@ class LabelConfig:
     temperature: float = 0.0  # the labelled trajectory: 0 greedy, > 0 SD sampling
     max_new_tokens: int = 6  # trajectory length; rollouts get the same budget
     hidden_layer: int = -8  # clamped to the target's depth
+    all_layers: bool = False  # also keep every block's hidden state (choose the layer when training)
     batch_size: int = 32  # prompts per trajectory batch
     rollout_chunk: int = 8  # candidates per generate call (rows: 2 * N * chunk)
     pos_max_draft_util: float = 0.5
@@ -126,6 +127,7 @@ class LabelledSet:
     draft_token: np.ndarray  # [N] int32
     target_token: np.ndarray  # [N] int32
     meta: dict = dataclasses.field(default_factory=dict)
+    hidden_by_layer: Optional[np.ndarray] = None  # [N, L, H], layers -L .. -1 (LabelConfig.all_layers)
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -135,10 +137,24 @@ class LabelledSet:
         k = self.keep.astype(bool)
         return self.hidden[k], self.scalars[k], self.labels[k]
 
+    def hidden_at(self, layer: int) -> np.ndarray:
+        """``[N, H]`` hidden states of ``layer`` (clamped like the rule does)."""
+        n_layers = int(self.meta.get("target_num_layers", 0)) or None
+        want = resolve_layer(layer, n_layers) if n_layers else int(layer)
+        if want == int(self.meta.get("layer", want)):
+            return self.hidden
+        if self.hidden_by_layer is None:
+            raise ValueError(
+                f"this labelled set holds layer {self.meta.get('layer')} only, not {layer}; gather with "
+                "--all-layers to choose the layer when training."
+            )
+        return self.hidden_by_layer[:, want + self.hidden_by_layer.shape[1]]
+
     def save(self, path: str | os.PathLike) -> pathlib.Path:
         path = pathlib.Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "meta"}
+        arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name != "meta" and getattr(self, f.name) is not None}
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez_compressed(tmp, meta=np.asarray(json.dumps(self.meta)), **arrays)
         os.replace(tmp, path)
@@ -153,7 +169,7 @@ class LabelledSet:
                 f"--dataset {path}`."
             )
         with np.load(path) as z:
-            kw = {f.name: z[f.name] for f in dataclasses.fields(cls) if f.name != "meta"}
+            kw = {f.name: z[f.name] for f in dataclasses.fields(cls) if f.name != "meta" and f.name in z.files}
             meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
         return cls(**kw, meta=meta)
 
@@ -168,7 +184,8 @@ class LabelledSet:
                 draft_token=np.zeros((0,), np.int32), target_token=np.zeros((0,), np.int32), meta=meta,
             )
         kw = {f.name: np.concatenate([getattr(p, f.name) for p in parts])
-              for f in dataclasses.fields(cls) if f.name != "meta"}
+              for f in dataclasses.fields(cls)
+              if f.name != "meta" and all(getattr(p, f.name) is not None for p in parts)}
         return cls(**kw, meta=meta)
 
 
@@ -200,8 +217,9 @@ def newline_token_ids(tokenizer, vocab_size: int) -> list[int]:
 # ----------------------------------------------------------------------------- the jitted pieces
 
 
-@partial(jax.jit, static_argnames=("layer", "greedy"))
-def propose_and_judge(pair: ModelPair, buf, lengths, key, temperature, *, layer: int, greedy: bool):
+@partial(jax.jit, static_argnames=("layer", "greedy", "all_layers"))
+def propose_and_judge(pair: ModelPair, buf, lengths, key, temperature, *, layer: int, greedy: bool,
+                      all_layers: bool = False):
     """One labelling step for a batch: the draft proposes, one target forward judges.
 
     ``buf[B, W]`` right-padded token rows with ``lengths[B]`` valid tokens
@@ -221,7 +239,9 @@ def propose_and_judge(pair: ModelPair, buf, lengths, key, temperature, *, layer:
     else:
         x_d = jax.random.categorical(k_draft, q_raw / temperature, axis=-1).astype(jnp.int32)
     buf2 = buf.at[rows, lengths].set(x_d)
-    out = pair.target.module.apply(pair.target.params, buf2, hidden_layers=(layer,))
+    n_layers = pair.target.module.num_layers
+    extra = tuple(range(-n_layers, 0)) if all_layers else ()
+    out = pair.target.module.apply(pair.target.params, buf2, hidden_layers=(layer,) + extra)
     raw = out.logits[rows, lengths - 1, :vocab]
     hidden = out.hidden[0][rows, lengths]
     h, scalars = pivot_features(hidden[:, None], jax.nn.softmax(raw, -1)[:, None], x_d[:, None])
@@ -237,7 +257,10 @@ def propose_and_judge(pair: ModelPair, buf, lengths, key, temperature, *, layer:
         resid = residual_distribution(p, q)
         x_t = jax.random.categorical(k_resid, jnp.log(jnp.maximum(resid, 1e-30)), axis=-1).astype(jnp.int32)
         x_t = jnp.where(reject, x_t, x_d)
-    return dict(draft=x_d, target=x_t, reject=reject, hidden=h[:, 0], scalars=scalars[:, 0])
+    res = dict(draft=x_d, target=x_t, reject=reject, hidden=h[:, 0], scalars=scalars[:, 0])
+    if all_layers:
+        res["hidden_by_layer"] = jnp.stack([x[rows, lengths] for x in out.hidden[1:]], axis=1)
+    return res
 
 
 # ----------------------------------------------------------------------------- gathering
@@ -302,7 +325,7 @@ def gather_labels(
             key, k_step, k_roll = jax.random.split(key, 3)
             res = jax.device_get(propose_and_judge(
                 pair, jnp.asarray(buf), jnp.asarray(lengths), k_step, np.float32(max(config.temperature, 1e-6)),
-                layer=layer, greedy=greedy))
+                layer=layer, greedy=greedy, all_layers=bool(config.all_layers)))
             x_d, x_t = res["draft"].astype(np.int32), res["target"].astype(np.int32)
             cand = res["reject"].astype(bool) & ~done
             chosen = x_d.copy()
@@ -317,6 +340,7 @@ def gather_labels(
                 for r in np.flatnonzero(cand):
                     rows.append(dict(
                         hidden=res["hidden"][r], scalars=res["scalars"][r], labels=int(pivot[r]),
+                        hidden_by_layer=res["hidden_by_layer"][r] if config.all_layers else None,
                         keep=bool(keep[r]), u_draft=u_d[r], u_target=u_t[r], example=int(idx[r]),
                         position=int(lengths[r] - plen[r]), draft_token=int(x_d[r]), target_token=int(x_t[r])))
                 stats["candidates"] += int(cand.sum())
@@ -330,6 +354,8 @@ def gather_labels(
             parts.append(LabelledSet(
                 hidden=np.stack([r["hidden"] for r in rows]).astype(np.float32),
                 scalars=np.stack([r["scalars"] for r in rows]).astype(np.float32),
+                hidden_by_layer=(np.stack([r["hidden_by_layer"] for r in rows]).astype(np.float32)
+                                 if config.all_layers else None),
                 **{k: np.asarray([r[k] for r in rows], dt) for k, dt in (
                     ("labels", np.int32), ("keep", bool), ("u_draft", np.float32), ("u_target", np.float32),
                     ("example", np.int32), ("position", np.int32), ("draft_token", np.int32),
