@@ -115,11 +115,23 @@ class DecodeOutput:
 
 
 def _tokenizer_size(tok) -> Optional[int]:
+    """Tokens a tokenizer can produce (added tokens included), or None if unknown.
+
+    Handles ``transformers`` tokenizers (``len``), ``tokenizers.Tokenizer``
+    (``get_vocab_size``) and objects with a ``vocab_size``.
+    """
     try:
         return int(len(tok))
     except TypeError:
-        size = getattr(tok, "vocab_size", None)
-        return None if size is None else int(size)
+        pass
+    get_size = getattr(tok, "get_vocab_size", None)
+    if callable(get_size):
+        try:
+            return int(get_size(with_added_tokens=True))
+        except TypeError:
+            return int(get_size())
+    size = getattr(tok, "vocab_size", None)
+    return None if size is None else int(size)
 
 
 def _same_tokenizer(a, b) -> bool:
@@ -135,7 +147,7 @@ def _model_vocab(model: Model) -> int:
     tok = model.tokenizer
     if tok is not None:
         tsize = _tokenizer_size(tok)
-        if tsize is not None:
+        if tsize is not None and tsize != size:
             if tsize > size:
                 raise ValueError(
                     f"The tokenizer has {tsize} tokens but the model's logits cover only {size}."
@@ -174,8 +186,9 @@ def pair(target: Model, draft: Model, *, vocab_size: Optional[int] = None) -> Mo
         )
     if vocab_size is None:
         tok = tt if tt is not None else dt
-        if tok is not None:
-            vocab_size = _tokenizer_size(tok)
+        tok_size = None if tok is None else _tokenizer_size(tok)
+        if tok_size is not None:
+            vocab_size = tok_size
         elif tv == dv:
             vocab_size = tv
         else:
