@@ -69,6 +69,8 @@ NUM_SCALARS = 2  # target entropy, target probability of the draft token
 DEFAULT_LAYER = -8  # the authors' layer; clamped to the target's depth
 CONFIG_FILE = "config.json"
 PARAMS_FILE = "params.npz"
+# The head trained for the embedded target/draft pair; ``pad(head="shipped")``.
+SHIPPED_HEAD = pathlib.Path(__file__).resolve().parents[2] / "assets" / "pivot"
 
 
 # ---------------------------------------------------------------------------
@@ -325,6 +327,8 @@ def load_head(directory: Union[str, os.PathLike]) -> PivotHead:
 def _as_head(head) -> PivotHead:
     if isinstance(head, PivotHead):
         return head
+    if isinstance(head, str) and head == "shipped":
+        return load_head(SHIPPED_HEAD)
     if isinstance(head, (str, os.PathLike)):
         return load_head(head)
     raise TypeError(
@@ -409,8 +413,10 @@ def pad(
     calls every token a pivot, is the lossless rule token for token.
 
     Args:
-      head: a :class:`PivotHead` or a directory written by
-        ``python -m training.pivot`` (e.g. the shipped ``specjax/assets/pivot``).
+      head: a :class:`PivotHead`, a directory written by
+        ``python -m training.pivot``, or ``"shipped"``: the head in
+        ``specjax/assets/pivot``, trained for the embedded target/draft pair
+        (``parse_rule("pad:head=shipped,sigma=0.7")``).
       sigma: pivot-probability threshold in ``[0, 1]``; higher accepts more
         (the paper: 0.5, 0.7).
       min_prob: the target must give the draft token at least this probability.
@@ -423,12 +429,13 @@ def pad(
       ValueError: bad sigma / min_prob / layer; at trace time, a head whose
         hidden size differs from the target's.
     """
+    shipped = isinstance(head, str) and head == "shipped"
     head = _as_head(head)
     sigma = common.check_interval("pad: sigma", sigma, 0.0, 1.0)
     min_prob = common.check_interval("pad: min_prob", min_prob, 0.0, 1.0)
     layer = _check_layer(head, hidden_layer)
     inner = any_of(speculative_sampling(), pivot_pardon(head, sigma, min_prob, layer))
-    head_ref = head.source if head.source is not None else f"<PivotHead@{id(head):x}>"
+    head_ref = "shipped" if shipped else head.source if head.source is not None else f"<PivotHead@{id(head):x}>"
     spec = RuleSpec(
         "pad",
         (("head", head_ref), ("sigma", sigma), ("min_prob", min_prob), ("hidden_layers", layer)),
