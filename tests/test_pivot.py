@@ -104,10 +104,13 @@ def test_labelling_follows_the_formula_on_a_toy_utility():
         return np.array([f(c) for c in comps])
 
     prompts = [[5, 17, 3], [40, 2, 9, 11, 60], [7], [33, 34], [1, 2, 3, 4], [90, 80, 70], [12], [64, 65]]
-    cfg = LabelConfig(num_rollouts=3, max_new_tokens=4, batch_size=8, thr=0.5)
+    cfg = LabelConfig(num_rollouts=3, max_new_tokens=4, batch_size=8, thr=0.5, all_layers=True)
     ds, traj = rollouts.gather_labels(tiny_pair(), prompts, utility, cfg, progress=False,
                                       return_trajectories=True)
-    assert len(ds) > 0 and ds.meta["layer"] == -2 and ds.hidden.shape[1] == 32
+    assert len(ds) > 0 and ds.meta["layer"] == -2 and ds.hidden.shape[1] == 32  # -8 clamped to 2 layers
+    assert ds.hidden_by_layer.shape == (len(ds), 2, 32)
+    np.testing.assert_array_equal(ds.hidden_at(-8), ds.hidden)
+    np.testing.assert_array_equal(ds.hidden_at(-1), ds.hidden_by_layer[:, 1])
     assert all(c % (2 * 3) == 0 for c in calls)  # N rollouts per side, all in one call per step
     first = ds.position == 0
     assert first.any()
