@@ -83,9 +83,10 @@ def test_hf_to_orbax_to_load_round_trip(root, hf_dirs):
     # A bfloat16 conversion stores bfloat16 params.
     out16 = os.path.join(str(root), "qwen3-orbax-bf16")
     assert convert(["to-orbax", src, out16, "--dtype", "bfloat16"]) == 0
-    bf16 = load(out16)
-    assert bf16.module.config.dtype == "bfloat16"
-    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf16.params))
+    for bf16 in (load(out16), load(out, dtype="bfloat16")):
+        assert bf16.module.config.dtype == "bfloat16"
+        assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf16.params))
+    _same_params(load(out, dtype=jnp.bfloat16).params, load(out16).params)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

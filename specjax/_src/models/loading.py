@@ -263,10 +263,15 @@ def load_orbax(path: str, dtype: Any = None) -> Model:
                 f"Orbax checkpoint {path} is corrupted: param(s) {', '.join(bad[:5])} do not "
                 f"match the checksums in {ORBAX_CONFIG}. Convert the source checkpoint again."
             )
-    model = Model(params=params, module=module, tokenizer=_load_tokenizer(path))
     if dtype is not None and jnp.dtype(dtype).name != cfg.dtype:
-        model = astype(model, dtype)
-    return model
+        # Checksums are of the stored dtype, so cast only after verifying;
+        # drop the tree so each original is freed as its copy is made.
+        leaves, treedef = jax.tree.flatten(params)
+        del params
+        _cast_in_place(leaves, dtype)
+        params = jax.tree.unflatten(treedef, leaves)
+        module = Decoder(cfg.replace(dtype=jnp.dtype(dtype).name))
+    return Model(params=params, module=module, tokenizer=_load_tokenizer(path))
 
 
 def _first_line(e: Exception) -> str:
@@ -287,8 +292,22 @@ def _checksums(params) -> dict:
 def astype(model: Model, dtype: Any) -> Model:
     """The same model with params and compute in ``dtype``."""
     cfg = model.module.config.replace(dtype=jnp.dtype(dtype).name)
-    params = jax.tree.map(lambda x: x.astype(dtype), model.params)
-    return Model(params=params, module=Decoder(cfg), tokenizer=model.tokenizer)
+    return Model(params=_cast(model.params, dtype), module=Decoder(cfg), tokenizer=model.tokenizer)
+
+
+def _cast(params, dtype):
+    """Casts a params tree leaf by leaf."""
+    leaves, treedef = jax.tree.flatten(params)
+    del params
+    _cast_in_place(leaves, dtype)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _cast_in_place(leaves: list, dtype) -> None:
+    """Replaces each leaf by its cast copy; with no other reference to the
+    originals, at most one tensor exists in both dtypes at any time."""
+    for i in range(len(leaves)):
+        leaves[i] = leaves[i].astype(dtype)
 
 
 # --------------------------------------------------------------------------- #
