@@ -14,6 +14,7 @@ Pickle weights are refused (see :func:`specjax._src.models.hf.find_weight_files`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -78,8 +79,6 @@ def _shape_str(shape) -> str:
 
 
 def config_to_dict(cfg: ModelConfig) -> dict:
-    import dataclasses
-
     return dataclasses.asdict(cfg)
 
 
