@@ -236,28 +236,42 @@ def test_lossless_bound_rejects_a_missing_warp(bigram_pair):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_draft", [2, 5])
+# Greedy bigram runs share one shape: G_BATCH prompts padded to G_WIDTH.
+G_BATCH, G_WIDTH, G_KW = 25, 9, dict(max_new_tokens=13, temperature=0.0, eos_token_id=6)
+
+
+def greedy_bigram(pair, prompts, num_draft=None):
+    arr, lens = padded(prompts, G_WIDTH)
+    if num_draft is None:
+        return specjax.generate(pair.target, arr, prompt_lengths=lens, **G_KW)
+    return specjax.decode(pair, arr, prompt_lengths=lens, num_draft=num_draft, **G_KW)
+
+
+@pytest.mark.parametrize("num_draft", [1, 5])
 def test_greedy_matches_generate_bigram(bigram_pair, num_draft):
-    prompts = random_prompts(1, 30, VOCAB, 9)
-    eos = 6
-    out = specjax.decode(bigram_pair, prompts, num_draft=num_draft, max_new_tokens=13, temperature=0.0, eos_token_id=eos)
-    ref = specjax.generate(bigram_pair.target, prompts, max_new_tokens=13, temperature=0.0, eos_token_id=eos)
-    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
-    lens = np.asarray(out.lengths)
-    toks = np.asarray(out.tokens)
-    for b in range(len(prompts)):
-        row = toks[b, : lens[b]].tolist()
-        assert eos not in row[:-1]
-        assert lens[b] == 13 or row[-1] == eos
-        assert (toks[b, lens[b]:] == 0).all()  # padded after the end
-    assert ref.stats.tau == 1.0  # generate: one token per cycle
-    np.testing.assert_array_equal(np.asarray(ref.stats.cycles), np.asarray(ref.lengths))
+    """50 prompts of lengths 1..9 in two mixed batches; EOS ends sequences early."""
+    prompts = random_prompts(1, 2 * G_BATCH, VOCAB, G_WIDTH)
+    eos = G_KW["eos_token_id"]
+    for batch in (prompts[:G_BATCH], prompts[G_BATCH:]):
+        out = greedy_bigram(bigram_pair, batch, num_draft)
+        ref = greedy_bigram(bigram_pair, batch)
+        np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+        lens = np.asarray(out.lengths)
+        toks = np.asarray(out.tokens)
+        assert (lens < 13).any()  # some sequences did stop at EOS
+        for b in range(len(batch)):
+            row = toks[b, : lens[b]].tolist()
+            assert eos not in row[:-1]
+            assert lens[b] == 13 or row[-1] == eos
+            assert (toks[b, lens[b]:] == 0).all()  # padded after the end
+        assert ref.stats.tau == 1.0  # generate: one token per cycle
+        np.testing.assert_array_equal(np.asarray(ref.stats.cycles), np.asarray(ref.lengths))
 
 
-@pytest.mark.parametrize("num_draft", [1, 3])
+@pytest.mark.parametrize("num_draft", [3])
 def test_greedy_matches_generate_decoder(decoder_pair, num_draft):
-    """50 prompts of lengths 1..12 in two mixed batches of 25 (one compile per K)."""
+    """50 prompts of lengths 1..12 in two mixed batches of 25 (one compile)."""
     prompts = random_prompts(7, 50, 96, 12)
     for batch in (prompts[:25], prompts[25:]):
         arr, lens = padded(batch, 12)
@@ -308,23 +322,31 @@ def test_equal_rules_and_temperatures_share_one_program(bigram_pair):
     assert compiled["n"] >= 1  # a different theta is a different program
 
 
+# Standard bigram sampling runs share one shape: S_BATCH prompts padded to S_WIDTH.
+S_BATCH, S_WIDTH, S_KW = 16, 6, dict(num_draft=4, max_new_tokens=20, eos_token_id=7)
+
+
+def sample_bigram(pair, prompts, key):
+    arr, lens = padded(prompts, S_WIDTH)
+    return specjax.decode(pair, arr, prompt_lengths=lens, key=key, **S_KW)
+
+
 def test_batch_invariance_bigram(bigram_pair):
-    prompts = random_prompts(5, 6, VOCAB, 5)
-    arr, lens = padded(prompts, 5)
-    keys = jax.random.split(jax.random.key(3), 6)
-    kw = dict(num_draft=3, max_new_tokens=12, eos_token_id=6, top_k=6)
-    batch = specjax.decode(bigram_pair, arr, prompt_lengths=lens, key=keys, **kw)
-    for i in range(6):
-        alone = specjax.decode(bigram_pair, arr[i : i + 1], prompt_lengths=lens[i : i + 1], key=keys[i : i + 1], **kw)
+    prompts = random_prompts(5, S_BATCH, VOCAB, S_WIDTH)
+    keys = jax.random.split(jax.random.key(3), S_BATCH)
+    batch = sample_bigram(bigram_pair, prompts, keys)
+    for i in range(0, S_BATCH, 3):
+        alone = sample_bigram(bigram_pair, prompts[i : i + 1], keys[i : i + 1])
         np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(batch.tokens)[i])
         assert int(alone.lengths[0]) == int(batch.lengths[i])
         assert int(alone.stats.cycles[0]) == int(batch.stats.cycles[i])
     # One key for the batch means fold_in(key, i) for sequence i.
-    single = specjax.decode(bigram_pair, arr, prompt_lengths=lens, key=jax.random.key(9), **kw)
-    for i in (0, 4):
-        k = jax.random.fold_in(jax.random.key(9), i)[None]
-        alone = specjax.decode(bigram_pair, arr[i : i + 1], prompt_lengths=lens[i : i + 1], key=k, **kw)
+    single = sample_bigram(bigram_pair, prompts, jax.random.key(9))
+    for i in (0, 7):
+        alone = sample_bigram(bigram_pair, prompts[i : i + 1], jax.random.fold_in(jax.random.key(9), i)[None])
         np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(single.tokens)[i])
+    again = sample_bigram(bigram_pair, prompts, jax.random.key(9))
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(single.tokens))
 
 
 def test_batch_invariance_and_determinism_decoder(decoder_pair):
@@ -345,15 +367,20 @@ def test_batch_invariance_and_determinism_decoder(decoder_pair):
     assert (np.asarray(other.tokens) != np.asarray(out_a.tokens)).any()
 
 
+def sample_generate(model, prompts, key):
+    arr, lens = padded(prompts, 4)
+    return specjax.generate(model, arr, prompt_lengths=lens, max_new_tokens=9, key=key, top_p=0.9)
+
+
 def test_generate_is_deterministic_and_batch_invariant(bigram_pair):
     prompts = random_prompts(8, 4, VOCAB, 4)
-    arr, lens = padded(prompts, 4)
     keys = jax.random.split(jax.random.key(0), 4)
-    out = specjax.generate(bigram_pair.target, arr, prompt_lengths=lens, max_new_tokens=9, key=keys, top_p=0.9)
-    again = specjax.generate(bigram_pair.target, arr, prompt_lengths=lens, max_new_tokens=9, key=keys, top_p=0.9)
+    out = sample_generate(bigram_pair.target, prompts, keys)
+    again = sample_generate(bigram_pair.target, prompts, keys)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(again.tokens))
-    alone = specjax.generate(bigram_pair.target, arr[2:3], prompt_lengths=lens[2:3], max_new_tokens=9, key=keys[2:3], top_p=0.9)
-    np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(out.tokens)[2])
+    companions = [prompts[2]] + random_prompts(9, 3, VOCAB, 4)
+    other = sample_generate(bigram_pair.target, companions, jnp.concatenate([keys[2:3], keys[:3]]))
+    np.testing.assert_array_equal(np.asarray(other.tokens)[0], np.asarray(out.tokens)[2])
 
 
 # ---------------------------------------------------------------------------
@@ -391,15 +418,14 @@ def test_stats_when_draft_never_agrees():
         draft[r, np.argmax(table[r])] = -10.0
         draft[r, (np.argmax(table[r]) + 1) % VOCAB] = 10.0
     pair = specjax.pair(bigram_model(table), bigram_model(draft))
-    out = specjax.decode(pair, [[1], [2, 3]], num_draft=3, max_new_tokens=7, temperature=0.0)
+    out = greedy_bigram(pair, random_prompts(3, G_BATCH, VOCAB, G_WIDTH), num_draft=5)
     s = out.stats
     assert s.acceptance_rate == 0.0 and s.tau == 1.0
-    np.testing.assert_array_equal(np.asarray(s.cycles), 7)
+    np.testing.assert_array_equal(np.asarray(s.cycles), np.asarray(out.lengths))
 
 
 def test_stats_are_consistent(bigram_pair):
-    prompts = random_prompts(2, 16, VOCAB, 6)
-    out = specjax.decode(bigram_pair, prompts, num_draft=4, max_new_tokens=20, key=jax.random.key(1), eos_token_id=7)
+    out = sample_bigram(bigram_pair, random_prompts(2, S_BATCH, VOCAB, S_WIDTH), jax.random.key(1))
     s = out.stats
     cycles, drafted, accepted = (np.asarray(x) for x in (s.cycles, s.drafted, s.accepted))
     tokens = np.asarray(s.tokens)
@@ -463,9 +489,11 @@ def test_padded_vocab_is_truncated():
     big = np.full((VOCAB + 4, VOCAB + 4), 50.0, np.float32)  # padding logits would win
     big[:VOCAB, :VOCAB] = table
     pair = specjax.pair(bigram_model(table), bigram_model(big), vocab_size=VOCAB)
-    greedy = specjax.decode(pair, [[1], [2]], num_draft=2, max_new_tokens=10, temperature=0.0)
-    ref = specjax.generate(pair, [[1], [2]], max_new_tokens=10, temperature=0.0)
+    prompts = random_prompts(4, G_BATCH, VOCAB, G_WIDTH)
+    greedy = greedy_bigram(pair, prompts, num_draft=5)
+    ref = greedy_bigram(pair, prompts)
     np.testing.assert_array_equal(np.asarray(greedy.tokens), np.asarray(ref.tokens))
+    assert greedy.stats.acceptance_rate > 0.0
 
 
 # ---------------------------------------------------------------------------
@@ -568,12 +596,19 @@ def nan_table(row):
 def test_nan_logits_raise_floating_point_error():
     good = bigram_model(random_table(0, VOCAB))
     bad = bigram_model(nan_table(5))
-    key = jax.random.key(0)
-    with pytest.raises(FloatingPointError, match=r"sequence 1 \(target model\)") as info:
-        specjax.decode(specjax.pair(bad, good), [[1], [5]], num_draft=2, max_new_tokens=6, key=key)
+    prompts = [[t if t != 5 else 4 for t in p] for p in random_prompts(6, S_BATCH, VOCAB, S_WIDTH)]
+    prompts[3] = [2, 5]
+    # The draft proposes 5 at times: the target's NaN row after it is never
+    # used (5 is rejected), so only sequence 3 is stopped.
+    with pytest.raises(FloatingPointError, match=r"in sequence 3 \(target model\); ") as info:
+        sample_bigram(specjax.pair(bad, good), prompts, jax.random.key(0))
     partial = info.value.output
-    assert int(partial.lengths[0]) == 6 and int(partial.lengths[1]) == 0
-    with pytest.raises(FloatingPointError, match=r"sequence 0 \(draft model\)"):
-        specjax.decode(specjax.pair(good, bad), [[2, 5]], num_draft=2, max_new_tokens=6, temperature=0.0)
-    with pytest.raises(FloatingPointError, match=r"sequence 0 \(target model\)"):
-        specjax.generate(bad, [[5]], max_new_tokens=3, key=key)
+    assert int(partial.lengths[3]) == 0 and int(np.sum(partial.lengths)) > 0
+    greedy = [[t if t != 5 else 4 for t in p] for p in random_prompts(7, G_BATCH, VOCAB, G_WIDTH)]
+    greedy[0] = [2, 5]
+    never_5 = random_table(0, VOCAB)
+    never_5[:, 5] = -1e9  # this target never produces 5 itself
+    with pytest.raises(FloatingPointError, match=r"in sequence 0 \(draft model\); "):
+        greedy_bigram(specjax.pair(bigram_model(never_5), bad), greedy, num_draft=5)
+    with pytest.raises(FloatingPointError, match=r"in sequence 1 \(target model\); "):
+        sample_generate(bad, [[1], [5], [2], [3]], jax.random.split(jax.random.key(0), 4))

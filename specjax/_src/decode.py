@@ -555,7 +555,7 @@ class _Drafts(NamedTuple):
     valid: Array  # [B, K]
     entropies: Array  # [B, K]
     token_probs: Array  # [B, K]
-    bad: Array  # [B]
+    bad: Array  # [B, K] the draft logits of that slot were non-finite
     forwards: Array  # scalar int32
 
 
@@ -596,7 +596,7 @@ def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_gumbel,
             valid=bufs.valid.at[:, j].set(active),
             entropies=bufs.entropies.at[:, j].set(ent),
             token_probs=bufs.token_probs.at[:, j].set(tok_p),
-            bad=bufs.bad | (active & sampling.nonfinite_rows(raw)),
+            bad=bufs.bad.at[:, j].set(active & sampling.nonfinite_rows(raw)),
             forwards=bufs.forwards,
         )
         next_active = active & (j + 1 < budget) & jnp.asarray(go, bool)
@@ -608,7 +608,7 @@ def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_gumbel,
         valid=jnp.zeros((batch, k_max), bool),
         entropies=jnp.zeros((batch, k_max), jnp.float32),
         token_probs=jnp.zeros((batch, k_max), jnp.float32),
-        bad=jnp.zeros((batch,), bool),
+        bad=jnp.zeros((batch, k_max), bool),
         forwards=jnp.int32(1),
     )
     active, bufs = process(0, raw0, ~state.done, bufs)
@@ -691,11 +691,14 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys
     emitted = jnp.where(n < v, corr_tok, bonus_tok)
 
     # ---- non-finite logits: stop the sequence, emit nothing ----
+    # Only rows the outcome depends on count: target rows 0..n (decisions up
+    # to slot n and the emitted token's distribution), draft rows 0..n.
     slots = jnp.arange(k_max + 1)[None, :]
-    target_bad = (sampling.nonfinite_rows(raw) & (slots <= v[:, None])).any(1)
+    target_bad = (sampling.nonfinite_rows(raw) & (slots <= n[:, None])).any(1)
+    draft_bad = (drafts.bad & (slots[:, :k_max] <= n[:, None])).any(1)
     live_before = ~done
     new_bad = jnp.where(
-        live_before & drafts.bad, 2, jnp.where(live_before & target_bad, 1, 0)
+        live_before & draft_bad, 2, jnp.where(live_before & target_bad, 1, 0)
     ).astype(jnp.int32)
     bad = jnp.where(state.bad > 0, state.bad, new_bad)
     live = live_before & (new_bad == 0)
