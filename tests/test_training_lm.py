@@ -82,6 +82,21 @@ def test_batches_are_pure_functions_of_seed_and_step_and_never_hold_heldout(corp
     assert seen > 300
 
 
+def test_answer_mask_marks_exactly_the_answers(corpus):
+    tokens, answer = data.make_batch(corpus, seed=1, step=0, batch_size=4, seq_len=48,
+                                     task_fraction=0.5, with_answer_mask=True)
+    np.testing.assert_array_equal(
+        tokens, data.make_batch(corpus, seed=1, step=0, batch_size=4, seq_len=48, task_fraction=0.5))
+    tok = corpus.tokenizer
+    for row, mask in zip(tokens[:2], answer[:2]):
+        text = tokenizer_lib.decode(tok, row)
+        full = TASK_RE.findall(text)
+        want = "".join(f" {c}\n" for _, _, c in full)
+        got = tokenizer_lib.decode(tok, row[mask])
+        assert got.startswith(want) and len(full) >= 2  # (+ the truncated last line's answer part)
+    assert not answer[2:].any()  # code rows
+
+
 def test_exact_match_scorer():
     assert data.score_answer(" 85\nassert 1 + 2 == 3", "85")
     assert data.score_answer("85", "85")
@@ -110,7 +125,7 @@ def tiny(corpus):
     cfg = lm.model_config("tiny", corpus.tokenizer.get_vocab_size())
     module = Decoder(cfg)
     opt = common.adamw(1e-2, 20, warmup_steps=2)
-    step = common.make_train_step(functools.partial(lm.lm_loss, module), opt)
+    step = common.make_train_step(functools.partial(lm.lm_loss, module, answer_weight=5.0), opt)
     return cfg, module, opt, step
 
 
@@ -124,10 +139,27 @@ def test_train_forward_matches_the_decoder(corpus, tiny):
         rtol=1e-5, atol=1e-5)
 
 
+def test_answer_weight_weighs_answer_tokens(corpus, tiny):
+    _, module, _, _ = tiny
+    params = module.init(jax.random.key(0))
+    tokens, answer = map(jnp.asarray, data.make_batch(corpus, seed=0, step=0, with_answer_mask=True,
+                                                      **SHAPE))
+    plain, _ = lm.lm_loss(module, params, tokens)
+    same, aux = lm.lm_loss(module, params, (tokens, answer), answer_weight=1.0)
+    np.testing.assert_allclose(plain, same, rtol=1e-6)
+    heavy, _ = lm.lm_loss(module, params, (tokens, answer), answer_weight=5.0)
+    a = float(aux["answer_nll"])
+    n_ans = float((answer[:, 1:] & (tokens[:, 1:] != 0)).sum())
+    n_all = float((tokens[:, 1:] != 0).sum())
+    want = (float(plain) * n_all + 4.0 * a * n_ans) / (n_all + 4.0 * n_ans)
+    np.testing.assert_allclose(float(heavy), want, rtol=1e-5)
+
+
 def test_few_steps_reduce_loss_on_a_fixed_batch(corpus, tiny):
     _, module, opt, step = tiny
     state = common.init_state(module.init(jax.random.key(0)), opt)
-    batch = jnp.asarray(data.make_batch(corpus, seed=0, step=0, **SHAPE))
+    batch = tuple(map(jnp.asarray, data.make_batch(corpus, seed=0, step=0, with_answer_mask=True,
+                                                   **SHAPE)))
     losses = []
     for _ in range(12):
         state, m = step(state, batch)
@@ -139,7 +171,8 @@ def test_few_steps_reduce_loss_on_a_fixed_batch(corpus, tiny):
 def test_killed_run_resumes_exactly(corpus, tiny, tmp_path):
     _, module, opt, train_step = tiny
     total = 7
-    batch_fn = lambda s: jnp.asarray(data.make_batch(corpus, seed=5, step=s, **SHAPE))  # noqa: E731
+    batch_fn = lambda s: tuple(map(jnp.asarray, data.make_batch(  # noqa: E731
+        corpus, seed=5, step=s, with_answer_mask=True, **SHAPE)))
     fresh = lambda: common.init_state(module.init(jax.random.key(0)), opt)  # noqa: E731
     run = dict(num_steps=total, tokens_per_step=32, progress=False, log_every=0)
 

@@ -146,10 +146,14 @@ class Corpus:
     task_pool: np.ndarray  # [N, 2] train pairs
     task_heldout: np.ndarray  # [n, 2]
     task_tokens: list[np.ndarray]  # bare ids of task_line for every pair in all_pairs order
+    task_prompt_lens: np.ndarray  # tokens of task_prompt for every pair (a prefix of the line)
     max_operand: int = MAX_OPERAND
 
     def line_tokens(self, a: int, b: int) -> np.ndarray:
         return self.task_tokens[int(a) * (self.max_operand + 1) + int(b)]
+
+    def prompt_len(self, a: int, b: int) -> int:
+        return int(self.task_prompt_lens[int(a) * (self.max_operand + 1) + int(b)])
 
 
 def _flatten(docs: list[list[int]]) -> np.ndarray:
@@ -226,6 +230,8 @@ def build_corpus(
         meta_file.write_text(json.dumps(meta))
     lines = [task_line(int(a), int(b)) for a, b in pairs]
     task_tokens = [np.asarray(ids, np.int32) for ids in tokenizer_lib.encode_batch(tok, lines)]
+    prompts = [task_prompt(int(a), int(b)) for a, b in pairs]
+    prompt_lens = np.array([len(ids) for ids in tokenizer_lib.encode_batch(tok, prompts)])
     return Corpus(
         tokenizer=tok,
         code_train=code_train,
@@ -234,6 +240,7 @@ def build_corpus(
         task_pool=pool,
         task_heldout=held,
         task_tokens=task_tokens,
+        task_prompt_lens=prompt_lens,
     )
 
 
@@ -251,8 +258,10 @@ def _code_row(rng: np.random.Generator, stream: np.ndarray, length: int) -> np.n
 
 def _task_row(
     rng: np.random.Generator, corpus: Corpus, pool: np.ndarray, length: int
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
+    """Packed task lines and a mask of their answer tokens (`` 85\n``)."""
     row = np.empty((length + 1,), np.int32)
+    answer = np.zeros((length + 1,), bool)
     row[0] = tokenizer_lib.BOS_ID
     n = 1
     # Lines are ~13 tokens; draw generously, use what fits, truncate the last.
@@ -261,12 +270,13 @@ def _task_row(
         ids = corpus.line_tokens(a, b)
         take = min(len(ids), length + 1 - n)
         row[n : n + take] = ids[:take]
+        answer[n + corpus.prompt_len(a, b) : n + take] = True
         n += take
         if n == length + 1:
             break
     if n < length + 1:
         row[n:] = tokenizer_lib.PAD_ID
-    return row
+    return row, answer
 
 
 def make_batch(
@@ -278,20 +288,30 @@ def make_batch(
     seq_len: int,
     task_fraction: float,
     split: str = "train",
-) -> np.ndarray:
+    with_answer_mask: bool = False,
+):
     """``[batch_size, seq_len + 1]`` int32 rows, each starting with ``<bos>``.
 
     A pure function of its arguments. The first ``round(batch_size *
     task_fraction)`` rows are packed task lines, the rest code windows.
     ``split="heldout"`` draws held-out code files and held-out task pairs.
+    With ``with_answer_mask``, also returns a same-shaped bool mask of the
+    task answers' tokens (what the task is scored on; the loss weights them).
     """
     rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
     stream = corpus.code_train if split == "train" else corpus.code_heldout
     pool = corpus.task_pool if split == "train" else corpus.task_heldout
     n_task = int(round(batch_size * task_fraction))
-    rows = [_task_row(rng, corpus, pool, seq_len) for _ in range(n_task)]
-    rows += [_code_row(rng, stream, seq_len) for _ in range(batch_size - n_task)]
-    return np.stack(rows)
+    rows, masks = [], []
+    for _ in range(n_task):
+        row, mask = _task_row(rng, corpus, pool, seq_len)
+        rows.append(row)
+        masks.append(mask)
+    for _ in range(batch_size - n_task):
+        rows.append(_code_row(rng, stream, seq_len))
+        masks.append(np.zeros((seq_len + 1,), bool))
+    tokens = np.stack(rows)
+    return (tokens, np.stack(masks)) if with_answer_mask else tokens
 
 
 def heldout_code_prompts(

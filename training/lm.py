@@ -23,7 +23,8 @@ the tokenizer/corpus cache is built once by the first command)::
     XLA_FLAGS=--xla_cpu_multi_thread_eigen=false taskset -c 1 \\
         python -m training.lm --model draft --out runs/draft &
 
-(defaults: 2,500 steps of batch 16 x 96 tokens, 75% task rows, seed 0; the
+(defaults: 2,400 steps of batch 16 x 96 tokens, 75% task rows, answer tokens
+weighted 5x in the loss, seed 0; the
 runs that produced the shipped pair also ran under ``nice -n 10``). An
 interrupted run continues with the same command plus ``--resume``;
 ``--export-only`` re-runs the final evaluation and export from the last
@@ -143,16 +144,29 @@ def train_logits(cfg: ModelConfig, params, tokens):
     return jnp.dot(x, head, preferred_element_type=jnp.float32).reshape(b, t, -1)
 
 
-def lm_loss(module: Decoder, params, tokens):
-    """Mean next-token NLL over non-pad targets. ``tokens`` is ``[B, L + 1]``."""
+def lm_loss(module: Decoder, params, batch, *, answer_weight: float = 1.0):
+    """Weighted mean next-token NLL over non-pad targets.
+
+    ``batch`` is ``tokens[B, L + 1]`` or ``(tokens, answer_mask[B, L + 1])``;
+    target tokens inside a task answer weigh ``answer_weight``, the rest 1.
+    The answer digits are the only learnable part of a task line (operands
+    are uniform noise), so weighting them speeds up learning the task at a
+    fixed number of steps.
+    """
+    tokens, answer = batch if isinstance(batch, (tuple, list)) else (batch, None)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits = train_logits(module.config, params, inputs)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     mask = (targets != tokenizer_lib.PAD_ID).astype(jnp.float32)
-    total = jnp.maximum(mask.sum(), 1.0)
-    loss = (nll * mask).sum() / total
-    return loss, {"tokens": mask.sum()}
+    weights = mask
+    aux = {"tokens": mask.sum()}
+    if answer is not None:
+        ans = answer[:, 1:].astype(jnp.float32) * mask
+        weights = mask + (answer_weight - 1.0) * ans
+        aux["answer_nll"] = (nll * ans).sum() / jnp.maximum(ans.sum(), 1.0)
+    loss = (nll * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+    return loss, aux
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -256,7 +270,11 @@ def _write_card(path: pathlib.Path, name: str, summary: dict, cfg: ModelConfig) 
         "",
         "Training: AdamW (b2 0.95, weight decay 0.1, clip 1.0), linear warmup "
         f"{summary['warmup']} steps to {summary['peak_lr']:g} then cosine to 10%, float32; "
+        f"task-answer tokens weigh {summary['answer_weight']:g}x in the loss; "
         "weights stored in bfloat16. Every row starts with `<bos>` (the tokenizer adds it).",
+        *[f"The run was resumed at step {r['at_step']} with its cosine horizon moved from "
+          f"{r['old_steps']} to {r['new_steps']} steps (to fit the time budget)."
+          for r in summary.get("rehorizon", [])],
         f"Context: trained on {summary['seq_len'] + 1}-token windows; keep prompt + generation "
         "within about that length.",
         "",
@@ -332,10 +350,12 @@ def write_task_assets(corpus: data.Corpus, out_dir: pathlib.Path, n_code: int = 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m training.lm", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(PRESETS), default="target")
-    p.add_argument("--steps", type=int, default=2500)
+    p.add_argument("--steps", type=int, default=2400)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=96)
     p.add_argument("--task-fraction", type=float, default=0.75)
+    p.add_argument("--answer-weight", type=float, default=5.0,
+                   help="loss weight of task-answer tokens (others weigh 1)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (preset default)")
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
@@ -345,6 +365,8 @@ def parse_args(argv=None):
     p.add_argument("--export", default=None, help="HF export dir (default specjax/assets/models/<model>)")
     p.add_argument("--no-export", action="store_true")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--rehorizon", action="store_true",
+                   help="with --resume: accept a different --steps (the cosine re-targets it)")
     p.add_argument("--export-only", action="store_true", help="evaluate + export the latest checkpoint")
     p.add_argument("--prepare-only", action="store_true", help="build the tokenizer/corpus cache and task assets")
     p.add_argument("--ckpt-minutes", type=float, default=3.0)
@@ -375,6 +397,7 @@ def main(argv=None):
         "model": args.model, "config": dataclasses.asdict(cfg), "seed": args.seed,
         "steps": args.steps, "batch": args.batch, "seq_len": args.seq,
         "task_fraction": args.task_fraction, "peak_lr": peak_lr, "warmup": args.warmup,
+        "answer_weight": args.answer_weight,
         "params": n_params,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -384,9 +407,17 @@ def main(argv=None):
         if not (args.resume or args.export_only):
             raise SystemExit(f"{out} already has checkpoints; pass --resume (or use a new --out).")
         state, saved = ckpt.restore(state)
-        for k in ("seed", "steps", "batch", "seq_len", "task_fraction", "config"):
+        for k in ("seed", "steps", "batch", "seq_len", "task_fraction", "config", "answer_weight"):
+            if k == "steps" and args.rehorizon:
+                continue
             if json.dumps(saved.get(k)) != json.dumps(meta[k]):
                 raise SystemExit(f"--resume with different {k}: checkpoint has {saved.get(k)}, now {meta[k]}")
+        if saved["steps"] != args.steps:
+            # The schedule is a function of the optimizer's step count: the
+            # cosine continues from the current step towards the new horizon.
+            saved.setdefault("rehorizon", []).append(
+                {"at_step": int(state["step"]), "old_steps": saved["steps"], "new_steps": args.steps})
+            saved["steps"] = args.steps
         meta = saved
         print(f"resumed {out} at step {int(state['step'])}", flush=True)
     elif args.export_only:
@@ -394,10 +425,11 @@ def main(argv=None):
     print(f"{args.model}: {n_params:,} params, {args.steps} steps x {tokens_per_step} tokens, "
           f"devices {jax.devices()}", flush=True)
 
-    train_step = common.make_train_step(functools.partial(lm_loss, module), optimizer)
-    batch_fn = lambda step: jnp.asarray(data.make_batch(  # noqa: E731
+    train_step = common.make_train_step(
+        functools.partial(lm_loss, module, answer_weight=args.answer_weight), optimizer)
+    batch_fn = lambda step: tuple(map(jnp.asarray, data.make_batch(  # noqa: E731
         corpus, seed=args.seed, step=step, batch_size=args.batch, seq_len=args.seq,
-        task_fraction=args.task_fraction))
+        task_fraction=args.task_fraction, with_answer_mask=True)))
     eval_pairs = corpus.task_heldout[:200]
 
     def eval_fn(step, st):
@@ -430,6 +462,8 @@ def main(argv=None):
         "task_examples": len(corpus.task_heldout),
         "task_samples": samples,
         "evals": meta.get("evals", []),
+        "rehorizon": meta.get("rehorizon", []),
+        "answer_weight": meta.get("answer_weight", 1.0),
         "hardware": f"{os.cpu_count()}-core CPU, {platform.machine()}, jax {jax.__version__}",
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
