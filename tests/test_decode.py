@@ -477,6 +477,31 @@ def test_hidden_state_hook_and_diagnostics(bigram_pair):
     assert "extra_cycles" in out.stats.summary()
 
 
+def test_rule_state_is_carried_per_sequence():
+    """A stateful rule that rejects everything for its first 3 cycles, then is
+    lossless; with draft == target every later cycle commits K + 1 tokens."""
+    base = speculative_sampling()
+
+    def verify(inputs, state, *, greedy):
+        verdict = base.verify(inputs, state, greedy=greedy)
+        warm = state >= 3
+        return verdict._replace(accept=verdict.accept & warm, path=jnp.where(warm, verdict.path, Path.REJECTED))
+
+    def update(state, inputs, verdict, num_accepted, *, greedy):
+        return state + 1
+
+    rule = AcceptanceRule(lambda: jnp.int32(0), verify, update, RuleSpec("warm_up"))
+    model = bigram_model(random_table(0, VOCAB))
+    k = 3
+    # 3 one-token cycles, then 2 cycles of K + 1 tokens, for each sequence.
+    out = specjax.decode(specjax.pair(model, model), [[1], [2, 3]], rule=rule, num_draft=k,
+                         max_new_tokens=3 + 2 * (k + 1), temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.stats.cycles), 5)
+    np.testing.assert_array_equal(np.asarray(out.stats.accepted), 2 * k)
+    ref = specjax.generate(model, [[1], [2, 3]], max_new_tokens=3 + 2 * (k + 1), temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+
+
 def test_defaults_work_with_a_lossy_rule(bigram_pair):
     out = specjax.decode(bigram_pair, [[1, 2, 3], [4]], rule=mars(theta=0.9), key=jax.random.key(0))
     assert out.tokens.shape == (2, 64)
