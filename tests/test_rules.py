@@ -537,3 +537,16 @@ def test_every_rule_jits_vmaps_and_corrects_to_distributions(name):
         assert jax.tree.structure(new_state) == jax.tree.structure(state)
         # a sequence's verdict does not depend on its batch companions
         assert_same_verdict(jax.tree.map(lambda x: x[perm], v), pv)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 9])
+def test_largest_values_equals_top_k_with_ties(m):
+    from specjax._src.rules.common import largest_values
+
+    rng = np.random.default_rng(m)
+    # Few distinct values, so rows have many exact ties; -inf entries too.
+    logits = rng.integers(-3, 3, size=(64, 12)).astype(np.float32)
+    logits[rng.random(logits.shape) < 0.2] = -np.inf
+    got = np.asarray(largest_values(jnp.asarray(logits), m))
+    want = np.asarray(jax.lax.top_k(jnp.asarray(logits), m)[0])
+    np.testing.assert_array_equal(got, want)

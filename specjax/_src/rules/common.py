@@ -52,6 +52,27 @@ def token_rank(logits: Array, tokens: Array) -> Array:
     return jnp.sum(z > z_x[:, None], axis=-1).astype(jnp.int32)
 
 
+def largest_values(logits: Array, m: int) -> Array:
+    """``[..., m]`` the m largest values over the last axis, descending (ties repeat).
+
+    Same values as ``jax.lax.top_k(logits, m)[0]``, computed as m masked
+    maxima: XLA's CPU top_k sorts the whole row and made MARS ~9x slower per
+    decode cycle than the lossless rule on a 2048-token vocabulary. For the
+    small m of verification rules, O(m V) reductions are cheaper; large m keeps
+    top_k.
+    """
+    if m > 8:
+        return jax.lax.top_k(logits, m)[0]
+    iota = jnp.arange(logits.shape[-1])
+    values = []
+    remaining = logits
+    for _ in range(m):
+        index = jnp.argmax(remaining, -1)
+        values.append(jnp.take_along_axis(remaining, index[..., None], -1)[..., 0])
+        remaining = jnp.where(iota == index[..., None], -jnp.inf, remaining)
+    return jnp.stack(values, -1)
+
+
 def entropy(probs: Array) -> Array:
     """Shannon entropy in nats over the last axis; ``0 log 0 = 0``."""
     return -jnp.sum(jax.scipy.special.xlogy(probs, probs), axis=-1)

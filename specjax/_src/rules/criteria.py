@@ -140,7 +140,7 @@ def top_m_set(logits: Array, m: int) -> Array:
     tokens survive the mask.
     """
     # The m-th largest logit, then everything at or above it.
-    kth = jax.lax.top_k(logits, m)[0][..., -1:]
+    kth = common.largest_values(logits, m)[..., -1:]
     return (logits >= kth) & (logits > -jnp.inf)
 
 

@@ -29,7 +29,7 @@ def low_margin(logits: Array, theta: float) -> Array:
     ``z(2) > theta * z(1)``, which never divides and is False when top-k/top-p
     masked ``z(2)`` to ``-inf``.
     """
-    top2 = jax.lax.top_k(logits, 2)[0]
+    top2 = common.largest_values(logits, 2)
     z1, z2 = top2[..., 0], top2[..., 1]
     return (z1 > 0) & (z2 > theta * z1)
 
