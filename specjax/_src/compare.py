@@ -1,0 +1,310 @@
+"""The main job: every acceptance rule side by side on one target/draft pair.
+
+``specjax compare`` runs target-only decoding and each rule at temperature 0
+and 1 on held-out code prompts and arithmetic-task prompts, all in one
+process, and reports per rule: tau, acceptance rate, tok/s, speedup over
+target-only measured in the same run, task accuracy and its recovery vs
+target-only, token agreement with target-only greedy output (T=0) and the
+target's mean NLL of the generated text (T=1).
+
+Every configuration is compiled once on the real shapes before it is timed,
+so tok/s excludes compilation; code and task prompts share one padded batch
+so each (rule, temperature) pair compiles one program.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_TARGET = ASSETS / "models" / "target"
+DEFAULT_DRAFT = ASSETS / "models" / "draft"
+DEFAULT_EVAL = ASSETS / "task"
+TASK_FILE = "arith_heldout.jsonl"  # {prompt, answer}: held-out arithmetic problems
+CODE_FILE = "code_prompts.jsonl"  # {prompt}: snippets of held-out stdlib files
+
+# Rules of the default comparison, as spec strings (the CLI's syntax).
+DEFAULT_RULES = (
+    "speculative_sampling",
+    "ears:beta=0.1",
+    "mars:theta=0.9",
+    "adasd",
+    "typical:eps=0.09,delta=0.3",
+    "additive:t=0.3",
+    "multiplicative:alpha=0.1",
+    "top_m:m=2",
+)
+QUICK_RULES = ("speculative_sampling", "mars:theta=0.9", "ears:beta=0.1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    num_task: int
+    num_code: int
+    max_new_tokens: int
+    temperatures: tuple[float, ...]
+    rules: tuple[str, ...]
+
+
+PRESETS = {
+    "quick": Preset(num_task=16, num_code=8, max_new_tokens=32, temperatures=(0.0, 1.0), rules=QUICK_RULES),
+    "default": Preset(num_task=48, num_code=16, max_new_tokens=48, temperatures=(0.0, 1.0), rules=DEFAULT_RULES),
+    "full": Preset(num_task=200, num_code=64, max_new_tokens=64, temperatures=(0.0, 0.7, 1.0), rules=DEFAULT_RULES),
+}
+
+
+@dataclasses.dataclass
+class EvalSet:
+    """Prompts as token lists; ``answers[i]`` is None for code prompts."""
+
+    prompts: list[list[int]]
+    answers: list[str | None]
+
+    @property
+    def task_mask(self) -> np.ndarray:
+        return np.array([a is not None for a in self.answers])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_eval_set(tokenizer, eval_dir: Path, num_task: int, num_code: int) -> EvalSet:
+    """Held-out task prompts (with answers) then code prompts, tokenized."""
+    task = read_jsonl(eval_dir / TASK_FILE)[:num_task]
+    code = read_jsonl(eval_dir / CODE_FILE)[:num_code]
+    texts = [row["prompt"] for row in task] + [row["prompt"] for row in code]
+    prompts = [tokenizer.encode(text).ids for text in texts]
+    answers = [str(row["answer"]) for row in task] + [None] * len(code)
+    return EvalSet(prompts=prompts, answers=answers)
+
+
+def task_correct(completion: str, answer: str) -> bool:
+    """Exact match of the first line of the completion against the answer."""
+    first_line = completion.split("\n", 1)[0]
+    return first_line.strip() == answer.strip()
+
+
+def completions(tokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+    return [tokenizer.decode(row[:n].tolist()) for row, n in zip(tokens, lengths)]
+
+
+def mean_target_nll(target, prompts: Sequence[Sequence[int]], tokens: np.ndarray, lengths: np.ndarray) -> float:
+    """Mean negative log-likelihood per generated token under the target (T=1)."""
+    import specjax
+
+    rows = [list(p) + row[:n].tolist() for p, row, n in zip(prompts, tokens, lengths)]
+    width = max(len(r) for r in rows)
+    padded = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    logp = jax.nn.log_softmax(specjax.logits(target, jnp.asarray(padded)), -1)
+    logp = np.asarray(logp)
+    total, count = 0.0, 0
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        start = len(p)
+        for t in range(start, start + int(n)):
+            total -= float(logp[i, t - 1, padded[i, t]])
+            count += 1
+    return total / max(count, 1)
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the comparison table."""
+
+    method: str
+    temperature: float
+    tokens_per_s: float
+    speedup: float
+    tau: float
+    acceptance_rate: float
+    task_accuracy: float
+    recovery: float
+    agreement: float
+    target_nll: float
+    exact: int = 0
+    relaxed: int = 0
+    pardon: int = 0
+
+
+def _timed(fn, repeats: int = 1):
+    """Runs ``fn`` once to compile, then ``repeats`` times; median wall time."""
+    out = fn()
+    jax.block_until_ready(out.tokens)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out.tokens)
+        times.append(time.perf_counter() - start)
+    return out, float(np.median(times))
+
+
+def _agreement(tokens, lengths, ref_tokens, ref_lengths) -> float:
+    """Fraction of positions equal to the reference output, over the reference's length."""
+    same = total = 0
+    for row, n, ref, m in zip(tokens, lengths, ref_tokens, ref_lengths):
+        k = int(m)
+        total += k
+        same += int((row[: min(int(n), k)] == ref[: min(int(n), k)]).sum())
+    return same / max(total, 1)
+
+
+def run_comparison(
+    target,
+    draft,
+    eval_set: EvalSet,
+    *,
+    rules: Sequence[str],
+    temperatures: Sequence[float],
+    max_new_tokens: int,
+    num_draft: int = 4,
+    seed: int = 0,
+    repeats: int = 1,
+    progress: bool = True,
+) -> list[Row]:
+    """Measures target-only decoding and every rule; returns one Row per (method, T)."""
+    import specjax
+    from specjax.rules import parse_rule
+
+    tokenizer = target.tokenizer
+    eos = target.module.config.eos_token_id if hasattr(target.module, "config") else None
+    params = specjax.pair(target, draft)
+    mask = eval_set.task_mask
+    key = jax.random.key(seed)
+    rows: list[Row] = []
+    jobs = [(t, None) for t in temperatures] + [(t, r) for t in temperatures for r in rules]
+    try:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(jobs, desc="compare", disable=not progress)
+    except ImportError:  # pragma: no cover
+        bar = jobs
+    baseline: dict[float, tuple[Any, float, float]] = {}
+    for temperature, rule_spec in bar:
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(f"{rule_spec or 'target-only'} T={temperature:g}")
+        common = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos, key=key)
+        if rule_spec is None:
+            out, seconds = _timed(lambda: specjax.generate(target, eval_set.prompts, **common), repeats)
+        else:
+            rule = parse_rule(rule_spec)
+            out, seconds = _timed(
+                lambda: specjax.decode(params, eval_set.prompts, rule=rule, num_draft=num_draft, **common),
+                repeats,
+            )
+        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        texts = completions(tokenizer, tokens, lengths)
+        correct = [task_correct(t, a) for t, a, m in zip(texts, eval_set.answers, mask) if m]
+        accuracy = float(np.mean(correct)) if correct else math.nan
+        tok_s = float(lengths.sum()) / seconds
+        nll = mean_target_nll(target, eval_set.prompts, tokens, lengths) if temperature > 0 else math.nan
+        if rule_spec is None:
+            baseline[temperature] = (out, tok_s, accuracy)
+            summary = {"tau": 1.0, "acceptance_rate": math.nan}
+            name = "target-only"
+        else:
+            summary = out.stats.summary()
+            name = rule_spec
+        base_out, base_tok_s, base_acc = baseline[temperature]
+        agreement = (
+            _agreement(tokens, lengths, np.asarray(base_out.tokens), np.asarray(base_out.lengths))
+            if temperature == 0
+            else math.nan
+        )
+        rows.append(
+            Row(
+                method=name,
+                temperature=temperature,
+                tokens_per_s=tok_s,
+                speedup=tok_s / base_tok_s,
+                tau=float(summary.get("tau", math.nan)),
+                acceptance_rate=float(summary.get("acceptance_rate", math.nan)),
+                task_accuracy=accuracy,
+                recovery=accuracy / base_acc if base_acc and base_acc > 0 else math.nan,
+                agreement=agreement,
+                target_nll=nll,
+                exact=int(summary.get("accepted_exact", 0)),
+                relaxed=int(summary.get("accepted_relaxed", 0)),
+                pardon=int(summary.get("accepted_pardon", 0)),
+            )
+        )
+    return rows
+
+
+COLUMNS = (
+    ("method", "method", "{}"),
+    ("temperature", "T", "{:g}"),
+    ("tokens_per_s", "tok/s", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("tau", "tau", "{:.2f}"),
+    ("acceptance_rate", "accept", "{:.3f}"),
+    ("task_accuracy", "task acc", "{:.3f}"),
+    ("recovery", "recovery", "{:.3f}"),
+    ("agreement", "agree(T=0)", "{:.3f}"),
+    ("target_nll", "NLL(T>0)", "{:.3f}"),
+)
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    header = [title for _, title, _ in COLUMNS]
+    body = []
+    for row in rows:
+        cells = []
+        for field, _, fmt in COLUMNS:
+            value = getattr(row, field)
+            cells.append("-" if isinstance(value, float) and math.isnan(value) else fmt.format(value))
+        body.append(cells)
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in body])
+
+
+def write_outputs(rows: Sequence[Row], out_dir: Path) -> dict[str, Path]:
+    """Writes compare.csv, compare.json and compare.png; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = [dataclasses.asdict(r) for r in rows]
+    paths = {"csv": out_dir / "compare.csv", "json": out_dir / "compare.json", "png": out_dir / "compare.png"}
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    with open(paths["json"], "w") as f:
+        json.dump(records, f, indent=2, default=lambda x: None)
+    plot_speedup_vs_recovery(rows, paths["png"])
+    return paths
+
+
+def plot_speedup_vs_recovery(rows: Sequence[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = sorted({r.temperature for r in rows})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4.5), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        for row in (r for r in rows if r.temperature == temperature):
+            recovery = 1.0 if math.isnan(row.recovery) else row.recovery
+            ax.scatter(row.speedup, recovery, s=40)
+            ax.annotate(row.method, (row.speedup, recovery), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("speedup over target-only (same run)")
+        ax.set_ylabel("task accuracy recovery vs target-only")
+        ax.set_title(f"temperature {temperature:g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,65 @@
+"""The command line and the compare job, on the shipped draft model (small, real tokenizer)."""
+
+import json
+
+import pytest
+
+import specjax
+from specjax.__main__ import main
+from specjax._src import compare
+
+DRAFT_DIR = compare.DEFAULT_DRAFT
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    if not (DRAFT_DIR / "config.json").exists():
+        pytest.skip("the embedded draft model is not present")
+    return specjax.load(DRAFT_DIR)
+
+
+def test_compare_lossless_greedy_agrees_with_target_only(small_model, tmp_path):
+    eval_set = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=6, num_code=2)
+    assert eval_set.task_mask.sum() == 6 and len(eval_set.prompts) == 8
+    rows = compare.run_comparison(
+        small_model, small_model, eval_set, rules=("speculative_sampling",), temperatures=(0.0,),
+        max_new_tokens=8, progress=False,
+    )
+    base, sd = rows
+    assert base.method == "target-only" and sd.method == "speculative_sampling"
+    # Greedy lossless decoding is the target's own greedy output: same tokens, same accuracy.
+    assert sd.agreement == 1.0
+    assert sd.task_accuracy == base.task_accuracy
+    # Draft == target: every draft is accepted.
+    assert sd.acceptance_rate == 1.0 and sd.tau > 1.0
+    paths = compare.write_outputs(rows, tmp_path)
+    records = json.loads(paths["json"].read_text())
+    assert [r["method"] for r in records] == ["target-only", "speculative_sampling"]
+    assert paths["png"].stat().st_size > 0 and paths["csv"].read_text().startswith("method,")
+    table = compare.format_table(rows)
+    assert "speculative_sampling" in table and "tau" in table
+
+
+def test_task_scoring_reads_the_first_line():
+    assert compare.task_correct(" 85\nassert 1 + 2 == 3", "85")
+    assert not compare.task_correct(" 8\n5", "85")
+    assert not compare.task_correct("", "85")
+
+
+def test_generate_prints_text_and_stats(small_model, capsys):
+    code = main(["generate", "--target", str(DRAFT_DIR), "--draft", str(DRAFT_DIR), "--rule", "mars:theta=0.9",
+                 "--prompt", "assert 2 + 3 ==", "--max-new-tokens", "6"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("assert 2 + 3 ==") and "tau" in out
+
+
+def test_unknown_rule_is_a_clear_error(capsys):
+    code = main(["generate", "--rule", "marz:theta=0.9", "--prompt", "x"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "marz" in err and "mars" in err  # names the bad rule and lists the valid ones
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["generate", "--target", str(tmp_path / "nope"), "--prompt", "x"])
