@@ -9,6 +9,14 @@ target is always accepted. See ``specjax._src.theory`` for the derivations.
     from specjax.rules import additive
     c = theory.certificate(additive(t=0.3), target_probs)        # [..., V] -> [...]
     d = theory.position_diagnostics(additive(t=0.3), target_probs, draft_probs)
+
+Live, during greedy decoding (certified fraction and certificate quantiles per
+criterion; see ``specjax._src.certify``)::
+
+    diag = theory.certificate_diagnostics(additive(t=0.3), trees=(2, 4, 8))
+    out = specjax.decode(pair, prompts, rule=additive(t=0.3), temperature=0.0, diagnostics=diag)
+    report = diag.summarize(out.stats)   # report["additive:t=0.3"]["certificate_p5"], ...
+    out, report = theory.certified_decode(pair, prompts, rule=additive(t=0.3))   # the same
 """
 
 from specjax._src.theory import (
@@ -32,8 +40,20 @@ from specjax._src.theory import (
     tree_margin_bounds,
     universal_bound,
 )
+from specjax._src.certify import (
+    CertificateDiagnostics,
+    CertificateReport,
+    certificate_diagnostics,
+    certified_decode,
+    histogram_quantile,
+)
 
 __all__ = [
+    "CertificateDiagnostics",
+    "CertificateReport",
+    "certificate_diagnostics",
+    "certified_decode",
+    "histogram_quantile",
     "COMBINATORS",
     "LEVEL_SET_RULES",
     "accepted_set",
