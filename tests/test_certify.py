@@ -29,11 +29,11 @@ TREES = (2, 4)
 ALSO = (additive(0.3), multiplicative(0.1), typical(), top_m(2))
 
 
-def tiny_pair():
-    """A 2-layer random Llama target and a 1-layer draft sharing its first layer
+def tiny_pair(target_layers=2):
+    """A random Llama target (2 layers) and a 1-layer draft sharing its first layer
     (peaked heads; the draft's perturbed so it agrees only part of the time)."""
     cfg = ModelConfig(
-        model_type="llama", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+        model_type="llama", vocab_size=VOCAB, hidden_size=32, num_layers=target_layers, num_heads=4,
         num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128,
     )
     params = Decoder(cfg).init(jax.random.key(0))
@@ -71,7 +71,7 @@ def replay(models, prompt):
     """Per verified position (slot j <= n of each cycle): p, q, the draft token and
     whether strict greedy accepted it, from full (uncached) forwards."""
     target, draft = models
-    width = len(prompt) + N + K + 1
+    width = max(map(len, prompts())) + N + K + 1  # one shape: one compile per model
 
     def probs(model, seq):
         padded = np.zeros((1, width), np.int32)
@@ -113,8 +113,10 @@ def test_recorded_values_equal_recomputation(models, strict_run):
     assert report.positions == len(recs)
     extra = {k: np.asarray(v).sum(0) for k, v in out.stats.extra.items()}
     np.testing.assert_allclose(extra["kl_sum"], kl.sum(), rtol=1e-4)
-    for c in diag.criteria:
-        cert = np.asarray(theory.tree_certificate(p, c.tree_m) if c.tree_m else theory.certificate(c.spec, p))
+    certs = jax.jit(lambda p: [theory.tree_certificate(p, c.tree_m) if c.tree_m else theory.certificate(c.spec, p)
+                               for c in diag.criteria])(p)  # one compile for all criteria
+    for c, cert in zip(diag.criteria, certs):
+        cert = np.asarray(cert)
         finite = np.isfinite(cert)
         np.testing.assert_allclose(extra[f"{c.label}/cert_sum"], cert[finite].sum(), rtol=1e-4, atol=1e-6)
         assert int(extra[f"{c.label}/certified"]) == int((kl < cert).sum()), c.label
@@ -164,13 +166,16 @@ def test_histogram_quantiles_match_numpy():
     lo, hi, bins = certify.DEFAULT_LO, math.log(9), certify.DEFAULT_BINS
     res = certify.resolution(lo, hi, bins)
     assert res < 0.004
-    for size in (1, 2, 7, 100, 1001):
-        values = np.exp(rng.uniform(math.log(1e-8), math.log(hi), size))
+    sizes = (1, 2, 7, 100, 1001)
+    values = np.exp(rng.uniform(math.log(1e-8), math.log(hi), sum(sizes))).astype(np.float32)
+    index = np.array(certify._bin_index(jnp.asarray(values), lo, hi, bins))  # one device call
+    for values, index in zip(np.split(values, np.cumsum(sizes)[:-1]), np.split(index, np.cumsum(sizes)[:-1])):
+        size = len(values)
         values[: size // 10] = 0.0
-        hist = np.bincount(np.asarray(certify._bin_index(jnp.asarray(values, jnp.float32), lo, hi, bins)),
-                           minlength=bins + 2)
+        index[: size // 10] = 0
+        hist = np.bincount(index, minlength=bins + 2)
         for q in (0.0, 0.05, 0.5, 0.9, 1.0):
-            assert_quantile_close(histogram_quantile(hist, q, lo, hi), values.astype(np.float32), q, res, lo)
+            assert_quantile_close(histogram_quantile(hist, q, lo, hi), values, q, res, lo)
     assert math.isnan(histogram_quantile(np.zeros(bins + 2), 0.5, lo, hi))
     hist = np.zeros(bins + 2, np.int64)
     hist[-1] = 3  # every token accepted: +inf certificates
@@ -213,10 +218,10 @@ def test_errors(models, strict_run):
         certificate_diagnostics(trees=(0,))
 
 
-def test_cli_writes_table_json_png(models, tmp_path, capsys):
+def test_cli_writes_table_json_png(tmp_path, capsys):
     from specjax.__main__ import main
 
-    target, draft = models
+    target, draft = tiny_pair(target_layers=1)  # one layer each: a faster compile
     dirs = {}
     for name, model in (("target", target), ("draft", draft)):
         dirs[name] = tmp_path / name

@@ -192,6 +192,14 @@ def histogram_cdf(hist: np.ndarray, lo: float, hi: float) -> tuple[np.ndarray, n
 # The hook
 
 
+def _rank(p: Array, tokens: Array) -> Array:
+    """Rank of ``tokens[k]`` in the stable descending order of ``p[k]`` (ties: lower id first)."""
+    pt = jnp.take_along_axis(p, tokens[:, None], -1)
+    ids = jnp.arange(p.shape[-1])
+    before = (p > pt) | ((p == pt) & (ids < tokens[:, None]))
+    return before.sum(-1)
+
+
 def _check_greedy(temperature: Optional[float], rule_label: str) -> None:
     if temperature is None or float(temperature) == 0.0:
         return
@@ -263,8 +271,9 @@ class CertificateDiagnostics:
                 others = (q >= q_top) & (jnp.arange(q.shape[-1]) != top[:, None])
                 holds = others.sum(-1) < c.tree_m  # the target's top token is in q's top m
             else:
-                cert = theory.certificate(c.spec, p)
-                member = jnp.take_along_axis(theory.accepted_set(c.spec, p), tokens[:, None], -1)[:, 0]
+                k_acc = theory.num_accepted(c.spec, p)
+                cert = theory.level_set_certificate(p, k_acc)
+                member = _rank(p, tokens) < k_acc  # = theory.accepted_set(c.spec, p)[token], no sort
                 if i == 0:
                     holds = jnp.asarray(verdict.accept, bool)
                     out["rule_mismatches"] = i32(valid & (holds != member))
