@@ -19,3 +19,4 @@ from specjax._src.models.loading import export_hf, load, logits, save_orbax
 from specjax._src.decode import DecodeOutput, ModelPair, decode, generate, pair
 from specjax._src.stats import DecodeStats
 from specjax import drafting
+from specjax import sharding

@@ -41,6 +41,11 @@ Hooks for later rules and diagnostics:
 * ``decode(..., diagnostics=fn)``: ``fn(inputs, verdict, num_accepted) -> dict``
   of per-sequence scalars, evaluated per cycle on live sequences and summed
   into ``stats.extra`` (e.g. theory diagnostics).
+
+Sharding (``mesh=``, or params already on a mesh): the same program, with the
+inputs placed over a ``('data', 'model')`` mesh and the caches / loop carry
+pinned by ``with_sharding_constraint`` (``_Config.layout``); XLA's SPMD
+partitioner inserts the collectives. See :mod:`specjax._src.sharding`.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from flax import struct
 
 from specjax._src import drafting as drafting_lib
 from specjax._src import sampling
+from specjax._src import sharding as sharding_lib
 from specjax._src.lm import KVCache, Model
 from specjax._src.rules.base import (
     NUM_PATHS,
@@ -289,6 +295,7 @@ class _Config(NamedTuple):
     eos: tuple[int, ...]
     pad_id: int
     hidden_layers: tuple[int, ...]
+    layout: Optional[sharding_lib.DecodeLayout] = None  # set when running on a mesh
 
 
 def _hidden_layers(spec: Any) -> tuple[int, ...]:
@@ -516,6 +523,22 @@ def _prefill(module, params, prompts: Array, keep: Array, cache_length: int) -> 
     return out.cache.rollback(keep)
 
 
+def _constrain(cfg: _Config, state, batch: int, caches: Sequence[tuple[str, str]]):
+    """Pins a loop state to the mesh layout (no-op without a mesh): caches get
+    their own spec, every other batch-leading leaf is split over 'data'."""
+    lay = cfg.layout
+    if lay is None:
+        return state
+    pinned = {field: lay.constrain_cache(getattr(state, field), which) for field, which in caches}
+    rest = lay.constrain_batch(state.replace(**{field: None for field, _ in caches}), batch)
+    return rest.replace(**pinned)
+
+
+def _replicate_outputs(cfg: _Config, tree):
+    """On a mesh, outputs are replicated so every host can read them (they are small)."""
+    return tree if cfg.layout is None else cfg.layout.replicated(tree)
+
+
 def _extract(cfg: _Config, tokens: Array, prompt_lengths: Array, generated: Array) -> Array:
     n = cfg.max_new_tokens
     out = jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (n,)))(
@@ -622,7 +645,8 @@ def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_gumbel,
         prev = jax.lax.dynamic_index_in_dim(bufs.tokens, j - 1, axis=1, keepdims=True)
         out = module.apply(params, prev, cache)
         active, bufs = process(j, out.logits[:, 0, :vocab], active, bufs)
-        return j + 1, active, out.cache, bufs._replace(forwards=bufs.forwards + 1)
+        new_cache = out.cache if cfg.layout is None else cfg.layout.constrain_cache(out.cache, "draft")
+        return j + 1, active, new_cache, bufs._replace(forwards=bufs.forwards + 1)
 
     _, _, cache, bufs = jax.lax.while_loop(cond, body, (jnp.int32(1), active, cache, bufs))
     return bufs, cache
@@ -809,6 +833,8 @@ def _decode_impl(pair_params: ModelPair, prompts, prompt_lengths, key, temperatu
         policy_state=_batched_init(lambda: policy.init(k_max), batch),
         stats=DecodeStats.zeros(batch, k_max),
     )
+    caches = (("target_cache", "target"), ("draft_cache", "draft"))
+    state = _constrain(cfg, state, batch, caches)
     cycle = functools.partial(_decode_cycle, cfg, pair_params, prompt_lengths, seq_keys, temperature, top_p)
     if cfg.diagnostics is not None:
         shapes = jax.eval_shape(lambda s: cycle(s)[1], state)
@@ -823,7 +849,7 @@ def _decode_impl(pair_params: ModelPair, prompts, prompt_lengths, key, temperatu
         if diag is not None:
             extra = jax.tree_util.tree_map(jnp.add, new.stats.extra, diag)
             new = new.replace(stats=new.stats.replace(extra=extra))
-        return new
+        return _constrain(cfg, new, batch, caches)
 
     state = jax.lax.while_loop(cond, body, state)
     generated = state.num_committed - prompt_lengths
@@ -832,7 +858,7 @@ def _decode_impl(pair_params: ModelPair, prompts, prompt_lengths, key, temperatu
         lengths=generated,
         stats=state.stats,
     )
-    return out, state.bad
+    return _replicate_outputs(cfg, (out, state.bad))
 
 
 _decode_jit = jax.jit(_decode_impl, static_argnames=("cfg",))
@@ -870,6 +896,7 @@ def decode(
     prompt_lengths=None,
     pad_token_id: int = 0,
     diagnostics: Optional[Callable] = None,
+    mesh=None,
 ) -> DecodeOutput:
     """Speculative decoding: draft with ``params.draft``, verify with ``params.target``.
 
@@ -893,12 +920,21 @@ def decode(
       pad_token_id: fills ``tokens`` after each sequence's end.
       diagnostics: optional hook ``(inputs, verdict, num_accepted) -> dict`` of
         per-sequence scalars, summed per sequence into ``stats.extra``.
+      mesh: a ``('data', 'model')`` :class:`jax.sharding.Mesh`
+        (``specjax.sharding.make_mesh``): sequences are split over ``'data'``,
+        heads / MLP / vocabulary over ``'model'``; params not yet on the mesh
+        are placed by ``specjax.sharding.shard_params``'s rules, params already
+        on it (sharded or replicated) are used as they are. Default: the mesh
+        the params are on, if any (``specjax.sharding.shard_params``), else one
+        device. Outputs come back replicated. See ``docs/sharding.md``.
 
     Returns:
       :class:`DecodeOutput`.
 
     Raises:
-      ValueError / TypeError: for bad arguments (before anything is traced).
+      ValueError / TypeError: for bad arguments (before anything is traced),
+        including a mesh that does not divide the batch, or the heads / kv heads
+        / MLP width of a model it must shard.
       FloatingPointError: if a model produced NaN / inf logits (the sequence
         is named; ``err.output`` holds what was generated).
     """
@@ -952,6 +988,11 @@ def decode(
     )
     temp = np.float32(1.0 if greedy else temperature)
     top_p_value = np.float32(1.0 if top_p is None else top_p)
+    placed, layout = sharding_lib.prepare({"target": params.target, "draft": params.draft}, batch, mesh)
+    if layout is not None:
+        params = params.replace(target=placed["target"], draft=placed["draft"])
+        prompts, lengths, key, temp, top_p_value = layout.put_inputs(prompts, lengths, key, temp, top_p_value)
+        cfg = cfg._replace(layout=layout)
     out, bad = _decode_jit(params, prompts, lengths, key, temp, top_p_value, cfg=cfg)
     _raise_if_bad(bad, out, {1: "target", 2: "draft"})
     return out
@@ -985,6 +1026,7 @@ def _generate_impl(model: Model, vocab: int, prompts, prompt_lengths, key, tempe
         bad=jnp.zeros((batch,), jnp.int32),
         cache=cache,
     )
+    state = _constrain(cfg, state, batch, (("cache", "target"),))
 
     def cond(s: _GenState):
         return (~s.done.all()) & (s.step < n_max)
@@ -1008,7 +1050,7 @@ def _generate_impl(model: Model, vocab: int, prompts, prompt_lengths, key, tempe
         new_nc = nc + live.astype(jnp.int32)
         hit_eos = live & _is_eos(cfg, tok)
         done = s.done | bad_now | hit_eos | (new_nc - prompt_lengths >= n_max)
-        return _GenState(
+        new = _GenState(
             step=s.step + 1,
             tokens=tokens,
             num_committed=new_nc,
@@ -1016,6 +1058,7 @@ def _generate_impl(model: Model, vocab: int, prompts, prompt_lengths, key, tempe
             bad=jnp.where(bad_now, 1, s.bad),
             cache=out.cache.rollback(new_nc - 1),
         )
+        return _constrain(cfg, new, batch, (("cache", "target"),))
 
     state = jax.lax.while_loop(cond, body, state)
     generated = state.num_committed - prompt_lengths
@@ -1025,7 +1068,7 @@ def _generate_impl(model: Model, vocab: int, prompts, prompt_lengths, key, tempe
     out = DecodeOutput(
         tokens=_extract(cfg, state.tokens, prompt_lengths, generated), lengths=generated, stats=stats
     )
-    return out, state.bad
+    return _replicate_outputs(cfg, (out, state.bad))
 
 
 _generate_jit = jax.jit(_generate_impl, static_argnames=("vocab", "cfg"))
@@ -1044,6 +1087,7 @@ def generate(
     max_length: Optional[int] = None,
     prompt_lengths=None,
     pad_token_id: int = 0,
+    mesh=None,
 ) -> DecodeOutput:
     """Target-only autoregressive sampling: the baseline ``decode`` is compared to.
 
@@ -1051,7 +1095,8 @@ def generate(
     per-sequence keys) and output type as :func:`decode`; ``stats`` count one
     cycle per token. ``model`` is a :class:`~specjax.Model`, or a
     :class:`ModelPair` (its target is used, with the pair's vocabulary).
-    One jitted ``while_loop``, one ``T = 1`` forward per token.
+    One jitted ``while_loop``, one ``T = 1`` forward per token. ``mesh``: as
+    for :func:`decode`.
     """
     if isinstance(model, ModelPair):
         vocab, model = model.vocab_size, model.target
@@ -1087,6 +1132,11 @@ def generate(
     )
     temp = np.float32(1.0 if greedy else temperature)
     top_p_value = np.float32(1.0 if top_p is None else top_p)
+    placed, layout = sharding_lib.prepare({"target": model}, batch, mesh)
+    if layout is not None:
+        model = placed["target"]
+        prompts, lengths, key, temp, top_p_value = layout.put_inputs(prompts, lengths, key, temp, top_p_value)
+        cfg = cfg._replace(layout=layout)
     out, bad = _generate_jit(model, vocab, prompts, lengths, key, temp, top_p_value, cfg=cfg)
     _raise_if_bad(bad, out, {1: "target"})
     return out

@@ -9,6 +9,12 @@
 
 Tensors are streamed one at a time from safetensors and converted to the
 target dtype as they arrive, so peak memory is the model plus one tensor.
+
+Sharded loading (``mesh=`` or ``shardings=``, see ``specjax.sharding``): Orbax
+restores every param straight into its ``NamedSharding`` (each device reads
+its own slice), and a safetensors tensor is cut into its device slices on the
+host as it streams in, so a model larger than one device never sits whole on
+one device.
 Pickle weights are refused (see :func:`specjax._src.models.hf.find_weight_files`).
 """
 
@@ -109,7 +115,27 @@ def read_hf_config(path: str) -> dict:
         return json.load(f)
 
 
-def load_hf(path: str, dtype: Any = None, *, progress: Progress = None) -> Model:
+def _target_shardings(cfg: ModelConfig, mesh, shardings):
+    """The params' shardings from ``shardings=`` (a tree, or a callable of the
+    config) or ``mesh=`` (specjax's tensor-parallel rules); None for neither."""
+    if shardings is not None:
+        return shardings(cfg) if callable(shardings) else shardings
+    if mesh is not None:
+        from specjax._src import sharding as sharding_lib
+
+        return sharding_lib.param_shardings(cfg, mesh)
+    return None
+
+
+def _put(array: np.ndarray, sharding) -> jax.Array:
+    """A host array onto ``sharding``: each device gets only its slice (works
+    on every host of a multi-host job, each reading the same file)."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def load_hf(
+    path: str, dtype: Any = None, *, progress: Progress = None, mesh=None, shardings=None
+) -> Model:
     """Loads a Hugging Face safetensors directory.
 
     Args:
@@ -117,6 +143,10 @@ def load_hf(path: str, dtype: Any = None, *, progress: Progress = None) -> Model
       dtype: params and compute dtype (``"float32"``, ``"bfloat16"``); ``None``
         keeps the checkpoint's.
       progress: optional wrapper over the tensor iterator (a tqdm factory).
+      mesh: a ``('data', 'model')`` mesh: place each tensor as it streams in,
+        with ``specjax.sharding.param_shardings``.
+      shardings: instead of ``mesh``, a tree of ``jax.sharding.Sharding`` like
+        the params (or a function of the ``ModelConfig`` returning one).
 
     Raises:
       ValueError: unknown model type, unsupported rope scaling, pickle-only
@@ -128,6 +158,7 @@ def load_hf(path: str, dtype: Any = None, *, progress: Progress = None) -> Model
     specs = {s.hf_name: s for s in hf.tensor_specs(cfg)}
     files = hf.find_weight_files(path)
     target = jnp.dtype(cfg.dtype)
+    placement = _target_shardings(cfg, mesh, shardings)
 
     params: dict = {}
     unexpected = []
@@ -153,8 +184,12 @@ def load_hf(path: str, dtype: Any = None, *, progress: Progress = None) -> Model
         tensor = read()
         if spec.transpose:
             tensor = tensor.T
-        _set(params, spec.path, jnp.asarray(np.ascontiguousarray(tensor, dtype=target)))
-        del tensor
+        host = np.ascontiguousarray(tensor, dtype=target)
+        if placement is None:
+            _set(params, spec.path, jnp.asarray(host))
+        else:
+            _set(params, spec.path, _put(host, _get(placement, spec.path)))
+        del tensor, host
     missing = [n for n, s in specs.items() if not _has(params, s.path)]
     if missing:
         raise ValueError(
@@ -221,8 +256,13 @@ def save_orbax(model: Model, path: str) -> None:
         json.dump(meta, f, indent=1)
 
 
-def load_orbax(path: str, dtype: Any = None) -> Model:
+def load_orbax(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
     """Loads a directory written by :func:`save_orbax`.
+
+    ``mesh`` / ``shardings`` as for :func:`load_hf`: Orbax restores each param
+    directly into its sharding. The checksums are then checked one param at a
+    time on the host; they are skipped for params not fully addressable from
+    this host (multi-host), which only see their own slices.
 
     Raises:
       ValueError: the directory is truncated or corrupted (names what).
@@ -240,6 +280,11 @@ def load_orbax(path: str, dtype: Any = None) -> Model:
         raise ValueError(f"Orbax checkpoint {path} has an unreadable {ORBAX_CONFIG}: {e}") from e
     module = Decoder(cfg)
     abstract = module.param_shapes()
+    placement = _target_shardings(cfg, mesh, shardings)
+    if placement is not None:
+        abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, placement
+        )
     params_dir = os.path.join(path, _PARAMS_DIR)
     if not os.path.isdir(params_dir):
         raise ValueError(f"Orbax checkpoint {path} is truncated: no {_PARAMS_DIR}/ directory.")
@@ -283,6 +328,8 @@ def _checksums(params) -> dict:
     out = {}
     for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         key = "/".join(str(getattr(k, "key", k)) for k in kp)
+        if not getattr(leaf, "is_fully_addressable", True):
+            continue  # multi-host: this host holds only its slices
         arr = np.ascontiguousarray(np.asarray(leaf))
         out[key] = [list(arr.shape), arr.dtype.name, zlib.crc32(arr.view(np.uint8).reshape(-1))]
     return out
@@ -353,7 +400,7 @@ def _hf_tensor(leaf, transpose: bool) -> np.ndarray:
 # --------------------------------------------------------------------------- #
 
 
-def load(path: str, dtype: Any = None) -> Model:
+def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
     """Loads a model from a Hugging Face or a converted Orbax directory.
 
     Args:
@@ -361,6 +408,11 @@ def load(path: str, dtype: Any = None) -> Model:
         else Hugging Face (``config.json`` + safetensors).
       dtype: ``"float32"`` or ``"bfloat16"`` (or a jnp dtype); ``None`` keeps
         the checkpoint's dtype.
+      mesh: a ``('data', 'model')`` mesh (``specjax.sharding.make_mesh``): the
+        params are read straight into ``specjax.sharding.param_shardings``
+        (tensor parallel over ``'model'``), never whole on one device.
+      shardings: instead of ``mesh``, a tree of ``jax.sharding.Sharding`` like
+        the params, or a function of the ``ModelConfig`` returning one.
 
     Returns:
       :class:`specjax.Model` with ``params``, ``module`` (a :class:`Decoder`)
@@ -370,8 +422,8 @@ def load(path: str, dtype: Any = None) -> Model:
     if not os.path.isdir(path):
         raise ValueError(f"Checkpoint directory {path} does not exist.")
     if is_orbax_dir(path):
-        return load_orbax(path, dtype)
-    return load_hf(path, dtype)
+        return load_orbax(path, dtype, mesh=mesh, shardings=shardings)
+    return load_hf(path, dtype, mesh=mesh, shardings=shardings)
 
 
 @functools.partial(jax.jit, static_argnums=0)
