@@ -567,6 +567,8 @@ def _fmt(x, digits=3) -> str:
         return "nan"
     if isinstance(x, float) and math.isinf(x):
         return "inf"
+    if x != 0 and abs(x) < 0.01:
+        return f"{x:.1e}"  # small certificates (near-ties) keep their magnitude
     return f"{x:.{digits}f}"
 
 
@@ -623,15 +625,18 @@ def plot_cdfs(rows: Sequence[dict], path: Path) -> None:
         style = dict(color="k", linestyle="--") if r.get("_kl") else {}
         label = r["criterion"] + ("" if r.get("_kl") else f" ({100 * r['certified_fraction']:.0f}% certified)")
         ax.step(x, y, where="post", label=label, **style)
-        p5 = r.get("paper_p5")
-        if p5 is not None:
-            ax.plot([p5], [0.05], marker="x", color=ax.lines[-1].get_color())
+        color = ax.lines[-1].get_color()
+        if r.get("paper_p5") is not None:
+            ax.plot([r["paper_p5"]], [0.05], marker="x", color=color, linestyle="none")
+        if r.get("paper_median") is not None:
+            ax.plot([r["paper_median"]], [0.5], marker="o", mfc="none", color=color, linestyle="none")
     ax.set_xscale("log")
-    ax.set_xlim(1e-4, 10)
+    ax.set_xlim(1e-6, 10)
     ax.set_ylim(0, 1)
     ax.set_xlabel("certificate C(p), nats (KL(p||q) dashed)")
     ax.set_ylabel("fraction of verified positions <= x")
-    ax.set_title("Acceptance certificate CDFs (x: paper's 5th percentile, Qwen3)")
+    ax.set_title("Acceptance certificate CDFs; paper (Qwen3): x 5th percentile, o median\n"
+                 "(a curve ending below 1: the rest are +inf, nothing rejectable)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
