@@ -14,21 +14,47 @@ task, ``MODEL_CARD.md``, and a Hugging Face directory (config.json,
 model.safetensors in bf16, tokenizer.json) written through the project's
 exporter into ``--export`` (default ``specjax/assets/models/<model>``).
 
-Reproduce the shipped pair (2-core CPU, both runs side by side, one core each;
-the tokenizer/corpus cache is built once by the first command)::
+Reproduce the shipped pair (2-core CPU, both runs side by side, one XLA
+thread each; the first command builds the tokenizer/corpus cache in
+``runs/corpus`` and writes ``specjax/assets/task/``)::
 
     python -m training.lm --prepare-only
-    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false taskset -c 0 \\
+    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false \\
         python -m training.lm --model target --out runs/target &
-    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false taskset -c 1 \\
+    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false \\
         python -m training.lm --model draft --out runs/draft &
 
-(defaults: 2,400 steps of batch 16 x 96 tokens, 75% task rows, answer tokens
-weighted 5x in the loss, seed 0; the
-runs that produced the shipped pair also ran under ``nice -n 10``). An
-interrupted run continues with the same command plus ``--resume``;
-``--export-only`` re-runs the final evaluation and export from the last
-checkpoint.
+(defaults: 2,400 steps of batch 16 x 96 tokens, 75% task rows, task-answer
+tokens weighted 5x in the loss, seed 0). The corpus is this interpreter's
+stdlib, so the tokenizer and code data are exactly reproducible only on the
+same CPython version (the pair shipped was trained on 3.11.7). An interrupted
+run continues with the same command plus ``--resume`` (``--rehorizon`` also
+accepts a new ``--steps``); ``--export-only`` re-runs the final evaluation and
+export from the last checkpoint.
+
+Measured for the shipped pair (shared 2-core CPU, other jobs running):
+
+=========================  ======================  ======================
+                           target                  draft
+=========================  ======================  ======================
+params                     1,377,408 (4 layers)    184,512 (1 layer)
+steps / tokens seen        2,400 / 3.69M           2,400 / 3.69M
+wall time                  37.6 min                13.8 min
+held-out code loss         3.99 nats/token         4.08 nats/token
+held-out task loss         0.708 nats/token        0.960 nats/token
+held-out task exact match  97.2% (500 problems)    4.4% (500 problems)
+=========================  ======================  ======================
+
+Task accuracy of the target during training (200 held-out problems): 4% at
+step 250, 14% at 750, 56% at 1,000, 82% at 1,250, 90% at 1,500, 95% at
+2,250. A first attempt without the answer-token weight was at 2% at step 500.
+Lossless speculative sampling with K=4 on 32 held-out stdlib code prompts
+(48 new tokens): acceptance rate 0.18 (first draft position 0.35, tau 1.70)
+at T=0 and 0.36 (first position 0.62, tau 2.37) at T=1: the one-layer
+draft agrees with the target's greedy choice on code far less often than it
+samples alike. Export parity: ``transformers`` logits of both exported
+directories match ``specjax`` within 1.2e-6 relative error (float32), and
+the bf16 weights score the same task accuracy as the float32 ones.
 """
 
 from __future__ import annotations
@@ -60,7 +86,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 ASSETS = REPO / "specjax" / "assets"
 
 # Model presets (Llama layout). Sizes chosen for a shared 2-core CPU: the
-# target (1.4M params, 4 layers) and the draft (0.17M, one layer) train the
+# target (1.38M params, 4 layers) and the draft (0.18M, one layer) train the
 # same steps on the same batches; the draft scores lower on the task because
 # one layer cannot carry digits reliably, not because it trained less.
 PRESETS = {
