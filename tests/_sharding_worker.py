@@ -250,10 +250,24 @@ def main(path: str) -> None:
     gen_bad = specjax.generate(bad_target, prompts, temperature=0.0, max_new_tokens=NEW, mesh=mesh)
     report["generate_gathering"] = {"greedy": gen_bad.to_lists(), "hlo": check_hlo(spy_generate, weights, caches)}
 
+    report["bigram"] = bigram_on_mesh()
     report["loading"] = loading(pair.target, mesh)
     report["seconds"] = round(time.time() - t0, 1)
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)
+
+
+def bigram_on_mesh() -> dict:
+    """Any LanguageModel (here a bigram table, no KV buffers) runs on a mesh,
+    replicated; one PRNG key per sequence is split over 'data' with the batch."""
+    from bigram import bigram_model, random_table
+
+    pair = specjax.pair(bigram_model(random_table(0, 8)), bigram_model(random_table(1, 8)))
+    prompts = [[1, 2, 3], [4], [5, 6], [7, 1, 2, 3]]
+    keys = jax.random.split(jax.random.key(4), len(prompts))
+    ref = specjax.decode(pair, prompts, temperature=1.0, key=keys, max_new_tokens=6)
+    out = specjax.decode(pair, prompts, temperature=1.0, key=keys, max_new_tokens=6, mesh=sharding.make_mesh(4, 2))
+    return {"match": ref.to_lists() == out.to_lists(), "lengths": out.lengths.tolist()}
 
 
 def loading(model: Model, mesh) -> dict:

@@ -89,6 +89,10 @@ def test_the_hlo_check_catches_a_weight_all_gather(report):
     assert bad["greedy"] == good["greedy"] == report["reference"]["greedy"]
 
 
+def test_any_language_model_runs_replicated_on_a_mesh(report):
+    assert report["bigram"]["match"] and sum(report["bigram"]["lengths"]) > 0
+
+
 @pytest.mark.parametrize("mesh", MESHES)
 def test_second_call_on_a_mesh_compiles_nothing(report, mesh):
     assert report["meshes"][mesh]["recompiles"] == 0
