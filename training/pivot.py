@@ -459,7 +459,9 @@ def write_card(directory: str | pathlib.Path) -> pathlib.Path:
         f"Architecture `{cfg['arch']}` over the target's layer {cfg['layer']} hidden state "
         f"(size {cfg['hidden_size']}, target depth {cfg.get('target_num_layers')}) plus the target's "
         "entropy and probability of the draft token at the judging slot. Load it with "
-        f"`specjax.rules.pad(head=\"{d}\", sigma=0.5)`; written by `python -m training.pivot`.",
+        f"`specjax.rules.pad(head=\"{d}\", sigma=0.5)`"
+        + (" (or `head=\"shipped\"`)" if d.resolve() == DEFAULT_OUT.resolve() else "")
+        + "; written by `python -m training.pivot`.",
         "",
     ]
     if rep:
@@ -470,7 +472,8 @@ def write_card(directory: str | pathlib.Path) -> pathlib.Path:
             "",
             f"- labels: {ds.get('candidates')} SD rejections on {ds.get('num_prompts')} training-split task "
             f"prompts per trajectory temperature {ds.get('label_temperatures')}, {ds.get('pivots')} pivots; "
-            f"{ds.get('kept_rows')} rows kept by the authors' filter",
+            f"{ds.get('kept_rows')} rows kept by the authors' filter"
+            + ("; trained on ALL labelled rows (--all-rows)" if ds.get("all_rows") else ""),
             f"- {rep['train_rows']} train / {rep['val_rows']} held-out rows; best held-out loss "
             f"{rep['best_val_loss']:.4f} (initial {rep['initial_val_loss']:.4f}) at step {rep['best_step']}",
             f"- held-out ROC AUC {h['auc']:.3f}; "
@@ -586,6 +589,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     report["dataset"] = {k: ds.meta.get(k) for k in ("candidates", "pivots", "num_prompts", "label_temperatures", "config")}
     report["dataset"]["kept_rows"] = int(ds.keep.sum())
+    report["dataset"]["all_rows"] = bool(args.all_rows)
+    weights = pathlib.Path(args.target) / "model.safetensors"
+    if weights.is_file():  # the head is tied to these exact target weights
+        report["target"] = {"dir": str(args.target),
+                            "model.safetensors sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
     head = dataclasses.replace(head, config=dataclasses.replace(head.config, info=report))
     out = head.save(args.out)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
