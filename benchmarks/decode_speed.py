@@ -88,87 +88,140 @@ def forward_cost(model: Model, batch: int, t: int, context: int, cache_length: i
     return timed(lambda: loop(model.params, cache, tokens).block_until_ready(), repeats) / steps
 
 
+def _rule_list(text: str) -> list[str]:
+    if text in ("all", "compare"):
+        from specjax._src.compare import DEFAULT_RULES
+
+        return list(DEFAULT_RULES)
+    return [r for r in text.split(";") if r]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", help="checkpoint dir for specjax.load (default: random tiny decoders)")
     ap.add_argument("--draft", help="checkpoint dir for specjax.load")
+    ap.add_argument("--embedded", action="store_true", help="the embedded pair (specjax/assets/models) on its eval prompts")
+    ap.add_argument("--dtype", default=None, help="load dtype (float32 / bfloat16); default: the checkpoint's")
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--embed-scale", type=float, default=30.0, help="random models: agreement knob")
     ap.add_argument("--draft-noise", type=float, default=0.1, help="random models: head perturbation")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1, help="sequences per call (eval prompts: chunks of this size)")
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--num-task", type=int, default=4, help="--embedded: arithmetic prompts")
+    ap.add_argument("--num-code", type=int, default=2, help="--embedded: code prompts (cut to --prompt-len)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--num-draft", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--rule", default="speculative_sampling", help="a specjax.rules.parse_rule string")
+    ap.add_argument("--temperatures", help="comma list; overrides --temperature")
+    ap.add_argument("--rule", default="speculative_sampling",
+                    help="parse_rule strings separated by ';', or 'all' (the compare job's rule list)")
     ap.add_argument("--drafting", default="fixed", choices=["fixed", "heuristic", "confidence", "adasd_entropy"])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="alternating rounds (and forward-cost repeats)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--markdown", help="also write the report as markdown")
     args = ap.parse_args(argv)
 
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import common
+    from specjax.rules import parse_rule
+
+    rep = common.Report("decode_speed: target-only vs speculative, realized vs ideal speedup")
+    if args.embedded:
+        args.target = args.target or str(common.MODELS / "target")
+        args.draft = args.draft or str(common.MODELS / "draft")
     if args.target:
-        target, draft = specjax.load(args.target), specjax.load(args.draft or args.target)
+        target = specjax.load(args.target, dtype=args.dtype)
+        draft = specjax.load(args.draft or args.target, dtype=args.dtype)
     else:
         target, draft = random_pair(
             args.vocab, args.hidden, args.layers, args.draft_layers, args.seed, args.embed_scale, args.draft_noise
         )
     params = specjax.pair(target, draft)
     vocab = params.vocab_size
-    from specjax.rules import parse_rule
-
-    rule = parse_rule(args.rule)
     policy = getattr(specjax.drafting, args.drafting)()
     k, n, b = args.num_draft, args.max_new_tokens, args.batch
-    rng = np.random.default_rng(args.seed)
-    prompts = rng.integers(0, vocab, size=(b, args.prompt_len)).astype(np.int32)
+    if args.embedded:
+        plist = common.eval_prompts(args.num_task, args.num_code, args.prompt_len)
+        what = f"{args.num_task} arithmetic + {args.num_code} code eval prompts"
+    else:
+        rng = np.random.default_rng(args.seed)
+        plist = [list(r) for r in rng.integers(0, vocab, size=(b, args.prompt_len))]
+        what = "random prompts"
+    width = max(len(p) for p in plist)
+    chunks = [common.pad(plist[i:i + b], width) for i in range(0, len(plist), b)]
+    temps = [float(t) for t in args.temperatures.split(",")] if args.temperatures else [args.temperature]
+    rules = _rule_list(args.rule)
+    eos = None  # no EOS: every call generates exactly max_new_tokens per sequence
     key = jax.random.key(args.seed)
-    common = dict(max_new_tokens=n, temperature=args.temperature, key=key)
 
-    def run_generate():
-        out = specjax.generate(params, prompts, **common)
-        out.tokens.block_until_ready()
-        return out
+    def run_all(fn):
+        outs = [fn(arr, lens) for arr, lens in chunks]
+        for o in outs:
+            o.tokens.block_until_ready()
+        return outs
 
-    def run_decode():
-        out = specjax.decode(params, prompts, rule=rule, drafting=policy, num_draft=k, **common)
-        out.tokens.block_until_ready()
-        return out
+    def gen(temperature):
+        return lambda: run_all(lambda a, l: specjax.generate(
+            params, a, prompt_lengths=l, max_new_tokens=n, temperature=temperature, key=key, eos_token_id=eos))
 
-    t_gen = timed(run_generate, args.repeats)
-    t_dec = timed(run_decode, args.repeats)
-    gen_tokens = int(np.sum(run_generate().lengths))
-    out = run_decode()
-    dec_tokens = int(np.sum(out.lengths))
-    stats = out.stats
+    def dec(rule, temperature):
+        return lambda: run_all(lambda a, l: specjax.decode(
+            params, a, prompt_lengths=l, rule=rule, drafting=policy, num_draft=k, max_new_tokens=n,
+            temperature=temperature, key=key, eos_token_id=eos))
 
-    context, cache_length = args.prompt_len + n // 2, args.prompt_len + n + k
+    context, cache_length = width + n // 2, width + n + k
     c_ar = forward_cost(target, b, 1, context, cache_length, vocab, args.repeats)
     c_draft = forward_cost(draft, b, 1, context, cache_length, vocab, args.repeats)
     c_verify = forward_cost(target, b, k + 1, context, cache_length, vocab, args.repeats)
-    tau = stats.tau
-    ideal = tau * c_ar / (k * c_draft + c_verify)
-    # With an adaptive policy, the draft runs fewer than K forwards per cycle.
-    draft_per_cycle = float(stats.draft_forwards) / max(float(stats.target_forwards), 1.0)
-    ideal_measured_k = tau * c_ar / (draft_per_cycle * c_draft + c_verify)
-    realized = (dec_tokens / t_dec) / (gen_tokens / t_gen)
-
     dev = jax.devices()[0]
-    print(f"device: {dev.platform} ({dev.device_kind}), batch {b}, prompt {args.prompt_len}, "
-          f"max_new_tokens {n}, K={k}, temperature {args.temperature}, rule {rule.spec}, "
-          f"drafting {policy.spec}")
-    print(f"target-only : {gen_tokens / t_gen:10.1f} tok/s  ({t_gen * 1e3:.1f} ms for {gen_tokens} tokens)")
-    print(f"speculative : {dec_tokens / t_dec:10.1f} tok/s  ({t_dec * 1e3:.1f} ms for {dec_tokens} tokens)")
-    print(f"speedup     : {realized:.3f}x realized")
-    print(f"tau         : {tau:.3f}   acceptance {stats.acceptance_rate:.3f}   "
-          f"draft forwards/cycle {draft_per_cycle:.2f}")
-    print(f"costs       : c_AR {c_ar * 1e6:.1f} us, c_draft {c_draft * 1e6:.1f} us, "
-          f"c_verify(K+1={k + 1}) {c_verify * 1e6:.1f} us")
-    print(f"ideal       : {ideal:.3f}x = tau*c_AR/(K*c_draft+c_verify)"
-          f"   ({ideal_measured_k:.3f}x with the measured draft forwards per cycle)")
-    print(f"realized / ideal: {realized / ideal:.3f}")
+    rep.text(f"device: {dev.platform} ({dev.device_kind}), batch {b}, {len(plist)} prompts ({what}) "
+             f"(width {width}), max_new_tokens {n} (no EOS), K={k}, drafting {policy.spec}; "
+             f"{args.repeats} alternating rounds, compile excluded (measured separately)")
+    rep.text(f"forward costs (median of {args.repeats}, on-device loop, cache {context}/{cache_length}): "
+             f"c_AR {c_ar * 1e6:.1f} us, c_draft {c_draft * 1e6:.1f} us, c_verify(K+1={k + 1}) "
+             f"{c_verify * 1e6:.1f} us; c_draft/c_AR {c_draft / c_ar:.3f}, c_verify/c_AR {c_verify / c_ar:.2f}")
+    rows = []
+    for temperature in temps:
+        fns = {"target-only": gen(temperature)}
+        for r in rules:
+            fns[r] = dec(parse_rule(r), temperature)
+        compile_s = {}
+        for name, fn in fns.items():  # compile + first call, timed apart
+            _, compile_s[name] = common.timed_once(fn)
+        times = common.alternate(fns, args.repeats, warmup=0)
+        base_out = fns["target-only"]()
+        base_tok = sum(int(np.sum(o.lengths)) for o in base_out)
+        base_tps = [base_tok / t for t in times["target-only"]]
+        rows.append([f"{temperature:g}", "target-only", f"{common.median(base_tps):.1f}", common.spread(base_tps),
+                     "1.00x", "1.00", "-", "-", "-", f"{compile_s['target-only']:.1f}"])
+        for r in rules:
+            outs = fns[r]()
+            tok = sum(int(np.sum(o.lengths)) for o in outs)
+            tokens = sum(float(np.sum(o.stats.tokens)) for o in outs)
+            cycles = sum(float(np.sum(o.stats.cycles)) for o in outs)
+            acc = sum(float(np.sum(o.stats.accepted)) for o in outs) / max(
+                sum(float(np.sum(o.stats.drafted)) for o in outs), 1.0)
+            dpc = sum(float(o.stats.draft_forwards) for o in outs) / max(
+                sum(float(o.stats.target_forwards) for o in outs), 1.0)
+            tau = tokens / cycles
+            ideal = tau * c_ar / (dpc * c_draft + c_verify)
+            tps = [tok / t for t in times[r]]
+            ratios = common.pair_ratios(times["target-only"], times[r])
+            realized = common.median(ratios)
+            rows.append([f"{temperature:g}", r, f"{common.median(tps):.1f}", common.spread(tps),
+                         common.ratio_cell(ratios), f"{tau:.2f}", f"{acc:.3f}", f"{ideal:.2f}x",
+                         f"{realized / ideal:.2f}", f"{compile_s[r]:.1f}"])
+    rep.table("tok/s (median, range over rounds), speedup = per-round tok/s ratio vs target-only [min-max], "
+              "ideal = tau*c_AR/(drafts per cycle*c_draft + c_verify)",
+              ["T", "method", "tok/s", "range", "speedup", "tau", "accept", "ideal", "realized/ideal", "compile s"],
+              rows)
+    rep.write(args.markdown)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,188 @@
+"""Shared helpers of the benchmark scripts: alternating timed runs, machine
+facts, the embedded pair and its prompts, and plain/markdown tables.
+
+Timing discipline (the machine is a shared 2-core CPU): every contender runs
+once to compile / warm up, then the contenders alternate ``rounds`` times
+(A, B, A, B, ...); we report medians, the min-max spread, and the ratio of
+each round's pair of runs (median of the per-round ratios), so slow phases
+of the machine hit both sides of a ratio alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "specjax" / "assets" / "models"
+TASK = ROOT / "specjax" / "assets" / "task"
+
+
+def load_average() -> str:
+    try:
+        return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover
+        return "load average n/a"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:  # pragma: no cover
+        pass
+    import jax
+
+    vers = [f"python {platform.python_version()}", f"jax {jax.__version__}"]
+    for mod in ("torch", "transformers"):
+        if mod in sys.modules:
+            vers.append(f"{mod} {sys.modules[mod].__version__}")
+    return (f"{os.cpu_count()}-core CPU ({cpu}), shared with other jobs; "
+            f"jax devices {[d.platform for d in jax.devices()]}; " + ", ".join(vers))
+
+
+def header(title: str) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return f"{title}\n{stamp}; {machine()}\n{load_average()} (at start)\ncommand: {' '.join(sys.argv)}"
+
+
+def alternate(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall seconds of each ``fn`` (which must block), run in turn ``rounds`` times
+    after ``warmup`` untimed calls each (compile). Returns name -> list of times."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def timed_once(fn: Callable[[], object]) -> tuple[object, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def spread(xs: Sequence[float]) -> str:
+    """Min-max of a list as a compact string."""
+    return f"{min(xs):.3g}-{max(xs):.3g}"
+
+
+def pair_ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
+    return [a / b for a, b in zip(num, den)]
+
+
+def ratio_cell(ratios: Sequence[float]) -> str:
+    """Median per-round ratio and its range."""
+    return f"{median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
+# ---------------------------------------------------------------------------
+# The embedded pair and its prompts
+# ---------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def tokenizer():
+    import tokenizers
+
+    return tokenizers.Tokenizer.from_file(str(MODELS / "target" / "tokenizer.json"))
+
+
+def eval_prompts(num_task: int, num_code: int, max_len: int) -> list[list[int]]:
+    """Held-out arithmetic prompts then code prompts, token ids, each cut to
+    its last ``max_len`` tokens."""
+    tok = tokenizer()
+    task = [r["prompt"] for r in read_jsonl(TASK / "arith_heldout.jsonl")[:num_task]]
+    code = [r["prompt"] for r in read_jsonl(TASK / "code_prompts.jsonl")[:num_code]]
+    return [tok.encode(t).ids[-max_len:] for t in task + code]
+
+
+def code_prompts_of_length(n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of exactly ``length`` tokens: code prompt i + 1 followed by
+    code prompt i (held-out stdlib snippets, ~49 tokens each), last ``length``
+    tokens kept."""
+    tok = tokenizer()
+    code = [tok.encode(r["prompt"]).ids for r in read_jsonl(TASK / "code_prompts.jsonl")]
+    out = []
+    for i in range(n):
+        ids = code[(i + 1) % len(code)] + code[i % len(code)]
+        while len(ids) < length:
+            ids = ids + ids
+        out.append(ids[-length:])
+    return out
+
+
+def pad(prompts: Sequence[Sequence[int]], width: int | None = None):
+    """Right-padded int32 [B, W] array and lengths."""
+    import numpy as np
+
+    width = width or max(len(p) for p in prompts)
+    arr = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        arr[i, : len(p)] = p
+    return arr, np.array([len(p) for p in prompts], np.int32)
+
+
+# ---------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------
+
+
+def table(head: Sequence[str], rows: Sequence[Sequence[object]], markdown: bool = False) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in cells]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(head)]
+    fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells])
+
+
+class Report:
+    """Collects printed sections; ``--markdown PATH`` writes them as markdown."""
+
+    def __init__(self, title: str):
+        self.parts: list[str] = []
+        self.md: list[str] = []
+        h = header(title)
+        print(h, flush=True)
+        self.md.append("```\n" + h + "\n```")
+
+    def text(self, s: str):
+        print(s, flush=True)
+        self.md.append(s)
+
+    def table(self, title: str, head, rows):
+        print("\n" + title + "\n" + table(head, rows), flush=True)
+        self.md.append(f"**{title}**\n\n" + table(head, rows, markdown=True))
+
+    def write(self, path: str | None):
+        if path:
+            self.md.append(f"_{load_average()} (at end)_")
+            Path(path).write_text("\n\n".join(self.md) + "\n")
+            print(f"\nwrote {path}")
