@@ -491,6 +491,8 @@ def write_card(directory: str | pathlib.Path) -> pathlib.Path:
                 pard = f"{r['pardon_share']:.1%}" if "pardon_share" in r else "-"
                 lines.append(f"| {t[2:]} | {name} | {r['accuracy']:.3f} | {r['recovery']:.3f} | {tau} | {pard} |")
         lines.append("")
+    if (d / "NOTES.md").is_file():  # hand-written findings, kept across re-runs
+        lines += [(d / "NOTES.md").read_text()]
     out = d / "README.md"
     out.write_text("\n".join(lines))
     return out
