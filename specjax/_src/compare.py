@@ -43,7 +43,9 @@ DEFAULT_RULES = (
     "additive:t=0.3",
     "multiplicative:alpha=0.1",
     "top_m:m=2",
+    "pad:head=shipped,sigma=0.5",  # PAD with the pivot head trained for the embedded pair
 )
+FULL_RULES = DEFAULT_RULES + ("pad:head=shipped,sigma=0.7",)
 QUICK_RULES = ("speculative_sampling", "mars:theta=0.9", "ears:beta=0.1")
 
 
@@ -59,7 +61,7 @@ class Preset:
 PRESETS = {
     "quick": Preset(num_task=16, num_code=8, max_new_tokens=32, temperatures=(0.0, 1.0), rules=QUICK_RULES),
     "default": Preset(num_task=48, num_code=16, max_new_tokens=48, temperatures=(0.0, 1.0), rules=DEFAULT_RULES),
-    "full": Preset(num_task=200, num_code=64, max_new_tokens=64, temperatures=(0.0, 0.7, 1.0), rules=DEFAULT_RULES),
+    "full": Preset(num_task=200, num_code=64, max_new_tokens=64, temperatures=(0.0, 0.7, 1.0), rules=FULL_RULES),
 }
 
 
