@@ -136,6 +136,25 @@ def code_prompts_of_length(n: int, length: int) -> list[list[int]]:
     return out
 
 
+def arith_prompts_of_length(n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of exactly ``length`` tokens in the task's format: solved
+    held-out problems ("assert a + b == c" lines) as context, ending with an
+    unsolved one (prompt i); the context is cut to keep the last ``length``."""
+    tok = tokenizer()
+    rows = read_jsonl(TASK / "arith_heldout.jsonl")
+    out = []
+    for i in range(n):
+        q = tok.encode(rows[i % len(rows)]["prompt"]).ids
+        ctx: list[int] = []
+        j = i + 1
+        while len(ctx) + len(q) < length:
+            r = rows[j % len(rows)]
+            ctx = ctx + tok.encode(f"{r['prompt']} {r['answer']}\n").ids
+            j += 1
+        out.append((ctx + q)[-length:])
+    return out
+
+
 def pad(prompts: Sequence[Sequence[int]], width: int | None = None):
     """Right-padded int32 [B, W] array and lengths."""
     import numpy as np

@@ -6,8 +6,10 @@
 Cells ``pair:prompt_len:batches``:
 
 * ``embedded``: the embedded pair (fp32) on held-out code prompts cut to
-  exactly ``prompt_len`` tokens (two ~49-token snippets concatenated); its
-  context is ~97 tokens, so prompt 64 + 32 new tokens.
+  exactly ``prompt_len`` tokens (two ~49-token snippets concatenated), or with
+  ``--prompts arith`` solved held-out arithmetic problems followed by one to
+  solve (the task the pair was trained on); its context is ~97 tokens, so
+  prompt 64 + 32 new tokens.
 * ``large``: a random Llama-shaped pair for cost scaling: target vocab 4096,
   hidden 384, 12 layers (~29.7M params); the draft is the target truncated to
   its first layer, sharing its embedding and (perturbed) head (decode_speed's
@@ -52,6 +54,8 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts", default="code", choices=["code", "arith"],
+                    help="embedded pair: held-out code snippets, or solved arithmetic problems + one to solve")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
 
@@ -78,7 +82,7 @@ def main(argv=None):
                      f"draft {param_count(d.params) / 1e6:.2f}M params")
         return pairs[name]
 
-    rep.text(f"K={K}, max_new_tokens {N} (no EOS), temperature {T:g}, {args.rounds} alternating rounds, "
+    rep.text(f"embedded-pair prompts: {args.prompts}; K={K}, max_new_tokens {N} (no EOS), temperature {T:g}, {args.rounds} alternating rounds, "
              "tok/s counts generated tokens over the whole call (prefill included)")
     rows, per_batch = [], {}
     for cell in args.cells.split(";"):
@@ -88,7 +92,8 @@ def main(argv=None):
         vocab = params.vocab_size
         for b in (int(x) for x in batches.split(",")):
             if name == "embedded":
-                prompts = np.asarray(common.code_prompts_of_length(b, plen), np.int32)
+                make = common.arith_prompts_of_length if args.prompts == "arith" else common.code_prompts_of_length
+                prompts = np.asarray(make(b, plen), np.int32)
             else:
                 prompts = np.random.default_rng(args.seed).integers(0, vocab, (b, plen)).astype(np.int32)
             key = jax.random.key(args.seed)
