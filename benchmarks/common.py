@@ -57,15 +57,20 @@ def header(title: str) -> str:
     return f"{title}\n{stamp}; {machine()}\n{load_average()} (at start)\ncommand: {' '.join(sys.argv)}"
 
 
-def alternate(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+def alternate(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
+              prewarm: dict[str, Callable[[], object]] | None = None) -> dict[str, list[float]]:
     """Wall seconds of each ``fn`` (which must block), run in turn ``rounds`` times
-    after ``warmup`` untimed calls each (compile). Returns name -> list of times."""
+    after ``warmup`` untimed calls each (compile). ``prewarm[name]``, if given,
+    runs untimed right before each timed call of ``name`` (wakes thread pools
+    and caches after the previous contender). Returns name -> list of times."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            if prewarm and name in prewarm:
+                prewarm[name]()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)

@@ -26,7 +26,9 @@ Settings made equal:
 
 Timing: everything warms up first (compile for JAX, first-call setup for
 torch), then the contenders alternate ``--rounds`` times over the whole prompt
-set; medians, spread, and the per-round ratio specjax/HF.
+set, each timed run preceded by an untimed one-prompt call of the same
+contender (the other framework's run leaves thread pools cold); medians,
+spread, and the per-round ratio specjax/HF.
 
 Correctness (printed): greedy outputs of specjax decode, specjax generate,
 HF assisted and HF target-only are compared token for token; at a mismatch,
@@ -197,7 +199,13 @@ def main(argv=None):
         compile_s = time.perf_counter() - t0
         for nt in threads:
             hf_call(0, temperature, True, nt)
-        times = common.alternate(fns, args.rounds, warmup=0)
+        # Untimed one-prompt call right before each timed run: the previous
+        # contender leaves the other framework's thread pools cold (or spinning).
+        prewarm = {n: (lambda: sj_call(0, temperature, True)) for n in fns if n.startswith("specjax lossless")}
+        prewarm["specjax target-only"] = lambda: sj_call(0, temperature, False)
+        for nt in threads:
+            prewarm[f"HF assisted, {nt} thread{'s' if nt > 1 else ''}"] = lambda nt=nt: hf_call(0, temperature, True, nt)
+        times = common.alternate(fns, args.rounds, warmup=0, prewarm=prewarm)
         sj_names = [n for n in fns if n.startswith("specjax lossless")]
         sj_times = [t for n in sj_names for t in times[n]]
         tok_sj = extra["tokens_sj"]
