@@ -60,7 +60,7 @@ class Preset:
 
 PRESETS = {
     "quick": Preset(num_task=16, num_code=8, max_new_tokens=32, temperatures=(0.0, 1.0), rules=QUICK_RULES),
-    "default": Preset(num_task=48, num_code=16, max_new_tokens=48, temperatures=(0.0, 1.0), rules=DEFAULT_RULES),
+    "default": Preset(num_task=32, num_code=8, max_new_tokens=40, temperatures=(0.0, 1.0), rules=DEFAULT_RULES),
     "full": Preset(num_task=200, num_code=64, max_new_tokens=64, temperatures=(0.0, 0.7, 1.0), rules=FULL_RULES),
 }
 
