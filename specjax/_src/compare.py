@@ -296,17 +296,22 @@ def plot_speedup_vs_recovery(rows: Sequence[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     temperatures = sorted({r.temperature for r in rows})
-    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4.5), squeeze=False)
+    methods = list(dict.fromkeys(r.method for r in rows))
+    colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
+    # Points of near-equal rules sit on top of each other: a legend reads better than labels.
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(5.5 * len(temperatures) + 3, 4.5), squeeze=False)
     for ax, temperature in zip(axes[0], temperatures):
         for row in (r for r in rows if r.temperature == temperature):
             recovery = 1.0 if math.isnan(row.recovery) else row.recovery
-            ax.scatter(row.speedup, recovery, s=40)
-            ax.annotate(row.method, (row.speedup, recovery), fontsize=7, xytext=(4, 3), textcoords="offset points")
+            ax.scatter(row.speedup, recovery, s=45, color=colors[row.method], label=row.method,
+                       edgecolors="black", linewidths=0.4)
         ax.axvline(1.0, color="grey", lw=0.8, ls="--")
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xlabel("speedup over target-only (same run)")
         ax.set_ylabel("task accuracy recovery vs target-only")
         ax.set_title(f"temperature {temperature:g}")
-    fig.tight_layout()
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1 - 2.8 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
