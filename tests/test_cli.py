@@ -78,3 +78,29 @@ def test_cli_loads_models_in_float32_by_default(small_model):
     for model in (target, draft):
         assert model.module.config.dtype == "float32"
         assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(model.params))
+
+
+def test_mean_target_nll_equals_a_direct_per_token_sum(small_model):
+    import jax
+    import numpy as np
+
+    prompts = [[1, 5, 9], [1, 7]]
+    tokens = np.array([[4, 6, 8, 0], [3, 3, 0, 0]])
+    lengths = np.array([3, 2])
+    got = compare.mean_target_nll(small_model, prompts, tokens, lengths)
+    total, count = 0.0, 0
+    for p, row, n in zip(prompts, tokens, lengths):
+        seq = list(p) + row[:n].tolist()
+        logp = np.asarray(jax.nn.log_softmax(specjax.logits(small_model, [seq])[0], -1))
+        for t in range(len(p), len(seq)):
+            total -= logp[t - 1, seq[t]]
+            count += 1
+    assert abs(got - total / count) < 1e-5
+
+
+def test_missing_eval_files_are_a_clear_error(small_model, tmp_path):
+    with pytest.raises(ValueError, match="arith_heldout.jsonl does not exist"):
+        compare.load_eval_set(small_model.tokenizer, tmp_path, num_task=2, num_code=1)
+    code = main(["compare", "--quick", "--target", str(DRAFT_DIR), "--draft", str(DRAFT_DIR),
+                 "--eval-dir", str(tmp_path)])
+    assert code == 2

@@ -84,6 +84,12 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def load_eval_set(tokenizer, eval_dir: Path, num_task: int, num_code: int) -> EvalSet:
     """Held-out task prompts (with answers) then code prompts, tokenized."""
+    for name in (TASK_FILE, CODE_FILE):
+        if not (eval_dir / name).is_file():
+            raise ValueError(
+                f"{eval_dir / name} does not exist: an evaluation directory needs {TASK_FILE} "
+                f'({{"prompt", "answer"}} rows) and {CODE_FILE} ({{"prompt"}} rows).'
+            )
     task = read_jsonl(eval_dir / TASK_FILE)[:num_task]
     code = read_jsonl(eval_dir / CODE_FILE)[:num_code]
     texts = [row["prompt"] for row in task] + [row["prompt"] for row in code]
@@ -111,15 +117,14 @@ def mean_target_nll(target, prompts: Sequence[Sequence[int]], tokens: np.ndarray
     padded = np.zeros((len(rows), width), np.int32)
     for i, r in enumerate(rows):
         padded[i, : len(r)] = r
-    logp = jax.nn.log_softmax(specjax.logits(target, jnp.asarray(padded)), -1)
-    logp = np.asarray(logp)
-    total, count = 0.0, 0
-    for i, (p, n) in enumerate(zip(prompts, lengths)):
-        start = len(p)
-        for t in range(start, start + int(n)):
-            total -= float(logp[i, t - 1, padded[i, t]])
-            count += 1
-    return total / max(count, 1)
+    logp = np.asarray(jax.nn.log_softmax(specjax.logits(target, jnp.asarray(padded)), -1))
+    # Token t is scored by the logits at t - 1; only generated positions count.
+    token_logp = np.take_along_axis(logp[:, :-1], padded[:, 1:, None], -1)[..., 0]
+    starts = np.array([len(p) for p in prompts])[:, None]
+    ends = starts + np.asarray(lengths)[:, None]
+    positions = np.arange(1, width)[None, :]
+    generated = (positions >= starts) & (positions < ends)
+    return float(-token_logp[generated].sum() / max(int(generated.sum()), 1))
 
 
 @dataclasses.dataclass

@@ -23,10 +23,10 @@ KV buffer per block, never a stacked ``[L, ...]`` array with a scan over
 layers. On XLA's CPU backend, a 27.8M-param Llama-shaped model with stacked
 weights indexed per layer took 43 ms per decoded token against 7.4 ms with
 per-layer buffers (issue 2's measurement). ``benchmarks/model_layout.py``
-re-measured it on this project's shared 2-core CPU (batch 1, 27.7M params,
-greedy decode inside one jitted loop, other jobs running): per-layer buffers
-cost about 15 ms of CPU time per token, the same weights stacked with a
-``lax.scan`` about 35 ms (wall times under that load: 13-36 ms vs 52-85 ms).
+re-measured it on a quiet 2-core CPU (batch 1, 27.7M params, greedy decode
+inside one jitted loop; BENCHMARKS.md section 7): per-layer buffers 7.3 ms per
+token wall (11.7 ms CPU), the same weights stacked with a ``lax.scan`` 11.6 ms
+(22.5 ms CPU).
 Scan-over-layers compiles faster on TPU; the per-layer layout is chosen for
 the CPU, where the tests and small-model users run.
 
