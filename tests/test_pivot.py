@@ -111,7 +111,9 @@ def test_labelling_follows_the_formula_on_a_toy_utility():
     assert ds.hidden_by_layer.shape == (len(ds), 2, 32)
     np.testing.assert_array_equal(ds.hidden_at(-8), ds.hidden)
     np.testing.assert_array_equal(ds.hidden_at(-1), ds.hidden_by_layer[:, 1])
-    assert all(c % (2 * 3) == 0 for c in calls)  # N rollouts per side, all in one call per step
+    # batched: per step at most one direct-scoring call and one rollout call (8 rows <= one pack of 16 sides)
+    assert len(calls) <= 2 * ds.meta["steps"]
+    assert ds.meta["sides_rolled_out"] > 0
     first = ds.position == 0
     assert first.any()
     fx = np.vectorize(lambda t: f([t]))
@@ -124,3 +126,88 @@ def test_labelling_follows_the_formula_on_a_toy_utility():
         t = traj[ds.example[i]][ds.position[i]]
         assert t == (ds.target_token[i] if ds.labels[i] else ds.draft_token[i])
     del jax
+
+
+TERMINATORS = frozenset(range(0, 96, 4))  # the toy task's "newline": a quarter of the vocabulary
+
+
+class ToyTask:
+    """Utility decided at the first terminator token, like the arithmetic task's first line:
+    1 if the tokens before it sum to an even number, 0 if odd or if no terminator yet."""
+
+    def __init__(self, finals: bool = True, always_final: bool = False):
+        self.calls = 0
+        if finals:
+            self.is_final = self._always if always_final else self._is_final
+
+    @staticmethod
+    def _value(c):
+        for i, t in enumerate(c):
+            if t in TERMINATORS:
+                return float(sum(c[:i]) % 2 == 0)
+        return 0.0
+
+    def __call__(self, ex, comps):
+        self.calls += len(comps)
+        return np.array([self._value(c) for c in comps])
+
+    def _is_final(self, ex, comps):
+        return np.array([any(t in TERMINATORS for t in c) for c in comps])
+
+    def _always(self, ex, comps):  # wrong on purpose: claims every prefix is decided
+        return np.ones(len(comps), bool)
+
+
+TOY_PROMPTS = [[5, 17, 3], [40, 2, 9, 11, 60], [7], [33, 34], [1, 2, 3, 5], [90, 81, 70], [13], [65, 66]]
+
+
+@pytest.fixture(scope="module")
+def toy_runs():
+    """Labels on the toy task with a budget past the terminator: with the is_final
+    shortcut, without it (every side rolled out), and with a wrong is_final."""
+    from test_pad import tiny_pair
+
+    pair = tiny_pair()
+    cfg = LabelConfig(num_rollouts=4, max_new_tokens=8, batch_size=8, temperature=1.0, seed=3)
+    out = {}
+    for name, util in (("shortcut", ToyTask()), ("rollouts", ToyTask(finals=False)),
+                       ("wrong", ToyTask(always_final=True))):
+        ds, traj = rollouts.gather_labels(pair, TOY_PROMPTS, util, cfg, progress=False,
+                                          rollout_eos_token_ids=sorted(TERMINATORS), return_trajectories=True)
+        out[name] = (ds, traj, util.calls)
+    return out
+
+
+def test_is_final_shortcut_gives_the_labels_of_full_rollouts(toy_runs):
+    fast, traj_fast, calls_fast = toy_runs["shortcut"]
+    slow, traj_slow, calls_slow = toy_runs["rollouts"]
+    assert len(fast) > 0 and fast.meta["sides_rolled_out"] > 0
+    assert traj_fast == traj_slow
+    for f in ("labels", "keep", "u_draft", "u_target", "example", "position", "draft_token", "target_token"):
+        np.testing.assert_array_equal(getattr(fast, f), getattr(slow, f), err_msg=f)
+    np.testing.assert_array_equal(fast.hidden, slow.hidden)
+    # ... while rolling out fewer sides
+    assert fast.meta["sides_final"] > slow.meta["sides_final"]
+    assert fast.meta["sides_rolled_out"] < slow.meta["sides_rolled_out"]
+    assert calls_fast < calls_slow
+    # The comparison can fail: an is_final that lies changes the labels.
+    wrong = toy_runs["wrong"][0]
+    assert wrong.meta["sides_rolled_out"] == 0
+    assert not (len(wrong) == len(fast) and np.array_equal(wrong.u_draft, fast.u_draft)
+                and np.array_equal(wrong.u_target, fast.u_target))
+
+
+def test_budget_past_the_answer_yields_nonpivots_the_filter_keeps(toy_runs):
+    """Rejections after the trajectory's terminator cannot change the outcome:
+    u_draft == u_target there; where the answer is right they are non-pivots the
+    authors' filter keeps, so both classes survive it."""
+    ds, traj, _ = toy_runs["shortcut"]
+    first_term = {e: next((i for i, t in enumerate(traj[e]) if t in TERMINATORS), len(traj[e]))
+                  for e in range(len(traj))}
+    after = np.array([p > first_term[e] for e, p in zip(ds.example, ds.position)])
+    assert after.any()
+    np.testing.assert_array_equal(ds.u_draft[after], ds.u_target[after])
+    assert (ds.labels[after] == 0).all()
+    kept_neg = ds.keep & (ds.labels == 0)
+    assert (kept_neg & after).any()
+    assert (ds.keep & (ds.labels == 1)).any()

@@ -25,11 +25,14 @@ says rejecting it would not change the task's outcome. This command
 
 ``--evaluate`` instead measures a written head on the embedded pair's
 held-out task: tau and exact-match accuracy of lossless SD and PAD at each
-``--sigma``, against target-only decoding (``specjax.generate``).
+``--sigma``, against target-only decoding (``specjax.generate``), at each
+``--eval-budgets`` decode budget (default: 40 new tokens as ``specjax
+compare``, and the answer-only 6 tokens stopping at the newline), side by
+side; written to ``eval.json`` in the head directory.
 
 Examples::
 
-    python -m training.pivot --gather --prompts 1200          # label, train, write the head
+    python -m training.pivot --gather --prompts 1000          # label (32-token budget), train, write the head
     python -m training.pivot                                  # retrain from the cached labels
     python -m training.pivot --evaluate --temperatures 0 1    # tau / accuracy on held-out problems
 """
@@ -369,7 +372,9 @@ def gather_task_labels(args) -> LabelledSet:
     rng = np.random.default_rng(args.seed)
     pairs = pool[rng.choice(len(pool), size=min(args.prompts, len(pool)), replace=False)]
     prompts, answers = task_prompts(tok, pairs)
-    eos = rollouts.newline_token_ids(tok, pair.vocab_size) + [tokenizer_lib.EOS_ID]
+    # The trajectory runs the whole budget (past the answer's newline, as a fixed-budget decode
+    # does); rollouts stop at a newline, after which the first-line score cannot change.
+    newline_eos = rollouts.newline_token_ids(tok, pair.vocab_size) + [tokenizer_lib.EOS_ID]
     parts = []
     for temp in args.label_temperatures:
         cfg = LabelConfig(
@@ -378,25 +383,45 @@ def gather_task_labels(args) -> LabelledSet:
             hidden_layer=-8 if args.hidden_layer is None else args.hidden_layer, batch_size=args.batch,
             seed=args.seed, all_layers=args.all_layers,
             pos_max_draft_util=args.pos_max_draft_util, neg_min_draft_util=args.neg_min_draft_util,
+            use_is_final=not args.no_is_final,
         )
-        print(f"[pivot] labelling {len(prompts)} training-split task prompts at T={temp} "
-              f"({args.rollouts} rollouts per side at T={args.rollout_temperature})", flush=True)
+        print(f"[pivot] labelling {len(prompts)} training-split task prompts at T={temp}, budget "
+              f"{args.max_new_tokens} new tokens ({args.rollouts} rollouts per side at "
+              f"T={args.rollout_temperature})", flush=True)
+        t0 = time.time()
         parts.append(rollouts.gather_labels(pair, prompts, rollouts.task_utility(tok, answers), cfg,
-                                            eos_token_ids=eos, progress=not args.no_progress))
+                                            eos_token_ids=[tokenizer_lib.EOS_ID],
+                                            rollout_eos_token_ids=newline_eos, progress=not args.no_progress))
+        m = parts[-1].meta
+        print(f"[pivot]   T={temp}: {m['candidates']} rejections, {m['pivots']} pivots; "
+              f"{m['sides_rolled_out']} sides rolled out, {m['sides_final']} scored directly; "
+              f"{time.time() - t0:.0f} s", flush=True)
     meta = dict(parts[0].meta)
     meta["label_temperatures"] = list(args.label_temperatures)
     meta["task_pairs"] = "training split (training.data.train_pairs), held-out pairs excluded"
-    for k in ("steps", "candidates", "pivots"):
+    for k in ("steps", "candidates", "pivots", "sides_rolled_out", "sides_final"):
         meta[k] = sum(p.meta[k] for p in parts)
     ds = LabelledSet.concat(parts, parts[0].hidden.shape[1], meta)
     ds.save(args.dataset)
     print(f"[pivot] {len(ds)} labelled rejections ({int(ds.labels.sum())} pivots), "
-          f"{int(ds.keep.sum())} kept by the filter -> {args.dataset}", flush=True)
+          f"{int(ds.keep.sum())} kept by the filter "
+          f"({int((ds.keep & (ds.labels == 1)).sum())} pivots, {int((ds.keep & (ds.labels == 0)).sum())} "
+          f"non-pivots) -> {args.dataset}", flush=True)
     return ds
 
 
+def parse_budget(spec: str) -> tuple[int, bool]:
+    """``"40"`` -> (40, False): decode 40 new tokens, stopping only at EOS (as ``specjax
+    compare`` does); ``"6:newline"`` -> (6, True): also stop at the answer's newline."""
+    n, _, stop = str(spec).partition(":")
+    if stop not in ("", "newline") or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"bad budget {spec!r}: expected N or N:newline, e.g. 40 or 6:newline")
+    return int(n), stop == "newline"
+
+
 def evaluate(args) -> dict:
-    """Tau and accuracy on the held-out task: target-only, lossless SD, PAD per sigma."""
+    """Tau and accuracy on the held-out task per decode budget: target-only,
+    lossless SD, PAD per sigma. Returns ``{budget: {"T=t": {method: row}}}``."""
     import specjax
     from specjax.rules import pad, speculative_sampling
     from training import data, rollouts
@@ -405,7 +430,7 @@ def evaluate(args) -> dict:
     pair, tok = _load_pair(args.target, args.draft)
     pairs = data.heldout_pairs()[: args.eval_prompts]
     prompts, answers = task_prompts(tok, pairs)
-    eos = rollouts.newline_token_ids(tok, pair.vocab_size) + [tokenizer_lib.EOS_ID]
+    newline_eos = rollouts.newline_token_ids(tok, pair.vocab_size) + [tokenizer_lib.EOS_ID]
     head = args.head or args.out
 
     def acc(out):
@@ -413,38 +438,64 @@ def evaluate(args) -> dict:
                               for t, a in zip(out.to_lists(), answers)]))
 
     results = {}
-    common_kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos)
-    for temp in args.temperatures:
-        rows = {}
-        seeds = [0] if temp == 0 else list(range(args.eval_seeds))
-        for name, rule in [("sd", speculative_sampling())] + [
-            (f"pad@{s:g}", pad(head, sigma=s)) for s in args.sigma
-        ] + [("target", None)]:
-            accs, taus, pard = [], [], []
-            for seed in seeds:
-                key = jax.random.key(1000 + seed)
-                if rule is None:
-                    out = specjax.generate(pair, prompts, temperature=temp, key=key, **common_kw)
-                else:
-                    out = specjax.decode(pair, prompts, rule=rule, num_draft=args.num_draft,
-                                         temperature=temp, key=key, **common_kw)
-                    taus.append(out.stats.tau)
-                    paths = out.stats.accepted_by_path_total
-                    pard.append(paths.get("pardon", 0) / max(sum(paths.values()), 1))
-                accs.append(acc(out))
-            rows[name] = {"accuracy": float(np.mean(accs))}
-            if taus:
-                rows[name].update(tau=float(np.mean(taus)), pardon_share=float(np.mean(pard)))
-        tgt = rows["target"]["accuracy"]
-        for name, r in rows.items():
-            r["recovery"] = r["accuracy"] / tgt if tgt > 0 else float("nan")
-        results[f"T={temp:g}"] = rows
-        print(f"[pivot] held-out task, T={temp:g}, K={args.num_draft}, {len(prompts)} problems"
-              f"{'' if temp == 0 else f', {len(seeds)} seeds'}:")
-        for name, r in rows.items():
-            extra = f" tau {r['tau']:.3f}  pardoned {r['pardon_share']:.1%} of accepted" if "tau" in r else ""
-            print(f"  {name:8s} acc {r['accuracy']:.3f}  recovery {r['recovery']:.3f}{extra}")
+    for spec in args.eval_budgets:
+        budget, stop_nl = parse_budget(spec)
+        common_kw = dict(max_new_tokens=budget,
+                         eos_token_id=newline_eos if stop_nl else [tokenizer_lib.EOS_ID])
+        by_t = {}
+        for temp in args.temperatures:
+            rows = {}
+            seeds = [0] if temp == 0 else list(range(args.eval_seeds))
+            t0 = time.time()
+            for name, rule in [("sd", speculative_sampling())] + [
+                (f"pad@{s:g}", pad(head, sigma=s)) for s in args.sigma
+            ] + [("target", None)]:
+                accs, taus, pard, toks = [], [], [], []
+                for seed in seeds:
+                    key = jax.random.key(1000 + seed)
+                    if rule is None:
+                        out = specjax.generate(pair, prompts, temperature=temp, key=key, **common_kw)
+                    else:
+                        out = specjax.decode(pair, prompts, rule=rule, num_draft=args.num_draft,
+                                             temperature=temp, key=key, **common_kw)
+                        taus.append(out.stats.tau)
+                        paths = out.stats.accepted_by_path_total
+                        pard.append(paths.get("pardon", 0) / max(sum(paths.values()), 1))
+                    accs.append(acc(out))
+                    toks.append(float(np.mean(np.asarray(out.lengths))))
+                rows[name] = {"accuracy": float(np.mean(accs)), "mean_new_tokens": float(np.mean(toks))}
+                if taus:
+                    rows[name].update(tau=float(np.mean(taus)), pardon_share=float(np.mean(pard)))
+            tgt = rows["target"]["accuracy"]
+            for name, r in rows.items():
+                r["recovery"] = r["accuracy"] / tgt if tgt > 0 else float("nan")
+            by_t[f"T={temp:g}"] = rows
+            print(f"[pivot] held-out task, budget {spec}, T={temp:g}, K={args.num_draft}, {len(prompts)} problems"
+                  f"{'' if temp == 0 else f', {len(seeds)} seeds'} ({time.time() - t0:.0f} s):", flush=True)
+            for name, r in rows.items():
+                extra = f" tau {r['tau']:.3f}  pardoned {r['pardon_share']:.1%} of accepted" if "tau" in r else ""
+                print(f"  {name:8s} acc {r['accuracy']:.3f}  recovery {r['recovery']:.3f}{extra}", flush=True)
+        results[f"budget={spec}"] = by_t
+    print(side_by_side(results))
     return results
+
+
+def side_by_side(results: dict) -> str:
+    """Markdown table: one row per (T, method), tau / accuracy / recovery per budget."""
+    budgets = list(results)
+    head = "| T | method | " + " | ".join(f"tau ({b[7:]}) | acc ({b[7:]}) | recovery ({b[7:]})" for b in budgets) + " |"
+    lines = [head, "|" + "---|" * (2 + 3 * len(budgets))]
+    temps = list(results[budgets[0]])
+    for t in temps:
+        for name in results[budgets[0]][t]:
+            cells = []
+            for b in budgets:
+                r = results[b].get(t, {}).get(name, {})
+                cells += [f"{r['tau']:.3f}" if "tau" in r else "1 (target)" if name == "target" else "-",
+                          f"{r['accuracy']:.3f}" if "accuracy" in r else "-",
+                          f"{r['recovery']:.3f}" if "recovery" in r else "-"]
+            lines.append(f"| {t[2:]} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def write_card(directory: str | pathlib.Path) -> pathlib.Path:
@@ -482,14 +533,20 @@ def write_card(directory: str | pathlib.Path) -> pathlib.Path:
             "",
         ]
     if ev:
+        if not all(k.startswith("budget=") for k in ev):  # an eval.json from before budgets
+            ev = {"budget=6:newline": ev}
         lines += ["## Held-out task (`python -m training.pivot --evaluate`)", "",
-                  "| T | method | accuracy | recovery vs target | tau | pardoned share of accepted |",
-                  "|---|---|---|---|---|---|"]
-        for t, rows in ev.items():
-            for name, r in rows.items():
-                tau = f"{r['tau']:.3f}" if "tau" in r else "-"
-                pard = f"{r['pardon_share']:.1%}" if "pardon_share" in r else "-"
-                lines.append(f"| {t[2:]} | {name} | {r['accuracy']:.3f} | {r['recovery']:.3f} | {tau} | {pard} |")
+                  "Budget `N`: N new tokens, stopping only at EOS (as `specjax compare`, 40); "
+                  "`N:newline`: also stopping at the answer's newline (answer only).", "",
+                  "| budget | T | method | accuracy | recovery vs target | tau | pardoned share of accepted |",
+                  "|---|---|---|---|---|---|---|"]
+        for b, by_t in ev.items():
+            for t, rows in by_t.items():
+                for name, r in rows.items():
+                    tau = f"{r['tau']:.3f}" if "tau" in r else "-"
+                    pard = f"{r['pardon_share']:.1%}" if "pardon_share" in r else "-"
+                    lines.append(f"| {b[7:]} | {t[2:]} | {name} | {r['accuracy']:.3f} | {r['recovery']:.3f} "
+                                 f"| {tau} | {pard} |")
         lines.append("")
     if (d / "NOTES.md").is_file():  # hand-written findings, kept across re-runs
         lines += [(d / "NOTES.md").read_text()]
@@ -533,7 +590,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target block whose output is the feature, clamped to the depth; gathering default -8 "
                         "(the authors'); training default: the dataset's layer (another needs --all-layers)")
     g.add_argument("--all-layers", action="store_true", help="store every block's hidden state in the dataset")
-    g.add_argument("--max-new-tokens", type=int, default=6, help="answer budget in tokens (default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=32,
+                   help="decode budget of a labelled trajectory in new tokens; it runs past the answer's newline "
+                        "(text there is labelled too) and stops only at EOS (default: %(default)s)")
+    g.add_argument("--no-is-final", action="store_true",
+                   help="roll out every candidate side, even when its prefix already decides the score")
     g.add_argument("--batch", type=int, default=32, help="prompts per labelling batch (default: %(default)s)")
 
     g = p.add_argument_group("training")
@@ -553,6 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-draft", type=int, default=4, help="K, draft tokens per cycle (default: %(default)s)")
     g.add_argument("--eval-prompts", type=int, default=500, help="held-out problems (default: all %(default)s)")
     g.add_argument("--eval-seeds", type=int, default=3, help="seeds averaged at T > 0 (default: %(default)s)")
+    g.add_argument("--eval-budgets", nargs="+", default=["40", "6:newline"],
+                   help="decode budgets: N = N new tokens, stop only at EOS (as `specjax compare`); "
+                        "N:newline = also stop at the answer's newline (default: %(default)s)")
     return p
 
 

@@ -13,12 +13,24 @@ proposing and the target judging (pad.txt, the authors' labelling):
    the coin ``U * q(x) > p(x)``, with the correction ``x_t`` drawn from the
    residual), ``N`` target continuations at ``rollout_temperature`` are
    sampled from ``prefix + x_d`` and ``N`` from ``prefix + x_t`` — the
-   rollouts of ``rollout_chunk`` candidates at once in one jitted
+   rollouts of ``2 * rollout_chunk`` such sides at once in one jitted
    :func:`specjax.generate` call (fixed shape, one key per row), not a Python
-   loop per rollout — and each is scored by the utility;
+   loop per rollout — and each is scored by the utility (a side whose
+   utility is already decided is scored without rollouts, see below);
 3. ``pivot = util(draft) < thr * util(target)`` (``mode="mul"``) or
    ``util(draft) < util(target) - thr`` (``mode="add"``);
 4. the trajectory continues with ``x_d`` if it is not a pivot, else ``x_t``.
+
+Decode budget. A trajectory runs ``max_new_tokens`` tokens and stops early
+only at ``eos_token_ids`` (for the task: the model's EOS, *not* the newline
+that ends the answer), like a fixed-budget decode of ``specjax compare``.
+When the budget extends past the answer, the text after it is decoded — and
+labelled — too: rejections there cannot change a first-line utility, so
+they come out as genuine non-pivots (PAD's premise: most tokens do not
+affect the outcome). A rollout continues a candidate prefix for the rest of
+the budget (``max_new_tokens`` minus the prefix; longer rollouts are cut
+there) and stops early at ``rollout_eos_token_ids`` (for the task: a
+newline, after which nothing can change the score).
 
 The authors' training filter (:func:`training_filter`) keeps positives whose
 ``util(draft)`` is low (``<= pos_max_draft_util``), negatives whose
@@ -29,6 +41,19 @@ Utility is pluggable: ``utility(example_ids [R], completions: list[list[int]]) -
 float [R]`` in ``[0, 1]``, where a completion is every token generated after the
 example's prompt (the trajectory so far, the candidate token, the rollout).
 :func:`task_utility` is the embedded arithmetic task's exact match.
+
+Optional shortcut: a utility may also have a method
+``is_final(example_ids [R], completions) -> bool [R]`` that is True only where
+the value is already decided by the completion so far — ``utility(c + s) ==
+utility(c)`` for every continuation ``s``. A candidate side (``prefix + x_d``
+or ``prefix + x_t``) that is final is scored directly, ``utility(c)``, with no
+rollouts (its rollouts' mean would be that value anyway). A side with no budget
+left is final too. The shortcut changes no label: rollout keys are derived
+per (trajectory row, side), not from how sides are packed into calls
+(``tests/test_pivot.py`` checks the labels are identical with and without it).
+For the task, a completion is final once it holds the newline that ends the
+answer (:class:`TaskUtility`); ``LabelConfig.use_is_final=False`` turns the
+shortcut off.
 
 Features are computed from ``softmax(raw target logits)``: what the rule sees
 at temperature 0 and at temperature 1 (no top-k / top-p).
@@ -54,7 +79,7 @@ from specjax._src.decode import ModelPair
 from specjax._src.rules.base import residual_distribution
 from specjax._src.rules.pad import pivot_features, resolve_layer
 
-Utility = Callable[[np.ndarray, list], np.ndarray]
+Utility = Callable[[np.ndarray, list], np.ndarray]  # optionally with .is_final (see module doc)
 
 
 @dataclasses.dataclass
@@ -66,14 +91,15 @@ class LabelConfig:
     thr: float = 1.0
     mode: str = "mul"  # "mul": u_d < thr * u_t; "add": u_d < u_t - thr
     temperature: float = 0.0  # the labelled trajectory: 0 greedy, > 0 SD sampling
-    max_new_tokens: int = 6  # trajectory length; rollouts get the same budget
+    max_new_tokens: int = 32  # decode budget of a trajectory; a rollout gets what its prefix leaves
     hidden_layer: int = -8  # clamped to the target's depth
     all_layers: bool = False  # also keep every block's hidden state (choose the layer when training)
     batch_size: int = 32  # prompts per trajectory batch
-    rollout_chunk: int = 8  # candidates per generate call (rows: 2 * N * chunk)
+    rollout_chunk: int = 8  # candidates per generate call (rows: 2 * N * chunk sides)
     pos_max_draft_util: float = 0.5
     neg_min_draft_util: float = 0.8
     seed: int = 0
+    use_is_final: bool = True  # score finished prefixes directly (utility.is_final), no rollouts
 
     def __post_init__(self):
         if self.mode not in ("mul", "add"):
@@ -84,6 +110,8 @@ class LabelConfig:
             raise ValueError("rollout_temperature must be > 0 (rollouts are samples)")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 def decide_pivot(u_draft, u_target, thr: float, mode: str = "mul") -> np.ndarray:
@@ -192,19 +220,48 @@ class LabelledSet:
 # ----------------------------------------------------------------------------- utility
 
 
-def task_utility(tokenizer, answers: Sequence[str]) -> Utility:
-    """Exact match of the embedded arithmetic task (:func:`training.data.score_answer`)."""
-    from training import data
-    from training import tokenizer as tokenizer_lib
+class TaskUtility:
+    """Exact match of the embedded arithmetic task (:func:`training.data.score_answer`:
+    the first line of the completion, stripped, equals the answer).
 
-    def utility(example_ids, completions):
-        return np.array(
-            [float(data.score_answer(tokenizer_lib.decode(tokenizer, c), answers[int(e)]))
-             for e, c in zip(example_ids, completions)],
-            np.float32,
-        )
+    ``is_final``: a completion that already contains a newline has its first
+    line fixed, so nothing generated after it can change the score.
+    """
 
-    return utility
+    def __init__(self, tokenizer, answers: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.answers = list(answers)
+
+    def _text(self, completion) -> str:
+        from training import tokenizer as tokenizer_lib
+
+        return tokenizer_lib.decode(self.tokenizer, list(completion))
+
+    def __call__(self, example_ids, completions) -> np.ndarray:
+        from training import data
+
+        return np.array([float(data.score_answer(self._text(c), self.answers[int(e)]))
+                         for e, c in zip(example_ids, completions)], np.float32)
+
+    def is_final(self, example_ids, completions) -> np.ndarray:
+        del example_ids
+        return np.array(["\n" in self._text(c) for c in completions], bool)
+
+
+def task_utility(tokenizer, answers: Sequence[str]) -> TaskUtility:
+    """The arithmetic task's utility, with its ``is_final`` shortcut."""
+    return TaskUtility(tokenizer, answers)
+
+
+def final_mask(utility: Utility, example_ids, completions) -> np.ndarray:
+    """``utility.is_final(...)`` as a bool array, or all False for a utility without one."""
+    fn = getattr(utility, "is_final", None)
+    if fn is None:
+        return np.zeros((len(completions),), bool)
+    out = np.asarray(fn(np.asarray(example_ids), completions), bool).reshape(-1)
+    if out.shape[0] != len(completions):
+        raise ValueError(f"utility.is_final returned {out.shape[0]} values for {len(completions)} completions")
+    return out
 
 
 def newline_token_ids(tokenizer, vocab_size: int) -> list[int]:
@@ -273,6 +330,7 @@ def gather_labels(
     config: LabelConfig = LabelConfig(),
     *,
     eos_token_ids: Sequence[int] = (),
+    rollout_eos_token_ids: Optional[Sequence[int]] = None,
     progress: bool = True,
     return_trajectories: bool = False,
 ):
@@ -283,7 +341,9 @@ def gather_labels(
       prompts: token lists (each with its BOS if the models use one).
       utility: ``utility(example_ids, completions) -> float array`` (see module doc).
       config: :class:`LabelConfig`.
-      eos_token_ids: tokens that end a trajectory / rollout (the task: newline tokens).
+      eos_token_ids: tokens that end a trajectory (and a rollout); the task: the model's EOS.
+      rollout_eos_token_ids: tokens that end a rollout (default: ``eos_token_ids``); the
+        task: newline tokens too, after which the score cannot change.
       return_trajectories: also return the labelled trajectories (completions).
 
     Returns:
@@ -298,6 +358,7 @@ def gather_labels(
     greedy = float(config.temperature) == 0.0
     eos = tuple(int(i) for i in eos_token_ids)
     eos_arr = np.asarray(eos, np.int64)
+    roll_eos = eos if rollout_eos_token_ids is None else tuple(int(i) for i in rollout_eos_token_ids)
     n_roll, m = int(config.num_rollouts), int(config.max_new_tokens)
     bsz = int(min(config.batch_size, len(prompts)))
     p_max = max(len(p) for p in prompts)
@@ -306,7 +367,7 @@ def gather_labels(
     parts, trajectories = [], []
     num_batches = (len(prompts) + bsz - 1) // bsz
     bar = tqdm(total=len(prompts), desc="label", disable=not progress, file=sys.stderr, dynamic_ncols=True)
-    stats = {"steps": 0, "candidates": 0, "pivots": 0}
+    stats = {"steps": 0, "candidates": 0, "pivots": 0, "sides_rolled_out": 0, "sides_final": 0}
     for bi in range(num_batches):
         idx = np.arange(bi * bsz, min((bi + 1) * bsz, len(prompts)))
         real = len(idx)
@@ -331,9 +392,12 @@ def gather_labels(
             chosen = x_d.copy()
             stats["steps"] += 1
             if cand.any():
-                u_d, u_t = _rollout_utilities(pair, buf, lengths, plen, idx, x_d, x_t, cand, utility,
-                                              k_roll, n_roll, m, float(config.rollout_temperature), eos,
-                                              chunk=config.rollout_chunk)
+                u_d, u_t, n_rolled, n_final = _rollout_utilities(
+                    pair, buf, lengths, plen, idx, x_d, x_t, cand, utility, k_roll, n_roll, m,
+                    float(config.rollout_temperature), roll_eos, chunk=config.rollout_chunk,
+                    use_is_final=config.use_is_final)
+                stats["sides_rolled_out"] += n_rolled
+                stats["sides_final"] += n_final
                 pivot = decide_pivot(u_d, u_t, config.thr, config.mode)
                 keep = training_filter(u_d, u_t, pivot, config.pos_max_draft_util, config.neg_min_draft_util)
                 chosen = np.where(cand & pivot, x_t, x_d)
@@ -373,47 +437,82 @@ def gather_labels(
         "hidden_size": hidden_size,
         "num_prompts": len(prompts),
         "eos_token_ids": list(eos),
+        "rollout_eos_token_ids": list(roll_eos),
         **stats,
     }
     out = LabelledSet.concat(parts, hidden_size, meta)
     return (out, trajectories) if return_trajectories else out
 
 
-def _rollout_utilities(pair, buf, lengths, plen, idx, x_d, x_t, cand, utility, key, n_roll, m,
-                       temperature, eos, chunk: int = 8):
-    """Mean utility of ``n_roll`` target rollouts from ``prefix + x_d`` and ``prefix + x_t``
-    for the candidate rows of the batch.
+@partial(jax.jit, static_argnames=("n",))
+def _unit_keys(key, rows, sides, *, n: int):
+    """``[U, n]`` rollout keys of each (trajectory row, side) unit: a function of the
+    unit only, so which units share a generate call changes no rollout."""
+    return jax.vmap(lambda r, s: jax.random.split(jax.random.fold_in(jax.random.fold_in(key, r), s), n))(
+        rows, sides)
 
-    Candidates are packed ``chunk`` at a time (the last chunk padded by
-    repeating a candidate) into ``[chunk * 2 * n_roll, W]`` prompt rows, so
-    every call of :func:`specjax.generate` has one shape: one compile, one
-    jitted on-device loop per chunk with one PRNG key per row.
+
+def _rollout_utilities(pair, buf, lengths, plen, idx, x_d, x_t, cand, utility, key, n_roll, m,
+                       temperature, eos, chunk: int = 8, use_is_final: bool = True):
+    """Mean utility of ``n_roll`` target rollouts from ``prefix + x_d`` (side 0)
+    and ``prefix + x_t`` (side 1) for the candidate rows of the batch.
+
+    A side whose completion is final (``utility.is_final``, when
+    ``use_is_final``, or no budget left) is scored directly. The other sides
+    are packed ``2 * chunk`` at a time (the last pack padded by repeating a
+    side) into ``[2 * chunk * n_roll, W]`` prompt rows, so every call of
+    :func:`specjax.generate` has one shape: one compile, one jitted on-device
+    loop per pack with one PRNG key per row. Each rollout is cut at the
+    decode budget ``m`` (counted from the prompt).
+
+    Returns ``(util_draft [B], util_target [B], sides rolled out, sides scored directly)``.
     """
     bsz, width = buf.shape
-    util_d = np.zeros((bsz,), np.float64)
-    util_t = np.zeros((bsz,), np.float64)
+    util = np.zeros((bsz, 2), np.float64)
     rows_c = np.flatnonzero(cand)
-    chunk = int(min(chunk, bsz))
-    for ci, c0 in enumerate(range(0, len(rows_c), chunk)):
-        sel = rows_c[c0: c0 + chunk]
-        real = len(sel)
-        sel = np.concatenate([sel, np.full((chunk - real,), sel[0])])
-        starts = np.repeat(buf[sel][:, None, :], 2, axis=1)  # [C, 2, W]
-        starts[np.arange(chunk), 0, lengths[sel]] = x_d[sel]
-        starts[np.arange(chunk), 1, lengths[sel]] = x_t[sel]
-        prompts = np.repeat(starts[:, :, None, :], n_roll, axis=2).reshape(-1, width)
-        plens = np.repeat(lengths[sel] + 1, 2 * n_roll)
-        keys = jax.random.split(jax.random.fold_in(key, ci), prompts.shape[0])
-        out = specjax.generate(
-            pair, prompts, prompt_lengths=plens, max_new_tokens=m, temperature=temperature,
-            eos_token_id=list(eos) if eos else None, key=keys,
-        )
-        toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
-        n_used = real * 2 * n_roll
-        owner = np.repeat(sel, 2 * n_roll)[:n_used]
-        comps = [prompts[j, plen[owner[j]]: plens[j]].tolist() + toks[j, : lens[j]].tolist()
-                 for j in range(n_used)]
-        u = np.asarray(utility(np.asarray(idx[owner]), comps), np.float64).reshape(real, 2, n_roll).mean(-1)
-        util_d[sel[:real]] = u[:, 0]
-        util_t[sel[:real]] = u[:, 1]
-    return util_d, util_t
+    if len(rows_c) == 0:
+        return util[:, 0], util[:, 1], 0, 0
+    # every (row, side) unit: its completion so far (trajectory + candidate token)
+    u_rows = np.repeat(rows_c, 2)
+    u_sides = np.tile(np.arange(2), len(rows_c))
+    u_tok = np.where(u_sides == 0, x_d[u_rows], x_t[u_rows])
+    comps = [buf[r, plen[r]: lengths[r]].tolist() + [int(t)] for r, t in zip(u_rows, u_tok)]
+    final = np.array([len(c) >= m for c in comps], bool)
+    if use_is_final:
+        final |= final_mask(utility, idx[u_rows], comps)
+    if final.any():
+        f = np.flatnonzero(final)
+        util[u_rows[f], u_sides[f]] = np.asarray(
+            utility(np.asarray(idx[u_rows[f]]), [comps[j] for j in f]), np.float64)
+    todo = np.flatnonzero(~final)
+    if len(todo):
+        keys_all = _unit_keys(key, jnp.asarray(u_rows[todo], jnp.int32), jnp.asarray(u_sides[todo], jnp.int32),
+                              n=n_roll)
+        pack = 2 * int(min(chunk, bsz))
+        new = max(m - 1, 1)  # the most any rollout can use (the candidate sits at position >= 0)
+        for c0 in range(0, len(todo), pack):
+            sel = todo[c0: c0 + pack]
+            real = len(sel)
+            sel_k = np.arange(c0, c0 + real)
+            sel = np.concatenate([sel, np.full((pack - real,), sel[0])])
+            sel_k = np.concatenate([sel_k, np.full((pack - real,), sel_k[0])])
+            r_of, t_of = u_rows[sel], u_tok[sel]
+            starts = buf[r_of].copy()
+            starts[np.arange(pack), lengths[r_of]] = t_of
+            prompts = np.repeat(starts, n_roll, axis=0)  # [pack * n_roll, W]
+            plens = np.repeat(lengths[r_of] + 1, n_roll)
+            keys = keys_all[jnp.asarray(sel_k)].reshape(-1)
+            out = specjax.generate(
+                pair, prompts, prompt_lengths=plens, max_new_tokens=new, temperature=temperature,
+                eos_token_id=list(eos) if eos else None, key=keys,
+            )
+            toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
+            n_used = real * n_roll
+            owner = np.repeat(sel, n_roll)[:n_used]
+            rcomps = []
+            for j in range(n_used):
+                c = comps[owner[j]]
+                rcomps.append(c + toks[j, : min(int(lens[j]), m - len(c))].tolist())
+            u = np.asarray(utility(np.asarray(idx[u_rows[owner]]), rcomps), np.float64)
+            util[u_rows[sel[:real]], u_sides[sel[:real]]] = u.reshape(real, n_roll).mean(-1)
+    return util[:, 0], util[:, 1], int(len(todo)), int(final.sum())
