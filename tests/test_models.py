@@ -239,7 +239,7 @@ def test_decoder_is_a_hashable_language_model_with_bf16_compute():
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
     cache = module.init_cache(2, 8)
     assert isinstance(cache, KVCache) and cache.keys[0].dtype == jnp.bfloat16
-    assert cache.keys[0].shape == (2, 8, 2, 8) and len(cache.keys) == 2
+    assert cache.keys[0].shape == (2, 2, 8, 8) and len(cache.keys) == 2
     out = apply(params, jnp.zeros((2, 1), jnp.int32), cache)
     assert out.logits.dtype == jnp.float32 and out.cache.keys[0].dtype == jnp.bfloat16
     # Same key, same params: `init` is deterministic.

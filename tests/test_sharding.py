@@ -164,7 +164,7 @@ def test_rules_gpt2_and_vocab_fallback():
 def test_cache_spec_and_one_device_mesh():
     mesh = sharding.make_mesh()
     assert mesh.axis_names == ("data", "model")
-    assert sharding.cache_spec(_llama(), mesh) == P("data", None, "model", None)
+    assert sharding.cache_spec(_llama(), mesh) == P("data", "model", None, None)
     sharding.check_divisible(_llama(), mesh, batch=3)  # a (1, 1) mesh divides everything
 
 

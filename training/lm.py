@@ -150,7 +150,7 @@ def train_logits(cfg: ModelConfig, params, tokens):
     n, kv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     x = params["embed"]["embedding"][tokens].reshape(b * t, h)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    inv_freq = decoder_lib.rope_inv_freq(cfg)
+    rope = decoder_lib.rope_cos_sin(positions, decoder_lib.rope_inv_freq(cfg))
     mask = decoder_lib.attention_mask(positions, t, cfg.sliding_window)
     for i in range(cfg.num_layers):
         lp = params[f"layer_{i}"]
@@ -159,8 +159,8 @@ def train_logits(cfg: ModelConfig, params, tokens):
         q = (y @ a["q"]["kernel"]).reshape(b, t, n, d)
         k = (y @ a["k"]["kernel"]).reshape(b, t, kv, d)
         v = (y @ a["v"]["kernel"]).reshape(b, t, kv, d)
-        q = decoder_lib.apply_rope(q, positions, inv_freq)
-        k = decoder_lib.apply_rope(k, positions, inv_freq)
+        q, k = decoder_lib.rotate(q, *rope), decoder_lib.rotate(k, *rope)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # heads-major, as the cache
         o = decoder_lib.grouped_attention(q, k, v, mask, d**-0.5).reshape(b * t, n * d)
         x = x + o @ a["o"]["kernel"]
         y = _rms(x, lp["mlp_norm"]["scale"], cfg.norm_eps)

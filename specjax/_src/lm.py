@@ -45,8 +45,9 @@ class KVCache:
     see the models module for why this layout was chosen on CPU.
 
     Attributes:
-      keys: per layer, ``[B, S, num_kv_heads, head_dim]``.
-      values: per layer, ``[B, S, num_kv_heads, head_dim]``.
+      keys: per layer, ``[B, num_kv_heads, S, head_dim]`` (heads-major, so the
+        attention dots read the buffers without transposing them).
+      values: per layer, ``[B, num_kv_heads, S, head_dim]``.
       lengths: ``[B]`` int32, number of valid entries of each sequence.
     """
 
@@ -62,7 +63,7 @@ class KVCache:
     def max_length(self) -> int:
         if not self.keys:
             return _UNBOUNDED
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[2]
 
     def rollback(self, lengths: Array) -> "KVCache":
         """Forgets every entry at or beyond ``lengths`` (``[B]``); copies nothing."""

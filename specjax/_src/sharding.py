@@ -19,7 +19,7 @@ tensor                         shape               spec
 ``mlp/{gate,up,fc}/kernel``    ``[H, I]``          ``(None, 'model')``
 ``mlp/{down,proj}/kernel``     ``[I, H]``          ``('model', None)``
 norms, biases, ``pos_embed``   any                 replicated
-KV cache (per layer)           ``[B, S, KVH, D]``  ``('data', None, 'model', None)``
+KV cache (per layer)           ``[B, KVH, S, D]``  ``('data', 'model', None, None)``
 tokens, lengths, loop state    ``[B, ...]``        ``('data', ...)``
 =============================  ==================  ==============================
 
@@ -226,11 +226,11 @@ def param_shardings(model_or_config, mesh: Mesh, *, name: str = "model"):
 
 
 def cache_spec(config: ModelConfig, mesh: Mesh) -> P:
-    """KV buffers ``[B, S, KVH, D]``: ``('data', None, 'model', None)``, or
+    """KV buffers ``[B, KVH, S, D]``: ``('data', 'model', None, None)``, or
     ``('data', None, None, None)`` when the kv heads do not divide the ``'model'`` axis
     (a replicated draft with few kv heads)."""
     kv_split = config.num_kv_heads % _axis(mesh, MODEL) == 0
-    return P(DATA, None, MODEL if kv_split else None, None)
+    return P(DATA, MODEL if kv_split else None, None, None)
 
 
 def _config_of(x) -> ModelConfig:

@@ -95,19 +95,54 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
+# Longest table of rotary sines/cosines embedded as a constant (rows x D/2 x 2
+# float32: 4 MiB at head_dim 128); longer caches compute them on the fly.
+_ROPE_TABLE_MAX_ROWS = 4096
+
+
+@functools.lru_cache(maxsize=32)
+def _rope_table(num_positions: int, inv_freq: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
+    # float32 angles then float32 cos/sin: the same arithmetic as the on-device path.
+    angles = np.arange(num_positions, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None]
+    return np.cos(angles), np.sin(angles)
+
+
+def rope_cos_sin(
+    positions: Array, inv_freq: np.ndarray, num_positions: Optional[int] = None
+) -> tuple[Array, Array]:
+    """``cos, sin`` of the rotary angles, each ``[B, T, 1, D/2]`` float32.
+
+    With ``num_positions`` (a static bound: every position is below it, e.g.
+    the cache length) and at most ``_ROPE_TABLE_MAX_ROWS`` of them, rows are
+    gathered from a table computed once on the host. Computed on device
+    instead, XLA's CPU backend fuses the sines and cosines into every consumer
+    and evaluates them once per head and per half of ``x``: a third of a
+    5-token, batch-32 forward.
+    """
+    if num_positions is not None and num_positions <= _ROPE_TABLE_MAX_ROWS:
+        cos_table, sin_table = _rope_table(int(num_positions), tuple(np.asarray(inv_freq, np.float32).tolist()))
+        cos, sin = jnp.asarray(cos_table)[positions], jnp.asarray(sin_table)[positions]
+    else:
+        angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, T, D/2]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+    return cos[:, :, None, :], sin[:, :, None, :]
+
+
+def rotate(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotates ``x[B, T, N, D]`` by precomputed ``cos, sin`` (rotate-half convention)."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
 def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
     """Rotates ``x[B, T, N, D]`` by ``positions[B, T]`` (rotate-half convention).
 
     Angles, sines and cosines are computed in float32, then the result is cast
     back to ``x.dtype``.
     """
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return rotate(x, *rope_cos_sin(positions, inv_freq))
 
 
 def attention_mask(q_pos: Array, kv_len: int, sliding_window: Optional[int]) -> Array:
@@ -127,7 +162,8 @@ def grouped_attention(q: Array, k: Array, v: Array, mask: Array, scale: float) -
 
     Args:
       q: ``[B, T, N, D]`` queries.
-      k, v: ``[B, S, K, D]`` keys and values, ``N % K == 0``.
+      k, v: ``[B, K, S, D]`` keys and values, heads-major (the cache layout),
+        ``N % K == 0``.
       mask: ``[B, T, S]`` bool.
       scale: multiplies the scores.
 
@@ -135,22 +171,28 @@ def grouped_attention(q: Array, k: Array, v: Array, mask: Array, scale: float) -
       ``[B, T, N * D]`` in ``v.dtype``. Scores and softmax run in float32.
     """
     b, t, n, d = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
     # Group query heads by their kv head instead of repeating k/v (no copy).
-    q = q.reshape(b, t, kv_heads, n // kv_heads, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    # Heads-major k/v make both dots plain batched matmuls over (b, k): with
+    # [B, S, K, D] buffers XLA transposed the whole cache before every dot,
+    # 60% of a batch-32 decode step on CPU.
+    # The small q / output tensors are transposed to heads-major outside the
+    # dots: a dot whose output must come out [b, t, k, g, d] ran 4x slower for
+    # a 5-token block on CPU.
+    q = q.reshape(b, t, kv_heads, n // kv_heads, d).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * scale
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, n * d)
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n * d)
 
 
 def write_cache(buffer: Array, new: Array, offsets: Array) -> Array:
-    """Writes ``new[b]`` (``[T, K, D]``) into ``buffer[b]`` (``[S, K, D]``) at ``offsets[b]``."""
+    """Writes ``new[b]`` (``[K, T, D]``) into ``buffer[b]`` (``[K, S, D]``) at ``offsets[b]``."""
 
     def one(buf, upd, off):
-        return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), (off, 0, 0))
+        return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), (0, off, 0))
 
     return jax.vmap(one)(buffer, new, offsets)
 
@@ -241,17 +283,19 @@ class Attention(nn.Module):
             q = _norm(cfg, "q_norm")(q)
             k = _norm(cfg, "k_norm")(k)
         if not cfg.is_gpt2:
-            inv_freq = rope_inv_freq(cfg)
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
+            # Every position indexes the cache (or the block, without one).
+            bound = t if kv_cache is None else kv_cache[0].shape[2]
+            cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg), bound)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
 
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # heads-major [B, K, T, D]
         if kv_cache is None:
             keys, values, new_cache = k, v, None
         else:
             keys = write_cache(kv_cache[0], k, lengths)
             values = write_cache(kv_cache[1], v, lengths)
             new_cache = (keys, values)
-        mask = attention_mask(positions, keys.shape[1], cfg.sliding_window)
+        mask = attention_mask(positions, keys.shape[2], cfg.sliding_window)
         out = grouped_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask, d**-0.5)
         out = _dense(cfg, cfg.hidden_size, cfg.is_gpt2 or cfg.attention_out_bias, "o")(out)
         return out, new_cache
@@ -421,7 +465,7 @@ class Decoder:
         return _param_shapes(self.config)
 
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
-        """Zeroed per-layer buffers ``[B, max_length, num_kv_heads, head_dim]``.
+        """Zeroed per-layer buffers ``[B, num_kv_heads, max_length, head_dim]``.
 
         Raises:
           ValueError: for GPT-2 when ``max_length`` exceeds its position table.
@@ -433,7 +477,7 @@ class Decoder:
                 f"{cfg.max_position_embeddings} learned positions (max_position_embeddings)."
             )
         dtype = self.dtype if dtype is None else jnp.dtype(dtype)
-        shape = (batch_size, max_length, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch_size, cfg.num_kv_heads, max_length, cfg.head_dim)
         zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731 (a fresh buffer per layer)
         return KVCache(
             keys=tuple(zeros() for _ in range(cfg.num_layers)),
