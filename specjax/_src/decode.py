@@ -575,6 +575,7 @@ class _DecodeState:
 class _Drafts(NamedTuple):
     tokens: Array  # [B, K]
     logits: Array  # [B, K, V] warped (raw when greedy)
+    probs: Array  # [B, K, V] softmax(logits)
     valid: Array  # [B, K]
     entropies: Array  # [B, K]
     token_probs: Array  # [B, K]
@@ -582,7 +583,7 @@ class _Drafts(NamedTuple):
     forwards: Array  # scalar int32
 
 
-def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_gumbel, temperature, top_p):
+def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_uniforms, temperature, top_p):
     module, params = pair_params.draft.module, pair_params.draft.params
     policy: drafting_lib.DraftingPolicy = cfg.drafting.value
     vocab, k_max = pair_params.vocab_size, cfg.num_draft
@@ -603,10 +604,10 @@ def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_gumbel,
         logits = _warp(cfg, raw, temperature, top_p)
         probs = jax.nn.softmax(logits, axis=-1)
         if cfg.greedy:
-            tok = jnp.argmax(raw, axis=-1).astype(jnp.int32)
+            tok = sampling.argmax(raw)
         else:
-            noise = jax.lax.dynamic_index_in_dim(draft_gumbel, j, axis=1, keepdims=False)
-            tok = sampling.gumbel_argmax(logits, noise)
+            u = jax.lax.dynamic_index_in_dim(draft_uniforms, j, axis=1, keepdims=False)
+            tok = sampling.sample_categorical(probs, u)
         tok_p = jnp.take_along_axis(probs, tok[:, None], axis=-1)[:, 0]
         ent = sampling.entropy(probs)
         step = drafting_lib.DraftStep(
@@ -616,6 +617,7 @@ def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_gumbel,
         bufs = _Drafts(
             tokens=bufs.tokens.at[:, j].set(tok),
             logits=bufs.logits.at[:, j].set(logits),
+            probs=bufs.probs.at[:, j].set(probs),
             valid=bufs.valid.at[:, j].set(active),
             entropies=bufs.entropies.at[:, j].set(ent),
             token_probs=bufs.token_probs.at[:, j].set(tok_p),
@@ -628,6 +630,7 @@ def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_gumbel,
     bufs = _Drafts(
         tokens=jnp.zeros((batch, k_max), jnp.int32),
         logits=jnp.zeros((batch, k_max, vocab), jnp.float32),
+        probs=jnp.zeros((batch, k_max, vocab), jnp.float32),
         valid=jnp.zeros((batch, k_max), bool),
         entropies=jnp.zeros((batch, k_max), jnp.float32),
         token_probs=jnp.zeros((batch, k_max), jnp.float32),
@@ -660,21 +663,21 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys
     nc, done = state.num_committed, state.done
     batch = nc.shape[0]
 
-    # All of a cycle's randomness in one draw per sequence: Gumbel noise for the
-    # K draft samples and the emitted token, and the K acceptance uniforms.
+    # All of a cycle's randomness in one draw per sequence: the K acceptance
+    # uniforms, one uniform per draft sample and one for the emitted token
+    # (inverse-CDF sampling; a Gumbel-max draw would need V of them).
     if cfg.greedy:
-        draft_gumbel = emit_gumbel = None
+        draft_uniforms = emit_uniform = None
         uniforms = jnp.zeros((batch, k_max), jnp.float32)  # rules ignore them when greedy
     else:
-        size = (k_max + 1) * vocab + k_max
-        u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, state.step), (size,)))(seq_keys)
-        gumbel = sampling.gumbel_from_uniform(u[:, : (k_max + 1) * vocab]).reshape(batch, k_max + 1, vocab)
-        draft_gumbel, emit_gumbel = gumbel[:, :k_max], gumbel[:, k_max]
-        uniforms = u[:, (k_max + 1) * vocab :]
+        u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, state.step), (2 * k_max + 1,)))(
+            seq_keys
+        )
+        uniforms, draft_uniforms, emit_uniform = u[:, :k_max], u[:, k_max : 2 * k_max], u[:, 2 * k_max]
 
     # ---- draft ----
-    drafts, draft_cache = _draft_phase(cfg, pair_params, state, draft_gumbel, temperature, top_p)
-    draft_probs = jax.nn.softmax(drafts.logits, axis=-1)
+    drafts, draft_cache = _draft_phase(cfg, pair_params, state, draft_uniforms, temperature, top_p)
+    draft_probs = drafts.probs
 
     # ---- verify: one target forward over [last, d_1 .. d_K] ----
     last = _gather(state.tokens, nc - 1)
@@ -706,12 +709,12 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys
     v = drafts.valid.sum(1).astype(jnp.int32)
     correction = _row(verdict.correction, jnp.minimum(n, k_max - 1))
     if cfg.greedy:
-        corr_tok = jnp.argmax(correction, axis=-1).astype(jnp.int32)
-        bonus_tok = jnp.argmax(_row(target_logits, n), axis=-1).astype(jnp.int32)
+        corr_tok = sampling.argmax(correction)
+        bonus_tok = sampling.argmax(_row(target_logits, n))
     else:
-        # One noise vector serves both: only one of the two tokens is used.
-        corr_tok = sampling.gumbel_argmax(jnp.log(correction), emit_gumbel)
-        bonus_tok = sampling.gumbel_argmax(jnp.log(_row(target_probs, n)), emit_gumbel)
+        # One uniform serves both: only one of the two tokens is used.
+        corr_tok = sampling.sample_categorical(correction, emit_uniform)
+        bonus_tok = sampling.sample_categorical(_row(target_probs, n), emit_uniform)
     emitted = jnp.where(n < v, corr_tok, bonus_tok)
 
     # ---- non-finite logits: stop the sequence, emit nothing ----
@@ -1037,11 +1040,11 @@ def _generate_impl(model: Model, vocab: int, prompts, prompt_lengths, key, tempe
         out = model.module.apply(model.params, last[:, None], s.cache)
         raw = out.logits[:, 0, :vocab]
         if cfg.greedy:
-            tok = jnp.argmax(raw, axis=-1).astype(jnp.int32)
+            tok = sampling.argmax(raw)
         else:
-            logits = _warp(cfg, raw, temperature, top_p)
-            u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, s.step), (vocab,)))(seq_keys)
-            tok = sampling.gumbel_argmax(logits, sampling.gumbel_from_uniform(u))
+            probs = jax.nn.softmax(_warp(cfg, raw, temperature, top_p), axis=-1)
+            u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, s.step), ()))(seq_keys)
+            tok = sampling.sample_categorical(probs, u)
         bad_now = ~s.done & sampling.nonfinite_rows(raw)
         live = ~s.done & ~bad_now
         tokens = jax.vmap(lambda row, t, off: jax.lax.dynamic_update_slice(row, t[None], (off,)))(

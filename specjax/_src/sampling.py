@@ -71,24 +71,74 @@ def warp_logits(
     return logits
 
 
-def gumbel_from_uniform(u: Array) -> Array:
-    """Gumbel(0, 1) noise from Uniform(tiny, 1) draws."""
-    return -jnp.log(-jnp.log(u))
-
-
 def uniform_open(key: Array, shape) -> Array:
     """Uniform draws in ``[tiny, 1)`` (safe for ``log``)."""
     return jax.random.uniform(key, shape, jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
 
 
-def gumbel_argmax(logits: Array, gumbel: Array) -> Array:
-    """Gumbel-max sampling: ``argmax(logits + g)`` is a draw from ``softmax(logits)``.
+# Two-level reductions over the vocabulary: blocks of this many entries.
+_BLOCK = 64
 
-    The engine draws all of a cycle's noise with one PRNG call per sequence
-    (fewer inlined PRNG kernels: much faster to compile than one
-    ``jax.random.categorical`` per call site).
+
+def _blocked(x: Array, fill) -> Array:
+    """``[..., V]`` -> ``[..., ceil(V / _BLOCK), _BLOCK]``, padded with ``fill``."""
+    v = x.shape[-1]
+    nb = -(-v // _BLOCK)
+    pad = nb * _BLOCK - v
+    if pad:
+        x = jnp.concatenate([x, jnp.full(x.shape[:-1] + (pad,), fill, x.dtype)], axis=-1)
+    return x.reshape(x.shape[:-1] + (nb, _BLOCK))
+
+
+def _take_last(x: Array, index: Array) -> Array:
+    """``x[..., index]`` for ``index[...]``."""
+    return jnp.take_along_axis(x, index[..., None], axis=-1)[..., 0]
+
+
+def argmax(x: Array) -> Array:
+    """``jnp.argmax(x, -1)``: the first maximum, int32 (a NaN counts as ``+inf``).
+
+    Two levels (the block holding the maximum, then inside it): XLA's CPU
+    backend lowers a vocabulary-wide ``argmax`` to a slow variadic reduction,
+    2-3x the cost of these plain ones.
     """
-    return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
+    blocks = _blocked(x, -jnp.inf)  # [..., nb, B]
+    # A plain max does not reliably propagate NaN on CPU: map it to +inf first.
+    block = jnp.argmax(jnp.where(jnp.isnan(blocks), jnp.inf, blocks).max(-1), axis=-1)
+    row = jnp.take_along_axis(blocks, block[..., None, None], axis=-2)[..., 0, :]
+    return (block * _BLOCK + jnp.argmax(row, axis=-1)).astype(jnp.int32)
+
+
+def sample_categorical(probs: Array, u: Array) -> Array:
+    """One draw per row by inverse CDF: the first token whose cumulative mass
+    exceeds ``u * total``.
+
+    Args:
+      probs: ``[..., V]`` non-negative weights (need not sum to one).
+      u: ``[...]`` Uniform[0, 1) draws, one per row.
+
+    Returns:
+      ``[...]`` int32 tokens. A zero-weight token is never drawn: its
+      cumulative sum equals its predecessor's, so the search skips it, and a
+      search that rounding carries past the end stops at the last positive
+      weight.
+
+    One uniform per token instead of the ``V`` a Gumbel-max draw needs (the
+    PRNG dominated sampling on CPU); the search is two-level (block masses,
+    then one block) so no vocabulary-wide cumulative sum is formed.
+    """
+    blocks = _blocked(probs.astype(jnp.float32), 0.0)  # [..., nb, B]
+    mass = blocks.sum(-1)  # [..., nb]
+    cum = jnp.cumsum(mass, axis=-1)
+    target = u.astype(jnp.float32) * cum[..., -1]
+    nb = mass.shape[-1]
+    last_block = jnp.max(jnp.where(mass > 0, jnp.arange(nb), 0), axis=-1)
+    block = jnp.minimum((cum <= target[..., None]).sum(-1), last_block)
+    before = jnp.where(block > 0, _take_last(cum, jnp.maximum(block - 1, 0)), 0.0)
+    row = jnp.take_along_axis(blocks, block[..., None, None], axis=-2)[..., 0, :]  # [..., B]
+    last_in_row = jnp.max(jnp.where(row > 0, jnp.arange(_BLOCK), 0), axis=-1)
+    inner = jnp.minimum((jnp.cumsum(row, axis=-1) <= (target - before)[..., None]).sum(-1), last_in_row)
+    return (block * _BLOCK + inner).astype(jnp.int32)
 
 
 def sample_logits(key: Array, logits: Array) -> Array:
@@ -110,10 +160,11 @@ def nonfinite_rows(logits: Array) -> Array:
     """True where a row of raw logits holds a NaN or ``+inf``, or is all ``-inf``.
 
     ``-inf`` entries alone are legitimate (masked tokens); a row with no
-    finite entry is not a distribution.
+    finite entry is not a distribution. One reduction: with NaN mapped to
+    ``+inf`` (a plain max does not reliably propagate NaN on CPU), the row
+    maximum is infinite exactly in those cases.
     """
-    bad = jnp.isnan(logits) | jnp.isposinf(logits)
-    return bad.any(-1) | jnp.isneginf(logits).all(-1)
+    return ~jnp.isfinite(jnp.max(jnp.where(jnp.isnan(logits), jnp.inf, logits), axis=-1))
 
 
 def check_sampling_args(temperature, top_k, top_p) -> None:

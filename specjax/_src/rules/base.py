@@ -22,6 +22,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax._src import sampling
+
 Array = jax.Array
 RuleState = Any
 
@@ -149,7 +151,7 @@ def residual_distribution(target_probs: Array, draft_probs: Array) -> Array:
 
 def one_hot_argmax(logits: Array) -> Array:
     """``[..., V]`` one-hot of the argmax, float32."""
-    return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
+    return jax.nn.one_hot(sampling.argmax(logits), logits.shape[-1], dtype=jnp.float32)
 
 
 def token_prob(probs: Array, tokens: Array) -> Array:
@@ -168,7 +170,7 @@ def lossless_decision(inputs: VerifyInputs, *, greedy: bool) -> tuple[Array, Arr
     k = inputs.draft_tokens.shape[0]
     target_logits = inputs.target_logits[:k]
     if greedy:
-        accept = inputs.draft_tokens == jnp.argmax(target_logits, -1)
+        accept = inputs.draft_tokens == sampling.argmax(target_logits)
         return accept, one_hot_argmax(target_logits)
     p = token_prob(inputs.target_probs, inputs.draft_tokens)
     q = token_prob(inputs.draft_probs, inputs.draft_tokens)
