@@ -211,3 +211,12 @@ def test_budget_past_the_answer_yields_nonpivots_the_filter_keeps(toy_runs):
     kept_neg = ds.keep & (ds.labels == 0)
     assert (kept_neg & after).any()
     assert (ds.keep & (ds.labels == 1)).any()
+
+
+def test_class_weights_balance_then_weight_pivots():
+    y = np.array([0, 0, 0, 1])
+    np.testing.assert_allclose(pivot._class_weights(y), [4 / 6, 2.0])  # n / (2 * count): the authors'
+    np.testing.assert_allclose(pivot._class_weights(y, pivot_weight=10.0), [4 / 6, 20.0])
+    with pytest.raises(ValueError, match="bad budget"):
+        pivot.parse_budget("6:eos")
+    assert pivot.parse_budget("40") == (40, False) and pivot.parse_budget("6:newline") == (6, True)

@@ -13,7 +13,8 @@ says rejecting it would not change the task's outcome. This command
    never the held-out problems);
 2. trains the head (:mod:`specjax._src.rules.pad`; the authors' architecture
    by default, ``--arch linear|mlp`` too) with Optax AdamW on class-balanced
-   cross-entropy, full batch, on an 80/20 stratified split; keeps the
+   cross-entropy (``--pivot-weight`` > 1 weights pivots more: recall over
+   acceptance), full batch, on an 80/20 stratified split; keeps the
    parameters with the best held-out loss; Orbax checkpoints under
    ``--ckpt-dir`` so a killed run continues where it stopped when re-run with
    the same command;
@@ -163,6 +164,7 @@ class TrainConfig:
     seed: int = 0
     width: int = 128
     checkpoint_every: int = 200
+    pivot_weight: float = 1.0  # extra loss weight on pivots after class balancing (1 = the authors')
 
 
 def _balanced_ce(logits, labels, weights):
@@ -171,9 +173,14 @@ def _balanced_ce(logits, labels, weights):
     return jnp.sum(w * ce) / jnp.sum(w)
 
 
-def _class_weights(labels: np.ndarray) -> np.ndarray:
+def _class_weights(labels: np.ndarray, pivot_weight: float = 1.0) -> np.ndarray:
+    """Class-balanced weights (the authors'), the pivot class's times ``pivot_weight``:
+    > 1 moves the P(pivot) = sigma boundary towards pivot recall (a missed pivot
+    costs the answer; a rejected non-pivot only a token)."""
     counts = np.bincount(labels, minlength=2).astype(np.float64)
-    return (labels.size / (2.0 * np.maximum(counts, 1.0))).astype(np.float32)
+    w = labels.size / (2.0 * np.maximum(counts, 1.0))
+    w[1] *= float(pivot_weight)
+    return w.astype(np.float32)
 
 
 def _fingerprint(*arrays) -> str:
@@ -272,8 +279,9 @@ def train_head(
     params0 = init_head_params(head_cfg, jax.random.key(config.seed), norm)
     net0 = params0["net"]
 
-    train = tuple(jnp.asarray(x) for x in (hidden[tr], scalars[tr], labels[tr], _class_weights(labels[tr])))
-    val = tuple(jnp.asarray(x) for x in (hidden[va], scalars[va], labels[va], _class_weights(labels[va])))
+    pw = config.pivot_weight
+    train = tuple(jnp.asarray(x) for x in (hidden[tr], scalars[tr], labels[tr], _class_weights(labels[tr], pw)))
+    val = tuple(jnp.asarray(x) for x in (hidden[va], scalars[va], labels[va], _class_weights(labels[va], pw)))
 
     step_fn = functools.partial(_train_step, head_cfg=head_cfg, tcfg=config)
 
@@ -504,13 +512,17 @@ def write_card(directory: str | pathlib.Path) -> pathlib.Path:
     rep = json.loads((d / "report.json").read_text()) if (d / "report.json").is_file() else {}
     ev = json.loads((d / "eval.json").read_text()) if (d / "eval.json").is_file() else {}
     cfg = json.loads((d / "config.json").read_text())
+    try:  # the load hint: repo-relative where possible
+        shown = d.resolve().relative_to(REPO)
+    except ValueError:
+        shown = d
     lines = [
         "# PAD pivot head",
         "",
         f"Architecture `{cfg['arch']}` over the target's layer {cfg['layer']} hidden state "
         f"(size {cfg['hidden_size']}, target depth {cfg.get('target_num_layers')}) plus the target's "
         "entropy and probability of the draft token at the judging slot. Load it with "
-        f"`specjax.rules.pad(head=\"{d}\", sigma=0.5)`"
+        f"`specjax.rules.pad(head=\"{shown}\", sigma=0.5)`"
         + (" (or `head=\"shipped\"`)" if d.resolve() == DEFAULT_OUT.resolve() else "")
         + "; written by `python -m training.pivot`.",
         "",
@@ -524,7 +536,11 @@ def write_card(directory: str | pathlib.Path) -> pathlib.Path:
             f"- labels: {ds.get('candidates')} SD rejections on {ds.get('num_prompts')} training-split task "
             f"prompts per trajectory temperature {ds.get('label_temperatures')}, {ds.get('pivots')} pivots; "
             f"{ds.get('kept_rows')} rows kept by the authors' filter"
-            + ("; trained on ALL labelled rows (--all-rows)" if ds.get("all_rows") else ""),
+            + ("; trained on ALL labelled rows (--all-rows)" if ds.get("all_rows") else "")
+            + (f"; decode budget {ds['config']['max_new_tokens']} new tokens" if ds.get("config") else ""),
+            f"- loss: class-balanced cross-entropy"
+            + (f", pivots weighted x{rep['train_config']['pivot_weight']:g} on top (--pivot-weight)"
+               if rep.get("train_config", {}).get("pivot_weight", 1.0) != 1.0 else " (the authors')"),
             f"- {rep['train_rows']} train / {rep['val_rows']} held-out rows; best held-out loss "
             f"{rep['best_val_loss']:.4f} (initial {rep['initial_val_loss']:.4f}) at step {rep['best_step']}",
             f"- held-out ROC AUC {h['auc']:.3f}; "
@@ -605,6 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--val-fraction", type=float, default=0.2, help="held-out share, stratified (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="split, init and prompt sampling seed (default: %(default)s)")
     g.add_argument("--sigma", type=float, nargs="+", default=[0.5, 0.7], help="thresholds to report / evaluate (default: %(default)s)")
+    g.add_argument("--pivot-weight", type=float, default=1.0,
+                   help="loss weight of pivots relative to class balance; 1 = the authors' balanced CE, "
+                        "> 1 trades non-pivot acceptance for pivot recall (default: %(default)s)")
     g.add_argument("--all-rows", action="store_true", help="train on every labelled row, not only those the authors' filter keeps")
 
     g = p.add_argument_group("evaluation (--evaluate)")
@@ -647,7 +666,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hidden, scalars, labels = hidden_all[rows], ds.scalars[rows], ds.labels[rows]
     print(f"[pivot] training on {len(labels)} rows ({int(np.sum(labels))} pivots)", flush=True)
     cfg = TrainConfig(arch=args.arch, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
-                      val_fraction=args.val_fraction, seed=args.seed)
+                      val_fraction=args.val_fraction, seed=args.seed, pivot_weight=args.pivot_weight)
     head, report = train_head(
         hidden, scalars, labels, config=cfg, layer=layer,
         target_num_layers=ds.meta.get("target_num_layers"), ckpt_dir=args.ckpt_dir, fresh=args.fresh,
@@ -656,6 +675,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report["dataset"] = {k: ds.meta.get(k) for k in ("candidates", "pivots", "num_prompts", "label_temperatures", "config")}
     report["dataset"]["kept_rows"] = int(ds.keep.sum())
     report["dataset"]["all_rows"] = bool(args.all_rows)
+    report["train_config"] = dataclasses.asdict(cfg)
     weights = pathlib.Path(args.target) / "model.safetensors"
     if weights.is_file():  # the head is tied to these exact target weights
         report["target"] = {"dir": str(args.target),
