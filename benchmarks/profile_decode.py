@@ -1,0 +1,121 @@
+"""Where a decode cycle's time goes: XLA ops of the jitted loop, grouped by source.
+
+Runs ``specjax.decode`` on the embedded pair under ``jax.profiler``, maps
+every executed XLA op (fusion, dot, ...) back to the JAX source that produced
+it (the ``op_name`` metadata of the compiled HLO), and prints microseconds
+per decode cycle per source, split into the models' forwards
+(``Transformer/...``) and the engine's own work (sampling, the rule, buffer
+and cache bookkeeping, stats). This is the profile behind BENCHMARKS.md's
+"what remains" notes.
+
+    python benchmarks/profile_decode.py --batch 1 --temperature 0
+    python benchmarks/profile_decode.py --batch 32 --temperature 1 --rule mars:theta=0.9
+
+Profiling adds a few microseconds to every op, so the totals exceed the
+wall time per cycle printed first; read the split, not the absolute sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+import common
+import specjax
+from specjax._src import decode as decode_lib
+from specjax.rules import parse_rule
+
+
+def _compiled_hlo(run) -> str:
+    """The optimized HLO text of the decode loop ``run`` calls."""
+    captured = {}
+    jitted = decode_lib._decode_jit
+
+    def spy(*args, **kwargs):
+        captured.setdefault("hlo", jitted.lower(*args, **kwargs).compile().as_text())
+        return jitted(*args, **kwargs)
+
+    decode_lib._decode_jit = spy
+    try:
+        run()
+    finally:
+        decode_lib._decode_jit = jitted
+    return captured["hlo"]
+
+
+def _op_sources(hlo: str) -> dict[str, str]:
+    sources = {}
+    for line in hlo.splitlines():
+        m = re.match(r'\s*(?:ROOT )?%(\S+) = .*op_name="([^"]+)"', line)
+        if m:
+            src = m.group(2).replace("jit(_decode_impl)/", "")
+            sources[m.group(1)] = re.sub(r"layer_\d+", "layer_#", src)
+    return sources
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--rule", default="speculative_sampling", help="a rule spec (default: %(default)s)")
+    p.add_argument("--num-draft", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--top", type=int, default=25, help="sources to list (default: %(default)s)")
+    args = p.parse_args(argv)
+
+    print(common.header("profile_decode: XLA op time per decode cycle, by source"))
+    target = specjax.load(str(common.MODELS / "target"), dtype="float32")
+    draft = specjax.load(str(common.MODELS / "draft"), dtype="float32")
+    pair = specjax.pair(target, draft)
+    prompts = common.arith_prompts_of_length(args.batch, args.prompt_len)
+    kwargs = dict(rule=parse_rule(args.rule), num_draft=args.num_draft, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, key=jax.random.key(0))
+
+    def run():
+        out = specjax.decode(pair, prompts, **kwargs)
+        jax.block_until_ready(out.tokens)
+        return out
+
+    sources = _op_sources(_compiled_hlo(run))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - t0)
+    cycles = int(np.asarray(out.stats.cycles).max())
+    wall_ms = float(np.median(times)) / cycles * 1e3
+    print(f"batch {args.batch}, T={args.temperature}, rule {args.rule}, K={args.num_draft}: "
+          f"{wall_ms:.3f} ms per cycle (wall, median of 5), {cycles} cycles, tau {float(out.stats.tau):.2f}")
+
+    reps = 3
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(reps):
+                run()
+        trace = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
+        events = json.load(gzip.open(trace))["traceEvents"]
+    per_source = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and name in sources and not name.startswith("while"):
+            per_source[sources[name]] += e.get("dur", 0) / reps / cycles
+    model = sum(v for k, v in per_source.items() if "Transformer/" in k)
+    engine = sum(v for k, v in per_source.items() if "Transformer/" not in k)
+    print(f"profiled op time per cycle: models' forwards {model:.0f} us, engine {engine:.0f} us "
+          f"({engine / max(model + engine, 1e-9):.0%} of the total)")
+    for src, us in per_source.most_common(args.top):
+        print(f"{us:9.1f} us  {'model ' if 'Transformer/' in src else 'engine'}  {src[:140]}")
+
+
+if __name__ == "__main__":
+    main()
