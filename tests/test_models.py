@@ -231,6 +231,23 @@ def test_hidden_layers_index_like_a_list():
         module.apply(params, tokens, hidden_layers=(-3,))
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # untied and tied heads
+def test_logits_at_returns_that_row_of_the_full_logits(model_type):
+    module, params, _ = _model(model_type)
+    assert module.supports_logits_at
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (3, 4)), jnp.int32)
+    cache = module.init_cache(3, 16).rollback(jnp.array([0, 5, 9], jnp.int32))
+    full = module.apply(params, tokens, cache)
+    rows = jnp.array([0, 3, 1], jnp.int32)
+    one = module.apply(params, tokens, cache, logits_at=rows, hidden_layers=(-1,))
+    assert one.logits.shape == (3, 1, 97)
+    np.testing.assert_allclose(np.asarray(one.logits[:, 0]), np.asarray(full.logits)[np.arange(3), rows],
+                               rtol=1e-5, atol=1e-6)
+    assert one.hidden[0].shape == (3, 4, 32)  # hidden states stay full length
+    for a, b in zip(jax.tree.leaves(one.cache), jax.tree.leaves(full.cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_decoder_is_a_hashable_language_model_with_bf16_compute():
     module, params, apply = _model("llama", dtype="bfloat16")
     assert isinstance(module, LanguageModel)

@@ -119,7 +119,13 @@ class LanguageModel(Protocol):
         *,
         hidden_layers: Sequence[int] = (),
     ) -> LMOutput:
-        """Runs ``tokens[B, T]``; with ``cache=None`` a plain causal forward from position 0."""
+        """Runs ``tokens[B, T]``; with ``cache=None`` a plain causal forward from position 0.
+
+        Optional extension: a model whose class sets ``supports_logits_at = True``
+        also accepts ``logits_at=[B]`` (one position per sequence) and returns
+        logits ``[B, 1, V]`` for those positions only; the engine uses it where it
+        needs one row of a multi-token forward.
+        """
         ...
 
 

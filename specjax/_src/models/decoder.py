@@ -340,7 +340,7 @@ class Transformer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, positions, kv_caches, lengths):
+    def __call__(self, tokens, positions, kv_caches, lengths, logits_at=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         embed = nn.Embed(
@@ -367,6 +367,8 @@ class Transformer(nn.Module):
             x, c = Block(cfg, name=f"layer_{i}")(x, positions, layer_cache, lengths)
             block_outputs.append(x)
             new_caches.append(c)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)  # [B, 1, H]
         x = _norm(cfg, "final_norm")(x)
         # Accumulate the head in float32: bf16 logits would round away the
         # small differences acceptance rules compare.
@@ -438,6 +440,9 @@ class Decoder:
 
     config: ModelConfig
 
+    # ``apply(..., logits_at=)`` is implemented (the optional protocol extension).
+    supports_logits_at = True
+
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
@@ -495,6 +500,7 @@ class Decoder:
         cache: Optional[KVCache] = None,
         *,
         hidden_layers: Sequence[int] = (),
+        logits_at: Optional[Array] = None,
     ) -> LMOutput:
         """Runs ``tokens[B, T]``; see :mod:`specjax._src.lm` for the cache contract.
 
@@ -506,10 +512,14 @@ class Decoder:
             position ``cache.lengths[b] + t``).
           hidden_layers: block outputs to return, indexed like a Python list
             (``-1``: the last block, before the final norm).
+          logits_at: optional ``[B]`` int, one position per sequence: logits
+            come back ``[B, 1, V]`` for that position only, and the LM head
+            runs on one row (a vocabulary-wide matmul saved per extra row).
 
         Returns:
-          ``LMOutput(logits [B, T, V] float32, hidden (one [B, T, H] float32 per
-          requested layer), cache with lengths + T or None)``.
+          ``LMOutput(logits [B, T, V] float32 ([B, 1, V] with ``logits_at``),
+          hidden (one [B, T, H] float32 per requested layer), cache with
+          lengths + T or None)``.
         """
         cfg = self.config
         tokens = jnp.asarray(tokens)
@@ -531,7 +541,7 @@ class Decoder:
             positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
             kv_caches = tuple(zip(cache.keys, cache.values))
         logits, block_outputs, new_caches = Transformer(cfg).apply(
-            {"params": params}, tokens, positions, kv_caches, lengths
+            {"params": params}, tokens, positions, kv_caches, lengths, logits_at
         )
         hidden = tuple(block_outputs[i].astype(jnp.float32) for i in layers)
         new_cache = None
