@@ -410,19 +410,6 @@ def test_stats_when_draft_equals_target(num_draft):
     assert summary["tau"] == num_draft + 1 and "tau=" in str(s)
 
 
-def test_stats_count_only_committed_drafts_when_the_budget_cuts_a_block():
-    model = bigram_model(random_table(0, VOCAB))
-    pair = specjax.pair(model, model)
-    # K=3, every draft accepted: cycles commit 4 + 4 + 2 of 10 tokens; the last
-    # cycle's third accepted draft (and the bonus) fall past the budget.
-    out = specjax.decode(pair, [[1], [2, 3]], num_draft=3, max_new_tokens=10, temperature=0.0)
-    s = out.stats
-    np.testing.assert_array_equal(np.asarray(s.tokens), 10)
-    np.testing.assert_array_equal(np.asarray(s.accepted), 3 + 3 + 2)
-    np.testing.assert_array_equal(np.asarray(s.accepted_at), [[3, 3, 2], [3, 3, 2]])
-    assert s.accepted_by_path_total["exact"] == 2 * 8
-
-
 def test_stats_when_draft_never_agrees():
     table = random_table(0, VOCAB)
     # Draft table: every row's argmax moved away from the target's argmax.

@@ -773,11 +773,8 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys
 
     # ---- stats ----
     live_i = live.astype(jnp.int32)
-    # Only accepted drafts that were committed count: an EOS or the token
-    # budget can cut the block, and drafts after the cut were never emitted.
-    n_kept = jnp.minimum(n, n_commit)
     pos = jnp.arange(k_max)[None, :]
-    acc_at = (pos < n_kept[:, None]).astype(jnp.int32) * live_i[:, None]
+    acc_at = (pos < n[:, None]).astype(jnp.int32) * live_i[:, None]
     path_counts = (
         jax.nn.one_hot(jnp.asarray(verdict.path, jnp.int32), NUM_PATHS, dtype=jnp.int32)
         * acc_at[..., None]
@@ -786,7 +783,7 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys
     stats = s.replace(
         cycles=s.cycles + live_i,
         drafted=s.drafted + v * live_i,
-        accepted=s.accepted + n_kept * live_i,
+        accepted=s.accepted + n * live_i,
         tokens=s.tokens + n_commit,
         drafted_at=s.drafted_at + drafts.valid.astype(jnp.int32) * live_i[:, None],
         accepted_at=s.accepted_at + acc_at,
