@@ -244,6 +244,8 @@ def test_logits_at_returns_that_row_of_the_full_logits(model_type):
     np.testing.assert_allclose(np.asarray(one.logits[:, 0]), np.asarray(full.logits)[np.arange(3), rows],
                                rtol=1e-5, atol=1e-6)
     assert one.hidden[0].shape == (3, 4, 32)  # hidden states stay full length
+    with pytest.raises(ValueError, match=r"one position per sequence, shape \(3,\)"):
+        module.apply(params, tokens, cache, logits_at=jnp.zeros((3, 1), jnp.int32))
     for a, b in zip(jax.tree.leaves(one.cache), jax.tree.leaves(full.cache)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -141,16 +141,6 @@ def sample_categorical(probs: Array, u: Array) -> Array:
     return (block * _BLOCK + inner).astype(jnp.int32)
 
 
-def sample_logits(key: Array, logits: Array) -> Array:
-    """One token from ``softmax(logits)`` (``[V]`` -> int32 scalar)."""
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
-def sample_probs(key: Array, probs: Array) -> Array:
-    """One token from a probability vector ``[V]`` (zeros are never drawn)."""
-    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
-
-
 def entropy(probs: Array) -> Array:
     """Shannon entropy in nats over the last axis (``0 log 0 = 0``)."""
     return jax.scipy.special.entr(probs).sum(-1)

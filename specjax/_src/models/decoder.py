@@ -512,9 +512,10 @@ class Decoder:
             position ``cache.lengths[b] + t``).
           hidden_layers: block outputs to return, indexed like a Python list
             (``-1``: the last block, before the final norm).
-          logits_at: optional ``[B]`` int, one position per sequence: logits
-            come back ``[B, 1, V]`` for that position only, and the LM head
-            runs on one row (a vocabulary-wide matmul saved per extra row).
+          logits_at: optional ``[B]`` int, one position in ``[0, T)`` per
+            sequence: logits come back ``[B, 1, V]`` for that position only,
+            and the LM head runs on one row (a vocabulary-wide matmul saved per
+            extra row). Positions are traced values: out-of-range ones clamp.
 
         Returns:
           ``LMOutput(logits [B, T, V] float32 ([B, 1, V] with ``logits_at``),
@@ -527,6 +528,11 @@ class Decoder:
             raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}.")
         b, t = tokens.shape
         layers = [self._layer_index(i) for i in hidden_layers]
+        if logits_at is not None and jnp.shape(logits_at) != (b,):
+            raise ValueError(
+                f"logits_at must hold one position per sequence, shape ({b},), got shape "
+                f"{jnp.shape(logits_at)}; pass None for logits at every position."
+            )
         if cache is None:
             if cfg.is_gpt2 and t > cfg.max_position_embeddings:
                 raise ValueError(
