@@ -32,13 +32,13 @@ import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax import Decoder, Model, ModelConfig, sharding  # noqa: E402
 from specjax._src import decode as decode_lib  # noqa: E402
+from tiny_models import peaked_target_and_draft  # noqa: E402
 
 MESHES = ((8, 1), (4, 2), (2, 4), (1, 8))
 BATCH, NUM_DRAFT, NEW = 8, 3, 12
@@ -51,15 +51,8 @@ CFG = ModelConfig(
 
 
 def tiny_pair():
-    """A 2-layer target and a 1-layer draft sharing its first layer, peaked heads
-    (as in tests/test_decode.py) so greedy choices are not near-ties."""
-    module = Decoder(CFG)
-    params = module.init(jax.random.key(0))
-    params["lm_head"] = params["lm_head"] * 30.0
-    draft = {k: v for k, v in params.items() if k != "layer_1"}
-    noise = jax.random.normal(jax.random.key(5), draft["lm_head"].shape)
-    draft["lm_head"] = draft["lm_head"] + 0.3 * jnp.std(draft["lm_head"]) * noise
-    return specjax.pair(Model(params, module), Model(draft, Decoder(CFG.replace(num_layers=1))))
+    """Peaked heads (tests/tiny_models.py) so greedy choices are not near-ties."""
+    return specjax.pair(*peaked_target_and_draft(CFG))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +62,9 @@ class GatheringDecoder(Decoder):
 
     mesh: Any = None
 
-    def apply(self, params, tokens, cache=None, *, hidden_layers=()):
+    def apply(self, params, tokens, cache=None, **kwargs):
         params = jax.lax.with_sharding_constraint(params, NamedSharding(self.mesh, P()))
-        return super().apply(params, tokens, cache, hidden_layers=hidden_layers)
+        return super().apply(params, tokens, cache, **kwargs)
 
 
 # --------------------------------------------------------------------------- #

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import Decoder, Model, ModelConfig
 from specjax._src import certify, theory
 from specjax._src.certify import certificate_diagnostics, certified_decode, histogram_quantile
 from specjax.rules import additive, ears, multiplicative, speculative_sampling, top_m, typical
 
 from _hf_models import write_tokenizer
+from tiny_models import llama_config, peaked_target_and_draft
 
 VOCAB, K, N = 96, 3, 12
 TREES = (2, 4)
@@ -30,18 +30,8 @@ ALSO = (additive(0.3), multiplicative(0.1), typical(), top_m(2))
 
 
 def tiny_pair(target_layers=2):
-    """A random Llama target (2 layers) and a 1-layer draft sharing its first layer
-    (peaked heads; the draft's perturbed so it agrees only part of the time)."""
-    cfg = ModelConfig(
-        model_type="llama", vocab_size=VOCAB, hidden_size=32, num_layers=target_layers, num_heads=4,
-        num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128,
-    )
-    params = Decoder(cfg).init(jax.random.key(0))
-    params["lm_head"] = params["lm_head"] * 30.0
-    draft_params = {k: v for k, v in params.items() if k != "layer_1"}
-    head = draft_params["lm_head"]
-    draft_params["lm_head"] = head + 0.3 * jnp.std(head) * jax.random.normal(jax.random.key(5), head.shape)
-    return Model(params, Decoder(cfg)), Model(draft_params, Decoder(cfg.replace(num_layers=1)))
+    """A random Llama target and a 1-layer draft sharing its first layer."""
+    return peaked_target_and_draft(llama_config(vocab_size=VOCAB, num_layers=target_layers))
 
 
 def prompts():

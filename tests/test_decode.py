@@ -18,7 +18,8 @@ import pytest
 from scipy import stats as scipy_stats
 
 import specjax
-from specjax import Decoder, Model, ModelConfig
+from specjax import Decoder, Model
+from tiny_models import llama_config, peaked_target_and_draft
 from specjax.rules import (
     AcceptanceRule,
     Path,
@@ -47,26 +48,8 @@ def bigram_pair():
 
 
 def tiny_decoder_pair():
-    """A 2-layer random Llama target and a 1-layer draft sharing its first layer.
-
-    The LM head is scaled up so distributions are peaked (random init gives
-    near-uniform logits); the draft's head is perturbed so it agrees with the
-    target only part of the time.
-    """
-    cfg = ModelConfig(
-        model_type="llama", vocab_size=96, hidden_size=32, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128,
-    )
-    module = Decoder(cfg)
-    params = module.init(jax.random.key(0))
-    params["lm_head"] = params["lm_head"] * 30.0
-    draft_params = {k: v for k, v in params.items() if k != "layer_1"}
-    head = draft_params["lm_head"]
-    noise = jax.random.normal(jax.random.key(5), head.shape)
-    draft_params["lm_head"] = head + 0.3 * jnp.std(head) * noise
-    target = Model(params, module)
-    draft = Model(draft_params, Decoder(cfg.replace(num_layers=1)))
-    return specjax.pair(target, draft)
+    """A 2-layer random Llama target and a 1-layer draft sharing its first layer."""
+    return specjax.pair(*peaked_target_and_draft(llama_config()))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import Decoder, Model, ModelConfig
 from specjax.rules import (
     Path,
     PivotHead,
@@ -25,23 +24,13 @@ from specjax.rules import (
     speculative_sampling,
 )
 from specjax._src.rules.pad import init_head_params, resolve_layer
+from tiny_models import llama_config, peaked_target_and_draft
 
 H, V = 32, 96
 
 
 def tiny_pair():
-    cfg = ModelConfig(
-        model_type="llama", vocab_size=V, hidden_size=H, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128,
-    )
-    module = Decoder(cfg)
-    params = module.init(jax.random.key(0))
-    params["lm_head"] = params["lm_head"] * 30.0
-    draft_params = {k: v for k, v in params.items() if k != "layer_1"}
-    head = draft_params["lm_head"]
-    noise = jax.random.normal(jax.random.key(5), head.shape)
-    draft_params["lm_head"] = head + 0.3 * jnp.std(head) * noise
-    return specjax.pair(Model(params, module), Model(draft_params, Decoder(cfg.replace(num_layers=1))))
+    return specjax.pair(*peaked_target_and_draft(llama_config(vocab_size=V, hidden_size=H)))
 
 
 @pytest.fixture(scope="module")
