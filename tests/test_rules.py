@@ -488,10 +488,17 @@ def test_parse_rule_strings():
     ("top_m:m=2.5", "integer"),
     ("ears:beta=-0.1", ">= 0"),
     ("", "rule name"),
+    ("mars:theta=0.9,theta=0.5", "'theta' given twice"),
+    ("any_of(sd,typical:eps=0.1,eps=0.2)", "'eps' given twice"),
 ])
 def test_parse_rule_errors(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         R.parse_rule(text)
+
+
+def test_rule_spec_with_a_duplicate_key_is_refused():
+    with pytest.raises(ValueError, match="'theta' given twice"):
+        R.rule_from_spec(RuleSpec("mars", (("theta", 0.9), ("theta", 0.5))))
 
 
 @pytest.mark.parametrize("make", [

@@ -63,6 +63,10 @@ def rule_from_spec(spec: RuleSpec) -> AcceptanceRule:
     if name not in RULES:
         raise ValueError(f"unknown rule {spec.name!r}; valid rules: {_valid_names()}")
     valid = _params_of(name)
+    keys = [k for k, _ in spec.params]
+    dup = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if dup is not None:
+        raise ValueError(f"{name}: parameter {dup!r} given twice; give each parameter once")
     kwargs = dict(spec.params)
     unknown = [k for k in kwargs if k not in valid]
     if unknown:
@@ -126,6 +130,7 @@ class _Parser:
         if self.peek(":"):
             self.take(":")
             while True:
+                key_at = self.pos
                 key = self.match(_KEY_EQ)
                 if not key:
                     raise self.error("expected key=value")
@@ -133,6 +138,11 @@ class _Parser:
                 if not value:
                     raise self.error(f"expected a value for {key.group(1)!r}")
                 text = value.group(1)
+                if any(k == key.group(1) for k, _ in params):
+                    self.pos = key_at
+                    raise self.error(
+                        f"{name}: parameter {key.group(1)!r} given twice; give each parameter once"
+                    )
                 params.append((key.group(1), text if key.group(1) in STRING_PARAMS
                                else _number(text, f"{name}: {key.group(1)}")))
                 # A comma continues the parameters only if "key=" follows it.
