@@ -324,3 +324,51 @@ def test_export_refuses_configs_hf_cannot_express(tmp_path):
     with pytest.raises(ValueError, match="cannot be written as a Hugging Face LlamaForCausalLM.*sliding_window"):
         export_hf(model, str(tmp_path / "x"))
     assert not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.parametrize("model_type,field", [
+    ("llama", "hidden_size"), ("llama", "num_hidden_layers"), ("llama", "vocab_size"),
+    ("gpt2", "n_embd"), ("gpt2", "n_positions"),
+])
+def test_config_missing_a_required_field_names_it_and_the_file(tmp_path, hf_dirs, model_type, field):
+    d = _copy(hf_dirs[model_type][0], tmp_path / "m")
+    file = os.path.join(d, "config.json")
+    cfg = json.load(open(file))
+    del cfg[field]
+    json.dump(cfg, open(file, "w"))
+    with pytest.raises(ValueError, match=rf"{file}.*'{field}'") as err:
+        load(d)
+    assert "KeyError" not in str(err.value)
+
+
+def test_config_with_invalid_json_names_the_file(tmp_path, hf_dirs):
+    d = _copy(hf_dirs["llama"][0], tmp_path / "m")
+    file = os.path.join(d, "config.json")
+    text = open(file).read()
+    open(file, "w").write(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=rf"{file} is not valid JSON"):
+        load(d)
+
+
+def test_truncated_safetensors_names_the_file(tmp_path, hf_dirs):
+    d = _copy(hf_dirs["llama"][0], tmp_path / "m")
+    file = os.path.join(d, "model.safetensors")
+    with open(file, "r+b") as fh:
+        fh.truncate(os.path.getsize(file) - 100)
+    with pytest.raises(ValueError, match=rf"{file} is truncated or corrupt"):
+        load(d)
+    with open(file, "r+b") as fh:  # now even the header is cut
+        fh.truncate(20)
+    with pytest.raises(ValueError, match=rf"{file} is truncated or corrupt"):
+        load(d)
+
+
+def test_invalid_shard_index_names_the_file(tmp_path, hf_dirs):
+    d = _copy(hf_dirs["llama"][0], tmp_path / "m")
+    index = os.path.join(d, "model.safetensors.index.json")
+    open(index, "w").write('{"metadata": {}}')
+    with pytest.raises(ValueError, match=rf"{index}.*weight_map"):
+        load(d)
+    open(index, "w").write('{"weight_map": ')
+    with pytest.raises(ValueError, match=rf"{index} is not valid JSON"):
+        load(d)

@@ -19,6 +19,11 @@ from specjax._src.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeS
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
+# A draft with a reduced-vocabulary head (``ModelConfig.head_vocab_size``)
+# stores it under these names; transformers cannot load such a checkpoint.
+HEAD_VOCAB_KEY = "specjax_head_vocab_size"
+HEAD_VOCAB_IDS = "specjax.head_vocab_ids"
+
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -70,6 +75,34 @@ def _dtype_name(hf: dict) -> str:
     return name if name in ("float32", "bfloat16", "float16") else "float32"
 
 
+# Fields without a default: a config lacking one cannot describe the model.
+REQUIRED_FIELDS = {
+    "gpt2": ("vocab_size", "n_embd", "n_head", "n_layer", "n_positions"),
+    "default": ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers",
+                "intermediate_size"),
+}
+
+
+def check_required_fields(hf: Any, source: str = "config.json") -> None:
+    """Raises ``ValueError`` naming ``source`` and the first missing field of
+    a ``config.json`` dict (``model_type`` and the fields its family needs)."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"{source} must hold a JSON object, got {type(hf).__name__}.")
+    if "model_type" not in hf:
+        raise ValueError(f"{source} has no 'model_type' field; specjax supports "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}.")
+    model_type = hf["model_type"]
+    needed = REQUIRED_FIELDS.get(model_type, REQUIRED_FIELDS["default"])
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return  # from_hf_config names the unsupported type
+    missing = [k for k in needed if hf.get(k) is None]
+    if missing:
+        raise ValueError(
+            f"{source} is missing required field(s) {', '.join(repr(m) for m in missing)} "
+            f"that a {model_type} config needs; is it a complete Hugging Face config.json?"
+        )
+
+
 def from_hf_config(hf: dict, dtype: Optional[str] = None) -> ModelConfig:
     """Maps a Hugging Face ``config.json`` dict to a :class:`ModelConfig`.
 
@@ -78,15 +111,30 @@ def from_hf_config(hf: dict, dtype: Optional[str] = None) -> ModelConfig:
       dtype: params/compute dtype; ``None`` keeps the checkpoint's own.
 
     Raises:
-      ValueError: unknown ``model_type``, unsupported rope scaling, or a
-        variant of a supported family that this decoder does not implement.
+      ValueError: unknown ``model_type``, a missing required field (named),
+        unsupported rope scaling, or a variant of a supported family that
+        this decoder does not implement.
     """
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}.")
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"Unsupported model_type {model_type!r} in config.json; specjax supports "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}."
         )
+    check_required_fields(hf)
+    try:
+        return _from_hf_config(hf, model_type, dtype)
+    except KeyError as e:  # e.g. a llama3 rope_scaling without its "factor"
+        raise ValueError(
+            f"config.json is missing field {e.args[0]!r} that this {model_type} config needs."
+        ) from e
+    except TypeError as e:  # e.g. "hidden_size": [64]
+        raise ValueError(f"config.json has a field of the wrong type: {e}.") from e
+
+
+def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelConfig:
     eos, eos_ids = _eos(hf)
     common = dict(
         model_type=model_type,
@@ -137,6 +185,8 @@ def from_hf_config(hf: dict, dtype: Optional[str] = None) -> ModelConfig:
         "qwen3": dict(attention_bias=attention_bias, attention_out_bias=attention_bias,
                       qk_norm=True),
     }[model_type]
+    if hf.get(HEAD_VOCAB_KEY) is not None:
+        common["head_vocab_size"] = int(hf[HEAD_VOCAB_KEY])
     return ModelConfig(
         hidden_size=h,
         num_layers=int(hf["num_hidden_layers"]),
@@ -235,6 +285,9 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         rope_parameters=rope,
         rope_scaling=dict(rope) if cfg.rope_scaling is not None else None,
     )
+    if cfg.has_reduced_head:
+        # Not a transformers model any more: its head scores a token subset.
+        out[HEAD_VOCAB_KEY] = cfg.head_vocab_size
     if cfg.model_type in ("llama", "qwen3"):
         out["attention_bias"] = cfg.attention_bias
     if cfg.model_type == "llama":
@@ -256,11 +309,13 @@ class TensorSpec(NamedTuple):
 
     ``transpose``: the HF tensor is a ``torch.nn.Linear`` weight ``[out, in]``;
     specjax stores ``[in, out]``. (GPT-2's ``Conv1D`` is already ``[in, out]``.)
+    ``integer``: token ids (a reduced head's), kept int32 whatever the dtype.
     """
 
     path: tuple[str, ...]
     hf_name: str
     transpose: bool
+    integer: bool = False
 
 
 def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
@@ -303,7 +358,10 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
                 if cfg.mlp_bias:
                     add(f"{l}mlp/{proj}/bias", f"{h}mlp.{proj}_proj.bias")
         add("final_norm/scale", "model.norm.weight")
-    if not cfg.tie_word_embeddings:
+    if cfg.has_reduced_head:
+        specs.append(TensorSpec(("lm_head",), "lm_head.weight", True))
+        specs.append(TensorSpec(("head_vocab_ids",), HEAD_VOCAB_IDS, False, integer=True))
+    elif not cfg.tie_word_embeddings:
         specs.append(TensorSpec(("lm_head",), "lm_head.weight", True))
     return specs
 
@@ -337,9 +395,14 @@ def find_weight_files(path: str) -> list[str]:
     """
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{index} is not valid JSON ({e}); fix or remove it.") from e
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise ValueError(f"{index} has no 'weight_map' object mapping tensor names to shards.")
+        files = sorted(set(map(str, weight_map["weight_map"].values())))
         missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
         if missing:
             raise ValueError(
@@ -362,13 +425,43 @@ def find_weight_files(path: str) -> list[str]:
                      "(or a sharded model.safetensors.index.json).")
 
 
-def count_tensors(files: list[str]) -> int:
-    """Number of tensors in ``files`` (reads headers only)."""
+def _corrupt(file: str, e: Exception) -> ValueError:
+    return ValueError(
+        f"{file} is truncated or corrupt and cannot be read "
+        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+        "download or convert it again."
+    )
+
+
+def _safe_open(file: str, framework: str):
+    """``safetensors.safe_open``, with a damaged file reported by its path."""
     from safetensors import safe_open
 
+    try:
+        return safe_open(file, framework=framework)
+    except Exception as e:  # SafetensorError, OSError, ...
+        raise _corrupt(file, e) from e
+
+
+def _reader(file: str, get):
+    """``get(name)`` with a damaged file reported by its path."""
+    def read(name):
+        try:
+            return get(name)
+        except Exception as e:
+            raise _corrupt(file, e) from e
+    return read
+
+
+def count_tensors(files: list[str]) -> int:
+    """Number of tensors in ``files`` (reads headers only).
+
+    Raises:
+      ValueError: a file is truncated or corrupt (named).
+    """
     total = 0
     for file in files:
-        with safe_open(file, framework="np") as f:
+        with _safe_open(file, "np") as f:
             total += len(f.keys())
     return total
 
@@ -380,24 +473,24 @@ def iter_tensors(files: list[str], cfg: ModelConfig) -> Iterator[tuple[str, Any,
     reads it only when called, so a caller can check shapes first and hold one
     tensor at a time.
     """
-    from safetensors import safe_open
-
     for file in files:
         # NumPy has no native bfloat16 and safetensors' "np" backend refuses
         # BF16 tensors: read those through the "flax" backend instead.
-        with safe_open(file, framework="np") as f, safe_open(file, framework="flax") as fj:
+        with _safe_open(file, "np") as f, _safe_open(file, "flax") as fj:
+            get_np = _reader(file, f.get_tensor)
+            get_bf16 = _reader(file, lambda n: np.asarray(fj.get_tensor(n)))
             for name in f.keys():
                 sl = f.get_slice(name)
                 shape = tuple(sl.get_shape())
                 if sl.get_dtype() == "BF16":
-                    read = lambda n=name: np.asarray(fj.get_tensor(n))  # noqa: E731
+                    read = lambda n=name: get_bf16(n)  # noqa: E731
                 else:
-                    read = lambda n=name: f.get_tensor(n)  # noqa: E731
+                    read = lambda n=name: get_np(n)  # noqa: E731
                 yield canonical_name(name, cfg), read, shape
 
 
 # safetensors dtype codes.
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32"}
 
 
 def write_safetensors(path: str, tensors: list[tuple[str, tuple, Any, Any]]) -> Iterator[str]:

@@ -111,8 +111,13 @@ def read_hf_config(path: str) -> dict:
                 "Convert the source checkpoint again."
             )
         raise ValueError(f"{path} is not a checkpoint directory: no config.json or {ORBAX_CONFIG}.")
-    with open(file) as f:
-        return json.load(f)
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{file} is not valid JSON ({e}); fix it or fetch it again.") from e
+    hf.check_required_fields(config, file)
+    return config
 
 
 def _target_shardings(cfg: ModelConfig, mesh, shardings):
