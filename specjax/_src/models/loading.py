@@ -229,24 +229,30 @@ def is_orbax_dir(path: str) -> bool:
     return os.path.exists(os.path.join(path, ORBAX_CONFIG))
 
 
-def save_orbax(model: Model, path: str) -> None:
+def save_orbax(model: Model, path: str, *, overwrite: bool = False) -> None:
     """Writes ``model`` as an Orbax checkpoint directory that :func:`load` reads.
 
-    ``specjax_config.json`` is written last, so a conversion interrupted
-    midway leaves a directory that :func:`load` rejects instead of misreading.
+    The checkpoint is written into a temporary sibling directory and renamed
+    to ``path`` when complete, and ``specjax_config.json`` is written last, so
+    a conversion interrupted midway never leaves a directory that :func:`load`
+    misreads.
+
+    Args:
+      overwrite: replace an existing non-empty ``path`` (and everything in it).
 
     Raises:
-      ValueError: ``path`` exists and is not empty.
+      ValueError: ``path`` exists and is not empty (without ``overwrite``), or
+        is a file.
     """
-    import orbax.checkpoint as ocp
-
-    path = os.path.abspath(path)
-    if os.path.exists(path) and os.listdir(path):
-        raise ValueError(f"Refusing to write into non-empty directory {path}.")
-    os.makedirs(path, exist_ok=True)
     module = model.module
     if not isinstance(module, Decoder):
         raise TypeError(f"save_orbax needs a specjax Decoder model, got {type(module).__name__}.")
+    _write_directory(path, overwrite, functools.partial(_write_orbax, model))
+
+
+def _write_orbax(model: Model, path: str) -> None:
+    import orbax.checkpoint as ocp
+
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(path, _PARAMS_DIR), model.params)
         ckptr.wait_until_finished()
@@ -254,7 +260,7 @@ def save_orbax(model: Model, path: str) -> None:
     meta = {
         "format": ORBAX_FORMAT,
         "version": ORBAX_VERSION,
-        "config": config_to_dict(module.config),
+        "config": config_to_dict(model.module.config),
         "checksums": _checksums(model.params),
     }
     with open(os.path.join(path, ORBAX_CONFIG), "w") as f:
@@ -366,19 +372,33 @@ def _cast_in_place(leaves: list, dtype) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def export_hf(model: Model, path: str, *, progress: Progress = None) -> None:
+def export_hf(model: Model, path: str, *, progress: Progress = None, overwrite: bool = False) -> None:
     """Writes ``model`` as a Hugging Face directory (``config.json``,
     ``model.safetensors``, ``tokenizer.json`` if the model has one) that
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
-    Tensors are converted and written one at a time.
+    Tensors are converted and written one at a time, into a temporary sibling
+    directory that is renamed to ``path`` when complete: an export that fails
+    midway leaves ``path`` as it was.
+
+    Args:
+      overwrite: replace an existing non-empty ``path`` and everything in it
+        (stale shards and shard indexes included).
+
+    Raises:
+      ValueError: ``path`` exists and is not empty (without ``overwrite``), or
+        is a file; or the config cannot be expressed in Hugging Face's format.
     """
     module = model.module
     if not isinstance(module, Decoder):
         raise TypeError(f"export_hf needs a specjax Decoder model, got {type(module).__name__}.")
-    cfg = module.config
-    hf_config = hf.to_hf_config(cfg)  # validates before anything is written
-    os.makedirs(path, exist_ok=True)
+    hf.to_hf_config(module.config)  # validates before anything is written
+    _write_directory(path, overwrite, functools.partial(_write_hf, model, progress=progress))
+
+
+def _write_hf(model: Model, path: str, *, progress: Progress = None) -> None:
+    cfg = model.module.config
+    hf_config = hf.to_hf_config(cfg)
     entries = []
     for spec in hf.tensor_specs(cfg):
         leaf = _get(model.params, spec.path)
@@ -459,3 +479,57 @@ def logits(model: Model, token_ids) -> jax.Array:
             f"token ids must lie in [0, {model.vocab_size}); got {tokens.min()} ... {tokens.max()}."
         )
     return _forward_logits(model.module, model.params, jnp.asarray(tokens, jnp.int32))
+
+
+# --------------------------------------------------------------------------- #
+# Output directories: never overwritten silently, swapped in whole
+# --------------------------------------------------------------------------- #
+
+
+def check_output_dir(path: str, overwrite: bool = False, *, flag: str = "overwrite=True") -> None:
+    """Raises ``ValueError`` unless a checkpoint may be written to ``path``:
+    it does not exist, is an empty directory, or (``overwrite``) a directory
+    to replace. ``flag`` names the way to ask for that in the message."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"Output {path} is a file, not a directory; choose another output path.")
+    if os.path.isdir(path) and os.listdir(path) and not overwrite:
+        raise ValueError(
+            f"Refusing to write into non-empty directory {path}: pass {flag} to replace it and "
+            "everything in it, or choose a new directory."
+        )
+
+
+def _write_directory(path: str, overwrite: bool, write: Callable[[str], None]) -> None:
+    """Runs ``write(tmp)`` into a temporary sibling of ``path``, then swaps it
+    in by renames: ``path`` is either the old directory or the complete new
+    one, never a mix (no stale shard survives an overwrite)."""
+    import shutil
+
+    path = os.path.abspath(os.fspath(path))
+    check_output_dir(path, overwrite)
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    # A fixed name (not a random one) so that every host of a multi-host job
+    # writes the same directory; a leftover of a killed run is ours to remove.
+    tmp = os.path.join(parent, f".{name}.specjax-tmp")
+    old = os.path.join(parent, f".{name}.specjax-old")
+    for leftover in (tmp, old):
+        if os.path.isdir(leftover):
+            shutil.rmtree(leftover)
+    os.makedirs(tmp)
+    try:
+        write(tmp)
+        if os.path.isdir(path):
+            os.rename(path, old)
+            try:
+                os.rename(tmp, path)
+            except BaseException:
+                os.rename(old, path)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
