@@ -9,8 +9,9 @@ Shared by :mod:`training.lm` (the shipped pair) and the PAD head trainer.
   ``{"step", "params", "opt_state"}`` (a pytree Orbax saves as is).
 * :class:`Checkpointer` -- an Orbax ``CheckpointManager`` that saves the state
   plus a JSON ``meta`` dict (data seed, config, tokens seen, wall time ...)
-  every ``every_seconds`` (and/or ``every_steps``), keeps the last few, and
-  restores the latest one.
+  every ``every_seconds`` (and/or ``every_steps``) with a CRC32 per state leaf,
+  keeps the last few, and restores the latest intact one (a damaged step is
+  reported in one line and set aside; the previous one is used).
 * :func:`train_loop` -- runs steps ``state["step"] .. num_steps`` with a tqdm
   bar showing the loss, periodic log lines, optional periodic evaluation and
   checkpointing. Batches come from ``batch_fn(step)``, which must be a pure
@@ -23,8 +24,11 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
+import shutil
 import sys
 import time
+import zlib
 from typing import Any, Callable, Mapping, Optional
 
 import jax
@@ -98,14 +102,83 @@ def make_train_step(
 # ----------------------------------------------------------------------------- checkpoints
 
 
+CHECKSUM_KEY = "_specjax_checksums"  # inside the saved meta JSON; hidden from callers
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def state_checksums(state: Any) -> dict:
+    """``{leaf path: [shape, dtype, CRC32 of its bytes]}`` of a pytree.
+
+    Orbax / TensorStore read a flipped byte in an uncompressed chunk back
+    without complaint; :meth:`Checkpointer.restore` compares these.
+    """
+    out = {}
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        key = "/".join(_key_name(k) for k in kp)
+        if not getattr(leaf, "is_fully_addressable", True):
+            continue  # multi-host: this host holds only its slices
+        arr = np.ascontiguousarray(np.asarray(leaf))
+        out[key] = [list(arr.shape), arr.dtype.name, zlib.crc32(arr.view(np.uint8).reshape(-1))]
+    return out
+
+
+def _meta_checksum(meta: Mapping[str, Any]) -> int:
+    return zlib.crc32(json.dumps(meta, sort_keys=True).encode())
+
+
+_TENSORSTORE_CAUSES = (
+    (("OUT_OF_RANGE", "byte range", "Truncated"), "a truncated data file"),
+    (("DATA_LOSS", "checksum"), "a corrupted data file (its checksum fails)"),
+    (("NOT_FOUND",), "a missing data file"),
+)
+
+
+def _describe(e: BaseException, root: pathlib.Path) -> str:
+    """One short line for an Orbax / TensorStore / JSON error: the cause and
+    the file, without TensorStore's multi-kilobyte specs."""
+    text = str(e).split("See full TensorStore")[0].split(" [tensorstore_spec")[0].strip()
+    files = re.findall(r'local file "([^"]+)"', text)
+    if files:
+        file = files[-1]
+        try:
+            file = str(pathlib.Path(file).relative_to(root))
+        except ValueError:
+            pass
+        for needles, cause in _TENSORSTORE_CAUSES:
+            if any(n in text for n in needles):
+                return f"{cause}: {file}"
+        return f"an unreadable data file: {file}"
+    line = text.splitlines()[0] if text else ""
+    return f"{type(e).__name__}: {line[:200]}"
+
+
+class CheckpointDamaged(ValueError):
+    """A saved step that cannot be restored as it was written."""
+
+
 class Checkpointer:
-    """Periodic, resumable Orbax checkpoints of ``(state, meta)``.
+    """Periodic, resumable Orbax checkpoints of ``(state, meta)``, with checksums.
+
+    Every save records a CRC32 per state leaf and one of the meta in the meta
+    JSON (under ``CHECKSUM_KEY``, removed again on restore). :meth:`restore`
+    verifies them: a damaged step (truncated, flipped or missing file, garbage
+    or edited metadata, a missing item) is reported in one line, moved aside to
+    ``<directory>.damaged/<step>`` (kept, not deleted) and the previous step is
+    tried instead.
 
     Args:
       directory: checkpoint root (one sub-directory per saved step).
       every_seconds: save when this much wall time passed since the last save.
       every_steps: also save every this many steps (``None``: time only).
-      max_to_keep: how many recent checkpoints to keep.
+      max_to_keep: how many recent checkpoints to keep (at least 2, so that a
+        damaged latest step has a previous one to fall back to).
+      log: where the one-line damage reports go (default: stdout).
     """
 
     def __init__(
@@ -115,32 +188,110 @@ class Checkpointer:
         every_seconds: float = 180.0,
         every_steps: Optional[int] = None,
         max_to_keep: int = 2,
+        log: Optional[Callable[[str], Any]] = None,
     ):
         self.directory = pathlib.Path(directory).absolute()
         self.every_seconds = every_seconds
         self.every_steps = every_steps
+        self._log = log if log is not None else _log
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            options=ocp.CheckpointManagerOptions(max_to_keep=max(max_to_keep, 2), create=True),
         )
         self._last_save = time.monotonic()
+
+    @property
+    def damaged_directory(self) -> pathlib.Path:
+        return self.directory.with_name(self.directory.name + ".damaged")
 
     def latest_step(self) -> Optional[int]:
         return self._manager.latest_step()
 
     def restore(self, like: State, step: Optional[int] = None) -> Optional[tuple[State, dict]]:
-        """The latest (or given) checkpoint, shaped like ``like``; ``None`` if there is none."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            return None
+        """The latest intact (or the given) checkpoint, shaped like ``like``;
+        ``None`` if there is none.
+
+        Raises:
+          ValueError: ``step`` is damaged, or every saved step is (names each
+            step and what is wrong with it).
+        """
+        if step is not None:
+            try:
+                return self._restore_step(step, like)
+            except CheckpointDamaged as e:
+                raise ValueError(f"checkpoint step {step} in {self.directory} is damaged: {e}") from e
+        problems = []
+        for s in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                out = self._restore_step(s, like)
+            except CheckpointDamaged as e:
+                problems.append(f"step {s}: {e}")
+                self._log(f"[checkpoint] step {s} in {self.directory} is damaged ({e}); "
+                          f"moved to {self._set_aside(s)}, trying the previous step")
+                continue
+            return out
+        if problems:
+            raise ValueError(
+                f"no intact checkpoint in {self.directory} ({'; '.join(problems)}); the damaged "
+                f"steps are in {self.damaged_directory}. Start a fresh run (e.g. --fresh or a new "
+                "output directory)."
+            )
+        return None
+
+    def _restore_step(self, step: int, like: State) -> tuple[State, dict]:
+        step_dir = self.directory / str(step)
+        for item in ("state", "meta"):
+            if not (step_dir / item).is_dir():
+                raise CheckpointDamaged(f"its {item!r} item is missing")
+        for file in (step_dir / "meta" / "metadata", step_dir / "state" / "_METADATA"):
+            try:
+                json.loads(file.read_text())
+            except (OSError, ValueError) as e:
+                raise CheckpointDamaged(
+                    f"{file.relative_to(self.directory)} is missing or not valid JSON ({e})"
+                ) from e
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-        out = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
-        return out["state"], dict(out["meta"])
+        try:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+            state = jax.block_until_ready(out["state"])  # read everything now
+            meta = out["meta"]
+        except Exception as e:  # orbax / tensorstore / json raise many types for damaged files
+            raise CheckpointDamaged(_describe(e, self.directory)) from e
+        if not isinstance(meta, Mapping):
+            raise CheckpointDamaged(f"its meta is a {type(meta).__name__}, not a JSON object")
+        meta = dict(meta)
+        sums = meta.pop(CHECKSUM_KEY, None)
+        if sums is None:
+            self._log(f"[checkpoint] step {step} in {self.directory} has no checksums "
+                      "(written by an older version); restored unverified")
+            return state, meta
+        if not isinstance(sums, Mapping) or sums.get("meta") != _meta_checksum(meta):
+            raise CheckpointDamaged("its meta does not match its checksum")
+        want, got = sums.get("state") or {}, state_checksums(state)
+        bad = sorted(k for k in set(want) | set(got) if k in got and want.get(k) != got[k])
+        if bad:
+            raise CheckpointDamaged(
+                f"state leaf/leaves {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
+                "do not match their checksums"
+            )
+        return state, meta
+
+    def _set_aside(self, step: int) -> pathlib.Path:
+        """Moves a damaged step out of the manager's way (a later save of the
+        same step number must not collide with it); nothing is deleted."""
+        dest = self.damaged_directory / str(step)
+        n = 1
+        while dest.exists():
+            dest, n = self.damaged_directory / f"{step}.{n}", n + 1
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(self.directory / str(step)), str(dest))
+        self._manager.reload()
+        return dest
 
     def due(self, step: int) -> bool:
         if self.every_steps is not None and step % self.every_steps == 0:
@@ -150,10 +301,15 @@ class Checkpointer:
     def save(self, step: int, state: State, meta: Mapping[str, Any]) -> None:
         if self._manager.latest_step() == step:
             return
+        meta = dict(meta)
+        meta.pop(CHECKSUM_KEY, None)
+        meta = json.loads(json.dumps(meta))  # as it will read back
+        sums = {"state": state_checksums(state), "meta": _meta_checksum(meta)}
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave({**meta, CHECKSUM_KEY: sums}),
             ),
             force=True,
         )

@@ -301,7 +301,7 @@ def train_head(
         if fresh and ckpt_dir.exists():
             shutil.rmtree(ckpt_dir)
         ckpt = common.Checkpointer(ckpt_dir, every_seconds=float("inf"),
-                                   every_steps=max(int(config.checkpoint_every), 1))
+                                   every_steps=max(int(config.checkpoint_every), 1), log=log)
         restored = ckpt.restore(state)
         if restored is not None:
             r_state, r_meta = restored

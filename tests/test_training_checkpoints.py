@@ -1,0 +1,202 @@
+"""Training checkpoints carry checksums; a damaged latest step falls back to the previous one.
+
+Fault injection on ``training.common.Checkpointer`` (used by training.lm,
+training.pivot and training.draft): a truncated data file, a flipped byte, a
+deleted file or item, garbage or edited metadata in the latest step are each
+reported in one line naming the step and the problem, the step is moved aside,
+and training resumes from the previous good step, ending with exactly the
+parameters of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from training import common, pivot
+from test_pivot import CFG, synthetic
+
+
+def _data_files(step_dir) -> list[str]:
+    files = [f for f in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
+             if os.path.isfile(f)]
+    assert files, os.listdir(step_dir)
+    return sorted(files, key=os.path.getsize)
+
+
+def _truncate(step_dir):
+    for f in _data_files(step_dir):
+        with open(f, "r+b") as fh:
+            fh.truncate(os.path.getsize(f) // 2)
+
+
+def _flip(step_dir):
+    for f in _data_files(step_dir):
+        blob = bytearray(open(f, "rb").read())
+        blob[len(blob) // 2] ^= 0x10
+        open(f, "wb").write(bytes(blob))
+
+
+def _delete_chunk(step_dir):
+    # The data of the merged OCDBT store under state/d/ (what Orbax reads back;
+    # the per-process stores it was merged from are not read).
+    merged = [f for f in _data_files(step_dir) if "ocdbt.process_" not in f]
+    assert merged
+    for f in merged:
+        os.remove(f)
+
+
+def _delete_state(step_dir):
+    shutil.rmtree(os.path.join(step_dir, "state"))
+
+
+def _delete_meta(step_dir):
+    shutil.rmtree(os.path.join(step_dir, "meta"))
+
+
+def _garbage_meta(step_dir):
+    open(os.path.join(step_dir, "meta", "metadata"), "w").write("{not json")
+
+
+def _edited_meta(step_dir):
+    file = os.path.join(step_dir, "meta", "metadata")
+    meta = json.load(open(file))
+    meta["tokens_seen"] = 12345  # valid JSON, wrong content
+    json.dump(meta, open(file, "w"))
+
+
+def _garbage_state_metadata(step_dir):
+    open(os.path.join(step_dir, "state", "_METADATA"), "w").write("\x00garbage")
+
+
+def _garbage_step_metadata(step_dir):
+    open(os.path.join(step_dir, "_CHECKPOINT_METADATA"), "w").write("][")
+
+
+def _foreign_state(step_dir):
+    # Readable data, but not what was saved: only the recorded CRC32s notice.
+    other = step_dir + ".other"
+    ckpt = common.Checkpointer(other, every_steps=1)
+    ckpt.save(2, _state(7), {})
+    ckpt.close()
+    shutil.rmtree(os.path.join(step_dir, "state"))
+    shutil.copytree(os.path.join(other, "2", "state"), os.path.join(step_dir, "state"))
+    shutil.rmtree(other)
+
+
+DAMAGES = {
+    "truncate": (_truncate, "truncated data file"),
+    "flip": (_flip, "corrupted data file"),
+    "delete_chunk": (_delete_chunk, "missing data file"),
+    "delete_state": (_delete_state, "state"),
+    "delete_meta": (_delete_meta, "meta"),
+    "garbage_meta": (_garbage_meta, "meta/metadata"),
+    "edited_meta": (_edited_meta, "meta"),
+    "garbage_state_metadata": (_garbage_state_metadata, "_METADATA"),
+    "foreign_state": (_foreign_state, "do not match their checksums"),
+}
+
+
+def _state(seed: int) -> dict:
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {"w": jax.random.normal(k1, (16, 8)), "b": jax.random.normal(k2, (8,))}
+    return common.init_state(params, optax.adam(1e-3))
+
+
+def _equal(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_damaged_latest_step_falls_back_to_the_previous_one(tmp_path, damage):
+    logs = []
+    ckpt = common.Checkpointer(tmp_path / "ck", every_steps=1, log=logs.append)
+    ckpt.save(1, _state(1), {"tokens_seen": 1})
+    ckpt.save(2, _state(2), {"tokens_seen": 2})
+    ckpt.close()
+    hurt, named = DAMAGES[damage]
+    hurt(str(tmp_path / "ck" / "2"))
+
+    ckpt = common.Checkpointer(tmp_path / "ck", every_steps=1, log=logs.append)
+    state, meta = ckpt.restore(_state(0))
+    _equal(state, _state(1))
+    assert meta == {"tokens_seen": 1}
+    damaged = [m for m in logs if "step 2" in m]
+    assert len(damaged) == 1 and "damaged" in damaged[0] and "\n" not in damaged[0], logs
+    assert named in damaged[0]
+    assert "Traceback" not in damaged[0]
+    # The damaged step is kept aside (nothing deleted), out of the way of the next save.
+    assert os.path.isdir(tmp_path / "ck.damaged" / "2")
+    assert ckpt.latest_step() == 1
+    ckpt.save(2, _state(3), {"tokens_seen": 3})
+    ckpt.close()
+    state, meta = common.Checkpointer(tmp_path / "ck").restore(_state(0))
+    _equal(state, _state(3))
+    assert meta == {"tokens_seen": 3}
+
+
+def test_garbage_in_orbax_step_metadata_is_harmless(tmp_path):
+    # Orbax does not need its _CHECKPOINT_METADATA to restore; the data itself
+    # still matches its checksums, so the step is used.
+    ckpt = common.Checkpointer(tmp_path / "ck", every_steps=1)
+    ckpt.save(1, _state(1), {"a": 1})
+    ckpt.save(2, _state(2), {"a": 2})
+    ckpt.close()
+    _garbage_step_metadata(str(tmp_path / "ck" / "2"))
+    state, meta = common.Checkpointer(tmp_path / "ck").restore(_state(0))
+    _equal(state, _state(2))
+    assert meta == {"a": 2}
+
+
+def test_every_step_damaged_is_a_clear_error(tmp_path):
+    ckpt = common.Checkpointer(tmp_path / "ck", every_steps=1, log=lambda _: None)
+    ckpt.save(1, _state(1), {})
+    ckpt.save(2, _state(2), {})
+    ckpt.close()
+    _flip(str(tmp_path / "ck" / "1"))
+    _delete_meta(str(tmp_path / "ck" / "2"))
+    ckpt = common.Checkpointer(tmp_path / "ck", log=lambda _: None)
+    with pytest.raises(ValueError, match=r"no intact checkpoint.*step 2.*step 1") as err:
+        ckpt.restore(_state(0))
+    assert str(tmp_path / "ck") in str(err.value)
+
+
+def test_checksums_are_recorded_and_hidden_from_the_meta(tmp_path):
+    ckpt = common.Checkpointer(tmp_path / "ck", every_steps=1)
+    ckpt.save(1, _state(1), {"a": 1})
+    ckpt.close()
+    raw = json.load(open(tmp_path / "ck" / "1" / "meta" / "metadata"))
+    sums = raw[common.CHECKSUM_KEY]
+    assert set(sums["state"]) == {"step", "params/w", "params/b", *[
+        k for k in sums["state"] if k.startswith("opt_state")]}
+    assert all(isinstance(v[2], int) for v in sums["state"].values())
+    _, meta = common.Checkpointer(tmp_path / "ck").restore(_state(0))
+    assert meta == {"a": 1}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete_chunk"])
+def test_pivot_training_resumes_from_the_last_good_step_with_the_same_head(tmp_path, damage):
+    data = synthetic()
+    quiet = lambda *_: None  # noqa: E731
+    whole, rep_whole = pivot.train_head(*data, config=CFG, progress=False, log=quiet)
+    ckpt = tmp_path / "ckpt"
+    # "Killed" after 50 steps: checkpoints at steps 20 and 40; then step 40 is damaged.
+    pivot.train_head(*data, config=CFG, ckpt_dir=ckpt, progress=False, stop_after=50, log=quiet)
+    assert sorted(os.listdir(ckpt)) == ["20", "40"]
+    DAMAGES[damage][0](str(ckpt / "40"))
+    logs = []
+    resumed, rep = pivot.train_head(*data, config=CFG, ckpt_dir=ckpt, progress=False, log=logs.append)
+    assert any("step 40" in m and "damaged" in m for m in logs), logs
+    assert any("resuming from step 20" in m for m in logs), logs
+    assert rep["steps_run"] == CFG.steps and rep["best_step"] == rep_whole["best_step"]
+    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
