@@ -51,6 +51,7 @@ partitioner inserts the collectives. See :mod:`specjax._src.sharding`.
 from __future__ import annotations
 
 import functools
+import secrets
 import types
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -103,11 +104,18 @@ class DecodeOutput:
         excluded), ``pad_token_id`` after each sequence's end.
       lengths: ``[B]`` int32 tokens generated per sequence (an EOS included).
       stats: :class:`DecodeStats`.
+      key: the PRNG key the run sampled with: the ``key=`` given, or the fresh
+        one drawn for ``key=None``; passing it back (``key=out.key``)
+        reproduces the run. None for greedy decoding without a key.
+      seed: the integer seed drawn for ``key=None`` (``key=jax.random.key(seed)``
+        reproduces the run; handy for logs), else None.
     """
 
     tokens: Array
     lengths: Array
     stats: DecodeStats
+    key: Any = None
+    seed: Optional[int] = struct.field(pytree_node=False, default=None)
 
     def to_lists(self) -> list[list[int]]:
         """The generated tokens as ragged Python lists."""
@@ -325,13 +333,28 @@ def _hidden_layers(spec: Any) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------
 
 
+def _token_row(row, index: int) -> list[int]:
+    """One prompt as a list of ints; refuses non-integer ids instead of truncating them.
+
+    ``np.asarray([1.7, 2.2], np.int64)`` would silently give ``[1, 2]``.
+    """
+    arr = np.asarray(row)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        bad = next((x for x in arr.ravel().tolist() if type(x) is not int), arr.ravel()[0])
+        raise TypeError(
+            f"prompt {index} must hold integer token ids, got {bad!r} (dtype {arr.dtype}); "
+            "tokenize the text first, and convert float ids with int() only if they are whole."
+        )
+    return arr.astype(np.int64).tolist()
+
+
 def _prepare_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Returns right-padded ``int32 [B, P]`` prompts and ``int32 [B]`` lengths."""
     if isinstance(prompt_ids, (list, tuple)):
         if len(prompt_ids) == 0:
             raise ValueError("prompt_ids is empty: pass at least one prompt.")
         if all(np.ndim(p) == 0 for p in prompt_ids):
-            rows = [list(prompt_ids)]  # one prompt given as a flat list of ids
+            rows = [_token_row(prompt_ids, 0)]  # one prompt given as a flat list of ids
         else:
             rows = []
             for i, p in enumerate(prompt_ids):
@@ -339,7 +362,7 @@ def _prepare_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[np.nd
                     raise ValueError(
                         f"prompt {i} must be a flat sequence of token ids, got shape {np.shape(p)}."
                     )
-                rows.append(list(np.asarray(p).tolist()))
+                rows.append(_token_row(p, i))
         if prompt_lengths is not None:
             raise ValueError("prompt_lengths is only for a padded array; a list is already ragged.")
         lengths = np.array([len(r) for r in rows], np.int64)
@@ -396,9 +419,22 @@ def _prepare_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[np.nd
     return tokens.astype(np.int32), lengths.astype(np.int32)
 
 
-def _eos_ids(eos_token_id, vocab_size: int) -> tuple[int, ...]:
+def _config_eos(module, vocab_size: int) -> tuple[int, ...]:
+    """The end-of-sequence ids of a model's config (every one when it lists
+    several, as Llama 3 does), or ``()``. Ids outside the usable vocabulary can
+    never be emitted, so they are dropped rather than refused."""
+    config = getattr(module, "config", None)
+    ids = tuple(getattr(config, "eos_token_ids", None) or ())
+    if not ids:
+        one = getattr(config, "eos_token_id", None)
+        ids = () if one is None else (one,)
+    return tuple(int(i) for i in ids if 0 <= int(i) < vocab_size)
+
+
+def _eos_ids(eos_token_id, vocab_size: int, module=None) -> tuple[int, ...]:
+    """``None``: the target's config decides (:func:`_config_eos`); ``()``: no EOS."""
     if eos_token_id is None:
-        return ()
+        return () if module is None else _config_eos(module, vocab_size)
     ids = (eos_token_id,) if np.ndim(eos_token_id) == 0 else tuple(np.asarray(eos_token_id).tolist())
     out = []
     for i in ids:
@@ -408,12 +444,27 @@ def _eos_ids(eos_token_id, vocab_size: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _resolve_key(key, batch: int, greedy: bool) -> tuple[Any, Any, Optional[int]]:
+    """``(key for the loop, key to record on the output, seed to record)``.
+
+    ``key=None`` when sampling draws a fresh 32-bit seed from the OS
+    (``secrets``), so two such calls differ; the seed and its key are recorded
+    so that passing either back reproduces the run. Greedy decoding uses no
+    randomness: nothing is drawn or recorded.
+    """
+    if key is None:
+        if greedy:
+            return jax.random.key(0), None, None  # never read when greedy
+        seed = secrets.randbits(32)
+        fresh = jax.random.key(seed)
+        return fresh, fresh, seed
+    return _sequence_keys_input(key, batch, greedy), key, None
+
+
 def _sequence_keys_input(key, batch: int, greedy: bool):
     """A typed PRNG key (scalar: folded per sequence on device) or ``[B]`` keys."""
     if key is None:
-        if greedy:
-            return jax.random.key(0)
-        raise TypeError("decode/generate need key=jax.random.key(seed) when sampling (temperature > 0).")
+        return jax.random.key(0)
     if isinstance(key, (int, np.integer)):
         raise TypeError(f"key must be a JAX PRNG key such as jax.random.key({key}), not an int.")
     if not hasattr(key, "dtype"):
@@ -466,10 +517,246 @@ def _check_length(
     return int(max_length)
 
 
+# The smallest temperature ``decode`` / ``generate`` accept, other than 0 (greedy).
+# ``logits / temperature`` runs in float32: a temperature below its normal range
+# (1.2e-38) is flushed to zero and one just above it overflows ordinary logits
+# to inf; either way every probability became NaN and every token 0. Below 1e-6
+# sampling differs from greedy only between logits within about 2e-5 of the top, so
+# such a temperature is refused with a pointer to temperature=0 rather than
+# silently replaced by greedy decoding (whose rules take their greedy branch).
+MIN_TEMPERATURE = 1e-6
+
+
 def _check_common(temperature, top_k, top_p, max_new_tokens) -> None:
     sampling.check_sampling_args(temperature, top_k, top_p)
+    if 0.0 < float(temperature) < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature={temperature!r} is too small to sample with: logits / temperature "
+            f"overflows float32. Pass temperature=0 for greedy decoding, or a temperature >= "
+            f"{MIN_TEMPERATURE:g}."
+        )
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+
+
+def _check_pad_id(pad_token_id) -> int:
+    """``pad_token_id`` fills the int32 token buffer: any int32 (e.g. -1) is allowed."""
+    ok = isinstance(pad_token_id, (int, np.integer)) and not isinstance(pad_token_id, bool)
+    if not ok or not -(2**31) <= int(pad_token_id) < 2**31:
+        raise ValueError(
+            f"pad_token_id must be an integer in the int32 range [-2**31, 2**31 - 1] (it fills "
+            f"the int32 tokens after each sequence's end), got {pad_token_id!r}."
+        )
+    return int(pad_token_id)
+
+
+# ---------------------------------------------------------------------------
+# Shape buckets: a handful of compiled programs for mixed traffic
+# ---------------------------------------------------------------------------
+
+
+class Buckets(NamedTuple):
+    """The shapes ``decode`` and ``generate`` pad their inputs to (``buckets=``).
+
+    A compiled loop is specialised to the batch size, the padded prompt width
+    and the length of its token buffers; without buckets every new prompt width
+    compiled a new program (about 16 s each on the embedded pair). Each is
+    rounded up to a bucket instead, so mixed-length traffic compiles a few
+    programs and then reuses them:
+
+    * the prompt width (the longest prompt of the batch) pads to
+      ``prompt * 2**i``: 16, 32, 64, 128, ...;
+    * ``max_new_tokens`` pads to ``new_tokens * 2**i`` for the buffers only:
+      generation still stops at the caller's ``max_new_tokens`` (a traced
+      value) and the output is cut back to it;
+    * with ``batch=True`` the batch pads to 1, 2, 4, 8, then multiples of 8, with
+      one-token dummy sequences that are finished before the first cycle (they
+      commit nothing and are cut from the output).
+
+    Padding is inert: padded prompt columns lie beyond each sequence's length
+    (masked, then overwritten before they are read), dummy rows never touch a
+    real row, and each sequence keeps its own key (``fold_in(key, b)``). Near a
+    model's ``max_position_embeddings`` (or ``max_length=``) the padding
+    shrinks to fit; the request itself is never cut. Powers of two keep the
+    count logarithmic (widths 3..90 with ``max_new_tokens <= 16``: four programs
+    per batch bucket) for at most twice the prefill work and cache length.
+    """
+
+    prompt: int = 16
+    new_tokens: int = 16
+    batch: bool = True
+
+
+# The default of ``decode`` and ``generate``; ``buckets=None`` compiles the exact shapes.
+BUCKETS = Buckets()
+
+
+def _bucket(n: int, smallest: int) -> int:
+    """The smallest ``smallest * 2**i`` that is ``>= n``."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return size
+
+
+def _batch_bucket(n: int, multiple: int) -> int:
+    """1, 2, 4, 8, then multiples of 8 (at most 7 dummy rows past 8). On a mesh
+    the bucket must stay divisible by its ``'data'`` axis, else ``n`` is kept."""
+    size = _bucket(n, 1) if n <= 8 else -(-n // 8) * 8
+    return size if size % multiple == 0 else n
+
+
+def _check_buckets(buckets) -> Optional[Buckets]:
+    if buckets is None:
+        return None
+    if not isinstance(buckets, Buckets):
+        raise TypeError(f"buckets must be a specjax Buckets(...) or None, got {type(buckets).__name__}.")
+    for name in ("prompt", "new_tokens"):
+        value = getattr(buckets, name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"Buckets.{name} must be a positive integer, got {value!r}.")
+    return buckets
+
+
+def _position_limit(modules: Sequence[tuple[str, Any]], max_length: Optional[int]) -> Optional[int]:
+    """The most cache positions a call may allocate (models' limits, ``max_length``)."""
+    limits = [_max_positions(m) for _, m in modules] + [None if max_length is None else int(max_length)]
+    limits = [x for x in limits if x is not None]
+    return min(limits) if limits else None
+
+
+def _padded_lengths(
+    buckets: Optional[Buckets], width: int, new_tokens: int, extra: int, limit: Optional[int]
+) -> tuple[int, int]:
+    """``(P', N')``: prompt width and new-token buffer, rounded up to their buckets
+    and shrunk (never below the request) until ``P' + N' + extra`` fits ``limit``.
+
+    The caller has checked that ``width + new_tokens + extra <= limit``.
+    """
+    if buckets is None:
+        return width, new_tokens
+    wp, nw = _bucket(width, buckets.prompt), _bucket(new_tokens, buckets.new_tokens)
+    if limit is not None:
+        nw = max(new_tokens, min(nw, limit - wp - extra))
+        wp = max(width, min(wp, limit - nw - extra))
+    return wp, nw
+
+
+class _Call(NamedTuple):
+    """One ``decode`` / ``generate`` call after validation: host inputs padded to
+    the buckets, the compile-time settings both loops share, and what the
+    output must be cut back to."""
+
+    prompts: np.ndarray  # [B', P'] int32
+    lengths: np.ndarray  # [B'] int32 (1 for a dummy row)
+    max_new: np.ndarray  # [B'] int32: max_new_tokens, 0 for a dummy row (done from the start)
+    key: Any  # typed PRNG key: scalar, or [B']
+    temperature: Any  # float32 scalar
+    top_p: Any  # float32 scalar
+    cfg: _Config  # rule, drafting, diagnostics and hidden layers left for decode to set
+    models: dict  # the models, placed on the mesh if there is one
+    batch: int  # B: rows to keep
+    new_tokens: int  # N: columns to keep
+    record: tuple  # (key, seed) recorded on the output
+
+
+def _prepare_call(
+    models: dict,
+    vocab: int,
+    prompt_ids,
+    *,
+    extra: int,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    eos_token_id,
+    key,
+    max_length,
+    prompt_lengths,
+    pad_token_id,
+    mesh,
+    buckets,
+    what: str,
+) -> _Call:
+    """The argument preparation ``decode`` and ``generate`` share (all before tracing).
+
+    ``models``: ``{"target": Model, "draft": Model}`` (draft optional);
+    ``extra``: cache positions past ``P + N`` (``num_draft`` for decode).
+    """
+    _check_common(temperature, top_k, top_p, max_new_tokens)
+    pad_id = _check_pad_id(pad_token_id)
+    buckets = _check_buckets(buckets)
+    greedy = float(temperature) == 0.0
+    new_tokens = int(max_new_tokens)
+    prompts, lengths = _prepare_prompts(prompt_ids, prompt_lengths, vocab)
+    batch, width = prompts.shape
+    eos = _eos_ids(eos_token_id, vocab, models["target"].module)
+    key, recorded_key, seed = _resolve_key(key, batch, greedy)
+    modules = [(name, m.module) for name, m in models.items()]
+    cache_length = _check_length(modules, width + new_tokens + extra, max_length, what.format(width=width))
+    width_pad, new_pad = _padded_lengths(
+        buckets, width, new_tokens, extra, _position_limit(modules, max_length)
+    )
+    if max_length is None:
+        cache_length = width_pad + new_pad + extra
+    placed, layout = sharding_lib.prepare(models, batch, mesh)
+    data = 1 if layout is None else int(layout.mesh.shape[sharding_lib.DATA])
+    batch_pad = batch if buckets is None or not buckets.batch else _batch_bucket(batch, data)
+
+    padded_prompts = np.zeros((batch_pad, width_pad), np.int32)
+    padded_prompts[:batch, :width] = prompts
+    padded_lengths = np.ones((batch_pad,), np.int32)
+    padded_lengths[:batch] = lengths
+    max_new = np.zeros((batch_pad,), np.int32)
+    max_new[:batch] = new_tokens
+    key = _pad_keys(key, batch_pad)
+    cfg = _Config(
+        rule=None,
+        drafting=None,
+        diagnostics=None,
+        num_draft=extra,
+        max_new_tokens=new_pad,
+        cache_length=cache_length,
+        greedy=greedy,
+        top_k=None if (greedy or top_k is None) else int(top_k),
+        use_top_p=(not greedy) and top_p is not None and float(top_p) < 1.0,
+        eos=eos,
+        pad_id=pad_id,
+        hidden_layers=(),
+    )
+    temp = np.float32(1.0 if greedy else temperature)
+    top_p_value = np.float32(1.0 if top_p is None else top_p)
+    inputs = (padded_prompts, padded_lengths, max_new, key, temp, top_p_value)
+    if layout is not None:
+        inputs = layout.put_inputs(*inputs)
+        cfg = cfg._replace(layout=layout)
+    return _Call(*inputs, cfg=cfg, models=placed, batch=batch, new_tokens=new_tokens,
+                 record=(recorded_key, seed))
+
+
+def _pad_keys(key, batch_pad: int):
+    """``[B]`` keys padded to ``[B']`` on the host (dummy rows reuse key 0; their
+    draws are never read). Host-side so that no device program is compiled per B."""
+    if key.ndim == 0 or key.shape[0] == batch_pad:
+        return key
+    data = np.asarray(jax.random.key_data(key))
+    data = np.concatenate([data, np.repeat(data[:1], batch_pad - data.shape[0], axis=0)])
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
+
+
+def _finish(call: _Call, out: "DecodeOutput", bad, which: dict[int, str]) -> "DecodeOutput":
+    """Cuts the dummy rows and the buffer columns, records the key, raises on
+    non-finite logits. The cut runs on the host: slicing on device would
+    compile one small program per output shape, defeating the buckets."""
+    out, bad = jax.device_get((out, bad))
+    out = jax.tree_util.tree_map(lambda x: x[: call.batch] if np.ndim(x) >= 1 else x, out)
+    out = out.replace(tokens=out.tokens[:, : call.new_tokens])
+    layout = call.cfg.layout
+    out = jax.device_put(out, None if layout is None else layout.named(jax.sharding.PartitionSpec()))
+    out = out.replace(key=call.record[0], seed=call.record[1])
+    _raise_if_bad(bad[: call.batch], out, which)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -662,8 +949,12 @@ def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_uniform
     return bufs, cache
 
 
-def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys, temperature, top_p, state):
-    """One draft-verify cycle. Returns ``(state, diagnostics or None)``."""
+def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, max_new, seq_keys, temperature, top_p, state):
+    """One draft-verify cycle. Returns ``(state, diagnostics or None)``.
+
+    ``max_new[B]``: each sequence's ``max_new_tokens`` (traced, so it does not
+    shape the program; ``cfg.max_new_tokens`` is only the buffer's bucket).
+    """
     rule: AcceptanceRule = cfg.rule.value
     policy: drafting_lib.DraftingPolicy = cfg.drafting.value
     k_max, vocab = cfg.num_draft, pair_params.vocab_size
@@ -742,7 +1033,7 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys
     block = jnp.where(slots == n[:, None], emitted[:, None], block)
     is_eos = _is_eos(cfg, block) & (slots <= n[:, None])
     first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), k_max + 1)
-    room = cfg.max_new_tokens - (nc - prompt_lengths)
+    room = max_new - (nc - prompt_lengths)
     n_commit = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), room)
     n_commit = jnp.where(live, n_commit, 0).astype(jnp.int32)
     hit_eos = live & (first_eos < n_commit)
@@ -750,7 +1041,7 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys
     tokens = jax.vmap(lambda row, blk, off: jax.lax.dynamic_update_slice(row, blk, (off,)))(
         state.tokens, block, nc
     )
-    new_done = done | (new_bad > 0) | hit_eos | (new_nc - prompt_lengths >= cfg.max_new_tokens)
+    new_done = done | (new_bad > 0) | hit_eos | (new_nc - prompt_lengths >= max_new)
 
     # ---- roll the caches back to their invariants ----
     target_cache = out.cache.rollback(new_nc - 1)
@@ -813,7 +1104,7 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, seq_keys
     return new_state, diag
 
 
-def _decode_impl(pair_params: ModelPair, prompts, prompt_lengths, key, temperature, top_p, *, cfg: _Config):
+def _decode_impl(pair_params: ModelPair, prompts, prompt_lengths, max_new, key, temperature, top_p, *, cfg: _Config):
     batch, width = prompts.shape
     k_max, n_max = cfg.num_draft, cfg.max_new_tokens
     rule: AcceptanceRule = cfg.rule.value
@@ -835,7 +1126,7 @@ def _decode_impl(pair_params: ModelPair, prompts, prompt_lengths, key, temperatu
         step=jnp.int32(0),
         tokens=tokens,
         num_committed=prompt_lengths,
-        done=jnp.zeros((batch,), bool),
+        done=max_new <= 0,  # the buckets' dummy rows
         bad=jnp.zeros((batch,), jnp.int32),
         target_cache=target_cache,
         draft_cache=draft_cache,
@@ -845,7 +1136,9 @@ def _decode_impl(pair_params: ModelPair, prompts, prompt_lengths, key, temperatu
     )
     caches = (("target_cache", "target"), ("draft_cache", "draft"))
     state = _constrain(cfg, state, batch, caches)
-    cycle = functools.partial(_decode_cycle, cfg, pair_params, prompt_lengths, seq_keys, temperature, top_p)
+    cycle = functools.partial(
+        _decode_cycle, cfg, pair_params, prompt_lengths, max_new, seq_keys, temperature, top_p
+    )
     if cfg.diagnostics is not None:
         shapes = jax.eval_shape(lambda s: cycle(s)[1], state)
         extra = jax.tree_util.tree_map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
@@ -907,6 +1200,7 @@ def decode(
     pad_token_id: int = 0,
     diagnostics: Optional[Callable] = None,
     mesh=None,
+    buckets: Optional[Buckets] = BUCKETS,
 ) -> DecodeOutput:
     """Speculative decoding: draft with ``params.draft``, verify with ``params.target``.
 
@@ -920,14 +1214,20 @@ def decode(
       num_draft: K, the most tokens drafted per cycle (buffer shapes).
       max_new_tokens: N, tokens generated per sequence at most.
       temperature: 0 for greedy; applied with ``top_k`` / ``top_p`` identically
-        to both models.
-      eos_token_id: an id or a list of ids that end a sequence (kept in the output).
+        to both models. A positive temperature below ``MIN_TEMPERATURE``
+        (1e-6) is refused: ``logits / temperature`` would overflow.
+      eos_token_id: an id or a list of ids that end a sequence (kept in the
+        output). Default (None): the target's config (``eos_token_ids``, from
+        the checkpoint's ``eos_token_id``), if it has one; ``()`` disables EOS
+        (every sequence runs to ``max_new_tokens``).
       key: ``jax.random.key(seed)`` (sequence ``b`` uses ``fold_in(key, b)``),
-        or one key per sequence (shape ``[B]``). Optional when greedy.
-      max_length: cache length to allocate (default: just enough,
-        ``P + N + K``).
+        or one key per sequence (shape ``[B]``). Default (None): a fresh
+        random seed per call, recorded as ``out.seed`` / ``out.key`` (pass
+        ``key=out.key`` to reproduce the run). Greedy decoding needs no key.
+      max_length: cache length to allocate (default: just enough for the
+        bucketed shapes, ``P' + N' + K``).
       prompt_lengths: ``[B]`` true lengths of a padded ``prompt_ids`` array.
-      pad_token_id: fills ``tokens`` after each sequence's end.
+      pad_token_id: fills ``tokens`` after each sequence's end (any int32).
       diagnostics: optional hook ``(inputs, verdict, num_accepted) -> dict`` of
         per-sequence scalars, summed per sequence into ``stats.extra``.
       mesh: a ``('data', 'model')`` :class:`jax.sharding.Mesh`
@@ -937,6 +1237,22 @@ def decode(
         on it (sharded or replicated) are used as they are. Default: the mesh
         the params are on, if any (``specjax.sharding.shard_params``), else one
         device. Outputs come back replicated. See ``docs/sharding.md``.
+      buckets: the shapes the inputs are padded to (:class:`Buckets`; default
+        ``BUCKETS``: batch 1, 2, 4, 8, then multiples of 8; prompt width and
+        ``max_new_tokens`` buffer 16, 32, 64, ...), so that calls whose shapes
+        fall in the same buckets share one compiled program. Padding never
+        changes a sequence's output, and the output is cut back to ``[B, N]``.
+        ``None``: compile for the exact shapes.
+
+    Compilation and warm-up: the first call for each combination of
+    (batch bucket, prompt-width bucket, ``max_new_tokens`` bucket) and of the
+    static settings (``rule``, ``drafting``, ``num_draft``, greedy or not,
+    ``top_k``, whether ``top_p`` is set, the EOS ids, ``pad_token_id``)
+    compiles; later calls reuse it (temperature, ``top_p``'s value, the key
+    and the prompts' contents are traced). A serving loop can compile ahead by
+    calling ``decode`` once per bucket it will meet, e.g. with
+    ``[[0] * width] * batch`` for ``width`` in 16, 32, 64, ... and its batch
+    sizes, before taking traffic.
 
     Returns:
       :class:`DecodeOutput`.
@@ -969,43 +1285,35 @@ def decode(
         raise ValueError(
             f"drafting fixed(k={fixed_k}) exceeds num_draft={num_draft}; pass num_draft={fixed_k}."
         )
-    _check_common(temperature, top_k, top_p, max_new_tokens)
-    greedy = float(temperature) == 0.0
-    vocab = params.vocab_size
-    prompts, lengths = _prepare_prompts(prompt_ids, prompt_lengths, vocab)
-    batch, width = prompts.shape
-    eos = _eos_ids(eos_token_id, vocab)
-    key = _sequence_keys_input(key, batch, greedy)
-    cache_length = _check_length(
-        [("target", params.target.module), ("draft", params.draft.module)],
-        width + int(max_new_tokens) + num_draft,
-        max_length,
-        f"decoding (longest prompt {width} + max_new_tokens {max_new_tokens} + num_draft {num_draft})",
+    call = _prepare_call(
+        {"target": params.target, "draft": params.draft},
+        params.vocab_size,
+        prompt_ids,
+        extra=num_draft,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_token_id=eos_token_id,
+        key=key,
+        max_length=max_length,
+        prompt_lengths=prompt_lengths,
+        pad_token_id=pad_token_id,
+        mesh=mesh,
+        buckets=buckets,
+        what=f"decoding (longest prompt {{width}} + max_new_tokens {max_new_tokens} + num_draft {num_draft})",
     )
-    cfg = _Config(
+    cfg = call.cfg._replace(
         rule=_Keyed(rule),
         drafting=_Keyed(drafting),
         diagnostics=None if diagnostics is None else _Keyed(diagnostics),
-        num_draft=num_draft,
-        max_new_tokens=int(max_new_tokens),
-        cache_length=cache_length,
-        greedy=greedy,
-        top_k=None if (greedy or top_k is None) else int(top_k),
-        use_top_p=(not greedy) and top_p is not None and float(top_p) < 1.0,
-        eos=eos,
-        pad_id=int(pad_token_id),
         hidden_layers=_hidden_layers(rule.spec),
     )
-    temp = np.float32(1.0 if greedy else temperature)
-    top_p_value = np.float32(1.0 if top_p is None else top_p)
-    placed, layout = sharding_lib.prepare({"target": params.target, "draft": params.draft}, batch, mesh)
-    if layout is not None:
-        params = params.replace(target=placed["target"], draft=placed["draft"])
-        prompts, lengths, key, temp, top_p_value = layout.put_inputs(prompts, lengths, key, temp, top_p_value)
-        cfg = cfg._replace(layout=layout)
-    out, bad = _decode_jit(params, prompts, lengths, key, temp, top_p_value, cfg=cfg)
-    _raise_if_bad(bad, out, {1: "target", 2: "draft"})
-    return out
+    params = params.replace(target=call.models["target"], draft=call.models["draft"])
+    out, bad = _decode_jit(
+        params, call.prompts, call.lengths, call.max_new, call.key, call.temperature, call.top_p, cfg=cfg
+    )
+    return _finish(call, out, bad, {1: "target", 2: "draft"})
 
 
 # ---------------------------------------------------------------------------
@@ -1023,7 +1331,7 @@ class _GenState:
     cache: KVCache
 
 
-def _generate_impl(model: Model, vocab: int, prompts, prompt_lengths, key, temperature, top_p, *, cfg: _Config):
+def _generate_impl(model: Model, vocab: int, prompts, prompt_lengths, max_new, key, temperature, top_p, *, cfg: _Config):
     batch, width = prompts.shape
     n_max = cfg.max_new_tokens
     seq_keys = _per_sequence_keys(key, batch)
@@ -1032,7 +1340,7 @@ def _generate_impl(model: Model, vocab: int, prompts, prompt_lengths, key, tempe
         step=jnp.int32(0),
         tokens=jnp.zeros((batch, width + n_max + 1), jnp.int32).at[:, :width].set(prompts),
         num_committed=prompt_lengths,
-        done=jnp.zeros((batch,), bool),
+        done=max_new <= 0,  # the buckets' dummy rows
         bad=jnp.zeros((batch,), jnp.int32),
         cache=cache,
     )
@@ -1059,7 +1367,7 @@ def _generate_impl(model: Model, vocab: int, prompts, prompt_lengths, key, tempe
         )
         new_nc = nc + live.astype(jnp.int32)
         hit_eos = live & _is_eos(cfg, tok)
-        done = s.done | bad_now | hit_eos | (new_nc - prompt_lengths >= n_max)
+        done = s.done | bad_now | hit_eos | (new_nc - prompt_lengths >= max_new)
         new = _GenState(
             step=s.step + 1,
             tokens=tokens,
@@ -1098,15 +1406,17 @@ def generate(
     prompt_lengths=None,
     pad_token_id: int = 0,
     mesh=None,
+    buckets: Optional[Buckets] = BUCKETS,
 ) -> DecodeOutput:
     """Target-only autoregressive sampling: the baseline ``decode`` is compared to.
 
-    Same sampling semantics (warps, greedy at temperature 0, EOS, padding,
-    per-sequence keys) and output type as :func:`decode`; ``stats`` count one
-    cycle per token. ``model`` is a :class:`~specjax.Model`, or a
-    :class:`ModelPair` (its target is used, with the pair's vocabulary).
-    One jitted ``while_loop``, one ``T = 1`` forward per token. ``mesh``: as
-    for :func:`decode`.
+    Same sampling semantics (warps, greedy at temperature 0, EOS from the
+    model's config unless given, ``key=None`` drawing a recorded fresh seed,
+    padding, per-sequence keys, shape ``buckets``) and output type as
+    :func:`decode`; ``stats`` count one cycle per token. ``model`` is a
+    :class:`~specjax.Model`, or a :class:`ModelPair` (its target is used,
+    with the pair's vocabulary). One jitted ``while_loop``, one ``T = 1``
+    forward per token. ``mesh``: as for :func:`decode`.
     """
     if isinstance(model, ModelPair):
         vocab, model = model.vocab_size, model.target
@@ -1114,39 +1424,26 @@ def generate(
         vocab = _model_vocab(model)
     else:
         raise TypeError(f"generate(): model must be a specjax.Model, got {type(model).__name__}.")
-    _check_common(temperature, top_k, top_p, max_new_tokens)
-    greedy = float(temperature) == 0.0
-    prompts, lengths = _prepare_prompts(prompt_ids, prompt_lengths, vocab)
-    batch, width = prompts.shape
-    eos = _eos_ids(eos_token_id, vocab)
-    key = _sequence_keys_input(key, batch, greedy)
-    cache_length = _check_length(
-        [("target", model.module)],
-        width + int(max_new_tokens),
-        max_length,
-        f"generation (longest prompt {width} + max_new_tokens {max_new_tokens})",
+    call = _prepare_call(
+        {"target": model},
+        vocab,
+        prompt_ids,
+        extra=0,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_token_id=eos_token_id,
+        key=key,
+        max_length=max_length,
+        prompt_lengths=prompt_lengths,
+        pad_token_id=pad_token_id,
+        mesh=mesh,
+        buckets=buckets,
+        what=f"generation (longest prompt {{width}} + max_new_tokens {max_new_tokens})",
     )
-    cfg = _Config(
-        rule=None,
-        drafting=None,
-        diagnostics=None,
-        num_draft=0,
-        max_new_tokens=int(max_new_tokens),
-        cache_length=cache_length,
-        greedy=greedy,
-        top_k=None if (greedy or top_k is None) else int(top_k),
-        use_top_p=(not greedy) and top_p is not None and float(top_p) < 1.0,
-        eos=eos,
-        pad_id=int(pad_token_id),
-        hidden_layers=(),
+    out, bad = _generate_jit(
+        call.models["target"], vocab, call.prompts, call.lengths, call.max_new, call.key,
+        call.temperature, call.top_p, cfg=call.cfg,
     )
-    temp = np.float32(1.0 if greedy else temperature)
-    top_p_value = np.float32(1.0 if top_p is None else top_p)
-    placed, layout = sharding_lib.prepare({"target": model}, batch, mesh)
-    if layout is not None:
-        model = placed["target"]
-        prompts, lengths, key, temp, top_p_value = layout.put_inputs(prompts, lengths, key, temp, top_p_value)
-        cfg = cfg._replace(layout=layout)
-    out, bad = _generate_jit(model, vocab, prompts, lengths, key, temp, top_p_value, cfg=cfg)
-    _raise_if_bad(bad, out, {1: "target"})
-    return out
+    return _finish(call, out, bad, {1: "target"})

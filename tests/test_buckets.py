@@ -1,0 +1,134 @@
+"""Shape buckets: mixed-length traffic compiles a handful of programs, and the
+padding they add never changes a sequence's output (issue 13, issue 14's
+batch-invariance row).
+
+The tiny Decoder pair (vocabulary 96) with a 256-position limit, so that prompt
+widths up to 90 round up to the plain power-of-two buckets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax._src import decode as decode_lib
+from tiny_models import llama_config, peaked_target_and_draft
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def decoder_pair():
+    return specjax.pair(*peaked_target_and_draft(llama_config(max_position_embeddings=256)))
+
+
+@contextlib.contextmanager
+def count_compilations():
+    """Counts XLA backend compilations (every jit cache miss compiles)."""
+    counter = {"n": 0}
+
+    def listener(event, duration, **kwargs):
+        del duration, kwargs
+        if event == "/jax/core/compile/backend_compile_duration":
+            counter["n"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counter
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def prompts_of_width(rng, batch, width):
+    """``batch`` prompts, the longest exactly ``width`` tokens."""
+    rows = [rng.integers(0, VOCAB, size=int(rng.integers(1, width + 1))).tolist() for _ in range(batch)]
+    rows[0] = rng.integers(0, VOCAB, size=width).tolist()
+    return rows
+
+
+def width_bucket(width):
+    """The documented ladder, written out: 16, 32, 64, 128."""
+    return next(b for b in (16, 32, 64, 128) if width <= b)
+
+
+def test_the_ladders():
+    assert [decode_lib._bucket(n, 16) for n in (1, 16, 17, 33, 90, 129)] == [16, 16, 32, 64, 128, 256]
+    assert [decode_lib._batch_bucket(n, 1) for n in (1, 2, 3, 5, 8, 9, 25, 64, 65)] == [
+        1, 2, 4, 8, 8, 16, 32, 64, 72]
+    assert decode_lib._batch_bucket(3, 3) == 3  # a bucket the mesh's data axis does not divide
+    # Near the position limit the padding shrinks to fit; the request never does.
+    assert decode_lib._padded_lengths(decode_lib.BUCKETS, 90, 16, 3, 128) == (109, 16)
+    assert decode_lib._padded_lengths(decode_lib.BUCKETS, 4, 9, 4, 17) == (4, 9)
+    assert decode_lib._padded_lengths(None, 5, 7, 3, None) == (5, 7)
+
+
+def test_mixed_widths_compile_once_per_bucket(decoder_pair):
+    """20 calls, prompt widths 3..90, batch sizes 3 and 4, max_new_tokens 9..16:
+    one program per prompt-width bucket; a second pass compiles nothing."""
+    widths = np.linspace(3, 90, 20).astype(int).tolist()
+    batches = [3, 4] * 10
+    new_tokens = [9 + (i % 8) for i in range(20)]
+    key = jax.random.key(0)
+    kw = dict(num_draft=3, temperature=1.0, key=key)
+    expected = len({width_bucket(w) for w in widths})  # one batch bucket (4), one N bucket (16)
+    assert expected == 4
+
+    def one_pass(seed):
+        rng = np.random.default_rng(seed)
+        outs = []
+        for width, batch, n in zip(widths, batches, new_tokens):
+            out = specjax.decode(decoder_pair, prompts_of_width(rng, batch, width), max_new_tokens=n, **kw)
+            assert out.tokens.shape == (batch, n)  # cut back to what was asked
+            np.testing.assert_array_equal(np.asarray(out.lengths), n)
+            outs.append(out)
+        return outs
+
+    with count_compilations() as first:
+        one_pass(0)
+    assert 1 <= first["n"] <= expected
+    with count_compilations() as second:
+        one_pass(1)
+    assert second["n"] == 0
+
+
+def test_generate_shares_programs_across_widths_and_lengths(decoder_pair):
+    target = decoder_pair.target
+    rng = np.random.default_rng(3)
+    specjax.generate(target, prompts_of_width(rng, 2, 20), max_new_tokens=10, temperature=0.0)
+    with count_compilations() as compiled:
+        for width, n in ((17, 5), (25, 16), (32, 11)):
+            out = specjax.generate(target, prompts_of_width(rng, 2, width), max_new_tokens=n, temperature=0.0)
+            assert out.tokens.shape == (2, n)
+    assert compiled["n"] == 0
+
+
+# ---------------------------------------------------------------------------
+# Padding is inert
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_buckets_do_not_change_results(decoder_pair, temperature):
+    """The same call with and without buckets: identical outputs for the same key."""
+    rng = np.random.default_rng(5)
+    prompts = prompts_of_width(rng, 5, 23)  # width bucket 32, batch bucket 8, N bucket 16
+    kw = dict(num_draft=3, max_new_tokens=11, temperature=temperature, key=jax.random.key(2))
+    exact = specjax.decode(decoder_pair, prompts, buckets=None, **kw)
+    padded = specjax.decode(decoder_pair, prompts, **kw)
+    assert padded.tokens.shape == exact.tokens.shape == (5, 11)
+    np.testing.assert_array_equal(np.asarray(padded.tokens), np.asarray(exact.tokens))
+    np.testing.assert_array_equal(np.asarray(padded.lengths), np.asarray(exact.lengths))
+    np.testing.assert_array_equal(np.asarray(padded.stats.cycles), np.asarray(exact.stats.cycles))
+    np.testing.assert_array_equal(np.asarray(padded.stats.accepted_at), np.asarray(exact.stats.accepted_at))
+
+
+def test_bad_buckets_raise():
+    pair = specjax.pair(*peaked_target_and_draft(llama_config()))
+    with pytest.raises(ValueError, match="Buckets.prompt"):
+        specjax.decode(pair, [[1]], buckets=decode_lib.Buckets(prompt=0), temperature=0.0)
+    with pytest.raises(TypeError, match="buckets"):
+        specjax.decode(pair, [[1]], buckets=16, temperature=0.0)
