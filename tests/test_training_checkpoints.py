@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pathlib
 import shutil
 
 import jax
@@ -200,3 +201,59 @@ def test_pivot_training_resumes_from_the_last_good_step_with_the_same_head(tmp_p
     assert rep["steps_run"] == CFG.steps and rep["best_step"] == rep_whole["best_step"]
     for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- #
+# python -m training.pivot never writes into the package's assets by default
+# --------------------------------------------------------------------------- #
+
+
+def _labelled_set(path) -> str:
+    from training.rollouts import LabelledSet
+
+    hidden, scalars, labels = synthetic(n=60)
+    n = len(labels)
+    z = np.zeros(n, np.float32)
+    i = np.zeros(n, np.int32)
+    LabelledSet(hidden, scalars, labels, np.ones(n, bool), z, z, i, i, i, i,
+                meta={"layer": -1, "target_num_layers": 2}).save(path)
+    return str(path)
+
+
+def test_pivot_default_out_is_outside_the_package():
+    out = pathlib.Path(pivot.resolve_out(pivot.build_parser().parse_args([]))).resolve()
+    assert not out.is_relative_to(pivot.ASSETS.resolve())
+    assert not out.is_relative_to((pivot.REPO / "specjax").resolve())
+    shipped = pivot.resolve_out(pivot.build_parser().parse_args(["--export-to-assets"]))
+    assert shipped == pivot.SHIPPED_HEAD
+
+
+def test_pivot_cli_refuses_to_overwrite_a_head_without_force(tmp_path, monkeypatch, capsys):
+    shipped = tmp_path / "assets" / "pivot"  # stands in for specjax/assets/pivot
+    monkeypatch.setattr(pivot, "SHIPPED_HEAD", shipped)
+    monkeypatch.setattr(pivot, "DEFAULT_OUT", tmp_path / "runs" / "head")
+    base = ["--dataset", _labelled_set(tmp_path / "labels.npz"), "--steps", "10", "--no-progress",
+            "--target", str(tmp_path / "no-target")]
+
+    # The default writes under runs/, never into the (stand-in) assets.
+    assert pivot.main(base + ["--ckpt-dir", str(tmp_path / "ck1")]) == 0
+    assert (tmp_path / "runs" / "head" / "params.npz").is_file() and not shipped.exists()
+
+    # Asked by name, it writes the shipped head; then refuses to replace it without --force.
+    assert pivot.main(base + ["--ckpt-dir", str(tmp_path / "ck2"), "--export-to-assets"]) == 0
+    assert (shipped / "params.npz").is_file()
+    assert 'head="shipped"' in (shipped / "README.md").read_text()
+    (shipped / "eval.json").write_text("{}")  # an old evaluation of the old head
+    before = (shipped / "params.npz").read_bytes()
+    capsys.readouterr()
+    assert pivot.main(base + ["--ckpt-dir", str(tmp_path / "ck3"), "--export-to-assets", "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "non-empty directory" in err and "--force" in err and err.count("\n") == 1
+    assert (shipped / "params.npz").read_bytes() == before
+
+    # --force swaps in a whole new head: the old eval.json is gone with the old head.
+    assert pivot.main(base + ["--ckpt-dir", str(tmp_path / "ck3"), "--export-to-assets", "--seed", "1",
+                              "--force"]) == 0
+    assert (shipped / "params.npz").read_bytes() != before
+    assert not (shipped / "eval.json").exists()
+    assert sorted(p.name for p in shipped.parent.iterdir()) == ["pivot"]

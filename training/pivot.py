@@ -21,8 +21,13 @@ says rejecting it would not change the task's outcome. This command
 3. reports held-out ROC AUC, pivot recall (pivots the head would still
    reject) and the share of non-pivots it would accept, at each ``--sigma``;
 4. writes the head (``config.json`` + ``params.npz`` + ``report.json``) to
-   ``--out`` (default ``specjax/assets/pivot``), where
-   ``specjax.rules.pad(head=DIR)`` loads it.
+   ``--out`` (default ``runs/pivot/head``), where
+   ``specjax.rules.pad(head=DIR)`` loads it. Training never writes into the
+   package's assets unless asked by name: ``--export-to-assets`` replaces the
+   shipped head ``specjax/assets/pivot`` (``pad(head="shipped")``). A
+   non-empty head directory is refused unless ``--force``; the new head is
+   written into a temporary sibling and swapped in whole, so no file of the
+   old one (an old ``eval.json``) survives.
 
 ``--evaluate`` instead measures a written head on the embedded pair's
 held-out task: tau and exact-match accuracy of lossless SD and PAD at each
@@ -71,7 +76,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 ASSETS = REPO / "specjax" / "assets"
 DEFAULT_DATASET = REPO / "runs" / "pivot" / "labels.npz"
 DEFAULT_CKPT = REPO / "runs" / "pivot" / "ckpt"
-DEFAULT_OUT = ASSETS / "pivot"
+DEFAULT_OUT = REPO / "runs" / "pivot" / "head"
+SHIPPED_HEAD = ASSETS / "pivot"  # written only with --export-to-assets
 
 
 # ----------------------------------------------------------------------------- data checks
@@ -506,16 +512,18 @@ def side_by_side(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_card(directory: str | pathlib.Path) -> pathlib.Path:
-    """``README.md`` of a head directory from its ``report.json`` (and ``eval.json``)."""
+def write_card(directory: str | pathlib.Path, final: Optional[str | pathlib.Path] = None) -> pathlib.Path:
+    """``README.md`` of a head directory from its ``report.json`` (and ``eval.json``);
+    ``final``: where the directory will live (it may be written to a temporary one)."""
     d = pathlib.Path(directory)
+    final = pathlib.Path(final if final is not None else d)
     rep = json.loads((d / "report.json").read_text()) if (d / "report.json").is_file() else {}
     ev = json.loads((d / "eval.json").read_text()) if (d / "eval.json").is_file() else {}
     cfg = json.loads((d / "config.json").read_text())
     try:  # the load hint: repo-relative where possible
-        shown = d.resolve().relative_to(REPO)
+        shown = final.resolve().relative_to(REPO)
     except ValueError:
-        shown = d
+        shown = final
     lines = [
         "# PAD pivot head",
         "",
@@ -523,7 +531,7 @@ def write_card(directory: str | pathlib.Path) -> pathlib.Path:
         f"(size {cfg['hidden_size']}, target depth {cfg.get('target_num_layers')}) plus the target's "
         "entropy and probability of the draft token at the judging slot. Load it with "
         f"`specjax.rules.pad(head=\"{shown}\", sigma=0.5)`"
-        + (" (or `head=\"shipped\"`)" if d.resolve() == DEFAULT_OUT.resolve() else "")
+        + (" (or `head=\"shipped\"`)" if final.resolve() == SHIPPED_HEAD.resolve() else "")
         + "; written by `python -m training.pivot`.",
         "",
     ]
@@ -574,6 +582,13 @@ def write_card(directory: str | pathlib.Path) -> pathlib.Path:
 # ----------------------------------------------------------------------------- CLI
 
 
+def _shown(path: pathlib.Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m training.pivot",
@@ -587,7 +602,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset", default=str(DEFAULT_DATASET),
                    help="labelled dataset (.npz): loaded if it exists, written by --gather (default: %(default)s)")
     g.add_argument("--gather", action="store_true", help="(re)gather labels with rollouts even if --dataset exists")
-    g.add_argument("--out", default=str(DEFAULT_OUT), help="where the trained head is written (default: %(default)s)")
+    g.add_argument("--out", default=None,
+                   help=f"where the trained head is written (default: {_shown(DEFAULT_OUT)})")
+    g.add_argument("--export-to-assets", action="store_true",
+                   help=f"write the head to the package's shipped head {_shown(SHIPPED_HEAD)} "
+                        "(what pad(head='shipped') loads) instead of --out; needs --force to replace it")
+    g.add_argument("--force", action="store_true",
+                   help="replace a non-empty head directory (the new head is swapped in whole)")
     g.add_argument("--ckpt-dir", default=str(DEFAULT_CKPT), help="Orbax checkpoints; a re-run resumes (default: %(default)s)")
     g.add_argument("--fresh", action="store_true", help="discard existing checkpoints in --ckpt-dir")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -628,7 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("evaluation (--evaluate)")
     g.add_argument("--evaluate", action="store_true", help="measure tau / accuracy of a written head on the held-out task, then exit")
-    g.add_argument("--head", default=None, help="head directory to evaluate (default: --out)")
+    g.add_argument("--head", default=None, help="head directory to evaluate; eval.json is written there (default: --out)")
     g.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="decode temperatures (default: %(default)s)")
     g.add_argument("--num-draft", type=int, default=4, help="K, draft tokens per cycle (default: %(default)s)")
     g.add_argument("--eval-prompts", type=int, default=500, help="held-out problems (default: all %(default)s)")
@@ -639,8 +660,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_out(args) -> pathlib.Path:
+    """The head directory: ``--out``, the shipped head with ``--export-to-assets``,
+    else :data:`DEFAULT_OUT` (never the package's assets by default)."""
+    if args.export_to_assets:
+        if args.out is not None and pathlib.Path(args.out).resolve() != SHIPPED_HEAD.resolve():
+            raise ValueError("--export-to-assets writes the shipped head; it cannot be combined with --out.")
+        return SHIPPED_HEAD
+    return pathlib.Path(args.out) if args.out is not None else DEFAULT_OUT
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    from specjax._src.models import loading
+
+    try:
+        args.out = str(resolve_out(args))
+        if not args.evaluate:  # refuse now, not after gathering and training
+            loading.check_output_dir(args.out, args.force, flag="--force")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.evaluate:
         res = evaluate(args)
         out = pathlib.Path(args.head or args.out) / "eval.json"
@@ -681,9 +721,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         report["target"] = {"dir": str(args.target),
                             "model.safetensors sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
     head = dataclasses.replace(head, config=dataclasses.replace(head.config, info=report))
-    out = head.save(args.out)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    write_card(out)
+
+    def write(directory: str) -> None:
+        d = head.save(directory)
+        (d / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_card(d, final=args.out)
+
+    try:
+        loading._write_directory(args.out, args.force, write)
+    except ValueError as e:  # the directory was filled while we trained
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = pathlib.Path(args.out)
     h = report["heldout"]
     print(f"[pivot] best held-out loss {report['best_val_loss']:.4f} (from {report['initial_val_loss']:.4f}) "
           f"at step {report['best_step']}; held-out AUC {h['auc']:.3f}; "
