@@ -112,6 +112,14 @@ def _state(seed: int) -> dict:
     return common.init_state(params, optax.adam(1e-3))
 
 
+def _restore(directory):
+    ckpt = common.Checkpointer(directory)
+    try:
+        return ckpt.restore(_state(0))
+    finally:
+        ckpt.close()
+
+
 def _equal(a, b) -> None:
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -140,7 +148,7 @@ def test_damaged_latest_step_falls_back_to_the_previous_one(tmp_path, damage):
     assert ckpt.latest_step() == 1
     ckpt.save(2, _state(3), {"tokens_seen": 3})
     ckpt.close()
-    state, meta = common.Checkpointer(tmp_path / "ck").restore(_state(0))
+    state, meta = _restore(tmp_path / "ck")
     _equal(state, _state(3))
     assert meta == {"tokens_seen": 3}
 
@@ -153,7 +161,7 @@ def test_garbage_in_orbax_step_metadata_is_harmless(tmp_path):
     ckpt.save(2, _state(2), {"a": 2})
     ckpt.close()
     _garbage_step_metadata(str(tmp_path / "ck" / "2"))
-    state, meta = common.Checkpointer(tmp_path / "ck").restore(_state(0))
+    state, meta = _restore(tmp_path / "ck")
     _equal(state, _state(2))
     assert meta == {"a": 2}
 
@@ -168,6 +176,7 @@ def test_every_step_damaged_is_a_clear_error(tmp_path):
     ckpt = common.Checkpointer(tmp_path / "ck", log=lambda _: None)
     with pytest.raises(ValueError, match=r"no intact checkpoint.*step 2.*step 1") as err:
         ckpt.restore(_state(0))
+    ckpt.close()
     assert str(tmp_path / "ck") in str(err.value)
 
 
@@ -180,15 +189,20 @@ def test_checksums_are_recorded_and_hidden_from_the_meta(tmp_path):
     assert set(sums["state"]) == {"step", "params/w", "params/b", *[
         k for k in sums["state"] if k.startswith("opt_state")]}
     assert all(isinstance(v[2], int) for v in sums["state"].values())
-    _, meta = common.Checkpointer(tmp_path / "ck").restore(_state(0))
+    _, meta = _restore(tmp_path / "ck")
     assert meta == {"a": 1}
 
 
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return pivot.train_head(*synthetic(), config=CFG, progress=False, log=lambda *_: None)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete_chunk"])
-def test_pivot_training_resumes_from_the_last_good_step_with_the_same_head(tmp_path, damage):
+def test_pivot_training_resumes_from_the_last_good_step_with_the_same_head(tmp_path, damage, uninterrupted):
     data = synthetic()
     quiet = lambda *_: None  # noqa: E731
-    whole, rep_whole = pivot.train_head(*data, config=CFG, progress=False, log=quiet)
+    whole, rep_whole = uninterrupted
     ckpt = tmp_path / "ckpt"
     # "Killed" after 50 steps: checkpoints at steps 20 and 40; then step 40 is damaged.
     pivot.train_head(*data, config=CFG, ckpt_dir=ckpt, progress=False, stop_after=50, log=quiet)
