@@ -16,6 +16,9 @@ __version__ = "0.1.0"
 # Public entry points are appended below as their modules land.
 from specjax._src.models.decoder import Decoder
 from specjax._src.models.loading import export_hf, load, logits, save_orbax
+from specjax._src.models.manifest import checkpoint_manifest, verify_manifest
+from specjax._src.models.registry import describe as known_models
+from specjax._src.chat import encode_chat, render_chat
 from specjax._src.decode import DecodeOutput, ModelPair, decode, generate, pair
 from specjax._src.stats import DecodeStats
 from specjax import drafting

