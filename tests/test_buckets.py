@@ -132,3 +132,35 @@ def test_bad_buckets_raise():
         specjax.decode(pair, [[1]], buckets=decode_lib.Buckets(prompt=0), temperature=0.0)
     with pytest.raises(TypeError, match="buckets"):
         specjax.decode(pair, [[1]], buckets=16, temperature=0.0)
+
+
+def cast_pair(dtype):
+    """The tiny pair computing in ``dtype`` (bf16 rounds every product, so any
+    reduction whose order depends on a padded size shows up in the tokens)."""
+    target, draft = peaked_target_and_draft(llama_config(max_position_embeddings=256, dtype=dtype))
+    cast = lambda m: specjax.Model(jax.tree.map(lambda x: x.astype(dtype), m.params), m.module)  # noqa: E731
+    return specjax.pair(cast(target), cast(draft))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_sequence_ignores_its_companions_across_buckets(dtype, temperature):
+    """Issue 14's first row: only the padded width (16 -> 64) and the batch
+    bucket (32 -> 64) change; no sequence's tokens may change, in decode or
+    generate, and a few sequences alone (batch bucket 4) agree too."""
+    pair = cast_pair(dtype)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, size=int(rng.integers(1, 14))).tolist() for _ in range(30)]
+    companions = [rng.integers(0, VOCAB, size=40).tolist() for _ in range(4)]
+    keys = jax.random.split(jax.random.key(1), 34)
+    kw = dict(max_new_tokens=20, temperature=temperature)
+    for run in (
+        lambda p, k: specjax.decode(pair, p, key=k, num_draft=3, **kw),
+        lambda p, k: specjax.generate(pair, p, key=k, **kw),
+    ):
+        small = np.asarray(run(prompts, keys[:30]).tokens)
+        wide = np.asarray(run(prompts + companions, keys).tokens)[:30]
+        alone = np.asarray(run(prompts[:3], keys[:3]).tokens)
+        changed = np.flatnonzero((small != wide).any(1)).tolist()
+        assert changed == [], f"{len(changed)}/30 sequences changed with the padded width: {changed}"
+        np.testing.assert_array_equal(alone, small[:3])

@@ -803,11 +803,30 @@ def _warp(cfg: _Config, raw: Array, temperature, top_p) -> Array:
     return sampling.warp_logits(raw, temperature, cfg.top_k, top_p if cfg.use_top_p else None)
 
 
+# Prompts are prefilled in blocks of this many tokens (the smallest prompt
+# bucket), so that every prefill matmul has ``B * PREFILL_BLOCK`` rows whatever
+# the padded width: one ``[B * P, H]`` product rounded differently for another
+# ``P``, and in bfloat16 a sequence's output changed with its companions'
+# prompt lengths.
+PREFILL_BLOCK = 16
+
+
 def _prefill(module, params, prompts: Array, keep: Array, cache_length: int) -> KVCache:
-    batch = prompts.shape[0]
+    """Runs ``prompts[B, P]`` into a fresh cache, then keeps ``keep[B]`` entries.
+
+    Full blocks of ``PREFILL_BLOCK`` tokens go through one ``scan`` (one
+    forward compiled); a shorter tail (``buckets=None`` or a width shrunk to a
+    position limit) through one more forward.
+    """
+    batch, width = prompts.shape
     cache = module.init_cache(batch, cache_length)
-    out = module.apply(params, prompts, cache)
-    return out.cache.rollback(keep)
+    full, tail = divmod(width, PREFILL_BLOCK)
+    if full:
+        blocks = prompts[:, : full * PREFILL_BLOCK].reshape(batch, full, PREFILL_BLOCK).transpose(1, 0, 2)
+        cache, _ = jax.lax.scan(lambda c, block: (module.apply(params, block, c).cache, None), cache, blocks)
+    if tail:
+        cache = module.apply(params, prompts[:, full * PREFILL_BLOCK :], cache).cache
+    return cache.rollback(keep)
 
 
 def _constrain(cfg: _Config, state, batch: int, caches: Sequence[tuple[str, str]]):
