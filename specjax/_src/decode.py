@@ -465,13 +465,11 @@ def _resolve_key(key, batch: int, greedy: bool) -> tuple[Any, Any, Optional[int]
         seed = secrets.randbits(32)
         fresh = jax.random.key(seed)
         return fresh, fresh, seed
-    return _sequence_keys_input(key, batch, greedy), key, None
+    return _sequence_keys_input(key, batch), key, None
 
 
-def _sequence_keys_input(key, batch: int, greedy: bool):
+def _sequence_keys_input(key, batch: int):
     """A typed PRNG key (scalar: folded per sequence on device) or ``[B]`` keys."""
-    if key is None:
-        return jax.random.key(0)
     if isinstance(key, (int, np.integer)):
         raise TypeError(f"key must be a JAX PRNG key such as jax.random.key({key}), not an int.")
     if not hasattr(key, "dtype"):
@@ -768,7 +766,13 @@ def _finish(call: _Call, out: "DecodeOutput", bad, which: dict[int, str]) -> "De
     out = jax.tree_util.tree_map(lambda x: x[: call.batch] if np.ndim(x) >= 1 else x, out)
     out = out.replace(tokens=out.tokens[:, : call.new_tokens])
     layout = call.cfg.layout
-    out = jax.device_put(out, None if layout is None else layout.named(jax.sharding.PartitionSpec()))
+    if layout is None:
+        out = jax.device_put(out)
+    else:  # replicated on the mesh, built per shard so that every host of a job can do it
+        rep = layout.named(jax.sharding.PartitionSpec())
+        out = jax.tree_util.tree_map(
+            lambda x: jax.make_array_from_callback(np.shape(x), rep, lambda idx, h=np.asarray(x): h[idx]), out
+        )
     out = out.replace(key=call.record[0], seed=call.record[1])
     _raise_if_bad(bad[: call.batch], out, which)
     return out
@@ -1365,7 +1369,9 @@ class _GenState:
     cache: KVCache
 
 
-def _generate_impl(model: Model, vocab: int, prompts, prompt_lengths, max_new, key, temperature, top_p, *, cfg: _Config):
+def _generate_impl(
+    model: Model, vocab: int, prompts, prompt_lengths, max_new, key, temperature, top_p, *, cfg: _Config
+):
     batch, width = prompts.shape
     n_max = cfg.max_new_tokens
     seq_keys = _per_sequence_keys(key, batch)
