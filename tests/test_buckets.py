@@ -164,3 +164,15 @@ def test_a_sequence_ignores_its_companions_across_buckets(dtype, temperature):
         changed = np.flatnonzero((small != wide).any(1)).tolist()
         assert changed == [], f"{len(changed)}/30 sequences changed with the padded width: {changed}"
         np.testing.assert_array_equal(alone, small[:3])
+
+
+def test_a_wide_padded_array_is_bucketed_by_its_longest_prompt():
+    """A client's fixed-width [B, 100] array of short prompts runs in the 16 bucket."""
+    pair = specjax.pair(*peaked_target_and_draft(llama_config()))  # 128 positions: 100 + 32 + 3 would not fit
+    prompts = [[5, 6, 7], [8, 9]]
+    arr = np.zeros((2, 100), np.int32)
+    arr[0, :3], arr[1, :2] = prompts[0], prompts[1]
+    kw = dict(num_draft=3, max_new_tokens=32, temperature=0.0)
+    out = specjax.decode(pair, arr, prompt_lengths=[3, 2], **kw)
+    ref = specjax.decode(pair, prompts, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))

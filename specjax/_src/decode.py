@@ -703,6 +703,8 @@ def _prepare_call(
     greedy = float(temperature) == 0.0
     new_tokens = int(max_new_tokens)
     prompts, lengths = _prepare_prompts(prompt_ids, prompt_lengths, vocab)
+    # A padded array wider than its longest prompt is bucketed by the real width.
+    prompts = prompts[:, : int(lengths.max())]
     batch, width = prompts.shape
     eos = _eos_ids(eos_token_id, vocab, models["target"].module)
     key, recorded_key, seed = _resolve_key(key, batch, greedy)
