@@ -176,3 +176,20 @@ def test_a_wide_padded_array_is_bucketed_by_its_longest_prompt():
     out = specjax.decode(pair, arr, prompt_lengths=[3, 2], **kw)
     ref = specjax.decode(pair, prompts, **kw)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+
+
+def test_a_new_eos_set_or_pad_id_compiles_nothing():
+    pair = specjax.pair(*peaked_target_and_draft(llama_config()))
+    prompts = [[5, 17, 3], [40, 2]]
+    kw = dict(num_draft=3, max_new_tokens=12, temperature=0.0)
+    free = specjax.decode(pair, prompts, eos_token_id=(), **kw)
+    specjax.generate(pair, prompts, eos_token_id=(), max_new_tokens=12, temperature=0.0)
+    eos = int(np.asarray(free.tokens)[0, 3])
+    with count_compilations() as compiled:
+        out = specjax.decode(pair, prompts, eos_token_id=[eos, 1, 2], pad_token_id=-7, **kw)
+        gen = specjax.generate(pair, prompts, eos_token_id=eos, pad_token_id=-7, max_new_tokens=12, temperature=0.0)
+    assert compiled["n"] == 0
+    for res in (out, gen):
+        toks, lens = np.asarray(res.tokens), np.asarray(res.lengths)
+        assert lens[0] <= 4 and toks[0, lens[0] - 1] == eos  # stopped at the new EOS
+        assert (toks[0, lens[0]:] == -7).all()  # and padded with the new id

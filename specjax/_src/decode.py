@@ -307,8 +307,6 @@ class _Config(NamedTuple):
     greedy: bool
     top_k: Optional[int]
     use_top_p: bool
-    eos: tuple[int, ...]
-    pad_id: int
     hidden_layers: tuple[int, ...]
     layout: Optional[sharding_lib.DecodeLayout] = None  # set when running on a mesh
 
@@ -663,6 +661,7 @@ class _Call(NamedTuple):
     prompts: np.ndarray  # [B', P'] int32
     lengths: np.ndarray  # [B'] int32 (1 for a dummy row)
     max_new: np.ndarray  # [B'] int32: max_new_tokens, 0 for a dummy row (done from the start)
+    eos: Any  # [E] int32 EOS ids, -1 filled (traced: a new EOS set compiles nothing)
     key: Any  # typed PRNG key: scalar, or [B']
     temperature: Any  # float32 scalar
     top_p: Any  # float32 scalar
@@ -670,6 +669,7 @@ class _Call(NamedTuple):
     models: dict  # the models, placed on the mesh if there is one
     batch: int  # B: rows to keep
     new_tokens: int  # N: columns to keep
+    pad_id: int  # fills the tokens after each end, on the host (so it compiles nothing)
     record: tuple  # (key, seed) recorded on the output
 
 
@@ -736,18 +736,35 @@ def _prepare_call(
         greedy=greedy,
         top_k=None if (greedy or top_k is None) else int(top_k),
         use_top_p=(not greedy) and top_p is not None and float(top_p) < 1.0,
-        eos=eos,
-        pad_id=pad_id,
         hidden_layers=(),
     )
     temp = np.float32(1.0 if greedy else temperature)
     top_p_value = np.float32(1.0 if top_p is None else top_p)
-    inputs = (padded_prompts, padded_lengths, max_new, key, temp, top_p_value)
+    eos_ids = _eos_array(eos)
     if layout is not None:
-        inputs = layout.put_inputs(*inputs)
+        padded_prompts, padded_lengths, max_new, key, temp, top_p_value = layout.put_inputs(
+            padded_prompts, padded_lengths, max_new, key, temp, top_p_value
+        )
+        eos_ids = _replicated(layout, eos_ids)
         cfg = cfg._replace(layout=layout)
-    return _Call(*inputs, cfg=cfg, models=placed, batch=batch, new_tokens=new_tokens,
-                 record=(recorded_key, seed))
+    return _Call(
+        padded_prompts, padded_lengths, max_new, eos_ids, key, temp, top_p_value, cfg=cfg, models=placed,
+        batch=batch, new_tokens=new_tokens, pad_id=pad_id, record=(recorded_key, seed),
+    )
+
+
+def _eos_array(eos: tuple[int, ...]) -> np.ndarray:
+    """EOS ids as an ``int32 [E]`` operand, ``E`` in 4, 8, 16, ... and ``-1``
+    (no token) filling the rest: the ids are traced, only ``E`` shapes the program."""
+    out = np.full((_bucket(max(len(eos), 1), 4),), -1, np.int32)
+    out[: len(eos)] = eos
+    return out
+
+
+def _replicated(layout, x) -> Array:
+    """A host array replicated over the mesh, built per shard (works on every host of a job)."""
+    rep = layout.named(jax.sharding.PartitionSpec())
+    return jax.make_array_from_callback(np.shape(x), rep, lambda idx, h=np.asarray(x): h[idx])
 
 
 def _pad_keys(key, batch_pad: int):
@@ -767,14 +784,13 @@ def _finish(call: _Call, out: "DecodeOutput", bad, which: dict[int, str]) -> "De
     out, bad = jax.device_get((out, bad))
     out = jax.tree_util.tree_map(lambda x: x[: call.batch] if np.ndim(x) >= 1 else x, out)
     out = out.replace(tokens=out.tokens[:, : call.new_tokens])
+    ended = np.arange(out.tokens.shape[1])[None, :] >= out.lengths[:, None]
+    out = out.replace(tokens=np.where(ended, np.int32(call.pad_id), out.tokens))
     layout = call.cfg.layout
     if layout is None:
         out = jax.device_put(out)
-    else:  # replicated on the mesh, built per shard so that every host of a job can do it
-        rep = layout.named(jax.sharding.PartitionSpec())
-        out = jax.tree_util.tree_map(
-            lambda x: jax.make_array_from_callback(np.shape(x), rep, lambda idx, h=np.asarray(x): h[idx]), out
-        )
+    else:  # replicated on the mesh
+        out = jax.tree_util.tree_map(functools.partial(_replicated, layout), out)
     out = out.replace(key=call.record[0], seed=call.record[1])
     _raise_if_bad(bad[: call.batch], out, which)
     return out
@@ -867,17 +883,17 @@ def _replicate_outputs(cfg: _Config, tree):
 
 
 def _extract(cfg: _Config, tokens: Array, prompt_lengths: Array, generated: Array) -> Array:
+    """``[B, N]`` generated tokens, 0 after each end (``_finish`` writes the pad id)."""
     n = cfg.max_new_tokens
     out = jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (n,)))(
         tokens, prompt_lengths
     )
-    return jnp.where(jnp.arange(n)[None, :] < generated[:, None], out, cfg.pad_id)
+    return jnp.where(jnp.arange(n)[None, :] < generated[:, None], out, 0)
 
 
-def _is_eos(cfg: _Config, tokens: Array) -> Array:
-    if not cfg.eos:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.isin(tokens, jnp.asarray(cfg.eos, jnp.int32))
+def _is_eos(eos_ids: Array, tokens: Array) -> Array:
+    """``tokens`` (any shape) that are one of ``eos_ids[E]`` (-1 entries match nothing)."""
+    return (tokens[..., None] == eos_ids).any(-1)
 
 
 # ---------------------------------------------------------------------------
@@ -989,7 +1005,9 @@ def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_uniform
     return bufs, cache
 
 
-def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, max_new, seq_keys, temperature, top_p, state):
+def _decode_cycle(
+    cfg: _Config, pair_params: ModelPair, prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, state
+):
     """One draft-verify cycle. Returns ``(state, diagnostics or None)``.
 
     ``max_new[B]``: each sequence's ``max_new_tokens`` (traced, so it does not
@@ -1071,7 +1089,7 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, max_new,
     # ---- commit: drafts[:n] + emitted, cut at EOS and max_new_tokens ----
     block = jnp.concatenate([drafts.tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
     block = jnp.where(slots == n[:, None], emitted[:, None], block)
-    is_eos = _is_eos(cfg, block) & (slots <= n[:, None])
+    is_eos = _is_eos(eos_ids, block) & (slots <= n[:, None])
     first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), k_max + 1)
     room = max_new - (nc - prompt_lengths)
     n_commit = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), room)
@@ -1144,7 +1162,9 @@ def _decode_cycle(cfg: _Config, pair_params: ModelPair, prompt_lengths, max_new,
     return new_state, diag
 
 
-def _decode_impl(pair_params: ModelPair, prompts, prompt_lengths, max_new, key, temperature, top_p, *, cfg: _Config):
+def _decode_impl(
+    pair_params: ModelPair, prompts, prompt_lengths, max_new, eos_ids, key, temperature, top_p, *, cfg: _Config
+):
     batch, width = prompts.shape
     k_max, n_max = cfg.num_draft, cfg.max_new_tokens
     rule: AcceptanceRule = cfg.rule.value
@@ -1177,7 +1197,7 @@ def _decode_impl(pair_params: ModelPair, prompts, prompt_lengths, max_new, key, 
     caches = (("target_cache", "target"), ("draft_cache", "draft"))
     state = _constrain(cfg, state, batch, caches)
     cycle = functools.partial(
-        _decode_cycle, cfg, pair_params, prompt_lengths, max_new, seq_keys, temperature, top_p
+        _decode_cycle, cfg, pair_params, prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p
     )
     if cfg.diagnostics is not None:
         shapes = jax.eval_shape(lambda s: cycle(s)[1], state)
@@ -1287,9 +1307,10 @@ def decode(
     Compilation and warm-up: the first call for each combination of
     (batch bucket, prompt-width bucket, ``max_new_tokens`` bucket) and of the
     static settings (``rule``, ``drafting``, ``num_draft``, greedy or not,
-    ``top_k``, whether ``top_p`` is set, the EOS ids, ``pad_token_id``)
-    compiles; later calls reuse it (temperature, ``top_p``'s value, the key
-    and the prompts' contents are traced). A serving loop can compile ahead by
+    ``top_k``, whether ``top_p`` is set, ``max_length``, the mesh) compiles;
+    later calls reuse it (temperature, ``top_p``'s value, the EOS ids (up to
+    4 share one program), ``pad_token_id``, the key and the prompts' contents
+    are traced or applied on the host). A serving loop can compile ahead by
     calling ``decode`` once per bucket it will meet, e.g. with
     ``[[0] * width] * batch`` for ``width`` in 16, 32, 64, ... and its batch
     sizes, before taking traffic.
@@ -1351,7 +1372,8 @@ def decode(
     )
     params = params.replace(target=call.models["target"], draft=call.models["draft"])
     out, bad = _decode_jit(
-        params, call.prompts, call.lengths, call.max_new, call.key, call.temperature, call.top_p, cfg=cfg
+        params, call.prompts, call.lengths, call.max_new, call.eos, call.key, call.temperature, call.top_p,
+        cfg=cfg,
     )
     return _finish(call, out, bad, {1: "target", 2: "draft"})
 
@@ -1372,7 +1394,7 @@ class _GenState:
 
 
 def _generate_impl(
-    model: Model, vocab: int, prompts, prompt_lengths, max_new, key, temperature, top_p, *, cfg: _Config
+    model: Model, vocab: int, prompts, prompt_lengths, max_new, eos_ids, key, temperature, top_p, *, cfg: _Config
 ):
     batch, width = prompts.shape
     n_max = cfg.max_new_tokens
@@ -1408,7 +1430,7 @@ def _generate_impl(
             s.tokens, tok, nc
         )
         new_nc = nc + live.astype(jnp.int32)
-        hit_eos = live & _is_eos(cfg, tok)
+        hit_eos = live & _is_eos(eos_ids, tok)
         done = s.done | bad_now | hit_eos | (new_nc - prompt_lengths >= max_new)
         new = _GenState(
             step=s.step + 1,
@@ -1485,7 +1507,7 @@ def generate(
         what=f"generation (longest prompt {{width}} + max_new_tokens {max_new_tokens})",
     )
     out, bad = _generate_jit(
-        call.models["target"], vocab, call.prompts, call.lengths, call.max_new, call.key,
+        call.models["target"], vocab, call.prompts, call.lengths, call.max_new, call.eos, call.key,
         call.temperature, call.top_p, cfg=call.cfg,
     )
     return _finish(call, out, bad, {1: "target"})
