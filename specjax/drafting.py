@@ -24,6 +24,7 @@ from specjax._src.drafting import (
     confidence,
     fixed,
     heuristic,
+    parse_drafting,
 )
 
 __all__ = (
@@ -38,4 +39,5 @@ __all__ = (
     "heuristic",
     "confidence",
     "combine",
+    "parse_drafting",
 )

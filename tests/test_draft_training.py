@@ -1,0 +1,146 @@
+"""training.draft: distillation rows, the reduced-head draft, resumable training,
+and that a draft which never proposes some tokens keeps decoding lossless."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax._src.lm import Model
+from specjax._src.models import loading
+from tests.bigram import bigram_model, random_table
+from tests.test_decode import exact_two_token_distribution, goodness_of_fit, two_token_counts
+from tests.tiny_models import llama_config
+from training import distill_data, draft
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_target(tmp_path_factory):
+    """A random 2-layer Llama with the embedded tokenizer and a chat template, on disk."""
+    embedded = specjax.load("embedded-target")
+    cfg = llama_config(vocab_size=embedded.vocab_size, eos_token_id=2, eos_token_ids=(2,), max_position_embeddings=256)
+    params = specjax.Decoder(cfg).init(jax.random.key(3))
+    params["lm_head"] = params["lm_head"] * 40.0  # peaked, so answers are not uniform noise
+    path = tmp_path_factory.mktemp("target") / "t"
+    loading.export_hf(Model(params, specjax.Decoder(cfg), embedded.tokenizer, chat_template=TEMPLATE), str(path))
+    return str(path)
+
+
+def test_rows_align_teacher_with_answer_tokens():
+    shards = {
+        "tokens": np.array([[5, 6, 7, 0, 10, 11, 12, 13]], np.int32),  # prompt width 4, 4 new tokens
+        "prompt_lengths": np.array([3], np.int32),
+        "answer_lengths": np.array([3], np.int32),
+        "top_ids": np.array([[[10, 9], [11, 4], [12, 2], [0, 1]]], np.int32),
+        "top_logprobs": np.log(np.array([[[0.9, 0.1], [0.6, 0.4], [0.7, 0.3], [1, 1e-9]]])).astype(np.float16),
+    }
+    head = draft.head_vocabulary(shards, 5, 20, always=(2,))
+    assert 2 in head and {10, 11, 12} <= set(head.tolist())
+    rows = draft.build_rows(shards, head, seq_len=8, vocab_size=20)
+    to_head = {t: i for i, t in enumerate(head.tolist())}
+    assert rows["tokens"][0].tolist() == [5, 6, 7, 10, 11, 12, 0, 0]
+    assert rows["mask"][0].tolist() == [False, False, True, True, True, False, False, False]
+    # position 2 (last prompt token) predicts answer token 0 (= 10), etc.
+    for pos, tok in [(2, 10), (3, 11), (4, 12)]:
+        assert rows["tokens"][0, pos + 1] == tok
+        assert rows["teacher_ids"][0, pos, 0] == to_head[tok]
+    assert rows["teacher_ids"][0, 3, 1] == (to_head[4] if 4 in to_head else -1)
+
+
+def _run(target, out, *extra):
+    args = ["--target", target, "--out", str(out), "--prompts", "6", "--gather-batch", "3", "--new-tokens", "8",
+            "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--mlp", "64",
+            "--head-vocab", "48", "--steps", "6", "--batch", "2", "--seq-len", "96", "--heldout-rows", "2",
+            "--lr", "1e-2", "--no-progress", *extra]
+    assert draft.main(args) == 0
+
+
+def test_gather_resumes_shard_by_shard(tiny_chat_target, tmp_path):
+    target = specjax.load(tiny_chat_target)
+    prompts = ["What is rain?", "Name a color.", "Say hi.", "Count to 3."]
+    distill_data.gather(target, prompts, tmp_path / "a", batch_size=2, new_tokens=6, log=lambda m: None)
+    first = dict(np.load(tmp_path / "a" / "shard_00001.npz"))
+    (tmp_path / "a" / "shard_00001.npz").unlink()
+    distill_data.gather(target, prompts, tmp_path / "a", batch_size=2, new_tokens=6, log=lambda m: None)
+    again = dict(np.load(tmp_path / "a" / "shard_00001.npz"))
+    for k in first:
+        np.testing.assert_array_equal(first[k], again[k], err_msg=k)
+    rows = distill_data.load_shards(tmp_path / "a")
+    assert rows["tokens"].shape[0] == 4 and rows["top_ids"].shape[1:] == (6, 32)
+    # greedy rows follow the target's own top-1
+    greedy = rows["temperatures"] == 0
+    width = rows["tokens"].shape[1] - 6
+    for i in np.nonzero(greedy)[0]:
+        n = rows["answer_lengths"][i]
+        np.testing.assert_array_equal(rows["tokens"][i, width:width + n], rows["top_ids"][i, :n, 0])
+
+
+def test_interrupted_training_resumes_to_the_same_draft(tiny_chat_target, tmp_path):
+    _run(tiny_chat_target, tmp_path / "full", "--train-only")
+    (tmp_path / "cut").mkdir()
+    # the same gathered data, then a run killed after 3 steps and resumed
+    import shutil
+
+    shutil.copytree(tmp_path / "full" / "data", tmp_path / "cut" / "data")
+    _run(tiny_chat_target, tmp_path / "cut", "--stop-after", "3")
+    _run(tiny_chat_target, tmp_path / "cut", "--train-only")
+    from training import common
+
+    like = None
+    states = []
+    for run in ("full", "cut"):
+        ckpt = common.Checkpointer(tmp_path / run / "ckpt")
+        step = ckpt.latest_step()
+        assert step == 6
+        raw = ckpt._manager.restore(step)
+        states.append(jax.tree.leaves(raw["state"]["params"]))
+        ckpt.close()
+    for a, b in zip(*states):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    del like
+
+
+def test_exported_draft_is_lossless_with_its_target(tiny_chat_target, tmp_path):
+    _run(tiny_chat_target, tmp_path, "--export", str(tmp_path / "draft"), "--eval-prompts", "2",
+         "--eval-new-tokens", "6")
+    d = specjax.load(tmp_path / "draft")
+    cfg = d.module.config
+    assert cfg.head_vocab_size == 48 and d.params["head_vocab_ids"].dtype == np.int32
+    assert d.chat_template == TEMPLATE
+    card = (tmp_path / "draft" / "MODEL_CARD.md").read_text()
+    assert "c_draft / c_AR" in card and "python -m training.draft" in card
+    log = json.loads((tmp_path / "draft" / "train_log.json").read_text())
+    assert log["summary"]["steps"] == 6
+    # the draft never proposes a token outside its head vocabulary ...
+    logits = np.asarray(specjax.logits(d, [[5, 6, 7, 8]]))
+    outside = np.setdiff1d(np.arange(cfg.vocab_size), np.asarray(d.params["head_vocab_ids"]))
+    assert np.isneginf(logits[..., outside]).all()
+    # ... and greedy speculative decoding still equals the target's greedy output
+    target = specjax.load(tiny_chat_target)
+    prompts = [specjax.encode_chat(target, p) for p in ["What is rain?", "Tell me a joke.", "2 + 2?"]]
+    ref = specjax.generate(target, prompts, max_new_tokens=12, temperature=0.0)
+    out = specjax.decode(specjax.pair(target, d), prompts, num_draft=3, max_new_tokens=12, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
+
+
+def test_lossless_sampling_with_a_draft_that_never_proposes_some_tokens():
+    """A reduced head gives q = 0 off its vocabulary; the residual must cover those tokens."""
+    vocab = 8  # two_token_counts' vocabulary
+    target_table = random_table(0, vocab)
+    draft_table = random_table(1, vocab)
+    draft_table[:, [0, 4, 7]] = -np.inf  # tokens the draft can never propose
+    pair = specjax.pair(bigram_model(target_table), bigram_model(draft_table))
+    expected = exact_two_token_distribution(target_table, 3, 1.0, None, None)
+    counts = two_token_counts(pair, rule=specjax.rules.speculative_sampling(), num_draft=3, temperature=1.0,
+                              top_k=None, top_p=None)
+    pvalue, tv = goodness_of_fit(counts, expected)
+    assert pvalue > 1e-3 and tv < 0.03, (pvalue, tv)
+    assert counts[[0, 4, 7]].sum() > 0  # the target still emits them
