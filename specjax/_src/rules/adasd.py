@@ -15,6 +15,7 @@ from specjax._src.rules.base import (
     Verdict,
     VerifyInputs,
     lossless_decision,
+    token_prob,
 )
 
 Array = jax.Array
@@ -47,7 +48,7 @@ def slot_js_distance(inputs: VerifyInputs) -> Array:
     return common.js_distance(inputs.target_probs[:k], inputs.draft_probs)
 
 
-def adasd() -> AcceptanceRule:
+def adasd(allow_excluded: bool = False) -> AcceptanceRule:
     """AdaSD's verification: accept draft tokens whose distributions agree.
 
     At slot k, ``d_k = JS distance(q_k, p_k)`` (base 2, in [0, 1]) between the
@@ -70,7 +71,21 @@ def adasd() -> AcceptanceRule:
 
     Correction after a rejection: the standard rule's — residual
     ``norm(max(0, p - q))`` when sampling, ``argmax p`` when greedy.
+
+    Drafting: the paper pairs this rule with an entropy stop on drafting
+    (:func:`specjax.drafting.adasd_entropy`, window 20); ``decode`` drafts with
+    fixed K unless given ``drafting=``, and then runs the paper's Verify-Only
+    ablation. ``specjax compare`` uses the entropy stop for its AdaSD rows.
+
+    Support guard: a JS-close slot would accept any draft token, also one the
+    target's top-k / top-p excluded (``p(x) = 0``); by default such a token is
+    not accepted by the threshold, so AdaSD only emits tokens the warped target
+    allows. ``allow_excluded=True`` accepts it, as the paper's rule reads.
+
+    Args:
+      allow_excluded: let the threshold accept tokens with ``p(x) = 0``.
     """
+    allow_excluded = bool(allow_excluded)
 
     def init() -> AdaSDState:
         zero = jnp.zeros((), jnp.float32)
@@ -79,6 +94,8 @@ def adasd() -> AcceptanceRule:
     def verify(inputs: VerifyInputs, state: AdaSDState, *, greedy: bool) -> Verdict:
         exact, correction = lossless_decision(inputs, greedy=greedy)
         close = slot_js_distance(inputs) < adasd_threshold(state)
+        if not allow_excluded:
+            close &= token_prob(inputs.target_probs, inputs.draft_tokens) > 0
         accept = exact | close
         return Verdict(accept, common.paths(accept, exact, Path.RELAXED), correction)
 
@@ -96,4 +113,5 @@ def adasd() -> AcceptanceRule:
             rejected_count=state.rejected_count + jnp.sum(was_rejected),
         )
 
-    return AcceptanceRule(init=init, verify=verify, update=update, spec=RuleSpec("adasd"))
+    spec = RuleSpec("adasd", (("allow_excluded", 1),) if allow_excluded else ())
+    return AcceptanceRule(init=init, verify=verify, update=update, spec=spec)

@@ -18,7 +18,7 @@ from specjax._src.rules.base import (
 )
 
 
-def ears(beta: float = 0.1) -> AcceptanceRule:
+def ears(beta: float = 0.1, allow_excluded: bool = False) -> AcceptanceRule:
     """Speculative sampling with an uncertainty-scaled tolerance on the coin.
 
     Sampling: accept ``x`` iff ``p(x) / max(q(x), 1e-10) >= max(U - beta * (1 - max p), 0)``.
@@ -34,10 +34,18 @@ def ears(beta: float = 0.1) -> AcceptanceRule:
     test is only consulted where the lossless test (computed exactly as
     :func:`speculative_sampling` does) rejects, and then cannot pass.
 
+    Support guard: when top-k / top-p excluded the draft token from the
+    target's distribution (``p(x) = 0``), the pardon test would still pass
+    for ``U < beta * (1 - max p)``; by default such a token is never pardoned,
+    so EARS only emits tokens the warped target allows, like every other
+    rule. ``allow_excluded=True`` applies the paper's formula literally.
+
     Args:
       beta: base tolerance, ``>= 0``; the paper uses 0.05-0.2.
+      allow_excluded: pardon tokens with ``p(x) = 0`` too (the formula as written).
     """
     beta = common.check_nonnegative("ears: beta", beta)
+    allow_excluded = bool(allow_excluded)
 
     def verify(inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
         del state
@@ -51,6 +59,8 @@ def ears(beta: float = 0.1) -> AcceptanceRule:
         # p / max(q, 1e-10) >= thr, written without a division.
         threshold = jnp.maximum(inputs.uniforms - tolerance, 0.0)
         pardon = p >= threshold * jnp.maximum(q, 1e-10)
+        if not allow_excluded:
+            pardon &= p > 0
         accept = exact | pardon
         return Verdict(accept, common.paths(accept, exact, Path.PARDON), correction)
 
@@ -58,5 +68,5 @@ def ears(beta: float = 0.1) -> AcceptanceRule:
         init=no_state,
         verify=verify,
         update=stateless_update,
-        spec=RuleSpec("ears", (("beta", beta),)),
+        spec=RuleSpec("ears", (("beta", beta),) + ((("allow_excluded", 1),) if allow_excluded else ())),
     )

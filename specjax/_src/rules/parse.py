@@ -37,7 +37,7 @@ RULES: dict[str, Callable[..., AcceptanceRule]] = {
 }
 ALIASES = {"sd": "speculative_sampling", "lossless": "speculative_sampling"}
 COMBINATORS = {"any_of": any_of, "all_of": all_of}
-STRING_PARAMS = {"head"}  # values kept as text (a path), not parsed as numbers
+STRING_PARAMS = {"head", "variant"}  # values kept as text (a path, a name), not parsed as numbers
 
 _NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*")
 _KEY_EQ = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=")
