@@ -534,9 +534,10 @@ def _check_common(temperature, top_k, top_p, max_new_tokens) -> None:
     sampling.check_sampling_args(temperature, top_k, top_p)
     if 0.0 < float(temperature) < MIN_TEMPERATURE:
         raise ValueError(
-            f"temperature={temperature!r} is too small to sample with: logits / temperature "
-            f"overflows float32. Pass temperature=0 for greedy decoding, or a temperature >= "
-            f"{MIN_TEMPERATURE:g}."
+            f"temperature={temperature!r} is too small to sample with: below {MIN_TEMPERATURE:g}, "
+            "logits / temperature can overflow float32 (every token came out 0), and sampling "
+            "equals greedy decoding up to near-ties anyway. Pass temperature=0 for greedy "
+            f"decoding, or a temperature >= {MIN_TEMPERATURE:g}."
         )
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
