@@ -157,7 +157,7 @@ def main(argv=None):
     chunks = [common.pad(plist[i:i + b], width) for i in range(0, len(plist), b)]
     temps = [float(t) for t in args.temperatures.split(",")] if args.temperatures else [args.temperature]
     rules = _rule_list(args.rule)
-    eos = None  # no EOS: every call generates exactly max_new_tokens per sequence
+    eos = ()  # no EOS: every call generates exactly max_new_tokens per sequence
     key = jax.random.key(args.seed)
 
     def run_all(fn):

@@ -13,7 +13,7 @@ Settings made equal:
   rewrites K and persists it across calls), ``assistant_confidence_threshold
   = 0`` (default 0.4 stops drafting early); reset before every call.
 * lengths: no EOS on either side (``generation_config.eos_token_id = None`` for
-  HF, ``eos_token_id=None`` for specjax), so both emit exactly
+  HF, ``eos_token_id=()`` for specjax), so both emit exactly
   ``--max-new-tokens`` per prompt; we check the counts.
 * sampling: greedy, and T=1 with no top-k / top-p on both (HF's ``top_k=50``
   default is switched off). HF's assisted T>0 path is standard speculative
@@ -120,7 +120,7 @@ def main(argv=None):
         return out[0, len(prompts[i]):].tolist()
 
     def sj_call(i, temperature, lossless=True):
-        common_kw = dict(max_new_tokens=N, temperature=temperature, eos_token_id=None,
+        common_kw = dict(max_new_tokens=N, temperature=temperature, eos_token_id=(),
                          key=jax.random.key(args.seed + i), prompt_lengths=lens[i:i + 1])
         if lossless:
             out = specjax.decode(params, arr[i:i + 1], rule=rule, num_draft=K, **common_kw)

@@ -97,7 +97,7 @@ def main(argv=None):
             else:
                 prompts = np.random.default_rng(args.seed).integers(0, vocab, (b, plen)).astype(np.int32)
             key = jax.random.key(args.seed)
-            kw = dict(max_new_tokens=N, temperature=T, key=key, eos_token_id=None)
+            kw = dict(max_new_tokens=N, temperature=T, key=key, eos_token_id=())
 
             def ar():
                 o = specjax.generate(params, prompts, **kw)

@@ -118,10 +118,16 @@ class Spy:
         return self.orig.lower(*args, **kwargs).compile().as_text()
 
 
-def check_hlo(spy: Spy, weights: set, caches: set) -> dict:
+def check_hlo(spy: Spy, weights: set, cache_dims: tuple) -> dict:
+    """Collectives of the spied program; ``cache_gathers``: all-gathers of a
+    whole KV-cache buffer ``[B, KVH, L, D]``, with L the bucketed cache length
+    the engine chose for that call (read from its static config)."""
     info = collectives(spy.hlo())
+    kv_heads, head_dim = cache_dims
+    length = spy.last[1]["cfg"].cache_length
     info["weight_gathers"] = sorted({s for s in info["all_gather_shapes"] if s in weights})
-    info["cache_gathers"] = sorted({s for s in info["all_gather_shapes"] if s in caches})
+    info["cache_gathers"] = sorted({s for s in info["all_gather_shapes"]
+                                    if len(s) == 4 and s[1:] == (kv_heads, length, head_dim)})
     info["all_gather_shapes"] = sorted(set(info["all_gather_shapes"]))
     return info
 
@@ -195,7 +201,7 @@ def main(path: str) -> None:
     key = jax.random.key(7)
     kw = dict(num_draft=NUM_DRAFT, max_new_tokens=NEW)
     weights = weight_shapes(pair.target, pair.draft)
-    caches = {(BATCH, len(max(prompts, key=len)) + NEW + NUM_DRAFT, CFG.num_kv_heads, CFG.head_dim)}
+    caches = (CFG.num_kv_heads, CFG.head_dim)
     report["errors"] = errors(pair, prompts, kw)
 
     spy_decode, spy_generate = Spy("_decode_jit"), Spy("_generate_jit")
