@@ -68,6 +68,7 @@ def _compare(args) -> int:
         eval_dir = Path(args.eval_dir) if args.eval_dir else compare.DEFAULT_EVAL
         eval_set = compare.load_eval_set(target.tokenizer, eval_dir, preset.num_task, preset.num_code)
     print(f"compare: pair {pair}, {len(eval_set.prompts)} prompts ({int(eval_set.task_mask.sum())} task), "
+          f"batch {args.batch or preset.batch_size or len(eval_set.prompts)}, "
           f"K={args.num_draft}, up to {args.max_new_tokens or preset.max_new_tokens} new tokens, {args.dtype}, "
           f"device {specjax_device()}")
     rows = compare.run_comparison(
@@ -80,6 +81,7 @@ def _compare(args) -> int:
         num_draft=args.num_draft,
         drafting=_drafting(args),
         seed=args.seed,
+        batch_size=args.batch or preset.batch_size,
         progress=not args.no_progress,
     )
     print(compare.format_table(rows))
@@ -107,19 +109,14 @@ def _generate(args) -> int:
     else:
         ids = target.tokenizer.encode(args.prompt).ids
         print(args.prompt, end="", flush=True)
-    stream = specjax.stream if hasattr(specjax, "stream") else None
     common = dict(rule=rule, drafting=_drafting(args), num_draft=args.num_draft,
                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   key=jax.random.key(args.seed))
     params = specjax.pair(target, draft)
-    if stream is not None:
-        text = _TextStream(target.tokenizer)
-        out = stream(params, ids, on_tokens=text.push, **common)
-        text.flush()
-    else:
-        out = specjax.decode(params, [ids], **common)
-        n = int(out.lengths[0])
-        print(target.tokenizer.decode(list(map(int, out.tokens[0, :n]))), end="")
+    # Streams: each draft-verify cycle's tokens are printed as the loop commits them.
+    text = _TextStream(target.tokenizer)
+    out = specjax.decode(params, [ids], on_tokens=text.on_tokens, **common)
+    text.flush()
     print("\n")
     print(out.stats)
     return 0
@@ -132,6 +129,10 @@ class _TextStream:
     def __init__(self, tokenizer):
         self.tokenizer, self.ids, self.printed = tokenizer, [], 0
 
+    def on_tokens(self, tokens, counts) -> None:
+        """``decode``'s ``on_tokens`` for a batch of one sequence."""
+        self.push(tokens[0, : counts[0]])
+
     def push(self, new_ids) -> None:
         self.ids.extend(int(i) for i in new_ids)
         text = self.tokenizer.decode(self.ids)
@@ -143,6 +144,7 @@ class _TextStream:
     def flush(self) -> None:
         text = self.tokenizer.decode(self.ids)
         print(text[self.printed:], end="", flush=True)
+        self.printed = len(text)
 
 
 def _models(args) -> int:
@@ -224,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--full", action="store_true", help="more prompts and a third temperature")
     p.add_argument("--rules", help='";"-separated rule specs, e.g. "mars:theta=0.9;ears:beta=0.2"')
     p.add_argument("--max-new-tokens", type=int, help="override the preset's generation length")
+    p.add_argument("--batch", type=int, help="prompts per decode call (default: the preset's; smollm2: 1, "
+                   "embedded: all prompts in one batch)")
     p.add_argument("--eval-dir", help="evaluation directory: task.jsonl + heldout_prompts.jsonl (chat pairs) or "
                    "arith_heldout.jsonl + code_prompts.jsonl (embedded pair)")
     p.add_argument("--chat-eval", action="store_true", help="with --target/--draft: evaluate on chat prompts")

@@ -135,3 +135,13 @@ def test_adasd_rows_draft_with_the_entropy_stop():
     policy, k = compare.row_drafting("adasd", 4)
     assert policy.spec.name == "adasd_entropy" and k == compare.ADASD_WINDOW
     assert compare.row_drafting("mars:theta=0.9", 4) == (None, 4)
+
+
+def test_compare_in_groups_gives_the_same_greedy_text(small_model):
+    eval_set = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=5, num_code=0)
+    kw = dict(rules=("speculative_sampling",), temperatures=(0.0,), max_new_tokens=6, progress=False)
+    whole = compare.run_comparison(small_model, small_model, eval_set, **kw)
+    grouped = compare.run_comparison(small_model, small_model, eval_set, batch_size=2, **kw)
+    assert [r.batch for r in whole] == [5, 5] and [r.batch for r in grouped] == [2, 2]
+    assert grouped[1].agreement == 1.0 and grouped[1].task_accuracy == whole[1].task_accuracy
+    assert grouped[1].tau == whole[1].tau

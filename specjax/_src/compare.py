@@ -29,7 +29,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +74,7 @@ SMOLLM2_RULES = (
     "top_m:m=2",
 )
 SMOLLM2_QUICK_RULES = ("speculative_sampling", "mars:theta=0.9")
-SMOLLM2_DEFAULT_RULES = ("speculative_sampling", "mars:theta=0.9", "ears:beta=0.1", "adasd")
+SMOLLM2_DEFAULT_RULES = ("speculative_sampling", "mars:theta=0.9", "ears:beta=0.1")
 
 # AdaSD drafts until the draft's entropy exceeds its running threshold, up to a
 # window of 20 drafts (AdaSD paper): its row uses that policy, not fixed K.
@@ -99,6 +99,7 @@ class Preset:
     max_new_tokens: int
     temperatures: tuple[float, ...]
     rules: tuple[str, ...]
+    batch_size: Optional[int] = None  # prompts per decode call; None: all at once
 
 
 PRESETS = {
@@ -107,10 +108,16 @@ PRESETS = {
     "full": Preset(num_task=200, num_code=64, max_new_tokens=64, temperatures=(0.0, 0.7, 1.0), rules=FULL_RULES),
 }
 # num_code counts open chat prompts for this pair.
+# Batch 1: on a CPU a (K+1)-token verification of the 135M target costs about
+# one token's forward only at batch 1 (BENCHMARKS.md), which is where
+# speculative decoding pays there.
 SMOLLM2_PRESETS = {
-    "quick": Preset(num_task=4, num_code=4, max_new_tokens=32, temperatures=(0.0, 1.0), rules=SMOLLM2_QUICK_RULES),
-    "default": Preset(num_task=8, num_code=8, max_new_tokens=64, temperatures=(0.0, 1.0), rules=SMOLLM2_DEFAULT_RULES),
-    "full": Preset(num_task=133, num_code=32, max_new_tokens=128, temperatures=(0.0, 1.0), rules=SMOLLM2_RULES),
+    "quick": Preset(num_task=2, num_code=2, max_new_tokens=32, temperatures=(0.0, 1.0), rules=SMOLLM2_QUICK_RULES,
+                    batch_size=1),
+    "default": Preset(num_task=4, num_code=4, max_new_tokens=64, temperatures=(0.0, 1.0),
+                      rules=SMOLLM2_DEFAULT_RULES, batch_size=1),
+    "full": Preset(num_task=133, num_code=32, max_new_tokens=96, temperatures=(0.0, 1.0), rules=SMOLLM2_RULES,
+                   batch_size=8),
 }
 
 
@@ -217,6 +224,7 @@ class Row:
 
     method: str
     temperature: float
+    batch: int
     tokens_per_s: float
     speedup: float
     tau: float
@@ -231,17 +239,41 @@ class Row:
     pardon: int = 0
 
 
-def _timed(fn, repeats: int = 1):
-    """Runs ``fn`` once to compile, then ``repeats`` times; median wall time."""
-    out = fn()
-    jax.block_until_ready(out.tokens)
+def _timed(fn, prompts, batch_size: Optional[int], repeats: int = 1):
+    """Runs ``fn(group)`` over ``prompts`` in groups of ``batch_size`` (all at
+    once when None): once to compile, then ``repeats`` times; returns the
+    outputs' ``(tokens, lengths, stats list)`` and the median total wall time."""
+    size = batch_size or len(prompts)
+    groups = [prompts[i:i + size] for i in range(0, len(prompts), size)]
+    for g in {len(g): g for g in groups}.values():  # compile each group shape
+        jax.block_until_ready(fn(g).tokens)
     times = []
     for _ in range(repeats):
+        outs = []
         start = time.perf_counter()
-        out = fn()
-        jax.block_until_ready(out.tokens)
+        for g in groups:
+            out = fn(g)
+            jax.block_until_ready(out.tokens)
+            outs.append(out)
         times.append(time.perf_counter() - start)
-    return out, float(np.median(times))
+    width = max(np.asarray(o.tokens).shape[1] for o in outs)
+    tokens = np.concatenate([np.pad(np.asarray(o.tokens), ((0, 0), (0, width - np.asarray(o.tokens).shape[1])))
+                             for o in outs])
+    lengths = np.concatenate([np.asarray(o.lengths) for o in outs])
+    return (tokens, lengths, [getattr(o, "stats", None) for o in outs]), float(np.median(times))
+
+
+def _merged_summary(stats_list) -> dict:
+    """Totals of several ``DecodeStats`` summaries (sums; rates recomputed)."""
+    sums: dict = {}
+    for st in stats_list:
+        for k, v in st.summary().items():
+            sums[k] = sums.get(k, 0.0) + v
+    cycles, drafted = max(sums.get("cycles", 0.0), 1.0), max(sums.get("drafted", 0.0), 1.0)
+    sums["tau"] = sums.get("tokens", 0.0) / cycles
+    sums["acceptance_rate"] = sums.get("accepted", 0.0) / drafted
+    sums["mean_drafted_per_cycle"] = sums.get("drafted", 0.0) / cycles
+    return sums
 
 
 def _agreement(tokens, lengths, ref_tokens, ref_lengths) -> float:
@@ -266,9 +298,15 @@ def run_comparison(
     drafting=None,
     seed: int = 0,
     repeats: int = 1,
+    batch_size: Optional[int] = None,
     progress: bool = True,
 ) -> list[Row]:
-    """Measures target-only decoding and every rule; returns one Row per (method, T)."""
+    """Measures target-only decoding and every rule; returns one Row per (method, T).
+
+    ``batch_size``: decode the prompts in groups of this many (None: all in one
+    batch). Speculative decoding pays where a (K+1)-token verification costs
+    about one token's forward: batch 1 on a CPU, larger batches on accelerators.
+    """
     import specjax
     from specjax.rules import parse_rule
 
@@ -291,15 +329,16 @@ def run_comparison(
             bar.set_postfix_str(f"{rule_spec or 'target-only'} T={temperature:g}")
         common = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos, key=key)
         if rule_spec is None:
-            out, seconds = _timed(lambda: specjax.generate(target, eval_set.prompts, **common), repeats)
+            out, seconds = _timed(lambda g: specjax.generate(target, g, **common), eval_set.prompts,
+                                  batch_size, repeats)
         else:
             rule = parse_rule(rule_spec)
             policy, k = row_drafting(rule_spec, num_draft, drafting)
             out, seconds = _timed(
-                lambda: specjax.decode(params, eval_set.prompts, rule=rule, drafting=policy, num_draft=k, **common),
-                repeats,
+                lambda g: specjax.decode(params, g, rule=rule, drafting=policy, num_draft=k, **common),
+                eval_set.prompts, batch_size, repeats,
             )
-        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        tokens, lengths, stats_list = out
         texts = completions(tokenizer, tokens, lengths)
         correct = [eval_set.correct(t, a) for t, a, m in zip(texts, eval_set.answers, mask) if m]
         accuracy = float(np.mean(correct)) if correct else math.nan
@@ -310,11 +349,11 @@ def run_comparison(
             summary = {"tau": 1.0, "acceptance_rate": math.nan, "mean_drafted_per_cycle": math.nan}
             name = "target-only"
         else:
-            summary = out.stats.summary()
+            summary = _merged_summary(stats_list)
             name = rule_spec
         base_out, base_tok_s, base_acc = baseline[temperature]
         agreement = (
-            _agreement(tokens, lengths, np.asarray(base_out.tokens), np.asarray(base_out.lengths))
+            _agreement(tokens, lengths, base_out[0], base_out[1])
             if temperature == 0
             else math.nan
         )
@@ -322,6 +361,7 @@ def run_comparison(
             Row(
                 method=name,
                 temperature=temperature,
+                batch=batch_size or len(eval_set.prompts),
                 tokens_per_s=tok_s,
                 speedup=tok_s / base_tok_s,
                 tau=float(summary.get("tau", math.nan)),
@@ -342,6 +382,7 @@ def run_comparison(
 COLUMNS = (
     ("method", "method", "{}"),
     ("temperature", "T", "{:g}"),
+    ("batch", "batch", "{}"),
     ("tokens_per_s", "tok/s", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("tau", "tau", "{:.2f}"),
