@@ -144,3 +144,20 @@ def test_lossless_sampling_with_a_draft_that_never_proposes_some_tokens():
     pvalue, tv = goodness_of_fit(counts, expected)
     assert pvalue > 1e-3 and tv < 0.03, (pvalue, tv)
     assert counts[[0, 4, 7]].sum() > 0  # the target still emits them
+
+
+def test_training_continues_from_an_exported_draft(tiny_chat_target, tmp_path):
+    _run(tiny_chat_target, tmp_path / "a", "--export", str(tmp_path / "a_draft"), "--eval-prompts", "1",
+         "--eval-new-tokens", "4")
+    first = specjax.load(tmp_path / "a_draft", dtype="float32")
+    import shutil
+
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "data", tmp_path / "b" / "data")
+    # a different --head-vocab is overridden by the exported draft's own layout and vocabulary
+    _run(tiny_chat_target, tmp_path / "b", "--init-from", str(tmp_path / "a_draft"), "--head-vocab", "40",
+         "--export", str(tmp_path / "b_draft"), "--eval-prompts", "1", "--eval-new-tokens", "4")
+    second = specjax.load(tmp_path / "b_draft", dtype="float32")
+    np.testing.assert_array_equal(np.asarray(second.params["head_vocab_ids"]), np.asarray(first.params["head_vocab_ids"]))
+    assert second.module.config == first.module.config
+    assert not np.allclose(np.asarray(second.params["lm_head"]), np.asarray(first.params["lm_head"]))

@@ -351,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=int, default=256)
     g.add_argument("--lr", type=float, default=2e-3)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--init-from", default=None,
+                   help="start from an exported draft (e.g. the shipped one) instead of the target's embeddings: "
+                        "its layout and head vocabulary are kept; a fresh optimizer and schedule (continue "
+                        "training in a later session, on more gathered data)")
     g.add_argument("--heldout-rows", type=int, default=128, help="rows kept out of training for the held-out loss")
     g.add_argument("--train-only", action="store_true", help="skip export and evaluation")
     g.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate a kill
@@ -386,7 +390,14 @@ def main(argv=None) -> int:
     meta_file.write_text(json.dumps(run))
     shards = distill_data.load_shards(data_dir, limit=num_shards)
     eos = tuple(cfg_t.eos_token_ids)
-    head_ids = head_vocabulary(shards, args.head_vocab, cfg_t.vocab_size, eos)
+    init = specjax.load(args.init_from, dtype="float32") if args.init_from else None
+    if init is not None:
+        head_ids = np.asarray(init.params["head_vocab_ids"])
+        c = init.module.config
+        args.hidden, args.layers, args.heads, args.kv_heads = c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads
+        args.mlp, args.head_vocab = c.intermediate_size, c.head_vocab_size
+    else:
+        head_ids = head_vocabulary(shards, args.head_vocab, cfg_t.vocab_size, eos)
     rows = build_rows(shards, head_ids, args.seq_len, cfg_t.vocab_size)
     coverage = float(np.mean(rows["teacher_ids"][..., 0][rows["mask"]] >= 0))
     n = rows["tokens"].shape[0]
@@ -397,14 +408,15 @@ def main(argv=None) -> int:
         f"{held['tokens'].shape[0]} held-out rows; head covers {100 * coverage:.2f}% of answer tokens")
 
     cfg = draft_config(cfg_t, args.hidden, args.layers, args.heads, args.kv_heads, args.mlp, args.head_vocab)
-    params = init_from_target(cfg, target, head_ids, args.seed)
+    params = init_from_target(cfg, target, head_ids, args.seed) if init is None else dict(init.params)
     trainable, ids = split_trainable(params)
     optimizer = common.adamw(args.lr, args.steps, warmup_steps=min(100, args.steps // 10), weight_decay=0.01)
     loss_fn = make_loss(cfg, ids["head_vocab_ids"])
     train_step = common.make_train_step(loss_fn, optimizer)
     state = common.init_state(trainable, optimizer)
     ckpt = common.Checkpointer(out / "ckpt", every_seconds=120)
-    meta = {"config": loading.config_to_dict(cfg), "num_shards": num_shards, "seed": args.seed}
+    meta = {"config": loading.config_to_dict(cfg), "num_shards": num_shards, "seed": args.seed,
+            "init_from": args.init_from}
     restored = ckpt.restore(state)
     if restored is not None:
         state, meta = restored
