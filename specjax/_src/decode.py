@@ -3,7 +3,8 @@
 ``decode`` runs the whole generation on device — prefill, then cycles of
 (draft up to K tokens, verify them in one target forward, accept per sequence,
 commit, roll the caches back by length) — inside one ``jax.lax.while_loop``
-with fixed-size buffers. There is no host round trip per cycle.
+with fixed-size buffers. There is no host round trip per cycle (unless
+``on_tokens=`` asks for streaming: see :func:`_report`).
 
 Shapes are bucketed (:class:`Buckets`): the batch, the prompt width and the
 ``max_new_tokens`` buffer are padded up to a few sizes so that mixed traffic
@@ -58,7 +59,9 @@ partitioner inserts the collectives. See :mod:`specjax._src.sharding`.
 from __future__ import annotations
 
 import functools
+import itertools
 import secrets
+import threading
 import types
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -66,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.experimental import io_callback
 
 from specjax._src import drafting as drafting_lib
 from specjax._src import sampling
@@ -309,6 +313,9 @@ class _Config(NamedTuple):
     use_top_p: bool
     hidden_layers: tuple[int, ...]
     layout: Optional[sharding_lib.DecodeLayout] = None  # set when running on a mesh
+    # ``on_tokens=`` given: the loop reports each cycle's tokens to the host
+    # (:func:`_report`). False compiles the program without any callback.
+    stream: bool = False
 
 
 def _hidden_layers(spec: Any) -> tuple[int, ...]:
@@ -905,6 +912,99 @@ def _is_eos(eos_ids: Array, tokens: Array) -> Array:
 
 
 # ---------------------------------------------------------------------------
+# Streaming (``on_tokens=``)
+# ---------------------------------------------------------------------------
+
+# The callbacks of the streaming calls in flight, by the id each call passes
+# to its loop as a traced operand: the compiled program holds one fixed host
+# function (:func:`_dispatch`), so a new ``on_tokens`` (e.g. a bound method
+# of a fresh object per request) compiles nothing, and calls running in
+# parallel threads each reach their own callback.
+_STREAMS: dict[int, "_Stream"] = {}
+_STREAM_IDS = itertools.count(1)
+_STREAMS_LOCK = threading.Lock()
+
+
+class _Stream:
+    """One call's ``on_tokens`` and the caller's batch (rows past it are bucket padding)."""
+
+    def __init__(self, fn: Callable, batch: int):
+        self.fn, self.batch, self.error = fn, batch, None
+
+
+def _check_on_tokens(on_tokens, call: "_Call") -> None:
+    if on_tokens is None:
+        return
+    if not callable(on_tokens):
+        raise TypeError(f"on_tokens must be callable (tokens, counts) -> None, got {type(on_tokens).__name__}.")
+    if call.cfg.layout is not None:
+        raise ValueError(
+            "on_tokens (streaming) is not supported on a mesh (mesh=, or params placed on one): "
+            "its per-cycle host callback is an ordered effect, which JAX runs on one device only. "
+            "Decode without on_tokens there, or on one device."
+        )
+
+
+def _dispatch(stream_id, tokens, counts) -> None:
+    """Host side of the per-cycle callback: forwards the caller's rows to its ``on_tokens``.
+
+    A cycle that commits nothing for the caller's rows is not reported. An
+    exception of ``on_tokens`` is kept and re-raised by ``decode`` /
+    ``generate`` once the loop is over (raised here, JAX would replace it by a
+    runtime error); that call's later cycles are then not reported.
+    """
+    stream = _STREAMS.get(int(stream_id))
+    if stream is None or stream.error is not None:
+        return
+    counts = np.asarray(counts, np.int32)[: stream.batch]
+    if not counts.any():
+        return
+    try:
+        stream.fn(np.asarray(tokens, np.int32)[: stream.batch], counts)
+    except Exception as e:  # noqa: BLE001 - re-raised by the caller
+        stream.error = e
+
+
+def _report(cfg: _Config, stream_id, tokens: Array, before: Array, after: Array, width: int, pad_id) -> None:
+    """Inside the loop body: reports ``tokens[b, before[b]:after[b]]`` (the
+    tokens committed by this cycle, at most ``width``) to the host.
+
+    ``io_callback(ordered=True)``: ordered so that the chunks arrive in cycle
+    order, and an ``io_callback`` (not ``jax.debug.callback``) because this
+    is an effect the caller relies on, which must neither be dropped nor
+    reordered; it runs inside ``while_loop`` with the effect token in the
+    carry. It costs one device-to-host round trip per cycle; the program
+    compiled without ``on_tokens`` (``cfg.stream`` False) has no callback.
+    """
+    if not cfg.stream:
+        return
+    counts = (after - before).astype(jnp.int32)
+    chunk = jax.vmap(lambda row, off: jax.lax.dynamic_slice(row, (off,), (width,)))(tokens, before)
+    chunk = jnp.where(jnp.arange(width)[None, :] < counts[:, None], chunk, pad_id)
+    io_callback(_dispatch, None, stream_id, chunk, counts, ordered=True)
+
+
+def _run_streaming(on_tokens, batch: int, run: Callable):
+    """``run(stream_id)`` with ``on_tokens`` registered; waits for the loop (and
+    so for every callback) before returning, then re-raises a callback error."""
+    if on_tokens is None:
+        return run(None)
+    stream = _Stream(on_tokens, batch)
+    with _STREAMS_LOCK:
+        stream_id = next(_STREAM_IDS) % (2**31 - 1)
+        _STREAMS[stream_id] = stream
+    try:
+        result = jax.block_until_ready(run(np.int32(stream_id)))
+        jax.effects_barrier()
+    finally:
+        with _STREAMS_LOCK:
+            _STREAMS.pop(stream_id, None)
+    if stream.error is not None:
+        raise stream.error
+    return result
+
+
+# ---------------------------------------------------------------------------
 # decode
 # ---------------------------------------------------------------------------
 
@@ -1171,8 +1271,8 @@ def _decode_cycle(
 
 
 def _decode_impl(
-    pair_params: ModelPair, prompts, prompt_lengths, max_new, eos_ids, pad_id, key, temperature, top_p, *,
-    cfg: _Config,
+    pair_params: ModelPair, prompts, prompt_lengths, max_new, eos_ids, pad_id, key, temperature, top_p,
+    stream_id=None, *, cfg: _Config,
 ):
     batch, width = prompts.shape
     k_max, n_max = cfg.num_draft, cfg.max_new_tokens
@@ -1221,6 +1321,7 @@ def _decode_impl(
         if diag is not None:
             extra = jax.tree_util.tree_map(jnp.add, new.stats.extra, diag)
             new = new.replace(stats=new.stats.replace(extra=extra))
+        _report(cfg, stream_id, new.tokens, s.num_committed, new.num_committed, k_max + 1, pad_id)
         return _constrain(cfg, new, batch, caches)
 
     state = jax.lax.while_loop(cond, body, state)
@@ -1270,6 +1371,7 @@ def decode(
     diagnostics: Optional[Callable] = None,
     mesh=None,
     buckets: Optional[Buckets] = BUCKETS,
+    on_tokens: Optional[Callable] = None,
 ) -> DecodeOutput:
     """Speculative decoding: draft with ``params.draft``, verify with ``params.target``.
 
@@ -1312,11 +1414,29 @@ def decode(
         fall in the same buckets share one compiled program. Padding never
         changes a sequence's output, and the output is cut back to ``[B, N]``.
         ``None``: compile for the exact shapes.
+      on_tokens: streaming. A host function ``on_tokens(tokens, counts)``
+        called after every draft-verify cycle that committed tokens, in cycle
+        order, while the loop runs: ``tokens`` is an ``int32 [B, K + 1]``
+        numpy array and ``counts`` an ``int32 [B]`` one; row ``b``'s first
+        ``counts[b]`` entries are the tokens that cycle committed to sequence
+        ``b`` (already cut at EOS and ``max_new_tokens``; 0 for a finished
+        sequence), the rest is ``pad_token_id``. Concatenated per sequence, the
+        chunks are exactly ``out.tokens[b, :out.lengths[b]]``. ``B`` is the
+        caller's batch (bucket padding rows are never reported). It is called
+        from a JAX runtime thread through an ordered ``io_callback``: one
+        device-to-host round trip per cycle, so the loop waits for it (keep it
+        quick). ``decode`` returns once every chunk was delivered, with the
+        same :class:`DecodeOutput` as without it; an exception raised by
+        ``on_tokens`` stops the reports and is re-raised then. Default (None):
+        no callback is compiled in, the program is the one without streaming.
+        Any two callbacks share one compiled program. Not supported on a mesh
+        (ValueError).
 
     Compilation and warm-up: the first call for each combination of
     (batch bucket, prompt-width bucket, ``max_new_tokens`` bucket) and of the
     static settings (``rule``, ``drafting``, ``num_draft``, greedy or not,
-    ``top_k``, whether ``top_p`` is set, ``max_length``, the mesh) compiles;
+    ``top_k``, whether ``top_p`` is set, ``max_length``, the mesh, whether
+    ``on_tokens`` is given) compiles;
     later calls reuse it (temperature, ``top_p``'s value, the EOS ids (up to
     4 share one program), ``pad_token_id``, the key and the prompts' contents
     are traced). A serving loop can compile ahead by
@@ -1379,10 +1499,14 @@ def decode(
         diagnostics=None if diagnostics is None else _Keyed(diagnostics),
         hidden_layers=_hidden_layers(rule.spec),
     )
+    _check_on_tokens(on_tokens, call)
+    cfg = cfg._replace(stream=on_tokens is not None)
     params = params.replace(target=call.models["target"], draft=call.models["draft"])
-    out, bad = _decode_jit(
-        params, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id, call.key, call.temperature,
-        call.top_p, cfg=cfg,
+    args = (params, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id, call.key, call.temperature,
+            call.top_p)
+    out, bad = _run_streaming(
+        on_tokens, call.batch,
+        lambda sid: _decode_jit(*args, cfg=cfg) if sid is None else _decode_jit(*args, sid, cfg=cfg),
     )
     return _finish(call, out, bad, {1: "target", 2: "draft"})
 
@@ -1403,8 +1527,8 @@ class _GenState:
 
 
 def _generate_impl(
-    model: Model, vocab: int, prompts, prompt_lengths, max_new, eos_ids, pad_id, key, temperature, top_p, *,
-    cfg: _Config,
+    model: Model, vocab: int, prompts, prompt_lengths, max_new, eos_ids, pad_id, key, temperature, top_p,
+    stream_id=None, *, cfg: _Config,
 ):
     batch, width = prompts.shape
     n_max = cfg.max_new_tokens
@@ -1450,6 +1574,7 @@ def _generate_impl(
             bad=jnp.where(bad_now, 1, s.bad),
             cache=out.cache.rollback(new_nc - 1),
         )
+        _report(cfg, stream_id, tokens, nc, new_nc, 1, pad_id)
         return _constrain(cfg, new, batch, (("cache", "target"),))
 
     state = jax.lax.while_loop(cond, body, state)
@@ -1481,6 +1606,7 @@ def generate(
     pad_token_id: int = 0,
     mesh=None,
     buckets: Optional[Buckets] = BUCKETS,
+    on_tokens: Optional[Callable] = None,
 ) -> DecodeOutput:
     """Target-only autoregressive sampling: the baseline ``decode`` is compared to.
 
@@ -1491,6 +1617,10 @@ def generate(
     :class:`~specjax.Model`, or a :class:`ModelPair` (its target is used,
     with the pair's vocabulary). One jitted ``while_loop``, one ``T = 1``
     forward per token. ``mesh``: as for :func:`decode`.
+
+    ``on_tokens``: streaming, as for :func:`decode`, called after every token
+    step with ``tokens`` ``int32 [B, 1]`` and ``counts`` ``int32 [B]`` (1 for
+    a sequence that produced a token in that step, else 0).
     """
     if isinstance(model, ModelPair):
         vocab, model = model.vocab_size, model.target
@@ -1516,8 +1646,12 @@ def generate(
         buckets=buckets,
         what=f"generation (longest prompt {{width}} + max_new_tokens {max_new_tokens})",
     )
-    out, bad = _generate_jit(
-        call.models["target"], vocab, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id,
-        call.key, call.temperature, call.top_p, cfg=call.cfg,
+    _check_on_tokens(on_tokens, call)
+    cfg = call.cfg._replace(stream=on_tokens is not None)
+    args = (call.models["target"], vocab, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id,
+            call.key, call.temperature, call.top_p)
+    out, bad = _run_streaming(
+        on_tokens, call.batch,
+        lambda sid: _generate_jit(*args, cfg=cfg) if sid is None else _generate_jit(*args, sid, cfg=cfg),
     )
     return _finish(call, out, bad, {1: "target"})
