@@ -63,16 +63,7 @@ QUICK_RULES = ("speculative_sampling", "mars:theta=0.9", "ears:beta=0.1")
 
 
 # The real pair has no PAD head (PAD's head is trained for a target and a task).
-SMOLLM2_RULES = (
-    "speculative_sampling",
-    "ears:beta=0.1",
-    "mars:theta=0.9",
-    "adasd",
-    "typical:eps=0.09,delta=0.3",
-    "additive:t=0.3",
-    "multiplicative:alpha=0.1",
-    "top_m:m=2",
-)
+SMOLLM2_RULES = tuple(r for r in DEFAULT_RULES if not r.startswith("pad"))
 SMOLLM2_QUICK_RULES = ("speculative_sampling", "mars:theta=0.9")
 SMOLLM2_DEFAULT_RULES = ("speculative_sampling", "mars:theta=0.9", "ears:beta=0.1")
 
