@@ -213,3 +213,16 @@ def test_greedy_fill_matches_step_by_step_argmax(tiny):
             row[0, : len(seq)] = seq
             seq.append(int(jnp.argmax(forward(params, jnp.asarray(row))[0, len(seq) - 1])))
         assert out[i, : len(seq)].tolist() == seq
+
+
+def test_export_into_a_non_empty_directory_is_refused_before_training(tmp_path):
+    from training import lm
+
+    dest = tmp_path / "shipped"
+    dest.mkdir()
+    (dest / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="not empty; pass --force"):
+        lm.main(["--model", "draft", "--out", str(tmp_path / "run"), "--export", str(dest),
+                 "--corpus-cache", str(tmp_path / "never-built")])
+    assert not (tmp_path / "never-built").exists()  # refused before any work
+    assert (dest / "config.json").read_text() == "{}"

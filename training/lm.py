@@ -12,7 +12,8 @@ optimizer state; batches are a pure function of ``(seed, step)``).
 At the end: held-out code and task loss, greedy exact match on the held-out
 task, ``MODEL_CARD.md``, and a Hugging Face directory (config.json,
 model.safetensors in bf16, tokenizer.json) written through the project's
-exporter into ``--export`` (default ``specjax/assets/models/<model>``).
+exporter into ``--export`` (default ``<run dir>/export``; the shipped pair is
+replaced only by naming ``--export specjax/assets/models/<model> --force``).
 
 Reproduce the shipped pair (2-core CPU, both runs side by side, one XLA
 thread each; the first command builds the tokenizer/corpus cache in
@@ -20,9 +21,9 @@ thread each; the first command builds the tokenizer/corpus cache in
 
     python -m training.lm --prepare-only
     XLA_FLAGS=--xla_cpu_multi_thread_eigen=false \\
-        python -m training.lm --model target --out runs/target &
+        python -m training.lm --model target --out runs/target --export specjax/assets/models/target --force &
     XLA_FLAGS=--xla_cpu_multi_thread_eigen=false \\
-        python -m training.lm --model draft --out runs/draft &
+        python -m training.lm --model draft --out runs/draft --export specjax/assets/models/draft --force &
 
 (defaults: 2,400 steps of batch 16 x 96 tokens, 75% task rows, task-answer
 tokens weighted 5x in the loss, seed 0). The corpus is this interpreter's
@@ -325,7 +326,7 @@ def _write_card(path: pathlib.Path, name: str, summary: dict, cfg: ModelConfig) 
     path.write_text("\n".join(lines))
 
 
-def export(module: Decoder, params, tokenizer, out_dir: pathlib.Path) -> bool:
+def export(module: Decoder, params, tokenizer, out_dir: pathlib.Path, force: bool = False) -> bool:
     """HF directory through the project's exporter, in bf16. False if unavailable."""
     try:
         from specjax._src.models import loading
@@ -337,8 +338,7 @@ def export(module: Decoder, params, tokenizer, out_dir: pathlib.Path) -> bool:
     cfg = module.config.replace(dtype="bfloat16")
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     model = specjax.Model(params=bf16, module=Decoder(cfg), tokenizer=tokenizer)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    loading.export_hf(model, str(out_dir))
+    loading.export_hf(model, str(out_dir), overwrite=force)
     if not (out_dir / "tokenizer.json").exists():
         tokenizer.save(str(out_dir / "tokenizer.json"))
     # So that transformers' AutoTokenizer knows the special tokens too.
@@ -388,7 +388,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=tokenizer_lib.DEFAULT_VOCAB_SIZE)
     p.add_argument("--out", default=None, help="run dir (default runs/<model>)")
     p.add_argument("--corpus-cache", default="runs/corpus")
-    p.add_argument("--export", default=None, help="HF export dir (default specjax/assets/models/<model>)")
+    p.add_argument("--export", default=None,
+                   help="HF export dir (default <run dir>/export; the shipped pair: specjax/assets/models/<model>)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --export directory")
     p.add_argument("--no-export", action="store_true")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--rehorizon", action="store_true",
@@ -405,6 +407,11 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     out = pathlib.Path(args.out or f"runs/{args.model}")
+    if not args.prepare_only:
+        dest = pathlib.Path(args.export or out / "export")
+        if not args.no_export and not args.force and dest.is_dir() and any(dest.iterdir()):
+            raise SystemExit(f"error: export directory {dest} is not empty; pass --force to replace it "
+                             "(checked now, before training, so no run is lost at the end).")
     corpus = data.build_corpus(args.corpus_cache, vocab_size=args.vocab)
     if args.prepare_only:
         write_task_assets(corpus, ASSETS / "task")
@@ -498,8 +505,7 @@ def main(argv=None):
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     _write_card(out / "MODEL_CARD.md", args.model, summary, cfg)
     if not args.no_export:
-        dest = pathlib.Path(args.export or ASSETS / "models" / args.model)
-        if export(module, params, tok, dest):
+        if export(module, params, tok, dest, force=args.force):
             shutil.copy(out / "MODEL_CARD.md", dest / "MODEL_CARD.md")
             print(f"exported to {dest}", flush=True)
 
