@@ -124,6 +124,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--hf", action="store_true", help="also time transformers assisted generation (batch 1)")
     ap.add_argument("--torch-threads", type=int, default=os.cpu_count())
+    ap.add_argument("--hf-prompts", type=int, default=4, help="prompts for the HF comparison")
+    ap.add_argument("--hf-rounds", type=int, default=2, help="rounds of the HF comparison")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
 
@@ -218,7 +220,7 @@ def main(argv=None):
 
         torch.set_num_threads(args.torch_threads)
         hf_target, hf_draft = hf_models(draft, K)
-        prompts = [specjax.encode_chat(target, t) for t in texts[:args.prompts]]
+        prompts = [specjax.encode_chat(target, t) for t in texts[:args.hf_prompts]]
         for temperature in args.temperatures:
             def hf_call(ids, temperature=temperature):
                 kw = dict(max_new_tokens=N, assistant_model=hf_draft, do_sample=temperature > 0)
@@ -235,7 +237,7 @@ def main(argv=None):
                 hf_call(p)
                 jax.block_until_ready(ours(p, i).tokens)
             t_hf, t_ours, n_hf, n_ours, same = [], [], 0, 0, 0
-            for _ in range(args.rounds):
+            for _ in range(args.hf_rounds):
                 a = b = 0.0
                 for i, p in enumerate(prompts):
                     out, dt = common.timed_once(lambda: hf_call(p))
@@ -250,8 +252,8 @@ def main(argv=None):
                         same += int(ref[:len(got)] == got)
                 t_hf.append(a)
                 t_ours.append(b)
-            hf_tps = [n_hf / args.rounds / t for t in t_hf]
-            our_tps = [n_ours / args.rounds / t for t in t_ours]
+            hf_tps = [n_hf / args.hf_rounds / t for t in t_hf]
+            our_tps = [n_ours / args.hf_rounds / t for t in t_ours]
             ratios = [a / b for a, b in zip(our_tps, hf_tps)]
             report.table(f"transformers assisted generation vs specjax, batch 1, T={temperature:g}, K={K}, "
                          f"{args.torch_threads} torch threads",
@@ -260,7 +262,7 @@ def main(argv=None):
                           [f"specjax {rules[0]}", f"{common.median(our_tps):.1f}", common.ratio_cell(ratios)]])
             if temperature == 0:
                 report.text(f"greedy outputs identical (HF vs specjax, up to specjax's length): "
-                            f"{same}/{len(prompts) * args.rounds}")
+                            f"{same}/{len(prompts) * args.hf_rounds}")
             summary[f"hf_T{temperature:g}"] = {"ratio": common.median(ratios)}
     report.text("summary: " + json.dumps(summary))
     report.write(args.markdown)

@@ -95,7 +95,10 @@ class Preset:
 
 PRESETS = {
     "quick": Preset(num_task=16, num_code=8, max_new_tokens=32, temperatures=(0.0, 1.0), rules=QUICK_RULES),
-    "default": Preset(num_task=32, num_code=8, max_new_tokens=40, temperatures=(0.0, 1.0), rules=DEFAULT_RULES),
+    # Batch 1: where speculative decoding pays on a CPU (a 5-token verification
+    # costs up to 3x a one-token step at batch 4-32 there; BENCHMARKS.md).
+    "default": Preset(num_task=32, num_code=8, max_new_tokens=40, temperatures=(0.0, 1.0), rules=DEFAULT_RULES,
+                      batch_size=1),
     "full": Preset(num_task=200, num_code=64, max_new_tokens=64, temperatures=(0.0, 0.7, 1.0), rules=FULL_RULES),
 }
 # num_code counts open chat prompts for this pair.
@@ -315,10 +318,15 @@ def run_comparison(
     except ImportError:  # pragma: no cover
         bar = jobs
     baseline: dict[float, tuple[Any, float, float]] = {}
+    # One bucket for every group: the smallest width ladder that starts at the
+    # longest prompt, and buffers of exactly max_new_tokens, so each (rule, T)
+    # compiles one program whatever the group's own longest prompt.
+    buckets = specjax.Buckets(prompt=max(len(p) for p in eval_set.prompts), new_tokens=max_new_tokens)
     for temperature, rule_spec in bar:
         if hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(f"{rule_spec or 'target-only'} T={temperature:g}")
-        common = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos, key=key)
+        common = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos, key=key,
+                      buckets=buckets)
         if rule_spec is None:
             out, seconds = _timed(lambda g: specjax.generate(target, g, **common), eval_set.prompts,
                                   batch_size, repeats)
