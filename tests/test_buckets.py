@@ -8,7 +8,6 @@ widths up to 90 round up to the plain power-of-two buckets.
 
 from __future__ import annotations
 
-import contextlib
 
 import jax
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 
 import specjax
 from specjax._src import decode as decode_lib
+from test_decode import count_compilations
 from tiny_models import llama_config, peaked_target_and_draft
 
 VOCAB = 96
@@ -24,23 +24,6 @@ VOCAB = 96
 @pytest.fixture(scope="module")
 def decoder_pair():
     return specjax.pair(*peaked_target_and_draft(llama_config(max_position_embeddings=256)))
-
-
-@contextlib.contextmanager
-def count_compilations():
-    """Counts XLA backend compilations (every jit cache miss compiles)."""
-    counter = {"n": 0}
-
-    def listener(event, duration, **kwargs):
-        del duration, kwargs
-        if event == "/jax/core/compile/backend_compile_duration":
-            counter["n"] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield counter
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def prompts_of_width(rng, batch, width):

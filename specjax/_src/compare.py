@@ -142,18 +142,21 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_eval_set(tokenizer, eval_dir: Path, num_task: int, num_code: int) -> EvalSet:
-    """Held-out task prompts (with answers) then code prompts, tokenized."""
-    for name in (TASK_FILE, CODE_FILE):
+def _read_eval_rows(eval_dir: Path, task_file: str, open_file: str, num_task: int, num_open: int, kind: str):
+    """The first ``num_task`` task rows and ``num_open`` open rows of an evaluation directory."""
+    for name in (task_file, open_file):
         if not (eval_dir / name).is_file():
             raise ValueError(
-                f"{eval_dir / name} does not exist: an evaluation directory needs {TASK_FILE} "
-                f'({{"prompt", "answer"}} rows) and {CODE_FILE} ({{"prompt"}} rows).'
+                f"{eval_dir / name} does not exist: {kind} evaluation directory needs {task_file} "
+                f'({{"prompt", "answer"}} rows) and {open_file} ({{"prompt"}} rows).'
             )
-    task = read_jsonl(eval_dir / TASK_FILE)[:num_task]
-    code = read_jsonl(eval_dir / CODE_FILE)[:num_code]
-    texts = [row["prompt"] for row in task] + [row["prompt"] for row in code]
-    prompts = [tokenizer.encode(text).ids for text in texts]
+    return read_jsonl(eval_dir / task_file)[:num_task], read_jsonl(eval_dir / open_file)[:num_open]
+
+
+def load_eval_set(tokenizer, eval_dir: Path, num_task: int, num_code: int) -> EvalSet:
+    """Held-out task prompts (with answers) then code prompts, tokenized."""
+    task, code = _read_eval_rows(eval_dir, TASK_FILE, CODE_FILE, num_task, num_code, "an")
+    prompts = [tokenizer.encode(row["prompt"]).ids for row in task + code]
     answers = [str(row["answer"]) for row in task] + [None] * len(code)
     return EvalSet(prompts=prompts, answers=answers)
 
@@ -163,14 +166,7 @@ def load_chat_eval_set(target, eval_dir: Path, num_task: int, num_open: int) -> 
     with the target's chat template."""
     from specjax._src.chat import encode_chat
 
-    for name in (CHAT_TASK_FILE, CHAT_OPEN_FILE):
-        if not (eval_dir / name).is_file():
-            raise ValueError(
-                f"{eval_dir / name} does not exist: a chat evaluation directory needs {CHAT_TASK_FILE} "
-                f'({{"prompt", "answer"}} rows) and {CHAT_OPEN_FILE} ({{"prompt"}} rows).'
-            )
-    task = read_jsonl(eval_dir / CHAT_TASK_FILE)[:num_task]
-    open_ = read_jsonl(eval_dir / CHAT_OPEN_FILE)[:num_open]
+    task, open_ = _read_eval_rows(eval_dir, CHAT_TASK_FILE, CHAT_OPEN_FILE, num_task, num_open, "a chat")
     prompts = [encode_chat(target, row["prompt"]) for row in task + open_]
     answers = [str(row["answer"]) for row in task] + [None] * len(open_)
     return EvalSet(prompts=prompts, answers=answers, scoring="word")
