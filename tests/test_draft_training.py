@@ -93,7 +93,6 @@ def test_interrupted_training_resumes_to_the_same_draft(tiny_chat_target, tmp_pa
     _run(tiny_chat_target, tmp_path / "cut", "--train-only")
     from training import common
 
-    like = None
     states = []
     for run in ("full", "cut"):
         ckpt = common.Checkpointer(tmp_path / run / "ckpt")
@@ -104,7 +103,6 @@ def test_interrupted_training_resumes_to_the_same_draft(tiny_chat_target, tmp_pa
         ckpt.close()
     for a, b in zip(*states):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    del like
 
 
 def test_exported_draft_is_lossless_with_its_target(tiny_chat_target, tmp_path):

@@ -62,11 +62,10 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 # ----------------------------------------------------------------------------- data
 
 
-class Rows(dict):
-    """Training rows: ``tokens [N, S]``, ``mask [N, S]`` (position predicts an
-    answer token), ``teacher_ids [N, S, k]`` (reduced-vocab index, -1 if the
-    token is outside it), ``teacher_logp [N, S, k]``."""
-
+# Training rows: ``tokens [N, S]``, ``mask [N, S]`` (position predicts an answer
+# token), ``teacher_ids [N, S, k]`` (reduced-vocab index, -1 if the token is
+# outside it), ``teacher_logp [N, S, k]``.
+Rows = dict
 
 def head_vocabulary(shards: dict, size: int, vocab_size: int, always: tuple[int, ...]) -> np.ndarray:
     """The ``size`` token ids the target writes or predicts first most often
