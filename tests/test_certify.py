@@ -243,7 +243,7 @@ def test_cli_writes_table_json_png(tmp_path, capsys):
 def test_soundness_on_embedded_pair():
     """Every criterion of ``specjax certify`` on the embedded pair's held-out prompts:
     no certified position is ever rejected."""
-    from specjax._src import compare
+    from specjax.cli import compare
 
     if not (compare.DEFAULT_TARGET.is_dir() and compare.DEFAULT_DRAFT.is_dir()):
         pytest.skip("the embedded pair is not in specjax/assets/models")

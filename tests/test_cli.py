@@ -5,8 +5,7 @@ import json
 import pytest
 
 import specjax
-from specjax.__main__ import main
-from specjax._src import compare
+from specjax.cli import build_parser, common, compare, main
 
 DRAFT_DIR = compare.DEFAULT_DRAFT
 
@@ -71,10 +70,8 @@ def test_cli_loads_models_in_float32_by_default(small_model):
     import jax
     import jax.numpy as jnp
 
-    from specjax.__main__ import _load_pair, build_parser
-
     args = build_parser().parse_args(["generate", "--prompt", "x", "--target", str(DRAFT_DIR), "--draft", str(DRAFT_DIR)])
-    target, draft = _load_pair(args)
+    target, draft = common.load_pair(args)
     for model in (target, draft):
         assert model.module.config.dtype == "float32"
         assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(model.params))

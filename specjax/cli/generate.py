@@ -1,0 +1,59 @@
+"""``specjax generate``: decode one prompt with one rule, streaming the text, then print its stats."""
+
+from __future__ import annotations
+
+from specjax.cli import common
+
+
+def run(args) -> int:
+    import jax
+
+    import specjax
+    from specjax.rules import parse_rule
+
+    rule = parse_rule(args.rule)
+    if (args.prompt is None) == (args.chat is None):
+        raise SystemExit("error: pass exactly one of --prompt TEXT or --chat MESSAGE.")
+    target, draft = common.load_pair(args)
+    if target.tokenizer is None:
+        raise SystemExit("error: the target has no tokenizer; pass token ids from Python instead.")
+    if args.chat is not None:
+        ids = specjax.encode_chat(target, args.chat)
+    else:
+        ids = target.tokenizer.encode(args.prompt).ids
+        print(args.prompt, end="", flush=True)
+    # Streams: each draft-verify cycle's tokens are printed as the loop commits them.
+    text = TextStream(target.tokenizer)
+    out = specjax.decode(specjax.pair(target, draft), [ids], on_tokens=text.on_tokens, rule=rule,
+                         drafting=common.drafting_policy(args), num_draft=args.num_draft,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         key=jax.random.key(args.seed))
+    text.flush()
+    print("\n")
+    print(out.stats)
+    return 0
+
+
+class TextStream:
+    """Prints token ids as text as they arrive, holding back an incomplete
+    UTF-8 sequence (a byte-level token can end mid-character)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
+
+    def on_tokens(self, tokens, counts) -> None:
+        """``decode``'s ``on_tokens`` for a batch of one: ``tokens [1, K+1]``, ``counts [1]``."""
+        self.push(tokens[0, : counts[0]])
+
+    def push(self, new_ids) -> None:
+        self.ids.extend(int(i) for i in new_ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        print(text[self.printed:], end="", flush=True)
+        self.printed = len(text)
+
+    def flush(self) -> None:
+        text = self.tokenizer.decode(self.ids)
+        print(text[self.printed:], end="", flush=True)
+        self.printed = len(text)
