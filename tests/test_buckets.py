@@ -107,6 +107,8 @@ def test_buckets_do_not_change_results(decoder_pair, temperature):
     np.testing.assert_array_equal(np.asarray(padded.lengths), np.asarray(exact.lengths))
     np.testing.assert_array_equal(np.asarray(padded.stats.cycles), np.asarray(exact.stats.cycles))
     np.testing.assert_array_equal(np.asarray(padded.stats.accepted_at), np.asarray(exact.stats.accepted_at))
+    np.testing.assert_array_equal(np.asarray(padded.stats.reached_at), np.asarray(exact.stats.reached_at))
+    np.testing.assert_array_equal(np.asarray(padded.stats.judged), np.asarray(exact.stats.judged))
 
 
 def test_bad_buckets_raise():

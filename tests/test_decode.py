@@ -25,6 +25,7 @@ from specjax.rules import (
     Path,
     RuleSpec,
     Verdict,
+    from_functions,
     lossless_decision,
     mars,
     speculative_sampling,
@@ -165,7 +166,7 @@ def wrong_residual_rule():
         return Verdict(accept=accept, path=path, correction=inputs.target_probs[:k])
 
     base = speculative_sampling()
-    return AcceptanceRule(base.init, verify, base.update, RuleSpec("wrong_residual"))
+    return from_functions(verify, init=base.init, update=base.update, name="wrong_residual")
 
 
 LOSSLESS_CASES = [
@@ -381,11 +382,14 @@ def test_stats_when_draft_equals_target(num_draft):
     np.testing.assert_array_equal(np.asarray(s.cycles), 3)
     np.testing.assert_array_equal(np.asarray(s.drafted), 3 * num_draft)
     np.testing.assert_array_equal(np.asarray(s.accepted), 3 * num_draft)
+    np.testing.assert_array_equal(np.asarray(s.judged), 3 * num_draft)
     np.testing.assert_array_equal(np.asarray(s.accepted_at), 3)
+    np.testing.assert_array_equal(np.asarray(s.reached_at), 3)
     np.testing.assert_array_equal(np.asarray(s.drafted_at), 3)
     assert s.tau == num_draft + 1
-    assert s.acceptance_rate == 1.0
-    np.testing.assert_array_equal(s.acceptance_by_position, 1.0)
+    assert s.acceptance_rate == 1.0 and s.accepted_per_drafted == 1.0
+    np.testing.assert_array_equal(s.acceptance_at_position, 1.0)
+    np.testing.assert_array_equal(s.prefix_acceptance, 1.0)
     assert s.accepted_by_path_total == {"exact": 9 * num_draft, "relaxed": 0, "pardon": 0}
     assert int(s.target_forwards) == 3 and int(s.draft_forwards) == 3 * num_draft
     summary = s.summary()
@@ -405,24 +409,35 @@ def test_stats_when_draft_never_agrees():
     s = out.stats
     assert s.acceptance_rate == 0.0 and s.tau == 1.0
     np.testing.assert_array_equal(np.asarray(s.cycles), np.asarray(out.lengths))
+    # Each cycle judges slot 0 only (rejected, correction committed).
+    np.testing.assert_array_equal(np.asarray(s.judged), np.asarray(s.cycles))
+    np.testing.assert_array_equal(np.asarray(s.reached_at)[:, 1:], 0)
 
 
 def test_stats_are_consistent(bigram_pair):
     out = sample_bigram(bigram_pair, random_prompts(2, S_BATCH, VOCAB, S_WIDTH), jax.random.key(1))
     s = out.stats
-    cycles, drafted, accepted = (np.asarray(x) for x in (s.cycles, s.drafted, s.accepted))
+    cycles, drafted, accepted, judged = (np.asarray(x) for x in (s.cycles, s.drafted, s.accepted, s.judged))
     tokens = np.asarray(s.tokens)
     np.testing.assert_array_equal(tokens, np.asarray(out.lengths))
     assert s.tau == pytest.approx(tokens.sum() / cycles.sum())
-    assert s.acceptance_rate == pytest.approx(accepted.sum() / drafted.sum())
+    assert s.acceptance_rate == pytest.approx(accepted.sum() / judged.sum())
+    assert s.accepted_per_drafted == pytest.approx(accepted.sum() / drafted.sum())
+    assert s.acceptance_rate > s.accepted_per_drafted  # drafts after a rejection are not judged
     np.testing.assert_array_equal(np.asarray(s.accepted_at).sum(1), accepted)
+    np.testing.assert_array_equal(np.asarray(s.reached_at).sum(1), judged)
     np.testing.assert_array_equal(np.asarray(s.drafted_at).sum(1), drafted)
     np.testing.assert_array_equal(np.asarray(s.accepted_by_path).sum(1), accepted)
     assert (np.diff(np.asarray(s.accepted_at), axis=1) <= 0).all()  # acceptance is a prefix
-    assert (tokens <= accepted + cycles).all() and (tokens >= cycles).all()
+    assert (np.diff(np.asarray(s.reached_at), axis=1) <= 0).all()
+    assert (accepted <= judged).all() and (judged <= accepted + cycles).all()
+    # Only committed drafts count: every cycle but a sequence's last commits its
+    # correction / bonus token on top of its accepted drafts.
+    assert ((tokens - accepted <= cycles) & (tokens - accepted >= cycles - 1)).all()
+    assert (tokens >= cycles).all()
     np.testing.assert_allclose(s.tau_per_sequence, tokens / cycles)
-    rates = s.acceptance_by_position
-    assert rates.shape == (4,) and np.all((rates >= 0) & (rates <= 1))
+    for rates in (s.acceptance_at_position, s.prefix_acceptance):
+        assert rates.shape == (4,) and np.all((rates >= 0) & (rates <= 1))
     # Cycles at tau < K + 1 at least once: both paths exercised.
     assert 0.0 < s.acceptance_rate < 1.0
 
@@ -440,7 +455,7 @@ def test_hidden_state_hook_and_diagnostics(bigram_pair):
         seen["shape"] = inputs.features["hidden"][-1].shape
         return base.verify(inputs, state, greedy=greedy)
 
-    probe = AcceptanceRule(base.init, verify, base.update, RuleSpec("probe", (("hidden_layers", (-1,)),)))
+    probe = from_functions(verify, init=base.init, update=base.update, name="probe", hidden_layers=(-1,))
 
     def diagnostics(inputs, verdict, num_accepted):
         # For the bigram, the hidden state at a draft token's position is the
@@ -473,7 +488,7 @@ def test_rule_state_is_carried_per_sequence():
     def update(state, inputs, verdict, num_accepted, *, greedy):
         return state + 1
 
-    rule = AcceptanceRule(lambda: jnp.int32(0), verify, update, RuleSpec("warm_up"))
+    rule = from_functions(verify, init=lambda: jnp.int32(0), update=update, name="warm_up")
     model = bigram_model(random_table(0, VOCAB))
     k = 3
     # 3 one-token cycles, then 2 cycles of K + 1 tokens, for each sequence.

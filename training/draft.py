@@ -200,27 +200,27 @@ def make_loss(cfg: ModelConfig, head_ids: jax.Array):
 
 def measure_acceptance(target: Model, draft: Model, prompts: list[str], *, num_draft: int,
                        max_new_tokens: int, temperature: float, batch_size: int = 8, seed: int = 0) -> dict:
-    """Lossless speculative decoding on chat ``prompts``: acceptance and tau."""
+    """Lossless speculative decoding on chat ``prompts``: acceptance and tau.
+
+    ``acceptance_rate`` is alpha = accepted / judged (``DecodeStats``), the
+    per-token rate that predicts tau; ``accepted_per_drafted`` is the share of
+    drafted tokens kept; ``first_position`` is alpha at slot 0 (always judged).
+    """
     from specjax._src.chat import encode_chat
+    from specjax._src.stats import concatenate
 
     pair = specjax.pair(target, draft)
     eos = target.module.config.eos_token_ids
-    tokens = cycles = accepted = drafted = 0
-    first_acc = first_drafted = 0
+    outs = []
     for start in range(0, len(prompts), batch_size):
         ids = [encode_chat(target, p) for p in prompts[start:start + batch_size]]
         out = specjax.decode(pair, ids, num_draft=num_draft, max_new_tokens=max_new_tokens,
                              temperature=temperature, eos_token_id=eos, key=jax.random.key(seed + start))
-        s = out.stats
-        tokens += int(np.sum(s.tokens))
-        cycles += int(np.sum(s.cycles))
-        accepted += int(np.sum(s.accepted))
-        drafted += int(np.sum(s.drafted))
-        first_acc += int(np.sum(np.asarray(s.accepted_at)[:, 0]))
-        first_drafted += int(np.sum(np.asarray(s.drafted_at)[:, 0]))
-    return {"acceptance_rate": accepted / max(drafted, 1), "first_position": first_acc / max(first_drafted, 1),
-            "tau": tokens / max(cycles, 1), "prompts": len(prompts), "num_draft": num_draft,
-            "temperature": temperature, "max_new_tokens": max_new_tokens}
+        outs.append(out.stats)
+    s = concatenate(outs)  # pooled counts, not averaged rates
+    return {"acceptance_rate": s.acceptance_rate, "accepted_per_drafted": s.accepted_per_drafted,
+            "first_position": float(s.acceptance_at_position[0]), "tau": s.tau, "prompts": len(prompts),
+            "num_draft": num_draft, "temperature": temperature, "max_new_tokens": max_new_tokens}
 
 
 def forward_costs(target: Model, draft: Model, *, num_draft: int, batch: int = 1, repeats: int = 20) -> dict:
@@ -275,7 +275,8 @@ def export(draft: Model, dest: pathlib.Path, *, force: bool) -> None:
 def write_card(path: pathlib.Path, summary: dict) -> None:
     s = summary
     acc = "\n".join(
-        f"| T={a['temperature']} | K={a['num_draft']} | {a['acceptance_rate']:.3f} | {a['first_position']:.3f} | {a['tau']:.2f} | "
+        f"| T={a['temperature']} | K={a['num_draft']} | {a['acceptance_rate']:.3f} | {a['accepted_per_drafted']:.3f} | "
+        f"{a['first_position']:.3f} | {a['tau']:.2f} | "
         f"{a['prompts']} | {a['max_new_tokens']} |" for a in s["acceptance"]
     )
     costs = s["costs"]
@@ -303,8 +304,8 @@ Command: `{s['command']}`
 Acceptance of lossless speculative decoding with the target, batch 8, on
 held-out chat prompts (subjects no training prompt uses), float32:
 
-| temperature | K | acceptance rate (accepted / drafted) | first-slot acceptance | tau | prompts | new tokens |
-|---|---|---|---|---|---|---|
+| temperature | K | acceptance rate alpha (accepted / judged) | accepted / drafted | first-slot acceptance | tau | prompts | new tokens |
+|---|---|---|---|---|---|---|---|
 {acc}
 
 Forward costs (batch 1, float32, median of 20, {s['machine']}): target 1 token
