@@ -8,12 +8,10 @@
                          key=jax.random.key(0))
 """
 
-from specjax._src.lm import KVCache, LanguageModel, LMOutput, Model
-from specjax._src.models.config import ModelConfig
-
 __version__ = "0.1.0"
 
-# Public entry points are appended below as their modules land.
+from specjax._src.lm import KVCache, LanguageModel, LMOutput, Model
+from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
 from specjax._src.models.loading import export_hf, load, logits, save_orbax
 from specjax._src.models.manifest import checkpoint_manifest, verify_manifest
@@ -23,3 +21,40 @@ from specjax._src.decode import BUCKETS, MIN_TEMPERATURE, Buckets, DecodeOutput,
 from specjax._src.stats import DecodeStats
 from specjax import drafting
 from specjax import sharding
+
+# The curated public API. Rules, drafting policies, sharding and certificates
+# live in their own modules (specjax.rules, .drafting, .sharding, .theory), tiny
+# models for tests in specjax.testing, the command line in specjax.cli.
+__all__ = [
+    # models and the LM protocol
+    "LanguageModel",
+    "Model",
+    "ModelConfig",
+    "Decoder",
+    "KVCache",
+    "LMOutput",
+    # checkpoints
+    "load",
+    "save_orbax",
+    "export_hf",
+    "logits",
+    "checkpoint_manifest",
+    "verify_manifest",
+    "known_models",
+    # chat prompts
+    "encode_chat",
+    "render_chat",
+    # decoding
+    "pair",
+    "decode",
+    "generate",
+    "ModelPair",
+    "DecodeOutput",
+    "DecodeStats",
+    "Buckets",
+    "BUCKETS",
+    "MIN_TEMPERATURE",
+    # submodules
+    "drafting",
+    "sharding",
+]
