@@ -8,7 +8,7 @@ medians of ``--repeats`` runs):
 
 * target-only tok/s (``specjax.generate``), speculative tok/s
   (``specjax.decode``) and their ratio (the realized speedup);
-* tau (mean tokens committed per cycle) and the acceptance rate;
+* tau (mean tokens committed per cycle) and the acceptance rate alpha (accepted / judged);
 * forward costs: ``c_AR`` (target, 1 token), ``c_draft`` (draft, 1 token),
   ``c_verify`` (target, K+1 tokens), each timed as an on-device loop of
   forwards against a cache of typical length;
@@ -30,6 +30,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specjax._src.stats import concatenate
 
 import specjax
 from specjax import Decoder, Model, ModelConfig
@@ -205,8 +207,7 @@ def main(argv=None):
             tok = sum(int(np.sum(o.lengths)) for o in outs)
             tokens = sum(float(np.sum(o.stats.tokens)) for o in outs)
             cycles = sum(float(np.sum(o.stats.cycles)) for o in outs)
-            acc = sum(float(np.sum(o.stats.accepted)) for o in outs) / max(
-                sum(float(np.sum(o.stats.drafted)) for o in outs), 1.0)
+            acc = concatenate([o.stats for o in outs]).acceptance_rate  # alpha = accepted / judged
             dpc = sum(float(o.stats.draft_forwards) for o in outs) / max(
                 sum(float(o.stats.target_forwards) for o in outs), 1.0)
             tau = tokens / cycles
@@ -219,7 +220,7 @@ def main(argv=None):
                          f"{realized / ideal:.2f}", f"{compile_s[r]:.1f}"])
     rep.table("tok/s (median, range over rounds), speedup = per-round tok/s ratio vs target-only [min-max], "
               "ideal = tau*c_AR/(drafts per cycle*c_draft + c_verify)",
-              ["T", "method", "tok/s", "range", "speedup", "tau", "accept", "ideal", "realized/ideal", "compile s"],
+              ["T", "method", "tok/s", "range", "speedup", "tau", "alpha", "ideal", "realized/ideal", "compile s"],
               rows)
     rep.write(args.markdown)
 

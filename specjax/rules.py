@@ -1,8 +1,10 @@
 """Acceptance rules: composable pure functions that verify a draft block.
 
-A rule is an :class:`AcceptanceRule` — ``init``, ``verify``, ``update`` and a
-``spec`` — built by a lowercase factory and combined with :func:`any_of` /
-:func:`all_of`::
+A rule is a hashable value: a frozen pytree dataclass deriving from
+:class:`AcceptanceRule`, with pure ``init`` / ``verify`` / ``update`` methods
+and a ``spec``. Its numeric hyper-parameters (and PAD's head) are traced, so a
+new ``theta`` compiles nothing. Rules are built by lowercase factories and
+combined with :func:`any_of` / :func:`all_of`::
 
     from specjax.rules import any_of, mars, speculative_sampling, parse_rule
 
@@ -13,28 +15,40 @@ Every rule documents its correction distribution (what replaces the first
 rejected draft token) and labels each acceptance with a :class:`Path`.
 """
 
-from specjax._src.rules.adasd import AdaSDState, adasd, adasd_threshold
+from specjax._src.rules.adasd import AdaSD, AdaSDState, adasd, adasd_threshold
 from specjax._src.rules.base import (
     NUM_PATHS,
     AcceptanceRule,
     Path,
     RuleSpec,
+    FunctionRule,
+    SpeculativeSampling,
     Verdict,
     VerifyInputs,
+    from_functions,
     lossless_decision,
-    no_state,
     one_hot_argmax,
     residual_distribution,
     speculative_sampling,
-    stateless_update,
+    static_field,
     token_prob,
+    traced_field,
 )
-from specjax._src.rules.combinators import all_of, any_of
-from specjax._src.rules.common import entropy, js_distance
-from specjax._src.rules.criteria import criterion, additive, multiplicative, top_m, typical
-from specjax._src.rules.ears import ears
-from specjax._src.rules.mars import mars
-from specjax._src.rules.pad import PivotHead, PivotHeadConfig, load_head, pad, pivot_features, pivot_pardon
+from specjax._src.rules.combinators import AllOf, AnyOf, all_of, any_of
+from specjax._src.rules.common import entropy, js_distance, paths
+from specjax._src.rules.criteria import Criterion, additive, criterion, multiplicative, top_m, typical
+from specjax._src.rules.ears import Ears, ears
+from specjax._src.rules.mars import Mars, mars
+from specjax._src.rules.pad import (
+    Pad,
+    PivotHead,
+    PivotHeadConfig,
+    PivotPardon,
+    load_head,
+    pad,
+    pivot_features,
+    pivot_pardon,
+)
 from specjax._src.rules.parse import parse_rule, parse_spec, rule_from_spec
 
 __all__ = (
@@ -45,11 +59,17 @@ __all__ = (
     "Path",
     "NUM_PATHS",
     "RuleSpec",
-    # rules
+    "static_field",
+    "traced_field",
+    # rules (factories, and the value types they return)
     "speculative_sampling",
+    "SpeculativeSampling",
     "ears",
+    "Ears",
     "mars",
+    "Mars",
     "adasd",
+    "AdaSD",
     "AdaSDState",
     "adasd_threshold",
     "typical",
@@ -57,21 +77,27 @@ __all__ = (
     "multiplicative",
     "top_m",
     "pad",
+    "Pad",
     "pivot_pardon",
+    "PivotPardon",
     "PivotHead",
     "PivotHeadConfig",
     "load_head",
     "pivot_features",
     # combinators and building blocks for custom rules
     "any_of",
+    "AnyOf",
     "all_of",
+    "AllOf",
     "criterion",
+    "Criterion",
+    "from_functions",
+    "FunctionRule",
+    "paths",
     "lossless_decision",
     "residual_distribution",
     "one_hot_argmax",
     "token_prob",
-    "no_state",
-    "stateless_update",
     "entropy",
     "js_distance",
     # strings and specs

@@ -20,8 +20,6 @@ criterion; see ``specjax._src.certify``)::
 """
 
 from specjax._src.theory import (
-    COMBINATORS,
-    LEVEL_SET_RULES,
     accepted_set,
     certificate,
     check_certifiable,
@@ -54,8 +52,6 @@ __all__ = [
     "certificate_diagnostics",
     "certified_decode",
     "histogram_quantile",
-    "COMBINATORS",
-    "LEVEL_SET_RULES",
     "accepted_set",
     "certificate",
     "check_certifiable",

@@ -21,9 +21,7 @@ import specjax
 from specjax import Decoder, Model
 from tiny_models import llama_config, peaked_target_and_draft
 from specjax.rules import (
-    AcceptanceRule,
     Path,
-    RuleSpec,
     Verdict,
     from_functions,
     lossless_decision,
@@ -302,8 +300,42 @@ def test_equal_rules_and_temperatures_share_one_program(bigram_pair):
         specjax.decode(bigram_pair, [[4, 4], [5]], rule=mars(theta=0.9), key=key, temperature=0.7, **kw)
     assert compiled["n"] == 0
     with count_compilations() as compiled:
-        specjax.decode(bigram_pair, prompts, rule=mars(theta=0.8), key=key, temperature=0.7, **kw)
-    assert compiled["n"] >= 1  # a different theta is a different program
+        specjax.decode(bigram_pair, prompts, rule=mars(theta=0.9, variant="authors"), key=key, temperature=0.7,
+                       **kw)
+    assert compiled["n"] >= 1  # a static field (the variant) is part of the program
+
+
+@pytest.mark.parametrize("make, low, high, temperature", [
+    (mars, 1.0, 0.01, 0.0),  # theta: 1.0 is lossless, 0.01 accepts nearly any top-2 token
+    (lambda t: specjax.rules.ears(beta=t), 0.0, 1.0, 1.0),  # EARS pardons only when sampling
+    (lambda t: specjax.rules.additive(t), 0.0, 0.9, 1.0),
+])
+def test_numeric_hyper_parameters_are_traced(make, low, high, temperature):
+    """Another value of a rule's number reuses the program, and is really used."""
+    # Shifted up so every logit is positive: MARS's ratio test needs z(1) > 0.
+    bigram_pair = specjax.pair(bigram_model(random_table(0, VOCAB) + 8.0), bigram_model(random_table(1, VOCAB) + 8.0))
+    prompts = random_prompts(11, 8, VOCAB, 4)
+    kw = dict(num_draft=3, max_new_tokens=24, eos_token_id=(), key=jax.random.key(2), temperature=temperature)
+    strict = specjax.decode(bigram_pair, prompts, rule=make(low), **kw)
+    with count_compilations() as compiled:
+        loose = specjax.decode(bigram_pair, prompts, rule=make(high), **kw)
+        jax.block_until_ready(loose.tokens)
+    assert compiled["n"] == 0
+    assert int(np.sum(loose.stats.accepted)) > int(np.sum(strict.stats.accepted))
+
+
+def test_policy_thresholds_are_traced(bigram_pair):
+    from specjax.drafting import confidence
+
+    prompts = random_prompts(12, 8, VOCAB, 4)
+    kw = dict(num_draft=4, max_new_tokens=24, eos_token_id=(), temperature=0.0)
+    eager = specjax.decode(bigram_pair, prompts, drafting=confidence(0.0), **kw)
+    with count_compilations() as compiled:
+        timid = specjax.decode(bigram_pair, prompts, drafting=confidence(0.99), **kw)
+        jax.block_until_ready(timid.tokens)
+    assert compiled["n"] == 0
+    assert int(np.sum(timid.stats.drafted)) < int(np.sum(eager.stats.drafted))
+    np.testing.assert_array_equal(np.asarray(timid.tokens), np.asarray(eager.tokens))  # greedy: lossless
 
 
 # Standard bigram sampling runs share one shape: S_BATCH prompts padded to S_WIDTH.

@@ -401,7 +401,7 @@ def stub(accept, path, fill, name):
     def update(state, inputs, verdict, num_accepted, *, greedy):
         return state + num_accepted
 
-    return R.AcceptanceRule(lambda: jnp.int32(0), verify, update, RuleSpec(name))
+    return R.from_functions(verify, init=lambda: jnp.int32(0), update=update, name=name)
 
 
 def test_any_of_and_all_of_semantics():

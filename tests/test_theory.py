@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 from scipy.optimize import minimize
 
 from specjax import theory
-from specjax._src.rules.base import AcceptanceRule, RuleSpec, speculative_sampling
+from specjax._src.rules.base import RuleSpec, speculative_sampling
+from specjax.rules import criterion, top_m
 
 RTOL, ATOL = 1e-5, 1e-9
 
@@ -396,7 +397,15 @@ def test_edge_case_values():
     # Raising a zero-probability token costs only the lowering of the accepted ones.
     np.testing.assert_allclose(theory.certificate(top2, np.array([0.5, 0.5, 0.0])), math.log(1.5))
     # An empty accepted set certifies nothing.
-    assert float(theory.certificate(RuleSpec("multiplicative", (("alpha", 2.0),)), np.array([0.6, 0.4]))) == 0.0
+    nothing = criterion(lambda logits, probs: jnp.zeros(probs.shape, bool), name="nothing", level_set=True)
+    assert float(theory.certificate(nothing, np.array([0.6, 0.4]))) == 0.0
+    # The theory asks the rule itself: a user's level-set criterion is certified like a built-in.
+    half = criterion(lambda logits, probs, *, t: probs >= probs.max(-1, keepdims=True) - t, hyper={"t": 0.3},
+                     name="mine", level_set=True)
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    assert float(theory.certificate(half, p)) == float(theory.certificate(RuleSpec("additive", (("t", 0.3),)), p))
+    with pytest.raises(ValueError, match="no acceptance certificate"):
+        theory.certificate(criterion(lambda logits, probs: probs > 0.1, name="undeclared"), p)
 
 
 def test_float32_agrees_with_float64():
@@ -466,18 +475,19 @@ def test_combinator_with_stochastic_rule_raises():
     spec = RuleSpec("any_of", (("rules", (RuleSpec("additive", (("t", 0.3),)), RuleSpec("ears", (("beta", 0.1),)))),))
     with pytest.raises(ValueError, match="any_of contains a non-certifiable rule.*ears"):
         theory.position_diagnostics(spec, np.array([0.6, 0.4]), np.array([0.5, 0.5]))
-    with pytest.raises(ValueError, match="missing parameter 't'"):
+    with pytest.raises(ValueError, match=r"additive needs parameter\(s\) t"):
         theory.certificate(RuleSpec("additive"), np.array([0.6, 0.4]))
 
 
 def test_accepts_rule_objects_and_specs():
     p = np.array([0.5, 0.3, 0.2])
-    rule = AcceptanceRule(init=None, verify=None, update=None, spec=RuleSpec("top_m", (("m", 2),)))
+    rule = top_m(2)
     assert float(theory.certificate(rule, p)) == float(theory.certificate(rule.spec, p)) > 0
+    assert float(theory.certificate("top_m:m=2", p)) == float(theory.certificate(rule, p))
     assert float(theory.certificate(speculative_sampling(), p)) == float(theory.greedy_certificate(p))
-    combo = RuleSpec("any_of", (("rules", (rule, speculative_sampling())),))
+    combo = RuleSpec("any_of", (("rules", (rule.spec, speculative_sampling().spec)),))
     assert float(theory.certificate(combo, p)) == float(theory.certificate(rule, p))
-    # numpy-valued params are canonicalised to a hashable static spec.
+    # numpy-valued params become traced numbers like Python ones.
     np_spec = RuleSpec("additive", (("t", np.float64(0.3)),))
     assert float(theory.certificate(np_spec, p)) == float(theory.certificate(RULES[1], p))
 

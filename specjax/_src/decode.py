@@ -42,10 +42,10 @@ never depends on its batch companions and is fixed by the key.
 
 Hooks for later rules and diagnostics:
 
-* hidden states: a rule whose spec (or any nested spec of a combinator) has a
-  ``hidden_layers`` parameter, e.g. ``RuleSpec("pad", (("hidden_layers", (-8,)),))``,
-  gets ``inputs.features["hidden"] = {layer: [K, H]}``: the target's block
-  output at each draft token's own position, from the verification forward.
+* hidden states: a rule that declares ``rule.hidden_layers`` (PAD's
+  ``(-8,)``; combinators declare their sub-rules' layers) gets
+  ``inputs.features["hidden"] = {layer: [K, H]}``: the target's block output
+  at each draft token's own position, from the verification forward.
 * ``decode(..., diagnostics=fn)``: ``fn(inputs, verdict, num_accepted) -> dict``
   of per-sequence scalars, evaluated per cycle on live sequences and summed
   into ``stats.extra`` (e.g. theory diagnostics).
@@ -62,7 +62,6 @@ import functools
 import itertools
 import secrets
 import threading
-import types
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -76,13 +75,11 @@ from specjax._src import sampling
 from specjax._src import sharding as sharding_lib
 from specjax._src.lm import KVCache, Model
 from specjax._src.rules.base import (
-    NUM_PATHS,
     AcceptanceRule,
-    RuleSpec,
     VerifyInputs,
     speculative_sampling,
 )
-from specjax._src.stats import DecodeStats
+from specjax._src.stats import DecodeStats, record_cycle
 
 Array = jax.Array
 
@@ -236,108 +233,24 @@ def pair(target: Model, draft: Model, *, vocab_size: Optional[int] = None) -> Mo
 # ---------------------------------------------------------------------------
 
 
-def _structural_key(obj: Any, depth: int = 0) -> Any:
-    """A hashable key equal for two closures built by the same factory with
-    equal captured values, so ``mars(0.9)`` built twice reuses one compiled loop.
-
-    Falls back to object identity for anything unhashable (arrays).
-    """
-    if depth > 32:
-        return ("id", id(obj))
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes, complex)):
-        return (type(obj).__name__, obj)
-    if isinstance(obj, tuple):
-        return (type(obj), tuple(_structural_key(x, depth + 1) for x in obj))
-    if isinstance(obj, list):
-        return ("list", tuple(_structural_key(x, depth + 1) for x in obj))
-    if isinstance(obj, dict):
-        try:
-            items = sorted(obj.items(), key=lambda kv: repr(kv[0]))
-        except Exception:  # pragma: no cover - defensive
-            return ("id", id(obj))
-        return ("dict", tuple((repr(k), _structural_key(v, depth + 1)) for k, v in items))
-    if isinstance(obj, functools.partial):
-        return (
-            "partial",
-            _structural_key(obj.func, depth + 1),
-            _structural_key(obj.args, depth + 1),
-            _structural_key(obj.keywords, depth + 1),
-        )
-    if isinstance(obj, types.FunctionType):
-        cells = []
-        for cell in obj.__closure__ or ():
-            try:
-                cells.append(_structural_key(cell.cell_contents, depth + 1))
-            except ValueError:  # empty cell
-                cells.append(("empty",))
-        return (
-            "fn",
-            obj.__code__,
-            _structural_key(obj.__defaults__, depth + 1),
-            _structural_key(obj.__kwdefaults__, depth + 1),
-            tuple(cells),
-        )
-    try:
-        hash(obj)
-    except TypeError:
-        return ("id", id(obj))
-    return ("obj", obj)
-
-
-class _Keyed:
-    """Wraps a rule / policy / hook as a jit static, hashed structurally."""
-
-    __slots__ = ("value", "_key", "_hash")
-
-    def __init__(self, value):
-        self.value = value
-        self._key = _structural_key(value)
-        self._hash = hash(self._key)
-
-    def __hash__(self):
-        return self._hash
-
-    def __eq__(self, other):
-        return isinstance(other, _Keyed) and self._key == other._key
-
-
 class _Config(NamedTuple):
-    rule: Optional[_Keyed]
-    drafting: Optional[_Keyed]
-    diagnostics: Optional[_Keyed]
+    """The compile-time settings of one loop (a ``jit`` static). The rule and
+    the drafting policy are not here: they are pytree arguments, whose static
+    fields are part of the program's key and whose numbers are traced."""
+
+    # ``decode(diagnostics=fn)``: hashed by identity, so pass one function
+    # object (not a fresh lambda per call) to reuse the compiled loop.
+    diagnostics: Optional[Callable]
     num_draft: int
     max_new_tokens: int
     cache_length: int
     greedy: bool
     top_k: Optional[int]
     use_top_p: bool
-    hidden_layers: tuple[int, ...]
     layout: Optional[sharding_lib.DecodeLayout] = None  # set when running on a mesh
     # ``on_tokens=`` given: the loop reports each cycle's tokens to the host
     # (:func:`_report`). False compiles the program without any callback.
     stream: bool = False
-
-
-def _hidden_layers(spec: Any) -> tuple[int, ...]:
-    """Every ``hidden_layers`` declared in a rule spec and its nested specs, in order."""
-    found: list[int] = []
-
-    def visit(s):
-        if isinstance(s, RuleSpec):
-            for name, value in s.params:
-                if name == "hidden_layers":
-                    layers = value if isinstance(value, (tuple, list)) else (value,)
-                    for layer in layers:
-                        if int(layer) not in found:
-                            found.append(int(layer))
-                else:
-                    visit(value)
-        elif isinstance(s, (tuple, list)):
-            for x in s:
-                visit(x)
-
-    visit(spec)
-    return tuple(found)
 
 
 # ---------------------------------------------------------------------------
@@ -738,8 +651,6 @@ def _prepare_call(
     max_new[:batch] = new_tokens
     key = _pad_keys(key, batch_pad)
     cfg = _Config(
-        rule=None,
-        drafting=None,
         diagnostics=None,
         num_draft=extra,
         max_new_tokens=new_pad,
@@ -747,7 +658,6 @@ def _prepare_call(
         greedy=greedy,
         top_k=None if (greedy or top_k is None) else int(top_k),
         use_top_p=(not greedy) and top_p is not None and float(top_p) < 1.0,
-        hidden_layers=(),
     )
     temp = np.float32(1.0 if greedy else temperature)
     top_p_value = np.float32(1.0 if top_p is None else top_p)
@@ -1034,9 +944,11 @@ class _Drafts(NamedTuple):
     forwards: Array  # scalar int32
 
 
-def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_uniforms, temperature, top_p):
+def _draft_phase(
+    cfg, pair_params: ModelPair, policy: drafting_lib.DraftingPolicy, state: _DecodeState, draft_uniforms,
+    temperature, top_p,
+):
     module, params = pair_params.draft.module, pair_params.draft.params
-    policy: drafting_lib.DraftingPolicy = cfg.drafting.value
     vocab, k_max = pair_params.vocab_size, cfg.num_draft
     nc, tokens = state.num_committed, state.tokens
     batch = nc.shape[0]
@@ -1114,15 +1026,14 @@ def _draft_phase(cfg, pair_params: ModelPair, state: _DecodeState, draft_uniform
 
 
 def _decode_cycle(
-    cfg: _Config, pair_params: ModelPair, prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, state
+    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy,
+    prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, state,
 ):
     """One draft-verify cycle. Returns ``(state, diagnostics or None)``.
 
     ``max_new[B]``: each sequence's ``max_new_tokens`` (traced, so it does not
     shape the program; ``cfg.max_new_tokens`` is only the buffer's bucket).
     """
-    rule: AcceptanceRule = cfg.rule.value
-    policy: drafting_lib.DraftingPolicy = cfg.drafting.value
     k_max, vocab = cfg.num_draft, pair_params.vocab_size
     nc, done = state.num_committed, state.done
     batch = nc.shape[0]
@@ -1140,21 +1051,21 @@ def _decode_cycle(
         uniforms, draft_uniforms, emit_uniform = u[:, :k_max], u[:, k_max : 2 * k_max], u[:, 2 * k_max]
 
     # ---- draft ----
-    drafts, draft_cache = _draft_phase(cfg, pair_params, state, draft_uniforms, temperature, top_p)
+    drafts, draft_cache = _draft_phase(cfg, pair_params, policy, state, draft_uniforms, temperature, top_p)
     draft_probs = drafts.probs
 
     # ---- verify: one target forward over [last, d_1 .. d_K] ----
     last = _gather(state.tokens, nc - 1)
     block_in = jnp.concatenate([last[:, None], drafts.tokens], axis=1)
     out = pair_params.target.module.apply(
-        pair_params.target.params, block_in, state.target_cache, hidden_layers=cfg.hidden_layers
+        pair_params.target.params, block_in, state.target_cache, hidden_layers=rule.hidden_layers
     )
     raw = out.logits[..., :vocab]
     target_logits = _warp(cfg, raw, temperature, top_p)
     target_probs = jax.nn.softmax(target_logits, axis=-1)
     features = {}
-    if cfg.hidden_layers:
-        features["hidden"] = {layer: h[:, 1:] for layer, h in zip(cfg.hidden_layers, out.hidden)}
+    if rule.hidden_layers:
+        features["hidden"] = {layer: h[:, 1:] for layer, h in zip(rule.hidden_layers, out.hidden)}
     inputs = VerifyInputs(
         draft_tokens=drafts.tokens,
         draft_logits=drafts.logits,
@@ -1229,28 +1140,11 @@ def _decode_cycle(
     policy_state = _where_b(live, policy_state, state.policy_state)
 
     # ---- stats ----
-    live_i = live.astype(jnp.int32)
-    pos = jnp.arange(k_max)[None, :]
-    acc_at = (pos < n[:, None]).astype(jnp.int32) * live_i[:, None]
-    path_counts = (
-        jax.nn.one_hot(jnp.asarray(verdict.path, jnp.int32), NUM_PATHS, dtype=jnp.int32)
-        * acc_at[..., None]
-    ).sum(1)
-    s = state.stats
-    stats = s.replace(
-        cycles=s.cycles + live_i,
-        drafted=s.drafted + v * live_i,
-        accepted=s.accepted + n * live_i,
-        tokens=s.tokens + n_commit,
-        drafted_at=s.drafted_at + drafts.valid.astype(jnp.int32) * live_i[:, None],
-        accepted_at=s.accepted_at + acc_at,
-        accepted_by_path=s.accepted_by_path + path_counts,
-        draft_forwards=s.draft_forwards + drafts.forwards,
-        target_forwards=s.target_forwards + 1,
-    )
+    stats = record_cycle(state.stats, live=live, valid=drafts.valid, num_accepted=n, num_committed=n_commit,
+                         paths=verdict.path, draft_forwards=drafts.forwards)
     diag = None
     if cfg.diagnostics is not None:
-        values = jax.vmap(cfg.diagnostics.value)(inputs, verdict, n)
+        values = jax.vmap(cfg.diagnostics)(inputs, verdict, n)
         diag = jax.tree_util.tree_map(
             lambda x: jnp.where(live.reshape(live.shape + (1,) * (x.ndim - 1)), x, 0), values
         )
@@ -1271,13 +1165,11 @@ def _decode_cycle(
 
 
 def _decode_impl(
-    pair_params: ModelPair, prompts, prompt_lengths, max_new, eos_ids, pad_id, key, temperature, top_p,
-    stream_id=None, *, cfg: _Config,
+    pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, prompts, prompt_lengths,
+    max_new, eos_ids, pad_id, key, temperature, top_p, stream_id=None, *, cfg: _Config,
 ):
     batch, width = prompts.shape
     k_max, n_max = cfg.num_draft, cfg.max_new_tokens
-    rule: AcceptanceRule = cfg.rule.value
-    policy: drafting_lib.DraftingPolicy = cfg.drafting.value
     seq_keys = _per_sequence_keys(key, batch)
 
     target_cache = _prefill(
@@ -1306,7 +1198,8 @@ def _decode_impl(
     caches = (("target_cache", "target"), ("draft_cache", "draft"))
     state = _constrain(cfg, state, batch, caches)
     cycle = functools.partial(
-        _decode_cycle, cfg, pair_params, prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p
+        _decode_cycle, cfg, pair_params, rule, policy, prompt_lengths, max_new, eos_ids, seq_keys, temperature,
+        top_p,
     )
     if cfg.diagnostics is not None:
         shapes = jax.eval_shape(lambda s: cycle(s)[1], state)
@@ -1434,15 +1327,17 @@ def decode(
 
     Compilation and warm-up: the first call for each combination of
     (batch bucket, prompt-width bucket, ``max_new_tokens`` bucket) and of the
-    static settings (``rule``, ``drafting``, ``num_draft``, greedy or not,
-    ``top_k``, whether ``top_p`` is set, ``max_length``, the mesh, whether
-    ``on_tokens`` is given) compiles;
-    later calls reuse it (temperature, ``top_p``'s value, the EOS ids (up to
-    4 share one program), ``pad_token_id``, the key and the prompts' contents
-    are traced). A serving loop can compile ahead by
-    calling ``decode`` once per bucket it will meet, e.g. with
-    ``[[0] * width] * batch`` for ``width`` in 16, 32, 64, ... and its batch
-    sizes, before taking traffic.
+    static settings (the rule's and the drafting policy's types and static
+    fields, ``num_draft``, greedy or not, ``top_k``, whether ``top_p`` is set,
+    ``max_length``, the mesh, the ``diagnostics`` function, whether
+    ``on_tokens`` is given) compiles; later calls reuse it. Traced, so free
+    to change between calls: the rule's numeric hyper-parameters (MARS's
+    ``theta``, EARS's ``beta``, PAD's ``sigma`` and head params, ...), the
+    policy's thresholds, temperature, ``top_p``'s value, the EOS ids (up to 4
+    share one program), ``pad_token_id``, the key and the prompts' contents.
+    A serving loop can compile ahead by calling ``decode`` once per bucket it
+    will meet, e.g. with ``[[0] * width] * batch`` for ``width`` in 16, 32,
+    64, ... and its batch sizes, before taking traffic (``docs/serving.md``).
 
     Returns:
       :class:`DecodeOutput`.
@@ -1493,17 +1388,19 @@ def decode(
         buckets=buckets,
         what=f"decoding (longest prompt {{width}} + max_new_tokens {max_new_tokens} + num_draft {num_draft})",
     )
-    cfg = call.cfg._replace(
-        rule=_Keyed(rule),
-        drafting=_Keyed(drafting),
-        diagnostics=None if diagnostics is None else _Keyed(diagnostics),
-        hidden_layers=_hidden_layers(rule.spec),
-    )
+    if diagnostics is not None and not callable(diagnostics):
+        raise TypeError(f"diagnostics must be a function (inputs, verdict, num_accepted) -> dict, got "
+                        f"{type(diagnostics).__name__}.")
+    cfg = call.cfg._replace(diagnostics=diagnostics)
+    if cfg.layout is not None:  # the rule's and policy's traced numbers, replicated on the mesh
+        rule, drafting = jax.tree_util.tree_map(
+            lambda x: _replicated(cfg.layout, np.asarray(jnp.asarray(x))), (rule, drafting)
+        )
     _check_on_tokens(on_tokens, call)
     cfg = cfg._replace(stream=on_tokens is not None)
     params = params.replace(target=call.models["target"], draft=call.models["draft"])
-    args = (params, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id, call.key, call.temperature,
-            call.top_p)
+    args = (params, rule, drafting, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id, call.key,
+            call.temperature, call.top_p)
     out, bad = _run_streaming(
         on_tokens, call.batch,
         lambda sid: _decode_jit(*args, cfg=cfg) if sid is None else _decode_jit(*args, sid, cfg=cfg),

@@ -1,8 +1,8 @@
 """Drafting policies: how many tokens the draft proposes in each cycle.
 
-A separate axis from acceptance rules, built the same way: a small NamedTuple
-of pure functions over one sequence's state, made by lowercase factories and
-composed with :func:`combine`. The engine vmaps every function over the batch,
+A separate axis from acceptance rules, built the same way: a hashable value
+(a frozen pytree dataclass) with pure methods over one sequence's state, made
+by lowercase factories and composed with :func:`combine`. The engine vmaps every function over the batch,
 so each sequence drafts its own number of tokens.
 
 Per cycle, for one sequence (``K = num_draft``, the static cap and the shape of
@@ -22,12 +22,15 @@ what Hugging Face's stopping criteria do.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+import dataclasses
+import numbers
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from specjax._src.rules.base import RuleSpec
+from specjax._src.rules.base import RuleSpec, spec_value
 
 Array = jax.Array
 PolicyState = Any
@@ -73,57 +76,72 @@ class DraftOutcome(NamedTuple):
     token_probs: Array
 
 
-class DraftingPolicy(NamedTuple):
-    """A drafting policy: pure per-sequence functions plus a spec.
+class DraftingPolicy:
+    """Base class of drafting policies: hashable values, like the rules.
 
-    Attributes:
-      init: ``(num_draft: int) -> state``, one sequence's initial state.
-      budget: ``(state, num_draft: int) -> int32``, the most tokens to draft
-        this cycle (the engine clips it to ``[1, num_draft]``).
-      proceed: ``(state, DraftStep) -> bool``, draft another token after this one?
-      update: ``(state, DraftOutcome) -> state``, once per cycle.
-      spec: name and parameters.
+    A policy is a frozen ``flax.struct.dataclass`` deriving from this class;
+    its pytree fields (thresholds, windows) are traced by the decode loop and
+    its ``struct.field(pytree_node=False)`` fields are static. Methods, per
+    sequence (the engine vmaps them):
+
+    * ``init(num_draft: int) -> state``, one sequence's initial state;
+    * ``budget(state, num_draft: int) -> int32``, the most tokens to draft
+      this cycle (the engine clips it to ``[1, num_draft]``);
+    * ``proceed(state, DraftStep) -> bool``, draft another token after this one?
+    * ``update(state, DraftOutcome) -> state``, once per cycle;
+    * ``spec``: name and parameters (a :class:`RuleSpec`).
     """
 
-    init: Callable[[int], PolicyState]
-    budget: Callable[[PolicyState, int], Array]
-    proceed: Callable[[PolicyState, DraftStep], Array]
-    update: Callable[[PolicyState, DraftOutcome], PolicyState]
-    spec: PolicySpec
+    name = "policy"
+
+    def init(self, num_draft: int) -> PolicyState:
+        del num_draft
+        return ()
+
+    def budget(self, state: PolicyState, num_draft: int) -> Array:
+        del state
+        return jnp.int32(num_draft)
+
+    def proceed(self, state: PolicyState, step: DraftStep) -> Array:
+        del state, step
+        return jnp.bool_(True)
+
+    def update(self, state: PolicyState, outcome: DraftOutcome) -> PolicyState:
+        del outcome
+        return state
+
+    @property
+    def spec(self) -> PolicySpec:
+        params = tuple((f.name, spec_value(getattr(self, f.name))) for f in dataclasses.fields(self)
+                       if getattr(self, f.name) is not None)
+        return PolicySpec(self.name, params)
+
+    def __str__(self) -> str:
+        return str(self.spec)
 
 
-def _no_state(num_draft: int) -> tuple:
-    del num_draft
-    return ()
+def _positive_int(where: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{where}: must be a positive integer, got {value!r}.")
+    return int(value)
 
 
-def _full_budget(state, num_draft: int) -> Array:
-    del state
-    return jnp.int32(num_draft)
+@struct.dataclass
+class Fixed(DraftingPolicy):
+    """Always draft ``k`` tokens (``None``: ``num_draft``); see :func:`fixed`."""
+
+    k: Optional[int] = struct.field(pytree_node=False, default=None)
+    name = "fixed"
+
+    def budget(self, state, num_draft: int) -> Array:
+        del state
+        return jnp.int32(num_draft if self.k is None else min(self.k, num_draft))
 
 
-def _always(state, step: DraftStep) -> Array:
-    del state, step
-    return jnp.bool_(True)
-
-
-def _keep_state(state, outcome: DraftOutcome):
-    del outcome
-    return state
-
-
-def fixed(k: Optional[int] = None) -> DraftingPolicy:
+def fixed(k: Optional[int] = None) -> Fixed:
     """Always draft ``k`` tokens (``None``: ``num_draft``). ``k`` must not exceed
     ``num_draft``, which ``decode`` checks."""
-    if k is not None and (isinstance(k, bool) or int(k) != k or k < 1):
-        raise ValueError(f"fixed(k): k must be a positive integer, got {k!r}.")
-
-    def budget(state, num_draft: int) -> Array:
-        del state
-        return jnp.int32(num_draft if k is None else min(int(k), num_draft))
-
-    params = () if k is None else (("k", int(k)),)
-    return DraftingPolicy(_no_state, budget, _always, _keep_state, PolicySpec("fixed", params))
+    return Fixed(k=None if k is None else _positive_int("fixed(k)", k))
 
 
 class AdaSDEntropyState(NamedTuple):
@@ -142,31 +160,25 @@ def adasd_entropy_threshold(state: AdaSDEntropyState) -> Array:
     )
 
 
-def adasd_entropy(window: int = 20) -> DraftingPolicy:
-    """AdaSD's generation threshold (adasd.txt, section 4.3).
+@struct.dataclass
+class AdaSDEntropy(DraftingPolicy):
+    """AdaSD's generation threshold; see :func:`adasd_entropy`. ``window`` is traced."""
 
-    Threshold = mean entropy (nats) of every previously *rejected* draft token
-    of this sequence (the first rejected slot of each cycle; later slots are
-    never judged). Drafting stops after a token whose draft entropy exceeds the
-    threshold. Before any rejection the threshold is ``+inf``: draft up to the
-    cap. ``window`` is the paper's hard cap on drafts per cycle (20); the
-    effective cap is ``min(window, num_draft)``.
-    """
-    if isinstance(window, bool) or int(window) != window or window < 1:
-        raise ValueError(f"adasd_entropy(window): must be a positive integer, got {window!r}.")
+    window: int = 20
+    name = "adasd_entropy"
 
-    def init(num_draft: int) -> AdaSDEntropyState:
+    def init(self, num_draft: int) -> AdaSDEntropyState:
         del num_draft
         return AdaSDEntropyState(jnp.float32(0.0), jnp.float32(0.0))
 
-    def budget(state, num_draft: int) -> Array:
+    def budget(self, state, num_draft: int) -> Array:
         del state
-        return jnp.int32(min(int(window), num_draft))
+        return jnp.minimum(jnp.asarray(self.window, jnp.int32), num_draft)
 
-    def proceed(state: AdaSDEntropyState, step: DraftStep) -> Array:
+    def proceed(self, state: AdaSDEntropyState, step: DraftStep) -> Array:
         return step.entropy <= adasd_entropy_threshold(state)
 
-    def update(state: AdaSDEntropyState, outcome: DraftOutcome) -> AdaSDEntropyState:
+    def update(self, state: AdaSDEntropyState, outcome: DraftOutcome) -> AdaSDEntropyState:
         rejected = outcome.num_accepted < outcome.num_drafted
         k = outcome.entropies.shape[0]
         slot = jnp.minimum(outcome.num_accepted, k - 1)
@@ -176,59 +188,101 @@ def adasd_entropy(window: int = 20) -> DraftingPolicy:
             state.rejected_count + rejected.astype(jnp.float32),
         )
 
-    return DraftingPolicy(
-        init, budget, proceed, update, PolicySpec("adasd_entropy", (("window", int(window)),))
-    )
+
+def adasd_entropy(window: int = 20) -> AdaSDEntropy:
+    """AdaSD's generation threshold ("AdaSD: Adaptive Speculative Decoding for
+    Efficient Language Model Inference", section 4.3).
+
+    Threshold = mean entropy (nats) of every previously *rejected* draft token
+    of this sequence (the first rejected slot of each cycle; later slots are
+    never judged). Drafting stops after a token whose draft entropy exceeds the
+    threshold. Before any rejection the threshold is ``+inf``: draft up to the
+    cap. ``window`` is the paper's hard cap on drafts per cycle (20); the
+    effective cap is ``min(window, num_draft)``.
+    """
+    return AdaSDEntropy(window=_positive_int("adasd_entropy(window)", window))
 
 
-def heuristic(initial: Optional[int] = None) -> DraftingPolicy:
+@struct.dataclass
+class Heuristic(DraftingPolicy):
+    """Hugging Face's "heuristic" schedule; see :func:`heuristic`."""
+
+    initial: Optional[int] = None
+    name = "heuristic"
+
+    def init(self, num_draft: int) -> Array:
+        if self.initial is None:
+            return jnp.int32(num_draft)
+        return jnp.minimum(jnp.asarray(self.initial, jnp.int32), num_draft)
+
+    def budget(self, state: Array, num_draft: int) -> Array:
+        del num_draft
+        return state
+
+    def update(self, state: Array, outcome: DraftOutcome) -> Array:
+        k = outcome.valid.shape[0]
+        all_accepted = outcome.num_accepted >= outcome.num_drafted
+        new = jnp.where(all_accepted, state + 2, state - 1)
+        return jnp.clip(new, 1, k).astype(jnp.int32)
+
+
+def heuristic(initial: Optional[int] = None) -> Heuristic:
     """Hugging Face's "heuristic" schedule, per sequence.
 
     Starts at ``initial`` drafts (``None``: ``num_draft``); after each cycle,
     ``+2`` if every drafted token was accepted, else ``-1``, clipped to
     ``[1, num_draft]``.
     """
-    if initial is not None and (isinstance(initial, bool) or int(initial) != initial or initial < 1):
-        raise ValueError(f"heuristic(initial): must be a positive integer, got {initial!r}.")
-
-    def init(num_draft: int) -> Array:
-        start = num_draft if initial is None else min(int(initial), num_draft)
-        return jnp.int32(start)
-
-    def budget(state: Array, num_draft: int) -> Array:
-        del num_draft
-        return state
-
-    def update(state: Array, outcome: DraftOutcome) -> Array:
-        k = outcome.valid.shape[0]
-        all_accepted = outcome.num_accepted >= outcome.num_drafted
-        new = jnp.where(all_accepted, state + 2, state - 1)
-        return jnp.clip(new, 1, k).astype(jnp.int32)
-
-    params = () if initial is None else (("initial", int(initial)),)
-    return DraftingPolicy(init, budget, _always, update, PolicySpec("heuristic", params))
+    return Heuristic(initial=None if initial is None else _positive_int("heuristic(initial)", initial))
 
 
-def confidence(threshold: float = 0.4) -> DraftingPolicy:
+@struct.dataclass
+class Confidence(DraftingPolicy):
+    """Stop after a token drafted with probability below ``threshold`` (traced)."""
+
+    threshold: float = 0.4
+    name = "confidence"
+
+    def proceed(self, state, step: DraftStep) -> Array:
+        del state
+        return step.token_prob >= self.threshold
+
+
+def confidence(threshold: float = 0.4) -> Confidence:
     """Stop drafting after a token whose draft probability is below ``threshold``
     (Hugging Face's ``assistant_confidence_threshold``; default 0.4)."""
-    if not 0.0 <= float(threshold) <= 1.0:
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0.0 <= float(threshold) <= 1.0:
         raise ValueError(f"confidence(threshold): must be in [0, 1], got {threshold!r}.")
-
-    def proceed(state, step: DraftStep) -> Array:
-        del state
-        return step.token_prob >= threshold
-
-    return DraftingPolicy(
-        _no_state,
-        _full_budget,
-        proceed,
-        _keep_state,
-        PolicySpec("confidence", (("threshold", float(threshold)),)),
-    )
+    return Confidence(threshold=float(threshold))
 
 
-def combine(*policies: DraftingPolicy) -> DraftingPolicy:
+@struct.dataclass
+class Combine(DraftingPolicy):
+    """Several policies at once; see :func:`combine`."""
+
+    policies: tuple
+    name = "combine"
+
+    def init(self, num_draft: int):
+        return tuple(p.init(num_draft) for p in self.policies)
+
+    def budget(self, state, num_draft: int) -> Array:
+        budgets = [jnp.asarray(p.budget(s, num_draft), jnp.int32) for p, s in zip(self.policies, state)]
+        return jnp.min(jnp.stack(budgets))
+
+    def proceed(self, state, step: DraftStep) -> Array:
+        flags = [jnp.asarray(p.proceed(s, step), bool) for p, s in zip(self.policies, state)]
+        return jnp.all(jnp.stack(flags))
+
+    def update(self, state, outcome: DraftOutcome):
+        return tuple(p.update(s, outcome) for p, s in zip(self.policies, state))
+
+    @property
+    def spec(self) -> PolicySpec:
+        return PolicySpec(self.name, tuple((f"p{i}", p.spec) for i, p in enumerate(self.policies)))
+
+
+def combine(*policies: DraftingPolicy) -> Combine:
     """Runs several policies together: the budget is the smallest, drafting
     stops as soon as any of them says stop, each updates its own state.
 
@@ -239,23 +293,7 @@ def combine(*policies: DraftingPolicy) -> DraftingPolicy:
     for p in policies:
         if not isinstance(p, DraftingPolicy):
             raise TypeError(f"combine() takes DraftingPolicy objects, got {type(p).__name__}.")
-
-    def init(num_draft: int):
-        return tuple(p.init(num_draft) for p in policies)
-
-    def budget(state, num_draft: int) -> Array:
-        budgets = [jnp.asarray(p.budget(s, num_draft), jnp.int32) for p, s in zip(policies, state)]
-        return jnp.min(jnp.stack(budgets))
-
-    def proceed(state, step: DraftStep) -> Array:
-        flags = [jnp.asarray(p.proceed(s, step), bool) for p, s in zip(policies, state)]
-        return jnp.all(jnp.stack(flags))
-
-    def update(state, outcome: DraftOutcome):
-        return tuple(p.update(s, outcome) for p, s in zip(policies, state))
-
-    spec = PolicySpec("combine", tuple((f"p{i}", p.spec) for i, p in enumerate(policies)))
-    return DraftingPolicy(init, budget, proceed, update, spec)
+    return Combine(policies=tuple(policies))
 
 
 def max_fixed_k(policy: DraftingPolicy) -> Optional[int]:

@@ -1,6 +1,7 @@
 """Acceptance certificates for deterministic, level-set acceptance rules.
 
-Theory (after Sharma, "When Is a Draft Accepted?", arXiv 2606.30265; only a
+Theory (after Sharma, "When Is a Draft Accepted? A Theory of Acceptance in
+Speculative Decoding", arXiv:2606.30265; only a
 summary of the paper was available, so every formula below was re-derived here
 and checked numerically against brute-force minimisation in
 ``tests/test_theory.py``).
@@ -61,14 +62,14 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import xlogy
 
-from specjax._src.rules.base import RuleSpec
+from specjax._src import sampling
+from specjax._src.rules.base import AcceptanceRule, RuleSpec
+from specjax._src.rules.parse import COMBINATORS, RULES, parse_spec, rule_from_spec
 
 Array = jax.Array
 
-# Certifiable rule names; "greedy", "sd" and "lossless" are aliases of the strict rule.
-LEVEL_SET_RULES = ("speculative_sampling", "additive", "multiplicative", "top_m", "typical")
+# "greedy", "sd" and "lossless" name the strict rule.
 _ALIASES = {"greedy": "speculative_sampling", "sd": "speculative_sampling", "lossless": "speculative_sampling"}
-COMBINATORS = ("any_of", "all_of")
 
 _WHY_NOT = {
     "ears": "EARS pardons a rejection with a uniform draw and the draft's probability: it is "
@@ -119,9 +120,7 @@ def kl_divergence(p: Array, q: Array) -> Array:
     return terms.sum(-1)
 
 
-def entropy(p: Array) -> Array:
-    """Shannon entropy in nats over the last axis, ``[..., V] -> [...]``."""
-    return -xlogy(p, p).sum(-1)
+entropy = sampling.entropy  # Shannon entropy in nats over the last axis, ``[..., V] -> [...]``
 
 
 def _sort_desc(p: Array) -> Array:
@@ -132,28 +131,18 @@ def _sort_desc(p: Array) -> Array:
 # Rules as accepted sets.
 
 
-def _as_spec(rule: Any) -> RuleSpec:
-    spec = getattr(rule, "spec", rule)
-    if isinstance(spec, RuleSpec):
-        return spec
-    if isinstance(spec, str):
-        return RuleSpec(spec)
-    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str):
-        return RuleSpec(*spec)
-    raise TypeError(f"expected an AcceptanceRule or RuleSpec, got {type(rule).__name__}")
-
-
-def _children(spec: RuleSpec) -> list[RuleSpec]:
-    """Sub-rules of a combinator: every param value that is a rule/spec (or a tuple of them)."""
-    out = []
-    for _, value in spec.params:
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        for v in values:
-            if isinstance(getattr(v, "spec", v), RuleSpec):
-                out.append(_as_spec(v))
-    if not out:
-        raise ValueError(f"combinator {spec} lists no sub-rules in its params")
-    return out
+def as_rule(rule: Any) -> AcceptanceRule:
+    """An ``AcceptanceRule`` from a rule, a :class:`RuleSpec` or a spec string
+    (``"greedy"``, ``"additive:t=0.3"``, ``"any_of(top_m:m=2,additive:t=0.1)"``)."""
+    if isinstance(rule, AcceptanceRule):
+        return rule
+    if isinstance(rule, str):
+        rule = parse_spec(_ALIASES.get(rule, rule))
+    if isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str) and not isinstance(rule, RuleSpec):
+        rule = RuleSpec(*rule)
+    if isinstance(rule, RuleSpec):
+        return rule_from_spec(rule._replace(name=_ALIASES.get(rule.name, rule.name)))
+    raise TypeError(f"expected an AcceptanceRule, RuleSpec or spec string, got {type(rule).__name__}")
 
 
 def _not_certifiable(spec: RuleSpec, where: str = "") -> ValueError:
@@ -162,125 +151,97 @@ def _not_certifiable(spec: RuleSpec, where: str = "") -> ValueError:
         f"rule {str(spec)!r}{where} has no acceptance certificate: {why}. Certificates exist only "
         "for deterministic rules whose accepted set is an upper level set of the target "
         "distribution p: speculative_sampling (certified in its temperature-0, strict greedy "
-        "form), additive(t), multiplicative(alpha), top_m(m), typical(eps, delta), and any_of / "
-        "all_of combinations of these."
+        "form), additive(t), multiplicative(alpha), top_m(m), typical(eps, delta), any_of / "
+        "all_of combinations of these, and criterion(..., level_set=True)."
     )
 
 
-def check_certifiable(rule: Any) -> RuleSpec:
-    """Returns the rule's spec, or raises ``ValueError`` saying why it has no certificate."""
-    spec = _as_spec(rule)
-    if spec.name in COMBINATORS:
-        for child in _children(spec):
+def check_certifiable(rule: Any) -> AcceptanceRule:
+    """Returns the rule (built from a spec if need be), or raises ``ValueError``
+    saying why it has no certificate.
+
+    A rule is certifiable when it declares ``level_set`` (its accepted set is
+    an upper level set of p) and answers ``accepted_set(logits, probs)``.
+    """
+    if isinstance(rule, str):
+        rule = parse_spec(_ALIASES.get(rule, rule))
+    if isinstance(rule, RuleSpec):
+        name = _ALIASES.get(rule.name, rule.name)
+        if name in _WHY_NOT or name not in {*RULES, *COMBINATORS}:
+            raise _not_certifiable(rule)  # say why before complaining about its parameters
+    rule = as_rule(rule)
+    children = getattr(rule, "rules", None)
+    if children is not None:
+        for child in children:
             try:
                 check_certifiable(child)
             except ValueError as e:
-                raise ValueError(f"{spec.name} contains a non-certifiable rule: {e}") from None
-        return spec
-    if _ALIASES.get(spec.name, spec.name) not in LEVEL_SET_RULES:
-        raise _not_certifiable(spec)
-    for key in {"additive": ("t",), "multiplicative": ("alpha",), "top_m": ("m",)}.get(spec.name, ()):
-        if spec.get(key) is None:
-            raise ValueError(f"rule {str(spec)!r} is missing parameter {key!r}")
-    return spec
+                raise ValueError(f"{rule.name} contains a non-certifiable rule: {e}") from None
+        return rule
+    if not getattr(rule, "level_set", False) or not hasattr(rule, "accepted_set"):
+        raise _not_certifiable(rule.spec)
+    return rule
 
 
-def _concrete(value: Any) -> Any:
-    # numpy / concrete jax scalars -> Python numbers, so the spec is a hashable static arg.
-    try:
-        return value.item() if hasattr(value, "item") else value
-    except Exception:  # a tracer: left as is (jit then reports a non-hashable static arg)
-        return value
-
-
-def _normalize(spec: RuleSpec) -> RuleSpec:
-    """A canonical, hashable spec: children of combinators become specs too."""
-    if spec.name in COMBINATORS:
-        return RuleSpec(spec.name, (("rules", tuple(_normalize(c) for c in _children(spec))),))
-    name = _ALIASES.get(spec.name, spec.name)
-    return RuleSpec(name, tuple((k, _concrete(v)) for k, v in spec.params))
+def _normalize(rule: Any) -> RuleSpec:
+    """The rule's canonical spec (aliases resolved): for labels and reports."""
+    return as_rule(rule).spec
 
 
 def _rule_fn(fn):
-    """Checks and canonicalises the rule, then runs ``fn`` jitted with the spec static.
+    """Checks the rule, then runs ``fn`` jitted with the rule as a pytree
+    argument: its numbers are traced, so a new threshold compiles nothing.
 
-    Jitting here compiles each (rule, shape) once instead of dispatching dozens of
-    small ops eagerly; inside a caller's jit it simply inlines.
+    Jitting here compiles each (rule structure, shape) once instead of
+    dispatching dozens of small ops eagerly; inside a caller's jit it inlines.
     """
-    jitted = jax.jit(fn, static_argnums=0)
+    jitted = jax.jit(fn)
 
     @functools.wraps(fn)
     def wrapper(rule, *arrays, **named):
         named = {k: jnp.asarray(v) for k, v in named.items()}
-        return jitted(_normalize(check_certifiable(rule)), *map(jnp.asarray, arrays), **named)
+        return jitted(check_certifiable(rule), *map(jnp.asarray, arrays), **named)
 
     return wrapper
 
 
-def _threshold_mask(spec: RuleSpec, p: Array) -> Array | None:
-    """``bool[..., V]`` for threshold rules (a level set of p); None for rank rules."""
-    top = p.max(-1, keepdims=True)
-    if spec.name == "additive":
-        return p >= top - spec.get("t")
-    if spec.name == "multiplicative":
-        return p >= spec.get("alpha") * top
-    if spec.name == "typical":
-        eps, delta = spec.get("eps", 0.09), spec.get("delta", 0.3)
-        level = jnp.minimum(eps, delta * jnp.exp(-entropy(p)))[..., None]
-        return p > level
-    return None
+def _rule_set(rule: AcceptanceRule, p: Array) -> Array:
+    """``bool[..., V]``: the rule's own accepted set at ``p``, asked of the rule.
 
-
-def _rank_size(spec: RuleSpec) -> int | None:
-    if spec.name == "speculative_sampling":
-        return 1
-    if spec.name == "top_m":
-        return int(spec.get("m"))
-    return None
+    The logits the rule sees are ``-rank`` in the stable descending order of
+    ``p`` (``-inf`` where ``p = 0``): they order tokens as the real logits do,
+    but with no ties, so a rank rule (greedy, top-m) admits exactly the first
+    ``m`` tokens, ties broken towards the lower id. That is the "conservative
+    choice" of the module docstring: p alone cannot tell how the rule breaks a
+    tie or whether a zero-probability token's logit was finite. Threshold rules
+    read ``p`` itself and give their sets exactly.
+    """
+    order = jnp.argsort(-p, axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1)
+    logits = jnp.where(p > 0, -rank.astype(p.dtype), -jnp.inf)
+    return rule.accepted_set(logits, p)
 
 
 @_rule_fn
 def num_accepted(rule: Any, probs: Array) -> Array:
     """``int32[...]``: size k of the accepted set; it is the first k tokens of the
     stable descending order of ``probs[..., V]``."""
-    spec = check_certifiable(rule)
-    p = jnp.asarray(probs)
-    v = p.shape[-1]
-    if spec.name in COMBINATORS:
-        ks = jnp.stack([num_accepted(c, p) for c in _children(spec)])
-        # Unions/intersections of prefixes of one order are the longest/shortest prefix.
-        return ks.max(0) if spec.name == "any_of" else ks.min(0)
-    mask = _threshold_mask(spec, p)
-    if mask is not None:
-        return mask.sum(-1, dtype=jnp.int32)
-    k = jnp.full(p.shape[:-1], min(max(_rank_size(spec), 0), v), jnp.int32)
-    if spec.name == "top_m":
-        # top_m never admits a token the sampling warp masked (p = 0, logit -inf);
-        # p alone cannot tell those from underflow, so leave every zero out.
-        k = jnp.minimum(k, (p > 0).sum(-1, dtype=jnp.int32))
-    return k
+    return _rule_set(rule, jnp.asarray(probs)).sum(-1, dtype=jnp.int32)
 
 
 @_rule_fn
 def accepted_set(rule: Any, probs: Array) -> Array:
     """``bool[..., V]``: the tokens the rule accepts as a greedy draft at ``probs[..., V]``.
 
-    Threshold rules (additive, multiplicative, typical) are exactly the rules'
-    sets. Rank rules break ties towards the lower token id, as ``argmax`` does:
-    exact for strict greedy; for ``top_m`` (whose rule admits every token tied
-    at the cut-off, by logits) it is a subset — exact unless ``p(m) = p(m+1)``
-    — and it leaves out zero-probability tokens (warp-masked ones are never in).
-    A subset gives a smaller rejection-free region, so certificates stay sound.
+    The rule's own set (its ``accepted_set``), asked with rank logits (see
+    :func:`_rule_set`). Threshold rules (additive, multiplicative, typical)
+    give their sets exactly. Rank rules break ties towards the lower token id,
+    as ``argmax`` does: exact for strict greedy; for ``top_m`` (whose rule
+    admits every token tied at the cut-off, by logits) it is a subset, exact
+    unless ``p(m) = p(m+1)``, and it leaves out zero-probability tokens. A
+    subset gives a smaller rejection-free region, so certificates stay sound.
     """
-    spec = check_certifiable(rule)
-    p = jnp.asarray(probs)
-    mask = _threshold_mask(spec, p) if spec.name not in COMBINATORS else None
-    if mask is not None:
-        return mask
-    # Rank of each token in the stable descending order (ties: lower id first).
-    order = jnp.argsort(-p, axis=-1, stable=True)
-    rank = jnp.argsort(order, axis=-1)
-    return rank < num_accepted(spec, p)[..., None]
+    return _rule_set(rule, jnp.asarray(probs))
 
 
 # ----------------------------------------------------------------------------
@@ -334,7 +295,7 @@ def certificate(rule: Any, probs: Array) -> Array:
 
     Returns:
       ``[...]`` certificates in nats; ``+inf`` where every token is accepted.
-      Jittable and vmappable (the rule is static).
+      Jittable and vmappable (the rule is a pytree argument).
     """
     p = jnp.asarray(probs)
     return level_set_certificate(p, num_accepted(rule, p))

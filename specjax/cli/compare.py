@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax._src import stats as stats_lib
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_TARGET = ASSETS / "models" / "target"
 DEFAULT_DRAFT = ASSETS / "models" / "draft"
@@ -257,16 +259,8 @@ def _timed(fn, prompts, batch_size: Optional[int], repeats: int = 1):
 
 
 def _merged_summary(stats_list) -> dict:
-    """Totals of several ``DecodeStats`` summaries (sums; rates recomputed)."""
-    sums: dict = {}
-    for st in stats_list:
-        for k, v in st.summary().items():
-            sums[k] = sums.get(k, 0.0) + v
-    cycles, drafted = max(sums.get("cycles", 0.0), 1.0), max(sums.get("drafted", 0.0), 1.0)
-    sums["tau"] = sums.get("tokens", 0.0) / cycles
-    sums["acceptance_rate"] = sums.get("accepted", 0.0) / drafted
-    sums["mean_drafted_per_cycle"] = sums.get("drafted", 0.0) / cycles
-    return sums
+    """The summary of several calls' stats pooled by counts (rates do not add)."""
+    return stats_lib.concatenate(stats_list).summary()
 
 
 def _agreement(tokens, lengths, ref_tokens, ref_lengths) -> float:
@@ -385,7 +379,7 @@ COLUMNS = (
     ("speedup", "speedup", "{:.2f}x"),
     ("tau", "tau", "{:.2f}"),
     ("drafted_per_cycle", "drafted", "{:.2f}"),
-    ("acceptance_rate", "accept", "{:.3f}"),
+    ("acceptance_rate", "alpha", "{:.3f}"),
     ("task_accuracy", "task acc", "{:.3f}"),
     ("recovery", "recovery", "{:.3f}"),
     ("agreement", "agree(T=0)", "{:.3f}"),

@@ -1,4 +1,7 @@
-"""AdaSD's verification threshold: JS-distance acceptance with running means (adasd.txt)."""
+"""AdaSD's verification threshold: JS-distance acceptance with running means.
+
+"AdaSD: Adaptive Speculative Decoding for Efficient Language Model Inference".
+"""
 
 from __future__ import annotations
 
@@ -6,15 +9,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from specjax._src.rules import common
 from specjax._src.rules.base import (
     AcceptanceRule,
     Path,
-    RuleSpec,
     Verdict,
     VerifyInputs,
     lossless_decision,
+    static_field,
     token_prob,
 )
 
@@ -48,7 +52,41 @@ def slot_js_distance(inputs: VerifyInputs) -> Array:
     return common.js_distance(inputs.target_probs[:k], inputs.draft_probs)
 
 
-def adasd(allow_excluded: bool = False) -> AcceptanceRule:
+@struct.dataclass
+class AdaSD(AcceptanceRule):
+    """AdaSD's verification; build it with :func:`adasd`. State: :class:`AdaSDState`."""
+
+    allow_excluded: bool = static_field(False, omit_default=True)
+    name = "adasd"
+
+    def init(self) -> AdaSDState:
+        zero = jnp.zeros((), jnp.float32)
+        return AdaSDState(zero, zero, zero, zero)
+
+    def verify(self, inputs: VerifyInputs, state: AdaSDState, *, greedy: bool) -> Verdict:
+        exact, correction = lossless_decision(inputs, greedy=greedy)
+        close = slot_js_distance(inputs) < adasd_threshold(state)
+        if not self.allow_excluded:
+            close &= token_prob(inputs.target_probs, inputs.draft_tokens) > 0
+        accept = exact | close
+        return Verdict(accept, common.paths(accept, exact, Path.RELAXED), correction)
+
+    def update(self, state: AdaSDState, inputs: VerifyInputs, verdict, num_accepted, *, greedy) -> AdaSDState:
+        del verdict, greedy
+        d = slot_js_distance(inputs)
+        slot = jnp.arange(d.shape[0])
+        valid = inputs.valid.astype(bool)
+        was_accepted = (valid & (slot < num_accepted)).astype(jnp.float32)
+        was_rejected = (valid & (slot == num_accepted)).astype(jnp.float32)
+        return AdaSDState(
+            accepted_sum=state.accepted_sum + jnp.sum(was_accepted * d),
+            accepted_count=state.accepted_count + jnp.sum(was_accepted),
+            rejected_sum=state.rejected_sum + jnp.sum(was_rejected * d),
+            rejected_count=state.rejected_count + jnp.sum(was_rejected),
+        )
+
+
+def adasd(allow_excluded: bool = False) -> "AdaSD":
     """AdaSD's verification: accept draft tokens whose distributions agree.
 
     At slot k, ``d_k = JS distance(q_k, p_k)`` (base 2, in [0, 1]) between the
@@ -85,33 +123,4 @@ def adasd(allow_excluded: bool = False) -> AcceptanceRule:
     Args:
       allow_excluded: let the threshold accept tokens with ``p(x) = 0``.
     """
-    allow_excluded = bool(allow_excluded)
-
-    def init() -> AdaSDState:
-        zero = jnp.zeros((), jnp.float32)
-        return AdaSDState(zero, zero, zero, zero)
-
-    def verify(inputs: VerifyInputs, state: AdaSDState, *, greedy: bool) -> Verdict:
-        exact, correction = lossless_decision(inputs, greedy=greedy)
-        close = slot_js_distance(inputs) < adasd_threshold(state)
-        if not allow_excluded:
-            close &= token_prob(inputs.target_probs, inputs.draft_tokens) > 0
-        accept = exact | close
-        return Verdict(accept, common.paths(accept, exact, Path.RELAXED), correction)
-
-    def update(state: AdaSDState, inputs: VerifyInputs, verdict, num_accepted, *, greedy):
-        del verdict, greedy
-        d = slot_js_distance(inputs)
-        slot = jnp.arange(d.shape[0])
-        valid = inputs.valid.astype(bool)
-        was_accepted = (valid & (slot < num_accepted)).astype(jnp.float32)
-        was_rejected = (valid & (slot == num_accepted)).astype(jnp.float32)
-        return AdaSDState(
-            accepted_sum=state.accepted_sum + jnp.sum(was_accepted * d),
-            accepted_count=state.accepted_count + jnp.sum(was_accepted),
-            rejected_sum=state.rejected_sum + jnp.sum(was_rejected * d),
-            rejected_count=state.rejected_count + jnp.sum(was_rejected),
-        )
-
-    spec = RuleSpec("adasd", (("allow_excluded", 1),) if allow_excluded else ())
-    return AcceptanceRule(init=init, verify=verify, update=update, spec=spec)
+    return AdaSD(allow_excluded=bool(allow_excluded))

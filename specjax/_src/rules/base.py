@@ -1,6 +1,8 @@
-"""The acceptance-rule interface: small NamedTuples of pure functions.
+"""The acceptance-rule interface: rules are hashable values with pure methods.
 
-Modelled on optax's ``GradientTransformation``. A rule looks at one sequence's
+Modelled on optax's ``GradientTransformation``, but each rule is a frozen
+pytree dataclass, so ``jit`` takes it as an argument: its numeric fields are
+traced and its static fields shape the program. A rule looks at one sequence's
 draft block and says, for every draft slot independently, whether it would
 accept the draft token *if every earlier slot were accepted*, why, and which
 distribution the correction token is drawn from if that slot is the first
@@ -16,11 +18,13 @@ Shapes below are per sequence: ``K`` draft slots, vocabulary ``V``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from specjax._src import sampling
 
@@ -109,32 +113,161 @@ class RuleSpec(NamedTuple):
         return dict(self.params).get(key, default)
 
 
-class AcceptanceRule(NamedTuple):
-    """A verification rule: pure functions plus a spec.
+def spec_value(value: Any) -> Any:
+    """A concrete scalar (Python, numpy or JAX) as a Python number, for specs."""
+    if isinstance(value, jax.core.Tracer):
+        return value  # inside jit: no concrete number to show
+    if hasattr(value, "shape") and getattr(value, "shape", None) == () and hasattr(value, "item"):
+        return value.item()
+    return value
 
-    Attributes:
-      init: ``() -> state``, one sequence's initial running state (a pytree;
-        ``()`` for stateless rules).
-      verify: ``(inputs, state, *, greedy) -> Verdict``. ``greedy`` is a static
-        Python bool: True when decoding at temperature 0.
-      update: ``(state, inputs, verdict, num_accepted, *, greedy) -> state``,
-        called once per cycle with the accepted prefix length (int32 scalar).
-      spec: the rule's name and parameters.
+
+class AcceptanceRule:
+    """Base class of acceptance rules: hashable values, not closures.
+
+    A rule is a frozen ``flax.struct.dataclass`` deriving from this class
+    (like optax's ``GradientTransformation``, but a value the engine can pass
+    to ``jit``). Its fields are its hyper-parameters:
+
+    * pytree fields (the default) are *traced*: numbers such as MARS's
+      ``theta`` and arrays such as PAD's head params. Another value of them
+      reuses the compiled decode loop;
+    * ``struct.field(pytree_node=False)`` fields are *static*: settings that
+      change the program (a variant name, a rank ``m``, a user function).
+
+    The engine reads what a rule needs from the value itself
+    (:attr:`hidden_layers`); it never inspects closures or parses specs.
+
+    Methods (per sequence; the engine vmaps them over the batch):
+
+    * ``init() -> state``: one sequence's initial running state (a pytree;
+      ``()`` for stateless rules).
+    * ``verify(inputs, state, *, greedy) -> Verdict``. ``greedy`` is a static
+      Python bool: True when decoding at temperature 0.
+    * ``update(state, inputs, verdict, num_accepted, *, greedy) -> state``,
+      once per cycle with the accepted prefix length (int32 scalar).
+    * ``spec``: the rule's :class:`RuleSpec` (name and parameters) for
+      reports and :func:`~specjax.rules.parse_rule`.
+
+    Level-set criteria (the acceptance-theory rules) also define
+    ``accepted_set(logits, probs) -> bool[..., V]``; ``specjax.theory`` asks
+    the rule for it rather than re-deriving it.
+
+    A custom rule::
+
+        @struct.dataclass
+        class Confident(AcceptanceRule):
+            floor: float = 0.2                      # traced
+            name = "confident"
+
+            def verify(self, inputs, state, *, greedy):
+                exact, correction = lossless_decision(inputs, greedy=greedy)
+                accept = exact | (token_prob(inputs.target_probs, inputs.draft_tokens) > self.floor)
+                return Verdict(accept, paths(accept, exact, Path.RELAXED), correction)
     """
 
-    init: Callable[[], RuleState]
-    verify: Callable[..., Verdict]
-    update: Callable[..., RuleState]
-    spec: RuleSpec
+    name = "rule"  # a class attribute, not a field: subclasses override it
+    level_set = False  # True: accepted_set() is an upper level set of p (certifiable)
+
+    def init(self) -> RuleState:
+        return ()
+
+    def verify(self, inputs: VerifyInputs, state: RuleState, *, greedy: bool) -> Verdict:
+        raise NotImplementedError(f"{type(self).__name__} does not define verify()")
+
+    def update(self, state: RuleState, inputs: VerifyInputs, verdict: Verdict, num_accepted: Array,
+               *, greedy: bool) -> RuleState:
+        del inputs, verdict, num_accepted, greedy
+        return state
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Target block outputs the rule reads from ``inputs.features["hidden"]``."""
+        return ()
+
+    @property
+    def spec(self) -> RuleSpec:
+        """``RuleSpec(name, fields)``: every field in declaration order, less
+        those declared with ``spec=False`` and ``omit_default`` fields left at
+        their default."""
+        params = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("spec") is False:
+                continue
+            if f.metadata.get("omit_default") and value == f.default:
+                continue
+            params.append((f.name, spec_value(value)))
+        return RuleSpec(self.name, tuple(params))
+
+    def __str__(self) -> str:
+        return str(self.spec)
 
 
-def stateless_update(state, inputs, verdict, num_accepted, *, greedy):
+def static_field(default: Any = dataclasses.MISSING, *, omit_default: bool = False, spec: bool = True):
+    """A compile-time rule field (see :class:`AcceptanceRule`).
+
+    ``omit_default``: leave the field out of ``spec`` while it has its default
+    (keeps ``"mars:theta=0.9"`` short); ``spec=False``: never in the spec.
+    """
+    metadata = {"omit_default": omit_default, "spec": spec}
+    return struct.field(pytree_node=False, default=default, metadata=metadata)
+
+
+def traced_field(default: Any = dataclasses.MISSING, *, omit_default: bool = False):
+    """A traced rule field: a number or array the compiled program takes as input."""
+    return struct.field(pytree_node=True, default=default, metadata={"omit_default": omit_default})
+
+
+def _no_state() -> tuple:
+    return ()
+
+
+def _keep_state(state, inputs, verdict, num_accepted, *, greedy):
     del inputs, verdict, num_accepted, greedy
     return state
 
 
-def no_state() -> tuple:
-    return ()
+@struct.dataclass
+class FunctionRule(AcceptanceRule):
+    """A rule from plain functions (:func:`from_functions`). The functions are
+    static and compared by identity: module-level functions share compiled
+    programs; a fresh closure per call compiles anew."""
+
+    verify_fn: Any = static_field(spec=False)
+    init_fn: Any = static_field(_no_state, spec=False)
+    update_fn: Any = static_field(_keep_state, spec=False)
+    name: str = static_field("custom", spec=False)
+    layers: tuple = static_field((), spec=False)
+
+    def init(self) -> RuleState:
+        return self.init_fn()
+
+    def verify(self, inputs: VerifyInputs, state: RuleState, *, greedy: bool) -> Verdict:
+        return self.verify_fn(inputs, state, greedy=greedy)
+
+    def update(self, state, inputs, verdict, num_accepted, *, greedy):
+        return self.update_fn(state, inputs, verdict, num_accepted, greedy=greedy)
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return self.layers
+
+
+def from_functions(verify, *, init=None, update=None, name: str = "custom",
+                   hidden_layers: tuple = ()) -> FunctionRule:
+    """A rule from functions, optax-style: ``verify(inputs, state, *, greedy)
+    -> Verdict``, ``init() -> state`` (default: no state) and ``update(state,
+    inputs, verdict, num_accepted, *, greedy) -> state`` (default: keep it).
+
+    ``hidden_layers``: target block outputs the rule reads from
+    ``inputs.features["hidden"]``. Hyper-parameters captured in a closure are
+    compile-time constants; to trace them, subclass :class:`AcceptanceRule`.
+    """
+    if not callable(verify):
+        raise TypeError(f"from_functions(): verify must be a function, got {type(verify).__name__}.")
+    return FunctionRule(verify_fn=verify, init_fn=init or _no_state, update_fn=update or _keep_state,
+                        name=str(name), layers=tuple(int(x) for x in hidden_layers))
 
 
 def residual_distribution(target_probs: Array, draft_probs: Array) -> Array:
@@ -179,22 +312,31 @@ def lossless_decision(inputs: VerifyInputs, *, greedy: bool) -> tuple[Array, Arr
     return accept, residual_distribution(inputs.target_probs[:k], inputs.draft_probs)
 
 
-def speculative_sampling() -> AcceptanceRule:
+@struct.dataclass
+class SpeculativeSampling(AcceptanceRule):
     """Standard (lossless) speculative sampling; greedy exact match at T=0.
 
-    Output tokens follow the target's warped distribution exactly. Correction:
-    ``norm(max(0, p - q))`` (sampling) or ``argmax p`` (greedy).
+    "Fast Inference from Transformers via Speculative Decoding" (Leviathan et
+    al., arXiv:2211.17192). Output tokens follow the target's warped
+    distribution exactly. Correction: ``norm(max(0, p - q))`` (sampling) or
+    ``argmax p`` (greedy).
     """
 
-    def verify(inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
+    name = "speculative_sampling"
+    level_set = True  # in its greedy form: the accepted set is {argmax p}
+
+    def verify(self, inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
         del state
         accept, correction = lossless_decision(inputs, greedy=greedy)
         path = jnp.where(accept, Path.EXACT, Path.REJECTED).astype(jnp.int32)
         return Verdict(accept=accept, path=path, correction=correction)
 
-    return AcceptanceRule(
-        init=no_state,
-        verify=verify,
-        update=stateless_update,
-        spec=RuleSpec("speculative_sampling"),
-    )
+    def accepted_set(self, logits: Array, probs: Array) -> Array:
+        """Greedy form: ``bool[..., V]``, the target's argmax only."""
+        del probs
+        return jax.nn.one_hot(sampling.argmax(logits), logits.shape[-1], dtype=bool)
+
+
+def speculative_sampling() -> SpeculativeSampling:
+    """Standard (lossless) speculative sampling; see :class:`SpeculativeSampling`."""
+    return SpeculativeSampling()

@@ -1,12 +1,21 @@
-"""Combinators: new acceptance rules from old ones (like ``optax.chain``)."""
+"""Combinators: new acceptance rules from old ones (like ``optax.chain``).
+
+A combination is itself a rule value: its sub-rules are pytree children, so
+their traced hyper-parameters stay traced and their static settings shape the
+program, exactly as for the rules on their own.
+"""
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
+from flax import struct
 
 from specjax._src.rules.base import AcceptanceRule, Path, RuleSpec, Verdict, VerifyInputs
+
+Array = jax.Array
 
 
 def _check_rules(name: str, rules) -> tuple[AcceptanceRule, ...]:
@@ -18,33 +27,87 @@ def _check_rules(name: str, rules) -> tuple[AcceptanceRule, ...]:
     return tuple(rules)
 
 
-def _combine(name: str, rules, decide) -> AcceptanceRule:
-    """Shared plumbing: state is the tuple of sub-states; every sub-rule sees
-    the same inputs (hence the same uniforms) and, in ``update``, the combined
-    verdict and the number of tokens actually accepted."""
-    rules = _check_rules(name, rules)
-
-    def init():
-        return tuple(r.init() for r in rules)
-
-    def verify(inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
-        verdicts = [r.verify(inputs, s, greedy=greedy) for r, s in zip(rules, state)]
-        return decide(verdicts)
-
-    def update(state, inputs, verdict, num_accepted, *, greedy):
-        return tuple(
-            r.update(s, inputs, verdict, num_accepted, greedy=greedy) for r, s in zip(rules, state)
-        )
-
-    spec = RuleSpec(name, (("rules", tuple(r.spec for r in rules)),))
-    return AcceptanceRule(init=init, verify=verify, update=update, spec=spec)
-
-
-def _any_exact(verdicts) -> bool:
+def _any_exact(verdicts) -> Array:
     return functools.reduce(jnp.logical_or, [v.path == Path.EXACT for v in verdicts])
 
 
-def any_of(*rules: AcceptanceRule) -> AcceptanceRule:
+class _Combination(AcceptanceRule):
+    """Shared plumbing: state is the tuple of sub-states; every sub-rule sees
+    the same inputs (hence the same uniforms) and, in ``update``, the combined
+    verdict and the number of tokens actually accepted."""
+
+    rules: tuple
+
+    def init(self):
+        return tuple(r.init() for r in self.rules)
+
+    def verify(self, inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
+        return self.decide([r.verify(inputs, s, greedy=greedy) for r, s in zip(self.rules, state)])
+
+    def update(self, state, inputs, verdict, num_accepted, *, greedy):
+        return tuple(r.update(s, inputs, verdict, num_accepted, greedy=greedy) for r, s in zip(self.rules, state))
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        layers: list[int] = []
+        for r in self.rules:
+            layers += [layer for layer in r.hidden_layers if layer not in layers]
+        return tuple(layers)
+
+    @property
+    def spec(self) -> RuleSpec:
+        return RuleSpec(self.name, (("rules", tuple(r.spec for r in self.rules)),))
+
+    @property
+    def level_set(self) -> bool:
+        return all(getattr(r, "level_set", False) for r in self.rules)
+
+    def decide(self, verdicts) -> Verdict:
+        raise NotImplementedError
+
+
+@struct.dataclass
+class AnyOf(_Combination):
+    """Accept a slot if any rule accepts it; see :func:`any_of`."""
+
+    rules: tuple
+    name = "any_of"
+
+    def decide(self, verdicts) -> Verdict:
+        accept = functools.reduce(jnp.logical_or, [v.accept for v in verdicts])
+        path = jnp.full_like(verdicts[0].path, Path.REJECTED)
+        for v in reversed(verdicts):  # the first accepting rule wins
+            path = jnp.where(v.accept, v.path, path)
+        path = jnp.where(accept & _any_exact(verdicts), Path.EXACT, path).astype(jnp.int32)
+        return Verdict(accept, path, verdicts[0].correction)
+
+    def accepted_set(self, logits: Array, probs: Array) -> Array:
+        """The union of the sub-rules' sets (level-set rules only)."""
+        return functools.reduce(jnp.logical_or, [r.accepted_set(logits, probs) for r in self.rules])
+
+
+@struct.dataclass
+class AllOf(_Combination):
+    """Accept a slot only if every rule accepts it; see :func:`all_of`."""
+
+    rules: tuple
+    name = "all_of"
+
+    def decide(self, verdicts) -> Verdict:
+        accept = functools.reduce(jnp.logical_and, [v.accept for v in verdicts])
+        path = jnp.where(_any_exact(verdicts), Path.EXACT, verdicts[0].path)
+        path = jnp.where(accept, path, Path.REJECTED).astype(jnp.int32)
+        correction = verdicts[0].correction
+        for v in reversed(verdicts):  # the first rejecting rule wins
+            correction = jnp.where(v.accept[:, None], correction, v.correction)
+        return Verdict(accept, path, correction)
+
+    def accepted_set(self, logits: Array, probs: Array) -> Array:
+        """The intersection of the sub-rules' sets (level-set rules only)."""
+        return functools.reduce(jnp.logical_and, [r.accepted_set(logits, probs) for r in self.rules])
+
+
+def any_of(*rules: AcceptanceRule) -> AnyOf:
     """Accept a slot if any rule accepts it.
 
     Path: ``EXACT`` if an accepting rule says the lossless test accepts (every
@@ -54,19 +117,10 @@ def any_of(*rules: AcceptanceRule) -> AcceptanceRule:
     ``any_of(speculative_sampling(), mars(0.9))`` resamples from the residual).
     State: the tuple of the rules' states.
     """
-
-    def decide(verdicts) -> Verdict:
-        accept = functools.reduce(jnp.logical_or, [v.accept for v in verdicts])
-        path = jnp.full_like(verdicts[0].path, Path.REJECTED)
-        for v in reversed(verdicts):  # the first accepting rule wins
-            path = jnp.where(v.accept, v.path, path)
-        path = jnp.where(accept & _any_exact(verdicts), Path.EXACT, path).astype(jnp.int32)
-        return Verdict(accept, path, verdicts[0].correction)
-
-    return _combine("any_of", rules, decide)
+    return AnyOf(rules=_check_rules("any_of", rules))
 
 
-def all_of(*rules: AcceptanceRule) -> AcceptanceRule:
+def all_of(*rules: AcceptanceRule) -> AllOf:
     """Accept a slot only if every rule accepts it.
 
     Path: ``EXACT`` if any rule reports ``EXACT``, else the first rule's path.
@@ -74,14 +128,4 @@ def all_of(*rules: AcceptanceRule) -> AcceptanceRule:
     slot (the rule that vetoed it decides what replaces it). State: the tuple
     of the rules' states.
     """
-
-    def decide(verdicts) -> Verdict:
-        accept = functools.reduce(jnp.logical_and, [v.accept for v in verdicts])
-        path = jnp.where(_any_exact(verdicts), Path.EXACT, verdicts[0].path)
-        path = jnp.where(accept, path, Path.REJECTED).astype(jnp.int32)
-        correction = verdicts[0].correction
-        for v in reversed(verdicts):  # the first rejecting rule wins
-            correction = jnp.where(v.accept[:, None], correction, v.correction)
-        return Verdict(accept, path, correction)
-
-    return _combine("all_of", rules, decide)
+    return AllOf(rules=_check_rules("all_of", rules))

@@ -11,6 +11,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from specjax._src import sampling
 from specjax._src.rules.base import Path, VerifyInputs, lossless_decision, token_prob
 
 Array = jax.Array
@@ -73,9 +74,9 @@ def largest_values(logits: Array, m: int) -> Array:
     return jnp.stack(values, -1)
 
 
-def entropy(probs: Array) -> Array:
-    """Shannon entropy in nats over the last axis; ``0 log 0 = 0``."""
-    return -jnp.sum(jax.scipy.special.xlogy(probs, probs), axis=-1)
+# One entropy for the library (the drafting policies, the rules and the theory
+# module all read this one).
+entropy = sampling.entropy
 
 
 def js_distance(p: Array, q: Array) -> Array:

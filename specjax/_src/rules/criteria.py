@@ -1,7 +1,7 @@
 """Deterministic acceptance criteria: accepted sets that are upper level sets of p.
 
-These are the rules of acceptance-theory-summary.txt (and vLLM's typical
-acceptance). Each decides from the target alone — whether ``p(x)`` is high
+These are the rules of "When Is a Draft Accepted? A Theory of Acceptance in
+Speculative Decoding" (Sharma, arXiv:2606.30265) and vLLM's typical acceptance. Each decides from the target alone — whether ``p(x)`` is high
 enough — and ignores ``q`` and the uniforms (which only serve to label a path).
 
 Shared conventions (:func:`criterion`):
@@ -26,6 +26,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from specjax._src.rules import common
 from specjax._src.rules.base import (
@@ -34,9 +35,8 @@ from specjax._src.rules.base import (
     RuleSpec,
     Verdict,
     VerifyInputs,
-    no_state,
     one_hot_argmax,
-    stateless_update,
+    static_field,
 )
 
 Array = jax.Array
@@ -45,23 +45,42 @@ Array = jax.Array
 AcceptedSet = Callable[[Array, Array], Array]
 
 
-def criterion(accepted_set: AcceptedSet, *, name: str, params: tuple = ()) -> AcceptanceRule:
+@struct.dataclass
+class Criterion(AcceptanceRule):
     """A stateless deterministic rule from its accepted-set function.
 
-    Args:
-      accepted_set: ``(logits[K, V], probs[K, V]) -> bool[K, V]``, which target
-        tokens are acceptable at each slot (the target's first ``K`` rows). The
-        draft token is accepted iff it is in the set.
-      name, params: the rule's :class:`RuleSpec`.
-
-    Conventions (corrections, paths): see this module's docstring.
+    Attributes:
+      set_fn: ``(logits[..., V], probs[..., V], **hyper, **static) -> bool[..., V]``,
+        which target tokens are acceptable (static: compare by identity, so
+        pass a module-level function to share compiled programs).
+      hyper: ``{name: number}`` traced parameters passed to ``set_fn``.
+      static_params: ``((name, value), ...)`` compile-time parameters passed to
+        ``set_fn`` (e.g. a rank ``m`` that shapes a ``top_k``).
+      name: the rule's name in its spec.
+      level_set: the set is an upper level set of ``p`` (then ``specjax.theory``
+        can certify it).
     """
 
-    def verify(inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
+    set_fn: Callable = static_field(spec=False)
+    hyper: dict = struct.field(default_factory=dict)
+    static_params: tuple = static_field((), spec=False)
+    name: str = static_field("criterion", spec=False)
+    level_set: bool = static_field(False, spec=False)
+
+    @property
+    def spec(self) -> RuleSpec:
+        hyper = tuple((k, float(v)) for k, v in self.hyper.items())
+        return RuleSpec(self.name, hyper + tuple(self.static_params))
+
+    def accepted_set(self, logits: Array, probs: Array) -> Array:
+        """``bool[..., V]``: the tokens this rule accepts at each position."""
+        return self.set_fn(logits, probs, **self.hyper, **dict(self.static_params))
+
+    def verify(self, inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
         del state
         k = inputs.draft_tokens.shape[0]
         logits, probs = inputs.target_logits[:k], inputs.target_probs[:k]
-        allowed = accepted_set(logits, probs)
+        allowed = self.accepted_set(logits, probs)
         accept = jnp.take_along_axis(allowed, inputs.draft_tokens[:, None], -1)[:, 0]
         exact = common.lossless_accept(inputs, greedy=greedy)
         if greedy:
@@ -70,19 +89,38 @@ def criterion(accepted_set: AcceptedSet, *, name: str, params: tuple = ()) -> Ac
             correction = common.restricted_distribution(probs, allowed)
         return Verdict(accept, common.paths(accept, exact, Path.RELAXED), correction)
 
-    return AcceptanceRule(
-        init=no_state, verify=verify, update=stateless_update, spec=RuleSpec(name, params)
-    )
+
+def criterion(accepted_set: AcceptedSet, *, name: str = "criterion", hyper: dict | None = None,
+              level_set: bool = False) -> Criterion:
+    """A stateless deterministic rule from its accepted-set function.
+
+    Args:
+      accepted_set: ``(logits[K, V], probs[K, V], **hyper) -> bool[K, V]``, which
+        target tokens are acceptable at each slot (the target's first ``K``
+        rows). The draft token is accepted iff it is in the set. A
+        module-level function lets rules built twice share one compiled loop.
+      name: the rule's name in its :class:`RuleSpec`.
+      hyper: numbers passed to ``accepted_set`` as keywords, traced (a new
+        value compiles nothing).
+      level_set: declare that the set is an upper level set of ``p`` (every
+        token at least as likely as an accepted one is accepted), which makes
+        the rule certifiable by ``specjax.theory``.
+
+    Conventions (corrections, paths): see this module's docstring.
+    """
+    if not callable(accepted_set):
+        raise TypeError(f"criterion(): accepted_set must be a function, got {type(accepted_set).__name__}.")
+    return Criterion(set_fn=accepted_set, hyper=dict(hyper or {}), name=str(name), level_set=bool(level_set))
 
 
-def typical_set(logits: Array, probs: Array, eps: float, delta: float) -> Array:
+def typical_set(logits: Array, probs: Array, *, eps: float, delta: float) -> Array:
     """``p(y) > min(eps, delta * exp(-H(p)))``, ``H`` in nats (as vLLM)."""
     del logits
     threshold = jnp.minimum(eps, delta * jnp.exp(-common.entropy(probs)))
     return probs > threshold[..., None]
 
 
-def typical(eps: float = 0.09, delta: float = 0.3) -> AcceptanceRule:
+def typical(eps: float = 0.09, delta: float = 0.3) -> Criterion:
     """vLLM's typical acceptance: accept iff ``p(x) > min(eps, delta * exp(-H(p)))``.
 
     Deterministic and blind to ``q``. Correction: ``argmax p`` (greedy) or ``p``
@@ -94,14 +132,16 @@ def typical(eps: float = 0.09, delta: float = 0.3) -> AcceptanceRule:
     """
     eps = common.check_positive("typical: eps", eps)
     delta = common.check_positive("typical: delta", delta)
-    return criterion(
-        lambda z, p: typical_set(z, p, eps, delta),
-        name="typical",
-        params=(("eps", eps), ("delta", delta)),
-    )
+    return Criterion(set_fn=typical_set, hyper={"eps": eps, "delta": delta}, name="typical", level_set=True)
 
 
-def additive(t: float) -> AcceptanceRule:
+def additive_set(logits: Array, probs: Array, *, t: float) -> Array:
+    """``p(y) >= p(1) - t``."""
+    del logits
+    return probs >= probs.max(-1, keepdims=True) - t
+
+
+def additive(t: float) -> Criterion:
     """Additive relaxed greedy: accept iff ``p(x) >= p(1) - t``.
 
     ``t = 0`` is greedy exact match (ties aside). Correction: ``argmax p``
@@ -111,12 +151,16 @@ def additive(t: float) -> AcceptanceRule:
       t: slack in probability, in ``[0, 1]``.
     """
     t = common.check_interval("additive: t", t, 0.0, 1.0)
-    return criterion(
-        lambda z, p: p >= p.max(-1, keepdims=True) - t, name="additive", params=(("t", t),)
-    )
+    return Criterion(set_fn=additive_set, hyper={"t": t}, name="additive", level_set=True)
 
 
-def multiplicative(alpha: float) -> AcceptanceRule:
+def multiplicative_set(logits: Array, probs: Array, *, alpha: float) -> Array:
+    """``p(y) >= alpha * p(1)``."""
+    del logits
+    return probs >= alpha * probs.max(-1, keepdims=True)
+
+
+def multiplicative(alpha: float) -> Criterion:
     """Multiplicative relaxed greedy: accept iff ``p(x) >= alpha * p(1)``.
 
     ``alpha = 1`` is greedy exact match (ties aside). Correction: ``argmax p``
@@ -126,11 +170,7 @@ def multiplicative(alpha: float) -> AcceptanceRule:
       alpha: fraction of the top probability, in ``(0, 1]``.
     """
     alpha = common.check_interval("multiplicative: alpha", alpha, 0.0, 1.0, open_lo=True)
-    return criterion(
-        lambda z, p: p >= alpha * p.max(-1, keepdims=True),
-        name="multiplicative",
-        params=(("alpha", alpha),),
-    )
+    return Criterion(set_fn=multiplicative_set, hyper={"alpha": alpha}, name="multiplicative", level_set=True)
 
 
 def top_m_set(logits: Array, m: int) -> Array:
@@ -144,7 +184,12 @@ def top_m_set(logits: Array, m: int) -> Array:
     return (logits >= kth) & (logits > -jnp.inf)
 
 
-def top_m(m: int) -> AcceptanceRule:
+def _top_m_accepted(logits: Array, probs: Array, *, m: int) -> Array:
+    del probs
+    return top_m_set(logits, min(m, logits.shape[-1]))
+
+
+def top_m(m: int) -> Criterion:
     """Accept iff the draft token is in the target's top-``m`` (ties included).
 
     ``m = 1`` is greedy exact match (ties aside). Ranks use the target logits,
@@ -155,9 +200,4 @@ def top_m(m: int) -> AcceptanceRule:
       m: integer ``>= 1`` (larger than the vocabulary accepts everything).
     """
     m = common.check_positive_int("top_m: m", m)
-
-    def accepted_set(logits, probs):
-        del probs
-        return top_m_set(logits, min(m, logits.shape[-1]))
-
-    return criterion(accepted_set, name="top_m", params=(("m", m),))
+    return Criterion(set_fn=_top_m_accepted, static_params=(("m", m),), name="top_m", level_set=True)

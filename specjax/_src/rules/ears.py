@@ -1,24 +1,51 @@
-"""EARS: efficient adaptive rejection sampling (ears.txt)."""
+"""EARS: "Efficient Adaptive Rejection Sampling for Accelerating Speculative
+Decoding in Large Language Models" (Sun, Mao, Xu, Chen)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+from flax import struct
 
 from specjax._src.rules import common
 from specjax._src.rules.base import (
     AcceptanceRule,
     Path,
-    RuleSpec,
     Verdict,
     VerifyInputs,
     lossless_decision,
-    no_state,
-    stateless_update,
+    static_field,
     token_prob,
+    traced_field,
 )
 
 
-def ears(beta: float = 0.1, allow_excluded: bool = False) -> AcceptanceRule:
+@struct.dataclass
+class Ears(AcceptanceRule):
+    """EARS; build it with :func:`ears`. ``beta`` is traced."""
+
+    beta: float = traced_field(0.1)
+    allow_excluded: bool = static_field(False, omit_default=True)
+    name = "ears"
+
+    def verify(self, inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
+        del state
+        exact, correction = lossless_decision(inputs, greedy=greedy)
+        if greedy:
+            return Verdict(exact, common.paths(exact, exact, Path.PARDON), correction)
+        k = inputs.draft_tokens.shape[0]
+        p = token_prob(inputs.target_probs, inputs.draft_tokens)
+        q = token_prob(inputs.draft_probs, inputs.draft_tokens)
+        tolerance = self.beta * (1.0 - inputs.target_probs[:k].max(-1))
+        # p / max(q, 1e-10) >= thr, written without a division.
+        threshold = jnp.maximum(inputs.uniforms - tolerance, 0.0)
+        pardon = p >= threshold * jnp.maximum(q, 1e-10)
+        if not self.allow_excluded:
+            pardon &= p > 0
+        accept = exact | pardon
+        return Verdict(accept, common.paths(accept, exact, Path.PARDON), correction)
+
+
+def ears(beta: float = 0.1, allow_excluded: bool = False) -> Ears:
     """Speculative sampling with an uncertainty-scaled tolerance on the coin.
 
     Sampling: accept ``x`` iff ``p(x) / max(q(x), 1e-10) >= max(U - beta * (1 - max p), 0)``.
@@ -45,28 +72,4 @@ def ears(beta: float = 0.1, allow_excluded: bool = False) -> AcceptanceRule:
       allow_excluded: pardon tokens with ``p(x) = 0`` too (the formula as written).
     """
     beta = common.check_nonnegative("ears: beta", beta)
-    allow_excluded = bool(allow_excluded)
-
-    def verify(inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
-        del state
-        exact, correction = lossless_decision(inputs, greedy=greedy)
-        if greedy:
-            return Verdict(exact, common.paths(exact, exact, Path.PARDON), correction)
-        k = inputs.draft_tokens.shape[0]
-        p = token_prob(inputs.target_probs, inputs.draft_tokens)
-        q = token_prob(inputs.draft_probs, inputs.draft_tokens)
-        tolerance = beta * (1.0 - inputs.target_probs[:k].max(-1))
-        # p / max(q, 1e-10) >= thr, written without a division.
-        threshold = jnp.maximum(inputs.uniforms - tolerance, 0.0)
-        pardon = p >= threshold * jnp.maximum(q, 1e-10)
-        if not allow_excluded:
-            pardon &= p > 0
-        accept = exact | pardon
-        return Verdict(accept, common.paths(accept, exact, Path.PARDON), correction)
-
-    return AcceptanceRule(
-        init=no_state,
-        verify=verify,
-        update=stateless_update,
-        spec=RuleSpec("ears", (("beta", beta),) + ((("allow_excluded", 1),) if allow_excluded else ())),
-    )
+    return Ears(beta=beta, allow_excluded=bool(allow_excluded))

@@ -1,7 +1,7 @@
 """MARS: margin-aware speculative verification.
 
-"MARS: Margin-Aware Speculative Verification" (the paper's Algorithm 1 is
-greedy); the sampling form comes in two named variants, see :func:`mars`.
+"MARS: Unleashing the Power of Speculative Decoding via Margin-Aware
+Verification" (Song, Wang et al.; the paper's Algorithm 1 is greedy); the sampling form comes in two named variants, see :func:`mars`.
 """
 
 from __future__ import annotations
@@ -10,16 +10,17 @@ import jax
 import jax.numpy as jnp
 
 from specjax._src.rules import common
+from flax import struct
+
 from specjax._src.rules.base import (
     AcceptanceRule,
     Path,
-    RuleSpec,
     Verdict,
     VerifyInputs,
     lossless_decision,
-    no_state,
+    static_field,
     token_prob,
-    stateless_update,
+    traced_field,
 )
 
 Array = jax.Array
@@ -64,7 +65,30 @@ def authors_correction(inputs: VerifyInputs) -> Array:
     return adjusted / jnp.maximum(adjusted.sum(-1, keepdims=True), 1e-30)
 
 
-def mars(theta: float = 0.9, variant: str = "paper") -> AcceptanceRule:
+@struct.dataclass
+class Mars(AcceptanceRule):
+    """MARS; build it with :func:`mars`. ``theta`` is traced, ``variant`` static."""
+
+    theta: float = traced_field(0.9)
+    variant: str = static_field("paper", omit_default=True)
+    name = "mars"
+
+    def verify(self, inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
+        del state
+        k = inputs.draft_tokens.shape[0]
+        logits = inputs.target_logits[:k]
+        exact, correction = lossless_decision(inputs, greedy=greedy)
+        in_top2 = common.token_rank(logits, inputs.draft_tokens) < 2
+        if greedy or self.variant == "paper":
+            accept = exact | (in_top2 & low_margin(logits, self.theta))
+            return Verdict(accept, common.paths(accept, exact, Path.RELAXED), correction)
+        relax = authors_low_margin(logits, self.theta)
+        accept = jnp.where(relax, in_top2, exact)
+        correction = jnp.where(relax[:, None], inputs.target_probs[:k], authors_correction(inputs))
+        return Verdict(accept, common.paths(accept, exact & accept, Path.RELAXED), correction)
+
+
+def mars(theta: float = 0.9, variant: str = "paper") -> "Mars":
     """Accept the target's runner-up token when its logit margin is small.
 
     Greedy, both variants (the paper's Algorithm 1): low margin at a slot means
@@ -102,25 +126,4 @@ def mars(theta: float = 0.9, variant: str = "paper") -> AcceptanceRule:
     theta = common.check_positive("mars: theta", theta)
     if variant not in VARIANTS:
         raise ValueError(f"mars: variant must be one of {', '.join(VARIANTS)}, got {variant!r}.")
-
-    def verify(inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
-        del state
-        k = inputs.draft_tokens.shape[0]
-        logits = inputs.target_logits[:k]
-        exact, correction = lossless_decision(inputs, greedy=greedy)
-        in_top2 = common.token_rank(logits, inputs.draft_tokens) < 2
-        if greedy or variant == "paper":
-            accept = exact | (in_top2 & low_margin(logits, theta))
-            return Verdict(accept, common.paths(accept, exact, Path.RELAXED), correction)
-        relax = authors_low_margin(logits, theta)
-        accept = jnp.where(relax, in_top2, exact)
-        correction = jnp.where(relax[:, None], inputs.target_probs[:k], authors_correction(inputs))
-        return Verdict(accept, common.paths(accept, exact & accept, Path.RELAXED), correction)
-
-    params = (("theta", theta),) + ((("variant", variant),) if variant != "paper" else ())
-    return AcceptanceRule(
-        init=no_state,
-        verify=verify,
-        update=stateless_update,
-        spec=RuleSpec("mars", params),
-    )
+    return Mars(theta=theta, variant=variant)

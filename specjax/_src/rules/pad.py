@@ -1,4 +1,5 @@
-"""PAD: pivot-aware speculative decoding (pad.txt; authors' code amir-zsh/PAD).
+"""PAD: "Reject Only Critical Tokens: Pivot-Aware Speculative Decoding"
+(Ziashahabi et al.; the authors' code: amir-zsh/PAD).
 
 Accept a draft token iff the lossless test accepts it, OR a small classifier
 (the *pivot head*) says the token is not a pivot — ``P(pivot) <= sigma`` — and
@@ -48,19 +49,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src.rules import common
+from flax import struct
+
 from specjax._src.rules.base import (
     AcceptanceRule,
     Path,
     RuleSpec,
+    SpeculativeSampling,
     Verdict,
     VerifyInputs,
     lossless_decision,
-    no_state,
-    speculative_sampling,
-    stateless_update,
+    static_field,
     token_prob,
+    traced_field,
 )
-from specjax._src.rules.combinators import any_of
+from specjax._src.rules.combinators import AnyOf
 
 Array = jax.Array
 
@@ -242,8 +245,11 @@ def init_head_params(config: PivotHeadConfig, key: Array, norm: Optional[dict] =
 class PivotHead:
     """A trained pivot classifier: config + params (``{"net", "norm"}``).
 
-    ``source`` is the directory it was loaded from (``None`` if built in
-    memory); :func:`pad` records it in the rule's spec.
+    A pytree: ``params`` are its leaves (traced inside the decode loop, so a
+    retrained head of the same shape reuses the compiled program) and
+    ``config`` its static part. ``source`` is the directory it was loaded
+    from (``None`` if built in memory); :func:`pad` records it in the rule's
+    spec. It is a label, not part of the program: inside ``jit`` it is None.
     """
 
     config: PivotHeadConfig
@@ -283,14 +289,19 @@ class PivotHead:
                 f"source={self.source!r})")
 
 
-_HEAD_CACHE: dict = {}
+jax.tree_util.register_pytree_node(
+    PivotHead,
+    lambda head: ((head.params,), head.config),
+    lambda config, children: PivotHead(config, children[0]),
+)
 
 
 def load_head(directory: Union[str, os.PathLike]) -> PivotHead:
     """Loads a head written by :meth:`PivotHead.save` / ``python -m training.pivot``.
 
-    Loading the same unchanged directory twice returns the same object, so
-    ``pad(head=PATH)`` built twice reuses one compiled decode loop.
+    The head's params are traced by the decode loop, so ``pad(head=PATH)``
+    built twice, or with a retrained head of the same shape, reuses one
+    compiled program.
 
     Raises:
       FileNotFoundError: no such directory, or ``config.json`` / ``params.npz`` missing.
@@ -304,9 +315,6 @@ def load_head(directory: Union[str, os.PathLike]) -> PivotHead:
                 f"{PARAMS_FILE}; write one with `python -m training.pivot --out {d}` "
                 "(or PivotHead.save)."
             )
-    stamp = (str(d.resolve()), cfg_file.stat().st_mtime_ns, params_file.stat().st_mtime_ns)
-    if stamp in _HEAD_CACHE:
-        return _HEAD_CACHE[stamp]
     raw = json.loads(cfg_file.read_text())
     known = {f.name for f in dataclasses.fields(PivotHeadConfig)}
     config = PivotHeadConfig(**{k: v for k, v in raw.items() if k in known})
@@ -314,9 +322,7 @@ def load_head(directory: Union[str, os.PathLike]) -> PivotHead:
         params = _unflatten({k: z[k] for k in z.files})
     if "net" not in params or "norm" not in params:
         raise ValueError(f"pivot head: {params_file} lacks the 'net' / 'norm' groups.")
-    head = PivotHead(config, params, source=str(d))
-    _HEAD_CACHE[stamp] = head
-    return head
+    return PivotHead(config, params, source=str(d))
 
 
 # ---------------------------------------------------------------------------
@@ -355,40 +361,97 @@ def _check_layer(head: PivotHead, hidden_layer) -> int:
     return head.layer
 
 
-def pivot_pardon(head: PivotHead, sigma: float, min_prob: float, layer: int) -> AcceptanceRule:
+def _hidden_for(inputs: VerifyInputs, layer: int, head: PivotHead) -> Array:
+    """``[K, H]`` the target's hidden states at ``layer``, checked against the head."""
+    feats = inputs.features.get("hidden") if isinstance(inputs.features, dict) else None
+    if feats is None or layer not in feats:
+        raise ValueError(
+            f"pad(): no target hidden states for layer {layer} in inputs.features['hidden'] "
+            f"(got {None if feats is None else sorted(feats)}). The rule declares it in "
+            "rule.hidden_layers, which specjax.decode provides; a custom engine must do the same."
+        )
+    hidden = feats[layer]
+    if hidden.shape[-1] != head.hidden_size:
+        raise ValueError(
+            f"pad(): the pivot head reads hidden states of size {head.hidden_size}, but the "
+            f"target's layer {layer} gives size {hidden.shape[-1]}: this head was trained "
+            "for a different target model."
+        )
+    return hidden
+
+
+@struct.dataclass
+class PivotPardon(AcceptanceRule):
     """The relaxed half of PAD on its own: accept iff the lossless test accepts
     (``EXACT``) or ``P(pivot) <= sigma`` and ``p(x) >= min_prob`` (``PARDON``).
-    Correction: the lossless one (residual, or argmax when greedy)."""
+    Correction: the lossless one (residual, or argmax when greedy).
 
-    def verify(inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
+    ``head`` (its params), ``sigma`` and ``min_prob`` are traced; ``layer``
+    is static and declared in :attr:`hidden_layers`.
+    """
+
+    head: PivotHead
+    sigma: float = traced_field(0.5)
+    min_prob: float = traced_field(1e-4)
+    layer: int = static_field(DEFAULT_LAYER)
+    name = "pivot_pardon"
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return (self.layer,)
+
+    @property
+    def spec(self) -> RuleSpec:
+        return RuleSpec(self.name, (("sigma", float(self.sigma)), ("min_prob", float(self.min_prob)),
+                                    ("hidden_layers", self.layer)))
+
+    def verify(self, inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
         del state
         exact, correction = lossless_decision(inputs, greedy=greedy)
-        feats = inputs.features.get("hidden") if isinstance(inputs.features, dict) else None
-        if feats is None or layer not in feats:
-            raise ValueError(
-                f"pad(): no target hidden states for layer {layer} in inputs.features['hidden'] "
-                f"(got {None if feats is None else sorted(feats)}). The rule's spec declares "
-                "hidden_layers so specjax.decode provides them; a custom engine must do the same."
-            )
-        hidden = feats[layer]
-        if hidden.shape[-1] != head.hidden_size:
-            raise ValueError(
-                f"pad(): the pivot head reads hidden states of size {head.hidden_size}, but the "
-                f"target's layer {layer} gives size {hidden.shape[-1]}: this head was trained "
-                "for a different target model."
-            )
+        hidden = _hidden_for(inputs, self.layer, self.head)
         h, scalars = pivot_features(hidden, inputs.target_probs, inputs.draft_tokens)
-        p_pivot = head.prob_pivot(h, scalars)
+        p_pivot = self.head.prob_pivot(h, scalars)
         p_x = token_prob(inputs.target_probs, inputs.draft_tokens)
-        pardon = (p_pivot <= sigma) & (p_x >= min_prob)
+        pardon = (p_pivot <= self.sigma) & (p_x >= self.min_prob)
         accept = exact | pardon
         return Verdict(accept, common.paths(accept, exact, Path.PARDON), correction)
 
-    spec = RuleSpec(
-        "pivot_pardon",
-        (("sigma", sigma), ("min_prob", min_prob), ("hidden_layers", layer)),
-    )
-    return AcceptanceRule(init=no_state, verify=verify, update=stateless_update, spec=spec)
+
+def pivot_pardon(head: PivotHead, sigma: float, min_prob: float, layer: int) -> PivotPardon:
+    """:class:`PivotPardon` (the relaxed half of :func:`pad`)."""
+    return PivotPardon(head=_as_head(head), sigma=common.check_interval("pivot_pardon: sigma", sigma, 0.0, 1.0),
+                       min_prob=common.check_interval("pivot_pardon: min_prob", min_prob, 0.0, 1.0),
+                       layer=int(layer))
+
+
+@struct.dataclass
+class Pad(AcceptanceRule):
+    """PAD: ``any_of(speculative_sampling(), pivot_pardon(...))`` with its own
+    spec; build it with :func:`pad`."""
+
+    pardon: PivotPardon
+    name = "pad"
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return self.pardon.hidden_layers
+
+    @property
+    def spec(self) -> RuleSpec:
+        p = self.pardon
+        # The head's source is a label outside the pytree (None inside jit).
+        label = p.head.source if p.head.source is not None else f"<PivotHead@{id(p.head):x}>"
+        return RuleSpec(self.name, (("head", label), ("sigma", float(p.sigma)),
+                                    ("min_prob", float(p.min_prob)), ("hidden_layers", p.layer)))
+
+    def _inner(self) -> AnyOf:
+        return AnyOf(rules=(SpeculativeSampling(), self.pardon))
+
+    def init(self):
+        return self._inner().init()
+
+    def verify(self, inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
+        return self._inner().verify(inputs, state, greedy=greedy)
 
 
 def pad(
@@ -396,7 +459,7 @@ def pad(
     sigma: float = 0.5,
     min_prob: float = 1e-4,
     hidden_layer: Optional[int] = None,
-) -> AcceptanceRule:
+) -> Pad:
     """Pivot-aware speculative decoding.
 
     Accept slot ``k`` iff the lossless test accepts it (path ``EXACT``) or the
@@ -406,8 +469,10 @@ def pad(
     rejection: the residual ``norm(max(0, p - q))`` (greedy: ``argmax p``).
 
     The head runs inside the jitted decode loop on the hidden states the
-    verification forward already produced (the spec declares
-    ``hidden_layers``, which makes :func:`specjax.decode` return them).
+    verification forward already produced (the rule declares them in
+    ``hidden_layers``, which makes :func:`specjax.decode` return them). The
+    head's params, ``sigma`` and ``min_prob`` are traced: another head of the
+    same shape or another threshold reuses the compiled loop.
 
     ``sigma = 0`` with a head that never outputs exactly 0, or any head that
     calls every token a pivot, is the lossless rule token for token.
@@ -434,13 +499,9 @@ def pad(
     sigma = common.check_interval("pad: sigma", sigma, 0.0, 1.0)
     min_prob = common.check_interval("pad: min_prob", min_prob, 0.0, 1.0)
     layer = _check_layer(head, hidden_layer)
-    inner = any_of(speculative_sampling(), pivot_pardon(head, sigma, min_prob, layer))
-    head_ref = "shipped" if shipped else head.source if head.source is not None else f"<PivotHead@{id(head):x}>"
-    spec = RuleSpec(
-        "pad",
-        (("head", head_ref), ("sigma", sigma), ("min_prob", min_prob), ("hidden_layers", layer)),
-    )
-    return inner._replace(spec=spec)
+    if shipped:
+        head = dataclasses.replace(head, source="shipped")
+    return Pad(pardon=PivotPardon(head=head, sigma=sigma, min_prob=min_prob, layer=layer))
 
 
 def pad_from_spec(head, sigma: float = 0.5, min_prob: float = 1e-4, hidden_layers: Optional[int] = None):
