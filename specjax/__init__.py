@@ -18,7 +18,7 @@ from specjax._src.models.manifest import checkpoint_manifest, verify_manifest
 from specjax._src.models.registry import describe as known_models
 from specjax._src.chat import encode_chat, render_chat
 from specjax._src.decode import BUCKETS, MIN_TEMPERATURE, Buckets, DecodeOutput, ModelPair, decode, generate, pair
-from specjax._src.stats import DecodeStats
+from specjax._src.stats import DecodeStats, concatenate as concatenate_stats, expected_tau
 from specjax import drafting
 from specjax import sharding
 
@@ -51,6 +51,8 @@ __all__ = [
     "ModelPair",
     "DecodeOutput",
     "DecodeStats",
+    "concatenate_stats",
+    "expected_tau",
     "Buckets",
     "BUCKETS",
     "MIN_TEMPERATURE",
