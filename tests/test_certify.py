@@ -1,4 +1,4 @@
-"""Live certificate diagnostics (specjax._src.certify) and ``specjax certify``.
+"""Live certificate diagnostics (specjax._src.certify) and ``specjax certify`` (specjax.cli.certify).
 
 Two decode programs are compiled in this file (the CPU is shared): one strict
 greedy run on a tiny random decoder pair, recording every criterion, reused by
@@ -246,18 +246,19 @@ def test_cli_writes_table_json_png(tmp_path, capsys):
 def test_soundness_on_embedded_pair():
     """Every criterion of ``specjax certify`` on the embedded pair's held-out prompts:
     no certified position is ever rejected."""
+    from specjax.cli import certify as certify_cli
     from specjax.cli import compare
 
     if not (compare.DEFAULT_TARGET.is_dir() and compare.DEFAULT_DRAFT.is_dir()):
         pytest.skip("the embedded pair is not in specjax/assets/models")
     target, draft = specjax.load(compare.DEFAULT_TARGET), specjax.load(compare.DEFAULT_DRAFT)
     prompts_ = []
-    for f in certify.default_prompt_files():
-        prompts_ += certify.read_prompts(f, target.tokenizer, 32)
-    rows = certify.run_certify(target, draft, prompts_, max_new_tokens=32,
-                               eos_token_id=getattr(target.module.config, "eos_token_id", None))
+    for f in certify_cli.default_prompt_files():
+        prompts_ += certify_cli.read_prompts(f, target.tokenizer, 32)
+    rows = certify_cli.run_certify(target, draft, prompts_, max_new_tokens=32,
+                                   eos_token_id=getattr(target.module.config, "eos_token_id", None))
     rows = [r for r in rows if not r.get("_kl")]
-    assert len(rows) == len(certify.CERTIFY_RULES) + len(certify.CERTIFY_TREES)
+    assert len(rows) == len(certify_cli.CERTIFY_RULES) + len(certify_cli.CERTIFY_TREES)
     for r in rows:
         assert r["positions"] > 0
         assert r["violations"] == 0, r["criterion"]
