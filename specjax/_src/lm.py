@@ -69,6 +69,29 @@ class KVCache:
         """Forgets every entry at or beyond ``lengths`` (``[B]``); copies nothing."""
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
+    def keep_path(self, start: Array, path: Array, num: Array) -> "KVCache":
+        """Keeps one root path of a token tree written at ``start``.
+
+        After a tree forward wrote node ``j`` of sequence ``b`` at
+        ``start[b] + j``, moves the entries of ``path[b, :num[b]]`` (node
+        indices, root first) to ``start[b], start[b] + 1, ...`` and sets
+        ``lengths = start + num``. Only the ``P`` path rows are gathered and
+        written back (``path: [B, P]`` int32, entries past ``num`` ignored): no
+        copy of the whole buffer. For a chain (``path[b, i] = i``) it is a
+        rollback that moves nothing.
+        """
+        start = jnp.asarray(start, jnp.int32)
+        rows = start[:, None] + jnp.asarray(path, jnp.int32)  # [B, P]
+
+        def move(buf):
+            block = jnp.take_along_axis(buf, rows[:, None, :, None], axis=2)  # [B, K, P, D]
+            return jax.vmap(lambda b, blk, off: jax.lax.dynamic_update_slice(b, blk, (0, off, 0)))(
+                buf, block, start
+            )
+
+        return self.replace(keys=tuple(move(k) for k in self.keys), values=tuple(move(v) for v in self.values),
+                            lengths=start + jnp.asarray(num, jnp.int32))
+
     @classmethod
     def empty(cls, batch_size: int) -> "KVCache":
         """A cache with no buffers, for stateless models (a bigram table)."""
@@ -125,6 +148,16 @@ class LanguageModel(Protocol):
         also accepts ``logits_at=[B]`` (one position per sequence) and returns
         logits ``[B, 1, V]`` for those positions only; the engine uses it where it
         needs one row of a multi-token forward.
+
+        Optional extension: a model whose class sets ``supports_trees = True``
+        also accepts ``tree_parents=[B, T]`` (or ``[T]``) int32, a flattened
+        token tree in topological order (``parents[t] < t``; ``-1`` for a node
+        whose parent is the last cached token). Node ``t`` is written at
+        ``lengths + t``, sits at position ``lengths + depth(t)`` and attends to
+        the cached prefix and to its own ancestors (and itself) only, so its
+        logits equal a chain forward over its root path. The cache then holds
+        every node; :meth:`KVCache.keep_path` keeps the accepted path. A model
+        without it runs chains only.
         """
         ...
 

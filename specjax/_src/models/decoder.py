@@ -157,6 +157,49 @@ def attention_mask(q_pos: Array, kv_len: int, sliding_window: Optional[int]) -> 
     return mask
 
 
+def tree_ancestors(parents: Array) -> Array:
+    """``[..., T, T]`` bool: ``out[t, j]`` iff node ``j`` is ``t`` or one of its ancestors.
+
+    ``parents[..., T]`` int32 in topological order (``parents[t] < t``, ``-1``
+    for a root). Follows every node's parent chain ``T`` times: ``O(T^2)``
+    work on a few dozen nodes, no sort or scan over the cache.
+    """
+    t = parents.shape[-1]
+    parents = jnp.asarray(parents, jnp.int32)
+    node = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), parents.shape)
+    anc = jnp.zeros(parents.shape + (t,), bool)
+    for _ in range(t):
+        anc |= jax.nn.one_hot(node, t, dtype=bool)  # -1 (past a root) sets nothing
+        node = jnp.where(node >= 0, jnp.take_along_axis(parents, jnp.maximum(node, 0), axis=-1), -1)
+    return anc
+
+
+def tree_attention_mask(parents: Array, lengths: Array, kv_len: int, sliding_window: Optional[int]) -> tuple[Array, Array]:
+    """``(mask [B, T, S], positions [B, T])`` for a token tree written at ``lengths``.
+
+    Node ``t`` sees every cached entry before ``lengths[b]`` and the slots
+    ``lengths[b] + j`` of its ancestors ``j`` (itself included); its position
+    is ``lengths[b] + depth(t)``. With a sliding window, a key's position is
+    its slot for the prefix and ``lengths + depth(j)`` for a tree node.
+    """
+    b = lengths.shape[0]
+    parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, parents.shape[-1]))
+    t = parents.shape[-1]
+    anc = tree_ancestors(parents)  # [B, T, T]
+    depth = anc.sum(-1).astype(jnp.int32) - 1  # [B, T]
+    positions = lengths[:, None] + depth
+    slot = jnp.arange(kv_len, dtype=jnp.int32)[None, :] - lengths[:, None]  # [B, S] node index of each slot
+    in_tree = (slot >= 0) & (slot < t)
+    node = jnp.clip(slot, 0, t - 1)
+    sees_node = jnp.take_along_axis(anc, jnp.broadcast_to(node[:, None, :], (b, t, kv_len)), axis=2)
+    mask = (slot < 0)[:, None, :] | (in_tree[:, None, :] & sees_node)
+    if sliding_window is not None:
+        key_pos = jnp.where(in_tree, lengths[:, None] + jnp.take_along_axis(depth, node, axis=1),
+                            jnp.arange(kv_len, dtype=jnp.int32)[None, :])
+        mask &= key_pos[:, None, :] > positions[:, :, None] - sliding_window
+    return mask, positions
+
+
 def grouped_attention(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
     """Multi-head attention with grouped key/value heads.
 
@@ -265,7 +308,7 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, kv_cache, lengths):
+    def __call__(self, x, positions, kv_cache, lengths, mask=None):
         cfg = self.config
         b, t, _ = x.shape
         n, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -295,7 +338,8 @@ class Attention(nn.Module):
             keys = write_cache(kv_cache[0], k, lengths)
             values = write_cache(kv_cache[1], v, lengths)
             new_cache = (keys, values)
-        mask = attention_mask(positions, keys.shape[2], cfg.sliding_window)
+        if mask is None:  # a chain: causal by position
+            mask = attention_mask(positions, keys.shape[2], cfg.sliding_window)
         out = grouped_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask, d**-0.5)
         out = _dense(cfg, cfg.hidden_size, cfg.is_gpt2 or cfg.attention_out_bias, "o")(out)
         return out, new_cache
@@ -322,9 +366,9 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, kv_cache, lengths):
+    def __call__(self, x, positions, kv_cache, lengths, mask=None):
         attn, new_cache = Attention(self.config, name="attn")(
-            _norm(self.config, "attn_norm")(x), positions, kv_cache, lengths
+            _norm(self.config, "attn_norm")(x), positions, kv_cache, lengths, mask
         )
         x = x + attn
         x = x + MLP(self.config, name="mlp")(_norm(self.config, "mlp_norm")(x))
@@ -340,7 +384,7 @@ class Transformer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, positions, kv_caches, lengths, logits_at=None, reduced_logits=False):
+    def __call__(self, tokens, positions, kv_caches, lengths, logits_at=None, reduced_logits=False, mask=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         embed = nn.Embed(
@@ -364,7 +408,7 @@ class Transformer(nn.Module):
         block_outputs, new_caches = [], []
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
-            x, c = Block(cfg, name=f"layer_{i}")(x, positions, layer_cache, lengths)
+            x, c = Block(cfg, name=f"layer_{i}")(x, positions, layer_cache, lengths, mask)
             block_outputs.append(x)
             new_caches.append(c)
         if logits_at is not None:
@@ -469,6 +513,7 @@ class Decoder:
 
     # ``apply(..., logits_at=)`` is implemented (the optional protocol extension).
     supports_logits_at = True
+    supports_trees = True  # apply(tree_parents=...): see specjax._src.lm
 
     @property
     def vocab_size(self) -> int:
@@ -528,6 +573,7 @@ class Decoder:
         *,
         hidden_layers: Sequence[int] = (),
         logits_at: Optional[Array] = None,
+        tree_parents: Optional[Array] = None,
     ) -> LMOutput:
         """Runs ``tokens[B, T]``; see :mod:`specjax._src.lm` for the cache contract.
 
@@ -543,6 +589,14 @@ class Decoder:
             sequence: logits come back ``[B, 1, V]`` for that position only,
             and the LM head runs on one row (a vocabulary-wide matmul saved per
             extra row). Positions are traced values: out-of-range ones clamp.
+          tree_parents: optional ``[B, T]`` (or ``[T]``) int32, the tokens as a
+            flattened tree in topological order (``parents[t] < t``, ``-1`` for
+            a child of the last cached token): node ``t`` attends to the prefix
+            and its ancestors only and sits at position ``lengths + depth``
+            (:func:`tree_attention_mask`), so its logits are those of a chain
+            forward over its root path. Node ``t``'s K/V go to slot
+            ``lengths + t``; :meth:`KVCache.keep_path` keeps the accepted path.
+            ``parents = [-1, 0, 1, ...]`` is the plain causal block.
 
         Returns:
           ``LMOutput(logits [B, T, V] float32 ([B, 1, V] with ``logits_at``),
@@ -573,8 +627,19 @@ class Decoder:
             lengths = cache.lengths.astype(jnp.int32)
             positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
             kv_caches = tuple(zip(cache.keys, cache.values))
+        mask = None
+        if tree_parents is not None:
+            tree_parents = jnp.asarray(tree_parents, jnp.int32)
+            if tree_parents.shape not in ((t,), (b, t)):
+                raise ValueError(
+                    f"tree_parents must be [T] or [B, T] = [{b}, {t}] (one parent per token), got shape "
+                    f"{tree_parents.shape}."
+                )
+            start = jnp.zeros((b,), jnp.int32) if lengths is None else lengths
+            kv_len = t if cache is None else cache.max_length
+            mask, positions = tree_attention_mask(tree_parents, start, kv_len, cfg.sliding_window)
         logits, block_outputs, new_caches = Transformer(cfg).apply(
-            {"params": params}, tokens, positions, kv_caches, lengths, logits_at
+            {"params": params}, tokens, positions, kv_caches, lengths, logits_at, False, mask
         )
         hidden = tuple(block_outputs[i].astype(jnp.float32) for i in layers)
         new_cache = None
