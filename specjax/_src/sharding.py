@@ -49,6 +49,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from specjax._src.lm import KVCache, Model
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
+from specjax._src.pairing import ModelPair
 
 DATA = "data"
 MODEL = "model"
@@ -252,8 +253,6 @@ def _config_of(x) -> ModelConfig:
 
 
 def _is_pair(x) -> bool:
-    from specjax._src.decode import ModelPair  # decode imports this module
-
     return isinstance(x, ModelPair)
 
 

@@ -1,0 +1,444 @@
+"""One draft-verify cycle of ``decode``, as five small pure functions.
+
+:func:`_decode_cycle` is the whole cycle; each step is one function of
+arrays, traced inside the ``while_loop`` of :mod:`specjax._src.decode`::
+
+    uniforms  = _cycle_uniforms(...)  # the cycle's randomness, one draw per sequence
+    drafts    = _draft(...)           # up to K draft tokens, one draft forward each
+    verified  = _verify(...)          # one target forward over [last, d_1 .. d_K]
+    accepted  = _accept(...)          # the rule's verdict, the accepted run, the emitted token
+    committed = _commit(...)          # tokens written, EOS / max_new_tokens, caches rolled back
+    ...       = _record(...)          # rule and policy states, stats, diagnostics
+
+The loop state (:class:`_DecodeState`, built by :func:`_initial_state`) and
+its cache invariants are described in :mod:`specjax._src.decode`'s
+docstring, the reader's map of the loop. The device helpers the cycle shares
+with ``generate`` are in :mod:`specjax._src.loop_ops`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax._src import drafting as drafting_lib
+from specjax._src import sampling
+from specjax._src.calls import _Config
+from specjax._src.lm import KVCache
+from specjax._src.loop_ops import _batched_init, _gather, _is_eos, _prefill, _row, _warp, _where_b
+from specjax._src.pairing import ModelPair
+from specjax._src.rules.base import AcceptanceRule, Verdict, VerifyInputs
+from specjax._src.stats import DecodeStats, record_cycle
+
+Array = jax.Array
+
+# ---------------------------------------------------------------------------
+# The loop state
+# ---------------------------------------------------------------------------
+
+
+@struct.dataclass
+class _DecodeState:
+    step: Array  # scalar int32: cycles run
+    tokens: Array  # [B, L]
+    num_committed: Array  # [B]
+    done: Array  # [B] bool
+    bad: Array  # [B] int32: 0 ok, 1 target logits non-finite, 2 draft logits non-finite
+    target_cache: KVCache
+    draft_cache: KVCache
+    rule_state: Any
+    policy_state: Any
+    stats: DecodeStats
+
+
+def _initial_state(
+    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, prompts,
+    prompt_lengths, max_new,
+) -> _DecodeState:
+    """Both prefills (each cache to its invariant) and the state before the first cycle."""
+    batch, width = prompts.shape
+    k_max, n_max = cfg.num_draft, cfg.max_new_tokens
+    target_cache = _prefill(
+        pair_params.target.module, pair_params.target.params, prompts, prompt_lengths - 1, cfg.cache_length
+    )
+    draft_cache = _prefill(
+        pair_params.draft.module,
+        pair_params.draft.params,
+        prompts,
+        jnp.maximum(prompt_lengths - 2, 0),
+        cfg.cache_length,
+    )
+    tokens = jnp.zeros((batch, width + n_max + k_max + 1), jnp.int32).at[:, :width].set(prompts)
+    return _DecodeState(
+        step=jnp.int32(0),
+        tokens=tokens,
+        num_committed=prompt_lengths,
+        done=max_new <= 0,  # the buckets' dummy rows
+        bad=jnp.zeros((batch,), jnp.int32),
+        target_cache=target_cache,
+        draft_cache=draft_cache,
+        rule_state=_batched_init(rule.init, batch),
+        policy_state=_batched_init(lambda: policy.init(k_max), batch),
+        stats=DecodeStats.zeros(batch, k_max),
+    )
+
+
+# ---------------------------------------------------------------------------
+# The cycle
+# ---------------------------------------------------------------------------
+
+
+def _decode_cycle(
+    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy,
+    prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, state: _DecodeState,
+):
+    """One draft-verify cycle. Returns ``(state, diagnostics or None)``.
+
+    ``max_new[B]``: each sequence's ``max_new_tokens`` (traced, so it does not
+    shape the program; ``cfg.max_new_tokens`` is only the buffer's bucket).
+    """
+    batch = state.num_committed.shape[0]
+    uniforms, draft_uniforms, emit_uniform = _cycle_uniforms(cfg, seq_keys, state.step, batch)
+    drafts, draft_cache = _draft(cfg, pair_params, policy, state, draft_uniforms, temperature, top_p)
+    verified = _verify(cfg, pair_params, rule, state, drafts, uniforms, temperature, top_p)
+    accepted = _accept(cfg, rule, state, drafts, verified, emit_uniform)
+    committed = _commit(
+        cfg, state, drafts, accepted, verified.cache, draft_cache, prompt_lengths, max_new, eos_ids
+    )
+    rule_state, policy_state, stats, diag = _record(cfg, rule, policy, state, drafts, verified, accepted, committed)
+    new_state = _DecodeState(
+        step=state.step + 1,
+        tokens=committed.tokens,
+        num_committed=committed.num_committed,
+        done=committed.done,
+        bad=accepted.bad,
+        target_cache=committed.target_cache,
+        draft_cache=committed.draft_cache,
+        rule_state=rule_state,
+        policy_state=policy_state,
+        stats=stats,
+    )
+    return new_state, diag
+
+
+def _cycle_uniforms(cfg: _Config, seq_keys, step, batch: int):
+    """All of a cycle's randomness in one draw per sequence (from
+    ``fold_in(seq_key, step)``): ``(uniforms [B, K], draft_uniforms [B, K],
+    emit_uniform [B])``, the K acceptance uniforms, one uniform per draft sample
+    and one for the emitted token (inverse-CDF sampling; a Gumbel-max draw
+    would need V of them). Greedy draws nothing."""
+    k_max = cfg.num_draft
+    if cfg.greedy:
+        return jnp.zeros((batch, k_max), jnp.float32), None, None  # rules ignore them when greedy
+    u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, step), (2 * k_max + 1,)))(seq_keys)
+    return u[:, :k_max], u[:, k_max : 2 * k_max], u[:, 2 * k_max]
+
+
+# ---------------------------------------------------------------------------
+# 1. draft
+# ---------------------------------------------------------------------------
+
+
+class _Drafts(NamedTuple):
+    tokens: Array  # [B, K]
+    logits: Array  # [B, K, V] warped (raw when greedy)
+    probs: Array  # [B, K, V] softmax(logits)
+    valid: Array  # [B, K]
+    entropies: Array  # [B, K]
+    token_probs: Array  # [B, K]
+    bad: Array  # [B, K] the draft logits of that slot were non-finite
+    forwards: Array  # scalar int32
+
+
+def _draft(
+    cfg: _Config, pair_params: ModelPair, policy: drafting_lib.DraftingPolicy, state: _DecodeState, draft_uniforms,
+    temperature, top_p,
+) -> tuple[_Drafts, KVCache]:
+    """Draft up to K tokens per sequence: the policy's ``budget``, cut short
+    where its ``proceed`` says stop, one draft forward per token (the first is
+    :func:`_first_draft_logits`). Returns the drafts and the draft cache after
+    them (rolled back by :func:`_commit`)."""
+    module, params = pair_params.draft.module, pair_params.draft.params
+    vocab, k_max = pair_params.vocab_size, cfg.num_draft
+    batch = state.num_committed.shape[0]
+    raw0, cache = _first_draft_logits(module, params, vocab, state)
+
+    budget = jax.vmap(lambda s: policy.budget(s, k_max), axis_size=batch)(state.policy_state)
+    budget = jnp.clip(jnp.asarray(budget, jnp.int32), 1, k_max)
+    slot = functools.partial(
+        _draft_slot, cfg, policy, state.policy_state, budget, draft_uniforms, temperature, top_p
+    )
+    active, bufs = slot(0, raw0, ~state.done, _no_drafts(batch, k_max, vocab))
+
+    def cond(carry):
+        j, active, _, _ = carry
+        return (j < k_max) & active.any()
+
+    def body(carry):
+        j, active, cache, bufs = carry
+        prev = jax.lax.dynamic_index_in_dim(bufs.tokens, j - 1, axis=1, keepdims=True)
+        out = module.apply(params, prev, cache)
+        active, bufs = slot(j, out.logits[:, 0, :vocab], active, bufs)
+        new_cache = out.cache if cfg.layout is None else cfg.layout.constrain_cache(out.cache, "draft")
+        return j + 1, active, new_cache, bufs._replace(forwards=bufs.forwards + 1)
+
+    _, _, cache, bufs = jax.lax.while_loop(cond, body, (jnp.int32(1), active, cache, bufs))
+    return bufs, cache
+
+
+def _first_draft_logits(module, params, vocab: int, state: _DecodeState) -> tuple[Array, KVCache]:
+    """The cycle's first draft step: a ``T = 2`` forward over the last two
+    committed tokens (or ``[t0, pad]``), read at the last real one. Returns
+    its raw logits ``[B, V]`` and the draft cache, now holding every committed token."""
+    nc, tokens = state.num_committed, state.tokens
+    first = _gather(tokens, jnp.maximum(nc - 2, 0))
+    second = jnp.where(nc >= 2, _gather(tokens, jnp.maximum(nc - 1, 0)), 0)
+    pair_tokens, row = jnp.stack([first, second], axis=1), jnp.minimum(nc - 1, 1)
+    if getattr(module, "supports_logits_at", False):
+        # Only one of the two rows is read: a one-row LM head (on CPU a 2-row
+        # head ran ~10x slower than a one-row one, a quarter of a greedy cycle).
+        out = module.apply(params, pair_tokens, state.draft_cache, logits_at=row)
+        raw0 = out.logits[:, 0, :vocab]
+    else:
+        out = module.apply(params, pair_tokens, state.draft_cache)
+        raw0 = _row(out.logits[..., :vocab], row)
+    return raw0, out.cache.rollback(nc)
+
+
+def _draft_slot(
+    cfg: _Config, policy: drafting_lib.DraftingPolicy, policy_state, budget, draft_uniforms, temperature, top_p,
+    j, raw: Array, active: Array, bufs: _Drafts,
+) -> tuple[Array, _Drafts]:
+    """Draft slot ``j`` from the draft's raw logits ``[B, V]``: warp, sample
+    (argmax when greedy), write the slot into ``bufs`` and ask the policy
+    whether to go on. Returns ``(active for slot j + 1, bufs)``."""
+    batch = raw.shape[0]
+    logits = _warp(cfg, raw, temperature, top_p)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if cfg.greedy:
+        tok = sampling.argmax(raw)
+    else:
+        u = jax.lax.dynamic_index_in_dim(draft_uniforms, j, axis=1, keepdims=False)
+        tok = sampling.sample_categorical(probs, u)
+    tok_p = jnp.take_along_axis(probs, tok[:, None], axis=-1)[:, 0]
+    ent = sampling.entropy(probs)
+    step = drafting_lib.DraftStep(
+        position=jnp.full((batch,), j, jnp.int32), token=tok, probs=probs, token_prob=tok_p, entropy=ent
+    )
+    go = jax.vmap(policy.proceed)(policy_state, step)
+    bufs = _Drafts(
+        tokens=bufs.tokens.at[:, j].set(tok),
+        logits=bufs.logits.at[:, j].set(logits),
+        probs=bufs.probs.at[:, j].set(probs),
+        valid=bufs.valid.at[:, j].set(active),
+        entropies=bufs.entropies.at[:, j].set(ent),
+        token_probs=bufs.token_probs.at[:, j].set(tok_p),
+        bad=bufs.bad.at[:, j].set(active & sampling.nonfinite_rows(raw)),
+        forwards=bufs.forwards,
+    )
+    next_active = active & (j + 1 < budget) & jnp.asarray(go, bool)
+    return next_active, bufs
+
+
+def _no_drafts(batch: int, k_max: int, vocab: int) -> _Drafts:
+    """Empty draft buffers (no slot valid); one draft forward counted, the first."""
+    return _Drafts(
+        tokens=jnp.zeros((batch, k_max), jnp.int32),
+        logits=jnp.zeros((batch, k_max, vocab), jnp.float32),
+        probs=jnp.zeros((batch, k_max, vocab), jnp.float32),
+        valid=jnp.zeros((batch, k_max), bool),
+        entropies=jnp.zeros((batch, k_max), jnp.float32),
+        token_probs=jnp.zeros((batch, k_max), jnp.float32),
+        bad=jnp.zeros((batch, k_max), bool),
+        forwards=jnp.int32(1),
+    )
+
+
+# ---------------------------------------------------------------------------
+# 2. verify
+# ---------------------------------------------------------------------------
+
+
+class _Verified(NamedTuple):
+    inputs: VerifyInputs  # [B]-batched: what the rule judges
+    raw: Array  # [B, K + 1, V] target logits before the warp (checked for non-finite values)
+    cache: KVCache  # the target cache after the forward (rolled back by _commit)
+
+
+def _verify(
+    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _DecodeState, drafts: _Drafts, uniforms,
+    temperature, top_p,
+) -> _Verified:
+    """One target forward over ``[last, d_1 .. d_K]`` (``T = K + 1``): logits at
+    slot ``k`` judge ``d_{k+1}``, slot ``K`` gives the bonus. A rule that
+    declares ``hidden_layers`` gets the target's hidden states at each draft
+    token's own position as ``features["hidden"]``."""
+    last = _gather(state.tokens, state.num_committed - 1)
+    block_in = jnp.concatenate([last[:, None], drafts.tokens], axis=1)
+    out = pair_params.target.module.apply(
+        pair_params.target.params, block_in, state.target_cache, hidden_layers=rule.hidden_layers
+    )
+    raw = out.logits[..., : pair_params.vocab_size]
+    target_logits = _warp(cfg, raw, temperature, top_p)
+    target_probs = jax.nn.softmax(target_logits, axis=-1)
+    features = {}
+    if rule.hidden_layers:
+        features["hidden"] = {layer: h[:, 1:] for layer, h in zip(rule.hidden_layers, out.hidden)}
+    inputs = VerifyInputs(
+        draft_tokens=drafts.tokens,
+        draft_logits=drafts.logits,
+        draft_probs=drafts.probs,
+        target_logits=target_logits,
+        target_probs=target_probs,
+        uniforms=uniforms,
+        valid=drafts.valid,
+        features=features,
+    )
+    return _Verified(inputs=inputs, raw=raw, cache=out.cache)
+
+
+# ---------------------------------------------------------------------------
+# 3. accept
+# ---------------------------------------------------------------------------
+
+
+class _Accepted(NamedTuple):
+    verdict: Verdict  # [B]-batched: the rule's decision per slot
+    num_accepted: Array  # [B] n: the leading run of accepted valid slots
+    num_drafted: Array  # [B] v: valid draft slots
+    emitted: Array  # [B] the token after the accepted run: correction (n < v) or bonus
+    live: Array  # [B] live before the cycle, with finite logits: the sequences that commit
+    new_bad: Array  # [B] int32: this cycle's non-finite logits (1 target, 2 draft), else 0
+    bad: Array  # [B] int32: the first non-finite logits each sequence met (sticky)
+
+
+def _accept(
+    cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafts: _Drafts, verified: _Verified, emit_uniform,
+) -> _Accepted:
+    """The rule judges each slot; the leading run of accepted valid slots is
+    kept and one more token is emitted: the rule's correction at the first
+    rejection, or the target's bonus token after the last valid draft. A
+    sequence whose outcome read non-finite logits stops and emits nothing."""
+    k_max, inputs = cfg.num_draft, verified.inputs
+    verdict = jax.vmap(functools.partial(rule.verify, greedy=cfg.greedy))(inputs, state.rule_state)
+    accept = jnp.asarray(verdict.accept, bool) & drafts.valid
+    n = jnp.cumprod(accept.astype(jnp.int32), axis=1).sum(1)
+    v = drafts.valid.sum(1).astype(jnp.int32)
+    correction = _row(verdict.correction, jnp.minimum(n, k_max - 1))
+    if cfg.greedy:
+        corr_tok = sampling.argmax(correction)
+        bonus_tok = sampling.argmax(_row(inputs.target_logits, n))
+    else:
+        # One uniform serves both: only one of the two tokens is used.
+        corr_tok = sampling.sample_categorical(correction, emit_uniform)
+        bonus_tok = sampling.sample_categorical(_row(inputs.target_probs, n), emit_uniform)
+    emitted = jnp.where(n < v, corr_tok, bonus_tok)
+
+    # Non-finite logits: only rows the outcome depends on count: target rows
+    # 0..n (decisions up to slot n and the emitted token's distribution), draft rows 0..n.
+    slots = jnp.arange(k_max + 1)[None, :]
+    target_bad = (sampling.nonfinite_rows(verified.raw) & (slots <= n[:, None])).any(1)
+    draft_bad = (drafts.bad & (slots[:, :k_max] <= n[:, None])).any(1)
+    live_before = ~state.done
+    new_bad = jnp.where(
+        live_before & draft_bad, 2, jnp.where(live_before & target_bad, 1, 0)
+    ).astype(jnp.int32)
+    return _Accepted(
+        verdict=verdict,
+        num_accepted=n,
+        num_drafted=v,
+        emitted=emitted,
+        live=live_before & (new_bad == 0),
+        new_bad=new_bad,
+        bad=jnp.where(state.bad > 0, state.bad, new_bad),
+    )
+
+
+# ---------------------------------------------------------------------------
+# 4. commit
+# ---------------------------------------------------------------------------
+
+
+class _Committed(NamedTuple):
+    tokens: Array  # [B, L] with this cycle's block written at the old num_committed
+    num_committed: Array  # [B]
+    num_new: Array  # [B] tokens this cycle committed
+    done: Array  # [B]
+    target_cache: KVCache  # rolled back: num_committed - 1 entries
+    draft_cache: KVCache  # rolled back: max(num_committed - 2, 0) entries
+
+
+def _commit(
+    cfg: _Config, state: _DecodeState, drafts: _Drafts, accepted: _Accepted, target_cache: KVCache,
+    draft_cache: KVCache, prompt_lengths, max_new, eos_ids,
+) -> _Committed:
+    """Commits ``drafts[:n] + emitted``, cut after the first EOS and at each
+    sequence's ``max_new_tokens``, and rolls both caches back to their
+    invariants (a length reset, nothing copied)."""
+    k_max, n, live = cfg.num_draft, accepted.num_accepted, accepted.live
+    nc = state.num_committed
+    batch = nc.shape[0]
+    slots = jnp.arange(k_max + 1)[None, :]
+    block = jnp.concatenate([drafts.tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    block = jnp.where(slots == n[:, None], accepted.emitted[:, None], block)
+    is_eos = _is_eos(eos_ids, block) & (slots <= n[:, None])
+    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), k_max + 1)
+    room = max_new - (nc - prompt_lengths)
+    n_commit = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), room)
+    n_commit = jnp.where(live, n_commit, 0).astype(jnp.int32)
+    hit_eos = live & (first_eos < n_commit)
+    new_nc = nc + n_commit
+    tokens = jax.vmap(lambda row, blk, off: jax.lax.dynamic_update_slice(row, blk, (off,)))(
+        state.tokens, block, nc
+    )
+    return _Committed(
+        tokens=tokens,
+        num_committed=new_nc,
+        num_new=n_commit,
+        done=state.done | (accepted.new_bad > 0) | hit_eos | (new_nc - prompt_lengths >= max_new),
+        target_cache=target_cache.rollback(new_nc - 1),
+        draft_cache=draft_cache.rollback(jnp.maximum(new_nc - 2, 0)),
+    )
+
+
+# ---------------------------------------------------------------------------
+# 5. record
+# ---------------------------------------------------------------------------
+
+
+def _record(
+    cfg: _Config, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, state: _DecodeState, drafts: _Drafts,
+    verified: _Verified, accepted: _Accepted, committed: _Committed,
+):
+    """What the cycle leaves for later, for live sequences only: the rule's
+    and the drafting policy's running states, the stats
+    (:func:`specjax._src.stats.record_cycle`) and the ``diagnostics`` hook's
+    values. Returns ``(rule_state, policy_state, stats, diagnostics or None)``."""
+    live, n = accepted.live, accepted.num_accepted
+    rule_state = jax.vmap(functools.partial(rule.update, greedy=cfg.greedy))(
+        state.rule_state, verified.inputs, accepted.verdict, n
+    )
+    rule_state = _where_b(live, rule_state, state.rule_state)
+    outcome = drafting_lib.DraftOutcome(
+        num_drafted=accepted.num_drafted,
+        num_accepted=n,
+        valid=drafts.valid,
+        entropies=drafts.entropies,
+        token_probs=drafts.token_probs,
+    )
+    policy_state = jax.vmap(policy.update)(state.policy_state, outcome)
+    policy_state = _where_b(live, policy_state, state.policy_state)
+    stats = record_cycle(state.stats, live=live, valid=drafts.valid, num_accepted=n,
+                         num_committed=committed.num_new, paths=accepted.verdict.path,
+                         draft_forwards=drafts.forwards)
+    diag = None
+    if cfg.diagnostics is not None:
+        values = jax.vmap(cfg.diagnostics)(verified.inputs, accepted.verdict, n)
+        diag = jax.tree_util.tree_map(
+            lambda x: jnp.where(live.reshape(live.shape + (1,) * (x.ndim - 1)), x, 0), values
+        )
+    return rule_state, policy_state, stats, diag

@@ -1,0 +1,117 @@
+"""Device-side pieces both loops are built from (``decode``'s draft-verify
+cycle and ``generate``'s token step): the blocked prefill, per-sequence
+gathers and selects, the logit warp, the per-sequence keys, EOS tests, the
+output slice and the mesh pins. Each is a pure function of arrays, traced
+inside the jitted loops of :mod:`specjax._src.decode`. They live apart from
+:mod:`specjax._src.cycle` because ``generate``'s loop uses them too, and
+that loop has no draft-verify cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from specjax._src import sampling
+from specjax._src.calls import _Config
+from specjax._src.lm import KVCache
+
+Array = jax.Array
+
+
+def _gather(tokens: Array, index: Array) -> Array:
+    """``tokens[b, index[b]]``."""
+    return jnp.take_along_axis(tokens, index[:, None].astype(jnp.int32), axis=1)[:, 0]
+
+
+def _row(x: Array, index: Array) -> Array:
+    """``x[b, index[b]]`` for ``x[B, T, ...]``."""
+    idx = index.astype(jnp.int32).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(x, idx, axis=1)[:, 0]
+
+
+def _where_b(mask: Array, new, old):
+    """Per-sequence select over two pytrees with leading batch axes."""
+
+    def sel(n, o):
+        m = mask.reshape(mask.shape + (1,) * (n.ndim - mask.ndim))
+        return jnp.where(m, n, o)
+
+    return jax.tree_util.tree_map(sel, new, old)
+
+
+def _batched_init(init_fn: Callable[[], Any], batch: int):
+    return jax.tree_util.tree_map(
+        lambda x: jnp.broadcast_to(jnp.asarray(x), (batch,) + jnp.shape(x)), init_fn()
+    )
+
+
+def _per_sequence_keys(key: Array, batch: int) -> Array:
+    if key.ndim == 0:
+        return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch, dtype=jnp.uint32))
+    return key
+
+
+def _warp(cfg: _Config, raw: Array, temperature, top_p) -> Array:
+    if cfg.greedy:
+        return raw.astype(jnp.float32)
+    return sampling.warp_logits(raw, temperature, cfg.top_k, top_p if cfg.use_top_p else None)
+
+
+# Prompts are prefilled in blocks of this many tokens (the smallest prompt
+# bucket), so that every prefill matmul has ``B * PREFILL_BLOCK`` rows whatever
+# the padded width: one ``[B * P, H]`` product rounded differently for another
+# ``P``, and in bfloat16 a sequence's output changed with its companions'
+# prompt lengths.
+PREFILL_BLOCK = 16
+
+
+def _prefill(module, params, prompts: Array, keep: Array, cache_length: int) -> KVCache:
+    """Runs ``prompts[B, P]`` into a fresh cache, then keeps ``keep[B]`` entries.
+
+    Full blocks of ``PREFILL_BLOCK`` tokens go through one ``scan`` (one
+    forward compiled); a shorter tail (``buckets=None`` or a width shrunk to a
+    position limit) through one more forward.
+    """
+    batch, width = prompts.shape
+    cache = module.init_cache(batch, cache_length)
+    full, tail = divmod(width, PREFILL_BLOCK)
+    if full:
+        blocks = prompts[:, : full * PREFILL_BLOCK].reshape(batch, full, PREFILL_BLOCK).transpose(1, 0, 2)
+        cache, _ = jax.lax.scan(lambda c, block: (module.apply(params, block, c).cache, None), cache, blocks)
+    if tail:
+        cache = module.apply(params, prompts[:, full * PREFILL_BLOCK :], cache).cache
+    return cache.rollback(keep)
+
+
+def _constrain(cfg: _Config, state, batch: int, caches: Sequence[tuple[str, str]]):
+    """Pins a loop state to the mesh layout (no-op without a mesh): caches get
+    their own spec, every other batch-leading leaf is split over 'data'."""
+    lay = cfg.layout
+    if lay is None:
+        return state
+    pinned = {field: lay.constrain_cache(getattr(state, field), which) for field, which in caches}
+    rest = lay.constrain_batch(state.replace(**{field: None for field, _ in caches}), batch)
+    return rest.replace(**pinned)
+
+
+def _replicate_outputs(cfg: _Config, tree):
+    """On a mesh, outputs are replicated so every host can read them (they are small)."""
+    return tree if cfg.layout is None else cfg.layout.replicated(tree)
+
+
+def _extract(cfg: _Config, tokens: Array, prompt_lengths: Array, generated: Array, pad_id: Array) -> Array:
+    """``[B, N]`` generated tokens, ``pad_id`` after each end."""
+    n = cfg.max_new_tokens
+    out = jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (n,)))(
+        tokens, prompt_lengths
+    )
+    return jnp.where(jnp.arange(n)[None, :] < generated[:, None], out, pad_id)
+
+
+def _is_eos(eos_ids: Array, tokens: Array) -> Array:
+    """``tokens`` (any shape) that are one of ``eos_ids[E]`` (-1 entries match nothing)."""
+    return (tokens[..., None] == eos_ids).any(-1)
+
