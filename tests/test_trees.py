@@ -35,7 +35,6 @@ def tables(seed: int, vocab: int = V, sharp: float = 2.0, noise: float = 1.0):
 def draft(tree: TokenTree, key, root, q_table, greedy: bool):
     """Node tokens ``[N]``: each node's children drawn from ``Q[its token]``
     (greedy: the draft's top children; sampling: without replacement)."""
-    tokens = [jnp.asarray(root, jnp.int32)]
     kids = tree.children
     tokens = jnp.zeros((tree.num_nodes,), jnp.int32).at[0].set(root)
     for node, children in enumerate(kids):
@@ -66,9 +65,9 @@ def cycle(tree: TokenTree, key, root, p_table, q_table, greedy: bool):
 
 def first_tokens(tree, key, root, p_table, q_table, greedy, count=2):
     """The first ``count`` output tokens (running as many cycles as needed)."""
-    got, n = [], 0
+    got, last = [], root
     for c in range(count):
-        out, m = cycle(tree, jax.random.fold_in(key, c), root if c == 0 else last, p_table, q_table, greedy)
+        out, m = cycle(tree, jax.random.fold_in(key, c), last, p_table, q_table, greedy)
         got.append((out, m))
         last = out[m - 1]
     flat = jnp.concatenate([o for o, _ in got])
