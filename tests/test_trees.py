@@ -86,8 +86,10 @@ def test_static_tree_shapes():
     assert static_tree((1, 1, 1)).draft_parents() == (-1, 0, 1)
     table = tree.children_table()
     assert table.shape == (45, 4) and (table[-1] == -1).all()
-    with pytest.raises(ValueError, match="positive integers"):
+    with pytest.raises(ValueError, match=r"branching\[1\] must be a positive integer"):
         static_tree((2, 0))
+    with pytest.raises(ValueError, match="at least one depth"):
+        static_tree(())
 
 
 @pytest.mark.parametrize("branching", [(1, 1, 1), (3, 2), (2, 2, 2), (4, 1, 1)])

@@ -34,6 +34,7 @@ from flax import struct
 from specjax._src import drafting as drafting_lib
 from specjax._src import sampling
 from specjax._src import sharding as sharding_lib
+from specjax._src.checks import check_positive_int
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, speculative_sampling
 from specjax._src.stats import DecodeStats
@@ -300,8 +301,7 @@ def _check_common(temperature, top_k, top_p, max_new_tokens) -> None:
             "equals greedy decoding up to near-ties anyway. Pass temperature=0 for greedy "
             f"decoding, or a temperature >= {MIN_TEMPERATURE:g}."
         )
-    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+    check_positive_int("max_new_tokens", max_new_tokens)
 
 
 def _check_pad_id(pad_token_id) -> int:
@@ -388,9 +388,7 @@ def _check_buckets(buckets) -> Optional[Buckets]:
     if not isinstance(buckets, Buckets):
         raise TypeError(f"buckets must be a specjax Buckets(...) or None, got {type(buckets).__name__}.")
     for name in ("prompt", "new_tokens"):
-        value = getattr(buckets, name)
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"Buckets.{name} must be a positive integer, got {value!r}.")
+        check_positive_int(f"Buckets.{name}", getattr(buckets, name))
     return buckets
 
 
@@ -565,9 +563,7 @@ def _check_decode_args(params, rule, drafting, num_draft) -> tuple[AcceptanceRul
         raise TypeError(
             f"drafting must be a DraftingPolicy (e.g. specjax.drafting.heuristic()), got {type(drafting).__name__}."
         )
-    if isinstance(num_draft, bool) or int(num_draft) != num_draft or num_draft < 1:
-        raise ValueError(f"num_draft (K) must be an integer >= 1, got {num_draft!r}.")
-    num_draft = int(num_draft)
+    num_draft = check_positive_int("num_draft (K)", num_draft)
     fixed_k = drafting_lib.max_fixed_k(drafting)
     if fixed_k is not None and fixed_k > num_draft:
         raise ValueError(

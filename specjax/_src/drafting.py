@@ -23,13 +23,13 @@ what Hugging Face's stopping criteria do.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax._src.checks import check_interval, check_positive_int
 from specjax._src.rules.base import RuleSpec, spec_value
 
 Array = jax.Array
@@ -120,12 +120,6 @@ class DraftingPolicy:
         return str(self.spec)
 
 
-def _positive_int(where: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{where}: must be a positive integer, got {value!r}.")
-    return int(value)
-
-
 @struct.dataclass
 class Fixed(DraftingPolicy):
     """Always draft ``k`` tokens (``None``: ``num_draft``); see :func:`fixed`."""
@@ -141,7 +135,7 @@ class Fixed(DraftingPolicy):
 def fixed(k: Optional[int] = None) -> Fixed:
     """Always draft ``k`` tokens (``None``: ``num_draft``). ``k`` must not exceed
     ``num_draft``, which ``decode`` checks."""
-    return Fixed(k=None if k is None else _positive_int("fixed(k)", k))
+    return Fixed(k=None if k is None else check_positive_int("fixed(k)", k))
 
 
 class AdaSDEntropyState(NamedTuple):
@@ -200,7 +194,7 @@ def adasd_entropy(window: int = 20) -> AdaSDEntropy:
     cap. ``window`` is the paper's hard cap on drafts per cycle (20); the
     effective cap is ``min(window, num_draft)``.
     """
-    return AdaSDEntropy(window=_positive_int("adasd_entropy(window)", window))
+    return AdaSDEntropy(window=check_positive_int("adasd_entropy(window)", window))
 
 
 @struct.dataclass
@@ -233,7 +227,7 @@ def heuristic(initial: Optional[int] = None) -> Heuristic:
     ``+2`` if every drafted token was accepted, else ``-1``, clipped to
     ``[1, num_draft]``.
     """
-    return Heuristic(initial=None if initial is None else _positive_int("heuristic(initial)", initial))
+    return Heuristic(initial=None if initial is None else check_positive_int("heuristic(initial)", initial))
 
 
 @struct.dataclass
@@ -251,9 +245,7 @@ class Confidence(DraftingPolicy):
 def confidence(threshold: float = 0.4) -> Confidence:
     """Stop drafting after a token whose draft probability is below ``threshold``
     (Hugging Face's ``assistant_confidence_threshold``; default 0.4)."""
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0.0 <= float(threshold) <= 1.0:
-        raise ValueError(f"confidence(threshold): must be in [0, 1], got {threshold!r}.")
-    return Confidence(threshold=float(threshold))
+    return Confidence(threshold=check_interval("confidence(threshold)", threshold, 0.0, 1.0))
 
 
 @struct.dataclass

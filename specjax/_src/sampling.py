@@ -20,6 +20,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from specjax._src.checks import check_positive_int
+
 Array = jax.Array
 
 
@@ -168,8 +170,7 @@ def check_sampling_args(temperature, top_k, top_p) -> None:
             f"temperature must be >= 0 (0 means greedy), got {temperature}."
         )
     if top_k is not None:
-        if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 1:
-            raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}.")
+        check_positive_int("top_k (or None)", top_k)
     if top_p is not None:
         if not (0.0 < float(top_p) <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")

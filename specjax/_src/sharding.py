@@ -49,6 +49,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from specjax._src.lm import KVCache, Model
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
+from specjax._src.checks import check_positive_int
 from specjax._src.pairing import ModelPair
 
 DATA = "data"
@@ -79,7 +80,7 @@ def make_mesh(data: Optional[int] = None, model: int = 1, *, devices: Optional[S
     ``data * model`` in order.
     """
     devices = list(jax.devices() if devices is None else devices)
-    model = _positive("model", model)
+    model = check_positive_int("model", model)
     if data is None:
         if len(devices) % model:
             raise ValueError(
@@ -87,7 +88,7 @@ def make_mesh(data: Optional[int] = None, model: int = 1, *, devices: Optional[S
                 "pass data= explicitly."
             )
         data = len(devices) // model
-    data = _positive("data", data)
+    data = check_positive_int("data", data)
     if data * model > len(devices):
         raise ValueError(
             f"make_mesh(data={data}, model={model}) needs {data * model} devices; "
@@ -98,12 +99,6 @@ def make_mesh(data: Optional[int] = None, model: int = 1, *, devices: Optional[S
         return jax.make_mesh((data, model), (DATA, MODEL), axis_types=auto, devices=devices)
     grid = np.array(devices[: data * model], dtype=object).reshape(data, model)
     return Mesh(grid, (DATA, MODEL), axis_types=auto)
-
-
-def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or int(value) != value or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return int(value)
 
 
 def _check_mesh(mesh: Mesh) -> Mesh:

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src import sampling
+from specjax._src.checks import check_positive_int
 
 Array = jax.Array
 
@@ -103,9 +104,9 @@ def static_tree(branching: Sequence[int]) -> TokenTree:
     children, 2 children of each, and so on: 4 + 8 + 16 + 16 = 44 draft nodes,
     depth 4 (Medusa / SpecInfer style). ``static_tree((1,) * K)`` is a chain.
     """
-    branching = tuple(int(b) for b in branching)
-    if not branching or any(b < 1 for b in branching):
-        raise ValueError(f"static_tree: branching must be positive integers, one per depth, got {branching!r}.")
+    if not branching:
+        raise ValueError("static_tree: branching must give at least one depth, e.g. (4, 2, 1).")
+    branching = tuple(check_positive_int(f"static_tree: branching[{d}]", b) for d, b in enumerate(branching))
     parents, level = [-1], [0]
     for b in branching:
         next_level = []

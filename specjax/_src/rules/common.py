@@ -1,12 +1,9 @@
-"""Small pure helpers shared by the rules, plus construction-time checks.
+"""Small pure helpers shared by the rules (argument checks: ``specjax._src.checks``).
 
 Shapes are per sequence: ``K`` draft slots, vocabulary ``V``.
 """
 
 from __future__ import annotations
-
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -102,45 +99,3 @@ def restricted_distribution(probs: Array, mask: Array) -> Array:
     kept = jnp.where(mask, probs, 0.0)
     total = kept.sum(-1, keepdims=True)
     return jnp.where(total > 1e-12, kept / jnp.maximum(total, 1e-30), probs)
-
-
-# ------------------------------------------------------------------------ checks
-
-
-def _real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return value
-
-
-def check_nonnegative(name: str, value) -> float:
-    value = _real(name, value)
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return value
-
-
-def check_positive(name: str, value) -> float:
-    value = _real(name, value)
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return value
-
-
-def check_interval(name: str, value, lo: float, hi: float, *, open_lo: bool = False) -> float:
-    value = _real(name, value)
-    if value > hi or value < lo or (open_lo and value == lo):
-        bracket = "(" if open_lo else "["
-        raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value!r}")
-    return value
-
-
-def check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax._src.checks import check_interval, check_positive, check_positive_int
 from specjax._src.rules import common
 from specjax._src.rules.base import (
     AcceptanceRule,
@@ -130,8 +131,8 @@ def typical(eps: float = 0.09, delta: float = 0.3) -> Criterion:
       eps: probability floor, ``> 0`` (vLLM: 0.09).
       delta: entropy scale, ``> 0`` (vLLM: 0.3).
     """
-    eps = common.check_positive("typical: eps", eps)
-    delta = common.check_positive("typical: delta", delta)
+    eps = check_positive("typical: eps", eps)
+    delta = check_positive("typical: delta", delta)
     return Criterion(set_fn=typical_set, hyper={"eps": eps, "delta": delta}, name="typical", level_set=True)
 
 
@@ -150,7 +151,7 @@ def additive(t: float) -> Criterion:
     Args:
       t: slack in probability, in ``[0, 1]``.
     """
-    t = common.check_interval("additive: t", t, 0.0, 1.0)
+    t = check_interval("additive: t", t, 0.0, 1.0)
     return Criterion(set_fn=additive_set, hyper={"t": t}, name="additive", level_set=True)
 
 
@@ -169,7 +170,7 @@ def multiplicative(alpha: float) -> Criterion:
     Args:
       alpha: fraction of the top probability, in ``(0, 1]``.
     """
-    alpha = common.check_interval("multiplicative: alpha", alpha, 0.0, 1.0, open_lo=True)
+    alpha = check_interval("multiplicative: alpha", alpha, 0.0, 1.0, open_lo=True)
     return Criterion(set_fn=multiplicative_set, hyper={"alpha": alpha}, name="multiplicative", level_set=True)
 
 
@@ -199,5 +200,5 @@ def top_m(m: int) -> Criterion:
     Args:
       m: integer ``>= 1`` (larger than the vocabulary accepts everything).
     """
-    m = common.check_positive_int("top_m: m", m)
+    m = check_positive_int("top_m: m", m)
     return Criterion(set_fn=_top_m_accepted, static_params=(("m", m),), name="top_m", level_set=True)

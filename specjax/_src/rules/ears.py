@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
+from specjax._src.checks import check_nonnegative
 from specjax._src.rules import common
 from specjax._src.rules.base import (
     AcceptanceRule,
@@ -71,5 +72,5 @@ def ears(beta: float = 0.1, allow_excluded: bool = False) -> Ears:
       beta: base tolerance, ``>= 0``; the paper uses 0.05-0.2.
       allow_excluded: pardon tokens with ``p(x) = 0`` too (the formula as written).
     """
-    beta = common.check_nonnegative("ears: beta", beta)
+    beta = check_nonnegative("ears: beta", beta)
     return Ears(beta=beta, allow_excluded=bool(allow_excluded))

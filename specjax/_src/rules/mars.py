@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax._src.checks import check_positive
 from specjax._src.rules import common
 from flax import struct
 
@@ -123,7 +124,7 @@ def mars(theta: float = 0.9, variant: str = "paper") -> "Mars":
       theta: ratio threshold, ``> 0`` (paper: 0.9).
       variant: ``"paper"`` or ``"authors"``, the sampling form (see above).
     """
-    theta = common.check_positive("mars: theta", theta)
+    theta = check_positive("mars: theta", theta)
     if variant not in VARIANTS:
         raise ValueError(f"mars: variant must be one of {', '.join(VARIANTS)}, got {variant!r}.")
     return Mars(theta=theta, variant=variant)

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax._src.checks import check_interval
 from specjax._src.rules import common
 from flax import struct
 
@@ -419,8 +420,8 @@ class PivotPardon(AcceptanceRule):
 
 def pivot_pardon(head: PivotHead, sigma: float, min_prob: float, layer: int) -> PivotPardon:
     """:class:`PivotPardon` (the relaxed half of :func:`pad`)."""
-    return PivotPardon(head=_as_head(head), sigma=common.check_interval("pivot_pardon: sigma", sigma, 0.0, 1.0),
-                       min_prob=common.check_interval("pivot_pardon: min_prob", min_prob, 0.0, 1.0),
+    return PivotPardon(head=_as_head(head), sigma=check_interval("pivot_pardon: sigma", sigma, 0.0, 1.0),
+                       min_prob=check_interval("pivot_pardon: min_prob", min_prob, 0.0, 1.0),
                        layer=int(layer))
 
 
@@ -496,8 +497,8 @@ def pad(
     """
     shipped = isinstance(head, str) and head == "shipped"
     head = _as_head(head)
-    sigma = common.check_interval("pad: sigma", sigma, 0.0, 1.0)
-    min_prob = common.check_interval("pad: min_prob", min_prob, 0.0, 1.0)
+    sigma = check_interval("pad: sigma", sigma, 0.0, 1.0)
+    min_prob = check_interval("pad: min_prob", min_prob, 0.0, 1.0)
     layer = _check_layer(head, hidden_layer)
     if shipped:
         head = dataclasses.replace(head, source="shipped")
