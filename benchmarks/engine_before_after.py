@@ -1,0 +1,92 @@
+"""The chain loop's speed before and after an engine change, measured in one run.
+
+Two checkouts of specjax (``--before`` a git worktree of the old commit, and
+this one) run the same decode calls in alternating subprocesses (before,
+after, before, after, ...), each compiling once and then timing ``--calls``
+calls. Reported: the median tok/s of each and the median of the per-round
+ratios (each round's two runs back to back, so load drift cancels).
+
+    git worktree add /tmp/specjax-before 16f205f
+    python benchmarks/engine_before_after.py --before /tmp/specjax-before
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Runs inside the subprocess, with the checkout under test first on sys.path.
+CHILD = r"""
+import json, sys, time
+import jax, numpy as np
+import specjax
+from specjax.rules import parse_rule
+cfg = json.loads(sys.argv[1])
+target, draft = specjax.load(cfg["target"]), specjax.load(cfg["draft"])
+pair = specjax.pair(target, draft)
+rng = np.random.default_rng(0)
+prompts = [rng.integers(5, 1000, size=24).tolist() for _ in range(cfg["batch"])]
+kw = dict(rule=parse_rule(cfg["rule"]), num_draft=cfg["num_draft"], max_new_tokens=cfg["new_tokens"],
+          temperature=cfg["temperature"], eos_token_id=(), key=jax.random.key(0))
+jax.block_until_ready(specjax.decode(pair, prompts, **kw).tokens)
+times, tokens = [], 0
+for _ in range(cfg["calls"]):
+    t0 = time.perf_counter()
+    out = specjax.decode(pair, prompts, **kw)
+    jax.block_until_ready(out.tokens)
+    times.append(time.perf_counter() - t0)
+    tokens = int(np.sum(out.lengths))
+print(json.dumps({"tok_s": tokens / statistics.median(times), "tau": out.stats.tau, "file": specjax.__file__}))
+"""
+
+
+def run_child(checkout: pathlib.Path, cfg: dict) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    code = "import statistics\n" + CHILD
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], env=env, cwd=checkout,
+                         capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if not pathlib.Path(result["file"]).resolve().is_relative_to(checkout.resolve()):
+        raise RuntimeError(f"{checkout}: the child imported specjax from {result['file']}, not from the checkout")
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", required=True, type=pathlib.Path, help="checkout of the old commit")
+    ap.add_argument("--after", type=pathlib.Path, default=ROOT)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--target", default=str(ROOT / "specjax/assets/models/target"))
+    ap.add_argument("--draft", default=str(ROOT / "specjax/assets/models/draft"))
+    args = ap.parse_args()
+    configs = [
+        dict(rule="speculative_sampling", temperature=1.0, batch=1, num_draft=4, new_tokens=64),
+        dict(rule="mars:theta=0.9", temperature=0.0, batch=1, num_draft=4, new_tokens=64),
+        dict(rule="speculative_sampling", temperature=1.0, batch=8, num_draft=4, new_tokens=64),
+    ]
+    print(f"load average at start: {os.getloadavg()}")
+    print("| rule | T | batch | before tok/s | after tok/s | after/before (median of rounds) | tau before/after |")
+    print("|---|---|---|---|---|---|---|")
+    for c in configs:
+        cfg = dict(c, calls=args.calls, target=args.target, draft=args.draft)
+        before, after = [], []
+        for _ in range(args.rounds):
+            before.append(run_child(args.before, cfg))
+            after.append(run_child(args.after, cfg))
+        ratio = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(after, before))
+        print(f"| {c['rule']} | {c['temperature']:g} | {c['batch']} | "
+              f"{statistics.median(b['tok_s'] for b in before):.1f} | {statistics.median(a['tok_s'] for a in after):.1f} | "
+              f"{ratio:.3f} | {before[0]['tau']:.3f} / {after[0]['tau']:.3f} |", flush=True)
+    print(f"load average at end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
