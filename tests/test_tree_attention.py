@@ -144,6 +144,8 @@ def test_bad_tree_shape_is_refused(model):
     cache = decoder.init_cache(2, 16)
     with pytest.raises(ValueError, match="tree_parents must be"):
         decoder.apply(params, jnp.zeros((2, 3), jnp.int32), cache, tree_parents=jnp.asarray([-1, 0]))
+    with pytest.raises(ValueError, match="tree_offset needs a cache"):
+        decoder.apply(params, jnp.zeros((2, 3), jnp.int32), tree_parents=jnp.asarray([-1, 0, 0, 1]), tree_offset=1)
 
 
 def test_tree_forward_without_cache(model):
@@ -155,3 +157,22 @@ def test_tree_forward_without_cache(model):
     for t in range(3):
         alone = decoder.apply(params, nodes[:, t : t + 1])
         np.testing.assert_allclose(np.asarray(out.logits[0, t]), np.asarray(alone.logits[0, 0]), rtol=2e-5, atol=2e-5)
+
+
+def test_a_tree_fed_level_by_level_equals_the_whole_tree(model):
+    """How a draft model grows a tree: each breadth-first level is one forward
+    (``tree_offset``) that attends to earlier levels through the ancestor
+    relation; logits and cache equal one forward over the whole tree."""
+    decoder, params = model
+    parents = TREES["medusa-like"]  # levels: [0, 1], [2, 3, 4], [5, 6], [7]
+    levels = [(0, 2), (2, 5), (5, 7), (7, 8)]
+    prompts = np.random.default_rng(11).integers(0, 64, size=(2, 9))
+    cache = prefilled(decoder, params, prompts, [9, 6])
+    nodes = jnp.asarray(np.random.default_rng(12).integers(0, 64, size=(2, len(parents))))
+    whole = decoder.apply(params, nodes, cache, tree_parents=jnp.asarray(parents))
+    grown = cache
+    for lo, hi in levels:
+        out = decoder.apply(params, nodes[:, lo:hi], grown, tree_parents=jnp.asarray(parents), tree_offset=lo)
+        np.testing.assert_allclose(np.asarray(out.logits), np.asarray(whole.logits[:, lo:hi]), rtol=2e-5, atol=2e-5)
+        grown = out.cache
+    np.testing.assert_array_equal(np.asarray(grown.lengths), np.asarray(whole.cache.lengths))

@@ -174,27 +174,37 @@ def tree_ancestors(parents: Array) -> Array:
     return anc
 
 
-def tree_attention_mask(parents: Array, lengths: Array, kv_len: int, sliding_window: Optional[int]) -> tuple[Array, Array]:
-    """``(mask [B, T, S], positions [B, T])`` for a token tree written at ``lengths``.
+def tree_attention_mask(
+    parents: Array, start: Array, kv_len: int, sliding_window: Optional[int], offset: int = 0,
+    num: Optional[int] = None,
+) -> tuple[Array, Array]:
+    """``(mask [B, T, S], positions [B, T])`` for nodes ``offset .. offset + T - 1``
+    of a token tree whose node ``j`` sits in cache slot ``start[b] + j``.
 
-    Node ``t`` sees every cached entry before ``lengths[b]`` and the slots
-    ``lengths[b] + j`` of its ancestors ``j`` (itself included); its position
-    is ``lengths[b] + depth(t)``. With a sliding window, a key's position is
-    its slot for the prefix and ``lengths + depth(j)`` for a tree node.
+    ``parents``: ``[N]`` or ``[B, N]``, the whole tree (``T = num``, default
+    ``N - offset``). A node sees every cached entry before ``start[b]`` and the
+    slots of its ancestors (itself included); its position is ``start[b] +
+    depth``. Feeding a tree level by level (breadth-first levels are contiguous
+    node ranges) is thus the same as feeding it whole: a level's nodes see the
+    earlier levels' slots through the ancestor relation, not as a prefix. With
+    a sliding window, a key's position is its slot for the prefix and
+    ``start + depth(j)`` for a tree node.
     """
-    b = lengths.shape[0]
+    b = start.shape[0]
     parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, parents.shape[-1]))
-    t = parents.shape[-1]
-    anc = tree_ancestors(parents)  # [B, T, T]
-    depth = anc.sum(-1).astype(jnp.int32) - 1  # [B, T]
-    positions = lengths[:, None] + depth
-    slot = jnp.arange(kv_len, dtype=jnp.int32)[None, :] - lengths[:, None]  # [B, S] node index of each slot
-    in_tree = (slot >= 0) & (slot < t)
-    node = jnp.clip(slot, 0, t - 1)
-    sees_node = jnp.take_along_axis(anc, jnp.broadcast_to(node[:, None, :], (b, t, kv_len)), axis=2)
+    n = parents.shape[-1]
+    t = n - offset if num is None else num
+    anc = tree_ancestors(parents)  # [B, N, N]
+    depth = anc.sum(-1).astype(jnp.int32) - 1  # [B, N]
+    query_anc = anc[:, offset : offset + t]  # [B, T, N]
+    positions = start[:, None] + depth[:, offset : offset + t]
+    slot = jnp.arange(kv_len, dtype=jnp.int32)[None, :] - start[:, None]  # [B, S]: node index of each slot
+    in_tree = (slot >= 0) & (slot < n)
+    node = jnp.clip(slot, 0, n - 1)
+    sees_node = jnp.take_along_axis(query_anc, jnp.broadcast_to(node[:, None, :], (b, t, kv_len)), axis=2)
     mask = (slot < 0)[:, None, :] | (in_tree[:, None, :] & sees_node)
     if sliding_window is not None:
-        key_pos = jnp.where(in_tree, lengths[:, None] + jnp.take_along_axis(depth, node, axis=1),
+        key_pos = jnp.where(in_tree, start[:, None] + jnp.take_along_axis(depth, node, axis=1),
                             jnp.arange(kv_len, dtype=jnp.int32)[None, :])
         mask &= key_pos[:, None, :] > positions[:, :, None] - sliding_window
     return mask, positions
@@ -574,6 +584,7 @@ class Decoder:
         hidden_layers: Sequence[int] = (),
         logits_at: Optional[Array] = None,
         tree_parents: Optional[Array] = None,
+        tree_offset: int = 0,
     ) -> LMOutput:
         """Runs ``tokens[B, T]``; see :mod:`specjax._src.lm` for the cache contract.
 
@@ -597,6 +608,11 @@ class Decoder:
             forward over its root path. Node ``t``'s K/V go to slot
             ``lengths + t``; :meth:`KVCache.keep_path` keeps the accepted path.
             ``parents = [-1, 0, 1, ...]`` is the plain causal block.
+          tree_offset: static; with ``tree_parents`` of the whole tree
+            (``[N]`` or ``[B, N]``, ``N >= T``), the block is nodes
+            ``tree_offset .. tree_offset + T - 1`` and the tree started at
+            slot ``cache.lengths - tree_offset``: a tree drafted level by level
+            attends exactly as if it had been fed whole.
 
         Returns:
           ``LMOutput(logits [B, T, V] float32 ([B, 1, V] with ``logits_at``),
@@ -630,14 +646,19 @@ class Decoder:
         mask = None
         if tree_parents is not None:
             tree_parents = jnp.asarray(tree_parents, jnp.int32)
-            if tree_parents.shape not in ((t,), (b, t)):
+            n = tree_offset + t
+            if tree_parents.ndim not in (1, 2) or tree_parents.shape[-1] < n or (
+                    tree_parents.ndim == 2 and tree_parents.shape[0] != b):
                 raise ValueError(
-                    f"tree_parents must be [T] or [B, T] = [{b}, {t}] (one parent per token), got shape "
-                    f"{tree_parents.shape}."
+                    f"tree_parents must be [N] or [B, N] = [{b}, N] with N >= tree_offset + T = {n} (one "
+                    f"parent per tree node), got shape {tree_parents.shape}."
                 )
-            start = jnp.zeros((b,), jnp.int32) if lengths is None else lengths
+            if cache is None and tree_offset:
+                raise ValueError("tree_offset needs a cache holding the tree's earlier nodes.")
+            start = jnp.zeros((b,), jnp.int32) if lengths is None else lengths - tree_offset
             kv_len = t if cache is None else cache.max_length
-            mask, positions = tree_attention_mask(tree_parents, start, kv_len, cfg.sliding_window)
+            mask, positions = tree_attention_mask(tree_parents, start, kv_len, cfg.sliding_window,
+                                                  offset=tree_offset, num=t)
         logits, block_outputs, new_caches = Transformer(cfg).apply(
             {"params": params}, tokens, positions, kv_caches, lengths, logits_at, False, mask
         )
