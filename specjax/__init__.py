@@ -21,6 +21,7 @@ from specjax._src.decode import BUCKETS, MIN_TEMPERATURE, Buckets, DecodeOutput,
 from specjax._src.stats import DecodeStats, concatenate as concatenate_stats, expected_tau
 from specjax import drafting
 from specjax import sharding
+from specjax import trees
 
 # The curated public API. Rules, drafting policies, sharding and certificates
 # live in their own modules (specjax.rules, .drafting, .sharding, .theory), tiny
@@ -59,4 +60,5 @@ __all__ = [
     # submodules
     "drafting",
     "sharding",
+    "trees",
 ]

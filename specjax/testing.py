@@ -55,6 +55,10 @@ class Bigram:
     vocab_size: int
     max_position_embeddings: Optional[int] = None
 
+    # A bigram's next-token logits depend on the current token alone, so a
+    # token tree needs no attention mask: any tree shape is exact.
+    supports_trees = True
+
     @property
     def hidden_size(self) -> int:
         return self.vocab_size
@@ -67,12 +71,15 @@ class Bigram:
         del max_length, dtype  # a bigram needs no history
         return KVCache.empty(batch_size)
 
-    def apply(self, params, tokens, cache: Optional[KVCache] = None, *, hidden_layers: Sequence[int] = ()):
+    def apply(self, params, tokens, cache: Optional[KVCache] = None, *, hidden_layers: Sequence[int] = (),
+              tree_parents=None, tree_offset: int = 0):
         """``tokens [B, T]`` -> ``LMOutput(logits [B, T, V] float32, hidden, cache)``.
 
         Every requested hidden layer is the logits row itself (``[B, T, V]``): a
         hidden state that rules and drafters can read without a real network.
+        ``tree_parents`` / ``tree_offset`` are accepted and need nothing.
         """
+        del tree_parents, tree_offset
         logits = jnp.take(params["table"], tokens, axis=0).astype(jnp.float32)
         hidden = tuple(logits for _ in hidden_layers)
         new_cache = None

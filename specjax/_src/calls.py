@@ -93,6 +93,8 @@ class _Config(NamedTuple):
     # (:func:`specjax._src.streaming._report`). False compiles the program
     # without any callback.
     stream: bool = False
+    # ``decode(tree=...)``: a static TokenTree; ``num_draft`` is then its depth.
+    tree: Optional[Any] = None
 
 
 # ---------------------------------------------------------------------------
@@ -563,13 +565,45 @@ def _check_decode_args(params, rule, drafting, num_draft) -> tuple[AcceptanceRul
         raise TypeError(
             f"drafting must be a DraftingPolicy (e.g. specjax.drafting.heuristic()), got {type(drafting).__name__}."
         )
-    num_draft = check_positive_int("num_draft (K)", num_draft)
+    num_draft = 4 if num_draft is None else check_positive_int("num_draft (K)", num_draft)
     fixed_k = drafting_lib.max_fixed_k(drafting)
     if fixed_k is not None and fixed_k > num_draft:
         raise ValueError(
             f"drafting fixed(k={fixed_k}) exceeds num_draft={num_draft}; pass num_draft={fixed_k}."
         )
     return rule, drafting, num_draft
+
+
+def _check_tree(tree, params, rule, drafting, num_draft, diagnostics, mesh):
+    """``decode(tree=...)``'s preconditions; returns the tree's depth (its ``K``)."""
+    from specjax._src import trees as trees_lib
+    from specjax._src.rules.base import SpeculativeSampling
+
+    if not isinstance(tree, trees_lib.TokenTree):
+        raise TypeError(f"tree must be a TokenTree (e.g. specjax.trees.static_tree((4, 2, 1))), got "
+                        f"{type(tree).__name__}.")
+    if tree.num_nodes < 2:
+        raise ValueError("tree has no draft nodes: give it at least one level, e.g. static_tree((2,)).")
+    for name, model in (("target", params.target), ("draft", params.draft)):
+        if not getattr(model.module, "supports_trees", False):
+            raise ValueError(f"tree decoding needs tree attention, which the {name} model "
+                             f"({type(model.module).__name__}) does not implement (supports_trees); "
+                             "decode it with chains (no tree=).")
+    if not isinstance(rule, SpeculativeSampling):
+        raise ValueError(f"tree decoding runs the lossless rule (speculative_sampling: greedy, or exact "
+                         f"multi-draft sampling) so far; {rule.spec} on trees is not implemented yet. Use "
+                         "chains for relaxed rules.")
+    if not isinstance(drafting, drafting_lib.Fixed) or drafting.k is not None:
+        raise ValueError("with tree=, the tree's shape decides what is drafted: leave drafting unset.")
+    if num_draft is not None and num_draft != tree.max_depth:
+        raise ValueError(f"num_draft={num_draft} but the tree's depth is {tree.max_depth}: leave num_draft "
+                         "unset with tree= (the depth is the most tokens a cycle accepts).")
+    if diagnostics is not None:
+        raise ValueError("diagnostics= is not supported with tree= yet.")
+    if mesh is not None:
+        raise ValueError("tree decoding on a mesh is not supported yet; decode on one device.")
+    trees_lib.uniform_branching(tree)  # raises for shapes the drafter cannot grow
+    return tree.max_depth
 
 
 def _check_diagnostics(diagnostics) -> None:

@@ -90,6 +90,7 @@ from specjax._src.calls import (
     _bucket,
     _check_decode_args,
     _check_diagnostics,
+    _check_tree,
     _Config,
     _finish,
     _padded_lengths,
@@ -97,6 +98,7 @@ from specjax._src.calls import (
     _replicated,
 )
 from specjax._src.cycle import _decode_cycle, _DecodeState, _initial_state
+from specjax._src.tree_cycle import _tree_cycle
 from specjax._src.lm import KVCache, Model
 from specjax._src.loop_ops import (
     PREFILL_BLOCK,
@@ -154,10 +156,15 @@ def _decode_impl(
     state = _initial_state(cfg, pair_params, rule, policy, prompts, prompt_lengths, max_new)
     caches = (("target_cache", "target"), ("draft_cache", "draft"))
     state = _constrain(cfg, state, batch, caches)
-    cycle = functools.partial(
-        _decode_cycle, cfg, pair_params, rule, policy, prompt_lengths, max_new, eos_ids, seq_keys, temperature,
-        top_p,
-    )
+    if cfg.tree is None:
+        cycle = functools.partial(
+            _decode_cycle, cfg, pair_params, rule, policy, prompt_lengths, max_new, eos_ids, seq_keys, temperature,
+            top_p,
+        )
+    else:
+        cycle = functools.partial(
+            _tree_cycle, cfg, pair_params, prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p
+        )
     if cfg.diagnostics is not None:
         shapes = jax.eval_shape(lambda s: cycle(s)[1], state)
         extra = jax.tree_util.tree_map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
@@ -193,7 +200,7 @@ def decode(
     *,
     rule: Optional[AcceptanceRule] = None,
     drafting: Optional[drafting_lib.DraftingPolicy] = None,
-    num_draft: int = 4,
+    num_draft: Optional[int] = None,
     max_new_tokens: int = 64,
     temperature: float = 1.0,
     top_k: Optional[int] = None,
@@ -207,6 +214,7 @@ def decode(
     mesh=None,
     buckets: Optional[Buckets] = BUCKETS,
     on_tokens: Optional[Callable] = None,
+    tree=None,
 ) -> DecodeOutput:
     """Speculative decoding: draft with ``params.draft``, verify with ``params.target``.
 
@@ -217,7 +225,8 @@ def decode(
       rule: acceptance rule (default ``speculative_sampling()``, lossless).
       drafting: drafting policy (default ``specjax.drafting.fixed()``, i.e.
         always ``num_draft`` tokens).
-      num_draft: K, the most tokens drafted per cycle (buffer shapes).
+      num_draft: K, the most tokens drafted per cycle (buffer shapes); default 4,
+        or the tree's depth with ``tree=``.
       max_new_tokens: N, tokens generated per sequence at most.
       temperature: 0 for greedy; applied with ``top_k`` / ``top_p`` identically
         to both models. A positive temperature below ``MIN_TEMPERATURE``
@@ -266,6 +275,13 @@ def decode(
         no callback is compiled in, the program is the one without streaming.
         Any two callbacks share one compiled program. Not supported on a mesh
         (ValueError).
+      tree: a :class:`specjax.trees.TokenTree` (``static_tree((4, 2, 1))``):
+        draft a token tree per cycle instead of a chain and verify it in one
+        target forward with tree attention (both models must support trees,
+        as the built-in decoders do). So far with the lossless rule only:
+        greedy (output identical to the target's greedy output) or exact
+        multi-draft sampling; the drafting policy is the tree's shape, and
+        ``num_draft`` is its depth. Not on a mesh, without ``diagnostics``.
 
     Compilation and warm-up: the first call for each combination of
     (batch bucket, prompt-width bucket, ``max_new_tokens`` bucket) and of the
@@ -291,12 +307,18 @@ def decode(
       FloatingPointError: if a model produced NaN / inf logits (the sequence
         is named; ``err.output`` holds what was generated).
     """
-    rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
+    if tree is not None:
+        rule, drafting, _ = _check_decode_args(params, rule, drafting, None)
+        depth = _check_tree(tree, params, rule, drafting, num_draft, diagnostics, mesh)
+        num_draft, cache_room = depth, tree.num_nodes  # the target cache holds every node for a moment
+    else:
+        rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
+        cache_room = num_draft
     call = _prepare_call(
         {"target": params.target, "draft": params.draft},
         params.vocab_size,
         prompt_ids,
-        extra=num_draft,
+        extra=cache_room,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
@@ -311,7 +333,7 @@ def decode(
         what=f"decoding (longest prompt {{width}} + max_new_tokens {max_new_tokens} + num_draft {num_draft})",
     )
     _check_diagnostics(diagnostics)
-    cfg = call.cfg._replace(diagnostics=diagnostics)
+    cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree)
     if cfg.layout is not None:  # the rule's and policy's traced numbers, replicated on the mesh
         rule, drafting = jax.tree_util.tree_map(
             lambda x: _replicated(cfg.layout, np.asarray(jnp.asarray(x))), (rule, drafting)

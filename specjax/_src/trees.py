@@ -118,6 +118,30 @@ def static_tree(branching: Sequence[int]) -> TokenTree:
     return TokenTree(tuple(parents))
 
 
+def levels(tree: TokenTree) -> list[tuple[int, int]]:
+    """``[(first node, end)]`` of each breadth-first level, root level first."""
+    depths = tree.depths
+    out = []
+    for d in range(tree.max_depth + 1):
+        nodes = [j for j, x in enumerate(depths) if x == d]
+        if nodes != list(range(nodes[0], nodes[-1] + 1)):
+            raise ValueError("tree levels must be contiguous node ranges (breadth-first order)")
+        out.append((nodes[0], nodes[-1] + 1))
+    return out
+
+
+def uniform_branching(tree: TokenTree) -> tuple[int, ...]:
+    """Children per node at each depth; raises if a level is not uniform."""
+    kids = tree.children
+    out = []
+    for lo, hi in levels(tree)[:-1]:
+        counts = {len(kids[j]) for j in range(lo, hi)}
+        if len(counts) != 1:
+            raise ValueError("tree decoding drafts trees whose nodes at one depth have equally many children")
+        out.append(counts.pop())
+    return tuple(out)
+
+
 def sample_children(key: Array, probs: Array, num: int) -> Array:
     """``[num]`` distinct tokens drawn from ``probs[V]`` without replacement, in
     draw order (Gumbel top-k: the top-``num`` of ``log p + Gumbel``). Tokens
@@ -149,10 +173,10 @@ def _residual(p: Array, q: Array) -> Array:
 
 
 def _without(q: Array, token: Array) -> Array:
-    """``q`` with ``token`` removed, renormalised (``q`` itself if nothing is left)."""
+    """``q`` with ``token`` removed, renormalised (all zeros if nothing is left:
+    then no further child can have been drawn)."""
     kept = q.at[token].set(0.0)
-    total = kept.sum()
-    return jnp.where(total > 1e-12, kept / jnp.maximum(total, 1e-30), q)
+    return kept / jnp.maximum(kept.sum(), 1e-30)
 
 
 def verify_tree(
@@ -197,6 +221,9 @@ def verify_tree(
             if greedy:
                 accept = live & (x == sampling.argmax(target_logits[cur]))
             else:
+                # A child the draft could not have drawn (q = 0: top-k / top-p
+                # left fewer tokens than the node has children) is no candidate.
+                live = live & (q[x] > 0)
                 accept = live & (uniforms[jnp.maximum(child, 0)] * q[x] <= p[x])
                 rejected = live & ~accept
                 p = jnp.where(rejected, _residual(p, q), p)

@@ -1,0 +1,164 @@
+"""One draft-verify cycle over a token tree (``decode(..., tree=static_tree(...))``).
+
+The same five steps as the chain cycle (:mod:`specjax._src.cycle`), with a
+tree of draft tokens in place of a chain:
+
+* draft: the draft's ``T = 2`` first step gives its distribution at the root
+  (the last committed token, node 0); each breadth-first level's children are
+  its ``branching[d]`` best tokens (greedy) or a draw without replacement
+  (Gumbel top-k) from the warped draft distribution, and each level but the
+  last is fed to the draft in one forward with tree attention
+  (``tree_offset``), which gives the next level's distributions;
+* verify: one target forward over all ``N`` nodes with tree attention: row
+  ``j`` of its logits judges node ``j``'s children;
+* accept: :func:`specjax._src.trees.verify_tree` walks down the tree (greedy:
+  the child equal to the target's argmax; sampling: recursive rejection
+  sampling without replacement, exact);
+* commit: the accepted path's tokens and the emitted token, cut at EOS and
+  ``max_new_tokens``; both caches keep the accepted path
+  (:meth:`KVCache.keep_path`: the path's rows move into place) and roll back
+  to the chain loop's invariants;
+* record: stats with ``K`` = the tree's depth (each cycle judges one path).
+
+Node ``j`` of the tree sits in cache slot ``start + j`` with ``start =
+num_committed - 1``, the root's own slot, in both caches.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specjax._src import sampling
+from specjax._src.calls import _Config
+from specjax._src.cycle import _DecodeState, _first_draft_logits
+from specjax._src.lm import KVCache
+from specjax._src.loop_ops import _gather, _is_eos, _warp
+from specjax._src.pairing import ModelPair
+from specjax._src.rules.base import Path
+from specjax._src.stats import record_cycle
+from specjax._src.trees import TokenTree, levels, sample_children, uniform_branching, verify_tree
+
+Array = jax.Array
+
+
+class _TreeDrafts(NamedTuple):
+    tokens: Array  # [B, N] node tokens (node 0: the root, the last committed token)
+    probs: Array  # [B, N, V] the draft distribution each node's children were drawn from
+    bad: Array  # [B] the draft's logits were non-finite somewhere
+    forwards: Array  # scalar int32
+
+
+def _children(cfg: _Config, raw: Array, keys: Array, num: int, temperature, top_p):
+    """``(children [B, M, num], probs [B, M, V])`` for ``M`` nodes' raw draft logits ``[B, M, V]``."""
+    logits = _warp(cfg, raw, temperature, top_p)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if cfg.greedy:
+        return jax.lax.top_k(raw, num)[1].astype(jnp.int32), probs
+    m = raw.shape[1]
+    pick = jax.vmap(jax.vmap(sample_children, in_axes=(0, 0, None)), in_axes=(0, 0, None))
+    node_keys = jax.vmap(lambda k: jax.random.split(k, m))(keys)
+    return pick(node_keys, probs, num), probs
+
+
+def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _DecodeState, draft_keys,
+                temperature, top_p) -> tuple[_TreeDrafts, KVCache]:
+    module, params = pair_params.draft.module, pair_params.draft.params
+    vocab = pair_params.vocab_size
+    batch = state.num_committed.shape[0]
+    branching = uniform_branching(tree)
+    spans = levels(tree)
+    raw0, cache = _first_draft_logits(module, params, vocab, state)
+    root = _gather(state.tokens, state.num_committed - 1)
+    tokens = jnp.zeros((batch, tree.num_nodes), jnp.int32).at[:, 0].set(root)
+    probs = jnp.zeros((batch, tree.num_nodes, vocab), jnp.float32)
+    bad = sampling.nonfinite_rows(raw0)
+    raw = raw0[:, None]  # [B, 1, V]: the root level
+    parents = jnp.asarray(tree.parents, jnp.int32)
+    forwards = 1
+    for d, (lo, hi) in enumerate(spans[:-1]):
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(draft_keys) if draft_keys is not None else None
+        kids, level_probs = _children(cfg, raw, keys, branching[d], temperature, top_p)
+        probs = probs.at[:, lo:hi].set(level_probs)
+        nlo, nhi = spans[d + 1]
+        tokens = tokens.at[:, nlo:nhi].set(kids.reshape(batch, nhi - nlo))
+        if d + 1 < len(spans) - 1:  # the deepest level's children are never drafted
+            out = module.apply(params, tokens[:, nlo:nhi], cache, tree_parents=parents, tree_offset=nlo)
+            cache, raw = out.cache, out.logits[..., :vocab]
+            bad = bad | sampling.nonfinite_rows(raw).any(1)
+            forwards += 1
+    return _TreeDrafts(tokens, probs, bad, jnp.int32(forwards)), cache
+
+
+def _tree_cycle(
+    cfg: _Config, pair_params: ModelPair, prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p,
+    state: _DecodeState,
+):
+    """One tree cycle (lossless rule). Returns ``(state, None)``."""
+    tree: TokenTree = cfg.tree
+    depth, n_nodes = tree.max_depth, tree.num_nodes
+    nc, done = state.num_committed, state.done
+    batch = nc.shape[0]
+    start = nc - 1
+    if cfg.greedy:
+        draft_keys = None
+        uniforms = jnp.zeros((batch, n_nodes), jnp.float32)
+        emit_uniform = jnp.zeros((batch,), jnp.float32)
+    else:
+        cycle_keys = jax.vmap(lambda k: jax.random.fold_in(k, state.step))(seq_keys)
+        draft_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(cycle_keys)
+        u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, 2), (n_nodes + 1,)))(cycle_keys)
+        uniforms, emit_uniform = u[:, :n_nodes], u[:, n_nodes]
+
+    # ---- draft, verify ----
+    drafts, draft_cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p)
+    out = pair_params.target.module.apply(pair_params.target.params, drafts.tokens, state.target_cache,
+                                          tree_parents=jnp.asarray(tree.parents, jnp.int32))
+    raw = out.logits[..., : pair_params.vocab_size]
+    target_logits = _warp(cfg, raw, temperature, top_p)
+    target_probs = jax.nn.softmax(target_logits, axis=-1)
+
+    # ---- accept ----
+    verdict = jax.vmap(lambda *a: verify_tree(tree, *a, greedy=cfg.greedy))(
+        drafts.tokens, target_logits, target_probs, drafts.probs, uniforms, emit_uniform
+    )
+    n = verdict.num_accepted
+    target_bad = sampling.nonfinite_rows(raw).any(1)
+    new_bad = jnp.where(~done & drafts.bad, 2, jnp.where(~done & target_bad, 1, 0)).astype(jnp.int32)
+    live = ~done & (new_bad == 0)
+
+    # ---- commit ----
+    slots = jnp.arange(depth + 1)[None, :]
+    path_tokens = jnp.take_along_axis(drafts.tokens, verdict.path, axis=1)  # [B, D + 1], root first
+    block = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    block = jnp.where(slots == n[:, None], verdict.token[:, None], block)
+    is_eos = _is_eos(eos_ids, block) & (slots <= n[:, None])
+    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), depth + 1)
+    room = max_new - (nc - prompt_lengths)
+    n_commit = jnp.where(live, jnp.minimum(jnp.minimum(n + 1, first_eos + 1), room), 0).astype(jnp.int32)
+    new_nc = nc + n_commit
+    tokens = jax.vmap(lambda row, blk, off: jax.lax.dynamic_update_slice(row, blk, (off,)))(state.tokens, block, nc)
+    # The target cache keeps the root and the first n_commit - 1 path nodes
+    # (everything committed but the last token); the draft one path node less.
+    target_cache = out.cache.keep_path(start, verdict.path, n_commit)
+    draft_cache = draft_cache.keep_path(start, verdict.path, jnp.maximum(n_commit - 1, 0))
+    hit_eos = live & (first_eos < n_commit)
+
+    # ---- record ----
+    judged = jnp.ones((batch, depth), bool)
+    paths = jnp.where(jnp.arange(depth)[None, :] < n[:, None], Path.EXACT, Path.REJECTED).astype(jnp.int32)
+    stats = record_cycle(state.stats, live=live, valid=judged, num_accepted=n, num_committed=n_commit,
+                         paths=paths, draft_forwards=drafts.forwards)
+    new_state = state.replace(
+        step=state.step + 1,
+        tokens=tokens,
+        num_committed=new_nc,
+        done=done | (new_bad > 0) | hit_eos | (new_nc - prompt_lengths >= max_new),
+        bad=jnp.where(state.bad > 0, state.bad, new_bad),
+        target_cache=target_cache.rollback(new_nc - 1),
+        draft_cache=draft_cache.rollback(jnp.maximum(new_nc - 2, 0)),
+        stats=stats,
+    )
+    return new_state, None

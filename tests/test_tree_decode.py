@@ -1,0 +1,121 @@
+"""decode(tree=...): token-tree speculation in the jitted loop (issue 15, part 3).
+
+Greedy tree decoding must return the target's greedy output token for token;
+tree sampling must follow the target distribution exactly (the joint law of
+the first two tokens against exact enumeration, as for chains); a tree must
+accept more per cycle than a chain of its depth; and a second call compiles
+nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax.rules import mars
+from specjax.testing import Bigram, bigram_model, llama_config, peaked_target_and_draft, random_table
+from specjax.trees import static_tree
+from test_decode import VOCAB, count_compilations, exact_two_token_distribution, goodness_of_fit, random_prompts
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    return specjax.pair(*peaked_target_and_draft(llama_config()))
+
+
+@pytest.fixture(scope="module")
+def bigram_pair():
+    return specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
+
+
+PROMPTS = random_prompts(21, 50, 96, 14)
+
+
+@pytest.mark.parametrize("branching", [(2, 2, 1), (3, 1)])
+def test_greedy_tree_decoding_is_target_greedy(llama_pair, branching):
+    ref = specjax.generate(llama_pair, PROMPTS, max_new_tokens=24, temperature=0.0, eos_token_id=5)
+    out = specjax.decode(llama_pair, PROMPTS, tree=static_tree(branching), max_new_tokens=24, temperature=0.0,
+                         eos_token_id=5)
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert int(np.sum(out.stats.accepted)) > 0  # the drafts were used, not only bonus tokens
+
+
+def test_a_tree_accepts_more_than_a_chain_of_its_depth(llama_pair):
+    kw = dict(max_new_tokens=24, temperature=0.0, eos_token_id=())
+    chain = specjax.decode(llama_pair, PROMPTS, num_draft=3, **kw)
+    tree = specjax.decode(llama_pair, PROMPTS, tree=static_tree((3, 2, 1)), **kw)
+    assert tree.stats.tau > chain.stats.tau
+    np.testing.assert_array_equal(np.asarray(tree.tokens), np.asarray(chain.tokens))
+
+
+def tree_two_token_counts(pair, tree, temperature, top_k=None, top_p=None, samples=20000, seed=0):
+    prompts = np.array([[3, 0], [5, 3]] * (samples // 2), np.int32)
+    lengths = np.array([1, 2] * (samples // 2), np.int32)
+    out = specjax.decode(pair, prompts, prompt_lengths=lengths, tree=tree, max_new_tokens=2,
+                         temperature=temperature, top_k=top_k, top_p=top_p, key=jax.random.key(seed))
+    toks = np.asarray(out.tokens)
+    counts = np.zeros((VOCAB, VOCAB))
+    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    return counts
+
+
+@pytest.mark.parametrize("branching, temperature, top_k, top_p", [
+    ((2, 2), 1.0, None, None),
+    ((3, 1), 1.0, None, None),
+    ((2, 1), 0.7, None, 0.8),
+    ((4,), 1.3, 5, None),
+])
+def test_tree_sampling_is_lossless(bigram_pair, branching, temperature, top_k, top_p):
+    table = np.asarray(bigram_pair.target.params["table"])
+    expected = exact_two_token_distribution(table, 3, temperature, top_k, top_p)
+    counts = tree_two_token_counts(bigram_pair, static_tree(branching), temperature, top_k, top_p)
+    pvalue, tv = goodness_of_fit(counts, expected)
+    assert pvalue > 1e-3, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
+    assert tv < 0.03
+
+
+def test_second_call_compiles_nothing(llama_pair):
+    kw = dict(tree=static_tree((2, 2)), max_new_tokens=16, temperature=1.0)
+    specjax.decode(llama_pair, PROMPTS[:4], key=jax.random.key(0), **kw)
+    with count_compilations() as compiled:
+        out = specjax.decode(llama_pair, PROMPTS[4:8], key=jax.random.key(1), **kw)
+        jax.block_until_ready(out.tokens)
+    assert compiled["n"] == 0
+
+
+def test_streaming_with_a_tree(llama_pair):
+    chunks = [[] for _ in range(3)]
+
+    def on_tokens(tokens, counts):
+        for b, c in enumerate(counts):
+            chunks[b] += tokens[b, :c].tolist()
+
+    out = specjax.decode(llama_pair, PROMPTS[:3], tree=static_tree((2, 2)), max_new_tokens=12, temperature=0.0,
+                         on_tokens=on_tokens)
+    assert chunks == out.to_lists()
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainOnlyBigram(Bigram):
+    supports_trees = False
+
+
+def test_clear_errors(llama_pair, bigram_pair):
+    tree = static_tree((2, 2))
+    with pytest.raises(ValueError, match="lossless rule"):
+        specjax.decode(llama_pair, PROMPTS[:2], tree=tree, rule=mars(0.9), temperature=0.0)
+    with pytest.raises(ValueError, match="num_draft=4 but the tree's depth is 2"):
+        specjax.decode(llama_pair, PROMPTS[:2], tree=tree, num_draft=4, temperature=0.0)
+    with pytest.raises(TypeError, match="TokenTree"):
+        specjax.decode(llama_pair, PROMPTS[:2], tree=(2, 2), temperature=0.0)
+    table = bigram_pair.target.params
+    chain_only = specjax.pair(specjax.Model(table, ChainOnlyBigram(VOCAB)), bigram_pair.draft)
+    with pytest.raises(ValueError, match="does not implement"):
+        specjax.decode(chain_only, [[1, 2]], tree=tree, temperature=0.0)
+    # The chain protocol keeps working for that model.
+    assert specjax.decode(chain_only, [[1, 2]], num_draft=2, max_new_tokens=4, temperature=0.0).tokens.shape == (1, 4)
