@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.rules import mars
+from specjax.rules import adasd, additive, mars, pad, speculative_sampling, top_m
 from specjax.testing import Bigram, bigram_model, llama_config, peaked_target_and_draft, random_table
 from specjax.trees import static_tree
 from test_decode import VOCAB, count_compilations, exact_two_token_distribution, goodness_of_fit, random_prompts
@@ -107,8 +107,10 @@ class ChainOnlyBigram(Bigram):
 
 def test_clear_errors(llama_pair, bigram_pair):
     tree = static_tree((2, 2))
-    with pytest.raises(ValueError, match="lossless rule"):
-        specjax.decode(llama_pair, PROMPTS[:2], tree=tree, rule=mars(0.9), temperature=0.0)
+    with pytest.raises(ValueError, match="greedily"):
+        specjax.decode(llama_pair, PROMPTS[:2], tree=tree, rule=mars(0.9), temperature=1.0)
+    with pytest.raises(ValueError, match="running state"):
+        specjax.decode(llama_pair, PROMPTS[:2], tree=tree, rule=adasd(), temperature=0.0)
     with pytest.raises(ValueError, match="num_draft=4 but the tree's depth is 2"):
         specjax.decode(llama_pair, PROMPTS[:2], tree=tree, num_draft=4, temperature=0.0)
     with pytest.raises(TypeError, match="TokenTree"):
@@ -119,3 +121,35 @@ def test_clear_errors(llama_pair, bigram_pair):
         specjax.decode(chain_only, [[1, 2]], tree=tree, temperature=0.0)
     # The chain protocol keeps working for that model.
     assert specjax.decode(chain_only, [[1, 2]], num_draft=2, max_new_tokens=4, temperature=0.0).tokens.shape == (1, 4)
+
+
+@pytest.mark.parametrize("limit", [mars(1.0), top_m(1), additive(0.0)], ids=lambda r: str(r.spec))
+def test_relaxed_rules_on_trees_collapse_to_lossless_at_their_limit(llama_pair, limit):
+    kw = dict(tree=static_tree((2, 2, 1)), max_new_tokens=24, temperature=0.0, eos_token_id=())
+    ref = specjax.decode(llama_pair, PROMPTS[:16], rule=speculative_sampling(), **kw)
+    out = specjax.decode(llama_pair, PROMPTS[:16], rule=limit, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert out.stats.accepted_by_path_total["relaxed"] == 0
+
+
+def test_mars_on_a_tree_relaxes_per_node(llama_pair):
+    """MARS's greedy test runs at every node: it accepts at least what the
+    lossless tree accepts, labels the extra acceptances RELAXED, and its output
+    differs from target greedy only where it relaxed."""
+    kw = dict(tree=static_tree((2, 2, 1)), max_new_tokens=24, temperature=0.0, eos_token_id=())
+    lossless = specjax.decode(llama_pair, PROMPTS, **kw)
+    relaxed = specjax.decode(llama_pair, PROMPTS, rule=mars(0.5), **kw)
+    assert relaxed.stats.tau > lossless.stats.tau
+    assert relaxed.stats.accepted_by_path_total["relaxed"] > 0
+
+
+def test_pad_on_a_tree_reads_each_node_hidden_state(llama_pair):
+    """PAD with a head that calls every token a pivot is the lossless tree."""
+    from test_pad import constant_head
+
+    kw = dict(tree=static_tree((2, 1)), max_new_tokens=16, temperature=0.0, eos_token_id=())
+    ref = specjax.decode(llama_pair, PROMPTS[:8], **kw)
+    out = specjax.decode(llama_pair, PROMPTS[:8], rule=pad(constant_head(10.0)), **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    loose = specjax.decode(llama_pair, PROMPTS[:8], rule=pad(constant_head(-10.0), min_prob=0.0), **kw)
+    assert loose.stats.accepted_by_path_total["pardon"] > 0

@@ -163,7 +163,7 @@ def _decode_impl(
         )
     else:
         cycle = functools.partial(
-            _tree_cycle, cfg, pair_params, prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p
+            _tree_cycle, cfg, pair_params, rule, prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p
         )
     if cfg.diagnostics is not None:
         shapes = jax.eval_shape(lambda s: cycle(s)[1], state)
@@ -309,7 +309,7 @@ def decode(
     """
     if tree is not None:
         rule, drafting, _ = _check_decode_args(params, rule, drafting, None)
-        depth = _check_tree(tree, params, rule, drafting, num_draft, diagnostics, mesh)
+        depth = _check_tree(tree, params, rule, drafting, num_draft, diagnostics, mesh, float(temperature))
         num_draft, cache_room = depth, tree.num_nodes  # the target cache holds every node for a moment
     else:
         rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)

@@ -37,7 +37,7 @@ from specjax._src.cycle import _DecodeState, _first_draft_logits
 from specjax._src.lm import KVCache
 from specjax._src.loop_ops import _gather, _is_eos, _warp
 from specjax._src.pairing import ModelPair
-from specjax._src.rules.base import Path
+from specjax._src.rules.base import AcceptanceRule, Path, SpeculativeSampling, VerifyInputs
 from specjax._src.stats import record_cycle
 from specjax._src.trees import TokenTree, levels, sample_children, uniform_branching, verify_tree
 
@@ -46,21 +46,23 @@ Array = jax.Array
 
 class _TreeDrafts(NamedTuple):
     tokens: Array  # [B, N] node tokens (node 0: the root, the last committed token)
+    logits: Array  # [B, N, V] the warped draft logits at each node (raw when greedy)
     probs: Array  # [B, N, V] the draft distribution each node's children were drawn from
     bad: Array  # [B] the draft's logits were non-finite somewhere
     forwards: Array  # scalar int32
 
 
 def _children(cfg: _Config, raw: Array, keys: Array, num: int, temperature, top_p):
-    """``(children [B, M, num], probs [B, M, V])`` for ``M`` nodes' raw draft logits ``[B, M, V]``."""
+    """``(children [B, M, num], logits [B, M, V], probs [B, M, V])`` for ``M``
+    nodes' raw draft logits ``[B, M, V]``."""
     logits = _warp(cfg, raw, temperature, top_p)
     probs = jax.nn.softmax(logits, axis=-1)
     if cfg.greedy:
-        return jax.lax.top_k(raw, num)[1].astype(jnp.int32), probs
+        return jax.lax.top_k(raw, num)[1].astype(jnp.int32), logits, probs
     m = raw.shape[1]
     pick = jax.vmap(jax.vmap(sample_children, in_axes=(0, 0, None)), in_axes=(0, 0, None))
     node_keys = jax.vmap(lambda k: jax.random.split(k, m))(keys)
-    return pick(node_keys, probs, num), probs
+    return pick(node_keys, probs, num), logits, probs
 
 
 def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _DecodeState, draft_keys,
@@ -74,14 +76,16 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
     root = _gather(state.tokens, state.num_committed - 1)
     tokens = jnp.zeros((batch, tree.num_nodes), jnp.int32).at[:, 0].set(root)
     probs = jnp.zeros((batch, tree.num_nodes, vocab), jnp.float32)
+    logits = jnp.zeros((batch, tree.num_nodes, vocab), jnp.float32)
     bad = sampling.nonfinite_rows(raw0)
     raw = raw0[:, None]  # [B, 1, V]: the root level
     parents = jnp.asarray(tree.parents, jnp.int32)
     forwards = 1
     for d, (lo, hi) in enumerate(spans[:-1]):
         keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(draft_keys) if draft_keys is not None else None
-        kids, level_probs = _children(cfg, raw, keys, branching[d], temperature, top_p)
+        kids, level_logits, level_probs = _children(cfg, raw, keys, branching[d], temperature, top_p)
         probs = probs.at[:, lo:hi].set(level_probs)
+        logits = logits.at[:, lo:hi].set(level_logits)
         nlo, nhi = spans[d + 1]
         tokens = tokens.at[:, nlo:nhi].set(kids.reshape(batch, nhi - nlo))
         if d + 1 < len(spans) - 1:  # the deepest level's children are never drafted
@@ -89,14 +93,41 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
             cache, raw = out.cache, out.logits[..., :vocab]
             bad = bad | sampling.nonfinite_rows(raw).any(1)
             forwards += 1
-    return _TreeDrafts(tokens, probs, bad, jnp.int32(forwards)), cache
+    return _TreeDrafts(tokens, logits, probs, bad, jnp.int32(forwards)), cache
+
+
+def _rule_on_nodes(tree: TokenTree, rule: AcceptanceRule, drafts: _TreeDrafts, target_logits, target_probs,
+                   hidden: dict, rule_state) -> tuple[Array, Array, Array]:
+    """A greedy rule's verdict on every node as a child of its parent:
+    ``(accept [B, N], correction token [B, N], path code [B, N])`` (node 0: none).
+
+    The rule sees the ``N - 1`` non-root nodes as the slots of one block, slot
+    ``i`` (node ``i + 1``) judged by its parent's distributions. That is exact
+    for rules that decide a slot from its own distributions alone (every
+    stateless built-in rule); each node's hidden states are at its own position.
+    """
+    parents = jnp.asarray(tree.parents[1:], jnp.int32)
+    batch = drafts.tokens.shape[0]
+    judge = lambda x: jnp.concatenate([x[:, parents], x[:, :1]], axis=1)  # noqa: E731 (+ an unused bonus row)
+    features = {"hidden": {layer: h[:, 1:] for layer, h in hidden.items()}} if hidden else {}
+    inputs = VerifyInputs(
+        draft_tokens=drafts.tokens[:, 1:], draft_logits=drafts.logits[:, parents],
+        draft_probs=drafts.probs[:, parents], target_logits=judge(target_logits), target_probs=judge(target_probs),
+        uniforms=jnp.zeros((batch, tree.num_nodes - 1), jnp.float32),
+        valid=jnp.ones((batch, tree.num_nodes - 1), bool), features=features,
+    )
+    verdict = jax.vmap(lambda i, s: rule.verify(i, s, greedy=True))(inputs, rule_state)
+    pad = lambda x, v: jnp.concatenate([jnp.full((batch, 1), v, x.dtype), x], axis=1)  # noqa: E731
+    return (pad(jnp.asarray(verdict.accept, bool), False), pad(sampling.argmax(verdict.correction), 0),
+            pad(jnp.asarray(verdict.path, jnp.int32), Path.REJECTED))
 
 
 def _tree_cycle(
-    cfg: _Config, pair_params: ModelPair, prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p,
-    state: _DecodeState,
+    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, prompt_lengths, max_new, eos_ids, seq_keys,
+    temperature, top_p, state: _DecodeState,
 ):
-    """One tree cycle (lossless rule). Returns ``(state, None)``."""
+    """One tree cycle: the lossless rule (greedy or sampling), or a stateless
+    relaxed rule when greedy. Returns ``(state, None)``."""
     tree: TokenTree = cfg.tree
     depth, n_nodes = tree.max_depth, tree.num_nodes
     nc, done = state.num_committed, state.done
@@ -115,15 +146,26 @@ def _tree_cycle(
     # ---- draft, verify ----
     drafts, draft_cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p)
     out = pair_params.target.module.apply(pair_params.target.params, drafts.tokens, state.target_cache,
-                                          tree_parents=jnp.asarray(tree.parents, jnp.int32))
+                                          tree_parents=jnp.asarray(tree.parents, jnp.int32),
+                                          hidden_layers=rule.hidden_layers)
     raw = out.logits[..., : pair_params.vocab_size]
     target_logits = _warp(cfg, raw, temperature, top_p)
     target_probs = jax.nn.softmax(target_logits, axis=-1)
 
     # ---- accept ----
-    verdict = jax.vmap(lambda *a: verify_tree(tree, *a, greedy=cfg.greedy))(
-        drafts.tokens, target_logits, target_probs, drafts.probs, uniforms, emit_uniform
-    )
+    relaxed = not isinstance(rule, SpeculativeSampling)
+    if relaxed:
+        hidden = dict(zip(rule.hidden_layers, out.hidden))
+        node_accept, node_fix, node_code = _rule_on_nodes(tree, rule, drafts, target_logits, target_probs, hidden,
+                                                          state.rule_state)
+        verdict = jax.vmap(lambda *a: verify_tree(tree, *a[:-2], greedy=True, node_accept=a[-2],
+                                                  node_correction=a[-1]))(
+            drafts.tokens, target_logits, target_probs, drafts.probs, uniforms, emit_uniform, node_accept, node_fix
+        )
+    else:
+        verdict = jax.vmap(lambda *a: verify_tree(tree, *a, greedy=cfg.greedy))(
+            drafts.tokens, target_logits, target_probs, drafts.probs, uniforms, emit_uniform
+        )
     n = verdict.num_accepted
     target_bad = sampling.nonfinite_rows(raw).any(1)
     new_bad = jnp.where(~done & drafts.bad, 2, jnp.where(~done & target_bad, 1, 0)).astype(jnp.int32)
@@ -148,7 +190,11 @@ def _tree_cycle(
 
     # ---- record ----
     judged = jnp.ones((batch, depth), bool)
-    paths = jnp.where(jnp.arange(depth)[None, :] < n[:, None], Path.EXACT, Path.REJECTED).astype(jnp.int32)
+    if relaxed:  # each accepted node's own path code (exact / relaxed / pardon)
+        paths = jnp.take_along_axis(node_code, verdict.path[:, 1:], axis=1)
+    else:
+        paths = jnp.full((batch, depth), Path.EXACT, jnp.int32)
+    paths = jnp.where(jnp.arange(depth)[None, :] < n[:, None], paths, Path.REJECTED).astype(jnp.int32)
     stats = record_cycle(state.stats, live=live, valid=judged, num_accepted=n, num_committed=n_commit,
                          paths=paths, draft_forwards=drafts.forwards)
     new_state = state.replace(

@@ -189,6 +189,8 @@ def verify_tree(
     emit_uniform: Array,
     *,
     greedy: bool,
+    node_accept: Array | None = None,
+    node_correction: Array | None = None,
 ) -> TreeVerdict:
     """Verifies one sequence's drafted tree (see the module docstring).
 
@@ -203,6 +205,11 @@ def verify_tree(
       uniforms: ``[N]`` Uniform(0, 1): node ``j``'s acceptance coin.
       emit_uniform: scalar Uniform(0, 1) for the emitted token.
       greedy: static; True at temperature 0.
+      node_accept: greedy only, optional ``bool [N]``: another rule's verdict
+        on node ``j`` as a child of its parent (``tests`` the relaxed greedy
+        rules on trees); default: ``tokens[j]`` is the target's argmax there.
+      node_correction: with ``node_accept``, ``int32 [N]``: the token that rule
+        emits when node ``j`` is the first child it rejects at its parent.
 
     Returns:
       :class:`TreeVerdict`.
@@ -211,14 +218,18 @@ def verify_tree(
     depth = tree.max_depth
 
     def step(_, carry):
-        cur, n, p, q, done, path = carry
+        cur, n, p, q, done, path, fix = carry
         moved = jnp.bool_(False)
         next_node = cur
         for i in range(table.shape[1]):
             child = table[cur, i]
             live = ~done & ~moved & (child >= 0)
             x = tokens[jnp.maximum(child, 0)]
-            if greedy:
+            if greedy and node_accept is not None:
+                accept = live & node_accept[jnp.maximum(child, 0)]
+                if i == 0:  # the first rejected child's correction is the one emitted
+                    fix = jnp.where(live & ~accept, node_correction[jnp.maximum(child, 0)], fix)
+            elif greedy:
                 accept = live & (x == sampling.argmax(target_logits[cur]))
             else:
                 # A child the draft could not have drawn (q = 0: top-k / top-p
@@ -231,19 +242,24 @@ def verify_tree(
             next_node = jnp.where(accept, child, next_node)
             moved = moved | accept
         n = n + moved.astype(jnp.int32)
+        fix = jnp.where(moved, -1, fix)
         path = path.at[n].set(jnp.where(moved, next_node, path[n]))
         cur = next_node
         # A move restarts both sides at the new node's own distributions.
         p = jnp.where(moved, target_probs[cur], p)
         q = jnp.where(moved, draft_probs[cur], q)
-        return cur, n, p, q, done | ~moved, path
+        return cur, n, p, q, done | ~moved, path, fix
 
+    # ``fix``: the correction of the first child rejected at the node the walk
+    # stopped at (-1: it stopped at a leaf, or no rule-given corrections).
     init = (jnp.int32(0), jnp.int32(0), target_probs[0], draft_probs[0], jnp.bool_(False),
-            jnp.zeros((depth + 1,), jnp.int32))
-    cur, n, p, _, _, path = jax.lax.fori_loop(0, depth, step, init)
+            jnp.zeros((depth + 1,), jnp.int32), jnp.int32(-1))
+    cur, n, p, _, _, path, fix = jax.lax.fori_loop(0, depth, step, init)
     path = jnp.where(jnp.arange(depth + 1) <= n, path, cur)
     if greedy:
         token = sampling.argmax(target_logits[cur])
+        if node_accept is not None:
+            token = jnp.where(fix >= 0, fix, token)
     else:
         # p is the last residual after a rejection, or the node's own p after a leaf.
         token = sampling.sample_categorical(p, emit_uniform)
