@@ -66,12 +66,15 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--target", default=str(ROOT / "specjax/assets/models/target"))
     ap.add_argument("--draft", default=str(ROOT / "specjax/assets/models/draft"))
+    ap.add_argument("--configs", type=int, nargs="+", default=None, help="run only these rows (0-based)")
     args = ap.parse_args()
     configs = [
         dict(rule="speculative_sampling", temperature=1.0, batch=1, num_draft=4, new_tokens=64),
         dict(rule="mars:theta=0.9", temperature=0.0, batch=1, num_draft=4, new_tokens=64),
         dict(rule="speculative_sampling", temperature=1.0, batch=8, num_draft=4, new_tokens=64),
     ]
+    if args.configs is not None:
+        configs = [configs[i] for i in args.configs]
     print(f"load average at start: {os.getloadavg()}")
     print("| rule | T | batch | before tok/s | after tok/s | after/before (median of rounds) | tau before/after |")
     print("|---|---|---|---|---|---|---|")

@@ -7,7 +7,7 @@
 Contenders per (batch, temperature): target-only ``generate``, a chain of
 ``--num-draft`` tokens and each tree of ``--trees`` (branching per depth). All
 programs compile first; then the contenders alternate over the prompt groups
-``--rounds`` times; medians and per-round ratios against target-only.
+``--rounds`` times; medians and per-round tok/s ratios against target-only.
 ``nodes`` is how many tokens a tree's target forward verifies (a chain: K + 1).
 """
 
@@ -83,7 +83,8 @@ def main() -> None:
             rows = []
             for c in contenders:
                 tps = [tokens[c] / t for t in per[c]]
-                ratios = common.pair_ratios(per["target-only"], per[c])
+                # tok/s ratios: at T > 0 contenders emit different numbers of tokens (EOS).
+                ratios = common.pair_ratios(tps, [tokens["target-only"] / t for t in per["target-only"]])
                 stats = specjax.concatenate_stats([o.stats for o in outs[c][-len(groups):]])
                 nodes = 1 if c == "target-only" else (args.num_draft + 1 if c.startswith("chain")
                                                         else trees[c].num_nodes)
