@@ -70,3 +70,13 @@ def test_rope_table_equals_the_on_device_angles():
     for a, b in zip(table, direct):
         assert a.shape == (2, 3, 1, 16)
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
+
+
+def test_top_indices_matches_lax_top_k():
+    from specjax._src.sampling import top_indices
+
+    x = jax.random.normal(jax.random.key(0), (4, 6, 200))
+    for k in (1, 3, 8, 12):
+        np.testing.assert_array_equal(np.asarray(top_indices(x, k)), np.asarray(jax.lax.top_k(x, k)[1]))
+    masked = jnp.array([[-jnp.inf, 3.0, -jnp.inf, 0.0, -jnp.inf]])  # fewer finite entries than k: distinct indices
+    np.testing.assert_array_equal(np.asarray(top_indices(masked, 4)), np.asarray(jax.lax.top_k(masked, 4)[1]))

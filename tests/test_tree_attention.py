@@ -176,3 +176,14 @@ def test_a_tree_fed_level_by_level_equals_the_whole_tree(model):
         np.testing.assert_allclose(np.asarray(out.logits), np.asarray(whole.logits[:, lo:hi]), rtol=2e-5, atol=2e-5)
         grown = out.cache
     np.testing.assert_array_equal(np.asarray(grown.lengths), np.asarray(whole.cache.lengths))
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_host_and_traced_ancestors_agree(name):
+    """A numpy tree shape is folded on the host; a traced one is computed in the program."""
+    parents = np.asarray(TREES[name], np.int32)
+    host = tree_ancestors(parents)
+    assert isinstance(host, np.ndarray)
+    np.testing.assert_array_equal(host, np.asarray(tree_ancestors(jnp.asarray(parents))))
+    batched = np.stack([parents, np.arange(len(parents)) - 1])  # per-sequence shapes: this tree and a chain
+    np.testing.assert_array_equal(tree_ancestors(batched), np.asarray(tree_ancestors(jnp.asarray(batched))))

@@ -111,6 +111,29 @@ def argmax(x: Array) -> Array:
     return (block * _BLOCK + jnp.argmax(row, axis=-1)).astype(jnp.int32)
 
 
+def top_indices(x: Array, k: int) -> Array:
+    """``[..., k]`` int32 indices of the ``k`` largest entries over the last axis,
+    in descending order (ties: the lower index first), like ``lax.top_k``'s.
+
+    For small ``k`` this is ``k`` masked :func:`argmax` passes: XLA's CPU
+    ``top_k`` sorts the whole row, many times slower on a vocabulary-wide row.
+    """
+    if k > 8:
+        return jax.lax.top_k(x, k)[1].astype(jnp.int32)
+    picked = []
+    taken = jnp.zeros(x.shape, bool)
+    iota = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    for _ in range(k):
+        remaining = jnp.where(taken, -jnp.inf, x)
+        index = argmax(remaining)
+        # Only -inf left (masked tokens): the first index not taken yet, as top_k.
+        best = jnp.take_along_axis(remaining, index[..., None], -1)[..., 0]
+        index = jnp.where(best == -jnp.inf, jnp.argmax(~taken, -1).astype(jnp.int32), index)
+        picked.append(index)
+        taken = taken | (iota == index[..., None])
+    return jnp.stack(picked, -1)
+
+
 def sample_categorical(probs: Array, u: Array) -> Array:
     """One draw per row by inverse CDF: the first token whose cumulative mass
     exceeds ``u * total``.

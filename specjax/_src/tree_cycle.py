@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax._src import sampling
 from specjax._src.calls import _Config
@@ -58,7 +59,7 @@ def _children(cfg: _Config, raw: Array, keys: Array, num: int, temperature, top_
     logits = _warp(cfg, raw, temperature, top_p)
     probs = jax.nn.softmax(logits, axis=-1)
     if cfg.greedy:
-        return jax.lax.top_k(raw, num)[1].astype(jnp.int32), logits, probs
+        return sampling.top_indices(raw, num), logits, probs
     m = raw.shape[1]
     pick = jax.vmap(jax.vmap(sample_children, in_axes=(0, 0, None)), in_axes=(0, 0, None))
     node_keys = jax.vmap(lambda k: jax.random.split(k, m))(keys)
@@ -79,7 +80,7 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
     logits = jnp.zeros((batch, tree.num_nodes, vocab), jnp.float32)
     bad = sampling.nonfinite_rows(raw0)
     raw = raw0[:, None]  # [B, 1, V]: the root level
-    parents = jnp.asarray(tree.parents, jnp.int32)
+    parents = np.asarray(tree.parents, np.int32)  # static: the mask is built on the host
     forwards = 1
     for d, (lo, hi) in enumerate(spans[:-1]):
         keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(draft_keys) if draft_keys is not None else None
@@ -146,7 +147,7 @@ def _tree_cycle(
     # ---- draft, verify ----
     drafts, draft_cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p)
     out = pair_params.target.module.apply(pair_params.target.params, drafts.tokens, state.target_cache,
-                                          tree_parents=jnp.asarray(tree.parents, jnp.int32),
+                                          tree_parents=np.asarray(tree.parents, np.int32),
                                           hidden_layers=rule.hidden_layers)
     raw = out.logits[..., : pair_params.vocab_size]
     target_logits = _warp(cfg, raw, temperature, top_p)

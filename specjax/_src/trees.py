@@ -148,7 +148,7 @@ def sample_children(key: Array, probs: Array, num: int) -> Array:
     with ``p = 0`` come last, only when fewer than ``num`` have mass."""
     gumbel = jax.random.gumbel(key, probs.shape, jnp.float32)
     scores = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)) + gumbel, -jnp.inf)
-    return jax.lax.top_k(scores, num)[1].astype(jnp.int32)
+    return sampling.top_indices(scores, num)
 
 
 class TreeVerdict(NamedTuple):

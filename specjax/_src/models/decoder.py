@@ -162,8 +162,12 @@ def tree_ancestors(parents: Array) -> Array:
 
     ``parents[..., T]`` int32 in topological order (``parents[t] < t``, ``-1``
     for a root). Follows every node's parent chain ``T`` times: ``O(T^2)``
-    work on a few dozen nodes, no sort or scan over the cache.
+    work on a few dozen nodes, no sort or scan over the cache. A numpy
+    ``parents`` (a static tree shape) is computed on the host, so the compiled
+    program holds the matrix as a constant instead of ``T`` rounds of ops.
     """
+    if isinstance(parents, np.ndarray):
+        return _host_ancestors(parents)
     t = parents.shape[-1]
     parents = jnp.asarray(parents, jnp.int32)
     node = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), parents.shape)
@@ -171,6 +175,19 @@ def tree_ancestors(parents: Array) -> Array:
     for _ in range(t):
         anc |= jax.nn.one_hot(node, t, dtype=bool)  # -1 (past a root) sets nothing
         node = jnp.where(node >= 0, jnp.take_along_axis(parents, jnp.maximum(node, 0), axis=-1), -1)
+    return anc
+
+
+def _host_ancestors(parents: np.ndarray) -> np.ndarray:
+    """:func:`tree_ancestors` in numpy, for a static tree shape."""
+    t = parents.shape[-1]
+    anc = np.zeros(parents.shape + (t,), bool)
+    node = np.broadcast_to(np.arange(t), parents.shape)
+    for _ in range(t):
+        valid = node >= 0
+        index = np.where(valid, node, 0)
+        anc |= (np.arange(t) == index[..., None]) & valid[..., None]
+        node = np.where(valid, np.take_along_axis(parents, index, -1), -1)
     return anc
 
 
@@ -191,11 +208,16 @@ def tree_attention_mask(
     ``start + depth(j)`` for a tree node.
     """
     b = start.shape[0]
-    parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, parents.shape[-1]))
+    if isinstance(parents, np.ndarray):  # a static shape: ancestors and depths on the host
+        parents = np.broadcast_to(parents.astype(np.int32), (b, parents.shape[-1]))
+        anc_host = tree_ancestors(parents)
+        anc, depth = jnp.asarray(anc_host), jnp.asarray(anc_host.sum(-1).astype(np.int32) - 1)
+    else:
+        parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, parents.shape[-1]))
+        anc = tree_ancestors(parents)  # [B, N, N]
+        depth = anc.sum(-1).astype(jnp.int32) - 1  # [B, N]
     n = parents.shape[-1]
     t = n - offset if num is None else num
-    anc = tree_ancestors(parents)  # [B, N, N]
-    depth = anc.sum(-1).astype(jnp.int32) - 1  # [B, N]
     query_anc = anc[:, offset : offset + t]  # [B, T, N]
     positions = start[:, None] + depth[:, offset : offset + t]
     slot = jnp.arange(kv_len, dtype=jnp.int32)[None, :] - start[:, None]  # [B, S]: node index of each slot
@@ -645,7 +667,8 @@ class Decoder:
             kv_caches = tuple(zip(cache.keys, cache.values))
         mask = None
         if tree_parents is not None:
-            tree_parents = jnp.asarray(tree_parents, jnp.int32)
+            if not isinstance(tree_parents, np.ndarray):  # numpy stays on the host (static shape)
+                tree_parents = jnp.asarray(tree_parents, jnp.int32)
             n = tree_offset + t
             if tree_parents.ndim not in (1, 2) or tree_parents.shape[-1] < n or (
                     tree_parents.ndim == 2 and tree_parents.shape[0] != b):
