@@ -174,3 +174,16 @@ def test_any_int32_pad_token_id_fills_after_the_end(bigram_pair):
     toks = np.asarray(out.tokens)
     np.testing.assert_array_equal(np.asarray(out.lengths), 1)  # every token is an EOS here
     assert (toks[:, 1:] == -1).all()
+
+
+def test_sizes_given_as_floats_are_refused():
+    """One check (specjax._src.checks) for every size: a float is a slip, said in one line."""
+    from specjax.testing import bigram_model, random_table
+
+    pair = specjax.pair(bigram_model(random_table(0, 8)), bigram_model(random_table(1, 8)))
+    with pytest.raises(ValueError, match=r"num_draft \(K\) must be a positive integer, got 4.0"):
+        specjax.decode(pair, [[1, 2]], num_draft=4.0, temperature=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer, got 8.0"):
+        specjax.generate(pair, [[1, 2]], max_new_tokens=8.0, temperature=0.0)
+    with pytest.raises(ValueError, match=r"Buckets.prompt must be a positive integer, got 16.0"):
+        specjax.decode(pair, [[1, 2]], buckets=specjax.Buckets(prompt=16.0), temperature=0.0)

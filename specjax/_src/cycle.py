@@ -372,34 +372,52 @@ class _Committed(NamedTuple):
     draft_cache: KVCache  # rolled back: max(num_committed - 2, 0) entries
 
 
-def _commit(
-    cfg: _Config, state: _DecodeState, drafts: _Drafts, accepted: _Accepted, target_cache: KVCache,
-    draft_cache: KVCache, prompt_lengths, max_new, eos_ids,
-) -> _Committed:
-    """Commits ``drafts[:n] + emitted``, cut after the first EOS and at each
-    sequence's ``max_new_tokens``, and rolls both caches back to their
-    invariants (a length reset, nothing copied)."""
-    k_max, n, live = cfg.num_draft, accepted.num_accepted, accepted.live
+def _commit_block(state: _DecodeState, accepted_tokens: Array, n: Array, emitted: Array, live: Array,
+                  prompt_lengths, max_new, eos_ids) -> tuple[Array, Array, Array]:
+    """Writes ``accepted_tokens[:, :n] + emitted`` at ``num_committed``, cut after
+    the first EOS and at each sequence's ``max_new_tokens`` (nothing for
+    non-live rows). Shared by the chain and the tree cycle.
+
+    Args:
+      accepted_tokens: ``[B, K]`` the drafts in output order (a chain's drafts,
+        a tree's accepted path); only the first ``n[b]`` are committed.
+
+    Returns:
+      ``(tokens [B, L], num_new [B], done [B])``: ``done`` for EOS or the budget.
+    """
     nc = state.num_committed
-    batch = nc.shape[0]
-    slots = jnp.arange(k_max + 1)[None, :]
-    block = jnp.concatenate([drafts.tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
-    block = jnp.where(slots == n[:, None], accepted.emitted[:, None], block)
+    batch, k = accepted_tokens.shape
+    slots = jnp.arange(k + 1)[None, :]
+    block = jnp.concatenate([accepted_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    block = jnp.where(slots == n[:, None], emitted[:, None], block)
     is_eos = _is_eos(eos_ids, block) & (slots <= n[:, None])
-    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), k_max + 1)
+    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), k + 1)
     room = max_new - (nc - prompt_lengths)
     n_commit = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), room)
     n_commit = jnp.where(live, n_commit, 0).astype(jnp.int32)
     hit_eos = live & (first_eos < n_commit)
-    new_nc = nc + n_commit
     tokens = jax.vmap(lambda row, blk, off: jax.lax.dynamic_update_slice(row, blk, (off,)))(
         state.tokens, block, nc
     )
+    return tokens, n_commit, hit_eos | (nc + n_commit - prompt_lengths >= max_new)
+
+
+def _commit(
+    cfg: _Config, state: _DecodeState, drafts: _Drafts, accepted: _Accepted, target_cache: KVCache,
+    draft_cache: KVCache, prompt_lengths, max_new, eos_ids,
+) -> _Committed:
+    """Commits ``drafts[:n] + emitted`` (:func:`_commit_block`) and rolls both
+    caches back to their invariants (a length reset, nothing copied)."""
+    tokens, n_commit, finished = _commit_block(
+        state, drafts.tokens, accepted.num_accepted, accepted.emitted, accepted.live, prompt_lengths, max_new,
+        eos_ids,
+    )
+    new_nc = state.num_committed + n_commit
     return _Committed(
         tokens=tokens,
         num_committed=new_nc,
         num_new=n_commit,
-        done=state.done | (accepted.new_bad > 0) | hit_eos | (new_nc - prompt_lengths >= max_new),
+        done=state.done | (accepted.new_bad > 0) | finished,
         target_cache=target_cache.rollback(new_nc - 1),
         draft_cache=draft_cache.rollback(jnp.maximum(new_nc - 2, 0)),
     )

@@ -34,9 +34,9 @@ import numpy as np
 
 from specjax._src import sampling
 from specjax._src.calls import _Config
-from specjax._src.cycle import _DecodeState, _first_draft_logits
+from specjax._src.cycle import _commit_block, _DecodeState, _first_draft_logits
 from specjax._src.lm import KVCache
-from specjax._src.loop_ops import _gather, _is_eos, _warp
+from specjax._src.loop_ops import _gather, _warp
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Path, SpeculativeSampling, VerifyInputs
 from specjax._src.stats import record_cycle
@@ -173,21 +173,14 @@ def _tree_cycle(
     live = ~done & (new_bad == 0)
 
     # ---- commit ----
-    slots = jnp.arange(depth + 1)[None, :]
-    path_tokens = jnp.take_along_axis(drafts.tokens, verdict.path, axis=1)  # [B, D + 1], root first
-    block = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
-    block = jnp.where(slots == n[:, None], verdict.token[:, None], block)
-    is_eos = _is_eos(eos_ids, block) & (slots <= n[:, None])
-    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), depth + 1)
-    room = max_new - (nc - prompt_lengths)
-    n_commit = jnp.where(live, jnp.minimum(jnp.minimum(n + 1, first_eos + 1), room), 0).astype(jnp.int32)
+    path_tokens = jnp.take_along_axis(drafts.tokens, verdict.path[:, 1:], axis=1)  # [B, D], root excluded
+    tokens, n_commit, finished = _commit_block(state, path_tokens, n, verdict.token, live, prompt_lengths, max_new,
+                                               eos_ids)
     new_nc = nc + n_commit
-    tokens = jax.vmap(lambda row, blk, off: jax.lax.dynamic_update_slice(row, blk, (off,)))(state.tokens, block, nc)
     # The target cache keeps the root and the first n_commit - 1 path nodes
     # (everything committed but the last token); the draft one path node less.
     target_cache = out.cache.keep_path(start, verdict.path, n_commit)
     draft_cache = draft_cache.keep_path(start, verdict.path, jnp.maximum(n_commit - 1, 0))
-    hit_eos = live & (first_eos < n_commit)
 
     # ---- record ----
     judged = jnp.ones((batch, depth), bool)
@@ -202,7 +195,7 @@ def _tree_cycle(
         step=state.step + 1,
         tokens=tokens,
         num_committed=new_nc,
-        done=done | (new_bad > 0) | hit_eos | (new_nc - prompt_lengths >= max_new),
+        done=done | (new_bad > 0) | finished,
         bad=jnp.where(state.bad > 0, state.bad, new_bad),
         target_cache=target_cache.rollback(new_nc - 1),
         draft_cache=draft_cache.rollback(jnp.maximum(new_nc - 2, 0)),
