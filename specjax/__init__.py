@@ -20,6 +20,7 @@ from specjax._src.chat import encode_chat, render_chat
 from specjax._src.decode import BUCKETS, MIN_TEMPERATURE, Buckets, DecodeOutput, ModelPair, decode, generate, pair
 from specjax._src.stats import DecodeStats, concatenate as concatenate_stats, expected_tau
 from specjax import drafting
+from specjax import heads
 from specjax import sharding
 from specjax import trees
 
@@ -59,6 +60,7 @@ __all__ = [
     "MIN_TEMPERATURE",
     # submodules
     "drafting",
+    "heads",
     "sharding",
     "trees",
 ]

@@ -17,6 +17,8 @@ PUBLIC_MODULES = (
     "specjax.sharding",
     "specjax.theory",
     "specjax.testing",
+    "specjax.trees",
+    "specjax.heads",
     "specjax.cli",
 )
 

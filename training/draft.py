@@ -54,6 +54,7 @@ from specjax._src.lm import Model
 from specjax._src.models import loading
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder, Transformer, is_index_param
+from specjax._src.models.feature_head import is_feature_head
 from training import chat_prompts, common, distill_data
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -226,15 +227,21 @@ def measure_acceptance(target: Model, draft: Model, prompts: list[str], *, num_d
 def forward_costs(target: Model, draft: Model, *, num_draft: int, batch: int = 1, repeats: int = 20) -> dict:
     """Median wall time of one cached 1-token forward of each model and of the
     target's (K+1)-token verification forward after a 64-token prefix, at
-    ``batch`` sequences, after warm-up (``repeats`` timed calls each)."""
+    ``batch`` sequences, after warm-up (``repeats`` timed calls each). The
+    draft may be a feature head (``specjax.heads``): it is fed features too.
+    ``draft=None`` times the target only (``c_draft`` 0)."""
     def timer(model, t):
         module, params = model.module, model.params
+
+        def extra(n):  # a feature head also reads n target features
+            return {"features": jnp.ones((batch, n, module.hidden_size))} if is_feature_head(module) else {}
+
         cache = module.init_cache(batch, 256)
-        cache = module.apply(params, jnp.ones((batch, 64), jnp.int32), cache).cache
+        cache = module.apply(params, jnp.ones((batch, 64), jnp.int32), cache, **extra(64)).cache
 
         @jax.jit
         def fwd(params, cache, tokens):
-            return module.apply(params, tokens, cache).logits
+            return module.apply(params, tokens, cache, **extra(tokens.shape[1])).logits
 
         tokens = jnp.ones((batch, t), jnp.int32)
         jax.block_until_ready(fwd(params, cache, tokens))
@@ -245,7 +252,8 @@ def forward_costs(target: Model, draft: Model, *, num_draft: int, batch: int = 1
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
 
-    c_ar, c_draft, c_verify = timer(target, 1), timer(draft, 1), timer(target, num_draft + 1)
+    c_ar, c_verify = timer(target, 1), timer(target, num_draft + 1)
+    c_draft = 0.0 if draft is None else timer(draft, 1)
     return {"c_ar_ms": 1e3 * c_ar, "c_draft_ms": 1e3 * c_draft, "c_verify_ms": 1e3 * c_verify,
             "c_draft/c_ar": c_draft / c_ar, "c_verify/c_ar": c_verify / c_ar}
 

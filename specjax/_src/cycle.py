@@ -29,6 +29,7 @@ from specjax._src import drafting as drafting_lib
 from specjax._src import sampling
 from specjax._src.calls import _Config
 from specjax._src.lm import KVCache
+from specjax._src.models.feature_head import is_feature_head
 from specjax._src.loop_ops import _batched_init, _gather, _is_eos, _prefill, _row, _warp, _where_b
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Verdict, VerifyInputs
@@ -53,6 +54,9 @@ class _DecodeState:
     rule_state: Any
     policy_state: Any
     stats: DecodeStats
+    # A feature head's pending inputs: the target's features of the last
+    # verified block, [B, K + 1, H] (None for a draft model; see _first_head_logits).
+    draft_features: Any = None
 
 
 def _initial_state(
@@ -62,16 +66,19 @@ def _initial_state(
     """Both prefills (each cache to its invariant) and the state before the first cycle."""
     batch, width = prompts.shape
     k_max, n_max = cfg.num_draft, cfg.max_new_tokens
-    target_cache = _prefill(
-        pair_params.target.module, pair_params.target.params, prompts, prompt_lengths - 1, cfg.cache_length
-    )
-    draft_cache = _prefill(
-        pair_params.draft.module,
-        pair_params.draft.params,
-        prompts,
-        jnp.maximum(prompt_lengths - 2, 0),
-        cfg.cache_length,
-    )
+    target, draft = pair_params.target, pair_params.draft
+    draft_features = None
+    if is_feature_head(draft.module):
+        target_cache, features = _prefill(
+            target.module, target.params, prompts, prompt_lengths - 1, cfg.cache_length,
+            hidden_layer=draft.module.feature_layer,
+        )
+        draft_cache, draft_features = _prefill_head(cfg, draft, prompts, prompt_lengths, features)
+    else:
+        target_cache = _prefill(target.module, target.params, prompts, prompt_lengths - 1, cfg.cache_length)
+        draft_cache = _prefill(
+            draft.module, draft.params, prompts, jnp.maximum(prompt_lengths - 2, 0), cfg.cache_length
+        )
     tokens = jnp.zeros((batch, width + n_max + k_max + 1), jnp.int32).at[:, :width].set(prompts)
     return _DecodeState(
         step=jnp.int32(0),
@@ -84,7 +91,23 @@ def _initial_state(
         rule_state=_batched_init(rule.init, batch),
         policy_state=_batched_init(lambda: policy.init(k_max), batch),
         stats=DecodeStats.zeros(batch, k_max),
+        draft_features=draft_features,
     )
+
+
+def _prefill_head(cfg: _Config, head, prompts, prompt_lengths, features) -> tuple[KVCache, Array]:
+    """A feature head's prefill: head position ``i`` reads the target's
+    feature ``f_i`` and the token ``x_{i+1}``. Keeps positions ``0 .. n - 3``
+    and leaves ``f_{n-2}`` pending (a one-token prompt has no feature yet: its
+    first draft reads zeros, a poor guess that costs speed, never correctness).
+    Returns ``(cache, pending [B, K + 1, H])``."""
+    batch = prompts.shape[0]
+    shifted = jnp.concatenate([prompts[:, 1:], jnp.zeros((batch, 1), prompts.dtype)], axis=1)
+    keep = jnp.maximum(prompt_lengths - 2, 0)
+    cache = _prefill(head.module, head.params, shifted, keep, cfg.cache_length, features=features)
+    last = jnp.where((prompt_lengths >= 2)[:, None], _row(features, keep), 0.0)
+    pending = jnp.zeros((batch, cfg.num_draft + 1, features.shape[-1]), features.dtype).at[:, 0].set(last)
+    return cache, pending
 
 
 # ---------------------------------------------------------------------------
@@ -121,6 +144,7 @@ def _decode_cycle(
         rule_state=rule_state,
         policy_state=policy_state,
         stats=stats,
+        draft_features=verified.features,
     )
     return new_state, diag
 
@@ -165,7 +189,10 @@ def _draft(
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab, k_max = pair_params.vocab_size, cfg.num_draft
     batch = state.num_committed.shape[0]
-    raw0, cache = _first_draft_logits(module, params, vocab, state)
+    if is_feature_head(module):
+        raw0, feature, cache = _first_head_logits(cfg, module, params, vocab, state)
+    else:
+        (raw0, cache), feature = _first_draft_logits(module, params, vocab, state), jnp.zeros((batch, 0))
 
     budget = jax.vmap(lambda s: policy.budget(s, k_max), axis_size=batch)(state.policy_state)
     budget = jnp.clip(jnp.asarray(budget, jnp.int32), 1, k_max)
@@ -175,19 +202,46 @@ def _draft(
     active, bufs = slot(0, raw0, ~state.done, _no_drafts(batch, k_max, vocab))
 
     def cond(carry):
-        j, active, _, _ = carry
+        j, active, *_ = carry
         return (j < k_max) & active.any()
 
     def body(carry):
-        j, active, cache, bufs = carry
+        j, active, cache, feature, bufs = carry
         prev = jax.lax.dynamic_index_in_dim(bufs.tokens, j - 1, axis=1, keepdims=True)
-        out = module.apply(params, prev, cache)
+        if is_feature_head(module):  # EAGLE: the head's own predicted feature stands in for the target's
+            out = module.apply(params, prev, cache, features=feature[:, None])
+            feature = out.hidden[0][:, 0]
+        else:
+            out = module.apply(params, prev, cache)
         active, bufs = slot(j, out.logits[:, 0, :vocab], active, bufs)
         new_cache = out.cache if cfg.layout is None else cfg.layout.constrain_cache(out.cache, "draft")
-        return j + 1, active, new_cache, bufs._replace(forwards=bufs.forwards + 1)
+        return j + 1, active, new_cache, feature, bufs._replace(forwards=bufs.forwards + 1)
 
-    _, _, cache, bufs = jax.lax.while_loop(cond, body, (jnp.int32(1), active, cache, bufs))
+    _, _, cache, _, bufs = jax.lax.while_loop(cond, body, (jnp.int32(1), active, cache, feature, bufs))
     return bufs, cache
+
+
+def _first_head_logits(cfg: _Config, module, params, vocab: int, state: _DecodeState):
+    """A feature head's first draft step: one ``T = K + 1`` forward over the
+    positions whose target features the last verification produced.
+
+    The head cache holds positions ``0 .. m - 1``; ``state.draft_features[:, j]``
+    is the target's ``f_{m+j}``, valid for ``j < count = num_committed - 1 - m``
+    (the tokens the last cycle committed). Position ``m + j`` reads
+    ``(f_{m+j}, x_{m+j+1})``; the output at ``j = count - 1`` drafts
+    ``x_{num_committed}``, and the rows past it are dropped (a length reset).
+    The drafts of the last cycle, written with the head's own features, are
+    thus rewritten with the target's: EAGLE's feature correction.
+
+    Returns ``(raw logits [B, V], predicted feature [B, H], cache)``.
+    """
+    cache, tokens = state.draft_cache, state.tokens
+    start = cache.lengths
+    count = jnp.clip(state.num_committed - 1 - start, 1, cfg.num_draft + 1)
+    index = start[:, None] + 1 + jnp.arange(cfg.num_draft + 1)[None, :]
+    block = jnp.take_along_axis(tokens, jnp.minimum(index, tokens.shape[1] - 1), axis=1)
+    out = module.apply(params, block, cache, features=state.draft_features, logits_at=count - 1)
+    return out.logits[:, 0, :vocab], _row(out.hidden[0], count - 1), out.cache.rollback(start + count)
 
 
 def _first_draft_logits(module, params, vocab: int, state: _DecodeState) -> tuple[Array, KVCache]:
@@ -267,6 +321,7 @@ class _Verified(NamedTuple):
     inputs: VerifyInputs  # [B]-batched: what the rule judges
     raw: Array  # [B, K + 1, V] target logits before the warp (checked for non-finite values)
     cache: KVCache  # the target cache after the forward (rolled back by _commit)
+    features: Any  # [B, K + 1, H] the feature head's next inputs (None for a draft model)
 
 
 def _verify(
@@ -279,8 +334,11 @@ def _verify(
     token's own position as ``features["hidden"]``."""
     last = _gather(state.tokens, state.num_committed - 1)
     block_in = jnp.concatenate([last[:, None], drafts.tokens], axis=1)
+    head = pair_params.draft.module
+    head_layers = (head.feature_layer,) if is_feature_head(head) else ()
     out = pair_params.target.module.apply(
-        pair_params.target.params, block_in, state.target_cache, hidden_layers=rule.hidden_layers
+        pair_params.target.params, block_in, state.target_cache,
+        hidden_layers=tuple(rule.hidden_layers) + head_layers,
     )
     raw = out.logits[..., : pair_params.vocab_size]
     target_logits = _warp(cfg, raw, temperature, top_p)
@@ -298,7 +356,8 @@ def _verify(
         valid=drafts.valid,
         features=features,
     )
-    return _Verified(inputs=inputs, raw=raw, cache=out.cache)
+    head_features = out.hidden[-1] if head_layers else None
+    return _Verified(inputs=inputs, raw=raw, cache=out.cache, features=head_features)
 
 
 # ---------------------------------------------------------------------------
@@ -419,8 +478,19 @@ def _commit(
         num_new=n_commit,
         done=state.done | (accepted.new_bad > 0) | finished,
         target_cache=target_cache.rollback(new_nc - 1),
-        draft_cache=draft_cache.rollback(jnp.maximum(new_nc - 2, 0)),
+        draft_cache=draft_cache.rollback(_draft_keep(cfg, state, new_nc)),
     )
+
+
+def _draft_keep(cfg: _Config, state: _DecodeState, new_nc: Array) -> Array:
+    """The draft cache's invariant after a commit: a draft model keeps every
+    committed token but the last two (the next cycle's first forward reads
+    them); a feature head keeps the positions whose features were the
+    target's before this cycle (``num_committed - 1`` of them), and rewrites
+    the rest from this cycle's target features (:func:`_first_head_logits`)."""
+    if state.draft_features is not None:
+        return state.num_committed - 1
+    return jnp.maximum(new_nc - 2, 0)
 
 
 # ---------------------------------------------------------------------------

@@ -29,6 +29,14 @@ Loop state (per sequence ``b``; ``P`` padded prompt length, ``N`` the
   bonus token the draft has not seen and its own last draft when all K were
   accepted, with no extra forward. A one-token prompt feeds ``[t_0, pad]`` and
   reads the logits at index 0.
+* a feature head (:mod:`specjax.heads`, EAGLE-style) keeps a different
+  invariant: its position ``i`` reads the target's feature ``f_i`` and token
+  ``x_{i+1}``, and it holds only positions built from the target's own
+  features, ``0 .. m - 1``. ``state.draft_features [B, K + 1, H]`` carries the
+  target features of the last verified block (``f_m ..``); the next cycle's
+  first draft step is one ``T = K + 1`` forward over them, read at the last
+  committed token (``m = num_committed_before - 1``). Its own-feature draft
+  positions are thus rewritten with the target's features, as EAGLE does.
 * after accepting ``n`` drafts and committing ``c <= n + 1`` tokens, both
   caches roll back (a length reset, nothing copied) to restore the two
   invariants.
@@ -98,6 +106,7 @@ from specjax._src.calls import (
     _replicated,
 )
 from specjax._src.cycle import _decode_cycle, _DecodeState, _initial_state
+from specjax._src.models.feature_head import is_feature_head
 from specjax._src.tree_cycle import _tree_cycle
 from specjax._src.lm import KVCache, Model
 from specjax._src.loop_ops import (
@@ -333,6 +342,8 @@ def decode(
         what=f"decoding (longest prompt {{width}} + max_new_tokens {max_new_tokens} + num_draft {num_draft})",
     )
     _check_diagnostics(diagnostics)
+    if is_feature_head(params.draft.module) and call.cfg.layout is not None:
+        raise ValueError("decoding with a feature head on a mesh is not supported yet; decode on one device.")
     cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree)
     if cfg.layout is not None:  # the rule's and policy's traced numbers, replicated on the mesh
         rule, drafting = jax.tree_util.tree_map(

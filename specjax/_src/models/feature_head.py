@@ -1,0 +1,374 @@
+"""A target-feature draft head (EAGLE-style): one decoder block over the target's hidden states.
+
+Following "EAGLE: Speculative Sampling Requires Rethinking Feature
+Uncertainty" (Li et al., arXiv:2401.15077), the head drafts at the *feature*
+level. At head position ``i`` it reads the target's feature ``f_i`` (the
+output of one of the target's blocks at position ``i``, before the final
+norm) and the embedding of the token ``x_{i+1}`` the target sampled from
+``f_i``, and predicts ``f_{i+1}``; the token ``x_{i+2}`` is drawn from the
+predicted feature through a final norm and an LM head. Given the token, the
+next feature is nearly deterministic, which is why a one-block head accepts
+more drafts than a separate small model of the same cost.
+
+    embedded = embed(x_{i+1})                                 # the target's table, frozen
+    fused    = fuse([embedded, feature_norm(f_i)])            # [2H] -> [H]
+    f_hat    = block(fused)                                   # one causal decoder block, its own KV cache
+    logits   = lm_head(final_norm(f_hat))                     # a reduced vocabulary, scattered to V
+
+When drafting the second token and later, the target's feature is not known
+yet, so the head feeds its own ``f_hat`` back as ``f``. ``feature_norm`` makes
+the head scale-free in its input (the target's residual stream grows with
+depth), and ``final_norm`` makes the logits depend on ``f_hat``'s direction
+only; the trainer regresses normalised features accordingly.
+
+The head borrows the target's embedding table: its checkpoint stores only its
+own weights, and :func:`specjax.pair` puts the target's table into the head's
+params (the same array, no copy). The LM head scores a reduced,
+frequency-ranked vocabulary (``head_vocab_size``) and scatters it to the full
+vocabulary with ``-inf`` elsewhere, so lossless rules stay lossless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from specjax._src.lm import Array, KVCache, LMOutput, Model, Params
+from specjax._src.models.config import ModelConfig
+from specjax._src.models.decoder import (
+    _INIT_STD,
+    Block,
+    Decoder,
+    _dense,
+    _norm,
+    scatter_to_vocab,
+    tree_attention_mask,
+)
+
+CONFIG_KEY = "specjax_feature_head"
+WEIGHTS_FILE = "head.safetensors"
+EMBED_PATH = ("embed", "embedding")
+
+
+class _HeadModule(nn.Module):
+    """Fuse, ``config.num_layers`` blocks, final norm, reduced LM head.
+
+    Returns ``(logits [B, T, V] float32, f_hat [B, T, H], caches)``.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens, features, positions, kv_caches, lengths, logits_at=None, mask=None):
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        embedded = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                            embedding_init=nn.initializers.zeros, name="embed")(tokens)
+        feature = _norm(cfg, "feature_norm")(features.astype(dtype))
+        x = _dense(cfg, cfg.hidden_size, False, "fuse")(jnp.concatenate([embedded, feature], axis=-1))
+        new_caches = []
+        for i in range(cfg.num_layers):
+            layer_cache = None if kv_caches is None else kv_caches[i]
+            x, c = Block(cfg, name=f"layer_{i}")(x, positions, layer_cache, lengths, mask)
+            new_caches.append(c)
+        f_hat = x
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
+        x = _norm(cfg, "final_norm")(x)
+        head = self.param("lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.head_vocab_size), dtype)
+        ids = self.param("head_vocab_ids", lambda k, s: jnp.arange(s[0], dtype=jnp.int32), (cfg.head_vocab_size,))
+        logits = jnp.einsum("bth,hv->btv", x, head, preferred_element_type=jnp.float32)
+        return scatter_to_vocab(logits, ids, cfg.vocab_size), f_hat, tuple(new_caches)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureHead:
+    """The static half of a target-feature draft head (hashable; a ``jit`` static).
+
+    A draft for :func:`specjax.decode` like a :class:`~specjax.Decoder`, with
+    one more input: ``apply(params, tokens, cache, features=...)``. The engine
+    recognises it by ``reads_target_features`` and feeds it the target's
+    ``feature_layer`` output from each verification forward.
+
+    Attributes:
+      config: the head's blocks (``num_layers`` of them, usually 1), in the
+        target's width: ``hidden_size`` and ``vocab_size`` equal the
+        target's; ``head_vocab_size`` is the reduced LM head's size.
+      feature_layer: the target block whose output the head reads (``-1``:
+        the last, before the final norm).
+    """
+
+    config: ModelConfig
+    feature_layer: int = -1
+
+    reads_target_features = True
+    supports_logits_at = True
+    supports_trees = True
+
+    def __post_init__(self):
+        if not self.config.has_reduced_head:
+            raise ValueError("A FeatureHead needs config.head_vocab_size (its reduced LM head).")
+        if self.config.is_gpt2:
+            raise ValueError("A FeatureHead is built from rotary (Llama-family) blocks, not GPT-2 ones.")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def feature_size(self) -> int:
+        return self.config.hidden_size
+
+    def init(self, key: Array) -> Params:
+        """Random params (normal(0.02) kernels, unit norm scales, zero embedding)."""
+        return _init_params(self.config, key)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
+        return Decoder(self.config).init_cache(batch_size, max_length, dtype)
+
+    def apply(
+        self,
+        params: Params,
+        tokens: Array,
+        cache: Optional[KVCache] = None,
+        *,
+        features: Array,
+        hidden_layers=(),
+        logits_at: Optional[Array] = None,
+        tree_parents: Optional[Array] = None,
+        tree_offset: int = 0,
+    ) -> LMOutput:
+        """Drafts from ``features[B, T, H]`` (the target's, or the head's own ``f_hat``).
+
+        Token ``t`` of the block is ``x_{i+1}`` for feature ``f_i``; see the
+        module docstring. ``logits_at``, ``tree_parents`` and ``tree_offset``
+        work as in :meth:`specjax.Decoder.apply`; ``hidden_layers`` is
+        ignored: ``hidden`` is always ``(f_hat [B, T, H],)``, the predicted
+        next features, to be fed back as ``features``.
+        """
+        del hidden_layers
+        cfg = self.config
+        tokens = jnp.asarray(tokens)
+        features = jnp.asarray(features)
+        if tokens.ndim != 2 or features.shape != tokens.shape + (cfg.hidden_size,):
+            raise ValueError(
+                f"FeatureHead.apply: tokens must be [B, T] and features [B, T, {cfg.hidden_size}]; got "
+                f"tokens {tokens.shape} and features {features.shape}."
+            )
+        if EMBED_PATH[0] not in params:
+            raise ValueError(
+                "This head has no embedding table: its checkpoint stores only its own weights. Pair it "
+                "with its target (specjax.pair(target, head)) or call attach_embedding(head, target)."
+            )
+        b, t = tokens.shape
+        if cache is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            kv_caches = lengths = None
+        else:
+            lengths = cache.lengths.astype(jnp.int32)
+            positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+            kv_caches = tuple(zip(cache.keys, cache.values))
+        mask = None
+        if tree_parents is not None:
+            if not isinstance(tree_parents, np.ndarray):
+                tree_parents = jnp.asarray(tree_parents, jnp.int32)
+            start = jnp.zeros((b,), jnp.int32) if lengths is None else lengths - tree_offset
+            kv_len = t if cache is None else cache.max_length
+            mask, positions = tree_attention_mask(
+                tree_parents, start, kv_len, cfg.sliding_window, offset=tree_offset, num=t
+            )
+        logits, f_hat, new_caches = _HeadModule(cfg).apply(
+            {"params": params}, tokens, features, positions, kv_caches, lengths, logits_at, mask
+        )
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(
+                keys=tuple(c[0] for c in new_caches), values=tuple(c[1] for c in new_caches), lengths=lengths + t
+            )
+        return LMOutput(logits=logits, hidden=(f_hat.astype(jnp.float32),), cache=new_cache)
+
+
+def is_feature_head(module) -> bool:
+    """Whether a draft module reads the target's features (the engine's test)."""
+    return bool(getattr(module, "reads_target_features", False))
+
+
+@functools.lru_cache(maxsize=16)
+def _param_shapes(config: ModelConfig) -> Params:
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    feats = jax.ShapeDtypeStruct((1, 1, config.hidden_size), jnp.float32)
+    variables = jax.eval_shape(
+        lambda k, t, f: _HeadModule(config).init(k, t, f, t, None, None), jax.random.key(0), tokens, feats
+    )
+    return variables["params"]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(config: ModelConfig, key: Array) -> Params:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(_param_shapes(config))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for k, (path, leaf) in zip(keys, leaves):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name == "head_vocab_ids":
+            out.append(jnp.arange(leaf.shape[0], dtype=leaf.dtype))
+        elif name == "scale":
+            out.append(jnp.ones(leaf.shape, leaf.dtype))
+        elif name == "embedding":
+            out.append(jnp.zeros(leaf.shape, leaf.dtype))
+        else:
+            out.append((_INIT_STD * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def head_config(target_config: ModelConfig, *, head_vocab_size: int, num_layers: int = 1) -> ModelConfig:
+    """A head's block config in its target's width (same attention shape, MLP and RoPE)."""
+    if target_config.is_gpt2:
+        raise ValueError("A FeatureHead needs a rotary (Llama-family) target; GPT-2 layouts are not supported.")
+    return target_config.replace(
+        num_layers=num_layers, head_vocab_size=int(head_vocab_size), tie_word_embeddings=False
+    )
+
+
+def attach_embedding(head: Model, target: Model) -> Model:
+    """The head with its target's embedding table in its params (the same array).
+
+    Raises:
+      ValueError: the target is not a Decoder with an ``embed`` table of the
+        head's shape.
+    """
+    table = target.params.get(EMBED_PATH[0], {}).get(EMBED_PATH[1]) if isinstance(target.params, dict) else None
+    want = (head.module.config.vocab_size, head.module.config.hidden_size)
+    if table is None or tuple(table.shape) != want:
+        got = None if table is None else tuple(table.shape)
+        raise ValueError(
+            f"The feature head needs its target's embedding table of shape {want}; the target has {got}. "
+            "Pair a head with the target it was trained on."
+        )
+    params = dict(head.params)
+    params[EMBED_PATH[0]] = {EMBED_PATH[1]: table}
+    return head.replace(params=params)
+
+
+def init_from_target(target: Model, key: Array, head_vocab_ids, *, num_layers: int = 1) -> Model:
+    """A head to train, started from its target.
+
+    The block copies the target's last block, the final norm the target's,
+    the LM head the target's (tied) embedding rows of ``head_vocab_ids``, and
+    ``fuse`` passes the normalised feature through (identity on that half,
+    small noise on the token half): before training the head already reads
+    ``f_i`` the way the target's top does.
+    """
+    ids = np.asarray(head_vocab_ids, np.int32)
+    tcfg = target.module.config
+    cfg = head_config(tcfg, head_vocab_size=len(ids), num_layers=num_layers)
+    module = FeatureHead(cfg)
+    params = jax.tree_util.tree_map(lambda x: x, module.init(key))
+    tp = target.params
+    dtype = jnp.dtype(cfg.dtype)
+    for i in range(num_layers):
+        params[f"layer_{i}"] = jax.tree_util.tree_map(jnp.asarray, tp[f"layer_{tcfg.num_layers - num_layers + i}"])
+    params["final_norm"] = jax.tree_util.tree_map(jnp.asarray, tp["final_norm"])
+    table = tp["embed"]["embedding"] if tcfg.tie_word_embeddings else tp["lm_head"].T
+    params["lm_head"] = jnp.asarray(table)[ids].T.astype(dtype)
+    params["head_vocab_ids"] = jnp.asarray(ids)
+    h = cfg.hidden_size
+    fuse = params["fuse"]["kernel"].at[h:].set(jnp.eye(h, dtype=dtype))
+    params["fuse"] = {"kernel": fuse}
+    return attach_embedding(Model(params=params, module=module, tokenizer=target.tokenizer,
+                                  chat_template=target.chat_template), target)
+
+
+def _flat(params: Params) -> dict[str, np.ndarray]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = ".".join(str(getattr(p, "key", p)) for p in path)
+        if name == ".".join(EMBED_PATH):
+            continue  # the target's table: not part of the head's checkpoint
+        out[name] = np.asarray(jax.device_get(leaf))
+    return out
+
+
+def save_head(head: Model, path: str, *, overwrite: bool = False, extra: Optional[dict] = None) -> None:
+    """Writes ``config.json`` and ``head.safetensors`` (without the borrowed embedding).
+
+    Stored in the head's dtype; ``extra`` adds keys to the JSON (e.g. which
+    target it was trained for). An existing non-empty ``path`` is replaced only
+    with ``overwrite=True``, and then whole (written aside, swapped in).
+    """
+    from safetensors.numpy import save_file
+
+    from specjax._src.models.loading import _write_directory, config_to_dict
+
+    meta = {CONFIG_KEY: {"config": config_to_dict(head.module.config),
+                         "feature_layer": head.module.feature_layer, **(extra or {})}}
+
+    def write(tmp: str) -> None:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        save_file(_flat(head.params), os.path.join(tmp, WEIGHTS_FILE))
+
+    _write_directory(path, overwrite, write)
+
+
+def is_head_dir(path: str) -> bool:
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        return False
+    try:
+        with open(cfg) as f:
+            return CONFIG_KEY in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def load_head(path: str, dtype: Any = None) -> Model:
+    """Loads a head saved by :func:`save_head`; pair it with its target to use it.
+
+    Raises:
+      ValueError: missing or mismatched weights (names the tensor).
+    """
+    from safetensors.numpy import load_file
+
+    from specjax._src.models.loading import _load_tokenizer, config_from_dict
+
+    with open(os.path.join(path, "config.json")) as f:
+        meta = json.load(f)[CONFIG_KEY]
+    cfg = config_from_dict(meta["config"])
+    if dtype is not None:
+        cfg = cfg.replace(dtype=jnp.dtype(dtype).name)
+    module = FeatureHead(cfg, feature_layer=int(meta.get("feature_layer", -1)))
+    weights_file = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights_file):
+        raise ValueError(f"{path} has no {WEIGHTS_FILE}; a feature head directory holds config.json and it.")
+    tensors = load_file(weights_file)
+    flat = {}
+    for key, leaf in traverse_util.flatten_dict(_param_shapes(cfg)).items():
+        if key == EMBED_PATH:
+            continue
+        name = ".".join(key)
+        if name not in tensors:
+            raise ValueError(f"{weights_file} lacks tensor {name!r} that this head's config needs.")
+        value = tensors[name]
+        if tuple(value.shape) != tuple(leaf.shape):
+            raise ValueError(f"{weights_file}: tensor {name!r} has shape {value.shape}, expected {leaf.shape}.")
+        flat[key] = jnp.asarray(value, leaf.dtype)
+    params = traverse_util.unflatten_dict(flat)
+    return Model(params=params, module=module, tokenizer=_load_tokenizer(path), chat_template=None)

@@ -1,0 +1,34 @@
+"""Target-feature draft heads (EAGLE-style): a one-block draft that reads the target's hidden states.
+
+    head = specjax.load("smollm2-135m-instruct-eagle")           # or heads.load_head(dir)
+    pair = specjax.pair(specjax.load("smollm2-135m-instruct"), head)  # the head borrows the target's embeddings
+    out = specjax.decode(pair, prompts, num_draft=4, temperature=0.0)
+
+A :class:`FeatureHead` drafts from the target's last-block features ("EAGLE:
+Speculative Sampling Requires Rethinking Feature Uncertainty", Li et al.,
+arXiv:2401.15077): each verification forward hands the head the target's
+features of the tokens it accepted, and the head drafts the next ones from
+them, then from its own predicted features. Every acceptance rule and
+drafting policy works with it, on chains. ``python -m training.eagle`` trains
+one for a target.
+"""
+
+from specjax._src.models.feature_head import (
+    FeatureHead,
+    attach_embedding,
+    head_config,
+    init_from_target,
+    is_feature_head,
+    load_head,
+    save_head,
+)
+
+__all__ = (
+    "FeatureHead",
+    "attach_embedding",
+    "head_config",
+    "init_from_target",
+    "is_feature_head",
+    "load_head",
+    "save_head",
+)

@@ -1,0 +1,232 @@
+"""Target-feature (EAGLE-style) draft heads in the decode loop (issue 16).
+
+The head must draft exactly what a cache-free forward over the target's true
+features would draft (the engine's feature correction after ragged
+acceptance), greedy decoding with it must equal target greedy output, and
+lossless sampling with it must follow the target's law.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+import specjax
+from specjax._src.calls import _Config
+from specjax._src.cycle import _decode_cycle, _draft, _initial_state
+from specjax._src.drafting import fixed
+from specjax._src.models import feature_head as fh
+from specjax.rules import Verdict, from_functions, mars, speculative_sampling
+from specjax.testing import llama_config, peaked_target_and_draft
+from specjax.trees import static_tree
+from test_decode import count_compilations, goodness_of_fit, random_prompts
+
+
+@pytest.fixture(scope="module")
+def target():
+    return peaked_target_and_draft(llama_config())[0]
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    return fh.init_from_target(target, jax.random.key(1), np.arange(80)[::-1])
+
+
+@pytest.fixture(scope="module")
+def head_pair(target, head):
+    return specjax.pair(target, head)
+
+
+def test_head_forward_in_blocks_equals_one_forward(head):
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 96, (2, 9)), jnp.int32)
+    feats = jnp.asarray(rng.normal(size=(2, 9, 32)), jnp.float32)
+    full = head.module.apply(head.params, tokens, features=feats)
+    cache = head.module.init_cache(2, 16)
+    a = head.module.apply(head.params, tokens[:, :4], cache, features=feats[:, :4])
+    b = head.module.apply(head.params, tokens[:, 4:], a.cache, features=feats[:, 4:])
+    np.testing.assert_allclose(np.concatenate([a.logits, b.logits], 1), full.logits, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate([a.hidden[0], b.hidden[0]], 1), full.hidden[0], atol=1e-5)
+    # the reduced head: exactly its 80 tokens are finite
+    assert int(np.isfinite(np.asarray(full.logits[0, 0])).sum()) == 80
+
+
+def test_save_load_roundtrip_needs_the_target(tmp_path, target, head):
+    path = str(tmp_path / "head")
+    fh.save_head(head, path)
+    with pytest.raises(ValueError, match="Refusing"):
+        fh.save_head(head, path)  # nothing overwritten without being asked
+    loaded = specjax.load(path)
+    assert "embed" not in loaded.params  # the target's table is not shipped
+    tokens, feats = jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3, 32))
+    with pytest.raises(ValueError, match="specjax.pair"):
+        loaded.module.apply(loaded.params, tokens, features=feats)
+    paired = specjax.pair(target, loaded).draft
+    np.testing.assert_array_equal(
+        np.asarray(paired.module.apply(paired.params, tokens, features=feats).logits),
+        np.asarray(head.module.apply(head.params, tokens, features=feats).logits),
+    )
+
+
+def test_pair_refuses_a_head_of_another_width(head):
+    other = specjax.Decoder(llama_config(hidden_size=48, num_heads=6, num_kv_heads=2))
+    with pytest.raises(ValueError, match="hidden size"):
+        specjax.pair(specjax.Model(other.init(jax.random.key(0)), other), head)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 6))
+def _reference_drafts(target_module, head_module, target_params, head_params, tokens, n, k):
+    """The head's K greedy draft logits for the committed prefix ``tokens[:n]``
+    (``tokens [W]`` padded), from cache-free forwards: the target's true
+    features at positions 0 .. n-2, then the head's own predicted features.
+    Causal attention makes the padding past each read position inert."""
+    x = tokens[None]
+    feats = target_module.apply(target_params, x, hidden_layers=(-1,)).hidden[0]  # f_i at position i
+    inputs_tok = jnp.roll(x, -1, axis=1)  # position i reads x_{i+1}
+    out = []
+    for s in range(k):
+        pos = n - 2 + s
+        h = head_module.apply(head_params, inputs_tok, features=feats)
+        logits, f_hat = h.logits[0, pos], h.hidden[0][0, pos]
+        out.append(logits)
+        inputs_tok = inputs_tok.at[0, pos + 1].set(jnp.argmax(logits).astype(jnp.int32))
+        feats = feats.at[0, pos + 1].set(f_hat)
+    return jnp.stack(out)
+
+
+def test_engine_drafts_equal_cache_free_drafts_after_ragged_acceptance(target, head, head_pair):
+    """Cycle after cycle (acceptance ragged across the batch: a rule accepting
+    by the drafted token's parity), each sequence's K draft logits equal the
+    head's cache-free forward over its committed prefix with the target's true
+    features: the head's cache holds true-feature entries only, and the
+    last cycle's own-feature entries were rewritten."""
+
+    def verify(inputs, state, *, greedy):
+        del state, greedy
+        accept = inputs.draft_tokens % 3 != 0
+        correction = jax.nn.one_hot(jnp.argmax(inputs.target_logits[:-1], -1), inputs.target_logits.shape[-1])
+        return Verdict(accept=accept, path=jnp.where(accept, 1, 0).astype(jnp.int32), correction=correction)
+
+    rule, policy, k = from_functions(verify, name="parity"), fixed(), 3
+    prompts = random_prompts(3, 4, 96, 9, min_len=2)
+    width = max(map(len, prompts))
+    arr = np.zeros((4, width), np.int32)
+    for i, p in enumerate(prompts):
+        arr[i, : len(p)] = p
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    cfg = _Config(diagnostics=None, num_draft=k, max_new_tokens=24, cache_length=64, greedy=True, top_k=None,
+                  use_top_p=False)
+    max_new = jnp.full((4,), 24, jnp.int32)
+    state = _initial_state(cfg, head_pair, rule, policy, jnp.asarray(arr), lengths, max_new)
+    draft = jax.jit(lambda pair, s: _draft(cfg, pair, policy, s, None, 1.0, 1.0)[0].logits)
+    cycle = jax.jit(lambda pair, s: _decode_cycle(cfg, pair, rule, policy, lengths, max_new, jnp.asarray([-1]),
+                                                  jax.random.split(jax.random.key(0), 4), 1.0, 1.0, s)[0])
+    hd = head_pair.draft
+    accepted = set()
+    for _ in range(5):
+        logits = draft(head_pair, state)
+        for b in range(4):
+            ref = _reference_drafts(target.module, hd.module, target.params, hd.params, state.tokens[b],
+                                    state.num_committed[b], k)
+            np.testing.assert_allclose(np.asarray(logits[b]), np.asarray(ref), rtol=1e-4, atol=1e-4)
+        before = np.asarray(state.num_committed)
+        state = cycle(head_pair, state)
+        accepted |= set((np.asarray(state.num_committed) - before).tolist())
+    assert len(accepted) >= 2, f"acceptance was not ragged: {accepted}"
+
+
+def test_greedy_with_a_head_is_target_greedy(head_pair):
+    prompts = random_prompts(21, 50, 96, 14)
+    ref = specjax.generate(head_pair.target, prompts, max_new_tokens=24, temperature=0.0, eos_token_id=5)
+    for k in (1, 4):
+        out = specjax.decode(head_pair, prompts, num_draft=k, max_new_tokens=24, temperature=0.0, eos_token_id=5)
+        np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+        assert int(np.sum(out.stats.accepted)) > 0  # the head's drafts were used
+
+
+def test_relaxed_rule_with_a_head_collapses_to_lossless(head_pair):
+    prompts = random_prompts(5, 8, 96, 10)
+    kw = dict(num_draft=3, max_new_tokens=16, temperature=0.0)
+    lossless = specjax.decode(head_pair, prompts, **kw)
+    limit = specjax.decode(head_pair, prompts, rule=mars(theta=1.0), **kw)
+    np.testing.assert_array_equal(np.asarray(limit.tokens), np.asarray(lossless.tokens))
+
+
+def _exact_two_tokens(target, prompt, vocab):
+    p1 = np.asarray(jax.nn.softmax(target.module.apply(target.params, jnp.asarray([prompt])).logits[0, -1]))
+    seqs = jnp.asarray([prompt + [x] for x in range(vocab)], jnp.int32)
+    p2 = np.asarray(jax.nn.softmax(target.module.apply(target.params, seqs).logits[:, -1], -1))
+    joint = p1.astype(np.float64)[:, None] * p2.astype(np.float64)
+    return joint / joint.sum()
+
+
+def _small_head_pair(vocab):
+    target = peaked_target_and_draft(llama_config(vocab_size=vocab))[0]
+    # x0.1 on the target's head: flatter laws, so many cells are tested
+    target = target.replace(params={**target.params, "lm_head": target.params["lm_head"] * 0.1})
+    return specjax.pair(target, fh.init_from_target(target, jax.random.key(2), np.arange(12)))
+
+
+@pytest.mark.parametrize("prompt", [[3], [5, 3]])
+def test_lossless_sampling_with_a_head_follows_the_target(prompt):
+    vocab = 16
+    pair = _small_head_pair(vocab)
+    small_target = pair.target
+    samples = 40000
+    out = specjax.decode(pair, [prompt] * samples, num_draft=3, max_new_tokens=2, temperature=1.0,
+                         key=jax.random.key(7), rule=speculative_sampling())
+    toks = np.asarray(out.tokens)
+    counts = np.zeros((vocab, vocab))
+    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(small_target, prompt, vocab))
+    assert pvalue > 1e-3 and tv < 0.04, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
+    assert int(np.sum(out.stats.accepted)) > samples // 10  # the head's drafts took part
+    # The same statistic rejects the law of another context: it can fail.
+    other = [7] if prompt != [7] else [8]
+    pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(small_target, other, vocab))
+    assert pvalue < 1e-6 and tv > 0.04
+
+
+def test_a_second_call_compiles_nothing(head_pair):
+    kw = dict(num_draft=3, max_new_tokens=8, temperature=0.0)
+    specjax.decode(head_pair, random_prompts(1, 3, 96, 10), **kw)
+    with count_compilations() as counter:
+        specjax.decode(head_pair, random_prompts(2, 3, 96, 10), **kw)
+    assert counter["n"] == 0
+
+
+@pytest.mark.parametrize("branching", [(2, 2, 1), (3, 1)])
+def test_greedy_tree_decoding_with_a_head_is_target_greedy(head_pair, branching):
+    prompts = random_prompts(21, 50, 96, 14)
+    ref = specjax.generate(head_pair.target, prompts, max_new_tokens=24, temperature=0.0, eos_token_id=5)
+    out = specjax.decode(head_pair, prompts, tree=static_tree(branching), max_new_tokens=24, temperature=0.0,
+                         eos_token_id=5)
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert int(np.sum(out.stats.accepted)) > 0
+
+
+def test_a_tree_of_head_drafts_accepts_more_than_a_chain(head_pair):
+    prompts = random_prompts(22, 24, 96, 14)
+    kw = dict(max_new_tokens=24, temperature=0.0, eos_token_id=())
+    chain = specjax.decode(head_pair, prompts, num_draft=3, **kw)
+    tree = specjax.decode(head_pair, prompts, tree=static_tree((3, 2, 1)), **kw)
+    assert tree.stats.tau > chain.stats.tau
+
+
+def test_lossless_tree_sampling_with_a_head_follows_the_target():
+    vocab, prompt, samples = 16, [5, 3], 40000
+    pair = _small_head_pair(vocab)
+    out = specjax.decode(pair, [prompt] * samples, tree=static_tree((3, 2)), max_new_tokens=2, temperature=1.0,
+                         key=jax.random.key(8))
+    toks = np.asarray(out.tokens)
+    counts = np.zeros((vocab, vocab))
+    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(pair.target, prompt, vocab))
+    assert pvalue > 1e-3 and tv < 0.04, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
+    assert int(np.sum(out.stats.accepted)) > samples // 10
