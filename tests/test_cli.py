@@ -64,6 +64,13 @@ def test_missing_model_directory_is_a_clear_error(tmp_path):
         main(["generate", "--target", str(tmp_path / "nope"), "--prompt", "x"])
 
 
+def test_model_names_are_accepted_as_target_and_draft():
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--target", "embedded-target",
+                                      "--draft", "embedded-draft"])
+    target, draft = common.load_pair(args)
+    assert target.module.num_layers > draft.module.num_layers  # each name loaded its own model
+
+
 def test_cli_loads_models_in_float32_by_default(small_model):
     # bf16 compute flips greedy near-ties between the verify and 1-token forwards (measured 0.98
     # agreement of lossless greedy with target-only on the embedded pair, 1.0 in float32).
