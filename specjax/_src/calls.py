@@ -579,10 +579,16 @@ def _check_tree(tree, params, rule, drafting, num_draft, diagnostics, mesh, temp
     from specjax._src import trees as trees_lib
     from specjax._src.rules.base import SpeculativeSampling
 
-    if not isinstance(tree, trees_lib.TokenTree):
-        raise TypeError(f"tree must be a TokenTree (e.g. specjax.trees.static_tree((4, 2, 1))), got "
-                        f"{type(tree).__name__}.")
-    if tree.num_nodes < 2:
+    dynamic = isinstance(tree, trees_lib.DynamicTree)
+    if not isinstance(tree, trees_lib.TokenTree) and not dynamic:
+        raise TypeError(f"tree must be a TokenTree (e.g. specjax.trees.static_tree((4, 2, 1))) or a DynamicTree "
+                        f"(specjax.trees.dynamic_tree(depth, top_k, num_nodes)), got {type(tree).__name__}.")
+    if dynamic:
+        # A hand-built DynamicTree gets dynamic_tree's checks (positive ints, num_nodes <= candidates).
+        trees_lib.dynamic_tree(tree.depth, tree.top_k, tree.num_kept)
+        if tree.top_k > params.vocab_size:
+            raise ValueError(f"dynamic_tree: top_k={tree.top_k} exceeds the vocabulary ({params.vocab_size} tokens).")
+    elif tree.num_nodes < 2:
         raise ValueError("tree has no draft nodes: give it at least one level, e.g. static_tree((2,)).")
     for name, model in (("target", params.target), ("draft", params.draft)):
         if not getattr(model.module, "supports_trees", False):
@@ -605,7 +611,8 @@ def _check_tree(tree, params, rule, drafting, num_draft, diagnostics, mesh, temp
         raise ValueError("diagnostics= is not supported with tree= yet.")
     if mesh is not None:
         raise ValueError("tree decoding on a mesh is not supported yet; decode on one device.")
-    trees_lib.uniform_branching(tree)  # raises for shapes the drafter cannot grow
+    if not dynamic:
+        trees_lib.uniform_branching(tree)  # raises for shapes the drafter cannot grow
     return tree.max_depth
 
 

@@ -284,13 +284,18 @@ def decode(
         no callback is compiled in, the program is the one without streaming.
         Any two callbacks share one compiled program. Not supported on a mesh
         (ValueError).
-      tree: a :class:`specjax.trees.TokenTree` (``static_tree((4, 2, 1))``):
-        draft a token tree per cycle instead of a chain and verify it in one
-        target forward with tree attention (both models must support trees,
-        as the built-in decoders do). So far with the lossless rule only:
-        greedy (output identical to the target's greedy output) or exact
-        multi-draft sampling; the drafting policy is the tree's shape, and
-        ``num_draft`` is its depth. Not on a mesh, without ``diagnostics``.
+      tree: a :class:`specjax.trees.TokenTree` (``static_tree((4, 2, 1))``)
+        or a :class:`specjax.trees.DynamicTree` (``dynamic_tree(depth, top_k,
+        num_nodes)``, EAGLE-2: each cycle expands the ``top_k`` most likely
+        nodes per level by cumulative draft log-probability and verifies the
+        ``num_nodes`` best): draft a token tree per cycle instead of a chain
+        and verify it in one target forward with tree attention (both models
+        must support trees, as the built-in decoders and feature heads do).
+        The lossless rule: greedy (output identical to the target's greedy
+        output) or exact sampling (multi-draft for a static tree, point-mass
+        drafts for a dynamic one); stateless relaxed rules greedily only. The
+        drafting policy is the tree's shape, and ``num_draft`` is its depth.
+        Not on a mesh, without ``diagnostics``.
 
     Compilation and warm-up: the first call for each combination of
     (batch bucket, prompt-width bucket, ``max_new_tokens`` bucket) and of the

@@ -20,8 +20,18 @@ tree of draft tokens in place of a chain:
   to the chain loop's invariants;
 * record: stats with ``K`` = the tree's depth (each cycle judges one path).
 
+A dynamic tree (:class:`specjax._src.trees.DynamicTree`, EAGLE-2) is drafted
+by :func:`_draft_dynamic` instead: ``depth`` draft forwards, each over the
+``top_k`` frontier nodes of best cumulative draft log-probability with traced
+per-sequence tree parents, then a rerank keeps the ``num_kept`` best
+candidates. The target verifies that traced tree (greedy, or point-mass
+speculative sampling: :func:`specjax._src.trees.verify_dynamic_tree`).
+
 Node ``j`` of the tree sits in cache slot ``start + j`` with ``start =
-num_committed - 1``, the root's own slot, in both caches. A feature head
+num_committed - 1``, the root's own slot, in both caches (a dynamic tree's
+draft cache holds its *fed* tree instead: the root, then each level's
+frontier; the accepted path's nodes but the last are frontier nodes, so the
+commit moves them from their fed slots). A feature head
 (:mod:`specjax.heads`) holds node ``j`` one slot earlier (its position ``i``
 reads token ``x_{i+1}``): its first step ends at the root, node ``j`` reads
 its parent's predicted feature, and after the commit it keeps only what it
@@ -31,6 +41,7 @@ its next cycle's first inputs, as in the chain cycle.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -46,7 +57,8 @@ from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Path, SpeculativeSampling, VerifyInputs
 from specjax._src.stats import record_cycle
-from specjax._src.trees import TokenTree, levels, sample_children, uniform_branching, verify_tree
+from specjax._src.trees import (DynamicTree, TokenTree, levels, rerank, sample_children, top_ranked,
+                                uniform_branching, verify_dynamic_tree, verify_tree)
 
 Array = jax.Array
 
@@ -114,25 +126,31 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
     return _TreeDrafts(tokens, logits, probs, bad, jnp.int32(forwards)), cache
 
 
-def _rule_on_nodes(tree: TokenTree, rule: AcceptanceRule, drafts: _TreeDrafts, target_logits, target_probs,
-                   hidden: dict, rule_state) -> tuple[Array, Array, Array]:
+def _rule_on_nodes(rule: AcceptanceRule, tokens: Array, parents, parent_logits: Array, target_logits,
+                   target_probs, hidden: dict, rule_state) -> tuple[Array, Array, Array]:
     """A greedy rule's verdict on every node as a child of its parent:
     ``(accept [B, N], correction token [B, N], path code [B, N])`` (node 0: none).
 
+    ``parents``: the non-root nodes' parents, ``[N - 1]`` (numpy, a static
+    tree) or ``[B, N - 1]`` (traced, a dynamic tree); ``parent_logits [B, N -
+    1, V]``: the draft's logits each node was drafted from (at its parent).
     The rule sees the ``N - 1`` non-root nodes as the slots of one block, slot
     ``i`` (node ``i + 1``) judged by its parent's distributions. That is exact
     for rules that decide a slot from its own distributions alone (every
     stateless built-in rule); each node's hidden states are at its own position.
     """
-    parents = jnp.asarray(tree.parents[1:], jnp.int32)
-    batch = drafts.tokens.shape[0]
-    judge = lambda x: jnp.concatenate([x[:, parents], x[:, :1]], axis=1)  # noqa: E731 (+ an unused bonus row)
+    batch, n = tokens.shape
+    if isinstance(parents, np.ndarray):
+        at_parents = lambda x: x[:, parents]  # noqa: E731
+    else:
+        at_parents = lambda x: jnp.take_along_axis(x, parents[:, :, None], axis=1)  # noqa: E731
+    judge = lambda x: jnp.concatenate([at_parents(x), x[:, :1]], axis=1)  # noqa: E731 (+ an unused bonus row)
     features = {"hidden": {layer: h[:, 1:] for layer, h in hidden.items()}} if hidden else {}
     inputs = VerifyInputs(
-        draft_tokens=drafts.tokens[:, 1:], draft_logits=drafts.logits[:, parents],
-        draft_probs=drafts.probs[:, parents], target_logits=judge(target_logits), target_probs=judge(target_probs),
-        uniforms=jnp.zeros((batch, tree.num_nodes - 1), jnp.float32),
-        valid=jnp.ones((batch, tree.num_nodes - 1), bool), features=features,
+        draft_tokens=tokens[:, 1:], draft_logits=parent_logits, draft_probs=jax.nn.softmax(parent_logits, axis=-1),
+        target_logits=judge(target_logits), target_probs=judge(target_probs),
+        uniforms=jnp.zeros((batch, n - 1), jnp.float32),
+        valid=jnp.ones((batch, n - 1), bool), features=features,
     )
     verdict = jax.vmap(lambda i, s: rule.verify(i, s, greedy=True))(inputs, rule_state)
     pad = lambda x, v: jnp.concatenate([jnp.full((batch, 1), v, x.dtype), x], axis=1)  # noqa: E731
@@ -140,14 +158,125 @@ def _rule_on_nodes(tree: TokenTree, rule: AcceptanceRule, drafts: _TreeDrafts, t
             pad(jnp.asarray(verdict.path, jnp.int32), Path.REJECTED))
 
 
+def _best_children(raw: Array, k: int) -> Array:
+    """``int32 [..., k]``: the ``k`` largest raw logits' tokens, best first
+    (ties: the lower token), distinct even among ``-inf`` (masked) tokens.
+
+    :func:`sampling.top_indices` without its all-``-inf`` fallback, whose
+    first pass over a constant mask XLA constant-folds at length ``B * V``
+    (seconds of compile time at a batch of thousands)."""
+    if k > 8:
+        return jax.lax.top_k(raw, k)[1].astype(jnp.int32)
+    x = jnp.where(raw == -jnp.inf, jnp.finfo(jnp.float32).min, raw)  # masked tokens rank last, still pickable
+    iota = jnp.arange(raw.shape[-1], dtype=jnp.int32)
+    picked = []
+    for _ in range(k):
+        index = sampling.argmax(x)
+        picked.append(index)
+        x = jnp.where(iota == index[..., None], -jnp.inf, x)
+    return jnp.stack(picked, -1)
+
+
+class _DynamicDrafts(NamedTuple):
+    tokens: Array  # [B, M + 1] the verified tree's tokens (node 0: the root)
+    parents: Array  # [B, M + 1] int32 the verified tree (traced, per sequence)
+    fed: Array  # [B, M + 1] int32 each node's slot in the draft's fed tree (root 0; -1: never fed)
+    parent_logits: Array | None  # [B, M, V] the draft's raw logits at each non-root node's parent (relaxed rules)
+    bad: Array  # [B]
+    forwards: Array  # scalar int32
+
+
+def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, state: _DecodeState,
+                   need_logits: bool) -> tuple[_DynamicDrafts, KVCache]:
+    """EAGLE-2's expansion and rerank (:func:`specjax._src.trees.dynamic_tree`).
+
+    The draft sees a *fed tree*: node 0 the root, then each level's frontier
+    (``top_k`` nodes, levels ``1 .. depth - 1``) at fed slots ``1 + (d - 1) *
+    top_k ...``, one forward per level with traced per-sequence parents and
+    tree attention; a feature head's fed node reads its parent's ``f_hat``.
+    Candidates are numbered in drafting order: the root's ``top_k`` children,
+    then each level's ``top_k ** 2`` (frontier slot ``i``'s children at ``i *
+    top_k ...``, best first). Scores are cumulative ``T = 1`` draft
+    log-probabilities of the raw logits.
+    """
+    module, params = pair_params.draft.module, pair_params.draft.params
+    vocab, k, depth = pair_params.vocab_size, tree.top_k, tree.depth
+    batch = state.num_committed.shape[0]
+    head = is_feature_head(module)
+    if head:
+        raw0, root_feature, cache = _first_head_logits(cfg, module, params, vocab, state)
+        fed_features = jnp.zeros((batch, tree.num_fed + 1, root_feature.shape[-1]), jnp.float32)
+        fed_features = fed_features.at[:, 0].set(root_feature)
+    else:
+        raw0, cache = _first_draft_logits(module, params, vocab, state)
+    raw0 = raw0.astype(jnp.float32)
+    root = _gather(state.tokens, state.num_committed - 1)
+    bad = sampling.nonfinite_rows(raw0)
+    kids = _best_children(raw0, k)  # [B, k]: level 1, all of it the first frontier
+    scores = jnp.take_along_axis(jax.nn.log_softmax(raw0, axis=-1), kids, axis=-1)
+    cand_tokens, cand_scores = [kids], [scores]
+    cand_parents = [jnp.full((batch, k), -1, jnp.int32)]
+    cand_fed = [jnp.broadcast_to(jnp.arange(1, k + 1, dtype=jnp.int32), (batch, k))]
+    front_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
+    front_tokens, front_scores = kids, scores
+    fed_parents = jnp.full((batch, tree.num_fed + 1), -1, jnp.int32).at[:, 1 : k + 1].set(0)
+    raws = [raw0[:, None]]
+    base = k
+    for d in range(1, depth):
+        lo = 1 + (d - 1) * k  # this level's frontier: fed slots lo .. lo + k - 1
+        tree_parents = fed_parents[:, : lo + k]
+        if head:
+            feats = jnp.take_along_axis(fed_features, fed_parents[:, lo : lo + k, None], axis=1)
+            out = module.apply(params, front_tokens, cache, tree_parents=tree_parents, tree_offset=lo,
+                               features=feats)
+            fed_features = fed_features.at[:, lo : lo + k].set(out.hidden[0])
+        else:
+            out = module.apply(params, front_tokens, cache, tree_parents=tree_parents, tree_offset=lo)
+        cache, raw = out.cache, out.logits[..., :vocab].astype(jnp.float32)  # [B, k, V]
+        bad = bad | sampling.nonfinite_rows(raw).any(1)
+        raws.append(raw)
+        children = _best_children(raw, k)  # [B, k, k]
+        level_scores = front_scores[:, :, None] + jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), children,
+                                                                       axis=-1)
+        level_tokens, level_scores = children.reshape(batch, k * k), level_scores.reshape(batch, k * k)
+        cand_tokens.append(level_tokens)
+        cand_scores.append(level_scores)
+        cand_parents.append(jnp.repeat(front_cand, k, axis=1))
+        level_fed = jnp.full((batch, k * k), -1, jnp.int32)
+        if d < depth - 1:  # the next frontier: this level's top_k
+            pick = top_ranked(level_scores, k)  # [B, k]
+            nlo = lo + k
+            level_fed = jax.vmap(lambda f, i: f.at[i].set(jnp.arange(nlo, nlo + k, dtype=jnp.int32)))(level_fed, pick)
+            fed_parents = fed_parents.at[:, nlo : nlo + k].set(lo + pick // k)
+            front_cand = base + pick
+            front_tokens = jnp.take_along_axis(level_tokens, pick, axis=1)
+            front_scores = jnp.take_along_axis(level_scores, pick, axis=1)
+        cand_fed.append(level_fed)
+        base += k * k
+
+    cand = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
+    kept, parents = jax.vmap(lambda s, p: rerank(s, p, tree.num_kept))(cand(cand_scores), cand(cand_parents))
+    take = lambda x: jnp.take_along_axis(x, kept, axis=1)  # noqa: E731
+    tokens = jnp.concatenate([root[:, None], take(cand(cand_tokens))], axis=1)
+    fed = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), take(cand(cand_fed))], axis=1)
+    parent_logits = None
+    if need_logits:  # every parent was fed (or is the root): its logits exist
+        parent_fed = jnp.take_along_axis(fed, parents[:, 1:], axis=1)
+        parent_logits = jnp.take_along_axis(cand(raws), parent_fed[:, :, None], axis=1)
+    return _DynamicDrafts(tokens, parents, fed, parent_logits, bad, jnp.int32(depth)), cache
+
+
 def _tree_cycle(
     cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, prompt_lengths, max_new, eos_ids, seq_keys,
     temperature, top_p, state: _DecodeState,
 ):
-    """One tree cycle: the lossless rule (greedy or sampling), or a stateless
-    relaxed rule when greedy. Returns ``(state, None)``."""
-    tree: TokenTree = cfg.tree
-    depth, n_nodes = tree.max_depth, tree.num_nodes
+    """One tree cycle (a static :class:`TokenTree` or a :class:`DynamicTree`):
+    the lossless rule (greedy or sampling), or a stateless relaxed rule when
+    greedy. Returns ``(state, None)``."""
+    tree = cfg.tree
+    dynamic = isinstance(tree, DynamicTree)
+    depth = tree.max_depth
+    n_nodes = tree.verified_nodes if dynamic else tree.num_nodes
     nc, done = state.num_committed, state.done
     batch = nc.shape[0]
     start = nc - 1
@@ -160,32 +289,51 @@ def _tree_cycle(
         draft_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(cycle_keys)
         u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, 2), (n_nodes + 1,)))(cycle_keys)
         uniforms, emit_uniform = u[:, :n_nodes], u[:, n_nodes]
+    relaxed = not isinstance(rule, SpeculativeSampling)
 
-    # ---- draft, verify ----
-    drafts, draft_cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p)
+    # ---- draft ----
+    if dynamic:
+        drafts, draft_cache = _draft_dynamic(cfg, tree, pair_params, state, need_logits=relaxed)
+        tree_parents = drafts.parents  # traced, per sequence
+    else:
+        drafts, draft_cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p)
+        tree_parents = np.asarray(tree.parents, np.int32)  # static: the mask is built on the host
+
+    # ---- verify ----
     head = pair_params.draft.module
     head_layers = (head.feature_layer,) if is_feature_head(head) else ()
     out = pair_params.target.module.apply(pair_params.target.params, drafts.tokens, state.target_cache,
-                                          tree_parents=np.asarray(tree.parents, np.int32),
+                                          tree_parents=tree_parents,
                                           hidden_layers=tuple(rule.hidden_layers) + head_layers)
     raw = out.logits[..., : pair_params.vocab_size]
     target_logits = _warp(cfg, raw, temperature, top_p)
     target_probs = jax.nn.softmax(target_logits, axis=-1)
 
     # ---- accept ----
-    relaxed = not isinstance(rule, SpeculativeSampling)
+    if dynamic:
+        walk = functools.partial(verify_dynamic_tree, depth=depth, width=tree.top_k)
+        shape_args = (drafts.parents,)
+    else:
+        walk = functools.partial(verify_tree, tree)
+        shape_args = ()
     if relaxed:
         hidden = dict(zip(rule.hidden_layers, out.hidden))
-        node_accept, node_fix, node_code = _rule_on_nodes(tree, rule, drafts, target_logits, target_probs, hidden,
-                                                          state.rule_state)
-        verdict = jax.vmap(lambda *a: verify_tree(tree, *a[:-2], greedy=True, node_accept=a[-2],
-                                                  node_correction=a[-1]))(
-            drafts.tokens, target_logits, target_probs, drafts.probs, uniforms, emit_uniform, node_accept, node_fix
-        )
+        if dynamic:
+            node_parents, parent_logits = drafts.parents[:, 1:], drafts.parent_logits
+        else:
+            node_parents = np.asarray(tree.parents[1:], np.int32)
+            parent_logits = drafts.logits[:, node_parents]
+        node_accept, node_fix, node_code = _rule_on_nodes(rule, drafts.tokens, node_parents, parent_logits,
+                                                          target_logits, target_probs, hidden, state.rule_state)
+        extra = (node_accept, node_fix)
+        kw = lambda a: dict(greedy=True, node_accept=a[-2], node_correction=a[-1])  # noqa: E731
     else:
-        verdict = jax.vmap(lambda *a: verify_tree(tree, *a, greedy=cfg.greedy))(
-            drafts.tokens, target_logits, target_probs, drafts.probs, uniforms, emit_uniform
-        )
+        extra = ()
+        kw = lambda a: dict(greedy=cfg.greedy)  # noqa: E731
+    inputs = (drafts.tokens, target_logits, target_probs) + (() if dynamic else (drafts.probs,)) + (
+        uniforms, emit_uniform) + extra
+    n_extra = len(extra)
+    verdict = jax.vmap(lambda *a: walk(*a[: len(a) - n_extra], **kw(a)))(*shape_args, *inputs)
     n = verdict.num_accepted
     target_bad = sampling.nonfinite_rows(raw).any(1)
     new_bad = jnp.where(~done & drafts.bad, 2, jnp.where(~done & target_bad, 1, 0)).astype(jnp.int32)
@@ -202,6 +350,13 @@ def _tree_cycle(
     draft_features = None
     if head_layers:  # a feature head rewrites its tree from the target's features on the accepted path
         draft_features = jnp.take_along_axis(out.hidden[-1], verdict.path[:, :, None], axis=1)  # [B, D + 1, H]
+    elif dynamic:
+        # The draft holds the fed tree at start + fed slot. The kept path nodes
+        # (all but the last committed two tokens' nodes) each have an accepted
+        # child, so they were frontier nodes, all fed; entries past the kept
+        # count are ignored (a never-fed leaf reads slot 0, the root).
+        fed_path = jnp.maximum(jnp.take_along_axis(drafts.fed, verdict.path, axis=1), 0)
+        draft_cache = draft_cache.keep_path(start, fed_path, jnp.maximum(n_commit - 1, 0))
     else:
         draft_cache = draft_cache.keep_path(start, verdict.path, jnp.maximum(n_commit - 1, 0))
 

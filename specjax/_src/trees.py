@@ -28,6 +28,17 @@ verification emits its correction or bonus token.
   the target distribution exactly (``tests/test_trees.py`` checks the joint
   law of the first tokens against exact enumeration).
 
+Dynamic trees (:func:`dynamic_tree`, EAGLE-2, arXiv:2406.16858) are grown
+each cycle from the draft's confidence: a frontier of the ``top_k`` nodes
+with the best cumulative draft log-probability is expanded level by level,
+and the ``num_nodes`` best of all drafted candidates are verified
+(:func:`top_ranked`, :func:`rerank`). Their shape is traced, one per
+sequence, with fixed sizes. Their children are the draft's top-k, chosen
+rather than sampled, so sampling verifies them as point-mass drafts
+(:func:`verify_dynamic_tree`): child ``c_i`` is accepted with probability
+``p_i(c_i)``, and after a rejection ``p_{i+1}`` is ``p_i`` without ``c_i``,
+renormalised; this too is exact.
+
 Everything is per sequence with static shapes (``vmap`` over the batch): the
 walk is a ``fori_loop`` over depths with the node's children unrolled.
 """
@@ -179,6 +190,14 @@ def _without(q: Array, token: Array) -> Array:
     return kept / jnp.maximum(kept.sum(), 1e-30)
 
 
+def _without_or_same(p: Array, token: Array) -> Array:
+    """``p`` with ``token`` removed, renormalised; ``p`` itself if nothing is
+    left (``p(token) = 1`` was then accepted: unreachable but for rounding)."""
+    kept = p.at[token].set(0.0)
+    total = kept.sum()
+    return jnp.where(total > 0, kept / jnp.maximum(total, 1e-30), p)
+
+
 def verify_tree(
     tree: TokenTree,
     tokens: Array,
@@ -214,8 +233,62 @@ def verify_tree(
     Returns:
       :class:`TreeVerdict`.
     """
-    table = jnp.asarray(tree.children_table())
-    depth = tree.max_depth
+    return _walk(jnp.asarray(tree.children_table()), tree.max_depth, tokens, target_logits, target_probs,
+                 draft_probs, uniforms, emit_uniform, greedy=greedy, node_accept=node_accept,
+                 node_correction=node_correction)
+
+
+def verify_dynamic_tree(
+    parents: Array,
+    tokens: Array,
+    target_logits: Array,
+    target_probs: Array,
+    uniforms: Array,
+    emit_uniform: Array,
+    *,
+    depth: int,
+    width: int,
+    greedy: bool,
+    node_accept: Array | None = None,
+    node_correction: Array | None = None,
+) -> TreeVerdict:
+    """Verifies one sequence's dynamic tree (:func:`dynamic_tree`), whose
+    children were *chosen* (the draft's top-k), not sampled from ``q``.
+
+    Greedy: as :func:`verify_tree` (output: the target's greedy continuation).
+    Sampling, lossless: at a node with target distribution ``p``, its kept
+    children ``c_1, c_2, ...`` are tried in order (draft score): ``c_i`` is
+    accepted with probability ``p_i(c_i)``, with ``p_1 = p`` and, after
+    rejecting ``c_i``, ``p_{i+1} = p_i`` with ``c_i`` set to 0, renormalised;
+    if all are rejected the emitted token is drawn from the last ``p_i``. Each
+    try is standard speculative sampling with the point-mass draft ``q =
+    delta(c_i)``: accept with ``min(1, p_i(c_i) / 1)``, residual
+    ``norm(max(0, p_i - delta(c_i)))`` = ``p_i`` without ``c_i``. So each try
+    outputs a draw from ``p_i``, by induction the node's token follows ``p``,
+    and the output law is the target's (``tests/test_dynamic_trees.py``
+    checks the first tokens' joint law against exact enumeration).
+
+    Args:
+      parents: ``int32 [N]`` the verified tree (traced; node 0 the root,
+        ``parents[j] < j``).
+      tokens, target_logits, target_probs, uniforms, emit_uniform,
+        node_accept, node_correction: as for :func:`verify_tree`.
+      depth: static, the tree's largest possible depth.
+      width: static, the most children a node has (``top_k``).
+      greedy: static; True at temperature 0.
+    """
+    return _walk(children_table(parents, width), depth, tokens, target_logits, target_probs, None, uniforms,
+                 emit_uniform, greedy=greedy, node_accept=node_accept, node_correction=node_correction)
+
+
+def _walk(table, depth, tokens, target_logits, target_probs, draft_probs, uniforms, emit_uniform, *, greedy,
+          node_accept, node_correction) -> TreeVerdict:
+    """The walk down a tree given its children ``table [N, C]`` (static or
+    traced). ``draft_probs=None``: the children are point masses (a dynamic
+    tree's), else drawn from ``draft_probs`` without replacement."""
+    point_mass = draft_probs is None
+    if point_mass:
+        draft_probs = jnp.zeros((1, 1), jnp.float32)  # unused: q stays a placeholder
 
     def step(_, carry):
         cur, n, p, q, done, path, fix = carry
@@ -231,6 +304,9 @@ def verify_tree(
                     fix = jnp.where(live & ~accept, node_correction[jnp.maximum(child, 0)], fix)
             elif greedy:
                 accept = live & (x == sampling.argmax(target_logits[cur]))
+            elif point_mass:  # speculative sampling with q = delta(x): accept w.p. p(x)
+                accept = live & (uniforms[jnp.maximum(child, 0)] <= p[x])
+                p = jnp.where(live & ~accept, _without_or_same(p, x), p)
             else:
                 # A child the draft could not have drawn (q = 0: top-k / top-p
                 # left fewer tokens than the node has children) is no candidate.
@@ -247,7 +323,8 @@ def verify_tree(
         cur = next_node
         # A move restarts both sides at the new node's own distributions.
         p = jnp.where(moved, target_probs[cur], p)
-        q = jnp.where(moved, draft_probs[cur], q)
+        if not point_mass:
+            q = jnp.where(moved, draft_probs[cur], q)
         return cur, n, p, q, done | ~moved, path, fix
 
     # ``fix``: the correction of the first child rejected at the node the walk
@@ -264,3 +341,143 @@ def verify_tree(
         # p is the last residual after a rejection, or the node's own p after a leaf.
         token = sampling.sample_categorical(p, emit_uniform)
     return TreeVerdict(path=path, num_accepted=n, token=token)
+
+
+# ---------------------------------------------------------------------------
+# Dynamic (EAGLE-2) trees
+# ---------------------------------------------------------------------------
+
+
+class DynamicTree(NamedTuple):
+    """A dynamic tree's settings (hashable: a ``jit`` static); see :func:`dynamic_tree`.
+
+    Attributes:
+      depth: draft levels, the most tokens a cycle accepts (its ``K``).
+      top_k: the frontier's width and each frontier node's children.
+      num_kept: draft nodes kept for verification (``dynamic_tree``'s
+        ``num_nodes``); the verified tree is the root plus these.
+    """
+
+    depth: int
+    top_k: int
+    num_kept: int
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def num_candidates(self) -> int:
+        """Nodes drafted per cycle: the root's ``top_k`` children and ``top_k ** 2`` per deeper level."""
+        return self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def num_fed(self) -> int:
+        """Frontier nodes fed to the draft per cycle (every level but the deepest)."""
+        return (self.depth - 1) * self.top_k
+
+    @property
+    def verified_nodes(self) -> int:
+        """Nodes of the target's tree forward: the root and ``num_kept`` drafts."""
+        return self.num_kept + 1
+
+    @property
+    def num_nodes(self) -> int:
+        """The most tree nodes one cycle holds in a cache, root included: the
+        verified tree (``num_kept + 1``) in the target's, the root and the
+        ``num_fed`` frontier nodes in the draft's. As
+        :attr:`TokenTree.num_nodes`, the room ``decode`` reserves in its caches."""
+        return max(self.num_kept, self.num_fed) + 1
+
+
+def dynamic_tree(depth: int, top_k: int, num_nodes: int) -> DynamicTree:
+    """An EAGLE-2 dynamic draft tree ("EAGLE-2: Faster Inference of Language
+    Models with Dynamic Draft Trees", Li et al., arXiv:2406.16858).
+
+    Each cycle grows the tree from the draft's confidence, with fixed shapes:
+
+    * expansion: the root's ``top_k`` best children form level 1; at each
+      level the frontier is the ``top_k`` nodes of that level with the highest
+      cumulative draft log-probability (``sum log q`` along the root path, ``q``
+      the draft's ``T = 1`` softmax of its raw logits whatever the decoding
+      temperature), fed to the draft in one forward with tree attention; each
+      proposes its ``top_k`` best children (``top_k ** 2`` candidates), and the
+      next frontier is the ``top_k`` best of those. ``depth`` draft forwards
+      per cycle, ``top_k + (depth - 1) * top_k ** 2`` candidates.
+    * rerank: the ``num_nodes`` candidates with the highest cumulative
+      log-probability (ties: the earlier drafted) are verified, in drafting
+      order. A node scores at most its parent, so they form a subtree.
+
+    Verification is one target forward over the root and those nodes (greedy:
+    the longest path of target argmaxes; sampling: exact, see
+    :func:`verify_dynamic_tree`). ``num_nodes`` may be at most the number of
+    candidates.
+    """
+    depth = check_positive_int("dynamic_tree: depth", depth)
+    top_k = check_positive_int("dynamic_tree: top_k", top_k)
+    num_nodes = check_positive_int("dynamic_tree: num_nodes", num_nodes)
+    tree = DynamicTree(depth, top_k, num_nodes)
+    if num_nodes > tree.num_candidates:
+        raise ValueError(f"dynamic_tree: num_nodes={num_nodes} exceeds the {tree.num_candidates} candidates a "
+                         f"depth-{depth}, top_k={top_k} expansion drafts (top_k + (depth - 1) * top_k ** 2).")
+    return tree
+
+
+def top_ranked(scores: Array, k: int) -> Array:
+    """``int32 [..., k]``: the indices of the ``k`` best ``scores[..., C]`` by
+    ``(score, -index)`` (ties: the lower index), best first; NaN counts as ``-inf``.
+
+    Counts each entry's rank (``O(C^2)`` compares, no sort): a strict total
+    order, so the ranks are a permutation and exactly ``k`` entries are picked.
+    """
+    s = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
+    c = s.shape[-1]
+    idx = jnp.arange(c)
+    other, own = s[..., None, :], s[..., :, None]  # [..., C, C]: entry j against entry i (row i)
+    before = (other > own) | ((other == own) & (idx[None, :] < idx[:, None]))
+    rank = before.sum(-1).astype(jnp.int32)  # [..., C]: how many entries rank before each one
+    out = jnp.zeros(s.shape[:-1] + (k,), jnp.int32)
+    fill = lambda o, r: o.at[r].set(idx.astype(jnp.int32), mode="drop")  # noqa: E731 (ranks >= k dropped)
+    for _ in range(s.ndim - 1):
+        fill = jax.vmap(fill)
+    return fill(out, rank)
+
+
+def rerank(scores: Array, cand_parents: Array, num_kept: int) -> tuple[Array, Array]:
+    """EAGLE-2's rerank of one sequence's drafted candidates.
+
+    Args:
+      scores: ``[C]`` cumulative draft log-probabilities, in drafting order.
+      cand_parents: ``int32 [C]`` each candidate's parent candidate (``-1``:
+        the root); a parent is drafted before its children.
+      num_kept: static, ``M <= C``.
+
+    Returns:
+      ``(kept, parents)``: ``kept int32 [M]``, the candidates of the ``M`` best
+      ``(score, -index)``, in drafting order; ``parents int32 [M + 1]``, the
+      verified tree (node 0 the root, node ``m + 1`` candidate ``kept[m]``).
+      When a candidate scores at most its parent (log-probabilities), the kept
+      set is a subtree in topological order.
+    """
+    c = scores.shape[-1]
+    chosen = jnp.zeros((c,), bool).at[top_ranked(scores, num_kept)].set(True)
+    position = jnp.cumsum(chosen.astype(jnp.int32)) - 1  # rank of each kept candidate in drafting order
+    kept = jnp.zeros((num_kept,), jnp.int32).at[jnp.where(chosen, position, num_kept)].set(
+        jnp.arange(c, dtype=jnp.int32), mode="drop")
+    node_of = jnp.where(chosen, position + 1, 0)  # candidate -> verified node (0: not kept)
+    up = cand_parents[kept]
+    parents = jnp.concatenate([jnp.full((1,), -1, jnp.int32),
+                               jnp.where(up < 0, 0, node_of[jnp.maximum(up, 0)]).astype(jnp.int32)])
+    return kept, parents
+
+
+def children_table(parents: Array, width: int) -> Array:
+    """``int32 [N, width]``: each node's children in node order, padded with
+    ``-1``, from traced ``parents [N]`` (``parents[0] = -1``; at most ``width``
+    children per node)."""
+    n = parents.shape[-1]
+    j = jnp.arange(n)
+    same = (parents[None, :] == parents[:, None]) & (j[None, :] < j[:, None])
+    rank = same.sum(-1)  # each node's place among its siblings
+    row = jnp.where(parents >= 0, parents, n)  # the root: dropped
+    return jnp.full((n, width), -1, jnp.int32).at[row, rank].set(j.astype(jnp.int32), mode="drop")
