@@ -195,3 +195,26 @@ def test_summary_names_and_concatenate():
     np.testing.assert_array_equal(extra["x"], [1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="num_draft"):
         concatenate([a, DecodeStats.zeros(1, K + 1)])
+
+
+def test_verified_counts_what_each_verification_scored():
+    """``verified``: K + 1 per cycle for a chain, the node count for a static
+    tree, the kept nodes plus the root for a dynamic tree, 1 per token for
+    target-only decoding; finished rows add nothing."""
+    import specjax
+    from specjax.testing import bigram_model, random_table
+    from specjax.trees import dynamic_tree, static_tree
+
+    pair = specjax.pair(bigram_model(random_table(0, 12)), bigram_model(random_table(1, 12)))
+    prompts = [[1, 2, 3], [4], [5, 6]]
+    kw = dict(max_new_tokens=9, temperature=0.0, eos_token_id=3)
+    for call, per_cycle in (
+        (dict(num_draft=3), 4),
+        (dict(tree=static_tree((2, 2))), 7),
+        (dict(tree=dynamic_tree(2, 2, 5)), 6),
+    ):
+        s = specjax.decode(pair, prompts, **call, **kw).stats
+        np.testing.assert_array_equal(np.asarray(s.verified), per_cycle * np.asarray(s.cycles))
+        assert s.verified_per_cycle == per_cycle
+    g = specjax.generate(pair.target, prompts, **kw).stats
+    np.testing.assert_array_equal(np.asarray(g.verified), np.asarray(g.tokens))

@@ -435,7 +435,7 @@ def _generate_impl(
     state = jax.lax.while_loop(cond, body, state)
     generated = state.num_committed - prompt_lengths
     stats = DecodeStats.zeros(batch, 0).replace(
-        cycles=generated, tokens=generated, target_forwards=state.step
+        cycles=generated, tokens=generated, verified=generated, target_forwards=state.step
     )
     out = DecodeOutput(
         tokens=_extract(cfg, state.tokens, prompt_lengths, generated, pad_id), lengths=generated, stats=stats

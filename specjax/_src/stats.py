@@ -121,6 +121,7 @@ class DecodeStats:
     reached_at: Array  # [B, K]
     accepted_at: Array  # [B, K]
     accepted_by_path: Array  # [B, NUM_PATHS]
+    verified: Array  # [B] tokens (chain slots or tree nodes) the target's verification forwards scored
     draft_forwards: Array  # scalar
     target_forwards: Array  # scalar
     extra: dict = struct.field(default_factory=dict)
@@ -144,6 +145,7 @@ class DecodeStats:
             reached_at=per_slot,
             accepted_at=per_slot,
             accepted_by_path=jnp.zeros((batch_size, NUM_PATHS), jnp.int32),
+            verified=z,
             draft_forwards=jnp.int32(0),
             target_forwards=jnp.int32(0),
             extra=extra or {},
@@ -213,6 +215,12 @@ class DecodeStats:
         return _ratio(np.sum(self.drafted), np.sum(self.cycles))
 
     @property
+    def verified_per_cycle(self) -> float:
+        """Tokens each verification forward scored per sequence: ``K + 1`` for a
+        chain, the tree's node count for a tree (what tau is bought with)."""
+        return _ratio(np.sum(self.verified), np.sum(self.cycles))
+
+    @property
     def efficiency(self) -> float:
         """tokens / (cycles * (K + 1)): tau as a share of its maximum."""
         return _ratio(np.sum(self.tokens), np.sum(self.cycles) * (self.num_draft + 1))
@@ -235,6 +243,7 @@ class DecodeStats:
             "acceptance_rate": self.acceptance_rate,
             "accepted_per_drafted": self.accepted_per_drafted,
             "mean_drafted_per_cycle": self.mean_drafted_per_cycle,
+            "verified_per_cycle": self.verified_per_cycle,
             "efficiency": self.efficiency,
             "draft_forwards": float(self.draft_forwards),
             "target_forwards": float(self.target_forwards),
@@ -274,6 +283,7 @@ def record_cycle(
     num_committed: Array,
     paths: Array,
     draft_forwards: Array,
+    verified: Array | int | None = None,
 ) -> DecodeStats:
     """Adds one draft-verify cycle to ``stats``. Pure and jit-friendly.
 
@@ -287,6 +297,8 @@ def record_cycle(
         after the cut at EOS and ``max_new_tokens`` (0 on non-live rows).
       paths: ``[B, K]`` int32 :class:`~specjax.rules.Path` codes of the verdict.
       draft_forwards: scalar int32, draft batch forwards run this cycle.
+      verified: tokens the verification forward scored per sequence (scalar or
+        ``[B]``); default ``K + 1``, a chain's block.
 
     Returns:
       ``stats`` plus this cycle. Counting: slot ``k`` is reached (judged) when it
@@ -325,6 +337,7 @@ def record_cycle(
         reached_at=s.reached_at + reached_i,
         accepted_at=s.accepted_at + accepted_i,
         accepted_by_path=s.accepted_by_path + path_counts,
+        verified=s.verified + live_i * jnp.asarray(k_max + 1 if verified is None else verified, jnp.int32),
         draft_forwards=s.draft_forwards + jnp.asarray(draft_forwards, jnp.int32),
         target_forwards=s.target_forwards + 1,
     )
@@ -344,7 +357,7 @@ def concatenate(stats_list: Sequence[DecodeStats]) -> DecodeStats:
     if any(set(s.extra) != keys for s in stats_list):
         raise ValueError("concatenate needs the same extra keys in every DecodeStats")
     per_seq = ("cycles", "drafted", "accepted", "judged", "tokens", "drafted_at", "reached_at", "accepted_at",
-               "accepted_by_path")
+               "accepted_by_path", "verified")
     joined = {f: np.concatenate([getattr(s, f) for s in stats_list]) for f in per_seq}
     return stats_list[0].replace(
         **joined,

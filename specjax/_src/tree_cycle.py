@@ -368,7 +368,7 @@ def _tree_cycle(
         paths = jnp.full((batch, depth), Path.EXACT, jnp.int32)
     paths = jnp.where(jnp.arange(depth)[None, :] < n[:, None], paths, Path.REJECTED).astype(jnp.int32)
     stats = record_cycle(state.stats, live=live, valid=judged, num_accepted=n, num_committed=n_commit,
-                         paths=paths, draft_forwards=drafts.forwards)
+                         paths=paths, draft_forwards=drafts.forwards, verified=n_nodes)
     new_state = state.replace(
         step=state.step + 1,
         tokens=tokens,
