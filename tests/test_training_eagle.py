@@ -1,0 +1,184 @@
+"""training.eagle: target features per shard (resumable), the unrolled head's
+attention equals cached drafting, training lowers the loss and resumes to the
+same params, export refuses to overwrite and reloads to the same logits."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax._src.lm import Model
+from specjax._src.models import feature_head, loading
+from specjax.testing import llama_config
+from training import common, distill_data, draft, eagle
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+SEQ = 96
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random 2-layer Llama target on disk (embedded tokenizer, chat template) and
+    two distill_data shards of its answers (3 prompts each, 8 new tokens)."""
+    embedded = specjax.load("embedded-target")
+    cfg = llama_config(vocab_size=embedded.vocab_size, eos_token_id=2, eos_token_ids=(2,),
+                       max_position_embeddings=256)
+    params = specjax.Decoder(cfg).init(jax.random.key(3))
+    params["lm_head"] = params["lm_head"] * 40.0  # peaked, so answers are not uniform noise
+    root = tmp_path_factory.mktemp("eagle")
+    path = root / "target"
+    loading.export_hf(Model(params, specjax.Decoder(cfg), embedded.tokenizer, chat_template=TEMPLATE), str(path))
+    target = specjax.load(path)
+    prompts = ["What is rain?", "Name a color.", "Say hi.", "Count to 3.", "Why is the sky blue?", "Hello!"]
+    distill_data.gather(target, prompts, root / "data", batch_size=3, new_tokens=8, log=lambda m: None)
+    return str(path), root / "data"
+
+
+def _args(target, data, out, *extra):
+    return ["--target", target, "--data", str(data), "--out", str(out), "--head-vocab-from", "",
+            "--head-vocab", "48", "--seq-len", str(SEQ), "--feature-batch", "2", "--steps", "6", "--batch", "2",
+            "--lr", "1e-2", "--eval-prompts", "2", "--eval-new-tokens", "6", "--eval-batch", "2",
+            "--eval-every", "3", "--no-progress", *extra]
+
+
+def _head_ids(data, vocab):
+    return draft.head_vocabulary(distill_data.load_shards(data), 48, vocab, (2,))
+
+
+def test_features_are_the_targets_last_block_and_resume(tiny, tmp_path):
+    target_path, data = tiny
+    target = specjax.load(target_path)
+    files = sorted(data.glob("shard_*.npz"))
+    ids = _head_ids(data, target.vocab_size)
+    assert eagle.extract_features(target, files, tmp_path, ids, seq_len=SEQ, batch=2, log=lambda m: None) == 2
+    rows = eagle.load_rows(files, tmp_path, ids, SEQ, target.vocab_size)
+    h = target.module.config.hidden_size
+    assert rows["features"].shape == (6, SEQ, h) and rows["features"].dtype == jnp.bfloat16
+    want = target.module.apply(target.params, jnp.asarray(rows["tokens"]), hidden_layers=(-1,)).hidden[0]
+    np.testing.assert_allclose(np.asarray(rows["features"], np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
+    # the prompt and the answer are contiguous (no padding between them)
+    shard = dict(np.load(files[0]))
+    p, a = int(shard["prompt_lengths"][0]), int(shard["answer_lengths"][0])
+    width = shard["tokens"].shape[1] - shard["top_ids"].shape[1]
+    np.testing.assert_array_equal(rows["tokens"][0, p:p + a], shard["tokens"][0, width:width + a])
+    stamp = (tmp_path / files[0].name).stat().st_mtime_ns
+    assert eagle.extract_features(target, files, tmp_path, ids, seq_len=SEQ, batch=2, log=lambda m: None) == 0
+    assert (tmp_path / files[0].name).stat().st_mtime_ns == stamp
+
+
+def _tiny_head(target_path, data):
+    target = specjax.load(target_path)
+    ids = _head_ids(data, target.vocab_size)
+    head = feature_head.init_from_target(target, jax.random.key(0), ids)
+    # perturb, so that the head is not the target's top and the steps differ
+    params = dict(head.params)
+    params["fuse"] = {"kernel": params["fuse"]["kernel"] + 0.05 * jax.random.normal(
+        jax.random.key(1), params["fuse"]["kernel"].shape)}
+    return target, head.replace(params=params), ids
+
+
+def test_unrolled_steps_attend_as_cached_drafting(tiny):
+    target, head, ids = _tiny_head(*tiny)
+    cfg = head.module.config
+    tokens = jax.random.randint(jax.random.key(2), (2, 12), 3, cfg.vocab_size)
+    feats = target.module.apply(target.params, tokens, hidden_layers=(-1,)).hidden[0]
+    outs = eagle.make_unrolled(cfg, 3)(head.params, tokens, feats)
+    full = head.module.apply(head.params, tokens, features=feats)
+    # step 1 = the plain forward; the reduced logits are its columns at head_vocab_ids
+    np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(full.logits[..., ids]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(outs[0][1]), np.asarray(full.hidden[0]), rtol=1e-4, atol=1e-4)
+    for j in (3, 7, 11):
+        # drafting with a cache: the prefix with the target's features, then the head's own
+        cache = head.module.init_cache(2, 32)
+        out = head.module.apply(head.params, tokens[:, :j - 1], cache, features=feats[:, :j - 1])
+        f, cache = out.hidden[0][:, -1:], out.cache
+        for step in (2, 3):
+            pos = j - 3 + step  # chain started at j - 2: step 2 at j - 1, step 3 at j
+            out = head.module.apply(head.params, tokens[:, pos:pos + 1], cache, features=f)
+            np.testing.assert_allclose(np.asarray(outs[step - 1][0][:, pos]), np.asarray(out.logits[:, 0, ids]),
+                                       rtol=1e-4, atol=1e-4, err_msg=f"step {step} at {pos}")
+            f, cache = out.hidden[0], out.cache
+        del f
+
+
+def test_training_lowers_the_loss(tiny, tmp_path):
+    target_path, data = tiny
+    target, head, ids = _tiny_head(target_path, data)
+    files = sorted(data.glob("shard_*.npz"))
+    eagle.extract_features(target, files, tmp_path, ids, seq_len=SEQ, batch=2, log=lambda m: None)
+    rows = eagle.load_rows(files, tmp_path, ids, SEQ, target.vocab_size)
+    trainable, frozen = eagle.split_params(head.params)
+    assert set(frozen) == {"embed", "head_vocab_ids"}
+    loss_fn = eagle.make_loss(head.module.config, unroll=2, reg_weight=1.0)
+    opt = common.adamw(3e-3, 30, warmup_steps=2, weight_decay=0.0)
+    step = common.make_train_step(loss_fn, opt)
+    state = common.init_state(trainable, opt)
+    batch = {**{k: jnp.asarray(v) for k, v in rows.items()}, "frozen": frozen}
+    first, aux = jax.jit(loss_fn)(trainable, batch)
+    assert {"ce_1", "ce_2", "reg", "top1_1", "top1_2"} <= set(aux)
+    for _ in range(30):
+        state, metrics = step(state, batch)
+    last, _ = jax.jit(loss_fn)(state["params"], batch)
+    assert float(last) < 0.7 * float(first), (float(first), float(last))
+    # the frozen table is never part of what is trained
+    assert "embed" not in state["params"] and "head_vocab_ids" not in state["params"]
+
+
+def test_interrupted_training_resumes_and_the_export_reloads(tiny, tmp_path):
+    """An uninterrupted run (exported), and one killed after 4 steps then resumed by the
+    same command: the same params at step 6. The export refuses to be overwritten,
+    reloads with specjax.load and, given the target's table, gives the trained logits."""
+    target_path, data = tiny
+    dest = tmp_path / "head"
+    assert eagle.main(_args(target_path, data, tmp_path / "full", "--export", str(dest))) == 0
+    (tmp_path / "cut").mkdir()
+    for d in ("features", "heldout"):
+        shutil.copytree(tmp_path / "full" / d, tmp_path / "cut" / d)
+    assert eagle.main(_args(target_path, data, tmp_path / "cut", "--stop-after", "4", "--checkpoint-seconds", "0",
+                            "--eval-every", "0")) == 0
+    assert eagle.main(_args(target_path, data, tmp_path / "cut", "--train-only", "--eval-every", "0")) == 0
+    assert "resumed at step 4" in (tmp_path / "cut" / "log.txt").read_text()
+    states = []
+    for run in ("full", "cut"):
+        ckpt = common.Checkpointer(tmp_path / run / "ckpt")
+        assert ckpt.latest_step() == 6
+        raw = ckpt._manager.restore(6)
+        states.append(raw["state"]["params"])
+        ckpt.close()
+    leaves = [jax.tree.leaves(s) for s in states]
+    assert len(leaves[0]) == len(leaves[1]) > 5
+    for a, b in zip(*leaves):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    assert {"config.json", "head.safetensors", "MODEL_CARD.md", "train_log.json"} <= {p.name for p in dest.iterdir()}
+    log = json.loads((dest / "train_log.json").read_text())
+    assert log["summary"]["steps"] == 6 and 0 <= log["summary"]["heldout"]["step1"] <= 1
+    assert "python -m training.eagle" in (dest / "MODEL_CARD.md").read_text()
+    meta = json.loads((dest / "config.json").read_text())[feature_head.CONFIG_KEY]
+    assert meta["target"] == target_path and meta["config"]["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit, match="--force"):
+        eagle.main(_args(target_path, data, tmp_path / "full", "--export", str(dest)))
+    target = specjax.load(target_path)
+    loaded = specjax.load(dest)
+    assert feature_head.is_feature_head(loaded.module)
+    assert loaded.params["head_vocab_ids"].dtype == jnp.int32 and "embed" not in loaded.params
+    paired = feature_head.attach_embedding(loaded, target)
+    ids = np.asarray(loaded.params["head_vocab_ids"])
+    init = feature_head.init_from_target(target, jax.random.key(0), ids)
+    trained = jax.tree.map(jnp.asarray, states[0])
+    assert not np.allclose(np.asarray(trained["lm_head"]), np.asarray(init.params["lm_head"]))
+    ref = init.replace(params={**init.params, **trained})
+    tokens = jnp.asarray([[5, 6, 7, 8, 9, 10]])
+    feats = target.module.apply(target.params, tokens, hidden_layers=(-1,)).hidden[0]
+    la = np.asarray(ref.module.apply(ref.params, tokens, features=feats).logits[..., ids])
+    lb = np.asarray(paired.module.apply(paired.params, tokens, features=feats).logits[..., ids], np.float32)
+    np.testing.assert_allclose(lb, la, rtol=0.05, atol=0.05 * np.abs(la).max())
+    assert (lb.argmax(-1) == la.argmax(-1)).mean() >= 0.8

@@ -1,0 +1,646 @@
+"""Train an EAGLE-style target-feature draft head: ``python -m training.eagle``.
+
+The head (:mod:`specjax._src.models.feature_head`) is one decoder block that
+reads the target's last-block features ``f_i`` and the next token ``x_{i+1}``,
+predicts ``f_{i+1}`` and, through a final norm and a reduced LM head, the token
+``x_{i+2}``. It is trained on the rows :mod:`training.distill_data` gathered
+for the separate draft (the target's own answers and its top-32 distributions;
+``runs/smollm2-draft/data``), in stages that each resume after an interrupt:
+
+1. **features**: the target (float32) runs over each shard's rows (prompt and
+   answer made contiguous, as :func:`training.draft.build_rows` does) and its
+   last-block output is stored per shard as bfloat16 under ``OUT/features``.
+2. **heldout**: the target answers held-out chat prompts (subjects no training
+   prompt uses) greedily; their features are stored under ``OUT/heldout``.
+3. **train**: Optax AdamW with Orbax checkpoints (batches are a pure function
+   of the step, so a killed run resumes to the same params). Loss on answer
+   positions, per head position ``i``:
+
+   * cross-entropy of the head's reduced-vocabulary distribution for
+     ``x_{i+2}`` against the target's renormalised top-32 (KL to the target up
+     to a constant, as :func:`training.draft.make_loss`);
+   * ``--reg-weight`` x smooth-L1 between RMS-normalised ``f_hat_i`` and
+     RMS-normalised ``f_{i+1}`` (EAGLE-1's feature regression; the head is
+     scale-free in its features);
+   * for ``--unroll K > 1`` ("training-time test", EAGLE-3): the head runs again
+     K-1 times on its own predicted features, attending exactly as it does when
+     drafting (earlier positions' keys from the target-feature pass, the chain's
+     own keys for its later steps), with the same cross-entropy.
+
+   The embedding table is the target's and stays frozen; ``head_vocab_ids`` is
+   never trained.
+4. **evaluate**: offline top-1 agreement of the head with the target on the
+   held-out rows at draft steps 1..3 (step 1 reads the target's features: the
+   first-slot acceptance at T=0; steps 2 and 3 read the head's own predicted
+   features, tokens are the target's), and the chance that the first k drafts
+   all agree.
+5. **export**: ``config.json`` + ``head.safetensors`` in bfloat16 (without the
+   borrowed embedding), ``MODEL_CARD.md`` and ``train_log.json``. Refuses to
+   replace an existing export without ``--force``.
+
+Reproduce the shipped head (see its MODEL_CARD.md for the exact command)::
+
+    python -m training.eagle --export specjax/assets/models/smollm2-eagle
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import platform
+import shutil
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+import specjax
+from specjax._src.lm import Model
+from specjax._src.models import feature_head, loading
+from specjax._src.models.feature_head import FeatureHead, _HeadModule
+from training import chat_prompts, common, distill_data, draft
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_VOCAB_FROM = "specjax/assets/models/smollm2-draft"
+FROZEN = ("embed", "head_vocab_ids")
+
+
+# ----------------------------------------------------------------------------- features
+
+
+def feature_fn(target: Model):
+    """``jit(params, tokens [B, S]) -> last-block features [B, S, H] bfloat16`` (no LM head)."""
+    module = target.module
+
+    @jax.jit
+    def run(params, tokens):
+        out = module.apply(params, tokens, hidden_layers=(-1,),
+                           logits_at=jnp.zeros((tokens.shape[0],), jnp.int32))
+        return out.hidden[0].astype(jnp.bfloat16)
+
+    return run
+
+
+def _shard_rows(shard: dict, head_ids: np.ndarray, seq_len: int, vocab_size: int) -> dict:
+    return draft.build_rows(shard, head_ids, seq_len, vocab_size)
+
+
+def extract_features(target: Model, shard_files: list, out_dir: pathlib.Path, head_ids: np.ndarray, *,
+                     seq_len: int, batch: int, log=print) -> int:
+    """Writes ``out_dir/<shard name>.npz`` (``features`` as uint16 bits of bfloat16
+    ``[N, seq_len, H]``, ``tokens [N, seq_len]``) for every shard not done yet.
+
+    Returns the number of shards computed by this call (0 when all existed).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run = feature_fn(target)
+    vocab = target.module.config.vocab_size
+    done = 0
+    for i, f in enumerate(shard_files):
+        dest = out_dir / f"{pathlib.Path(f).stem}.npz"
+        if dest.exists():
+            continue
+        t0 = time.monotonic()
+        rows = _shard_rows(dict(np.load(f)), head_ids, seq_len, vocab)
+        tokens = rows["tokens"]
+        n = tokens.shape[0]
+        parts = []
+        for s in range(0, n, batch):
+            chunk = tokens[s:s + batch]
+            pad = batch - chunk.shape[0]  # the last chunk reuses the compiled program
+            if pad:
+                chunk = np.concatenate([chunk, np.zeros((pad, seq_len), np.int32)])
+            parts.append(np.asarray(jax.device_get(run(target.params, jnp.asarray(chunk))))[: batch - pad])
+        feats = np.concatenate(parts).view(np.uint16)
+        tmp = out_dir / f".{dest.stem}.tmp.npz"
+        np.savez(tmp, features=feats, tokens=tokens)
+        os.replace(tmp, dest)  # a feature file exists only once it is complete
+        done += 1
+        dt = time.monotonic() - t0
+        log(f"[features] {dest.name} ({i + 1}/{len(shard_files)}): {n} rows, {dt:.1f} s "
+            f"({n * seq_len / dt:.0f} tok/s)")
+    return done
+
+
+def load_rows(shard_files: list, feat_dir: pathlib.Path, head_ids: np.ndarray, seq_len: int,
+              vocab_size: int) -> dict:
+    """Distillation rows (:func:`training.draft.build_rows`) plus their features (bfloat16)."""
+    parts = []
+    for f in shard_files:
+        rows = _shard_rows(dict(np.load(f)), head_ids, seq_len, vocab_size)
+        z = np.load(feat_dir / f"{pathlib.Path(f).stem}.npz")
+        if not np.array_equal(z["tokens"], rows["tokens"]):
+            raise ValueError(f"{feat_dir}/{pathlib.Path(f).stem}.npz was computed for other rows; delete it.")
+        rows["features"] = z["features"].view(ml_dtypes.bfloat16)
+        parts.append(rows)
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def gather_heldout(target: Model, prompts: list[str], out_dir: pathlib.Path, *, new_tokens: int,
+                   batch: int, log=print) -> pathlib.Path:
+    """Greedy answers of the target to ``prompts`` in the distill_data shard format
+    (one shard; reused when present)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "shard_00000.npz"
+    if path.exists():
+        return path
+    encoded = distill_data.encode_prompts(target, prompts)
+    width = -(-max(len(p) for p in encoded) // 8) * 8
+    eos = target.module.config.eos_token_ids or (target.module.config.eos_token_id,)
+    eos_ids = jnp.asarray(eos, jnp.int32)
+    keep = {k: [] for k in ("tokens", "answer_lengths", "top_ids", "top_logprobs")}
+    t0 = time.monotonic()
+    for s in range(0, len(encoded), batch):
+        rows = encoded[s:s + batch]
+        padded = np.zeros((batch, width), np.int32)
+        lengths = np.ones((batch,), np.int32)
+        for j, r in enumerate(rows):
+            padded[j, :len(r)] = r
+            lengths[j] = len(r)
+        temps = jnp.zeros((batch,), jnp.float32)
+        tokens, top_i, top_lp, ans = jax.device_get(distill_data._answer(
+            target.module, target.params, jnp.asarray(padded), jnp.asarray(lengths),
+            (jax.random.key(0), temps, eos_ids), new_tokens, 32))
+        n = len(rows)
+        keep["tokens"].append(np.concatenate([padded, tokens], axis=1)[:n])
+        keep["answer_lengths"].append(ans[:n].astype(np.int32))
+        keep["top_ids"].append(top_i[:n].astype(np.int32))
+        keep["top_logprobs"].append(top_lp[:n].astype(np.float16))
+    tmp = out_dir / ".shard_00000.tmp.npz"
+    np.savez(tmp, **{k: np.concatenate(v) for k, v in keep.items()},
+             prompt_lengths=np.asarray([len(p) for p in encoded], np.int32),
+             temperatures=np.zeros((len(encoded),), np.float32),
+             prompt_index=np.arange(len(encoded), dtype=np.int32))
+    os.replace(tmp, path)
+    log(f"[heldout] {len(encoded)} greedy answers of up to {new_tokens} tokens in {time.monotonic() - t0:.0f} s")
+    return path
+
+
+# ----------------------------------------------------------------------------- the head, unrolled
+
+
+def chain_mask(t: int, steps: int, step: int) -> np.ndarray:
+    """``[T, steps * T]`` bool: what head position ``j`` at draft step ``step`` (1-based) sees.
+
+    The head's KV buffer holds the target-feature pass (step 1) in slots
+    ``[0, T)`` and step ``m``'s pass in ``[(m - 1) T, m T)``. A chain drafted
+    from the target's feature at position ``j - step + 1`` sees the step-1
+    keys up to that position and its own later keys at ``j - step + m``
+    (step ``m``), exactly as when drafting with a cache.
+    """
+    j = np.arange(t)[:, None]
+    s = np.arange(t)[None, :]
+    mask = np.zeros((t, steps * t), bool)
+    mask[:, :t] = s <= j - step + 1
+    for m in range(2, step + 1):
+        mask[:, (m - 1) * t:m * t] = s == j - (step - m)
+    return mask
+
+
+def make_unrolled(cfg, steps: int):
+    """``f(params, tokens [B, T], features [B, T, H]) -> [(reduced logits [B, T, V'], f_hat [B, T, H])] * steps``.
+
+    Step 1 reads the given features; step ``m > 1`` reads step ``m - 1``'s
+    ``f_hat`` shifted one position right (position ``j`` reads the prediction
+    made at ``j - 1``), attending as :func:`chain_mask` says. Logits are over
+    the reduced head only (``lm_head`` columns, in ``head_vocab_ids`` order).
+    """
+    module = _HeadModule(cfg)
+    eps = cfg.norm_eps
+
+    def run(params, tokens, features):
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        size = steps * t
+        dtype = jnp.dtype(cfg.dtype)
+        zeros = jnp.zeros((b, cfg.num_kv_heads, size, cfg.head_dim), dtype)
+        caches = tuple((zeros, zeros) for _ in range(cfg.num_layers))
+        out = []
+        feats = features
+        for m in range(1, steps + 1):
+            lengths = jnp.full((b,), (m - 1) * t, jnp.int32)
+            mask = jnp.asarray(chain_mask(t, steps, m))[None]
+            _, f_hat, caches = module.apply({"params": params}, tokens, feats, positions, caches, lengths, None, mask)
+            x = f_hat.astype(jnp.float32)
+            x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+            x = params["final_norm"]["scale"].astype(jnp.float32) * x.astype(dtype).astype(jnp.float32)
+            logits = jnp.einsum("bth,hv->btv", x.astype(dtype), params["lm_head"],
+                                preferred_element_type=jnp.float32)
+            out.append((logits, f_hat))
+            feats = jnp.concatenate([features[:, :1].astype(f_hat.dtype), f_hat[:, :-1]], axis=1)
+        return out
+
+    return run
+
+
+def _rms_normalise(x):
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def head_inputs(batch: dict) -> dict:
+    """Row arrays -> head positions: position ``i`` reads ``(f_i, x_{i+1})`` and
+    predicts ``x_{i+2}`` (the teacher at row position ``i + 1``) and ``f_{i+1}``."""
+    return {
+        "tokens": batch["tokens"][:, 1:],
+        "features": batch["features"][:, :-1],
+        "next_features": batch["features"][:, 1:],
+        "teacher_ids": batch["teacher_ids"][:, 1:],
+        "teacher_logp": batch["teacher_logp"][:, 1:],
+        "mask": batch["mask"][:, 1:],
+    }
+
+
+def _ce(logits, ids, logp):
+    logq = jax.nn.log_softmax(logits, axis=-1)
+    in_head = ids >= 0
+    teacher = jnp.where(in_head, logp.astype(jnp.float32), -jnp.inf)
+    p = jnp.where(in_head, jax.nn.softmax(teacher, axis=-1), 0.0)
+    p = jnp.where(in_head.any(-1, keepdims=True), p, 0.0)
+    logq_t = jnp.take_along_axis(logq, jnp.maximum(ids, 0), axis=-1)
+    return -jnp.sum(p * logq_t, axis=-1), in_head.any(-1)
+
+
+def _smooth_l1(a, b):
+    d = jnp.abs(a - b)
+    return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5), axis=-1)
+
+
+def make_loss(cfg, *, unroll: int, reg_weight: float, unroll_weight: float = 1.0):
+    """``loss_fn(trainable, batch) -> (loss, aux)``; ``batch`` carries the frozen
+    ``embed`` / ``head_vocab_ids`` params under ``"frozen"``."""
+    run = make_unrolled(cfg, unroll)
+
+    def loss_fn(trainable, batch):
+        params = {**trainable, **batch["frozen"]}
+        h = head_inputs(batch)
+        outs = run(params, h["tokens"], h["features"])
+        ans = h["mask"]
+        total, aux = 0.0, {}
+        for m, (logits, f_hat) in enumerate(outs, start=1):
+            ce, in_head = _ce(logits, h["teacher_ids"], h["teacher_logp"])
+            mask = ans & in_head
+            ce = jnp.sum(jnp.where(mask, ce, 0.0)) / jnp.maximum(mask.sum(), 1)
+            agree = (jnp.argmax(logits, -1) == h["teacher_ids"][..., 0]) & ans
+            aux[f"ce_{m}"] = ce
+            aux[f"top1_{m}"] = agree.sum() / jnp.maximum(ans.sum(), 1)
+            total = total + (1.0 if m == 1 else unroll_weight) * ce
+        reg = _smooth_l1(_rms_normalise(outs[0][1]), _rms_normalise(h["next_features"]))
+        reg = jnp.sum(jnp.where(ans, reg, 0.0)) / jnp.maximum(ans.sum(), 1)
+        aux["reg"] = reg
+        return total + reg_weight * reg, aux
+
+    return loss_fn
+
+
+def balance_fuse(head: Model) -> Model:
+    """``fuse``'s token half set to ``I / rms(embedding)``: the token enters the block
+    at the same (unit) scale as the normalised feature from the first step.
+
+    ``init_from_target`` leaves it at small noise, so the head starts blind to
+    ``x_{i+1}`` and AdamW needs ~1000 steps at lr 5e-4 to grow it (measured:
+    held-out step-1 agreement 0.15 after 100 steps, loss still ~10 at 160).
+    """
+    params = dict(head.params)
+    table = params["embed"]["embedding"]
+    h = head.module.config.hidden_size
+    rms = float(jnp.sqrt(jnp.mean(jnp.square(table.astype(jnp.float32)))))
+    kernel = params["fuse"]["kernel"]
+    params["fuse"] = {"kernel": kernel.at[:h].set(jnp.eye(h, dtype=kernel.dtype) / rms)}
+    return head.replace(params=params)
+
+
+def split_params(params: dict) -> tuple[dict, dict]:
+    """(trainable, frozen): the target's embedding and the head ids are frozen."""
+    return ({k: v for k, v in params.items() if k not in FROZEN},
+            {k: v for k, v in params.items() if k in FROZEN})
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_unrolled(cfg, steps: int):
+    return jax.jit(make_unrolled(cfg, steps))
+
+
+def agreement(cfg, params: dict, rows: dict, *, steps: int = 3, batch: int = 16) -> dict:
+    """Offline top-1 agreement of the head with the target at draft steps 1..``steps``.
+
+    Step ``k`` at head position ``j`` is the k-th draft of a chain started at
+    ``j - k + 1`` (both inside the answer), tokens being the target's own.
+    ``chain_k``: the share of chains whose first ``k`` drafts all agree (the
+    chance that K >= k drafts are all accepted at T=0); ``expected_accepted``
+    sums them (mean accepted drafts per chain for K = ``steps``).
+    """
+    run = _jitted_unrolled(cfg, steps)
+    n = rows["tokens"].shape[0]
+    correct, valid = [], []
+    for s in range(0, n, batch):
+        b = {k: v[s:s + batch] for k, v in rows.items()}
+        pad = batch - b["tokens"].shape[0]
+        if pad:
+            b = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in b.items()}
+        h = head_inputs(b)
+        outs = run(params, jnp.asarray(h["tokens"]), jnp.asarray(h["features"]))
+        ids = h["teacher_ids"][..., 0]
+        correct.append(np.stack([np.asarray(jnp.argmax(lg, -1)) == ids for lg, _ in outs])[:, : batch - pad])
+        valid.append(h["mask"][: batch - pad])
+    correct = np.concatenate(correct, axis=1)  # [steps, N, T]
+    ans = np.concatenate(valid)  # [N, T]
+    out = {"rows": int(n), "answer_positions": int(ans.sum())}
+    t = ans.shape[1]
+    chain = np.ones_like(ans)
+    chain_valid = ans.copy()
+    expected = 0.0
+    for k in range(1, steps + 1):
+        # step k at j, chain start j - k + 1 in the answer
+        start_ok = np.zeros_like(ans)
+        start_ok[:, k - 1:] = ans[:, : t - k + 1]
+        m = ans & start_ok
+        out[f"step{k}"] = float((correct[k - 1] & m).sum() / max(m.sum(), 1))
+        # chains started at i: drafts k at i + k - 1 all correct
+        if k == 1:
+            chain = correct[0].copy()
+        else:
+            nxt = np.zeros_like(ans)
+            nxt[:, : t - k + 1] = correct[k - 1][:, k - 1:] & ans[:, k - 1:]
+            chain = chain & nxt
+            chain_valid = chain_valid & np.pad(ans[:, k - 1:], ((0, 0), (0, k - 1)))
+        out[f"chain{k}"] = float((chain & chain_valid).sum() / max(chain_valid.sum(), 1))
+        expected += out[f"chain{k}"]
+    out["expected_accepted"] = expected
+    return out
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def as_bfloat16(head: Model) -> Model:
+    cfg = head.module.config.replace(dtype="bfloat16")
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: x if (str(getattr(p[-1], "key", p[-1])) == "head_vocab_ids" or
+                           str(getattr(p[0], "key", p[0])) == "embed") else jnp.asarray(x, jnp.bfloat16),
+        head.params)
+    return head.replace(params=params, module=FeatureHead(cfg, feature_layer=head.module.feature_layer))
+
+
+def export(head: Model, dest: pathlib.Path, *, force: bool, extra: dict) -> None:
+    """Writes the head in bfloat16 (without the borrowed embedding), atomically."""
+    if dest.exists() and any(dest.iterdir()) and not force:
+        raise SystemExit(f"error: {dest} exists and is not empty; pass --force to replace it.")
+    tmp = dest.with_name(dest.name + ".tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    feature_head.save_head(as_bfloat16(head), str(tmp), extra=extra)
+    if dest.exists():
+        old = dest.with_name(dest.name + ".old-export")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old)
+    else:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, dest)
+
+
+def write_card(path: pathlib.Path, s: dict) -> None:
+    ev = s["heldout"]
+    ev0 = s["heldout_init"]
+    evals = s.get("evals") or []
+    curve = "\n".join(f"| {e['step']} | {e['step1']:.3f} | {e['step2']:.3f} | {e['step3']:.3f} |" for e in evals)
+    text = f"""# {s['name']}: an EAGLE-style feature head for {s['target']}
+
+A one-block draft head that reads {s['target']}'s last-block features (before
+its final norm) and the next token, predicts the next feature and, through a
+final norm and a reduced LM head ({s['config']['head_vocab_size']} tokens, the
+same vocabulary as `smollm2-draft`), the token after it
+(`specjax/_src/models/feature_head.py`). It borrows the target's embedding
+table: the checkpoint stores only the head's own weights; pair it with the
+target (`specjax.pair(target, specjax.load(...))`).
+
+Trained by `python -m training.eagle` on the target's own answers already
+gathered for `smollm2-draft` (`training/distill_data.py`: greedy / T=0.7 / T=1
+answers to generated chat prompts, top-32 log-probabilities per token):
+{s['train_rows']:,} rows from {s['num_shards']} shards, {s['train_answer_tokens']:,} answer tokens.
+
+Command: `{s['command']}`
+
+Loss per head position on answer tokens: cross-entropy to the target's
+renormalised top-32 within the head vocabulary (KL up to a constant), plus
+{s['reg_weight']} x smooth-L1 between RMS-normalised predicted and true next
+features (EAGLE-1), {"plus the same cross-entropy for a second draft step that reads the head's own predicted features, attending as when drafting (EAGLE-3's training-time test, " + str(s['unroll']) + " steps)" if s['unroll'] > 1 else "no unrolled steps"}. Embedding frozen.
+
+| | |
+|---|---|
+| head | fuse [2H -> H], feature norm, 1 Llama block (the target's width: hidden {s['config']['hidden_size']}, {s['config']['num_heads']} / {s['config']['num_kv_heads']} heads, MLP {s['config']['intermediate_size']}), final norm, LM head over {s['config']['head_vocab_size']} tokens |
+| init | the target's last block, final norm and embedding rows; fuse = identity on the feature half{', I / rms(embedding) on the token half (`balance_fuse`)' if s.get('balanced_fuse') else ''}{'; then ' + s['init_note'] if s.get('init_note') else ''} |
+| params (without the borrowed embedding) | {s['params']:,} ({s['bytes']:,} bytes of bfloat16 safetensors) |
+| steps / batch | {s['steps']} / {s['batch']} rows x {s['seq_len']} tokens, AdamW lr {s['lr']} (warmup, cosine) |
+| wall time | features {s['feature_minutes']:.1f} min, training {s['train_minutes']:.1f} min on {s['machine']} |
+| final train loss | {s['final_loss']:.4f} |
+
+Offline top-1 agreement with the target on {ev['rows']} held-out chat prompts
+(subjects no training prompt uses; the target's greedy answers, up to
+{s['heldout_new_tokens']} tokens, {ev['answer_positions']:,} answer positions),
+float32 evaluation of the exported bfloat16 weights. Step 1 reads the target's
+feature (= first-slot acceptance at T=0); steps 2 and 3 read the head's own
+predicted features with the target's tokens. `chain k`: share of chains whose
+first k drafts all agree.
+
+| | step 1 | step 2 | step 3 | chain 2 | chain 3 | expected accepted of 3 |
+|---|---|---|---|---|---|---|
+| {s['init_label']} | {ev0['step1']:.3f} | {ev0['step2']:.3f} | {ev0['step3']:.3f} | {ev0['chain2']:.3f} | {ev0['chain3']:.3f} | {ev0['expected_accepted']:.2f} |
+| **this head** | **{ev['step1']:.3f}** | **{ev['step2']:.3f}** | **{ev['step3']:.3f}** | {ev['chain2']:.3f} | {ev['chain3']:.3f} | {ev['expected_accepted']:.2f} |
+
+For comparison the separate draft `smollm2-draft` has first-slot acceptance
+0.413 at T=0 (measured by decoding). End-to-end acceptance and speed with the
+engine are not measured here.
+
+Held-out agreement during training:
+
+| step | step 1 | step 2 | step 3 |
+|---|---|---|---|
+{curve}
+
+{s.get('notes', '')}
+Training log in `train_log.json`.
+"""
+    path.write_text(text)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training.eagle", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target model (default: %(default)s)")
+    p.add_argument("--data", default="runs/smollm2-draft/data", help="distill_data shards (default: %(default)s)")
+    p.add_argument("--out", default="runs/smollm2-eagle", help="run directory (default: %(default)s)")
+    p.add_argument("--export", default=None, help="write the trained head here (bf16)")
+    p.add_argument("--force", action="store_true", help="replace an existing --export directory")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--shards", type=int, default=None, help="use the first N shards (recorded; resume uses the same)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--feature-batch", type=int, default=16)
+    p.add_argument("--features-only", action="store_true", help="stop after the features stages")
+    p.add_argument("--head-vocab-from", default=DEFAULT_VOCAB_FROM,
+                   help="take head_vocab_ids from this exported draft ('' : rank the shards' tokens) "
+                        "(default: %(default)s)")
+    p.add_argument("--head-vocab", type=int, default=8192, help="head size when ranking the shards' tokens")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=600)
+    g.add_argument("--batch", type=int, default=8)
+    g.add_argument("--lr", type=float, default=5e-4)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--unroll", type=int, default=2, help="draft steps trained per position (1: no unrolling)")
+    g.add_argument("--unroll-weight", type=float, default=1.0)
+    g.add_argument("--init-from", default=None,
+                   help="start from an exported head (its vocabulary and weights; a fresh AdamW and schedule), "
+                        "e.g. to continue training on more shards in a later session")
+    g.add_argument("--no-balanced-fuse", dest="balanced_fuse", action="store_false",
+                   help="keep init_from_target's small-noise token half of fuse (see balance_fuse)")
+    g.add_argument("--reg-weight", type=float, default=1.0)
+    g.add_argument("--eval-every", type=int, default=100)
+    g.add_argument("--checkpoint-seconds", type=float, default=180.0)
+    g.add_argument("--train-only", action="store_true", help="skip the final evaluation and export")
+    g.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate a kill
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-prompts", type=int, default=64)
+    g.add_argument("--eval-new-tokens", type=int, default=128)
+    g.add_argument("--eval-batch", type=int, default=32)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = out / "log.txt"
+    log = lambda m: common._log(m, log_file)  # noqa: E731
+    target = specjax.load(args.target)
+    cfg_t = target.module.config
+
+    meta_file = out / "run.json"
+    run = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    all_files = sorted(pathlib.Path(args.data).glob("shard_*.npz"))
+    if not all_files:
+        raise SystemExit(f"error: no distillation shards in {args.data}; run python -m training.draft --gather-only")
+    num_shards = run.get("num_shards") or min(args.shards or len(all_files), len(all_files))
+    run["num_shards"] = num_shards
+    shard_files = all_files[:num_shards]
+
+    init = specjax.load(args.init_from, dtype="float32") if args.init_from else None
+    if init is not None:
+        head_ids = np.asarray(init.params["head_vocab_ids"], np.int32)
+    elif "head_vocab_ids" in run:
+        head_ids = np.asarray(run["head_vocab_ids"], np.int32)
+    elif args.head_vocab_from:
+        head_ids = np.asarray(specjax.load(args.head_vocab_from).params["head_vocab_ids"], np.int32)
+    else:
+        head_ids = draft.head_vocabulary(distill_data.load_shards(args.data, limit=num_shards), args.head_vocab,
+                                         cfg_t.vocab_size, tuple(cfg_t.eos_token_ids))
+    run["head_vocab_ids"] = head_ids.tolist()
+    meta_file.write_text(json.dumps(run))
+
+    t0 = time.monotonic()
+    n_new = extract_features(target, shard_files, out / "features", head_ids, seq_len=args.seq_len,
+                             batch=args.feature_batch, log=log)
+    if n_new:
+        run["feature_seconds"] = run.get("feature_seconds", 0.0) + time.monotonic() - t0
+        meta_file.write_text(json.dumps(run))
+    heldout_prompts = chat_prompts.heldout_prompts()[: args.eval_prompts]
+    held_shard = gather_heldout(target, heldout_prompts, out / "heldout", new_tokens=args.eval_new_tokens,
+                                batch=args.eval_batch, log=log)
+    extract_features(target, [held_shard], out / "heldout" / "features", head_ids, seq_len=args.seq_len,
+                     batch=args.feature_batch, log=log)
+    if args.features_only:
+        return 0
+
+    train = load_rows(shard_files, out / "features", head_ids, args.seq_len, cfg_t.vocab_size)
+    held = load_rows([held_shard], out / "heldout" / "features", head_ids, args.seq_len, cfg_t.vocab_size)
+    answer_tokens = int(train["mask"].sum())
+    coverage = float(np.mean(train["teacher_ids"][..., 0][train["mask"]] >= 0))
+    log(f"[eagle] {num_shards} shards: {train['tokens'].shape[0]} rows ({answer_tokens:,} answer tokens), head "
+        f"covers {100 * coverage:.2f}% of the target's top-1; {held['tokens'].shape[0]} held-out rows")
+
+    if init is not None:  # continue from an exported head (fresh optimizer and schedule)
+        head0 = feature_head.attach_embedding(init, target)
+    else:
+        head0 = feature_head.init_from_target(target, jax.random.key(args.seed), head_ids)
+        if args.balanced_fuse:
+            head0 = balance_fuse(head0)
+    cfg = head0.module.config
+    trainable, frozen = split_params(head0.params)
+    optimizer = common.adamw(args.lr, args.steps, warmup_steps=min(50, args.steps // 10), weight_decay=0.01)
+    loss_fn = make_loss(cfg, unroll=args.unroll, reg_weight=args.reg_weight, unroll_weight=args.unroll_weight)
+    train_step = common.make_train_step(loss_fn, optimizer)
+    state = common.init_state(jax.tree.map(jnp.copy, trainable), optimizer)  # the step donates its state
+    ckpt = common.Checkpointer(out / "ckpt", every_seconds=args.checkpoint_seconds, log=log)
+    meta = {"config": loading.config_to_dict(cfg), "num_shards": num_shards, "seed": args.seed,
+            "unroll": args.unroll, "reg_weight": args.reg_weight, "lr": args.lr, "steps": args.steps,
+            "batch": args.batch, "balanced_fuse": args.balanced_fuse,
+            "init_from": args.init_from}
+    restored = ckpt.restore(state)
+    if restored is not None:
+        state, meta = restored
+        log(f"[eagle] resumed at step {int(state['step'])}")
+    inner = draft.batch_fn_for(train, args.batch, args.seed)
+    frozen_dev = jax.tree.map(jnp.asarray, frozen)
+    batch_fn = lambda step: {**inner(step), "frozen": frozen_dev}  # noqa: E731
+
+    def eval_fn(step, state):
+        res = agreement(cfg, {**state["params"], **frozen_dev}, held)
+        return {k: res[k] for k in ("step1", "step2", "step3", "expected_accepted")}
+
+    state, meta = common.train_loop(
+        state, train_step, batch_fn, args.steps, checkpointer=ckpt, meta=meta,
+        tokens_per_step=args.batch * (args.seq_len - 1), eval_fn=eval_fn, eval_every=args.eval_every,
+        log_every=10, desc="eagle", log_file=str(log_file), progress=not args.no_progress,
+        stop_after=args.stop_after,
+    )
+    ckpt.close()
+    if args.train_only or args.stop_after is not None:
+        return 0
+
+    head = head0.replace(params={**jax.device_get(state["params"]), **frozen})
+    export_dir = pathlib.Path(args.export) if args.export else out / "export"
+    extra = {"target": args.target, "head_vocab_from": args.head_vocab_from or None,
+             "trained_by": "python -m training.eagle"}
+    export(head, export_dir, force=args.force or not args.export, extra=extra)
+    loaded = feature_head.attach_embedding(specjax.load(export_dir, dtype="float32"), target)  # the bf16 weights
+    res = agreement(loaded.module.config, loaded.params, held)
+    res0 = agreement(cfg, head0.params, held)
+    log(f"[eagle] held-out agreement (exported bf16): {json.dumps(res)}; before training: {json.dumps(res0)}")
+    n_params = common.param_count(trainable)
+    evals = meta.get("evals", [])
+    summary = {
+        "name": export_dir.name, "target": args.target,
+        "command": "python -m training.eagle " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "num_shards": num_shards, "train_rows": int(train["tokens"].shape[0]),
+        "train_answer_tokens": answer_tokens, "head_coverage": coverage,
+        "config": loading.config_to_dict(cfg), "params": n_params,
+        "bytes": (export_dir / feature_head.WEIGHTS_FILE).stat().st_size,
+        "steps": int(state["step"]), "batch": args.batch, "seq_len": args.seq_len, "lr": meta.get("lr", args.lr),
+        "unroll": int(meta.get("unroll", args.unroll)), "reg_weight": meta.get("reg_weight", args.reg_weight),
+        "feature_minutes": float(run.get("feature_seconds", 0.0)) / 60,
+        "train_minutes": float(meta.get("train_seconds", 0.0)) / 60,
+        "tokens_seen": int(meta.get("tokens_seen", 0)),
+        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores (shared)",
+        "final_loss": float(meta.get("last_loss", float("nan"))),
+        "heldout": res, "heldout_init": res0, "balanced_fuse": bool(meta.get("balanced_fuse", args.balanced_fuse)),
+        "init_note": f"continued from {args.init_from}" if args.init_from else None,
+        "init_label": f"at the start of this run (--init-from {args.init_from})" if args.init_from
+        else "initialised from the target (before training)", "heldout_new_tokens": args.eval_new_tokens, "evals": evals,
+    }
+    (export_dir / "train_log.json").write_text(json.dumps({"summary": summary, "evals": evals}, indent=1))
+    write_card(export_dir / "MODEL_CARD.md", summary)
+    log(f"[eagle] wrote {export_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
