@@ -120,17 +120,16 @@ def top_indices(x: Array, k: int) -> Array:
     """
     if k > 8:
         return jax.lax.top_k(x, k)[1].astype(jnp.int32)
-    picked = []
-    taken = jnp.zeros(x.shape, bool)
+    # Masked (-inf) tokens rank last but stay pickable, so the k picks are
+    # distinct as top_k's are. Written without a pass over a constant mask:
+    # XLA constant-folds such a pass at length B * V (seconds of compile time).
+    x = jnp.where(x == -jnp.inf, jnp.finfo(jnp.float32).min, x.astype(jnp.float32))
     iota = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    picked = []
     for _ in range(k):
-        remaining = jnp.where(taken, -jnp.inf, x)
-        index = argmax(remaining)
-        # Only -inf left (masked tokens): the first index not taken yet, as top_k.
-        best = jnp.take_along_axis(remaining, index[..., None], -1)[..., 0]
-        index = jnp.where(best == -jnp.inf, jnp.argmax(~taken, -1).astype(jnp.int32), index)
+        index = argmax(x)
         picked.append(index)
-        taken = taken | (iota == index[..., None])
+        x = jnp.where(iota == index[..., None], -jnp.inf, x)
     return jnp.stack(picked, -1)
 
 

@@ -158,25 +158,6 @@ def _rule_on_nodes(rule: AcceptanceRule, tokens: Array, parents, parent_logits: 
             pad(jnp.asarray(verdict.path, jnp.int32), Path.REJECTED))
 
 
-def _best_children(raw: Array, k: int) -> Array:
-    """``int32 [..., k]``: the ``k`` largest raw logits' tokens, best first
-    (ties: the lower token), distinct even among ``-inf`` (masked) tokens.
-
-    :func:`sampling.top_indices` without its all-``-inf`` fallback, whose
-    first pass over a constant mask XLA constant-folds at length ``B * V``
-    (seconds of compile time at a batch of thousands)."""
-    if k > 8:
-        return jax.lax.top_k(raw, k)[1].astype(jnp.int32)
-    x = jnp.where(raw == -jnp.inf, jnp.finfo(jnp.float32).min, raw)  # masked tokens rank last, still pickable
-    iota = jnp.arange(raw.shape[-1], dtype=jnp.int32)
-    picked = []
-    for _ in range(k):
-        index = sampling.argmax(x)
-        picked.append(index)
-        x = jnp.where(iota == index[..., None], -jnp.inf, x)
-    return jnp.stack(picked, -1)
-
-
 class _DynamicDrafts(NamedTuple):
     tokens: Array  # [B, M + 1] the verified tree's tokens (node 0: the root)
     parents: Array  # [B, M + 1] int32 the verified tree (traced, per sequence)
@@ -212,7 +193,7 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     raw0 = raw0.astype(jnp.float32)
     root = _gather(state.tokens, state.num_committed - 1)
     bad = sampling.nonfinite_rows(raw0)
-    kids = _best_children(raw0, k)  # [B, k]: level 1, all of it the first frontier
+    kids = sampling.top_indices(raw0, k)  # [B, k]: level 1, all of it the first frontier
     scores = jnp.take_along_axis(jax.nn.log_softmax(raw0, axis=-1), kids, axis=-1)
     cand_tokens, cand_scores = [kids], [scores]
     cand_parents = [jnp.full((batch, k), -1, jnp.int32)]
@@ -235,7 +216,7 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
         cache, raw = out.cache, out.logits[..., :vocab].astype(jnp.float32)  # [B, k, V]
         bad = bad | sampling.nonfinite_rows(raw).any(1)
         raws.append(raw)
-        children = _best_children(raw, k)  # [B, k, k]
+        children = sampling.top_indices(raw, k)  # [B, k, k]
         level_scores = front_scores[:, :, None] + jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), children,
                                                                        axis=-1)
         level_tokens, level_scores = children.reshape(batch, k * k), level_scores.reshape(batch, k * k)
