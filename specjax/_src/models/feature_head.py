@@ -132,10 +132,6 @@ class FeatureHead:
     def num_layers(self) -> int:
         return self.config.num_layers
 
-    @property
-    def feature_size(self) -> int:
-        return self.config.hidden_size
-
     def init(self, key: Array) -> Params:
         """Random params (normal(0.02) kernels, unit norm scales, zero embedding)."""
         return _init_params(self.config, key)
