@@ -26,7 +26,7 @@ from specjax.testing import bigram_model, llama_config, peaked_target_and_draft,
 from specjax.trees import (DynamicTree, children_table, dynamic_tree, rerank, static_tree, top_ranked,
                            verify_dynamic_tree)
 from test_decode import VOCAB, count_compilations, exact_two_token_distribution, goodness_of_fit, random_prompts
-from test_feature_head import _small_head_pair
+from test_feature_head import _exact_two_tokens, _sampled_two_tokens, _small_head_pair
 from test_tree_decode import tree_two_token_counts
 
 
@@ -274,32 +274,17 @@ def test_the_statistic_rejects_a_wrong_point_mass_residual(bigram_pair, monkeypa
     assert pvalue < 1e-6 and tv > 0.05, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
 
 
-def _exact_two_tokens(target, prompt, vocab):
-    """The target's joint law of the next two tokens after ``prompt``, from one
-    forward over ``prompt + [x]`` for every ``x`` (row ``len(prompt) - 1``
-    gives the first token's law, the last row the second's)."""
-    seqs = jnp.asarray([prompt + [x] for x in range(vocab)], jnp.int32)
-    logits = target.module.apply(target.params, seqs).logits
-    p1 = np.asarray(jax.nn.softmax(logits[0, len(prompt) - 1]), np.float64)
-    p2 = np.asarray(jax.nn.softmax(logits[:, -1], -1), np.float64)
-    joint = p1[:, None] * p2
-    return joint / joint.sum()
-
-
 def test_dynamic_tree_sampling_with_a_head_is_lossless():
     """The target's tree attention with traced parents, on a real decoder: the
     first two tokens' joint law against exact enumeration (vocabulary 16)."""
     vocab, prompt, samples = 16, [5, 3], 20000
     pair = _small_head_pair(vocab)
-    out = specjax.decode(pair, [prompt] * samples, tree=dynamic_tree(2, 3, 6), max_new_tokens=2, temperature=1.0,
-                         key=jax.random.key(8))
-    toks = np.asarray(out.tokens)
-    counts = np.zeros((vocab, vocab))
-    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, tree=dynamic_tree(2, 3, 6),
+                                        key=jax.random.key(8))
     pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(pair.target, prompt, vocab))
     # TV of an exact sampler at 20000 draws over these 256 cells: about 0.045.
     assert pvalue > 1e-3 and tv < 0.06, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
-    assert int(np.sum(out.stats.accepted)) > samples // 10  # the drafts took part
+    assert int(np.sum(stats.accepted)) > samples // 10  # the drafts took part
 
 
 # ---------------------------------------------------------------------------

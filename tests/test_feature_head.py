@@ -158,11 +158,24 @@ def test_relaxed_rule_with_a_head_collapses_to_lossless(head_pair):
 
 
 def _exact_two_tokens(target, prompt, vocab):
-    p1 = np.asarray(jax.nn.softmax(target.module.apply(target.params, jnp.asarray([prompt])).logits[0, -1]))
+    """The target's joint law of the next two tokens after ``prompt``, from one
+    forward over ``prompt + [x]`` for every ``x`` (row ``len(prompt) - 1``
+    gives the first token's law, the last row the second's)."""
     seqs = jnp.asarray([prompt + [x] for x in range(vocab)], jnp.int32)
-    p2 = np.asarray(jax.nn.softmax(target.module.apply(target.params, seqs).logits[:, -1], -1))
-    joint = p1.astype(np.float64)[:, None] * p2.astype(np.float64)
+    logits = target.module.apply(target.params, seqs).logits
+    p1 = np.asarray(jax.nn.softmax(logits[0, len(prompt) - 1]), np.float64)
+    p2 = np.asarray(jax.nn.softmax(logits[:, -1], -1), np.float64)
+    joint = p1[:, None] * p2
     return joint / joint.sum()
+
+
+def _sampled_two_tokens(pair, prompt, vocab, samples, **decode_kw):
+    """``(counts [V, V] of the first two tokens, stats)`` over ``samples`` decodes of ``prompt`` at T=1."""
+    out = specjax.decode(pair, [prompt] * samples, max_new_tokens=2, temperature=1.0, **decode_kw)
+    toks = np.asarray(out.tokens)
+    counts = np.zeros((vocab, vocab))
+    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    return counts, out.stats
 
 
 def _small_head_pair(vocab):
@@ -178,14 +191,11 @@ def test_lossless_sampling_with_a_head_follows_the_target(prompt):
     pair = _small_head_pair(vocab)
     small_target = pair.target
     samples = 40000
-    out = specjax.decode(pair, [prompt] * samples, num_draft=3, max_new_tokens=2, temperature=1.0,
-                         key=jax.random.key(7), rule=speculative_sampling())
-    toks = np.asarray(out.tokens)
-    counts = np.zeros((vocab, vocab))
-    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, num_draft=3, key=jax.random.key(7),
+                                        rule=speculative_sampling())
     pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(small_target, prompt, vocab))
     assert pvalue > 1e-3 and tv < 0.04, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
-    assert int(np.sum(out.stats.accepted)) > samples // 10  # the head's drafts took part
+    assert int(np.sum(stats.accepted)) > samples // 10  # the head's drafts took part
     # The same statistic rejects the law of another context: it can fail.
     other = [7] if prompt != [7] else [8]
     pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(small_target, other, vocab))
@@ -222,11 +232,17 @@ def test_a_tree_of_head_drafts_accepts_more_than_a_chain(head_pair):
 def test_lossless_tree_sampling_with_a_head_follows_the_target():
     vocab, prompt, samples = 16, [5, 3], 40000
     pair = _small_head_pair(vocab)
-    out = specjax.decode(pair, [prompt] * samples, tree=static_tree((3, 2)), max_new_tokens=2, temperature=1.0,
-                         key=jax.random.key(8))
-    toks = np.asarray(out.tokens)
-    counts = np.zeros((vocab, vocab))
-    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, tree=static_tree((3, 2)), key=jax.random.key(8))
     pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(pair.target, prompt, vocab))
     assert pvalue > 1e-3 and tv < 0.04, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
-    assert int(np.sum(out.stats.accepted)) > samples // 10
+    assert int(np.sum(stats.accepted)) > samples // 10
+
+
+def test_bad_head_inputs_get_clear_errors(head_pair):
+    head = head_pair.draft
+    with pytest.raises(ValueError, match=r"features \[B, T, 32\]"):
+        head.module.apply(head.params, jnp.ones((1, 3), jnp.int32), features=jnp.ones((1, 3, 16)))
+    from specjax.sharding import make_mesh
+
+    with pytest.raises(ValueError, match="feature head on a mesh"):
+        specjax.decode(head_pair, [[1, 2]], max_new_tokens=2, temperature=0.0, mesh=make_mesh(1, 1))
