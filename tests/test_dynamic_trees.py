@@ -21,7 +21,7 @@ from specjax._src.calls import _Config
 from specjax._src.cycle import _initial_state
 from specjax._src.drafting import fixed
 from specjax._src.tree_cycle import _draft_dynamic, _tree_cycle
-from specjax.rules import mars, speculative_sampling, top_m
+from specjax.rules import mars, speculative_sampling
 from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
 from specjax.trees import (DynamicTree, children_table, dynamic_tree, rerank, static_tree, top_ranked,
                            verify_dynamic_tree)
@@ -305,8 +305,6 @@ def test_clear_errors(llama_pair):
         specjax.decode(llama_pair, PROMPTS[:2], tree=DynamicTree(1, 97, 3), temperature=0.0)
     with pytest.raises(ValueError, match="num_draft=4 but the tree's depth is 3"):
         specjax.decode(llama_pair, PROMPTS[:2], tree=dynamic_tree(3, 2, 4), num_draft=4, temperature=0.0)
-    with pytest.raises(ValueError, match="greedily"):
-        specjax.decode(llama_pair, PROMPTS[:2], tree=dynamic_tree(3, 2, 4), rule=top_m(2), temperature=1.0)
     with pytest.raises(TypeError, match="DynamicTree"):
         specjax.decode(llama_pair, PROMPTS[:2], tree=(3, 2, 4), temperature=0.0)
     assert hash(dynamic_tree(3, 2, 4)) == hash(dynamic_tree(np.int64(3), 2, 4))

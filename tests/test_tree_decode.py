@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.rules import adasd, additive, mars, pad, speculative_sampling, top_m
+from specjax.rules import additive, mars, pad, speculative_sampling, top_m
 from specjax.testing import Bigram, bigram_model, llama_config, peaked_target_and_draft, random_table
 from specjax.trees import static_tree
 from test_decode import VOCAB, count_compilations, exact_two_token_distribution, goodness_of_fit, random_prompts
@@ -107,10 +107,6 @@ class ChainOnlyBigram(Bigram):
 
 def test_clear_errors(llama_pair, bigram_pair):
     tree = static_tree((2, 2))
-    with pytest.raises(ValueError, match="greedily"):
-        specjax.decode(llama_pair, PROMPTS[:2], tree=tree, rule=mars(0.9), temperature=1.0)
-    with pytest.raises(ValueError, match="running state"):
-        specjax.decode(llama_pair, PROMPTS[:2], tree=tree, rule=adasd(), temperature=0.0)
     with pytest.raises(ValueError, match="num_draft=4 but the tree's depth is 2"):
         specjax.decode(llama_pair, PROMPTS[:2], tree=tree, num_draft=4, temperature=0.0)
     with pytest.raises(TypeError, match="TokenTree"):

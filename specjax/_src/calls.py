@@ -574,10 +574,9 @@ def _check_decode_args(params, rule, drafting, num_draft) -> tuple[AcceptanceRul
     return rule, drafting, num_draft
 
 
-def _check_tree(tree, params, rule, drafting, num_draft, diagnostics, mesh, temperature):
+def _check_tree(tree, params, rule, drafting, num_draft, diagnostics, mesh):
     """``decode(tree=...)``'s preconditions; returns the tree's depth (its ``K``)."""
     from specjax._src import trees as trees_lib
-    from specjax._src.rules.base import SpeculativeSampling
 
     dynamic = isinstance(tree, trees_lib.DynamicTree)
     if not isinstance(tree, trees_lib.TokenTree) and not dynamic:
@@ -595,13 +594,6 @@ def _check_tree(tree, params, rule, drafting, num_draft, diagnostics, mesh, temp
             raise ValueError(f"tree decoding needs tree attention, which the {name} model "
                              f"({type(model.module).__name__}) does not implement (supports_trees); "
                              "decode it with chains (no tree=).")
-    if not isinstance(rule, SpeculativeSampling):
-        if temperature != 0:
-            raise ValueError(f"tree decoding runs relaxed rules greedily (temperature=0) so far; {rule.spec} "
-                             "when sampling on trees is not implemented yet (the lossless rule samples exactly).")
-        if jax.tree_util.tree_leaves(rule.init()):
-            raise ValueError(f"{rule.spec} carries running state across cycles, which tree decoding does not "
-                             "update yet: use it with chains.")
     if not isinstance(drafting, drafting_lib.Fixed) or drafting.k is not None:
         raise ValueError("with tree=, the tree's shape decides what is drafted: leave drafting unset.")
     if num_draft is not None and num_draft != tree.max_depth:

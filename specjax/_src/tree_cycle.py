@@ -52,13 +52,13 @@ from specjax._src import sampling
 from specjax._src.calls import _Config
 from specjax._src.cycle import _commit_block, _DecodeState, _draft_keep, _first_draft_logits, _first_head_logits
 from specjax._src.lm import KVCache
-from specjax._src.loop_ops import _gather, _warp
+from specjax._src.loop_ops import _gather, _warp, _where_b
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
-from specjax._src.rules.base import AcceptanceRule, Path, SpeculativeSampling, VerifyInputs
+from specjax._src.rules.base import AcceptanceRule, Path, SpeculativeSampling, Verdict, VerifyInputs
 from specjax._src.stats import record_cycle
-from specjax._src.trees import (DynamicTree, TokenTree, levels, rerank, sample_children, top_ranked,
-                                uniform_branching, verify_dynamic_tree, verify_tree)
+from specjax._src.trees import (DynamicTree, TokenTree, children_table, levels, rerank, sample_children,
+                                top_ranked, uniform_branching, verify_dynamic_tree, verify_tree)
 
 Array = jax.Array
 
@@ -158,6 +158,49 @@ def _rule_on_nodes(rule: AcceptanceRule, tokens: Array, parents, parent_logits: 
             pad(jnp.asarray(verdict.path, jnp.int32), Path.REJECTED))
 
 
+def _judge_child(rule: AcceptanceRule, data, child, node, token, p, q, uniform):
+    """A relaxed rule's verdict on one tree child when sampling (the walk's
+    ``judge``, :func:`specjax._src.trees._walk`): the child as a one-slot
+    block whose ``target_probs`` / ``draft_probs`` are what its earlier
+    siblings left, and whose logits are the models' at the node (see
+    :class:`~specjax.rules.VerifyInputs`). ``data``: the sequence's
+    ``(target_logits [N, V], child_draft_logits [N, V], hidden, rule_state)``."""
+    target_logits, child_draft_logits, hidden, rule_state = data
+    features = {"hidden": {layer: h[child][None] for layer, h in hidden.items()}} if hidden else {}
+    inputs = VerifyInputs(
+        draft_tokens=token[None], draft_logits=child_draft_logits[child][None], draft_probs=q[None],
+        target_logits=jnp.stack([target_logits[node]] * 2), target_probs=jnp.stack([p, p]),
+        uniforms=uniform[None], valid=jnp.ones((1,), bool), features=features,
+    )
+    verdict = rule.verify(inputs, rule_state, greedy=False)
+    return jnp.asarray(verdict.accept[0], bool), verdict.correction[0], jnp.asarray(verdict.path[0], jnp.int32)
+
+
+def _path_as_chain(table, path, n, codes, tokens, child_draft_logits, target_logits, uniforms,
+                   hidden) -> tuple[VerifyInputs, Verdict]:
+    """One sequence's decided path as a chain block, for a stateful rule's
+    ``update``: slot ``s < n`` the accepted path node ``s + 1``, slot ``n`` the
+    first child rejected at the node the walk stopped at (invalid when that
+    node is a leaf), later slots invalid. The rows are the models' own
+    distributions at each slot's parent (``softmax`` of the logits). The
+    verdict accepts the first ``n`` slots with their path ``codes [D]``; its
+    correction rows are the target's distributions (a tree's corrections are
+    per child, not per slot)."""
+    depth = path.shape[0] - 1
+    slot = jnp.arange(depth)
+    stop_child = table[path[n], 0]
+    node = jnp.where(slot < n, path[1:], jnp.where(slot == n, jnp.maximum(stop_child, 0), 0))
+    valid = (slot < n) | ((slot == n) & (stop_child >= 0))
+    draft_logits, logits = child_draft_logits[node], target_logits[path]
+    features = {"hidden": {layer: h[node] for layer, h in hidden.items()}} if hidden else {}
+    inputs = VerifyInputs(
+        draft_tokens=tokens[node], draft_logits=draft_logits, draft_probs=jax.nn.softmax(draft_logits, axis=-1),
+        target_logits=logits, target_probs=jax.nn.softmax(logits, axis=-1), uniforms=uniforms[node],
+        valid=valid, features=features,
+    )
+    return inputs, Verdict(accept=slot < n, path=codes, correction=inputs.target_probs[:depth])
+
+
 class _DynamicDrafts(NamedTuple):
     tokens: Array  # [B, M + 1] the verified tree's tokens (node 0: the root)
     parents: Array  # [B, M + 1] int32 the verified tree (traced, per sequence)
@@ -251,9 +294,11 @@ def _tree_cycle(
     cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, prompt_lengths, max_new, eos_ids, seq_keys,
     temperature, top_p, state: _DecodeState,
 ):
-    """One tree cycle (a static :class:`TokenTree` or a :class:`DynamicTree`):
-    the lossless rule (greedy or sampling), or a stateless relaxed rule when
-    greedy. Returns ``(state, None)``."""
+    """One tree cycle (a static :class:`TokenTree` or a :class:`DynamicTree`)
+    with any rule. Greedy, a relaxed rule judges every node at once as a
+    child of its parent; sampling, the walk asks it about each child in turn
+    (:func:`_judge_child`). A stateful rule updates from the decided path
+    (:func:`_path_as_chain`). Returns ``(state, None)``."""
     tree = cfg.tree
     dynamic = isinstance(tree, DynamicTree)
     depth = tree.max_depth
@@ -291,30 +336,41 @@ def _tree_cycle(
     target_probs = jax.nn.softmax(target_logits, axis=-1)
 
     # ---- accept ----
+    hidden = dict(zip(rule.hidden_layers, out.hidden))
+    stateful = bool(jax.tree_util.tree_leaves(state.rule_state))
     if dynamic:
+        table = jax.vmap(lambda p: children_table(p, tree.top_k))(drafts.parents)
         walk = functools.partial(verify_dynamic_tree, depth=depth, width=tree.top_k)
         shape_args = (drafts.parents,)
     else:
+        table = jnp.broadcast_to(jnp.asarray(tree.children_table()), (batch,) + tree.children_table().shape)
         walk = functools.partial(verify_tree, tree)
         shape_args = ()
+    child_draft_logits = None  # [B, N, V]: the draft's warped logits at each node's parent (row 0 unused)
     if relaxed:
-        hidden = dict(zip(rule.hidden_layers, out.hidden))
         if dynamic:
-            node_parents, parent_logits = drafts.parents[:, 1:], drafts.parent_logits
+            node_parents = drafts.parents[:, 1:]
+            parent_logits = _warp(cfg, drafts.parent_logits, temperature, top_p)
         else:
             node_parents = np.asarray(tree.parents[1:], np.int32)
             parent_logits = drafts.logits[:, node_parents]
+        child_draft_logits = jnp.concatenate([parent_logits[:, :1], parent_logits], axis=1)
+    sampled = (drafts.tokens, target_logits, target_probs) + (() if dynamic else (drafts.probs,)) + (
+        uniforms, emit_uniform)
+    if relaxed and cfg.greedy:
         node_accept, node_fix, node_code = _rule_on_nodes(rule, drafts.tokens, node_parents, parent_logits,
                                                           target_logits, target_probs, hidden, state.rule_state)
-        extra = (node_accept, node_fix)
-        kw = lambda a: dict(greedy=True, node_accept=a[-2], node_correction=a[-1])  # noqa: E731
+        verdict = jax.vmap(lambda shape, a, fix, *xs: walk(*shape, *xs, greedy=True, node_accept=a,
+                                                              node_correction=fix))(
+            shape_args, node_accept, node_fix, *sampled)
+    elif relaxed:
+        judge_data = (target_logits, child_draft_logits, hidden, state.rule_state)
+        verdict = jax.vmap(lambda shape, data, *xs: walk(*shape, *xs, greedy=False,
+                                                         judge=functools.partial(_judge_child, rule),
+                                                         judge_data=data))(shape_args, judge_data, *sampled)
+        node_code = verdict.path_codes
     else:
-        extra = ()
-        kw = lambda a: dict(greedy=cfg.greedy)  # noqa: E731
-    inputs = (drafts.tokens, target_logits, target_probs) + (() if dynamic else (drafts.probs,)) + (
-        uniforms, emit_uniform) + extra
-    n_extra = len(extra)
-    verdict = jax.vmap(lambda *a: walk(*a[: len(a) - n_extra], **kw(a)))(*shape_args, *inputs)
+        verdict = jax.vmap(lambda shape, *xs: walk(*shape, *xs, greedy=cfg.greedy))(shape_args, *sampled)
     n = verdict.num_accepted
     target_bad = sampling.nonfinite_rows(raw).any(1)
     new_bad = jnp.where(~done & drafts.bad, 2, jnp.where(~done & target_bad, 1, 0)).astype(jnp.int32)
@@ -348,6 +404,12 @@ def _tree_cycle(
     else:
         paths = jnp.full((batch, depth), Path.EXACT, jnp.int32)
     paths = jnp.where(jnp.arange(depth)[None, :] < n[:, None], paths, Path.REJECTED).astype(jnp.int32)
+    rule_state = state.rule_state
+    if stateful:  # e.g. AdaSD's running means: the rule updates from the decided path, as from a chain
+        view = jax.vmap(_path_as_chain)(table, verdict.path, n, paths, drafts.tokens, child_draft_logits,
+                                        target_logits, uniforms, hidden)
+        rule_state = jax.vmap(functools.partial(rule.update, greedy=cfg.greedy))(rule_state, *view, n)
+        rule_state = _where_b(live, rule_state, state.rule_state)
     stats = record_cycle(state.stats, live=live, valid=judged, num_accepted=n, num_committed=n_commit,
                          paths=paths, draft_forwards=drafts.forwards, verified=n_nodes)
     new_state = state.replace(
@@ -359,6 +421,7 @@ def _tree_cycle(
         target_cache=target_cache.rollback(new_nc - 1),
         draft_cache=draft_cache.rollback(_draft_keep(cfg, state, new_nc)),
         stats=stats,
+        rule_state=rule_state,
         draft_features=draft_features,
     )
     return new_state, None

@@ -39,6 +39,21 @@ rather than sampled, so sampling verifies them as point-mass drafts
 ``p_i(c_i)``, and after a rejection ``p_{i+1}`` is ``p_i`` without ``c_i``,
 renormalised; this too is exact.
 
+Relaxed rules (MARS, EARS, the criteria, AdaSD, PAD, custom rules) run on
+both kinds of tree. Greedy, each node is judged once as a child of its
+parent. Sampling, the walk asks the rule about each child in turn as a
+one-slot block (:class:`specjax.rules.VerifyInputs`): its ``target_probs`` /
+``draft_probs`` are what the earlier siblings left (the rule's correction
+after the previous rejection, ``q`` without the earlier children, or the
+child's point mass), its logits the models' own at the node, so the rule's
+lossless half runs the recursive rejection above and its relaxed half reads
+the target's confidence at the position. What this guarantees: a rule at its
+lossless limit is the exact lossless tree; with one child per node it is the
+rule on a chain; and every accepted child passed the rule's own test (a
+criterion's accepted tokens and corrections stay in its set; the token after
+a leaf follows ``p``, as a chain's bonus token does). A stateful rule
+(AdaSD) updates from the decided path as from a chain block.
+
 Everything is per sequence with static shapes (``vmap`` over the batch): the
 walk is a ``fori_loop`` over depths with the node's children unrolled.
 """
@@ -170,11 +185,22 @@ class TreeVerdict(NamedTuple):
         (``path[0] = 0``); entries past ``num_accepted`` repeat the last node.
       num_accepted: int32, accepted draft tokens (the path's length minus 1).
       token: int32, the emitted token after the path (correction or bonus).
+      path_codes: ``int32 [N]`` each node's :class:`~specjax.rules.Path` code
+        where a ``judge`` accepted it (``REJECTED`` elsewhere); ``None``
+        without a judge.
     """
 
     path: Array
     num_accepted: Array
     token: Array
+    path_codes: Array | None = None
+
+
+# A relaxed rule's verdict on one child at ``T > 0``, for the walk:
+# ``judge(data, child, node, token, p, q, uniform) -> (accept, correction [V],
+# path code)``; ``data`` is the sequence's own pytree (``judge_data``), ``p``
+# and ``q`` what the child's earlier siblings left (``q`` a point mass on
+# ``token`` for a dynamic tree's chosen children).
 
 
 def _residual(p: Array, q: Array) -> Array:
@@ -210,6 +236,8 @@ def verify_tree(
     greedy: bool,
     node_accept: Array | None = None,
     node_correction: Array | None = None,
+    judge=None,
+    judge_data=None,
 ) -> TreeVerdict:
     """Verifies one sequence's drafted tree (see the module docstring).
 
@@ -229,13 +257,16 @@ def verify_tree(
         rules on trees); default: ``tokens[j]`` is the target's argmax there.
       node_correction: with ``node_accept``, ``int32 [N]``: the token that rule
         emits when node ``j`` is the first child it rejects at its parent.
+      judge: sampling only, optional: a relaxed rule's verdict on each child
+        in turn (see :func:`_walk`), in place of the lossless test; ``judge_data``
+        its per-sequence inputs.
 
     Returns:
       :class:`TreeVerdict`.
     """
     return _walk(jnp.asarray(tree.children_table()), tree.max_depth, tokens, target_logits, target_probs,
                  draft_probs, uniforms, emit_uniform, greedy=greedy, node_accept=node_accept,
-                 node_correction=node_correction)
+                 node_correction=node_correction, judge=judge, judge_data=judge_data)
 
 
 def verify_dynamic_tree(
@@ -251,6 +282,8 @@ def verify_dynamic_tree(
     greedy: bool,
     node_accept: Array | None = None,
     node_correction: Array | None = None,
+    judge=None,
+    judge_data=None,
 ) -> TreeVerdict:
     """Verifies one sequence's dynamic tree (:func:`dynamic_tree`), whose
     children were *chosen* (the draft's top-k), not sampled from ``q``.
@@ -272,26 +305,38 @@ def verify_dynamic_tree(
       parents: ``int32 [N]`` the verified tree (traced; node 0 the root,
         ``parents[j] < j``).
       tokens, target_logits, target_probs, uniforms, emit_uniform,
-        node_accept, node_correction: as for :func:`verify_tree`.
+        node_accept, node_correction, judge, judge_data: as for
+        :func:`verify_tree` (a judge sees each child as a point-mass draft).
       depth: static, the tree's largest possible depth.
       width: static, the most children a node has (``top_k``).
       greedy: static; True at temperature 0.
     """
     return _walk(children_table(parents, width), depth, tokens, target_logits, target_probs, None, uniforms,
-                 emit_uniform, greedy=greedy, node_accept=node_accept, node_correction=node_correction)
+                 emit_uniform, greedy=greedy, node_accept=node_accept, node_correction=node_correction,
+                 judge=judge, judge_data=judge_data)
 
 
 def _walk(table, depth, tokens, target_logits, target_probs, draft_probs, uniforms, emit_uniform, *, greedy,
-          node_accept, node_correction) -> TreeVerdict:
+          node_accept, node_correction, judge=None, judge_data=None) -> TreeVerdict:
     """The walk down a tree given its children ``table [N, C]`` (static or
     traced). ``draft_probs=None``: the children are point masses (a dynamic
-    tree's), else drawn from ``draft_probs`` without replacement."""
+    tree's), else drawn from ``draft_probs`` without replacement.
+
+    With a ``judge`` (a relaxed rule when sampling), child ``i`` of a node is
+    accepted iff the judge accepts it given ``(p_i, q_i)``, and a rejection
+    makes the judge's correction the next sibling's ``p_{i+1}`` (``q`` loses
+    the child, as in the lossless walk); after the last rejection the emitted
+    token is drawn from that correction. A judge that is the lossless test
+    (accept iff ``U q_i(x) <= p_i(x)``, correction the residual) is exactly the
+    lossless walk; with one child per node it is the rule on a chain.
+    """
     point_mass = draft_probs is None
     if point_mass:
         draft_probs = jnp.zeros((1, 1), jnp.float32)  # unused: q stays a placeholder
+    vocab = target_probs.shape[-1]
 
     def step(_, carry):
-        cur, n, p, q, done, path, fix = carry
+        cur, n, p, q, done, path, fix, codes = carry
         moved = jnp.bool_(False)
         next_node = cur
         for i in range(table.shape[1]):
@@ -304,6 +349,18 @@ def _walk(table, depth, tokens, target_logits, target_probs, draft_probs, unifor
                     fix = jnp.where(live & ~accept, node_correction[jnp.maximum(child, 0)], fix)
             elif greedy:
                 accept = live & (x == sampling.argmax(target_logits[cur]))
+            elif judge is not None:
+                c = jnp.maximum(child, 0)
+                if not point_mass:  # as below: a child the draft could not have drawn is no candidate
+                    live = live & (q[x] > 0)
+                q_child = jax.nn.one_hot(x, vocab, dtype=jnp.float32) if point_mass else q
+                ok, correction, code = judge(judge_data, c, cur, x, p, q_child, uniforms[c])
+                accept = live & ok
+                rejected = live & ~accept
+                p = jnp.where(rejected, correction, p)
+                if not point_mass:
+                    q = jnp.where(rejected, _without(q, x), q)
+                codes = codes.at[c].set(jnp.where(accept, code, codes[c]))
             elif point_mass:  # speculative sampling with q = delta(x): accept w.p. p(x)
                 accept = live & (uniforms[jnp.maximum(child, 0)] <= p[x])
                 p = jnp.where(live & ~accept, _without_or_same(p, x), p)
@@ -325,13 +382,13 @@ def _walk(table, depth, tokens, target_logits, target_probs, draft_probs, unifor
         p = jnp.where(moved, target_probs[cur], p)
         if not point_mass:
             q = jnp.where(moved, draft_probs[cur], q)
-        return cur, n, p, q, done | ~moved, path, fix
+        return cur, n, p, q, done | ~moved, path, fix, codes
 
     # ``fix``: the correction of the first child rejected at the node the walk
     # stopped at (-1: it stopped at a leaf, or no rule-given corrections).
     init = (jnp.int32(0), jnp.int32(0), target_probs[0], draft_probs[0], jnp.bool_(False),
-            jnp.zeros((depth + 1,), jnp.int32), jnp.int32(-1))
-    cur, n, p, _, _, path, fix = jax.lax.fori_loop(0, depth, step, init)
+            jnp.zeros((depth + 1,), jnp.int32), jnp.int32(-1), jnp.zeros((tokens.shape[0],), jnp.int32))
+    cur, n, p, _, _, path, fix, codes = jax.lax.fori_loop(0, depth, step, init)
     path = jnp.where(jnp.arange(depth + 1) <= n, path, cur)
     if greedy:
         token = sampling.argmax(target_logits[cur])
@@ -340,7 +397,7 @@ def _walk(table, depth, tokens, target_logits, target_probs, draft_probs, unifor
     else:
         # p is the last residual after a rejection, or the node's own p after a leaf.
         token = sampling.sample_categorical(p, emit_uniform)
-    return TreeVerdict(path=path, num_accepted=n, token=token)
+    return TreeVerdict(path=path, num_accepted=n, token=token, path_codes=codes if judge is not None else None)
 
 
 # ---------------------------------------------------------------------------

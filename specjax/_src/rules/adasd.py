@@ -18,6 +18,7 @@ from specjax._src.rules.base import (
     Verdict,
     VerifyInputs,
     lossless_decision,
+    position_probs,
     static_field,
     token_prob,
 )
@@ -47,9 +48,9 @@ def adasd_threshold(state: AdaSDState) -> Array:
 
 
 def slot_js_distance(inputs: VerifyInputs) -> Array:
-    """``[K]`` JS distance between the draft and target distributions per slot."""
-    k = inputs.draft_tokens.shape[0]
-    return common.js_distance(inputs.target_probs[:k], inputs.draft_probs)
+    """``[K]`` JS distance between the draft's and the target's distributions
+    at each slot's position (their warped logits' softmax; see :class:`VerifyInputs`)."""
+    return common.js_distance(position_probs(inputs), jax.nn.softmax(inputs.draft_logits, axis=-1))
 
 
 @struct.dataclass

@@ -55,12 +55,24 @@ class VerifyInputs(NamedTuple):
         distribution q (at temperature 0, the model's own T=1 distribution).
       target_logits: ``[K + 1, V]`` target logits after the same warp; slot ``K``
         is the bonus position after the last draft.
-      target_probs: ``[K + 1, V]`` ``softmax(target_logits)``: p.
+      target_probs: ``[K + 1, V]`` ``softmax(target_logits)``: p, the
+        distribution the lossless test ``U <= p/q`` and residuals use.
       uniforms: ``[K]`` Uniform(0, 1) draws; shared by every rule of a
         combination, so ``any_of`` composes decisions made with the same coins.
       valid: ``[K]`` bool, False for slots the drafting policy did not fill.
       features: extra per-slot inputs some rules need (PAD's hidden states), a
         dict of arrays with leading axis ``K``, or an empty dict.
+
+    On a token tree sampled at ``T > 0`` a node's children are judged one at
+    a time, each as a one-slot block (``K = 1``) whose ``target_probs`` and
+    ``draft_probs`` are what the earlier, rejected siblings left: the rule's
+    correction after the previous child (``p`` for the first) and ``q`` with
+    the earlier children removed (a point mass on the child for a dynamic
+    tree's chosen children). ``target_logits`` and ``draft_logits`` stay the
+    models' warped logits at the node. So a rule reads the target's own
+    confidence at a position (a margin, a rank, an entropy, a tolerance) from
+    :func:`position_probs` or the logits, and runs its lossless test on the
+    probs; on a chain the two coincide.
     """
 
     draft_tokens: Array
@@ -280,6 +292,14 @@ def residual_distribution(target_probs: Array, draft_probs: Array) -> Array:
     residual = jnp.maximum(target_probs - draft_probs, 0.0)
     total = residual.sum(-1, keepdims=True)
     return jnp.where(total > 1e-12, residual / jnp.maximum(total, 1e-30), target_probs)
+
+
+def position_probs(inputs: VerifyInputs) -> Array:
+    """``[K, V]`` ``softmax(target_logits)`` of the first ``K`` rows: the
+    target's distribution at each slot's position, unchanged by the residuals
+    a tree's earlier siblings leave in ``target_probs`` (see :class:`VerifyInputs`)."""
+    k = inputs.draft_tokens.shape[0]
+    return jax.nn.softmax(inputs.target_logits[:k], axis=-1)
 
 
 def one_hot_argmax(logits: Array) -> Array:

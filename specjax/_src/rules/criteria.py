@@ -37,6 +37,7 @@ from specjax._src.rules.base import (
     Verdict,
     VerifyInputs,
     one_hot_argmax,
+    position_probs,
     static_field,
 )
 
@@ -80,7 +81,9 @@ class Criterion(AcceptanceRule):
     def verify(self, inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
         del state
         k = inputs.draft_tokens.shape[0]
-        logits, probs = inputs.target_logits[:k], inputs.target_probs[:k]
+        # The set is the position's (on a tree, the same for every child of a
+        # node, whatever residual the earlier siblings left in target_probs).
+        logits, probs = inputs.target_logits[:k], position_probs(inputs)
         allowed = self.accepted_set(logits, probs)
         accept = jnp.take_along_axis(allowed, inputs.draft_tokens[:, None], -1)[:, 0]
         exact = common.lossless_accept(inputs, greedy=greedy)

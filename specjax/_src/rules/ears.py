@@ -15,6 +15,7 @@ from specjax._src.rules.base import (
     VerifyInputs,
     lossless_decision,
     static_field,
+    position_probs,
     token_prob,
     traced_field,
 )
@@ -33,10 +34,11 @@ class Ears(AcceptanceRule):
         exact, correction = lossless_decision(inputs, greedy=greedy)
         if greedy:
             return Verdict(exact, common.paths(exact, exact, Path.PARDON), correction)
-        k = inputs.draft_tokens.shape[0]
         p = token_prob(inputs.target_probs, inputs.draft_tokens)
         q = token_prob(inputs.draft_probs, inputs.draft_tokens)
-        tolerance = self.beta * (1.0 - inputs.target_probs[:k].max(-1))
+        # The tolerance reads the target's confidence at the position, not a
+        # tree sibling's residual (VerifyInputs).
+        tolerance = self.beta * (1.0 - position_probs(inputs).max(-1))
         # p / max(q, 1e-10) >= thr, written without a division.
         threshold = jnp.maximum(inputs.uniforms - tolerance, 0.0)
         pardon = p >= threshold * jnp.maximum(q, 1e-10)

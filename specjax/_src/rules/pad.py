@@ -17,7 +17,8 @@ the two cannot drift), per draft slot ``k`` judging draft token ``x_k``:
   slot that judges ``x_k``), ``H(p_k)`` in nats;
 * the target's probability of the draft token there, ``p_k(x_k)``.
 
-``p`` is the distribution the rule sees, ``inputs.target_probs``: at
+``p`` is the target's distribution at the position,
+``softmax(inputs.target_logits)`` (:func:`position_probs`): at
 temperature 0 the engine passes ``softmax(raw logits)`` and at temperature 1
 (no top-k / top-p) the same thing, so a head trained on ``softmax(raw)``
 features (what the labelling code uses) sees identical features at T=0 and
@@ -61,6 +62,7 @@ from specjax._src.rules.base import (
     VerifyInputs,
     lossless_decision,
     static_field,
+    position_probs,
     token_prob,
     traced_field,
 )
@@ -410,9 +412,11 @@ class PivotPardon(AcceptanceRule):
         del state
         exact, correction = lossless_decision(inputs, greedy=greedy)
         hidden = _hidden_for(inputs, self.layer, self.head)
-        h, scalars = pivot_features(hidden, inputs.target_probs, inputs.draft_tokens)
+        # The head was trained on the target's distribution at the position.
+        p = position_probs(inputs)
+        h, scalars = pivot_features(hidden, p, inputs.draft_tokens)
         p_pivot = self.head.prob_pivot(h, scalars)
-        p_x = token_prob(inputs.target_probs, inputs.draft_tokens)
+        p_x = token_prob(p, inputs.draft_tokens)
         pardon = (p_pivot <= self.sigma) & (p_x >= self.min_prob)
         accept = exact | pardon
         return Verdict(accept, common.paths(accept, exact, Path.PARDON), correction)
