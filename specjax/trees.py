@@ -19,7 +19,8 @@ their ``top_k`` best children, then the ``num_nodes`` best candidates are
 verified (:func:`top_ranked`, :func:`rerank`). Its children are chosen, not
 sampled, so sampling verifies them as point-mass drafts, still exactly
 (:func:`verify_dynamic_tree`). Fixed shapes: one compiled program per
-``(depth, top_k, num_nodes)``.
+``(depth, top_k, num_nodes)``. :func:`parse_tree` reads both from text
+(``"3,1,1"``, ``"dynamic:3,3,8"``), as ``specjax generate/compare --tree`` do.
 """
 
 from specjax._src.trees import (
@@ -29,6 +30,7 @@ from specjax._src.trees import (
     children_table,
     dynamic_tree,
     levels,
+    parse_tree,
     rerank,
     sample_children,
     static_tree,
@@ -45,6 +47,7 @@ __all__ = (
     "children_table",
     "dynamic_tree",
     "levels",
+    "parse_tree",
     "rerank",
     "sample_children",
     "static_tree",

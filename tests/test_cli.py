@@ -149,3 +149,23 @@ def test_compare_in_groups_gives_the_same_greedy_text(small_model):
     assert [r.batch for r in whole] == [5, 5] and [r.batch for r in grouped] == [2, 2]
     assert grouped[1].agreement == 1.0 and grouped[1].task_accuracy == whole[1].task_accuracy
     assert grouped[1].tau == whole[1].tau
+
+
+def test_compare_and_generate_draft_trees(small_model, capsys):
+    from specjax.trees import static_tree
+
+    eval_set = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=3, num_code=0)
+    rows = compare.run_comparison(small_model, small_model, eval_set, rules=("speculative_sampling", "adasd"),
+                                  temperatures=(0.0,), max_new_tokens=9, tree=static_tree((2, 1)), progress=False)
+    assert [r.method for r in rows] == ["target-only", "speculative_sampling", "adasd"]
+    # Draft == target: the tree's best path is always accepted, 3 tokens a cycle (the chain's K=4 would give 5).
+    assert rows[1].agreement == 1.0 and rows[1].tau == 3.0 and rows[1].drafted_per_cycle == 2.0
+    code = main(["generate", "--target", str(DRAFT_DIR), "--draft", str(DRAFT_DIR), "--tree", "dynamic:2,2,3",
+                 "--prompt", "assert 2 + 3 ==", "--max-new-tokens", "6", "--temperature", "1"])
+    assert code == 0 and "tau" in capsys.readouterr().out
+
+
+def test_a_bad_tree_option_is_a_clear_error():
+    for bad in ("3,x", "dynamic:3,3", "0,1"):
+        with pytest.raises(SystemExit, match="--tree"):
+            common.tree(build_parser().parse_args(["generate", "--prompt", "x", "--tree", bad]))

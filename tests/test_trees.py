@@ -187,3 +187,14 @@ def test_tree_certificates_hold_for_tree_verification(m):
     assert certified.sum() > 200 and (~certified).sum() > 200  # neither side vacuous
     assert accepted[certified].all()
     assert not accepted.all()  # and the certificate is not a tautology here
+
+
+def test_parse_tree_reads_static_and_dynamic_trees():
+    from specjax.trees import DynamicTree, parse_tree
+
+    assert parse_tree("3,1,1") == static_tree((3, 1, 1))
+    assert parse_tree(" dynamic:4,3,9") == DynamicTree(4, 3, 9)
+    with pytest.raises(ValueError, match="dynamic:DEPTH,TOP_K,NUM_NODES"):
+        parse_tree("dynamic:4,3")
+    with pytest.raises(ValueError, match="exceeds the 6 candidates"):
+        parse_tree("dynamic:2,2,7")

@@ -538,3 +538,23 @@ def children_table(parents: Array, width: int) -> Array:
     rank = same.sum(-1)  # each node's place among its siblings
     row = jnp.where(parents >= 0, parents, n)  # the root: dropped
     return jnp.full((n, width), -1, jnp.int32).at[row, rank].set(j.astype(jnp.int32), mode="drop")
+
+
+def parse_tree(spec: str) -> TokenTree | DynamicTree:
+    """A tree from its text form, as the command line takes it.
+
+    ``"3,1,1"`` is ``static_tree((3, 1, 1))``; ``"dynamic:3,3,8"`` is
+    ``dynamic_tree(depth=3, top_k=3, num_nodes=8)``.
+    """
+    text = str(spec).strip()
+    dynamic = text.startswith("dynamic:")
+    body = text[len("dynamic:"):] if dynamic else text
+    try:
+        numbers = tuple(int(x) for x in body.split(","))
+    except ValueError:
+        numbers = ()
+    if not numbers or (dynamic and len(numbers) != 3):
+        raise ValueError(f"tree {spec!r}: expected branching per depth such as \"3,1,1\" (a static tree) or "
+                         "\"dynamic:DEPTH,TOP_K,NUM_NODES\" such as \"dynamic:3,3,8\" (an EAGLE-2 dynamic tree).")
+    return dynamic_tree(*numbers) if dynamic else static_tree(numbers)
+

@@ -23,6 +23,9 @@ def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True) -> No
                         "model name")
     parser.add_argument("--draft", help="draft: checkpoint directory, .gguf file or model name")
     parser.add_argument("--num-draft", type=int, default=4, help="draft tokens per cycle, K (default 4)")
+    parser.add_argument("--tree", help='draft a token tree instead of a chain: branching per depth, e.g. "3,1,1", '
+                        'or "dynamic:DEPTH,TOP_K,NUM_NODES", e.g. "dynamic:3,3,8" (EAGLE-2); its depth replaces '
+                        '--num-draft')
     if drafting:
         parser.add_argument("--drafting", help='drafting policy: "fixed", "adasd_entropy[:window=20]", "heuristic", '
                             '"confidence[:threshold=0.4]" (default: fixed K; AdaSD rows of compare use its '
@@ -70,6 +73,18 @@ def load_pair(args):
     else:
         target, draft = str(compare.DEFAULT_TARGET), str(compare.DEFAULT_DRAFT)
     return specjax.load(target, dtype=args.dtype), specjax.load(draft, dtype=args.dtype)
+
+
+def tree(args):
+    """The --tree shape (``specjax.trees.parse_tree``), or None (chains)."""
+    if not getattr(args, "tree", None):
+        return None
+    from specjax.trees import parse_tree
+
+    try:
+        return parse_tree(args.tree)
+    except ValueError as e:
+        raise SystemExit(f"error: --tree: {e}") from None
 
 
 def drafting_policy(args):
