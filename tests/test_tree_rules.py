@@ -170,3 +170,20 @@ def test_adasd_sampling_on_a_tree_relaxes(llama_pair, tree):
     kw = dict(tree=tree, max_new_tokens=24, temperature=1.0, eos_token_id=(), key=jax.random.key(6))
     out = specjax.decode(llama_pair, PROMPTS, rule=adasd(), **kw)
     assert out.stats.accepted_by_path_total["relaxed"] > 0
+
+
+@pytest.mark.parametrize("tree", [static_tree((2, 2, 1)), dynamic_tree(3, 2, 5)], ids=["static", "dynamic"])
+def test_certificate_diagnostics_read_the_decided_path(llama_pair, tree):
+    """A diagnostics hook sees each cycle's decided path as a chain block: the
+    criterion it recomputes from those rows agrees with every decision the tree
+    made (rows off by one node would not), and no certified slot was rejected."""
+    from specjax.rules import additive
+    from specjax.theory import certified_decode
+
+    out, report = certified_decode(llama_pair, PROMPTS, rule=additive(0.3), trees=(2,), tree=tree,
+                                   max_new_tokens=24, eos_token_id=())
+    row = report["additive:t=0.3"]
+    assert report.positions > 0 and report.rule_mismatches == 0 and row["violations"] == 0
+    # The hook counts every decided slot; the stats leave out those cut by the token budget.
+    assert report.positions >= int(np.sum(out.stats.judged)) > 0
+    assert round(row["accepted_fraction"] * report.positions) >= int(np.sum(out.stats.accepted)) > 0

@@ -323,7 +323,7 @@ def decode(
     """
     if tree is not None:
         rule, drafting, _ = _check_decode_args(params, rule, drafting, None)
-        depth = _check_tree(tree, params, rule, drafting, num_draft, diagnostics, mesh)
+        depth = _check_tree(tree, params, rule, drafting, num_draft, mesh)
         num_draft, cache_room = depth, tree.num_nodes  # the target cache holds every node for a moment
     else:
         rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)

@@ -179,7 +179,7 @@ def _judge_child(rule: AcceptanceRule, data, child, node, token, p, q, uniform):
 def _path_as_chain(table, path, n, codes, tokens, child_draft_logits, target_logits, uniforms,
                    hidden) -> tuple[VerifyInputs, Verdict]:
     """One sequence's decided path as a chain block, for a stateful rule's
-    ``update``: slot ``s < n`` the accepted path node ``s + 1``, slot ``n`` the
+    ``update`` and a ``diagnostics`` hook: slot ``s < n`` the accepted path node ``s + 1``, slot ``n`` the
     first child rejected at the node the walk stopped at (invalid when that
     node is a leaf), later slots invalid. The rows are the models' own
     distributions at each slot's parent (``softmax`` of the logits). The
@@ -297,8 +297,9 @@ def _tree_cycle(
     """One tree cycle (a static :class:`TokenTree` or a :class:`DynamicTree`)
     with any rule. Greedy, a relaxed rule judges every node at once as a
     child of its parent; sampling, the walk asks it about each child in turn
-    (:func:`_judge_child`). A stateful rule updates from the decided path
-    (:func:`_path_as_chain`). Returns ``(state, None)``."""
+    (:func:`_judge_child`). A stateful rule updates from, and a diagnostics
+    hook reads, the decided path as a chain block (:func:`_path_as_chain`).
+    Returns ``(state, diagnostics or None)``."""
     tree = cfg.tree
     dynamic = isinstance(tree, DynamicTree)
     depth = tree.max_depth
@@ -316,10 +317,13 @@ def _tree_cycle(
         u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, 2), (n_nodes + 1,)))(cycle_keys)
         uniforms, emit_uniform = u[:, :n_nodes], u[:, n_nodes]
     relaxed = not isinstance(rule, SpeculativeSampling)
+    stateful = bool(jax.tree_util.tree_leaves(state.rule_state))
+    # Stateful rules and diagnostics hooks see the decided path as a chain block (_path_as_chain).
+    need_view = stateful or cfg.diagnostics is not None
 
     # ---- draft ----
     if dynamic:
-        drafts, draft_cache = _draft_dynamic(cfg, tree, pair_params, state, need_logits=relaxed)
+        drafts, draft_cache = _draft_dynamic(cfg, tree, pair_params, state, need_logits=relaxed or need_view)
         tree_parents = drafts.parents  # traced, per sequence
     else:
         drafts, draft_cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p)
@@ -337,7 +341,6 @@ def _tree_cycle(
 
     # ---- accept ----
     hidden = dict(zip(rule.hidden_layers, out.hidden))
-    stateful = bool(jax.tree_util.tree_leaves(state.rule_state))
     if dynamic:
         table = jax.vmap(lambda p: children_table(p, tree.top_k))(drafts.parents)
         walk = functools.partial(verify_dynamic_tree, depth=depth, width=tree.top_k)
@@ -347,7 +350,7 @@ def _tree_cycle(
         walk = functools.partial(verify_tree, tree)
         shape_args = ()
     child_draft_logits = None  # [B, N, V]: the draft's warped logits at each node's parent (row 0 unused)
-    if relaxed:
+    if relaxed or need_view:
         if dynamic:
             node_parents = drafts.parents[:, 1:]
             parent_logits = _warp(cfg, drafts.parent_logits, temperature, top_p)
@@ -398,18 +401,28 @@ def _tree_cycle(
         draft_cache = draft_cache.keep_path(start, verdict.path, jnp.maximum(n_commit - 1, 0))
 
     # ---- record ----
-    judged = jnp.ones((batch, depth), bool)
+    # Slot n was judged only if the walk stopped at a node with children; a
+    # dynamic tree's path can end at a leaf above full depth, and the token
+    # emitted there is a bonus, not a correction.
+    stop = jnp.take_along_axis(verdict.path, n[:, None], axis=1)[:, 0]
+    stop_has_child = jax.vmap(lambda t, j: t[j, 0] >= 0)(table, stop)
+    judged = jnp.where(jnp.arange(depth)[None, :] == n[:, None], stop_has_child[:, None], True)
     if relaxed:  # each accepted node's own path code (exact / relaxed / pardon)
         paths = jnp.take_along_axis(node_code, verdict.path[:, 1:], axis=1)
     else:
         paths = jnp.full((batch, depth), Path.EXACT, jnp.int32)
     paths = jnp.where(jnp.arange(depth)[None, :] < n[:, None], paths, Path.REJECTED).astype(jnp.int32)
-    rule_state = state.rule_state
-    if stateful:  # e.g. AdaSD's running means: the rule updates from the decided path, as from a chain
+    rule_state, diag = state.rule_state, None
+    if need_view:
         view = jax.vmap(_path_as_chain)(table, verdict.path, n, paths, drafts.tokens, child_draft_logits,
                                         target_logits, uniforms, hidden)
+    if stateful:  # e.g. AdaSD's running means: the rule updates from the decided path, as from a chain
         rule_state = jax.vmap(functools.partial(rule.update, greedy=cfg.greedy))(rule_state, *view, n)
         rule_state = _where_b(live, rule_state, state.rule_state)
+    if cfg.diagnostics is not None:
+        values = jax.vmap(cfg.diagnostics)(*view, n)
+        diag = jax.tree_util.tree_map(
+            lambda x: jnp.where(live.reshape(live.shape + (1,) * (x.ndim - 1)), x, 0), values)
     stats = record_cycle(state.stats, live=live, valid=judged, num_accepted=n, num_committed=n_commit,
                          paths=paths, draft_forwards=drafts.forwards, verified=n_nodes)
     new_state = state.replace(
@@ -424,4 +437,4 @@ def _tree_cycle(
         rule_state=rule_state,
         draft_features=draft_features,
     )
-    return new_state, None
+    return new_state, diag
