@@ -249,11 +249,31 @@ def main(path: str) -> None:
     gen_bad = specjax.generate(bad_target, prompts, temperature=0.0, max_new_tokens=NEW, mesh=mesh)
     report["generate_gathering"] = {"greedy": gen_bad.to_lists(), "hlo": check_hlo(spy_generate, weights, caches)}
 
+    report["trees"] = trees_on_mesh(pair, prompts, key, spy_decode, weights, caches)
     report["bigram"] = bigram_on_mesh()
     report["loading"] = loading(pair.target, mesh)
     report["seconds"] = round(time.time() - t0, 1)
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)
+
+
+def trees_on_mesh(pair, prompts, key, spy, weights, caches) -> dict:
+    """Token trees on a tensor-parallel mesh (2, 4): a static tree greedy and a
+    dynamic tree sampled with MARS, against one device; their programs' HLO."""
+    from specjax.rules import mars
+    from specjax.trees import dynamic_tree, static_tree
+
+    mesh = sharding.make_mesh(2, 4)
+    target = sharding.shard_params(pair.target, mesh)
+    out = {}
+    for name, kw in (("static_greedy", dict(tree=static_tree((2, 2)), temperature=0.0)),
+                     ("dynamic_mars_t1", dict(tree=dynamic_tree(2, 2, 3), temperature=1.0, rule=mars(0.5),
+                                              key=key))):
+        ref = specjax.decode(pair, prompts, max_new_tokens=NEW, **kw)
+        got = specjax.decode(pair.replace(target=target), prompts, max_new_tokens=NEW, mesh=mesh, **kw)
+        out[name] = {"match": got.to_lists() == ref.to_lists(), "tau": float(got.stats.tau),
+                     "hlo": check_hlo(spy, weights, caches)}
+    return out
 
 
 def bigram_on_mesh() -> dict:

@@ -89,6 +89,13 @@ def test_the_hlo_check_catches_a_weight_all_gather(report):
     assert bad["greedy"] == good["greedy"] == report["reference"]["greedy"]
 
 
+@pytest.mark.parametrize("which", ["static_greedy", "dynamic_mars_t1"])
+def test_trees_on_a_mesh_match_one_device_without_gathering_weights(report, which):
+    entry = report["trees"][which]
+    assert entry["match"] and entry["tau"] > 1.0
+    assert entry["hlo"]["weight_gathers"] == [] and entry["hlo"]["cache_gathers"] == [], entry["hlo"]
+
+
 def test_any_language_model_runs_replicated_on_a_mesh(report):
     assert report["bigram"]["match"] and sum(report["bigram"]["lengths"]) > 0
 

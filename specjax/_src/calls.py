@@ -574,7 +574,7 @@ def _check_decode_args(params, rule, drafting, num_draft) -> tuple[AcceptanceRul
     return rule, drafting, num_draft
 
 
-def _check_tree(tree, params, rule, drafting, num_draft, mesh):
+def _check_tree(tree, params, rule, drafting, num_draft):
     """``decode(tree=...)``'s preconditions; returns the tree's depth (its ``K``)."""
     from specjax._src import trees as trees_lib
 
@@ -599,8 +599,6 @@ def _check_tree(tree, params, rule, drafting, num_draft, mesh):
     if num_draft is not None and num_draft != tree.max_depth:
         raise ValueError(f"num_draft={num_draft} but the tree's depth is {tree.max_depth}: leave num_draft "
                          "unset with tree= (the depth is the most tokens a cycle accepts).")
-    if mesh is not None:
-        raise ValueError("tree decoding on a mesh is not supported yet; decode on one device.")
     if not dynamic:
         trees_lib.uniform_branching(tree)  # raises for shapes the drafter cannot grow
     return tree.max_depth

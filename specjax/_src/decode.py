@@ -293,9 +293,9 @@ def decode(
         must support trees, as the built-in decoders and feature heads do).
         The lossless rule: greedy (output identical to the target's greedy
         output) or exact sampling (multi-draft for a static tree, point-mass
-        drafts for a dynamic one); stateless relaxed rules greedily only. The
-        drafting policy is the tree's shape, and ``num_draft`` is its depth.
-        Not on a mesh, without ``diagnostics``.
+        drafts for a dynamic one); every other rule, greedy or sampling (see
+        :mod:`specjax.trees`). The drafting policy is the tree's shape, and
+        ``num_draft`` is its depth.
 
     Compilation and warm-up: the first call for each combination of
     (batch bucket, prompt-width bucket, ``max_new_tokens`` bucket) and of the
@@ -323,7 +323,7 @@ def decode(
     """
     if tree is not None:
         rule, drafting, _ = _check_decode_args(params, rule, drafting, None)
-        depth = _check_tree(tree, params, rule, drafting, num_draft, mesh)
+        depth = _check_tree(tree, params, rule, drafting, num_draft)
         num_draft, cache_room = depth, tree.num_nodes  # the target cache holds every node for a moment
     else:
         rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
