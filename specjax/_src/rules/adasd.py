@@ -121,6 +121,12 @@ def adasd(allow_excluded: bool = False) -> "AdaSD":
     not accepted by the threshold, so AdaSD only emits tokens the warped target
     allows. ``allow_excluded=True`` accepts it, as the paper's rule reads.
 
+    On a token tree: a node's child is accepted whatever its identity when
+    the draft and target distributions *at the node* are JS-close (so the
+    first child is), else the lossless tree test decides; the running means
+    record the decided path as a chain's slots (accepted path nodes, then the
+    first child rejected where the walk stopped).
+
     Args:
       allow_excluded: let the threshold accept tokens with ``p(x) = 0``.
     """

@@ -18,6 +18,10 @@ Shared conventions (:func:`criterion`):
   those limits are greedy verification at any temperature.
 * Paths: ``EXACT`` where the lossless test (greedy: ``x == argmax p``;
   sampling: ``U <= p/q`` with the same ``U``) accepts too, else ``RELAXED``.
+* On a token tree: a node's first child in the accepted set of the target at
+  the node is accepted; if none is, the emitted token is drawn from ``p``
+  restricted to that set (greedy: ``argmax p``). Accepted tokens and
+  corrections stay in the set, as on a chain.
 """
 
 from __future__ import annotations

@@ -70,6 +70,10 @@ def ears(beta: float = 0.1, allow_excluded: bool = False) -> Ears:
     so EARS only emits tokens the warped target allows, like every other
     rule. ``allow_excluded=True`` applies the paper's formula literally.
 
+    On a token tree sampled at ``T > 0``: each child in turn, the tolerance
+    from the target's confidence at the node and the ratio ``p_i / q_i`` from
+    what the earlier siblings left; ``beta = 0`` is the exact lossless tree.
+
     Args:
       beta: base tolerance, ``>= 0``; the paper uses 0.05-0.2.
       allow_excluded: pardon tokens with ``p(x) = 0`` too (the formula as written).

@@ -120,6 +120,14 @@ def mars(theta: float = 0.9, variant: str = "paper") -> "Mars":
     ``RELAXED``. ``theta >= 1`` with ``variant="paper"`` is exactly the
     lossless rule (``z(2)/z(1) <= 1`` never exceeds it).
 
+    On a token tree (``decode(tree=...)``): greedy, each node is accepted by
+    the test above at its parent; sampling, a node's children are tried in
+    turn, the margin read from the target's logits at the node and the
+    lossless test from the residual the earlier siblings left. A node's
+    runner-up is thus accepted at a low-margin node even after its top token
+    was drafted and rejected. ``theta >= 1`` (paper variant) is the exact
+    lossless tree.
+
     Args:
       theta: ratio threshold, ``> 0`` (paper: 0.9).
       variant: ``"paper"`` or ``"authors"``, the sampling form (see above).

@@ -482,6 +482,11 @@ def pad(
     ``sigma = 0`` with a head that never outputs exactly 0, or any head that
     calls every token a pivot, is the lossless rule token for token.
 
+    On a token tree: the head reads each node's own hidden state and the
+    target's distribution at its parent; sampling, the lossless half runs on
+    the residual the earlier siblings left. A head that calls every token a
+    pivot is the exact lossless tree.
+
     Args:
       head: a :class:`PivotHead`, a directory written by
         ``python -m training.pivot``, or ``"shipped"``: the head in
