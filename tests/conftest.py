@@ -8,3 +8,23 @@ initialises, so it cannot be set here for one test only).
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402  (after the platform is set)
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    """A random Llama target and its 1-layer draft (``specjax.testing.peaked_target_and_draft``)."""
+    import specjax
+    from specjax.testing import llama_config, peaked_target_and_draft
+
+    return specjax.pair(*peaked_target_and_draft(llama_config()))
+
+
+@pytest.fixture(scope="module")
+def bigram_pair():
+    """Bigram target and draft over 8 tokens (``test_decode.VOCAB``), tables of seeds 0 and 1."""
+    import specjax
+    from specjax.testing import bigram_model, random_table
+
+    return specjax.pair(bigram_model(random_table(0, 8)), bigram_model(random_table(1, 8)))

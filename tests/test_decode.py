@@ -39,13 +39,6 @@ VOCAB = 8
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def bigram_pair():
-    target = bigram_model(random_table(0, VOCAB))
-    draft = bigram_model(random_table(1, VOCAB))
-    return specjax.pair(target, draft)
-
-
 def tiny_decoder_pair():
     """A 2-layer random Llama target and a 1-layer draft sharing its first layer."""
     return specjax.pair(*peaked_target_and_draft(llama_config()))

@@ -22,28 +22,18 @@ from specjax._src.cycle import _initial_state
 from specjax._src.drafting import fixed
 from specjax._src.tree_cycle import _draft_dynamic, _tree_cycle
 from specjax.rules import mars, speculative_sampling
-from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
+from specjax.testing import bigram_model, random_table
 from specjax.trees import (DynamicTree, children_table, dynamic_tree, rerank, static_tree, top_ranked,
                            verify_dynamic_tree)
-from test_decode import VOCAB, count_compilations, exact_two_token_distribution, goodness_of_fit, random_prompts
+from test_decode import count_compilations, exact_two_token_distribution, goodness_of_fit, random_prompts
 from test_feature_head import _exact_two_tokens, _sampled_two_tokens, _small_head_pair
 from test_tree_decode import tree_two_token_counts
-
-
-@pytest.fixture(scope="module")
-def llama_pair():
-    return specjax.pair(*peaked_target_and_draft(llama_config()))
 
 
 @pytest.fixture(scope="module")
 def head_pair(llama_pair):
     target = llama_pair.target
     return specjax.pair(target, specjax.heads.init_from_target(target, jax.random.key(1), np.arange(80)[::-1]))
-
-
-@pytest.fixture(scope="module")
-def bigram_pair():
-    return specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
 
 
 PROMPTS = random_prompts(21, 50, 96, 14)

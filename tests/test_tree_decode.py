@@ -17,19 +17,9 @@ import pytest
 
 import specjax
 from specjax.rules import additive, mars, pad, speculative_sampling, top_m
-from specjax.testing import Bigram, bigram_model, llama_config, peaked_target_and_draft, random_table
+from specjax.testing import Bigram
 from specjax.trees import static_tree
 from test_decode import VOCAB, count_compilations, exact_two_token_distribution, goodness_of_fit, random_prompts
-
-
-@pytest.fixture(scope="module")
-def llama_pair():
-    return specjax.pair(*peaked_target_and_draft(llama_config()))
-
-
-@pytest.fixture(scope="module")
-def bigram_pair():
-    return specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
 
 
 PROMPTS = random_prompts(21, 50, 96, 14)

@@ -24,7 +24,6 @@ import pytest
 
 import specjax
 from specjax.rules import adasd, ears, mars, pad, speculative_sampling, top_m
-from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
 from specjax.trees import dynamic_tree, static_tree
 from test_decode import VOCAB, goodness_of_fit, random_prompts
 
@@ -32,16 +31,6 @@ PROMPTS = random_prompts(21, 24, 96, 14)
 THETA = 0.5
 THETA_LAW = 0.2  # the bigram target's margin after token 3 is low at this theta: z(2)/z(1) = 0.24
 STATIC, DYNAMIC = static_tree((2, 2, 1)), dynamic_tree(3, 2, 5)
-
-
-@pytest.fixture(scope="module")
-def llama_pair():
-    return specjax.pair(*peaked_target_and_draft(llama_config()))
-
-
-@pytest.fixture(scope="module")
-def bigram_pair():
-    return specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
 
 
 def softmax(z):
