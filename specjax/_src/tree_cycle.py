@@ -346,7 +346,8 @@ def _tree_cycle(
         walk = functools.partial(verify_dynamic_tree, depth=depth, width=tree.top_k)
         shape_args = (drafts.parents,)
     else:
-        table = jnp.broadcast_to(jnp.asarray(tree.children_table()), (batch,) + tree.children_table().shape)
+        static_table = tree.children_table()
+        table = jnp.broadcast_to(jnp.asarray(static_table), (batch,) + static_table.shape)
         walk = functools.partial(verify_tree, tree)
         shape_args = ()
     child_draft_logits = None  # [B, N, V]: the draft's warped logits at each node's parent (row 0 unused)
