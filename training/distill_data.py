@@ -8,6 +8,12 @@ writes and how it spreads its probability: the two things acceptance depends
 on. Rows are written in shards (``shard_00000.npz`` ...) so an interrupted
 gather continues where it stopped.
 
+More data from the same prompts: gather pass ``p`` gives prompt ``i`` the
+temperature ``TEMPERATURE_CYCLE[(i + p) % 3]`` and writes its shards after
+those of the earlier passes, with their own keys; passes 0, 1 and 2 together
+answer every prompt once greedily and twice sampled. Training reads every
+shard of the directory (or the first ``N``).
+
 Shard contents (``N`` sequences, prompt width ``P``, ``L`` new tokens, top-``k``):
   ``tokens [N, P + L] int32``: the prompt right-padded to ``P``, then the answer.
   ``prompt_lengths [N]``, ``answer_lengths [N]`` (EOS included when reached).
@@ -79,29 +85,37 @@ def gather(
     top_k: int = 32,
     seed: int = 0,
     max_prompts: int | None = None,
+    pass_index: int = 0,
     log=print,
 ) -> int:
     """Writes shards of distillation rows under ``out_dir``; returns rows written in total.
 
     Shard ``i`` holds prompts ``[i * batch_size, (i + 1) * batch_size)`` of
     ``prompts``: an interrupted gather resumes at the first missing shard and
-    produces the same rows as an uninterrupted one (keys are per shard).
+    produces the same rows as an uninterrupted one (keys are per shard). Pass
+    ``p`` numbers its shards from ``p`` times the shards of all ``prompts``
+    (see the module docstring).
     """
+    if pass_index < 0:
+        raise ValueError(f"pass_index must be >= 0, got {pass_index}")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = list(prompts)[: max_prompts or None]
+    prompts = list(prompts)
+    per_pass = -(-len(prompts) // batch_size)  # of the whole list: --prompts limits never shift a pass
+    prompts = prompts[: max_prompts or None]
     encoded = encode_prompts(target, prompts)
     width = -(-max(len(p) for p in encoded) // 8) * 8
     eos = target.module.config.eos_token_ids or (target.module.config.eos_token_id,)
     eos_ids = jnp.asarray(eos, jnp.int32)
     num_shards = -(-len(prompts) // batch_size)
     total = 0
-    for shard in range(num_shards):
+    for local in range(num_shards):
+        shard = pass_index * per_pass + local
         path = out / f"shard_{shard:05d}.npz"
         if path.exists():
             total += int(np.load(path)["prompt_lengths"].shape[0])
             continue
-        idx = np.arange(shard * batch_size, min((shard + 1) * batch_size, len(prompts)))
+        idx = np.arange(local * batch_size, min((local + 1) * batch_size, len(prompts)))
         rows = [encoded[i] for i in idx]
         n = len(rows)
         # Pad the last shard to the batch so it reuses the compiled program.
@@ -110,8 +124,8 @@ def gather(
         for j, r in enumerate(rows):
             padded[j, : len(r)] = r
             lengths[j] = len(r)
-        temps = np.asarray([TEMPERATURE_CYCLE[i % len(TEMPERATURE_CYCLE)] for i in
-                            np.arange(shard * batch_size, (shard + 1) * batch_size)], np.float32)
+        temps = np.asarray([TEMPERATURE_CYCLE[(i + pass_index) % len(TEMPERATURE_CYCLE)] for i in
+                            np.arange(local * batch_size, (local + 1) * batch_size)], np.float32)
         key = jax.random.fold_in(jax.random.key(seed), shard)
         t0 = time.monotonic()
         tokens, top_i, top_lp, ans_len = jax.device_get(
@@ -133,7 +147,7 @@ def gather(
         os.replace(tmp, path)  # a shard exists only once it is complete
         written = int(ans_len[:n].sum())
         total += n
-        log(f"[gather] shard {shard + 1}/{num_shards}: {n} answers, {written} tokens, "
+        log(f"[gather] pass {pass_index}, shard {local + 1}/{num_shards}: {n} answers, {written} tokens, "
             f"{dt:.1f} s ({written / dt:.0f} answer tok/s)")
     return total
 

@@ -342,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gather-batch", type=int, default=32)
     g.add_argument("--new-tokens", type=int, default=192, help="answer budget per prompt (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=32)
+    g.add_argument("--gather-pass", type=int, default=0,
+                   help="0: the first answers; 1, 2: more, each prompt at another temperature (shards after pass 0's)")
     g.add_argument("--gather-only", action="store_true", help="stop after gathering")
     g.add_argument("--no-gather", action="store_true", help="train on the shards already gathered")
     g.add_argument("--use-shards", type=int, default=None,
@@ -386,7 +388,8 @@ def main(argv=None) -> int:
     data_dir = out / "data"
     if not args.no_gather:
         distill_data.gather(target, train_prompts, data_dir, batch_size=args.gather_batch,
-                            new_tokens=args.new_tokens, top_k=args.top_k, max_prompts=args.prompts, log=log)
+                            new_tokens=args.new_tokens, top_k=args.top_k, max_prompts=args.prompts,
+                            pass_index=args.gather_pass, log=log)
     if args.gather_only:
         return 0
 
