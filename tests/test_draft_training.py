@@ -105,6 +105,17 @@ def test_a_second_gather_pass_adds_shards_at_other_temperatures(tiny_chat_target
         distill_data.gather(target, prompts, tmp_path / "c", pass_index=-1, **quiet)
 
 
+def test_held_out_prompts_stay_out_of_training_in_every_gather_pass(tiny_chat_target, tmp_path):
+    _run(tiny_chat_target, tmp_path, "--gather-only")
+    _run(tiny_chat_target, tmp_path, "--gather-only", "--gather-pass", "1")
+    _run(tiny_chat_target, tmp_path, "--train-only")
+    log = (tmp_path / "log.txt").read_text()
+    # 6 prompts answered twice; the last 2 rows' prompts are held out in both passes
+    assert "8 train rows" in log and "4 held-out rows" in log, log
+    with pytest.raises(SystemExit):
+        _run(tiny_chat_target, tmp_path, "--gather-only", "--gather-pass", "-1")
+
+
 def test_interrupted_training_resumes_to_the_same_draft(tiny_chat_target, tmp_path):
     _run(tiny_chat_target, tmp_path / "full", "--train-only")
     (tmp_path / "cut").mkdir()

@@ -376,7 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.gather_pass < 0:
+        parser.error(f"--gather-pass must be 0 (the first answers) or more, got {args.gather_pass}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_file = out / "log.txt"
@@ -412,8 +415,11 @@ def main(argv=None) -> int:
     rows = build_rows(shards, head_ids, args.seq_len, cfg_t.vocab_size)
     coverage = float(np.mean(rows["teacher_ids"][..., 0][rows["mask"]] >= 0))
     n = rows["tokens"].shape[0]
-    held = Rows({k: v[n - args.heldout_rows:] for k, v in rows.items()})
-    train = Rows({k: v[: n - args.heldout_rows] for k, v in rows.items()})
+    # Hold out the last rows' prompts in every gather pass, so no held-out prompt is also trained on.
+    prompt_index = shards["prompt_index"]  # one row per gathered answer
+    is_held = np.isin(prompt_index, prompt_index[n - args.heldout_rows:])
+    held = Rows({k: v[is_held] for k, v in rows.items()})
+    train = Rows({k: v[~is_held] for k, v in rows.items()})
     answer_tokens = int(train["mask"].sum())
     log(f"[draft] {num_shards} shards: {train['tokens'].shape[0]} train rows ({answer_tokens:,} answer tokens), "
         f"{held['tokens'].shape[0]} held-out rows; head covers {100 * coverage:.2f}% of answer tokens")
