@@ -193,3 +193,53 @@ def test_training_continues_from_an_exported_draft(tiny_chat_target, tmp_path):
     np.testing.assert_array_equal(np.asarray(second.params["head_vocab_ids"]), np.asarray(first.params["head_vocab_ids"]))
     assert second.module.config == first.module.config
     assert not np.allclose(np.asarray(second.params["lm_head"]), np.asarray(first.params["lm_head"]))
+
+
+def test_packed_answers_rebuild_the_gathered_shards(tiny_chat_target, tmp_path):
+    target = specjax.load(tiny_chat_target)
+    prompts = ["What is rain?", "Name a color.", "Say hi.", "Count to 3.", "Why is the sky blue?"]
+    distill_data.gather(target, prompts, tmp_path / "a", batch_size=2, new_tokens=6, pass_index=1,
+                        log=lambda m: None)
+    summary = distill_data.pack_answers(tmp_path / "a", tmp_path / "answers.npz")
+    assert summary["rows"] == 5 and summary["shards"] == 3
+    with pytest.raises(FileExistsError, match="force"):
+        distill_data.pack_answers(tmp_path / "a", tmp_path / "answers.npz")
+    assert distill_data.unpack_answers(target, tmp_path / "answers.npz", tmp_path / "b", batch_size=2,
+                                       log=lambda m: None) == 3
+    names = sorted(f.name for f in (tmp_path / "b").glob("shard_*.npz"))
+    assert names == sorted(f.name for f in (tmp_path / "a").glob("shard_*.npz")) == [
+        "shard_00003.npz", "shard_00004.npz", "shard_00005.npz"]
+    for name in names:
+        a, b = dict(np.load(tmp_path / "a" / name)), dict(np.load(tmp_path / "b" / name))
+        for k in ("tokens", "prompt_lengths", "answer_lengths", "temperatures", "prompt_index"):
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"{name}: {k}")
+        # the recomputed distributions over the answer tokens (what training reads)
+        for i, n in enumerate(a["answer_lengths"]):
+            np.testing.assert_array_equal(a["top_ids"][i, :n, :4], b["top_ids"][i, :n, :4], err_msg=name)
+            np.testing.assert_allclose(a["top_logprobs"][i, :n].astype(np.float32),
+                                       b["top_logprobs"][i, :n].astype(np.float32), atol=2e-2, err_msg=name)
+    # resumable: an existing shard is kept, a missing one rebuilt
+    (tmp_path / "b" / names[0]).unlink()
+    assert distill_data.unpack_answers(target, tmp_path / "answers.npz", tmp_path / "b", batch_size=2,
+                                       log=lambda m: None) == 1
+
+
+def test_packed_answers_refuse_another_vocabulary(tmp_path):
+    np.savez(tmp_path / "x.npz", format=np.int32(distill_data.ANSWERS_FORMAT),
+             token_ids=np.array([5, 70000], np.int32), shards=np.zeros((0, 4), np.int32),
+             shard=np.zeros(1, np.int32), prompt_lengths=np.ones(1, np.int32), answer_lengths=np.ones(1, np.int32),
+             temperatures=np.zeros(1, np.float32), prompt_index=np.zeros(1, np.int32))
+    target = specjax.testing.bigram_model(specjax.testing.random_table(0, 64))
+    with pytest.raises(ValueError, match="vocabulary"):
+        distill_data.unpack_answers(target, tmp_path / "x.npz", tmp_path / "out", log=lambda m: None)
+
+
+def test_cli_packs_answers_and_rebuilds_a_run_from_them(tiny_chat_target, tmp_path):
+    packed = tmp_path / "answers.npz"
+    _run(tiny_chat_target, tmp_path / "a", "--gather-only", "--pack-answers", str(packed))
+    with pytest.raises(SystemExit, match="force"):
+        _run(tiny_chat_target, tmp_path / "a", "--gather-only", "--pack-answers", str(packed))
+    _run(tiny_chat_target, tmp_path / "b", "--gather-only", "--answers-from", str(packed))
+    a, b = (distill_data.load_shards(tmp_path / d / "data") for d in "ab")
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    np.testing.assert_array_equal(a["prompt_index"], b["prompt_index"])

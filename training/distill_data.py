@@ -163,3 +163,131 @@ def load_shards(data_dir: str | os.PathLike, limit: int | None = None) -> dict[s
         if p["tokens"].shape[1] != width:
             raise ValueError(f"Shards in {data_dir} have different widths; gather them into separate dirs.")
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+# ----------------------------------------------------------------------------- answers, kept small
+#
+# Generating answers is the slow part of a gather (one target forward per token); the
+# distributions are not: a teacher-forced forward over a whole answer costs about one
+# forward per 8-10 tokens on a CPU. So the answers alone (token ids, about 2 bytes a token)
+# are what is worth keeping, in the repository if need be, and the top-k log-probabilities
+# are recomputed from them.
+
+ANSWERS_FORMAT = 1
+
+
+def pack_answers(data_dir: str | os.PathLike, dest: str | os.PathLike, *, force: bool = False) -> dict:
+    """Writes every shard's prompts and answers (token ids only) to one compressed ``.npz``.
+
+    Returns a summary (shards, rows, answer tokens). :func:`unpack_answers` rebuilds the
+    shards from it. ``dest`` is never overwritten unless ``force``.
+    """
+    dest = pathlib.Path(dest)
+    if dest.suffix != ".npz":
+        raise ValueError(f"{dest}: packed answers are a .npz file; give a path ending in .npz")
+    if dest.exists() and not force:
+        raise FileExistsError(f"{dest} exists; pass force=True (--force) to replace it")
+    files = sorted(pathlib.Path(data_dir).glob("shard_*.npz"))
+    if not files:
+        raise ValueError(f"No distillation shards (shard_*.npz) in {data_dir}; run the gather step first.")
+    rows = {k: [] for k in ("shard", "prompt_lengths", "answer_lengths", "temperatures", "prompt_index")}
+    flat, shard_meta, vocab_max = [], [], 0
+    for f in files:
+        z = np.load(f)
+        shard_no = int(f.stem.split("_")[1])
+        n, total = z["tokens"].shape
+        new_tokens = z["top_ids"].shape[1]
+        width = total - new_tokens
+        shard_meta.append((shard_no, width, new_tokens, z["top_ids"].shape[2]))
+        for i in range(n):
+            p, a = int(z["prompt_lengths"][i]), int(z["answer_lengths"][i])
+            flat.append(np.concatenate([z["tokens"][i, :p], z["tokens"][i, width:width + a]]))
+        rows["shard"].append(np.full((n,), shard_no, np.int32))
+        for k in ("prompt_lengths", "answer_lengths", "temperatures", "prompt_index"):
+            rows[k].append(z[k])
+        vocab_max = max(vocab_max, int(z["tokens"].max()))
+    ids = np.concatenate(flat)
+    ids = ids.astype(np.uint16 if vocab_max < 2**16 else np.int32)
+    tmp = dest.with_name(f".{dest.stem}.tmp.npz")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(
+        tmp, format=np.int32(ANSWERS_FORMAT), token_ids=ids,
+        shards=np.asarray(shard_meta, np.int32),  # [S, 4]: number, prompt width, new tokens, top-k
+        **{k: np.concatenate(v) for k, v in rows.items()},
+    )
+    os.replace(tmp, dest)
+    lengths = np.concatenate(rows["answer_lengths"])
+    return {"shards": len(files), "rows": int(lengths.size), "answer_tokens": int(lengths.sum()),
+            "bytes": dest.stat().st_size}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _teacher_forced_top_k(module, params, sequences, starts, new_tokens: int, top_k: int):
+    """Top-k log-probs ``[N, new_tokens, k]`` before each answer token of ``sequences``
+    (prompt then answer, right-padded); answer token ``t`` of row ``i`` is predicted at
+    position ``starts[i] + t`` (``starts`` = prompt lengths - 1)."""
+    logits = module.apply(params, sequences).logits
+    at = starts[:, None] + jnp.arange(new_tokens)[None, :]
+    logits = jnp.take_along_axis(logits, at[:, :, None], axis=1)
+    top_lp, top_i = jax.lax.top_k(jax.nn.log_softmax(logits), top_k)
+    return top_i, top_lp
+
+
+def unpack_answers(target, packed: str | os.PathLike, out_dir: str | os.PathLike, *, batch_size: int = 8,
+                   log=print) -> int:
+    """Rebuilds the shards of :func:`pack_answers`'s file under ``out_dir``, the target's
+    top-k log-probs recomputed by teacher forcing (equal to the gathered ones up to float
+    rounding). Resumable like :func:`gather`: shards that exist are kept. Returns shards written.
+
+    ``target`` must be the model that wrote the answers: nothing in the file can check that,
+    beyond its vocabulary size.
+    """
+    z = np.load(packed)
+    if int(z["format"]) != ANSWERS_FORMAT:
+        raise ValueError(f"{packed}: packed answers format {int(z['format'])}, this code reads {ANSWERS_FORMAT}")
+    ids = z["token_ids"].astype(np.int32)
+    if ids.size and int(ids.max()) >= target.vocab_size:
+        raise ValueError(f"{packed} holds token id {int(ids.max())}, beyond the target's vocabulary "
+                         f"({target.vocab_size}): these answers are another model's")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    eos = target.module.config.eos_token_ids or (target.module.config.eos_token_id,)
+    offsets = np.concatenate([[0], np.cumsum(z["prompt_lengths"] + z["answer_lengths"])])
+    written = 0
+    for shard_no, width, new_tokens, top_k in z["shards"].tolist():
+        path = out / f"shard_{shard_no:05d}.npz"
+        if path.exists():
+            continue
+        t0 = time.monotonic()
+        idx = np.nonzero(z["shard"] == shard_no)[0]
+        n = idx.size
+        tokens = np.zeros((n, width + new_tokens), np.int32)
+        tokens[:, width:] = eos[0]  # what the gather feeds after EOS
+        sequences = np.zeros((n, width + new_tokens), np.int32)
+        for j, i in enumerate(idx):
+            p, a = int(z["prompt_lengths"][i]), int(z["answer_lengths"][i])
+            row = ids[offsets[i]:offsets[i + 1]]
+            tokens[j, :p], tokens[j, width:width + a] = row[:p], row[p:]
+            sequences[j, :p + new_tokens] = np.concatenate([row[:p], tokens[j, width:]])
+        top_i = np.zeros((n, new_tokens, top_k), np.int32)
+        top_lp = np.zeros((n, new_tokens, top_k), np.float16)
+        starts = (z["prompt_lengths"][idx] - 1).astype(np.int32)
+        for s in range(0, n, batch_size):
+            chunk, st = sequences[s:s + batch_size], starts[s:s + batch_size]
+            pad = batch_size - chunk.shape[0]  # the last chunk reuses the compiled program
+            if pad:
+                chunk = np.concatenate([chunk, np.zeros((pad, chunk.shape[1]), np.int32)])
+                st = np.concatenate([st, np.zeros((pad,), np.int32)])
+            i_, lp_ = jax.device_get(_teacher_forced_top_k(target.module, target.params, jnp.asarray(chunk),
+                                                          jnp.asarray(st), new_tokens, top_k))
+            m = batch_size - pad
+            top_i[s:s + m], top_lp[s:s + m] = i_[:m], lp_[:m].astype(np.float16)
+        tmp = out / f".shard_{shard_no:05d}.tmp.npz"
+        np.savez(tmp, tokens=tokens, prompt_lengths=z["prompt_lengths"][idx],
+                 answer_lengths=z["answer_lengths"][idx], top_ids=top_i, top_logprobs=top_lp,
+                 temperatures=z["temperatures"][idx], prompt_index=z["prompt_index"][idx])
+        os.replace(tmp, path)
+        written += 1
+        log(f"[unpack] shard {shard_no}: {n} answers, {int(z['answer_lengths'][idx].sum())} tokens, "
+            f"{time.monotonic() - t0:.1f} s")
+    return written
