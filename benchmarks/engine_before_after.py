@@ -8,6 +8,8 @@ ratios (each round's two runs back to back, so load drift cancels).
 
     git worktree add /tmp/specjax-before 16f205f
     python benchmarks/engine_before_after.py --before /tmp/specjax-before
+    python benchmarks/engine_before_after.py --before /tmp/specjax-before --configs 3 4 \
+        --target smollm2-135m-instruct --draft smollm2-135m-instruct-eagle --num-draft 3 --new-tokens 128
 """
 
 from __future__ import annotations
@@ -33,17 +35,23 @@ target, draft = specjax.load(cfg["target"]), specjax.load(cfg["draft"])
 pair = specjax.pair(target, draft)
 rng = np.random.default_rng(0)
 prompts = [rng.integers(5, 1000, size=24).tolist() for _ in range(cfg["batch"])]
-kw = dict(rule=parse_rule(cfg["rule"]), num_draft=cfg["num_draft"], max_new_tokens=cfg["new_tokens"],
-          temperature=cfg["temperature"], eos_token_id=(), key=jax.random.key(0))
-jax.block_until_ready(specjax.decode(pair, prompts, **kw).tokens)
+kw = dict(max_new_tokens=cfg["new_tokens"], temperature=cfg["temperature"], eos_token_id=(), key=jax.random.key(0))
+if cfg["rule"] == "target-only":
+    call = lambda: specjax.generate(target, prompts, **kw)
+else:
+    kw.update(rule=parse_rule(cfg["rule"]), num_draft=cfg["num_draft"])
+    call = lambda: specjax.decode(pair, prompts, **kw)
+jax.block_until_ready(call().tokens)
 times, tokens = [], 0
 for _ in range(cfg["calls"]):
     t0 = time.perf_counter()
-    out = specjax.decode(pair, prompts, **kw)
+    out = call()
     jax.block_until_ready(out.tokens)
     times.append(time.perf_counter() - t0)
     tokens = int(np.sum(out.lengths))
-print(json.dumps({"tok_s": tokens / statistics.median(times), "tau": out.stats.tau, "file": specjax.__file__}))
+stats = getattr(out, "stats", None)
+tau = float(stats.tau) if stats is not None else float("nan")
+print(json.dumps({"tok_s": tokens / statistics.median(times), "tau": tau, "file": specjax.__file__}))
 """
 
 
@@ -67,11 +75,16 @@ def main() -> None:
     ap.add_argument("--target", default=str(ROOT / "specjax/assets/models/target"))
     ap.add_argument("--draft", default=str(ROOT / "specjax/assets/models/draft"))
     ap.add_argument("--configs", type=int, nargs="+", default=None, help="run only these rows (0-based)")
+    ap.add_argument("--num-draft", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
+    k, n = args.num_draft, args.new_tokens
     configs = [
-        dict(rule="speculative_sampling", temperature=1.0, batch=1, num_draft=4, new_tokens=64),
-        dict(rule="mars:theta=0.9", temperature=0.0, batch=1, num_draft=4, new_tokens=64),
-        dict(rule="speculative_sampling", temperature=1.0, batch=8, num_draft=4, new_tokens=64),
+        dict(rule="speculative_sampling", temperature=1.0, batch=1, num_draft=k, new_tokens=n),
+        dict(rule="mars:theta=0.9", temperature=0.0, batch=1, num_draft=k, new_tokens=n),
+        dict(rule="speculative_sampling", temperature=1.0, batch=8, num_draft=k, new_tokens=n),
+        dict(rule="speculative_sampling", temperature=0.0, batch=1, num_draft=k, new_tokens=n),
+        dict(rule="target-only", temperature=0.0, batch=1, num_draft=k, new_tokens=n),
     ]
     if args.configs is not None:
         configs = [configs[i] for i in args.configs]
