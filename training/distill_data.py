@@ -167,11 +167,11 @@ def load_shards(data_dir: str | os.PathLike, limit: int | None = None) -> dict[s
 
 # ----------------------------------------------------------------------------- answers, kept small
 #
-# Generating answers is the slow part of a gather (one target forward per token); the
-# distributions are not: a teacher-forced forward over a whole answer costs about one
-# forward per 8-10 tokens on a CPU. So the answers alone (token ids, about 2 bytes a token)
-# are what is worth keeping, in the repository if need be, and the top-k log-probabilities
-# are recomputed from them.
+# Generating answers is the slow part of a gather (one target forward per token, one token
+# per row at a time); the distributions are not: one teacher-forced forward scores a whole
+# answer. So the answers alone (token ids, under 2 bytes a token compressed) are what is
+# worth keeping, in the repository if need be, and the top-k log-probabilities are
+# recomputed from them.
 
 ANSWERS_FORMAT = 1
 
@@ -221,19 +221,22 @@ def pack_answers(data_dir: str | os.PathLike, dest: str | os.PathLike, *, force:
             "bytes": dest.stat().st_size}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _teacher_forced_top_k(module, params, sequences, starts, new_tokens: int, top_k: int):
-    """Top-k log-probs ``[N, new_tokens, k]`` before each answer token of ``sequences``
-    (prompt then answer, right-padded); answer token ``t`` of row ``i`` is predicted at
-    position ``starts[i] + t`` (``starts`` = prompt lengths - 1)."""
-    logits = module.apply(params, sequences).logits
-    at = starts[:, None] + jnp.arange(new_tokens)[None, :]
-    logits = jnp.take_along_axis(logits, at[:, :, None], axis=1)
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _teacher_forced_top_k(module, params, prompts, prompt_lengths, answers, top_k: int):
+    """Top-k log-probs ``[N, L, k]`` before each of ``answers [N, L]``, the way
+    :func:`_answer` saw them: the right-padded ``prompts [N, P]`` prefilled, the cache cut
+    back to ``prompt_lengths``, then the answers fed in one block. The LM head runs on
+    the ``L`` answer positions only, not on the prompts' padding."""
+    n, width = prompts.shape
+    cache = module.init_cache(n, width + answers.shape[1])
+    first = module.apply(params, prompts, cache, logits_at=prompt_lengths - 1)
+    rest = module.apply(params, answers[:, :-1], first.cache.rollback(prompt_lengths))
+    logits = jnp.concatenate([first.logits, rest.logits], axis=1)
     top_lp, top_i = jax.lax.top_k(jax.nn.log_softmax(logits), top_k)
     return top_i, top_lp
 
 
-def unpack_answers(target, packed: str | os.PathLike, out_dir: str | os.PathLike, *, batch_size: int = 8,
+def unpack_answers(target, packed: str | os.PathLike, out_dir: str | os.PathLike, *, batch_size: int = 16,
                    log=print) -> int:
     """Rebuilds the shards of :func:`pack_answers`'s file under ``out_dir``, the target's
     top-k log-probs recomputed by teacher forcing (equal to the gathered ones up to float
@@ -263,23 +266,22 @@ def unpack_answers(target, packed: str | os.PathLike, out_dir: str | os.PathLike
         n = idx.size
         tokens = np.zeros((n, width + new_tokens), np.int32)
         tokens[:, width:] = eos[0]  # what the gather feeds after EOS
-        sequences = np.zeros((n, width + new_tokens), np.int32)
+        lengths = z["prompt_lengths"][idx].astype(np.int32)
         for j, i in enumerate(idx):
             p, a = int(z["prompt_lengths"][i]), int(z["answer_lengths"][i])
             row = ids[offsets[i]:offsets[i + 1]]
             tokens[j, :p], tokens[j, width:width + a] = row[:p], row[p:]
-            sequences[j, :p + new_tokens] = np.concatenate([row[:p], tokens[j, width:]])
         top_i = np.zeros((n, new_tokens, top_k), np.int32)
         top_lp = np.zeros((n, new_tokens, top_k), np.float16)
-        starts = (z["prompt_lengths"][idx] - 1).astype(np.int32)
         for s in range(0, n, batch_size):
-            chunk, st = sequences[s:s + batch_size], starts[s:s + batch_size]
+            chunk, lens = tokens[s:s + batch_size], lengths[s:s + batch_size]
             pad = batch_size - chunk.shape[0]  # the last chunk reuses the compiled program
             if pad:
                 chunk = np.concatenate([chunk, np.zeros((pad, chunk.shape[1]), np.int32)])
-                st = np.concatenate([st, np.zeros((pad,), np.int32)])
-            i_, lp_ = jax.device_get(_teacher_forced_top_k(target.module, target.params, jnp.asarray(chunk),
-                                                          jnp.asarray(st), new_tokens, top_k))
+                lens = np.concatenate([lens, np.ones((pad,), np.int32)])
+            i_, lp_ = jax.device_get(_teacher_forced_top_k(
+                target.module, target.params, jnp.asarray(chunk[:, :width]), jnp.asarray(lens),
+                jnp.asarray(chunk[:, width:]), top_k))
             m = batch_size - pad
             top_i[s:s + m], top_lp[s:s + m] = i_[:m], lp_[:m].astype(np.float16)
         tmp = out / f".shard_{shard_no:05d}.tmp.npz"
