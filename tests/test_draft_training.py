@@ -240,6 +240,8 @@ def test_cli_packs_answers_and_rebuilds_a_run_from_them(tiny_chat_target, tmp_pa
     with pytest.raises(SystemExit, match="force"):
         _run(tiny_chat_target, tmp_path / "a", "--gather-only", "--pack-answers", str(packed))
     _run(tiny_chat_target, tmp_path / "b", "--gather-only", "--answers-from", str(packed))
+    with pytest.raises(SystemExit, match="--answers-from .*missing.npz"):
+        _run(tiny_chat_target, tmp_path / "c", "--gather-only", "--answers-from", str(tmp_path / "missing.npz"))
     a, b = (distill_data.load_shards(tmp_path / d / "data") for d in "ab")
     np.testing.assert_array_equal(a["tokens"], b["tokens"])
     np.testing.assert_array_equal(a["prompt_index"], b["prompt_index"])

@@ -193,7 +193,7 @@ def pack_answers(data_dir: str | os.PathLike, dest: str | os.PathLike, *, force:
     rows = {k: [] for k in ("shard", "prompt_lengths", "answer_lengths", "temperatures", "prompt_index")}
     flat, shard_meta, vocab_max = [], [], 0
     for f in files:
-        z = np.load(f)
+        z = dict(np.load(f))  # an NpzFile re-reads an array from the zip on every access
         shard_no = int(f.stem.split("_")[1])
         n, total = z["tokens"].shape
         new_tokens = z["top_ids"].shape[1]
@@ -245,7 +245,7 @@ def unpack_answers(target, packed: str | os.PathLike, out_dir: str | os.PathLike
     ``target`` must be the model that wrote the answers: nothing in the file can check that,
     beyond its vocabulary size.
     """
-    z = np.load(packed)
+    z = dict(np.load(packed))  # read once: an NpzFile decompresses an array on every access
     if int(z["format"]) != ANSWERS_FORMAT:
         raise ValueError(f"{packed}: packed answers format {int(z['format'])}, this code reads {ANSWERS_FORMAT}")
     ids = z["token_ids"].astype(np.int32)

@@ -404,7 +404,10 @@ def main(argv=None) -> int:
     data_dir = out / "data"
     if args.answers_from:
         for packed in args.answers_from:
-            distill_data.unpack_answers(target, packed, data_dir, log=log)
+            try:
+                distill_data.unpack_answers(target, packed, data_dir, log=log)
+            except (OSError, ValueError, KeyError) as e:
+                raise SystemExit(f"error: --answers-from {packed}: {e}") from None
     elif not args.no_gather:
         distill_data.gather(target, train_prompts, data_dir, batch_size=args.gather_batch,
                             new_tokens=args.new_tokens, top_k=args.top_k, max_prompts=args.prompts,
