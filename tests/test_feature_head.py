@@ -9,6 +9,7 @@ lossless sampling with it must follow the target's law.
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import numpy as np
@@ -22,7 +23,7 @@ from specjax._src.drafting import fixed
 from specjax._src.models import feature_head as fh
 from specjax.rules import Verdict, from_functions, mars, speculative_sampling
 from specjax.testing import llama_config, peaked_target_and_draft
-from specjax.trees import static_tree
+from specjax.trees import dynamic_tree, static_tree
 from test_decode import count_compilations, goodness_of_fit, random_prompts
 
 
@@ -39,6 +40,20 @@ def head(target):
 @pytest.fixture(scope="module")
 def head_pair(target, head):
     return specjax.pair(target, head)
+
+
+def _mixed(head, layers=(0, -1)):
+    """``head`` grown to read several target blocks, its ``reduce`` perturbed so
+    that every block counts (grown as it is, it would read the last only)."""
+    grown = fh.with_feature_layers(head, layers)
+    kernel = grown.params["reduce"]["kernel"]
+    noise = 0.3 * jax.random.normal(jax.random.key(5), kernel.shape, kernel.dtype)
+    return grown.replace(params={**grown.params, "reduce": {"kernel": kernel + noise}})
+
+
+@pytest.fixture(scope="module")
+def mixed_pair(target, head):
+    return specjax.pair(target, _mixed(head))
 
 
 def test_head_forward_in_blocks_equals_one_forward(head):
@@ -85,7 +100,8 @@ def _reference_drafts(target_module, head_module, target_params, head_params, to
     features at positions 0 .. n-2, then the head's own predicted features.
     Causal attention makes the padding past each read position inert."""
     x = tokens[None]
-    feats = target_module.apply(target_params, x, hidden_layers=(-1,)).hidden[0]  # f_i at position i
+    hidden = target_module.apply(target_params, x, hidden_layers=head_module.feature_layers).hidden
+    feats = head_module.target_features(head_params, jnp.concatenate(hidden, axis=-1))  # f_i at position i
     inputs_tok = jnp.roll(x, -1, axis=1)  # position i reads x_{i+1}
     out = []
     for s in range(k):
@@ -98,12 +114,15 @@ def _reference_drafts(target_module, head_module, target_params, head_params, to
     return jnp.stack(out)
 
 
-def test_engine_drafts_equal_cache_free_drafts_after_ragged_acceptance(target, head, head_pair):
+@pytest.mark.parametrize("blocks", ["last", "mixed"])
+def test_engine_drafts_equal_cache_free_drafts_after_ragged_acceptance(target, head_pair, mixed_pair, blocks):
     """Cycle after cycle (acceptance ragged across the batch: a rule accepting
     by the drafted token's parity), each sequence's K draft logits equal the
     head's cache-free forward over its committed prefix with the target's true
     features: the head's cache holds true-feature entries only, and the
-    last cycle's own-feature entries were rewritten."""
+    last cycle's own-feature entries were rewritten. ``mixed``: a head that
+    reads two target blocks through ``reduce``."""
+    head_pair = head_pair if blocks == "last" else mixed_pair
 
     def verify(inputs, state, *, greedy):
         del state, greedy
@@ -246,3 +265,79 @@ def test_bad_head_inputs_get_clear_errors(head_pair):
 
     with pytest.raises(ValueError, match="feature head on a mesh"):
         specjax.decode(head_pair, [[1, 2]], max_new_tokens=2, temperature=0.0, mesh=make_mesh(1, 1))
+
+
+def test_growing_a_head_to_more_blocks_keeps_its_drafts(target, head, head_pair):
+    """with_feature_layers: the grown head's reduce passes the old block through,
+    so it drafts what the one-block head drafted, until training moves it."""
+    grown = fh.with_feature_layers(head, (0, -1))
+    assert grown.module.feature_layers == (0, -1) and grown.params["reduce"]["kernel"].shape == (64, 32)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 96, (2, 9)), jnp.int32)
+    hidden = target.module.apply(target.params, tokens, hidden_layers=(0, -1)).hidden
+    one = head.module.apply(head.params, tokens, features=hidden[1])
+    two = grown.module.apply(grown.params, tokens,
+                             features=grown.module.target_features(grown.params, jnp.concatenate(hidden, -1)))
+    np.testing.assert_allclose(np.asarray(two.logits), np.asarray(one.logits), rtol=1e-3, atol=1e-3)  # eps of the extra norm
+    prompts = random_prompts(31, 6, 96, 12)
+    kw = dict(num_draft=3, max_new_tokens=16, temperature=0.0)
+    a = specjax.decode(head_pair, prompts, **kw)
+    b = specjax.decode(specjax.pair(target, grown), prompts, **kw)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_array_equal(np.asarray(a.stats.accepted), np.asarray(b.stats.accepted))
+    with pytest.raises(ValueError, match="cannot be grown"):
+        fh.with_feature_layers(grown, (0, 1, -1))  # already mixes blocks
+    with pytest.raises(ValueError, match="cannot be grown"):
+        fh.with_feature_layers(head, (0, 1))  # its block (-1) is not among them
+    with pytest.raises(ValueError, match="distinct"):
+        fh.FeatureHead(head.module.config, feature_layers=(0, 0))
+
+
+@pytest.mark.parametrize("tree", [None, dynamic_tree(3, 2, 5)], ids=["chain", "dynamic"])
+def test_greedy_with_a_mixed_block_head_is_target_greedy(mixed_pair, tree):
+    prompts = random_prompts(32, 20, 96, 14)
+    ref = specjax.generate(mixed_pair.target, prompts, max_new_tokens=24, temperature=0.0, eos_token_id=5)
+    kw = dict(num_draft=3) if tree is None else dict(tree=tree)
+    out = specjax.decode(mixed_pair, prompts, max_new_tokens=24, temperature=0.0, eos_token_id=5, **kw)
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert int(np.sum(out.stats.accepted)) > 0
+
+
+def test_lossless_sampling_with_a_mixed_block_head_follows_the_target():
+    vocab, prompt, samples = 16, [5, 3], 40000
+    pair = _small_head_pair(vocab)
+    pair = specjax.pair(pair.target, _mixed(pair.draft))
+    counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, num_draft=3, key=jax.random.key(9),
+                                        rule=speculative_sampling())
+    pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(pair.target, prompt, vocab))
+    assert pvalue > 1e-3 and tv < 0.04, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
+    assert int(np.sum(stats.accepted)) > samples // 10
+
+
+def test_a_mixed_block_head_saves_loads_and_old_configs_still_load(tmp_path, target, head):
+    mixed = _mixed(head)
+    path = tmp_path / "mixed"
+    fh.save_head(mixed, str(path))
+    loaded = specjax.pair(target, specjax.load(str(path))).draft
+    assert loaded.module.feature_layers == (0, -1)
+    tokens, hidden = jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3, 64))
+    feats = mixed.module.target_features(mixed.params, hidden)
+    np.testing.assert_array_equal(np.asarray(loaded.module.target_features(loaded.params, hidden)),
+                                  np.asarray(feats))
+    np.testing.assert_array_equal(np.asarray(loaded.module.apply(loaded.params, tokens, features=feats).logits),
+                                  np.asarray(mixed.module.apply(mixed.params, tokens, features=feats).logits))
+    # a head saved before feature_layers existed names one block as "feature_layer"
+    old = tmp_path / "old"
+    fh.save_head(head, str(old))
+    meta = json.loads((old / "config.json").read_text())
+    meta[fh.CONFIG_KEY].pop("feature_layers")
+    meta[fh.CONFIG_KEY]["feature_layer"] = -1
+    (old / "config.json").write_text(json.dumps(meta))
+    assert specjax.load(str(old)).module.feature_layers == (-1,)
+
+
+def test_pair_refuses_a_head_reading_a_block_the_target_lacks(target, head):
+    head = fh.with_feature_layers(head, (0, -1))
+    far = head.replace(module=fh.FeatureHead(head.module.config, feature_layers=(5, -1)))
+    with pytest.raises(ValueError, match=r"block\(s\) \[5\]"):
+        specjax.pair(target, far)

@@ -182,3 +182,52 @@ def test_interrupted_training_resumes_and_the_export_reloads(tiny, tmp_path):
     lb = np.asarray(paired.module.apply(paired.params, tokens, features=feats).logits[..., ids], np.float32)
     np.testing.assert_allclose(lb, la, rtol=0.05, atol=0.05 * np.abs(la).max())
     assert (lb.argmax(-1) == la.argmax(-1)).mean() >= 0.8
+
+
+def test_a_head_grown_to_several_blocks_starts_where_it_was(tiny, tmp_path):
+    """Features of blocks (0, -1) are both blocks' outputs side by side, and a
+    one-block head grown to read them (with_feature_layers) has the same
+    held-out agreement through the trainer's unrolled steps: training it
+    starts from the trained head, not from scratch."""
+    target_path, data = tiny
+    target, head, ids = _tiny_head(target_path, data)
+    files = sorted(data.glob("shard_*.npz"))
+    h = target.module.config.hidden_size
+    one, two = tmp_path / "one", tmp_path / "two"
+    eagle.extract_features(target, files, one, ids, seq_len=SEQ, batch=2, log=lambda m: None)
+    eagle.extract_features(target, files, two, ids, seq_len=SEQ, batch=2, layers=(0, -1), log=lambda m: None)
+    rows1 = eagle.load_rows(files, one, ids, SEQ, target.vocab_size, h)
+    rows2 = eagle.load_rows(files, two, ids, SEQ, target.vocab_size, 2 * h)
+    assert rows2["features"].shape == (6, SEQ, 2 * h)
+    want = target.module.apply(target.params, jnp.asarray(rows2["tokens"]), hidden_layers=(0, -1)).hidden
+    np.testing.assert_allclose(np.asarray(rows2["features"], np.float32), np.asarray(jnp.concatenate(want, -1)),
+                               rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="64-wide"):
+        eagle.load_rows(files, two, ids, SEQ, target.vocab_size, h)
+    grown = feature_head.with_feature_layers(head, (0, -1))
+    cfg = head.module.config
+    a = eagle.agreement(cfg, head.params, rows1)
+    b = eagle.agreement(cfg, grown.params, rows2, num_feature_layers=2)
+    assert a["answer_positions"] == b["answer_positions"] > 0
+    for k in ("step1", "step2", "step3"):
+        assert abs(a[k] - b[k]) <= 0.02, (k, a[k], b[k])
+    # the loss trains reduce (the regression target is held constant)
+    loss_fn = eagle.make_loss(cfg, unroll=2, reg_weight=1.0, num_feature_layers=2)
+    trainable, frozen = eagle.split_params(grown.params)
+    batch = {**{k: jnp.asarray(v) for k, v in rows2.items()}, "frozen": frozen}
+    grads = jax.grad(lambda p: loss_fn(p, batch)[0])(trainable)
+    assert float(jnp.abs(grads["reduce"]["kernel"][:h]).max()) > 0  # block 0's weights move
+
+
+def test_feature_layers_on_the_command_line(tiny, tmp_path):
+    target_path, data = tiny
+    dest = tmp_path / "head"
+    assert eagle.main(_args(target_path, data, tmp_path / "run", "--feature-layers", "0,-1", "--steps", "2",
+                            "--export", str(dest))) == 0
+    loaded = specjax.load(dest)
+    assert loaded.module.feature_layers == (0, -1) and "reduce" in loaded.params
+    assert "block outputs 0 and the last" in (dest / "MODEL_CARD.md").read_text()
+    with pytest.raises(SystemExit, match="started with --feature-layers 0,-1"):
+        eagle.main(_args(target_path, data, tmp_path / "run", "--feature-layers", "1,-1"))
+    with pytest.raises(SystemExit):
+        eagle.build_parser().parse_args(["--feature-layers", "0,1"])  # no -1

@@ -1,7 +1,8 @@
 """Train an EAGLE-style target-feature draft head: ``python -m training.eagle``.
 
 The head (:mod:`specjax._src.models.feature_head`) is one decoder block that
-reads the target's last-block features ``f_i`` and the next token ``x_{i+1}``,
+reads the target's last-block features ``f_i`` (or, with ``--feature-layers``,
+a learned mixture of several blocks' outputs, as EAGLE-3) and the next token ``x_{i+1}``,
 predicts ``f_{i+1}`` and, through a final norm and a reduced LM head, the token
 ``x_{i+2}``. It is trained on the rows :mod:`training.distill_data` gathered
 for the separate draft (the target's own answers and its top-32 distributions;
@@ -9,7 +10,8 @@ for the separate draft (the target's own answers and its top-32 distributions;
 
 1. **features**: the target (float32) runs over each shard's rows (prompt and
    answer made contiguous, as :func:`training.draft.build_rows` does) and its
-   last-block output is stored per shard as bfloat16 under ``OUT/features``.
+   outputs of the ``--feature-layers`` blocks (default: the last) are stored per
+   shard as bfloat16 under ``OUT/features``.
 2. **heldout**: the target answers held-out chat prompts (subjects no training
    prompt uses) greedily; their features are stored under ``OUT/heldout``.
 3. **train**: Optax AdamW with Orbax checkpoints (batches are a pure function
@@ -74,15 +76,17 @@ FROZEN = ("embed", "head_vocab_ids")
 # ----------------------------------------------------------------------------- features
 
 
-def feature_fn(target: Model):
-    """``jit(params, tokens [B, S]) -> last-block features [B, S, H] bfloat16`` (no LM head)."""
+def feature_fn(target: Model, layers=(-1,)):
+    """``jit(params, tokens [B, S]) -> features [B, S, n * H] bfloat16``: the
+    outputs of the target blocks ``layers``, concatenated (no LM head)."""
     module = target.module
+    layers = tuple(layers)
 
     @jax.jit
     def run(params, tokens):
-        out = module.apply(params, tokens, hidden_layers=(-1,),
+        out = module.apply(params, tokens, hidden_layers=layers,
                            logits_at=jnp.zeros((tokens.shape[0],), jnp.int32))
-        return out.hidden[0].astype(jnp.bfloat16)
+        return jnp.concatenate(out.hidden, axis=-1).astype(jnp.bfloat16)
 
     return run
 
@@ -92,14 +96,15 @@ def _shard_rows(shard: dict, head_ids: np.ndarray, seq_len: int, vocab_size: int
 
 
 def extract_features(target: Model, shard_files: list, out_dir: pathlib.Path, head_ids: np.ndarray, *,
-                     seq_len: int, batch: int, log=print) -> int:
+                     seq_len: int, batch: int, layers=(-1,), log=print) -> int:
     """Writes ``out_dir/<shard name>.npz`` (``features`` as uint16 bits of bfloat16
-    ``[N, seq_len, H]``, ``tokens [N, seq_len]``) for every shard not done yet.
+    ``[N, seq_len, n * H]`` for the n target blocks ``layers``, ``tokens [N, seq_len]``)
+    for every shard not done yet.
 
     Returns the number of shards computed by this call (0 when all existed).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    run = feature_fn(target)
+    run = feature_fn(target, layers)
     vocab = target.module.config.vocab_size
     done = 0
     for i, f in enumerate(shard_files):
@@ -129,14 +134,19 @@ def extract_features(target: Model, shard_files: list, out_dir: pathlib.Path, he
 
 
 def load_rows(shard_files: list, feat_dir: pathlib.Path, head_ids: np.ndarray, seq_len: int,
-              vocab_size: int) -> dict:
-    """Distillation rows (:func:`training.draft.build_rows`) plus their features (bfloat16)."""
+              vocab_size: int, width: int | None = None) -> dict:
+    """Distillation rows (:func:`training.draft.build_rows`) plus their features
+    (bfloat16, ``width`` wide when given)."""
     parts = []
     for f in shard_files:
         rows = _shard_rows(dict(np.load(f)), head_ids, seq_len, vocab_size)
-        z = np.load(feat_dir / f"{pathlib.Path(f).stem}.npz")
+        name = f"{feat_dir}/{pathlib.Path(f).stem}.npz"
+        z = np.load(name)
         if not np.array_equal(z["tokens"], rows["tokens"]):
-            raise ValueError(f"{feat_dir}/{pathlib.Path(f).stem}.npz was computed for other rows; delete it.")
+            raise ValueError(f"{name} was computed for other rows; delete it.")
+        if width is not None and z["features"].shape[-1] != width:
+            raise ValueError(f"{name} holds {z['features'].shape[-1]}-wide features, not the {width} these "
+                             "feature layers need; use another --out (or delete that features directory).")
         rows["features"] = z["features"].view(ml_dtypes.bfloat16)
         parts.append(rows)
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -203,10 +213,11 @@ def chain_mask(t: int, steps: int, step: int) -> np.ndarray:
     return mask
 
 
-def make_unrolled(cfg, steps: int):
-    """``f(params, tokens [B, T], features [B, T, H]) -> [(reduced logits [B, T, V'], f_hat [B, T, H])] * steps``.
+def make_unrolled(cfg, steps: int, num_feature_layers: int = 1):
+    """``f(params, tokens [B, T], features [B, T, n H]) -> [(reduced logits [B, T, V'], f_hat [B, T, H])] * steps``.
 
-    Step 1 reads the given features; step ``m > 1`` reads step ``m - 1``'s
+    Step 1 reads the given target features (mixed by ``reduce`` when the head
+    reads n > 1 blocks); step ``m > 1`` reads step ``m - 1``'s
     ``f_hat`` shifted one position right (position ``j`` reads the prediction
     made at ``j - 1``), attending as :func:`chain_mask` says. Logits are over
     the reduced head only (``lm_head`` columns, in ``head_vocab_ids`` order).
@@ -222,6 +233,7 @@ def make_unrolled(cfg, steps: int):
         zeros = jnp.zeros((b, cfg.num_kv_heads, size, cfg.head_dim), dtype)
         caches = tuple((zeros, zeros) for _ in range(cfg.num_layers))
         out = []
+        features = feature_head.reduce_features(params, features, num_feature_layers, eps)
         feats = features
         for m in range(1, steps + 1):
             lengths = jnp.full((b,), (m - 1) * t, jnp.int32)
@@ -272,10 +284,15 @@ def _smooth_l1(a, b):
     return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5), axis=-1)
 
 
-def make_loss(cfg, *, unroll: int, reg_weight: float, unroll_weight: float = 1.0):
+def make_loss(cfg, *, unroll: int, reg_weight: float, unroll_weight: float = 1.0, num_feature_layers: int = 1):
     """``loss_fn(trainable, batch) -> (loss, aux)``; ``batch`` carries the frozen
-    ``embed`` / ``head_vocab_ids`` params under ``"frozen"``."""
-    run = make_unrolled(cfg, unroll)
+    ``embed`` / ``head_vocab_ids`` params under ``"frozen"``.
+
+    With several feature blocks the regression target is the next position's
+    ``reduce`` mixture (what ``f_hat`` stands in for at the next draft step),
+    held constant: ``reduce`` learns from the cross-entropy alone.
+    """
+    run = make_unrolled(cfg, unroll, num_feature_layers)
 
     def loss_fn(trainable, batch):
         params = {**trainable, **batch["frozen"]}
@@ -291,7 +308,9 @@ def make_loss(cfg, *, unroll: int, reg_weight: float, unroll_weight: float = 1.0
             aux[f"ce_{m}"] = ce
             aux[f"top1_{m}"] = agree.sum() / jnp.maximum(ans.sum(), 1)
             total = total + (1.0 if m == 1 else unroll_weight) * ce
-        reg = _smooth_l1(_rms_normalise(outs[0][1]), _rms_normalise(h["next_features"]))
+        next_features = jax.lax.stop_gradient(
+            feature_head.reduce_features(params, h["next_features"], num_feature_layers, cfg.norm_eps))
+        reg = _smooth_l1(_rms_normalise(outs[0][1]), _rms_normalise(next_features))
         reg = jnp.sum(jnp.where(ans, reg, 0.0)) / jnp.maximum(ans.sum(), 1)
         aux["reg"] = reg
         return total + reg_weight * reg, aux
@@ -323,11 +342,12 @@ def split_params(params: dict) -> tuple[dict, dict]:
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted_unrolled(cfg, steps: int):
-    return jax.jit(make_unrolled(cfg, steps))
+def _jitted_unrolled(cfg, steps: int, num_feature_layers: int):
+    return jax.jit(make_unrolled(cfg, steps, num_feature_layers))
 
 
-def agreement(cfg, params: dict, rows: dict, *, steps: int = 3, batch: int = 16) -> dict:
+def agreement(cfg, params: dict, rows: dict, *, steps: int = 3, batch: int = 16,
+              num_feature_layers: int = 1) -> dict:
     """Offline top-1 agreement of the head with the target at draft steps 1..``steps``.
 
     Step ``k`` at head position ``j`` is the k-th draft of a chain started at
@@ -336,7 +356,7 @@ def agreement(cfg, params: dict, rows: dict, *, steps: int = 3, batch: int = 16)
     chance that K >= k drafts are all accepted at T=0); ``expected_accepted``
     sums them (mean accepted drafts per chain for K = ``steps``).
     """
-    run = _jitted_unrolled(cfg, steps)
+    run = _jitted_unrolled(cfg, steps, num_feature_layers)
     n = rows["tokens"].shape[0]
     correct, valid = [], []
     for s in range(0, n, batch):
@@ -385,7 +405,7 @@ def as_bfloat16(head: Model) -> Model:
         lambda p, x: x if (str(getattr(p[-1], "key", p[-1])) == "head_vocab_ids" or
                            str(getattr(p[0], "key", p[0])) == "embed") else jnp.asarray(x, jnp.bfloat16),
         head.params)
-    return head.replace(params=params, module=FeatureHead(cfg, feature_layer=head.module.feature_layer))
+    return head.replace(params=params, module=FeatureHead(cfg, feature_layers=head.module.feature_layers))
 
 
 def export(head: Model, dest: pathlib.Path, *, force: bool, extra: dict) -> None:
@@ -406,6 +426,14 @@ def export(head: Model, dest: pathlib.Path, *, force: bool, extra: dict) -> None
         os.replace(tmp, dest)
 
 
+def _describe_layers(layers) -> str:
+    if list(layers) == [-1]:
+        return "its target's last-block features (before its final norm)"
+    named = ["the last" if x == -1 else str(x) for x in layers]
+    return (f"a learned mixture of its target's block outputs {', '.join(named[:-1])} and {named[-1]} "
+            "(EAGLE-3's low, middle and high features; the last before the final norm)")
+
+
 def write_card(path: pathlib.Path, s: dict) -> None:
     ev = s["heldout"]
     ev0 = s["heldout_init"]
@@ -413,8 +441,7 @@ def write_card(path: pathlib.Path, s: dict) -> None:
     curve = "\n".join(f"| {e['step']} | {e['step1']:.3f} | {e['step2']:.3f} | {e['step3']:.3f} |" for e in evals)
     text = f"""# {s['name']}: an EAGLE-style feature head for {s['target']}
 
-A one-block draft head that reads {s['target']}'s last-block features (before
-its final norm) and the next token, predicts the next feature and, through a
+A one-block draft head that reads {_describe_layers(s.get('feature_layers', [-1]))} and the next token, predicts the next feature and, through a
 final norm and a reduced LM head ({s['config']['head_vocab_size']} tokens, the
 same vocabulary as `smollm2-draft`), the token after it
 (`specjax/_src/models/feature_head.py`). It borrows the target's embedding
@@ -435,7 +462,7 @@ features (EAGLE-1), {"plus the same cross-entropy for a second draft step that r
 
 | | |
 |---|---|
-| head | fuse [2H -> H], feature norm, 1 Llama block (the target's width: hidden {s['config']['hidden_size']}, {s['config']['num_heads']} / {s['config']['num_kv_heads']} heads, MLP {s['config']['intermediate_size']}), final norm, LM head over {s['config']['head_vocab_size']} tokens |
+| head | {'reduce [' + str(len(s.get('feature_layers', [-1]))) + 'H -> H] over the RMS-normalised blocks, ' if len(s.get('feature_layers', [-1])) > 1 else ''}fuse [2H -> H], feature norm, 1 Llama block (the target's width: hidden {s['config']['hidden_size']}, {s['config']['num_heads']} / {s['config']['num_kv_heads']} heads, MLP {s['config']['intermediate_size']}), final norm, LM head over {s['config']['head_vocab_size']} tokens |
 | init | the target's last block, final norm and embedding rows; fuse = identity on the feature half{', I / rms(embedding) on the token half (`balance_fuse`)' if s.get('balanced_fuse') else ''}{'; then ' + s['init_note'] if s.get('init_note') else ''} |
 | params (without the borrowed embedding) | {s['params']:,} ({s['bytes']:,} bytes of bfloat16 safetensors) |
 | steps / batch | {s['steps']} / {s['batch']} rows x {s['seq_len']} tokens, AdamW lr {s['lr']} (warmup, cosine) |
@@ -491,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take head_vocab_ids from this exported draft ('' : rank the shards' tokens) "
                         "(default: %(default)s)")
     p.add_argument("--head-vocab", type=int, default=8192, help="head size when ranking the shards' tokens")
+    p.add_argument("--feature-layers", type=_layers, default=None,
+                   help="target blocks the head reads, comma-separated, e.g. 2,15,-1 (EAGLE-3's low, middle and "
+                        "high); must include -1. Default: the --init-from head's, else -1 (the last block)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=600)
     g.add_argument("--batch", type=int, default=8)
@@ -515,6 +545,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated block indices such as 2,15,-1; got {text!r}")
+    if -1 not in layers or len(set(layers)) != len(layers):
+        raise argparse.ArgumentTypeError(f"the blocks must be distinct and include -1 (the last); got {text!r}")
+    return layers
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     out = pathlib.Path(args.out)
@@ -534,6 +574,13 @@ def main(argv=None) -> int:
     shard_files = all_files[:num_shards]
 
     init = specjax.load(args.init_from, dtype="float32") if args.init_from else None
+    default_layers = init.module.feature_layers if init is not None else (-1,)
+    feature_layers = tuple(run.get("feature_layers") or args.feature_layers or default_layers)
+    if args.feature_layers and tuple(args.feature_layers) != feature_layers:
+        raise SystemExit(f"error: {out} was started with --feature-layers {','.join(map(str, feature_layers))}; "
+                         "resume with those or use another --out.")
+    run["feature_layers"] = list(feature_layers)
+    width = len(feature_layers) * cfg_t.hidden_size
     if init is not None:
         head_ids = np.asarray(init.params["head_vocab_ids"], np.int32)
     elif "head_vocab_ids" in run:
@@ -548,7 +595,7 @@ def main(argv=None) -> int:
 
     t0 = time.monotonic()
     n_new = extract_features(target, shard_files, out / "features", head_ids, seq_len=args.seq_len,
-                             batch=args.feature_batch, log=log)
+                             batch=args.feature_batch, layers=feature_layers, log=log)
     if n_new:
         run["feature_seconds"] = run.get("feature_seconds", 0.0) + time.monotonic() - t0
         meta_file.write_text(json.dumps(run))
@@ -556,33 +603,36 @@ def main(argv=None) -> int:
     held_shard = gather_heldout(target, heldout_prompts, out / "heldout", new_tokens=args.eval_new_tokens,
                                 batch=args.eval_batch, log=log)
     extract_features(target, [held_shard], out / "heldout" / "features", head_ids, seq_len=args.seq_len,
-                     batch=args.feature_batch, log=log)
+                     batch=args.feature_batch, layers=feature_layers, log=log)
     if args.features_only:
         return 0
 
-    train = load_rows(shard_files, out / "features", head_ids, args.seq_len, cfg_t.vocab_size)
-    held = load_rows([held_shard], out / "heldout" / "features", head_ids, args.seq_len, cfg_t.vocab_size)
+    train = load_rows(shard_files, out / "features", head_ids, args.seq_len, cfg_t.vocab_size, width)
+    held = load_rows([held_shard], out / "heldout" / "features", head_ids, args.seq_len, cfg_t.vocab_size, width)
     answer_tokens = int(train["mask"].sum())
     coverage = float(np.mean(train["teacher_ids"][..., 0][train["mask"]] >= 0))
     log(f"[eagle] {num_shards} shards: {train['tokens'].shape[0]} rows ({answer_tokens:,} answer tokens), head "
         f"covers {100 * coverage:.2f}% of the target's top-1; {held['tokens'].shape[0]} held-out rows")
 
     if init is not None:  # continue from an exported head (fresh optimizer and schedule)
-        head0 = feature_head.attach_embedding(init, target)
+        head0 = feature_head.with_feature_layers(feature_head.attach_embedding(init, target), feature_layers)
     else:
         head0 = feature_head.init_from_target(target, jax.random.key(args.seed), head_ids)
         if args.balanced_fuse:
             head0 = balance_fuse(head0)
+        head0 = feature_head.with_feature_layers(head0, feature_layers)
+    n_layers = len(feature_layers)
     cfg = head0.module.config
     trainable, frozen = split_params(head0.params)
     optimizer = common.adamw(args.lr, args.steps, warmup_steps=min(50, args.steps // 10), weight_decay=0.01)
-    loss_fn = make_loss(cfg, unroll=args.unroll, reg_weight=args.reg_weight, unroll_weight=args.unroll_weight)
+    loss_fn = make_loss(cfg, unroll=args.unroll, reg_weight=args.reg_weight, unroll_weight=args.unroll_weight,
+                        num_feature_layers=n_layers)
     train_step = common.make_train_step(loss_fn, optimizer)
     state = common.init_state(jax.tree.map(jnp.copy, trainable), optimizer)  # the step donates its state
     ckpt = common.Checkpointer(out / "ckpt", every_seconds=args.checkpoint_seconds, log=log)
     meta = {"config": loading.config_to_dict(cfg), "num_shards": num_shards, "seed": args.seed,
             "unroll": args.unroll, "reg_weight": args.reg_weight, "lr": args.lr, "steps": args.steps,
-            "batch": args.batch, "balanced_fuse": args.balanced_fuse,
+            "batch": args.batch, "balanced_fuse": args.balanced_fuse, "feature_layers": list(feature_layers),
             "init_from": args.init_from}
     restored = ckpt.restore(state)
     if restored is not None:
@@ -593,7 +643,7 @@ def main(argv=None) -> int:
     batch_fn = lambda step: {**inner(step), "frozen": frozen_dev}  # noqa: E731
 
     def eval_fn(step, state):
-        res = agreement(cfg, {**state["params"], **frozen_dev}, held)
+        res = agreement(cfg, {**state["params"], **frozen_dev}, held, num_feature_layers=n_layers)
         return {k: res[k] for k in ("step1", "step2", "step3", "expected_accepted")}
 
     state, meta = common.train_loop(
@@ -612,8 +662,8 @@ def main(argv=None) -> int:
              "trained_by": "python -m training.eagle"}
     export(head, export_dir, force=args.force or not args.export, extra=extra)
     loaded = feature_head.attach_embedding(specjax.load(export_dir, dtype="float32"), target)  # the bf16 weights
-    res = agreement(loaded.module.config, loaded.params, held)
-    res0 = agreement(cfg, head0.params, held)
+    res = agreement(loaded.module.config, loaded.params, held, num_feature_layers=n_layers)
+    res0 = agreement(cfg, head0.params, held, num_feature_layers=n_layers)
     log(f"[eagle] held-out agreement (exported bf16): {json.dumps(res)}; before training: {json.dumps(res0)}")
     n_params = common.param_count(trainable)
     evals = meta.get("evals", [])
@@ -622,7 +672,7 @@ def main(argv=None) -> int:
         "command": "python -m training.eagle " + " ".join(argv if argv is not None else sys.argv[1:]),
         "num_shards": num_shards, "train_rows": int(train["tokens"].shape[0]),
         "train_answer_tokens": answer_tokens, "head_coverage": coverage,
-        "config": loading.config_to_dict(cfg), "params": n_params,
+        "config": loading.config_to_dict(cfg), "params": n_params, "feature_layers": list(feature_layers),
         "bytes": (export_dir / feature_head.WEIGHTS_FILE).stat().st_size,
         "steps": int(state["step"]), "batch": args.batch, "seq_len": args.seq_len, "lr": meta.get("lr", args.lr),
         "unroll": int(meta.get("unroll", args.unroll)), "reg_weight": meta.get("reg_weight", args.reg_weight),

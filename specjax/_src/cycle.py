@@ -69,10 +69,11 @@ def _initial_state(
     target, draft = pair_params.target, pair_params.draft
     draft_features = None
     if is_feature_head(draft.module):
-        target_cache, features = _prefill(
+        target_cache, hidden = _prefill(
             target.module, target.params, prompts, prompt_lengths - 1, cfg.cache_length,
-            hidden_layer=draft.module.feature_layer,
+            hidden_layers=draft.module.feature_layers,
         )
+        features = draft.module.target_features(draft.params, hidden)
         draft_cache, draft_features = _prefill_head(cfg, draft, prompts, prompt_lengths, features)
     else:
         target_cache = _prefill(target.module, target.params, prompts, prompt_lengths - 1, cfg.cache_length)
@@ -335,7 +336,7 @@ def _verify(
     last = _gather(state.tokens, state.num_committed - 1)
     block_in = jnp.concatenate([last[:, None], drafts.tokens], axis=1)
     head = pair_params.draft.module
-    head_layers = (head.feature_layer,) if is_feature_head(head) else ()
+    head_layers = head.feature_layers if is_feature_head(head) else ()
     out = pair_params.target.module.apply(
         pair_params.target.params, block_in, state.target_cache,
         hidden_layers=tuple(rule.hidden_layers) + head_layers,
@@ -356,7 +357,10 @@ def _verify(
         valid=drafts.valid,
         features=features,
     )
-    head_features = out.hidden[-1] if head_layers else None
+    head_features = None
+    if head_layers:
+        hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)
+        head_features = head.target_features(pair_params.draft.params, hidden)
     return _Verified(inputs=inputs, raw=raw, cache=out.cache, features=head_features)
 
 

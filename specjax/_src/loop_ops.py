@@ -68,7 +68,7 @@ def _warp(cfg: _Config, raw: Array, temperature, top_p) -> Array:
 PREFILL_BLOCK = 16
 
 
-def _prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, hidden_layer=None,
+def _prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, hidden_layers=(),
              features: Array | None = None) -> KVCache | tuple[KVCache, Array]:
     """Runs ``prompts[B, P]`` into a fresh cache, then keeps ``keep[B]`` entries.
 
@@ -76,18 +76,19 @@ def _prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, 
     forward compiled); a shorter tail (``buckets=None`` or a width shrunk to a
     position limit) through one more forward.
 
-    Returns the cache, or ``(cache, hidden [B, P, H])`` with ``hidden_layer``
-    (that block's output at every prompt position: a feature head's input).
+    Returns the cache, or ``(cache, hidden [B, P, n * H])`` with n
+    ``hidden_layers`` (those blocks' outputs at every prompt position,
+    concatenated: a feature head's input).
     A feature head reads ``features [B, P, H]`` alongside the tokens.
     """
     batch, width = prompts.shape
     cache = module.init_cache(batch, cache_length)
-    layers = () if hidden_layer is None else (hidden_layer,)
+    layers = tuple(hidden_layers)
 
     def run(c, block, feats):
         extra = {} if feats is None else {"features": feats}
         out = module.apply(params, block, c, hidden_layers=layers, **extra)
-        return out.cache, (out.hidden[0] if layers else None)
+        return out.cache, (jnp.concatenate(out.hidden, axis=-1) if layers else None)
 
     def split(x, full):  # [B, full * PB, ...] -> [full, B, PB, ...]
         x = x[:, : full * PREFILL_BLOCK]

@@ -135,10 +135,12 @@ def _attach_target_features(target: Model, head: Model) -> Model:
     """A feature head reads the target's hidden states and borrows its embedding table."""
     module = head.module
     layers = getattr(target.module, "num_layers", None)
-    if not hasattr(target.module, "config") or not -layers <= module.feature_layer < layers:
+    missing = [x for x in module.feature_layers if layers is None or not -layers <= x < layers]
+    if not hasattr(target.module, "config") or missing:
         raise ValueError(
-            f"pair(): the feature head reads target block {module.feature_layer}, which this target "
-            f"({type(target.module).__name__}) does not have."
+            f"pair(): the feature head reads target block(s) {missing or list(module.feature_layers)}, which "
+            f"this target ({type(target.module).__name__}, {layers} blocks) does not have; pair a head with "
+            "the target it was trained on."
         )
     if target.module.hidden_size != module.hidden_size:
         raise ValueError(

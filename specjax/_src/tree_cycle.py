@@ -331,7 +331,7 @@ def _tree_cycle(
 
     # ---- verify ----
     head = pair_params.draft.module
-    head_layers = (head.feature_layer,) if is_feature_head(head) else ()
+    head_layers = head.feature_layers if is_feature_head(head) else ()
     out = pair_params.target.module.apply(pair_params.target.params, drafts.tokens, state.target_cache,
                                           tree_parents=tree_parents,
                                           hidden_layers=tuple(rule.hidden_layers) + head_layers)
@@ -390,7 +390,9 @@ def _tree_cycle(
     target_cache = out.cache.keep_path(start, verdict.path, n_commit)
     draft_features = None
     if head_layers:  # a feature head rewrites its tree from the target's features on the accepted path
-        draft_features = jnp.take_along_axis(out.hidden[-1], verdict.path[:, :, None], axis=1)  # [B, D + 1, H]
+        hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)  # [B, N, n H]
+        path_hidden = jnp.take_along_axis(hidden, verdict.path[:, :, None], axis=1)
+        draft_features = head.target_features(pair_params.draft.params, path_hidden)  # [B, D + 1, H]
     elif dynamic:
         # The draft holds the fed tree at start + fed slot. The kept path nodes
         # (all but the last committed two tokens' nodes) each have an accepted

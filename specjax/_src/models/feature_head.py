@@ -16,7 +16,15 @@ more drafts than a separate small model of the same cost.
     logits   = lm_head(final_norm(f_hat))                     # a reduced vocabulary, scattered to V
 
 When drafting the second token and later, the target's feature is not known
-yet, so the head feeds its own ``f_hat`` back as ``f``. ``feature_norm`` makes
+yet, so the head feeds its own ``f_hat`` back as ``f``.
+
+A head may read several of the target's blocks (``feature_layers``, e.g. a
+low, a middle and the last one, as "EAGLE-3: Scaling up Inference
+Acceleration of Large Language Models via Training-Time Test", Li et al.,
+arXiv:2503.01840, does). Each block's output is RMS-normalised and a learned
+``reduce`` ``[n H] -> [H]`` mixes them into the one feature ``f_i`` above
+(:meth:`FeatureHead.target_features`); the head's own ``f_hat`` replaces that
+mixture in later draft steps. ``feature_norm`` makes
 the head scale-free in its input (the target's residual stream grows with
 depth), and ``final_norm`` makes the logits depend on ``f_hat``'s direction
 only; the trainer regresses normalised features accordingly.
@@ -96,25 +104,31 @@ class FeatureHead:
 
     A draft for :func:`specjax.decode` like a :class:`~specjax.Decoder`, with
     one more input: ``apply(params, tokens, cache, features=...)``. The engine
-    recognises it by ``reads_target_features`` and feeds it the target's
-    ``feature_layer`` output from each verification forward.
+    recognises it by ``reads_target_features``, asks the target for the
+    outputs of ``feature_layers`` in each verification forward and turns them
+    into the head's input with :meth:`target_features`.
 
     Attributes:
       config: the head's blocks (``num_layers`` of them, usually 1), in the
         target's width: ``hidden_size`` and ``vocab_size`` equal the
         target's; ``head_vocab_size`` is the reduced LM head's size.
-      feature_layer: the target block whose output the head reads (``-1``:
-        the last, before the final norm).
+      feature_layers: the target blocks whose outputs the head reads (``-1``:
+        the last, before the final norm). One block is read as it is; several
+        are mixed by the learned ``reduce`` kernel.
     """
 
     config: ModelConfig
-    feature_layer: int = -1
+    feature_layers: tuple[int, ...] = (-1,)
 
     reads_target_features = True
     supports_logits_at = True
     supports_trees = True
 
     def __post_init__(self):
+        layers = tuple(int(x) for x in self.feature_layers)
+        if not layers or len(set(layers)) != len(layers):
+            raise ValueError(f"FeatureHead: feature_layers must name distinct target blocks; got {self.feature_layers}.")
+        object.__setattr__(self, "feature_layers", layers)
         if not self.config.has_reduced_head:
             raise ValueError("A FeatureHead needs config.head_vocab_size (its reduced LM head).")
         if self.config.is_gpt2:
@@ -132,9 +146,22 @@ class FeatureHead:
     def num_layers(self) -> int:
         return self.config.num_layers
 
+    def target_features(self, params: Params, hidden: Array) -> Array:
+        """The head's input from the target's ``feature_layers`` outputs.
+
+        Args:
+          hidden: ``[B, T, n * H]``, the n blocks' outputs concatenated in
+            ``feature_layers`` order.
+
+        Returns:
+          ``[B, T, H]`` float32: the block's output itself for one layer, else
+          ``reduce`` applied to the RMS-normalised outputs.
+        """
+        return reduce_features(params, hidden, len(self.feature_layers), self.config.norm_eps)
+
     def init(self, key: Array) -> Params:
         """Random params (normal(0.02) kernels, unit norm scales, zero embedding)."""
-        return _init_params(self.config, key)
+        return _init_params(self.config, key, len(self.feature_layers))
 
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
         return Decoder(self.config).init_cache(batch_size, max_length, dtype)
@@ -206,19 +233,41 @@ def is_feature_head(module) -> bool:
     return bool(getattr(module, "reads_target_features", False))
 
 
+def reduce_features(params: Params, hidden: Array, num_feature_layers: int, eps: float) -> Array:
+    """``[B, T, n * H] -> [B, T, H]`` float32 (see :meth:`FeatureHead.target_features`).
+
+    Each block's output is RMS-normalised first: the residual stream grows
+    with depth, and ``reduce`` should weigh the blocks by what they say, not
+    by their scale.
+    """
+    hidden = jnp.asarray(hidden, jnp.float32)
+    if num_feature_layers == 1:
+        return hidden
+    kernel = params["reduce"]["kernel"]
+    h = kernel.shape[-1]
+    parts = hidden.reshape(hidden.shape[:-1] + (num_feature_layers, h))
+    parts = parts * jax.lax.rsqrt(jnp.mean(parts * parts, axis=-1, keepdims=True) + eps)
+    return jnp.einsum("btnh,nhk->btk", parts.astype(kernel.dtype), kernel.reshape(num_feature_layers, h, h),
+                      preferred_element_type=jnp.float32)
+
+
 @functools.lru_cache(maxsize=16)
-def _param_shapes(config: ModelConfig) -> Params:
+def _param_shapes(config: ModelConfig, num_feature_layers: int = 1) -> Params:
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     feats = jax.ShapeDtypeStruct((1, 1, config.hidden_size), jnp.float32)
     variables = jax.eval_shape(
         lambda k, t, f: _HeadModule(config).init(k, t, f, t, None, None), jax.random.key(0), tokens, feats
     )
-    return variables["params"]
+    params = dict(variables["params"])
+    if num_feature_layers > 1:
+        h = config.hidden_size
+        params["reduce"] = {"kernel": jax.ShapeDtypeStruct((num_feature_layers * h, h), jnp.dtype(config.dtype))}
+    return params
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _init_params(config: ModelConfig, key: Array) -> Params:
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(_param_shapes(config))
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_params(config: ModelConfig, key: Array, num_feature_layers: int = 1) -> Params:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(_param_shapes(config, num_feature_layers))
     keys = jax.random.split(key, len(leaves))
     out = []
     for k, (path, leaf) in zip(keys, leaves):
@@ -263,14 +312,17 @@ def attach_embedding(head: Model, target: Model) -> Model:
     return head.replace(params=params)
 
 
-def init_from_target(target: Model, key: Array, head_vocab_ids, *, num_layers: int = 1) -> Model:
+def init_from_target(target: Model, key: Array, head_vocab_ids, *, num_layers: int = 1,
+                     feature_layers=(-1,)) -> Model:
     """A head to train, started from its target.
 
     The block copies the target's last block, the final norm the target's,
     the LM head the target's (tied) embedding rows of ``head_vocab_ids``, and
     ``fuse`` passes the normalised feature through (identity on that half,
     small noise on the token half): before training the head already reads
-    ``f_i`` the way the target's top does.
+    ``f_i`` the way the target's top does. With several ``feature_layers``
+    (which must include ``-1``), ``reduce`` starts by passing the last block
+    through (:func:`with_feature_layers`).
     """
     ids = np.asarray(head_vocab_ids, np.int32)
     tcfg = target.module.config
@@ -288,8 +340,40 @@ def init_from_target(target: Model, key: Array, head_vocab_ids, *, num_layers: i
     h = cfg.hidden_size
     fuse = params["fuse"]["kernel"].at[h:].set(jnp.eye(h, dtype=dtype))
     params["fuse"] = {"kernel": fuse}
-    return attach_embedding(Model(params=params, module=module, tokenizer=target.tokenizer,
+    head = attach_embedding(Model(params=params, module=module, tokenizer=target.tokenizer,
                                   chat_template=target.chat_template), target)
+    return with_feature_layers(head, feature_layers)
+
+
+def with_feature_layers(head: Model, feature_layers) -> Model:
+    """The head reading the target blocks ``feature_layers``, computing what it computed before.
+
+    A one-block head (``feature_layers == (L,)``) gets a ``reduce`` kernel that
+    passes block ``L``'s normalised output through and gives the other blocks
+    zero weight, which the head's ``feature_norm`` makes the same input as
+    before: training starts from the head as it is, and learns how much the
+    other blocks add. Used to grow a trained head into a multi-block one.
+
+    Raises:
+      ValueError: the head already mixes several blocks, or ``L`` is not among
+        ``feature_layers``.
+    """
+    layers = tuple(int(x) for x in feature_layers)
+    module = head.module
+    if layers == module.feature_layers:
+        return head
+    if len(module.feature_layers) != 1 or module.feature_layers[0] not in layers:
+        raise ValueError(
+            f"with_feature_layers: a head reading blocks {module.feature_layers} cannot be grown into one "
+            f"reading {layers}; it must read one block, and that block must be among the new ones."
+        )
+    cfg = module.config
+    h = cfg.hidden_size
+    kernel = np.zeros((len(layers) * h, h), np.float32)
+    at = layers.index(module.feature_layers[0])
+    kernel[at * h:(at + 1) * h] = np.eye(h, dtype=np.float32)
+    params = {**head.params, "reduce": {"kernel": jnp.asarray(kernel, jnp.dtype(cfg.dtype))}}
+    return head.replace(params=params, module=FeatureHead(cfg, feature_layers=layers))
 
 
 def _flat(params: Params) -> dict[str, np.ndarray]:
@@ -314,7 +398,7 @@ def save_head(head: Model, path: str, *, overwrite: bool = False, extra: Optiona
     from specjax._src.models.loading import _write_directory, config_to_dict
 
     meta = {CONFIG_KEY: {"config": config_to_dict(head.module.config),
-                         "feature_layer": head.module.feature_layer, **(extra or {})}}
+                         "feature_layers": list(head.module.feature_layers), **(extra or {})}}
 
     def write(tmp: str) -> None:
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -350,13 +434,15 @@ def load_head(path: str, dtype: Any = None) -> Model:
     cfg = config_from_dict(meta["config"])
     if dtype is not None:
         cfg = cfg.replace(dtype=jnp.dtype(dtype).name)
-    module = FeatureHead(cfg, feature_layer=int(meta.get("feature_layer", -1)))
+    # "feature_layer": one block, as heads saved before feature_layers were written
+    layers = meta.get("feature_layers", [meta.get("feature_layer", -1)])
+    module = FeatureHead(cfg, feature_layers=tuple(int(x) for x in layers))
     weights_file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_file):
         raise ValueError(f"{path} has no {WEIGHTS_FILE}; a feature head directory holds config.json and it.")
     tensors = load_file(weights_file)
     flat = {}
-    for key, leaf in traverse_util.flatten_dict(_param_shapes(cfg)).items():
+    for key, leaf in traverse_util.flatten_dict(_param_shapes(cfg, len(module.feature_layers))).items():
         if key == EMBED_PATH:
             continue
         name = ".".join(key)
