@@ -8,9 +8,13 @@ A :class:`FeatureHead` drafts from the target's last-block features ("EAGLE:
 Speculative Sampling Requires Rethinking Feature Uncertainty", Li et al.,
 arXiv:2401.15077): each verification forward hands the head the target's
 features of the tokens it accepted, and the head drafts the next ones from
-them, then from its own predicted features. Every acceptance rule and
-drafting policy works with it, on chains. ``python -m training.eagle`` trains
-one for a target.
+them, then from its own predicted features. A head may read several of the
+target's blocks (``feature_layers``, e.g. a low, a middle and the last, as
+EAGLE-3, arXiv:2503.01840, does), mixed by a learned ``reduce``;
+:func:`with_feature_layers` grows a trained one-block head into such a head
+without changing what it drafts. Every acceptance rule and drafting policy
+works with it, on chains and trees. ``python -m training.eagle`` trains one
+for a target.
 """
 
 from specjax._src.models.feature_head import (
@@ -21,6 +25,7 @@ from specjax._src.models.feature_head import (
     is_feature_head,
     load_head,
     save_head,
+    with_feature_layers,
 )
 
 __all__ = (
@@ -31,4 +36,5 @@ __all__ = (
     "is_feature_head",
     "load_head",
     "save_head",
+    "with_feature_layers",
 )
