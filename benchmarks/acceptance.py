@@ -3,6 +3,7 @@
     python benchmarks/acceptance.py --drafters draft eagle                # the shipped drafters, K=3
     python benchmarks/acceptance.py --drafters eagle new=runs/x/export    # a head not shipped yet, beside it
     python benchmarks/acceptance.py --drafters eagle --tree dynamic:3,3,8 --temperatures 0
+    python benchmarks/acceptance.py --drafters eagle --lookup 2 3        # + eagle with context lookup
 
 Speed figures (``real_pair.py``) can only afford 8 prompts, and tau over 8
 prompts x 128 tokens moves by about +-0.05 between drafters that differ by
@@ -15,7 +16,10 @@ each draft slot and each drafter's tau relative to the first. Standard errors
 are over prompts; the paired column compares each prompt's tau with the first
 drafter's on the same prompt (mean difference +- its standard error, and on
 how many prompts it is higher / lower), which is what tells two close
-drafters apart.
+drafters apart. ``--lookup MIN [MIN ..]`` adds each drafter with
+``decode(lookup=specjax.drafting.ngram_lookup(MIN))`` as ``LABEL+lookupMIN``,
+and a column with the share of drafts (and of accepted drafts) copied from the
+context.
 """
 
 from __future__ import annotations
@@ -50,11 +54,19 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="compute dtype of the target and the drafters (real_pair.py's default too)")
+    ap.add_argument("--lookup", type=int, nargs="+", default=[], metavar="MIN",
+                    help="also run every drafter with context lookup drafting, ngram_lookup(MIN) for each MIN")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
     drafters = dict(args.drafters)
     if len(drafters) < len(args.drafters):
         ap.error("--drafters: each label once")
+    if args.lookup and args.tree:
+        ap.error("--lookup drafts chains: drop --tree")
+    try:
+        lookups = {m: specjax.drafting.ngram_lookup(m) for m in args.lookup}
+    except ValueError as e:
+        ap.error(f"--lookup: {e}")
     shape_kw = dict(num_draft=args.num_draft)
     if args.tree:
         from specjax.trees import parse_tree
@@ -66,7 +78,8 @@ def main(argv=None):
 
     report = common.Report(f"acceptance on held-out chat prompts: SmolLM2-135M-Instruct + {' / '.join(drafters)}")
     target = specjax.load(TARGET, dtype=args.dtype)
-    pairs = {d: specjax.pair(target, specjax.load(path, dtype=args.dtype)) for d, path in drafters.items()}
+    pairs = {d: (specjax.pair(target, specjax.load(path, dtype=args.dtype)), None) for d, path in drafters.items()}
+    pairs.update({f"{d}+lookup{m}": (pairs[d][0], lk) for d in drafters for m, lk in lookups.items()})
     texts = [r["prompt"] for r in common.read_jsonl(CHAT)][: args.prompts]
     prompts = [specjax.encode_chat(target, t) for t in texts]
     eos = tuple(target.module.config.eos_token_ids)
@@ -77,12 +90,12 @@ def main(argv=None):
                 + ", ".join(f"{d} = {p}" for d, p in drafters.items()))
     for temperature in args.temperatures:
         rows, first_tau, first_seq = [], None, None
-        for label, pair in pairs.items():
+        for label, (pair, lookup) in pairs.items():
             parts = []
             for i in range(0, len(prompts), args.batch):
                 out = specjax.decode(pair, prompts[i:i + args.batch], rule=rule, max_new_tokens=args.max_new_tokens,
                                      temperature=temperature, eos_token_id=eos, key=jax.random.key(args.seed + i),
-                                     **shape_kw)
+                                     **shape_kw, **({"lookup": lookup} if lookup else {}))
                 parts.append(out.stats)
             stats = specjax.concatenate_stats(parts)
             per_seq = np.asarray(stats.tau_per_sequence)
@@ -95,11 +108,14 @@ def main(argv=None):
             rows.append([label, f"{tau:.3f}", f"{per_seq.std(ddof=1) / np.sqrt(len(per_seq)):.3f}", paired,
                          f"{int(np.sum(diff > 0))} / {int(np.sum(diff < 0))}",
                          f"{stats.acceptance_rate:.3f}", slots, f"{tau / first_tau:.3f}",
+                         f"{np.sum(stats.copied) / max(np.sum(stats.drafted), 1):.3f} / "
+                         f"{np.sum(stats.copied_accepted) / max(np.sum(stats.accepted), 1):.3f}",
                          int(np.sum(stats.tokens))])
         first = next(iter(pairs))
         report.table(f"T={temperature:g}", ["drafter", "tau", "s.e. (prompts)", f"per-prompt tau - {first}'s",
                                             "prompts higher / lower", "alpha", "alpha at slot 1/2/..",
-                                            f"tau / {first}'s", "tokens"], rows)
+                                            f"tau / {first}'s", "copied: of drafted / of accepted", "tokens"],
+                     rows)
     report.write(args.markdown)
 
 

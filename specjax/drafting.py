@@ -10,6 +10,13 @@ A separate, composable axis from acceptance rules::
 
 ``num_draft`` (K) is the cap and the shape of every draft buffer; each policy
 decides, per sequence, how many of the K slots to fill.
+
+What fills them is the draft model or head, and optionally a context lookup
+that copies tokens from earlier in the sequence where its last few tokens
+occurred before (prompt lookup decoding), slot by slot ahead of the drafter::
+
+    out = specjax.decode(params, prompts, lookup=drafting.ngram_lookup(min_match=3), num_draft=3)
+    out.stats.copied, out.stats.copied_accepted
 """
 
 from specjax._src.drafting import (
@@ -26,6 +33,7 @@ from specjax._src.drafting import (
     heuristic,
     parse_drafting,
 )
+from specjax._src.lookup import NgramLookup, lookup_drafts, ngram_lookup
 
 __all__ = (
     "DraftingPolicy",
@@ -40,4 +48,7 @@ __all__ = (
     "confidence",
     "combine",
     "parse_drafting",
+    "NgramLookup",
+    "ngram_lookup",
+    "lookup_drafts",
 )

@@ -165,6 +165,25 @@ def test_compare_and_generate_draft_trees(small_model, capsys):
     assert code == 0 and "tau" in capsys.readouterr().out
 
 
+def test_compare_and_generate_copy_drafts_from_the_context(small_model, capsys):
+    from specjax.drafting import ngram_lookup
+
+    eval_set = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=3, num_code=0)
+    kw = dict(rules=("speculative_sampling",), temperatures=(0.0,), max_new_tokens=9, num_draft=3, progress=False)
+    plain = compare.run_comparison(small_model, small_model, eval_set, **kw)
+    copied = compare.run_comparison(small_model, small_model, eval_set, lookup=ngram_lookup(1), **kw)
+    # Draft == target: every draft is accepted, copied or not, and the output is the target's.
+    assert copied[1].agreement == 1.0 and copied[1].tau == plain[1].tau == 4.0
+    code = main(["generate", "--target", str(DRAFT_DIR), "--draft", str(DRAFT_DIR), "--lookup", "1,4",
+                 "--prompt", "assert 2 + 3 == 2 + 3 ==", "--max-new-tokens", "6", "--temperature", "0"])
+    assert code == 0 and "tau" in capsys.readouterr().out
+    for bad in ("0", "3,1", "x"):
+        with pytest.raises(SystemExit, match="--lookup"):
+            common.lookup(build_parser().parse_args(["generate", "--prompt", "x", "--lookup", bad]))
+    with pytest.raises(SystemExit, match="--tree"):
+        common.lookup(build_parser().parse_args(["generate", "--prompt", "x", "--lookup", "2", "--tree", "2,1"]))
+
+
 def test_a_bad_tree_option_is_a_clear_error():
     for bad in ("3,x", "dynamic:3,3", "0,1"):
         with pytest.raises(SystemExit, match="--tree"):

@@ -95,6 +95,8 @@ class _Config(NamedTuple):
     stream: bool = False
     # ``decode(tree=...)``: a static TokenTree; ``num_draft`` is then its depth.
     tree: Optional[Any] = None
+    # ``decode(lookup=...)``: a static NgramLookup (drafts copied from the context).
+    lookup: Optional[Any] = None
 
 
 # ---------------------------------------------------------------------------

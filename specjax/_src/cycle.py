@@ -30,12 +30,14 @@ from specjax._src import sampling
 from specjax._src.calls import _Config
 from specjax._src.lm import KVCache
 from specjax._src.models.feature_head import is_feature_head
+from specjax._src.lookup import lookup_drafts
 from specjax._src.loop_ops import _batched_init, _gather, _is_eos, _prefill, _row, _warp, _where_b
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Verdict, VerifyInputs
 from specjax._src.stats import DecodeStats, record_cycle
 
 Array = jax.Array
+_POINT_MASS_FLOOR = -1e9  # a copied draft's logits off its token
 
 # ---------------------------------------------------------------------------
 # The loop state
@@ -177,6 +179,7 @@ class _Drafts(NamedTuple):
     token_probs: Array  # [B, K]
     bad: Array  # [B, K] the draft logits of that slot were non-finite
     forwards: Array  # scalar int32
+    copied: Array  # [B, K] the slot's token was copied from the context (a point mass)
 
 
 def _draft(
@@ -185,8 +188,10 @@ def _draft(
 ) -> tuple[_Drafts, KVCache]:
     """Draft up to K tokens per sequence: the policy's ``budget``, cut short
     where its ``proceed`` says stop, one draft forward per token (the first is
-    :func:`_first_draft_logits`). Returns the drafts and the draft cache after
-    them (rolled back by :func:`_commit`)."""
+    :func:`_first_draft_logits`). With ``cfg.lookup``, a slot that the context
+    lookup fills (:func:`specjax._src.lookup.lookup_drafts`) takes the copied
+    token instead, and the draft reads it for the next slot. Returns the drafts
+    and the draft cache after them (rolled back by :func:`_commit`)."""
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab, k_max = pair_params.vocab_size, cfg.num_draft
     batch = state.num_committed.shape[0]
@@ -197,8 +202,11 @@ def _draft(
 
     budget = jax.vmap(lambda s: policy.budget(s, k_max), axis_size=batch)(state.policy_state)
     budget = jnp.clip(jnp.asarray(budget, jnp.int32), 1, k_max)
+    copied = None
+    if cfg.lookup is not None:
+        copied = lookup_drafts(state.tokens, state.num_committed, k_max, cfg.lookup)
     slot = functools.partial(
-        _draft_slot, cfg, policy, state.policy_state, budget, draft_uniforms, temperature, top_p
+        _draft_slot, cfg, policy, state.policy_state, budget, draft_uniforms, temperature, top_p, copied
     )
     active, bufs = slot(0, raw0, ~state.done, _no_drafts(batch, k_max, vocab))
 
@@ -266,11 +274,13 @@ def _first_draft_logits(module, params, vocab: int, state: _DecodeState) -> tupl
 
 def _draft_slot(
     cfg: _Config, policy: drafting_lib.DraftingPolicy, policy_state, budget, draft_uniforms, temperature, top_p,
-    j, raw: Array, active: Array, bufs: _Drafts,
+    copied, j, raw: Array, active: Array, bufs: _Drafts,
 ) -> tuple[Array, _Drafts]:
     """Draft slot ``j`` from the draft's raw logits ``[B, V]``: warp, sample
     (argmax when greedy), write the slot into ``bufs`` and ask the policy
-    whether to go on. Returns ``(active for slot j + 1, bufs)``."""
+    whether to go on. ``copied``: ``None``, or the lookup's ``(tokens [B, K],
+    valid [B, K])``, whose valid slots replace the draft's sample by a point
+    mass on the copied token. Returns ``(active for slot j + 1, bufs)``."""
     batch = raw.shape[0]
     logits = _warp(cfg, raw, temperature, top_p)
     probs = jax.nn.softmax(logits, axis=-1)
@@ -279,6 +289,15 @@ def _draft_slot(
     else:
         u = jax.lax.dynamic_index_in_dim(draft_uniforms, j, axis=1, keepdims=False)
         tok = sampling.sample_categorical(probs, u)
+    is_copy = jnp.zeros((batch,), bool)
+    if copied is not None:
+        copy_tok, copy_ok = (jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False) for x in copied)
+        is_copy = copy_ok
+        point = jax.nn.one_hot(copy_tok, probs.shape[-1], dtype=probs.dtype)
+        tok = jnp.where(is_copy, copy_tok, tok)
+        probs = jnp.where(is_copy[:, None], point, probs)
+        # Finite, so that rules computing log q or KL terms stay finite; exp() of it is exactly 0.
+        logits = jnp.where(is_copy[:, None], jnp.where(point > 0, 0.0, _POINT_MASS_FLOOR), logits)
     tok_p = jnp.take_along_axis(probs, tok[:, None], axis=-1)[:, 0]
     ent = sampling.entropy(probs)
     step = drafting_lib.DraftStep(
@@ -294,6 +313,7 @@ def _draft_slot(
         token_probs=bufs.token_probs.at[:, j].set(tok_p),
         bad=bufs.bad.at[:, j].set(active & sampling.nonfinite_rows(raw)),
         forwards=bufs.forwards,
+        copied=bufs.copied.at[:, j].set(active & is_copy),
     )
     next_active = active & (j + 1 < budget) & jnp.asarray(go, bool)
     return next_active, bufs
@@ -310,6 +330,7 @@ def _no_drafts(batch: int, k_max: int, vocab: int) -> _Drafts:
         token_probs=jnp.zeros((batch, k_max), jnp.float32),
         bad=jnp.zeros((batch, k_max), bool),
         forwards=jnp.int32(1),
+        copied=jnp.zeros((batch, k_max), bool),
     )
 
 
@@ -526,7 +547,7 @@ def _record(
     policy_state = _where_b(live, policy_state, state.policy_state)
     stats = record_cycle(state.stats, live=live, valid=drafts.valid, num_accepted=n,
                          num_committed=committed.num_new, paths=accepted.verdict.path,
-                         draft_forwards=drafts.forwards)
+                         draft_forwards=drafts.forwards, copied=drafts.copied)
     diag = None
     if cfg.diagnostics is not None:
         values = jax.vmap(cfg.diagnostics)(verified.inputs, accepted.verdict, n)

@@ -88,6 +88,7 @@ import numpy as np
 from flax import struct
 
 from specjax._src import drafting as drafting_lib
+from specjax._src import lookup as lookup_lib
 from specjax._src import sampling
 from specjax._src.calls import (
     BUCKETS,
@@ -224,6 +225,7 @@ def decode(
     buckets: Optional[Buckets] = BUCKETS,
     on_tokens: Optional[Callable] = None,
     tree=None,
+    lookup: Optional[lookup_lib.NgramLookup] = None,
 ) -> DecodeOutput:
     """Speculative decoding: draft with ``params.draft``, verify with ``params.target``.
 
@@ -296,6 +298,14 @@ def decode(
         drafts for a dynamic one); every other rule, greedy or sampling (see
         :mod:`specjax.trees`). The drafting policy is the tree's shape, and
         ``num_draft`` is its depth.
+      lookup: ``specjax.drafting.ngram_lookup()`` to copy drafts from the
+        context: where a sequence's last ``min_match``..``max_match`` tokens
+        occurred earlier in it, the tokens that followed them there fill the
+        cycle's first draft slots (as point masses, so every rule stays what
+        it is: the lossless one stays exact), and the draft model or head
+        drafts the rest, reading the copied tokens. Counted in
+        ``stats.copied`` / ``stats.copied_accepted``. Chains only (ValueError
+        with ``tree=``).
 
     Compilation and warm-up: the first call for each combination of
     (batch bucket, prompt-width bucket, ``max_new_tokens`` bucket) and of the
@@ -321,6 +331,10 @@ def decode(
       FloatingPointError: if a model produced NaN / inf logits (the sequence
         is named; ``err.output`` holds what was generated).
     """
+    if lookup is not None and not isinstance(lookup, lookup_lib.NgramLookup):
+        raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
+    if lookup is not None and tree is not None:
+        raise ValueError("lookup= drafts chains; it cannot be combined with tree=. Drop one of them.")
     if tree is not None:
         rule, drafting, _ = _check_decode_args(params, rule, drafting, None)
         depth = _check_tree(tree, params, rule, drafting, num_draft)
@@ -349,7 +363,7 @@ def decode(
     _check_diagnostics(diagnostics)
     if is_feature_head(params.draft.module) and call.cfg.layout is not None:
         raise ValueError("decoding with a feature head on a mesh is not supported yet; decode on one device.")
-    cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree)
+    cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree, lookup=lookup)
     if cfg.layout is not None:  # the rule's and policy's traced numbers, replicated on the mesh
         rule, drafting = jax.tree_util.tree_map(
             lambda x: _replicated(cfg.layout, np.asarray(jnp.asarray(x))), (rule, drafting)

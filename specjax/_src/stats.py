@@ -36,6 +36,9 @@ Counters (per sequence ``[B]`` unless noted):
 * ``tokens``: tokens committed (= ``DecodeOutput.lengths``).
 * ``draft_forwards`` / ``target_forwards``: batch forwards run (scalars;
   ``generate`` counts its target forwards).
+* ``copied`` / ``copied_accepted``: with ``decode(lookup=...)``, the drafted
+  (and the accepted) tokens that were copied from the context rather than
+  drafted by the draft model or head; 0 without a lookup.
 * ``extra``: a dict of per-sequence sums from the ``diagnostics`` hook of
   ``decode`` (e.g. theory diagnostics), empty by default.
 
@@ -123,6 +126,8 @@ class DecodeStats:
     accepted_by_path: Array  # [B, NUM_PATHS]
     verified: Array  # [B] tokens (chain slots or tree nodes) the target's verification forwards scored
     draft_forwards: Array  # scalar
+    copied: Array  # [B] drafts copied from the context (``decode(lookup=...)``), among ``drafted``
+    copied_accepted: Array  # [B] of those, accepted (among ``accepted``)
     target_forwards: Array  # scalar
     extra: dict = struct.field(default_factory=dict)
 
@@ -147,6 +152,8 @@ class DecodeStats:
             accepted_by_path=jnp.zeros((batch_size, NUM_PATHS), jnp.int32),
             verified=z,
             draft_forwards=jnp.int32(0),
+            copied=z,
+            copied_accepted=z,
             target_forwards=jnp.int32(0),
             extra=extra or {},
         )
@@ -247,6 +254,8 @@ class DecodeStats:
             "efficiency": self.efficiency,
             "draft_forwards": float(self.draft_forwards),
             "target_forwards": float(self.target_forwards),
+            "copied": float(np.sum(self.copied)),
+            "copied_accepted": float(np.sum(self.copied_accepted)),
         }
         for k, rate in enumerate(self.acceptance_at_position):
             out[f"alpha_at_{k}"] = float(rate)
@@ -284,6 +293,7 @@ def record_cycle(
     paths: Array,
     draft_forwards: Array,
     verified: Array | int | None = None,
+    copied: Array | None = None,
 ) -> DecodeStats:
     """Adds one draft-verify cycle to ``stats``. Pure and jit-friendly.
 
@@ -299,6 +309,8 @@ def record_cycle(
       draft_forwards: scalar int32, draft batch forwards run this cycle.
       verified: tokens the verification forward scored per sequence (scalar or
         ``[B]``); default ``K + 1``, a chain's block.
+      copied: ``[B, K]`` bool, slots whose draft was copied from the context
+        (``decode(lookup=...)``); default none.
 
     Returns:
       ``stats`` plus this cycle. Counting: slot ``k`` is reached (judged) when it
@@ -326,8 +338,11 @@ def record_cycle(
     path_counts = (
         jax.nn.one_hot(jnp.asarray(paths, jnp.int32), NUM_PATHS, dtype=jnp.int32) * accepted_i[..., None]
     ).sum(1)
+    copied = valid & (False if copied is None else jnp.asarray(copied, bool))
     s = stats
     return s.replace(
+        copied=s.copied + copied.sum(1, dtype=jnp.int32),
+        copied_accepted=s.copied_accepted + (copied & accepted).sum(1, dtype=jnp.int32),
         cycles=s.cycles + live_i,
         drafted=s.drafted + valid.sum(1, dtype=jnp.int32),
         accepted=s.accepted + accepted_i.sum(1),
@@ -357,7 +372,7 @@ def concatenate(stats_list: Sequence[DecodeStats]) -> DecodeStats:
     if any(set(s.extra) != keys for s in stats_list):
         raise ValueError("concatenate needs the same extra keys in every DecodeStats")
     per_seq = ("cycles", "drafted", "accepted", "judged", "tokens", "drafted_at", "reached_at", "accepted_at",
-               "accepted_by_path", "verified")
+               "accepted_by_path", "verified", "copied", "copied_accepted")
     joined = {f: np.concatenate([getattr(s, f) for s in stats_list]) for f in per_seq}
     return stats_list[0].replace(
         **joined,

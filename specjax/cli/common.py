@@ -27,6 +27,10 @@ def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True) -> No
                         'or "dynamic:DEPTH,TOP_K,NUM_NODES", e.g. "dynamic:3,3,8" (EAGLE-2); its depth replaces '
                         '--num-draft')
     if drafting:
+        parser.add_argument("--lookup", metavar="MIN[,MAX]",
+                            help="also draft by context lookup: copy what followed the last MIN..MAX tokens "
+                                 "(default MAX 8) where they occurred earlier in the text; the draft fills the other "
+                                 "slots. Chains only (specjax.drafting.ngram_lookup)")
         parser.add_argument("--drafting", help='drafting policy: "fixed", "adasd_entropy[:window=20]", "heuristic", '
                             '"confidence[:threshold=0.4]" (default: fixed K; AdaSD rows of compare use its '
                             'entropy stop)')
@@ -85,6 +89,20 @@ def tree(args):
         return parse_tree(args.tree)
     except ValueError as e:
         raise SystemExit(f"error: --tree: {e}") from None
+
+
+def lookup(args):
+    """The --lookup setting (``specjax.drafting.ngram_lookup``), or None."""
+    if not getattr(args, "lookup", None):
+        return None
+    from specjax.drafting import ngram_lookup
+
+    if getattr(args, "tree", None):
+        raise SystemExit("error: --lookup drafts chains; drop --tree or --lookup.")
+    try:
+        return ngram_lookup(*(int(x) for x in args.lookup.split(",")))
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"error: --lookup {args.lookup!r}: want MIN or MIN,MAX, positive integers ({e})") from None
 
 
 def drafting_policy(args):

@@ -287,6 +287,7 @@ def run_comparison(
     num_draft: int = 4,
     drafting=None,
     tree=None,
+    lookup=None,
     seed: int = 0,
     repeats: int = 1,
     batch_size: Optional[int] = None,
@@ -296,6 +297,8 @@ def run_comparison(
 
     ``tree``: every rule drafts this token tree (``specjax.trees``) instead of
     a chain of ``num_draft`` (AdaSD rows then have no entropy stop).
+    ``lookup``: chains also copy drafts from the context
+    (``specjax.drafting.ngram_lookup``).
     ``batch_size``: decode the prompts in groups of this many (None: all in one
     batch). Speculative decoding pays where a (K+1)-token verification costs
     about one token's forward: batch 1 on a CPU, larger batches on accelerators.
@@ -332,7 +335,7 @@ def run_comparison(
         else:
             rule = parse_rule(rule_spec)
             policy, k = row_drafting(rule_spec, num_draft, drafting)
-            shape = dict(drafting=policy, num_draft=k) if tree is None else dict(tree=tree)
+            shape = dict(drafting=policy, num_draft=k, lookup=lookup) if tree is None else dict(tree=tree)
             out, seconds = _timed(
                 lambda g: specjax.decode(params, g, rule=rule, **shape, **common),
                 eval_set.prompts, batch_size, repeats,
@@ -475,7 +478,8 @@ def run(args) -> int:
         eval_set = load_eval_set(target.tokenizer, eval_dir, preset.num_task, preset.num_code)
     print(f"compare: pair {pair}, {len(eval_set.prompts)} prompts ({int(eval_set.task_mask.sum())} task), "
           f"batch {args.batch or preset.batch_size or len(eval_set.prompts)}, "
-          f"{'tree ' + args.tree if args.tree else f'K={args.num_draft}'}, up to {args.max_new_tokens or preset.max_new_tokens} new tokens, {args.dtype}, "
+          f"{'tree ' + args.tree if args.tree else f'K={args.num_draft}'}"
+          f"{', lookup ' + args.lookup if args.lookup else ''}, up to {args.max_new_tokens or preset.max_new_tokens} new tokens, {args.dtype}, "
           f"device {common.device_platform()}")
     rows = run_comparison(
         target,
@@ -487,6 +491,7 @@ def run(args) -> int:
         num_draft=args.num_draft,
         drafting=common.drafting_policy(args),
         tree=common.tree(args),
+        lookup=common.lookup(args),
         seed=args.seed,
         batch_size=args.batch or preset.batch_size,
         progress=not args.no_progress,

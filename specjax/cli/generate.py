@@ -25,7 +25,8 @@ def run(args) -> int:
     # Streams: each draft-verify cycle's tokens are printed as the loop commits them.
     text = TextStream(target.tokenizer)
     tree = common.tree(args)
-    chain = dict(drafting=common.drafting_policy(args), num_draft=args.num_draft) if tree is None else {}
+    chain = (dict(drafting=common.drafting_policy(args), num_draft=args.num_draft, lookup=common.lookup(args))
+             if tree is None else {})
     out = specjax.decode(specjax.pair(target, draft), [ids], on_tokens=text.on_tokens, rule=rule, tree=tree, **chain,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          key=jax.random.key(args.seed))
