@@ -231,3 +231,49 @@ def test_feature_layers_on_the_command_line(tiny, tmp_path):
         eagle.main(_args(target_path, data, tmp_path / "run", "--feature-layers", "1,-1"))
     with pytest.raises(SystemExit):
         eagle.build_parser().parse_args(["--feature-layers", "0,1"])  # no -1
+
+
+def test_a_draft_temperature_divides_the_logits_and_the_fit_finds_it(tiny, tmp_path):
+    target_path, data = tiny
+    target, head, ids = _tiny_head(target_path, data)
+    tokens = jnp.asarray([[5, 6, 7, 8, 9, 10]])
+    feats = target.module.apply(target.params, tokens, hidden_layers=(-1,)).hidden[0]
+    plain = np.asarray(head.module.apply(head.params, tokens, features=feats).logits[..., ids])
+    sharp = eagle.with_draft_temperature(head, 0.5)
+    halved = np.asarray(sharp.module.apply(sharp.params, tokens, features=feats).logits[..., ids])
+    np.testing.assert_allclose(halved, 2.0 * plain, rtol=1e-5, atol=1e-5)
+    # A teacher whose law is the head's own at t0 = 0.8: the fit's best is t0 (ties only
+    # where a sharper q still covers every top-32 id), flatter drafts lose.
+    files = sorted(data.glob("shard_*.npz"))
+    eagle.extract_features(target, files, tmp_path, ids, seq_len=SEQ, batch=2, log=lambda m: None)
+    rows = eagle.load_rows(files, tmp_path, ids, SEQ, target.vocab_size)
+    h = eagle.head_inputs(rows)
+    (logits, _), = eagle._jitted_unrolled(head.module.config, 1, 1)(
+        head.params, jnp.asarray(h["tokens"]), jnp.asarray(h["features"]))
+    logp = np.asarray(jax.nn.log_softmax(logits / 0.8, -1))
+    top = np.argsort(-logp, -1)[..., :32]
+    rows["teacher_ids"][:, 1:] = top
+    rows["teacher_logp"][:, 1:] = np.take_along_axis(logp, top, -1)
+    t, table = eagle.fit_draft_temperature(head.module.config, head.params, rows, steps=1)
+    assert table[t] == max(table.values()) and abs(table[0.8] - table[t]) < 1e-6
+    assert table[1.0] < table[0.8] - 1e-3 and table[1.2] < table[1.0]
+
+
+def test_draft_temperature_on_the_command_line(tiny, tmp_path):
+    target_path, data = tiny
+    run = tmp_path / "run"
+    assert eagle.main(_args(target_path, data, run, "--steps", "2", "--export", str(tmp_path / "a"))) == 0
+    assert eagle.main(_args(target_path, data, run, "--steps", "2", "--draft-temperature", "0.5",
+                            "--export", str(tmp_path / "b"))) == 0  # resumes at step 2, exports again
+    a, b = (specjax.load(tmp_path / d, dtype="float32") for d in ("a", "b"))
+    np.testing.assert_allclose(np.asarray(b.params["final_norm"]["scale"]),
+                               2.0 * np.asarray(a.params["final_norm"]["scale"]), rtol=1e-2)
+    assert "divided by 0.5" in (tmp_path / "b" / "MODEL_CARD.md").read_text()
+    assert eagle.main(_args(target_path, data, run, "--steps", "2", "--draft-temperature", "fit",
+                            "--calibration-rows", "4", "--export", str(tmp_path / "c"))) == 0
+    summary = json.loads((tmp_path / "c" / "train_log.json").read_text())["summary"]
+    assert summary["draft_temperature"] in eagle.DRAFT_TEMPERATURES and summary["calibration_rows"] == 4
+    assert "fitted by `--draft-temperature fit`" in (tmp_path / "c" / "MODEL_CARD.md").read_text()
+    for bad in ("0", "-1", "hot"):
+        with pytest.raises(SystemExit):
+            eagle.main(_args(target_path, data, run, "--draft-temperature", bad))
