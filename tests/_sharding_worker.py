@@ -250,6 +250,7 @@ def main(path: str) -> None:
     report["generate_gathering"] = {"greedy": gen_bad.to_lists(), "hlo": check_hlo(spy_generate, weights, caches)}
 
     report["trees"] = trees_on_mesh(pair, prompts, key, spy_decode, weights, caches)
+    report["lookup"] = lookup_on_mesh(pair, prompts, key, spy_decode, weights, caches)
     report["bigram"] = bigram_on_mesh()
     report["loading"] = loading(pair.target, mesh)
     report["seconds"] = round(time.time() - t0, 1)
@@ -274,6 +275,20 @@ def trees_on_mesh(pair, prompts, key, spy, weights, caches) -> dict:
         out[name] = {"match": got.to_lists() == ref.to_lists(), "tau": float(got.stats.tau),
                      "hlo": check_hlo(spy, weights, caches)}
     return out
+
+
+def lookup_on_mesh(pair, prompts, key, spy, weights, caches) -> dict:
+    """Drafts copied from the context (``lookup=``) on a (2, 4) mesh at T=1, against one device."""
+    from specjax.drafting import ngram_lookup
+
+    mesh = sharding.make_mesh(2, 4)
+    target = sharding.shard_params(pair.target, mesh)
+    repetitive = [(p * 4)[:12] for p in prompts]
+    kw = dict(num_draft=NUM_DRAFT, max_new_tokens=NEW, temperature=1.0, key=key, lookup=ngram_lookup(1))
+    ref = specjax.decode(pair, repetitive, **kw)
+    got = specjax.decode(pair.replace(target=target), repetitive, mesh=mesh, **kw)
+    return {"match": got.to_lists() == ref.to_lists(), "copied": int(np.sum(got.stats.copied)),
+            "copied_ref": int(np.sum(ref.stats.copied)), "hlo": check_hlo(spy, weights, caches)}
 
 
 def bigram_on_mesh() -> dict:

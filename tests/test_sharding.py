@@ -96,6 +96,12 @@ def test_trees_on_a_mesh_match_one_device_without_gathering_weights(report, whic
     assert entry["hlo"]["weight_gathers"] == [] and entry["hlo"]["cache_gathers"] == [], entry["hlo"]
 
 
+def test_copied_drafts_on_a_mesh_match_one_device(report):
+    entry = report["lookup"]
+    assert entry["match"] and entry["copied"] == entry["copied_ref"] > 0
+    assert entry["hlo"]["weight_gathers"] == [] and entry["hlo"]["cache_gathers"] == [], entry["hlo"]
+
+
 def test_any_language_model_runs_replicated_on_a_mesh(report):
     assert report["bigram"]["match"] and sum(report["bigram"]["lengths"]) > 0
 

@@ -4,7 +4,8 @@
 arrays, traced inside the ``while_loop`` of :mod:`specjax._src.decode`::
 
     uniforms  = _cycle_uniforms(...)  # the cycle's randomness, one draw per sequence
-    drafts    = _draft(...)           # up to K draft tokens, one draft forward each
+    drafts    = _draft(...)           # up to K draft tokens, one draft forward each (some copied
+                                      # from the context with decode(lookup=...))
     verified  = _verify(...)          # one target forward over [last, d_1 .. d_K]
     accepted  = _accept(...)          # the rule's verdict, the accepted run, the emitted token
     committed = _commit(...)          # tokens written, EOS / max_new_tokens, caches rolled back
