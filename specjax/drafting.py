@@ -15,7 +15,7 @@ What fills them is the draft model or head, and optionally a context lookup
 that copies tokens from earlier in the sequence where its last few tokens
 occurred before (prompt lookup decoding), slot by slot ahead of the drafter::
 
-    out = specjax.decode(params, prompts, lookup=drafting.ngram_lookup(min_match=3), num_draft=3)
+    out = specjax.decode(params, prompts, lookup=drafting.ngram_lookup(min_match=2), num_draft=3)
     out.stats.copied, out.stats.copied_accepted
 """
 
