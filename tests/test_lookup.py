@@ -93,8 +93,9 @@ def test_greedy_with_lookup_is_target_greedy(pairs, drafter):
     assert int(np.sum(s.copied)) > 0  # the lookup drafted
     assert np.all(s.copied <= s.drafted) and np.all(s.copied_accepted <= s.accepted)
     assert np.all(s.copied_accepted <= s.copied)
+    assert f"copied={int(np.sum(s.copied))} ({int(np.sum(s.copied_accepted))} accepted)" in str(s)
     plain = specjax.decode(pair, prompts, num_draft=4, **kw)
-    assert int(np.sum(plain.stats.copied)) == 0
+    assert int(np.sum(plain.stats.copied)) == 0 and "copied=" not in str(plain.stats)
 
 
 def test_lossless_sampling_with_copied_drafts_follows_the_target():

@@ -277,7 +277,8 @@ class DecodeStats:
             f"alpha={s['acceptance_rate']:.3f} ({int(s['accepted'])}/{int(s['judged'])} judged), "
             f"accepted/drafted={s['accepted_per_drafted']:.3f} ({int(s['drafted'])} drafted), "
             f"alpha by position [{pos}], by path {{{paths}}}, "
-            f"forwards draft={int(s['draft_forwards'])} target={int(s['target_forwards'])})"
+            + (f"copied={int(s['copied'])} ({int(s['copied_accepted'])} accepted), " if s["copied"] else "")
+            + f"forwards draft={int(s['draft_forwards'])} target={int(s['target_forwards'])})"
         )
 
     __repr__ = __str__
