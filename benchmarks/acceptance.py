@@ -95,7 +95,7 @@ def main(argv=None):
             for i in range(0, len(prompts), args.batch):
                 out = specjax.decode(pair, prompts[i:i + args.batch], rule=rule, max_new_tokens=args.max_new_tokens,
                                      temperature=temperature, eos_token_id=eos, key=jax.random.key(args.seed + i),
-                                     **shape_kw, **({"lookup": lookup} if lookup else {}))
+                                     lookup=lookup, **shape_kw)
                 parts.append(out.stats)
             stats = specjax.concatenate_stats(parts)
             per_seq = np.asarray(stats.tau_per_sequence)

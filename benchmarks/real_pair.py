@@ -173,14 +173,9 @@ def main(argv=None):
             tree = parse_tree(args.tree)
         except ValueError as e:
             ap.error(str(e))
-    lookup = None
-    if args.lookup:
-        try:
-            lookup = specjax.drafting.ngram_lookup(*(int(x) for x in args.lookup.split(",")))
-        except (ValueError, TypeError) as e:
-            ap.error(f"--lookup {args.lookup!r}: want MIN or MIN,MAX ({e})")
-        if tree is not None:
-            ap.error("--lookup drafts chains: drop --tree")
+    from specjax.cli.common import lookup as parse_lookup
+
+    lookup = parse_lookup(args)  # the CLI's --lookup: MIN[,MAX], a clear exit on bad values or with --tree
 
     drafters = dict(args.drafters)
     if len(drafters) < len(args.drafters):

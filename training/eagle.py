@@ -456,8 +456,10 @@ def fit_draft_temperature(cfg, params: dict, rows: dict, *, steps: int = 3, batc
         mask = jnp.asarray(h["mask"])
         outs = run(params, jnp.asarray(h["tokens"]), jnp.asarray(h["features"]))
         ids, logp = jnp.asarray(h["teacher_ids"]), jnp.asarray(h["teacher_logp"])
-        for t in grid:
-            totals[t] += float(sum(jnp.sum(jnp.where(mask, _overlap(lg / t, ids, logp), 0.0)) for lg, _ in outs))
+        sums = jnp.stack([sum(jnp.sum(jnp.where(mask, _overlap(lg / t, ids, logp), 0.0)) for lg, _ in outs)
+                          for t in grid])
+        for t, v in zip(grid, np.asarray(sums).tolist()):  # one host transfer per batch
+            totals[t] += v
         count += int(mask.sum()) * steps
     table = {t: v / max(count, 1) for t, v in totals.items()}
     return max(table, key=table.get), table
