@@ -12,6 +12,23 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402  (after the platform is set)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops JAX's compiled programs after each test module.
+
+    An xdist worker compiles hundreds of programs and grew past 6 GB here; in
+    three of five full runs on 2026-11-24 a worker died of a segfault inside
+    XLA's CPU compiler (each time in a different, unchanged test), and the run
+    then hung. Keeping workers small is a mitigation, not a diagnosis. Within a
+    module compiled programs stay cached, so "a second call compiles nothing"
+    still holds there.
+    """
+    yield
+    import jax
+
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="module")
 def llama_pair():
     """A random Llama target and its 1-layer draft (``specjax.testing.peaked_target_and_draft``)."""
