@@ -12,7 +12,8 @@ them, then from its own predicted features. A head may read several of the
 target's blocks (``feature_layers``, e.g. a low, a middle and the last, as
 EAGLE-3, arXiv:2503.01840, does), mixed by a learned ``reduce``;
 :func:`with_feature_layers` grows a trained one-block head into such a head
-without changing what it drafts. Every acceptance rule and drafting policy
+without changing what it drafts, and :func:`with_num_layers` stacks more
+blocks on a trained head the same way. Every acceptance rule and drafting policy
 works with it, on chains and trees. ``python -m training.eagle`` trains one
 for a target.
 """
@@ -26,6 +27,7 @@ from specjax._src.models.feature_head import (
     load_head,
     save_head,
     with_feature_layers,
+    with_num_layers,
 )
 
 __all__ = (
@@ -37,4 +39,5 @@ __all__ = (
     "load_head",
     "save_head",
     "with_feature_layers",
+    "with_num_layers",
 )

@@ -277,3 +277,53 @@ def test_draft_temperature_on_the_command_line(tiny, tmp_path):
     for bad in ("0", "-1", "hot"):
         with pytest.raises(SystemExit):
             eagle.main(_args(target_path, data, run, "--draft-temperature", bad))
+
+
+def test_a_head_grown_to_more_blocks_drafts_as_before_then_trains_its_new_block(tiny, tmp_path):
+    """with_num_layers adds blocks that start as the identity: the same logits and
+    features, the same greedy drafts through the engine; the loss moves the new
+    block's output projections at once; a head cannot shrink."""
+    target_path, data = tiny
+    target, head, ids = _tiny_head(target_path, data)
+    grown = feature_head.with_num_layers(head, 3)
+    assert grown.module.config.num_layers == 3 and {"layer_1", "layer_2"} <= set(grown.params)
+    assert feature_head.with_num_layers(head, 1) is head
+    with pytest.raises(ValueError, match="grow, not shrink"):
+        feature_head.with_num_layers(grown, 2)
+    tokens = jnp.asarray([[5, 6, 7, 8, 9, 10]])
+    feats = target.module.apply(target.params, tokens, hidden_layers=(-1,)).hidden[0]
+    a = head.module.apply(head.params, tokens, features=feats)
+    b = grown.module.apply(grown.params, tokens, features=feats)
+    np.testing.assert_allclose(np.asarray(b.logits[..., ids]), np.asarray(a.logits[..., ids]), rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(b.hidden), np.asarray(a.hidden), rtol=1e-6, atol=1e-5)
+    prompt = jnp.asarray([[5, 6, 7, 8]])
+    runs = [specjax.decode(specjax.pair(target, h), prompt, max_new_tokens=12, num_draft=3, temperature=0.0)
+            for h in (head, grown)]
+    np.testing.assert_array_equal(np.asarray(runs[0].tokens), np.asarray(runs[1].tokens))
+    np.testing.assert_array_equal(np.asarray(runs[0].stats.accepted_at), np.asarray(runs[1].stats.accepted_at))
+    files = sorted(data.glob("shard_*.npz"))
+    eagle.extract_features(target, files, tmp_path, ids, seq_len=SEQ, batch=2, log=lambda m: None)
+    rows = eagle.load_rows(files, tmp_path, ids, SEQ, target.vocab_size)
+    trainable, frozen = eagle.split_params(grown.params)
+    loss_fn = eagle.make_loss(grown.module.config, unroll=2, reg_weight=1.0)
+    batch = {**{k: jnp.asarray(v) for k, v in rows.items()}, "frozen": frozen}
+    grads = jax.grad(lambda p: loss_fn(p, batch)[0])(trainable)
+    for name in ("layer_1", "layer_2"):
+        assert float(jnp.abs(grads[name]["mlp"]["down"]["kernel"]).max()) > 0
+        assert float(jnp.abs(grads[name]["attn"]["o"]["kernel"]).max()) > 0
+
+
+def test_layers_on_the_command_line(tiny, tmp_path):
+    """--layers 2 grows an exported one-block head; the run remembers it."""
+    target_path, data = tiny
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert eagle.main(_args(target_path, data, tmp_path / "a", "--steps", "2", "--export", str(one))) == 0
+    assert eagle.main(_args(target_path, data, tmp_path / "b", "--steps", "2", "--init-from", str(one),
+                            "--layers", "2", "--export", str(two))) == 0
+    loaded = specjax.load(two)
+    assert loaded.module.config.num_layers == 2 and "layer_1" in loaded.params
+    assert "two-block draft head" in (two / "MODEL_CARD.md").read_text()
+    with pytest.raises(SystemExit, match="started with --layers 2"):
+        eagle.main(_args(target_path, data, tmp_path / "b", "--layers", "3"))
+    with pytest.raises(SystemExit, match="grow, not shrink"):
+        eagle.main(_args(target_path, data, tmp_path / "c", "--init-from", str(two), "--layers", "1"))

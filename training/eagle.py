@@ -526,6 +526,10 @@ def _temperature_note(s: dict) -> str:
             "figures above are the exported head's.\n")
 
 
+def _blocks_word(n: int) -> str:
+    return {1: "one", 2: "two", 3: "three", 4: "four"}.get(n, str(n))
+
+
 def write_card(path: pathlib.Path, s: dict) -> None:
     ev = s["heldout"]
     ev0 = s["heldout_init"]
@@ -533,7 +537,7 @@ def write_card(path: pathlib.Path, s: dict) -> None:
     curve = "\n".join(f"| {e['step']} | {e['step1']:.3f} | {e['step2']:.3f} | {e['step3']:.3f} |" for e in evals)
     text = f"""# {s['name']}: an EAGLE-style feature head for {s['target']}
 
-A one-block draft head that reads {_describe_layers(s.get('feature_layers', [-1]))} and the next token, predicts the next feature and, through a
+A {_blocks_word(s['config']['num_layers'])}-block draft head that reads {_describe_layers(s.get('feature_layers', [-1]))} and the next token, predicts the next feature and, through a
 final norm and a reduced LM head ({s['config']['head_vocab_size']} tokens, the
 same vocabulary as `smollm2-draft`), the token after it
 (`specjax/_src/models/feature_head.py`). It borrows the target's embedding
@@ -554,7 +558,7 @@ features (EAGLE-1), {"plus the same cross-entropy for a second draft step that r
 
 | | |
 |---|---|
-| head | {'reduce [' + str(len(s.get('feature_layers', [-1]))) + 'H -> H] over the RMS-normalised blocks, ' if len(s.get('feature_layers', [-1])) > 1 else ''}fuse [2H -> H], feature norm, 1 Llama block (the target's width: hidden {s['config']['hidden_size']}, {s['config']['num_heads']} / {s['config']['num_kv_heads']} heads, MLP {s['config']['intermediate_size']}), final norm, LM head over {s['config']['head_vocab_size']} tokens |
+| head | {'reduce [' + str(len(s.get('feature_layers', [-1]))) + 'H -> H] over the RMS-normalised blocks, ' if len(s.get('feature_layers', [-1])) > 1 else ''}fuse [2H -> H], feature norm, {s['config']['num_layers']} Llama block{'s' if s['config']['num_layers'] > 1 else ''} (the target's width: hidden {s['config']['hidden_size']}, {s['config']['num_heads']} / {s['config']['num_kv_heads']} heads, MLP {s['config']['intermediate_size']}), final norm, LM head over {s['config']['head_vocab_size']} tokens |
 | init | the target's last block, final norm and embedding rows; fuse = identity on the feature half{', I / rms(embedding) on the token half (`balance_fuse`)' if s.get('balanced_fuse') else ''}{'; then ' + s['init_note'] if s.get('init_note') else ''} |
 | params (without the borrowed embedding) | {s['params']:,} ({s['bytes']:,} bytes of bfloat16 safetensors) |
 | steps / batch | {s['steps']} / {s['batch']} rows x {s['seq_len']} tokens, AdamW lr {s['lr']} (warmup, cosine) |
@@ -624,6 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-from", default=None,
                    help="start from an exported head (its vocabulary and weights; a fresh AdamW and schedule), "
                         "e.g. to continue training on more shards in a later session")
+    g.add_argument("--layers", type=int, default=None,
+                   help="the head's decoder blocks (default: the --init-from head's, else 1); an --init-from head "
+                        "with fewer grows new blocks on top that start as the identity (with_num_layers)")
     g.add_argument("--no-balanced-fuse", dest="balanced_fuse", action="store_false",
                    help="keep init_from_target's small-noise token half of fuse (see balance_fuse)")
     g.add_argument("--reg-weight", type=float, default=1.0)
@@ -687,6 +694,16 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: {out} was started with --feature-layers {','.join(map(str, feature_layers))}; "
                          "resume with those or use another --out.")
     run["feature_layers"] = list(feature_layers)
+    init_blocks = init.module.config.num_layers if init is not None else 1
+    num_blocks = int(run.get("layers") or args.layers or init_blocks)
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers must be at least 1, got {args.layers}")
+    if args.layers is not None and args.layers != num_blocks:
+        raise SystemExit(f"error: {out} was started with --layers {num_blocks}; resume with that or use another --out.")
+    if num_blocks < init_blocks:
+        raise SystemExit(f"error: --layers {num_blocks} is fewer than the {init_blocks} blocks of {args.init_from}; "
+                         "a head can grow, not shrink.")
+    run["layers"] = num_blocks
     width = len(feature_layers) * cfg_t.hidden_size
     if init is not None:
         head_ids = np.asarray(init.params["head_vocab_ids"], np.int32)
@@ -723,8 +740,9 @@ def main(argv=None) -> int:
 
     if init is not None:  # continue from an exported head (fresh optimizer and schedule)
         head0 = feature_head.with_feature_layers(feature_head.attach_embedding(init, target), feature_layers)
+        head0 = feature_head.with_num_layers(head0, num_blocks)
     else:
-        head0 = feature_head.init_from_target(target, jax.random.key(args.seed), head_ids)
+        head0 = feature_head.init_from_target(target, jax.random.key(args.seed), head_ids, num_layers=num_blocks)
         if args.balanced_fuse:
             head0 = balance_fuse(head0)
         head0 = feature_head.with_feature_layers(head0, feature_layers)

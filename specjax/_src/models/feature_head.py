@@ -376,6 +376,36 @@ def with_feature_layers(head: Model, feature_layers) -> Model:
     return head.replace(params=params, module=FeatureHead(cfg, feature_layers=layers))
 
 
+def with_num_layers(head: Model, num_layers: int) -> Model:
+    """The head with ``num_layers`` blocks, computing what it computed before.
+
+    New blocks go on top, copies of the head's last block with their output
+    projections (``attn/o``, ``mlp/down``) set to zero: each starts as the
+    identity on the residual stream, so the grown head drafts exactly as the
+    old one did, and training it only has to learn what a deeper head adds.
+    The zero projections get gradients at once (their inputs are not zero),
+    and the rest of each block follows after the first update.
+
+    Raises:
+      ValueError: ``num_layers`` is fewer than the head's blocks.
+    """
+    cfg = head.module.config
+    if num_layers < cfg.num_layers:
+        raise ValueError(f"with_num_layers: the head has {cfg.num_layers} blocks; it can grow, not shrink to "
+                         f"{num_layers}.")
+    if num_layers == cfg.num_layers:
+        return head
+    top = head.params[f"layer_{cfg.num_layers - 1}"]
+    params = dict(head.params)
+    for i in range(cfg.num_layers, num_layers):
+        block = jax.tree_util.tree_map(jnp.copy, top)
+        block["attn"]["o"] = {"kernel": jnp.zeros_like(top["attn"]["o"]["kernel"])}
+        block["mlp"]["down"] = {"kernel": jnp.zeros_like(top["mlp"]["down"]["kernel"])}
+        params[f"layer_{i}"] = block
+    module = FeatureHead(cfg.replace(num_layers=num_layers), feature_layers=head.module.feature_layers)
+    return head.replace(params=params, module=module)
+
+
 def _flat(params: Params) -> dict[str, np.ndarray]:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
