@@ -41,10 +41,14 @@ the context where its last MIN..MAX tokens occurred before, the drafter filling
 the other slots. Its drafting cost is still one draft forward per drafted slot.
 
 ``--hf``: transformers assisted generation (batch 1, the only batch it
-supports) with the same target (transformers' own GGUF loader) and draft
+supports) against specjax's lossless rule with the same target (transformers' own GGUF loader) and draft
 (our weights in a ``LlamaForCausalLM`` whose logits are ``-inf`` outside the
 draft's head vocabulary, as in specjax), ``num_assistant_tokens = K``,
 schedule constant, confidence threshold 0, same prompts, EOS and lengths.
+With ``--lookup`` too, transformers' prompt lookup decoding
+(``prompt_lookup_num_tokens = K``, ``max_matching_ngram_size = MAX``) against
+specjax's best drafter with the lookup (``eagle+lookup`` when the head runs):
+what a user of either library gets with the same target at batch 1.
 """
 
 from __future__ import annotations
@@ -297,49 +301,63 @@ def main(argv=None):
         torch.set_num_threads(args.torch_threads)
         hf_target, hf_draft = hf_models(draft, K)
         prompts = [specjax.encode_chat(target, t) for t in texts[:args.hf_prompts]]
+        best = next((d for d in ("eagle+lookup", f"{first}+lookup") if d in pairs), None)
         for temperature in args.temperatures:
-            def hf_call(ids, temperature=temperature):
-                kw = dict(max_new_tokens=N, assistant_model=hf_draft, do_sample=temperature > 0)
+            def hf_call(ids, assisted, temperature=temperature):
+                if assisted:
+                    kw = dict(assistant_model=hf_draft)
+                else:  # transformers' prompt lookup decoding
+                    kw = dict(prompt_lookup_num_tokens=K, max_matching_ngram_size=lookup.max_match)
+                kw.update(max_new_tokens=N, do_sample=temperature > 0)
                 if temperature > 0:
                     kw.update(temperature=temperature, top_k=None, top_p=None)
                 with torch.no_grad():
                     return hf_target.generate(torch.tensor([ids]), **kw)[0, len(ids):]
 
-            def ours(ids, i, temperature=temperature):
-                return specjax.decode(pair, [ids], rule=parse_rule(rule_specs[0]), num_draft=K, max_new_tokens=N,
-                                      temperature=temperature, eos_token_id=eos, key=jax.random.key(i))
+            def ours(ids, i, label, temperature=temperature):
+                return specjax.decode(pairs[label], [ids], rule=parse_rule(rule_specs[0]), num_draft=K,
+                                      max_new_tokens=N, temperature=temperature, eos_token_id=eos,
+                                      key=jax.random.key(i), lookup=lookups[label])
 
-            for i, p in enumerate(prompts):  # warm up both
-                hf_call(p)
-                jax.block_until_ready(ours(p, i).tokens)
-            t_hf, t_ours, n_hf, n_ours, same = [], [], 0, 0, 0
-            for _ in range(args.hf_rounds):
-                a = b = 0.0
-                for i, p in enumerate(prompts):
-                    out, dt = common.timed_once(lambda: hf_call(p))
-                    a += dt
-                    n_hf += len(out)
-                    o, dt = common.timed_once(lambda: _blocking(lambda: ours(p, i)))
-                    b += dt
-                    n_ours += int(o.lengths[0])
-                    if temperature == 0:
-                        ref = [t for t in out.tolist()]
-                        got = np.asarray(o.tokens)[0, :int(o.lengths[0])].tolist()
-                        same += int(ref[:len(got)] == got)
-                t_hf.append(a)
-                t_ours.append(b)
-            hf_tps = [n_hf / args.hf_rounds / t for t in t_hf]
-            our_tps = [n_ours / args.hf_rounds / t for t in t_ours]
-            ratios = [a / b for a, b in zip(our_tps, hf_tps)]
-            report.table(f"transformers assisted generation vs specjax, batch 1, T={temperature:g}, K={K}, "
-                         f"{args.torch_threads} torch threads",
-                         ["contender", "tok/s", "specjax / HF"],
-                         [["HF assisted", f"{common.median(hf_tps):.1f}", "-"],
-                          [f"specjax {rule_specs[0]}", f"{common.median(our_tps):.1f}", common.ratio_cell(ratios)]])
-            if temperature == 0:
-                report.text(f"greedy outputs identical (HF vs specjax, up to specjax's length): "
-                            f"{same}/{len(prompts) * args.hf_rounds}")
-            summary[f"hf_T{temperature:g}"] = {"ratio": common.median(ratios)}
+            # (HF contender, its call, specjax contender): the same target and draft first, as the issue
+            # asks; then, with --lookup, transformers' prompt lookup against specjax's best drafter + lookup
+            matchups = [("HF assisted (draft model)", True, "draft" if "draft" in pairs else first)]
+            if best is not None:
+                matchups.append((f"HF prompt lookup (num_tokens {K}, ngram <= {lookup.max_match})", False, best))
+            for hf_label, assisted, label in matchups:
+                for i, p in enumerate(prompts):  # warm up both
+                    hf_call(p, assisted)
+                    jax.block_until_ready(ours(p, i, label).tokens)
+                t_hf, t_ours, n_hf, n_ours, same = [], [], 0, 0, 0
+                for _ in range(args.hf_rounds):
+                    a = b = 0.0
+                    for i, p in enumerate(prompts):
+                        out, dt = common.timed_once(lambda: hf_call(p, assisted))
+                        a += dt
+                        n_hf += len(out)
+                        o, dt = common.timed_once(lambda: _blocking(lambda: ours(p, i, label)))
+                        b += dt
+                        n_ours += int(o.lengths[0])
+                        if temperature == 0:
+                            ref = [t for t in out.tolist()]
+                            got = np.asarray(o.tokens)[0, :int(o.lengths[0])].tolist()
+                            same += int(ref[:len(got)] == got)
+                    t_hf.append(a)
+                    t_ours.append(b)
+                hf_tps = [n_hf / args.hf_rounds / t for t in t_hf]
+                our_tps = [n_ours / args.hf_rounds / t for t in t_ours]
+                ratios = [a / b for a, b in zip(our_tps, hf_tps)]
+                report.table(f"transformers vs specjax, batch 1, T={temperature:g}, K={K}, "
+                             f"{args.torch_threads} torch threads",
+                             ["contender", "tok/s", "specjax / HF"],
+                             [[hf_label, f"{common.median(hf_tps):.1f}", "-"],
+                              [f"specjax {label}:{rule_specs[0]}", f"{common.median(our_tps):.1f}",
+                               common.ratio_cell(ratios)]])
+                if temperature == 0:
+                    report.text(f"greedy outputs identical (HF vs specjax, up to specjax's length): "
+                                f"{same}/{len(prompts) * args.hf_rounds}")
+                summary[f"hf_T{temperature:g}_{'assisted' if assisted else 'lookup'}"] = {
+                    "ratio": common.median(ratios), "specjax": label}
     report.text("summary: " + json.dumps(summary))
     report.write(args.markdown)
 
