@@ -19,9 +19,11 @@ def _free_compiled_programs():
     An xdist worker compiles hundreds of programs and grew past 6 GB here; in
     three of five full runs on 2026-11-24 a worker died of a segfault inside
     XLA's CPU compiler (each time in a different, unchanged test), and the run
-    then hung. Keeping workers small is a mitigation, not a diagnosis. Within a
-    module compiled programs stay cached, so "a second call compiles nothing"
-    still holds there.
+    then hung. That matches a known XLA CPU failure: a process that keeps
+    compiling new programs crashes in the JIT's code memory manager
+    (jax-ml/jax#27201, patrick-kidger/equinox#972), and freeing the compiled
+    programs is the workaround reported there. Within a module compiled
+    programs stay cached, so "a second call compiles nothing" still holds there.
     """
     yield
     import jax
