@@ -35,6 +35,7 @@ from specjax._src.rules.base import (
     token_prob,
     traced_field,
 )
+from specjax._src.rules.block import BlockVerification, block_verification
 from specjax._src.rules.combinators import AllOf, AnyOf, all_of, any_of
 from specjax._src.rules.common import entropy, js_distance, paths
 from specjax._src.rules.criteria import Criterion, additive, criterion, multiplicative, top_m, typical
@@ -65,6 +66,8 @@ __all__ = (
     # rules (factories, and the value types they return)
     "speculative_sampling",
     "SpeculativeSampling",
+    "block_verification",
+    "BlockVerification",
     "ears",
     "Ears",
     "mars",

@@ -95,6 +95,7 @@ def emitted(verdict, inputs, seed):
 
 ALL_RULES = {
     "sd": R.speculative_sampling(),
+    "block": R.block_verification(),
     "ears": R.ears(0.1),
     "mars": R.mars(0.9),
     "adasd": R.adasd(),
@@ -471,6 +472,8 @@ def test_parse_rule_strings():
     assert R.parse_rule(" typical : delta=0.5 ").spec == R.typical(delta=0.5).spec
     for alias in ("speculative_sampling", "sd", "lossless"):
         assert R.parse_rule(alias).spec == R.speculative_sampling().spec
+    for alias in ("block_verification", "block"):
+        assert R.parse_rule(alias).spec == R.block_verification().spec
     got = R.parse_rule("any_of(typical:eps=0.09,delta=0.3, mars:theta=0.8, sd)")
     assert got.spec == R.any_of(R.typical(), R.mars(0.8), R.speculative_sampling()).spec
     assert R.parse_rule("top_m:m=3").spec.get("m") == 3

@@ -57,6 +57,7 @@ SMOLLM2_EAGLE = "smollm2-135m-instruct-eagle"
 # Rules of the default comparison, as spec strings (the CLI's syntax).
 DEFAULT_RULES = (
     "speculative_sampling",
+    "block_verification",
     "ears:beta=0.1",
     "mars:theta=0.9",
     "adasd",

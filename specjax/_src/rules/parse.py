@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from specjax._src.rules.adasd import adasd
 from specjax._src.rules.base import AcceptanceRule, RuleSpec, speculative_sampling
+from specjax._src.rules.block import block_verification
 from specjax._src.rules.combinators import all_of, any_of
 from specjax._src.rules.criteria import additive, multiplicative, top_m, typical
 from specjax._src.rules.ears import ears
@@ -26,6 +27,7 @@ from specjax._src.rules.pad import pad_from_spec
 
 RULES: dict[str, Callable[..., AcceptanceRule]] = {
     "speculative_sampling": speculative_sampling,
+    "block_verification": block_verification,
     "ears": ears,
     "mars": mars,
     "adasd": adasd,
@@ -35,7 +37,7 @@ RULES: dict[str, Callable[..., AcceptanceRule]] = {
     "top_m": top_m,
     "pad": pad_from_spec,  # "pad:head=specjax/assets/pivot,sigma=0.7"
 }
-ALIASES = {"sd": "speculative_sampling", "lossless": "speculative_sampling"}
+ALIASES = {"sd": "speculative_sampling", "lossless": "speculative_sampling", "block": "block_verification"}
 COMBINATORS = {"any_of": any_of, "all_of": all_of}
 STRING_PARAMS = {"head", "variant"}  # values kept as text (a path, a name), not parsed as numbers
 
