@@ -15,7 +15,7 @@ import pytest
 
 import specjax
 from specjax import drafting
-from specjax.rules import speculative_sampling
+from specjax.rules import block_verification, speculative_sampling
 from specjax.testing import llama_config, peaked_target_and_draft
 from specjax.trees import static_tree
 from specjax._src.models import feature_head as fh
@@ -98,14 +98,15 @@ def test_greedy_with_lookup_is_target_greedy(pairs, drafter):
     assert int(np.sum(plain.stats.copied)) == 0 and "copied=" not in str(plain.stats)
 
 
-def test_lossless_sampling_with_copied_drafts_follows_the_target():
+@pytest.mark.parametrize("rule", [speculative_sampling(), block_verification()], ids=lambda r: r.name)
+def test_lossless_sampling_with_copied_drafts_follows_the_target(rule):
     vocab = 16
     target = peaked_target_and_draft(llama_config(vocab_size=vocab))[0]
     target = target.replace(params={**target.params, "lm_head": target.params["lm_head"] * 0.1})
     pair = specjax.pair(target, fh.init_from_target(target, jax.random.key(2), np.arange(12)))
     prompt, samples = [3, 5, 3], 40000  # [3] recurs: the first two drafts are the copies 5, 3
     counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, num_draft=3, key=jax.random.key(7),
-                                        rule=speculative_sampling(), lookup=drafting.ngram_lookup(1))
+                                        rule=rule, lookup=drafting.ngram_lookup(1))
     pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(target, prompt, vocab))
     assert pvalue > 1e-3 and tv < 0.04, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
     assert int(np.sum(stats.copied_accepted)) > samples // 20  # copied drafts were accepted
