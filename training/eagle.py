@@ -821,7 +821,10 @@ def main(argv=None) -> int:
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores (shared)",
         "final_loss": float(meta.get("last_loss", float("nan"))),
         "heldout": res, "heldout_init": res0, "balanced_fuse": bool(meta.get("balanced_fuse", args.balanced_fuse)),
-        "init_note": f"continued from {args.init_from}" if args.init_from else None,
+        "init_note": (f"continued from {args.init_from}" + (
+            f", grown from {init_blocks} to {num_blocks} blocks by `heads.with_num_layers` (each new block a copy "
+            "of the top one with zero output projections: the grown head starts as the old one)"
+            if num_blocks > init_blocks else "")) if args.init_from else None,
         "init_label": f"at the start of this run (--init-from {args.init_from})" if args.init_from
         else "initialised from the target (before training)", "heldout_new_tokens": args.eval_new_tokens, "evals": evals,
     }

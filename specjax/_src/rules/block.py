@@ -47,13 +47,12 @@ def block_weights(inputs: VerifyInputs) -> Array:
     return jnp.concatenate([jnp.ones((1,), jnp.float32), ws])
 
 
-def block_decision(inputs: VerifyInputs) -> tuple[Array, Array]:
-    """Block verification of one sampled block.
-
-    Returns ``(tau, residuals)``: the accepted length (int32 scalar, ``0..v``
-    for ``v`` valid slots) and ``[K, V]`` the normalised residual at each
-    prefix length, the correction when ``tau`` is that length.
-    """
+def stopping_probabilities(inputs: VerifyInputs) -> tuple[Array, Array]:
+    """``(h [K], residuals [K, V])``: the chance ``h_i`` that prefix length
+    ``i = 1..K`` is a stopping point (0 past the last valid slot), and the
+    normalised residual at each prefix length ``0..K-1``, the correction when
+    the accepted length is that one. With independent ``U_i``,
+    ``P(tau = t) = h_t prod_{i > t} (1 - h_i)``."""
     k = inputs.draft_tokens.shape[0]
     valid = inputs.valid.astype(bool)
     v = jnp.sum(jnp.cumprod(valid.astype(jnp.int32)))  # slots drafted (a leading run)
@@ -66,10 +65,23 @@ def block_decision(inputs: VerifyInputs) -> tuple[Array, Array]:
     denominator = mass + 1.0 - w
     # 0/0 only where w = 1 and nothing is owed: never a stopping point there.
     stop = jnp.where(denominator > 1e-12, mass / jnp.maximum(denominator, 1e-30), 0.0)
-    stops = (inputs.uniforms <= stop[1:]) & (positions[1:] <= v)  # [K] slot i + 1 is a stopping point
-    tau = jnp.max(jnp.where(stops, positions[1:], 0)).astype(jnp.int32)
+    stop = jnp.where(positions[1:] <= v, stop[1:], 0.0)
     total = mass[:k, None]
     correction = jnp.where(total > 1e-12, residual[:k] / jnp.maximum(total, 1e-30), inputs.target_probs[:k])
+    return stop, correction
+
+
+def block_decision(inputs: VerifyInputs) -> tuple[Array, Array]:
+    """Block verification of one sampled block.
+
+    Returns ``(tau, residuals)``: the accepted length (int32 scalar, ``0..v``
+    for ``v`` valid slots), the last prefix length whose ``U_i <= h_i``, and
+    ``[K, V]`` the correction at each prefix length
+    (:func:`stopping_probabilities`).
+    """
+    stop, correction = stopping_probabilities(inputs)
+    positions = jnp.arange(1, stop.shape[0] + 1)
+    tau = jnp.max(jnp.where((inputs.uniforms <= stop) & (stop > 0), positions, 0)).astype(jnp.int32)
     return tau, correction
 
 
