@@ -128,28 +128,39 @@ def test_the_law_check_catches_a_wrong_correction():
     assert err > 0.02, err
 
 
-def test_greedy_is_exact_match_and_a_one_draft_block_is_token_verification():
-    rng = np.random.default_rng(3)
-    v, k = 6, 4
-    logits_p, logits_q = rng.normal(size=(k + 1, v)), rng.normal(size=(k, v))
-    inputs = VerifyInputs(
-        draft_tokens=jnp.asarray(rng.integers(0, v, k), jnp.int32),
-        draft_logits=jnp.asarray(logits_q, jnp.float32),
-        draft_probs=jax.nn.softmax(jnp.asarray(logits_q, jnp.float32)),
-        target_logits=jnp.asarray(logits_p, jnp.float32),
-        target_probs=jax.nn.softmax(jnp.asarray(logits_p, jnp.float32)),
+def _random_inputs(seed, vocab, k, *, over_drafted=False, valid=None):
+    """One block of random target / draft logits: random draft tokens, or with
+    ``over_drafted`` each slot's most over-drafted token (p < q: not always accepted)."""
+    rng = np.random.default_rng(seed)
+    logits_p = jnp.asarray(rng.normal(size=(k + 1, vocab)), jnp.float32)
+    logits_q = jnp.asarray(rng.normal(size=(k, vocab)), jnp.float32)
+    if over_drafted:
+        tokens = jnp.argmax(jax.nn.softmax(logits_q) - jax.nn.softmax(logits_p[:k]), -1)
+    else:
+        tokens = jnp.asarray(rng.integers(0, vocab, k))
+    return VerifyInputs(
+        draft_tokens=tokens.astype(jnp.int32), draft_logits=logits_q, draft_probs=jax.nn.softmax(logits_q),
+        target_logits=logits_p, target_probs=jax.nn.softmax(logits_p),
         uniforms=jnp.asarray(rng.random(k), jnp.float32),
-        valid=jnp.ones((k,), bool),
-        features={},
+        valid=jnp.ones((k,), bool) if valid is None else jnp.asarray(valid), features={},
     )
+
+
+def _first_slots(inputs, n):
+    """The block cut to its first ``n`` draft slots (and the ``n + 1`` target rows)."""
+    return inputs._replace(draft_tokens=inputs.draft_tokens[:n], draft_logits=inputs.draft_logits[:n],
+                           draft_probs=inputs.draft_probs[:n], target_logits=inputs.target_logits[:n + 1],
+                           target_probs=inputs.target_probs[:n + 1], uniforms=inputs.uniforms[:n],
+                           valid=inputs.valid[:n])
+
+
+def test_greedy_is_exact_match_and_a_one_draft_block_is_token_verification():
+    inputs = _random_inputs(3, 6, 4)
     got = block_verification().verify(inputs, (), greedy=True)
     want, correction = lossless_decision(inputs, greedy=True)
     np.testing.assert_array_equal(np.asarray(got.accept), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(got.correction), np.asarray(correction))
-    one = inputs._replace(draft_tokens=inputs.draft_tokens[:1], draft_logits=inputs.draft_logits[:1],
-                          draft_probs=inputs.draft_probs[:1], target_logits=inputs.target_logits[:2],
-                          target_probs=inputs.target_probs[:2], uniforms=inputs.uniforms[:1],
-                          valid=inputs.valid[:1])
+    one = _first_slots(inputs, 1)
     for u in np.linspace(0.01, 0.99, 25):
         a = block_verification().verify(one._replace(uniforms=jnp.asarray([u], jnp.float32)), (), greedy=False)
         b = speculative_sampling().verify(one._replace(uniforms=jnp.asarray([u], jnp.float32)), (), greedy=False)
@@ -160,29 +171,15 @@ def test_greedy_is_exact_match_and_a_one_draft_block_is_token_verification():
 def test_slots_the_drafting_policy_left_empty_are_never_accepted():
     """With v < K valid slots the block ends at v: the last valid slot is judged
     with nothing drafted after it, and empty slots are never accepted."""
-    rng = np.random.default_rng(4)
-    v, k = 5, 4
-    logits_p, logits_q = rng.normal(size=(k + 1, v)), rng.normal(size=(k, v))
-    over = jax.nn.softmax(jnp.asarray(logits_q)) - jax.nn.softmax(jnp.asarray(logits_p[:k]))
-    inputs = VerifyInputs(
-        draft_tokens=jnp.argmax(over, -1).astype(jnp.int32),  # p < q: not always accepted
-        draft_logits=jnp.asarray(logits_q, jnp.float32),
-        draft_probs=jax.nn.softmax(jnp.asarray(logits_q, jnp.float32)),
-        target_logits=jnp.asarray(logits_p, jnp.float32),
-        target_probs=jax.nn.softmax(jnp.asarray(logits_p, jnp.float32)),
-        uniforms=jnp.zeros((k,), jnp.float32),
-        valid=jnp.asarray([True, True, False, False]),
-        features={},
-    )
+    k = 4
+    inputs = _random_inputs(4, 5, k, over_drafted=True, valid=[True, True, False, False])
     u = jnp.asarray(np.random.default_rng(5).random((2000, k)), jnp.float32)
     verdicts = jax.vmap(lambda u: block_verification().verify(inputs._replace(uniforms=u), (), greedy=False))(u)
     accept = np.asarray(verdicts.accept)
     assert not accept[:, 2:].any()
     assert accept[:, 1].any() and (~accept[:, 1]).any()
     # the same as a two-slot block
-    two = inputs._replace(draft_tokens=inputs.draft_tokens[:2], draft_logits=inputs.draft_logits[:2],
-                          draft_probs=inputs.draft_probs[:2], target_logits=inputs.target_logits[:3],
-                          target_probs=inputs.target_probs[:3], valid=inputs.valid[:2])
+    two = _first_slots(inputs, 2)
     short = jax.vmap(lambda u: block_verification().verify(two._replace(uniforms=u), (), greedy=False))(u[:, :2])
     np.testing.assert_array_equal(accept[:, :2], np.asarray(short.accept))
 

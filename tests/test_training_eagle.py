@@ -327,3 +327,6 @@ def test_layers_on_the_command_line(tiny, tmp_path):
         eagle.main(_args(target_path, data, tmp_path / "b", "--layers", "3"))
     with pytest.raises(SystemExit, match="grow, not shrink"):
         eagle.main(_args(target_path, data, tmp_path / "c", "--init-from", str(two), "--layers", "1"))
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit):
+            eagle.build_parser().parse_args(["--layers", bad])

@@ -628,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-from", default=None,
                    help="start from an exported head (its vocabulary and weights; a fresh AdamW and schedule), "
                         "e.g. to continue training on more shards in a later session")
-    g.add_argument("--layers", type=int, default=None,
+    g.add_argument("--layers", type=_block_count, default=None,
                    help="the head's decoder blocks (default: the --init-from head's, else 1); an --init-from head "
                         "with fewer grows new blocks on top that start as the identity (with_num_layers)")
     g.add_argument("--no-balanced-fuse", dest="balanced_fuse", action="store_false",
@@ -649,6 +649,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-new-tokens", type=int, default=128)
     g.add_argument("--eval-batch", type=int, default=32)
     return p
+
+
+def _block_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of decoder blocks, 1 or more; got {text!r}")
+    return n
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -696,8 +706,6 @@ def main(argv=None) -> int:
     run["feature_layers"] = list(feature_layers)
     init_blocks = init.module.config.num_layers if init is not None else 1
     num_blocks = int(run.get("layers") or args.layers or init_blocks)
-    if args.layers is not None and args.layers < 1:
-        parser.error(f"--layers must be at least 1, got {args.layers}")
     if args.layers is not None and args.layers != num_blocks:
         raise SystemExit(f"error: {out} was started with --layers {num_blocks}; resume with that or use another --out.")
     if num_blocks < init_blocks:
