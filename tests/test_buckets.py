@@ -178,3 +178,32 @@ def test_a_new_eos_set_or_pad_id_compiles_nothing():
         toks, lens = np.asarray(res.tokens), np.asarray(res.lengths)
         assert lens[0] <= 4 and toks[0, lens[0] - 1] == eos  # stopped at the new EOS
         assert (toks[0, lens[0]:] == -7).all()  # and padded with the new id
+
+
+@pytest.mark.parametrize("width", [64, 56])  # 56: three full blocks and an 8-token tail
+def test_the_prefill_skips_the_buckets_padding_and_changes_nothing_it_keeps(width):
+    """Blocks wholly past every sequence's kept prefix are not run: their cache
+    rows stay zero, while the kept rows and features equal a prefill that runs
+    every block."""
+    from specjax._src.loop_ops import PREFILL_BLOCK, _prefill
+
+    target, _ = peaked_target_and_draft(llama_config(max_position_embeddings=256))
+    prompts = jax.numpy.asarray(np.random.default_rng(3).integers(0, VOCAB, size=(2, width)), jax.numpy.int32)
+    keep = jax.numpy.asarray([5, 20], jax.numpy.int32)  # two of the blocks hold a kept position
+    run = lambda k: _prefill(target.module, target.params, prompts, k, 128, hidden_layers=(0, 1))  # noqa: E731
+    cache, hidden = run(keep)
+    full_cache, full_hidden = run(jax.numpy.full((2,), width, jax.numpy.int32))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [5, 20])
+    for b, n in enumerate([5, 20]):
+        for mine, ref in zip(cache.keys + cache.values, full_cache.keys + full_cache.values):
+            np.testing.assert_array_equal(np.asarray(mine[b, :, :n]), np.asarray(ref[b, :, :n]))
+            assert np.abs(np.asarray(ref[b, :, 2 * PREFILL_BLOCK:width])).max() > 0
+            assert not np.asarray(mine[b, :, 2 * PREFILL_BLOCK:]).any(), "a block past every kept position ran"
+        np.testing.assert_array_equal(np.asarray(hidden[b, :n]), np.asarray(full_hidden[b, :n]))
+    assert hidden.shape == full_hidden.shape == (2, width, 2 * 32)
+    # A kept position in the tail runs every block and the tail.
+    tail_keep = jax.numpy.asarray([width - 1, 3], jax.numpy.int32)
+    tail_cache, tail_hidden = run(tail_keep)
+    np.testing.assert_array_equal(np.asarray(tail_hidden[0]), np.asarray(full_hidden[0]))
+    np.testing.assert_array_equal(np.asarray(tail_cache.keys[0][0, :, : width - 1]),
+                                  np.asarray(full_cache.keys[0][0, :, : width - 1]))

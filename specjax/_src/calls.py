@@ -352,9 +352,11 @@ class Buckets(NamedTuple):
 
     Powers of two keep the count logarithmic (widths 3..90 with
     ``max_new_tokens <= 16``: four programs per batch bucket) for at most twice
-    the prefill work and cache length. Measured on the embedded pair against
-    the unbucketed engine in one run (CPU, float32, 24-token prompts, K=4,
-    calls of 6-75 ms): 0-6% slower when ``max_new_tokens`` is a bucket (64);
+    the cache length; the prefill skips the width's padding blocks, so its
+    work follows the batch's longest prompt (rounded up to 16 tokens).
+    Measured on the embedded pair against the unbucketed engine in one run
+    (CPU, float32, 24-token prompts, K=4, calls of 6-75 ms; before the prefill
+    skipped padding): 0-6% slower when ``max_new_tokens`` is a bucket (64);
     15-30% when it is not (40 -> 64: a 1.5x longer cache to attend over, and
     about 1 ms to cut the output on the host). A server with one fixed
     ``max_new_tokens`` should pass ``Buckets(new_tokens=max_new_tokens)``: the

@@ -72,13 +72,18 @@ def _prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, 
              features: Array | None = None) -> KVCache | tuple[KVCache, Array]:
     """Runs ``prompts[B, P]`` into a fresh cache, then keeps ``keep[B]`` entries.
 
-    Full blocks of ``PREFILL_BLOCK`` tokens go through one ``scan`` (one
-    forward compiled); a shorter tail (``buckets=None`` or a width shrunk to a
-    position limit) through one more forward.
+    Blocks of ``PREFILL_BLOCK`` tokens run one at a time through one compiled
+    forward (a shorter tail, where the width was shrunk to a position limit,
+    through one more), and only as many as hold a kept position: the blocks
+    of the bucket's padding past ``max(keep)`` are skipped, so the prefill's
+    work follows the longest prompt, not its width bucket. Nothing past
+    ``keep`` is read (the cache masks it, the callers read features below it),
+    and every block that runs has the same shape, so skipping changes no
+    sequence's numbers.
 
     Returns the cache, or ``(cache, hidden [B, P, n * H])`` with n
     ``hidden_layers`` (those blocks' outputs at every prompt position,
-    concatenated: a feature head's input).
+    concatenated: a feature head's input; zeros where a block was skipped).
     A feature head reads ``features [B, P, H]`` alongside the tokens.
     """
     batch, width = prompts.shape
@@ -90,20 +95,42 @@ def _prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, 
         out = module.apply(params, block, c, hidden_layers=layers, **extra)
         return out.cache, (jnp.concatenate(out.hidden, axis=-1) if layers else None)
 
+    def skip(c, block, feats):  # what ``run`` returns, without running: the cache as it was, zero features
+        if not layers:
+            return c, None
+        shape = jax.eval_shape(run, c, block, feats)[1]
+        return c, jnp.zeros(shape.shape, shape.dtype)
+
     def split(x, full):  # [B, full * PB, ...] -> [full, B, PB, ...]
         x = x[:, : full * PREFILL_BLOCK]
         return x.reshape((batch, full, PREFILL_BLOCK) + x.shape[2:]).swapaxes(0, 1)
 
+    def block(xs, i):
+        return tuple(None if x is None else x[i] for x in xs)
+
     full, tail = divmod(width, PREFILL_BLOCK)
+    longest = jnp.max(keep)
     hidden = []
     if full:
         xs = (split(prompts, full), None if features is None else split(features, full))
-        cache, h = jax.lax.scan(lambda c, x: run(c, *x), cache, xs)
+        _, h = skip(cache, *block(xs, 0))
+        h_all = None if h is None else jnp.zeros((full,) + h.shape, h.dtype)
+
+        def body(i, carry):
+            c, h_all = carry
+            c, h = run(c, *block(xs, i))
+            return c, (None if h_all is None else h_all.at[i].set(h))
+
+        needed = jnp.minimum((longest + PREFILL_BLOCK - 1) // PREFILL_BLOCK, full)
+        cache, h_all = jax.lax.fori_loop(0, needed, body, (cache, h_all))
         if layers:
-            hidden.append(h.swapaxes(0, 1).reshape(batch, full * PREFILL_BLOCK, -1))
+            hidden.append(h_all.swapaxes(0, 1).reshape(batch, full * PREFILL_BLOCK, -1))
     if tail:
         rest = full * PREFILL_BLOCK
-        cache, h = run(cache, prompts[:, rest:], None if features is None else features[:, rest:])
+        args = (cache, prompts[:, rest:], None if features is None else features[:, rest:])
+        # Only where a kept position lies in the tail; skipping it leaves the cache's lengths short of
+        # ``rest``, which the rollback below makes moot (every kept entry was written).
+        cache, h = jax.lax.cond(longest > rest, run, skip, *args)
         if layers:
             hidden.append(h)
     cache = cache.rollback(keep)
