@@ -98,14 +98,17 @@ def test_greedy_with_lookup_is_target_greedy(pairs, drafter):
     assert int(np.sum(plain.stats.copied)) == 0 and "copied=" not in str(plain.stats)
 
 
-@pytest.mark.parametrize("rule", [speculative_sampling(), block_verification()], ids=lambda r: r.name)
-def test_lossless_sampling_with_copied_drafts_follows_the_target(rule):
+@pytest.mark.parametrize("rule,num_draft", [(speculative_sampling(), 3), (block_verification(), 3),
+                                             (speculative_sampling(), 2)], ids=["ss", "block", "ss-all-copied"])
+def test_lossless_sampling_with_copied_drafts_follows_the_target(rule, num_draft):
+    """K=3: two copies, then the head's own draft; K=2: both slots are copies
+    and the head runs no forward after its first."""
     vocab = 16
     target = peaked_target_and_draft(llama_config(vocab_size=vocab))[0]
     target = target.replace(params={**target.params, "lm_head": target.params["lm_head"] * 0.1})
     pair = specjax.pair(target, fh.init_from_target(target, jax.random.key(2), np.arange(12)))
     prompt, samples = [3, 5, 3], 40000  # [3] recurs: the first two drafts are the copies 5, 3
-    counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, num_draft=3, key=jax.random.key(7),
+    counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, num_draft=num_draft, key=jax.random.key(7),
                                         rule=rule, lookup=drafting.ngram_lookup(1))
     pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(target, prompt, vocab))
     assert pvalue > 1e-3 and tv < 0.04, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
@@ -114,6 +117,30 @@ def test_lossless_sampling_with_copied_drafts_follows_the_target(rule):
     other = [7, 5, 7]  # the same statistic rejects another context's law: it can fail
     pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(target, other, vocab))
     assert pvalue < 1e-6 and tv > 0.04
+
+
+@pytest.mark.parametrize("drafter", ["draft model", "feature head"])
+def test_a_head_skips_the_forwards_of_copied_slots(pairs, drafter):
+    """Once every remaining slot is a copy, no slot reads the head's next
+    forwards: a head skips them (its cache is rewritten from the target's
+    features next cycle), a draft model runs them (its cache keeps them).
+    Batch 1, so each sequence's own copies decide; the tokens stay the
+    target's greedy ones."""
+    pair, k = pairs[drafter], 4
+    kw = dict(max_new_tokens=24, temperature=0.0, eos_token_id=5)
+    skipped = 0
+    for prompt in _repetitive_prompts(4, 6, 96):
+        out = specjax.decode(pair, [prompt], num_draft=k, lookup=drafting.ngram_lookup(2), **kw)
+        ref = specjax.generate(pair.target, [prompt], **kw)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+        s = out.stats
+        ran, full = int(s.draft_forwards), int(np.max(s.cycles)) * k
+        if drafter == "draft model":
+            assert ran == full
+        skipped += full - ran
+        assert ran <= full
+    if drafter == "feature head":
+        assert skipped > 0
 
 
 def test_bad_lookup_arguments_get_clear_errors(pairs):

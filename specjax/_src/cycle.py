@@ -191,8 +191,11 @@ def _draft(
     where its ``proceed`` says stop, one draft forward per token (the first is
     :func:`_first_draft_logits`). With ``cfg.lookup``, a slot that the context
     lookup fills (:func:`specjax._src.lookup.lookup_drafts`) takes the copied
-    token instead, and the draft reads it for the next slot. Returns the drafts
-    and the draft cache after them (rolled back by :func:`_commit`)."""
+    token instead, and the draft reads it for the next slot; with a feature
+    head, once every active sequence's remaining slots are copies, the
+    forwards stop (no slot reads them, and the head's cache is rewritten
+    from the target's features next cycle). Returns the drafts and the draft
+    cache after them (rolled back by :func:`_commit`)."""
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab, k_max = pair_params.vocab_size, cfg.num_draft
     batch = state.num_committed.shape[0]
@@ -210,10 +213,19 @@ def _draft(
         _draft_slot, cfg, policy, state.policy_state, budget, draft_uniforms, temperature, top_p, copied
     )
     active, bufs = slot(0, raw0, ~state.done, _no_drafts(batch, k_max, vocab))
+    # copied_rest[b, j]: slots j.. are all copies, so no head forward from slot j on is read. (A head's
+    # cache is rewritten from the target's features next cycle; a draft model keeps the entries these
+    # forwards write, so it runs them all.)
+    copied_rest = None
+    if copied is not None and is_feature_head(module):
+        copied_rest = jnp.flip(jnp.cumprod(jnp.flip(copied[1], 1), 1), 1).astype(bool)
 
     def cond(carry):
         j, active, *_ = carry
-        return (j < k_max) & active.any()
+        if copied_rest is None:
+            return (j < k_max) & active.any()
+        rest = jax.lax.dynamic_index_in_dim(copied_rest, jnp.minimum(j, k_max - 1), axis=1, keepdims=False)
+        return (j < k_max) & (active & ~rest).any()
 
     def body(carry):
         j, active, cache, feature, bufs = carry
@@ -227,7 +239,15 @@ def _draft(
         new_cache = out.cache if cfg.layout is None else cfg.layout.constrain_cache(out.cache, "draft")
         return j + 1, active, new_cache, feature, bufs._replace(forwards=bufs.forwards + 1)
 
-    _, _, cache, _, bufs = jax.lax.while_loop(cond, body, (jnp.int32(1), active, cache, feature, bufs))
+    j, active, cache, _, bufs = jax.lax.while_loop(cond, body, (jnp.int32(1), active, cache, feature, bufs))
+    if copied_rest is not None:  # every active sequence copies the rest: fill those slots without forwards
+        no_logits = jnp.zeros((batch, vocab), jnp.float32)
+
+        def copy_slot(carry):
+            j, active, bufs = carry
+            return (j + 1,) + slot(j, no_logits, active, bufs)
+
+        _, _, bufs = jax.lax.while_loop(lambda c: (c[0] < k_max) & c[1].any(), copy_slot, (j, active, bufs))
     return bufs, cache
 
 
