@@ -13,7 +13,8 @@ target's blocks (``feature_layers``, e.g. a low, a middle and the last, as
 EAGLE-3, arXiv:2503.01840, does), mixed by a learned ``reduce``;
 :func:`with_feature_layers` grows a trained one-block head into such a head
 without changing what it drafts, and :func:`with_num_layers` stacks more
-blocks on a trained head the same way. Every acceptance rule and drafting policy
+blocks on a trained head the same way; :func:`with_head_vocab` narrows its
+LM head to fewer (the most frequent) tokens, for a cheaper step. Every acceptance rule and drafting policy
 works with it, on chains and trees. ``python -m training.eagle`` trains one
 for a target.
 """
@@ -27,6 +28,7 @@ from specjax._src.models.feature_head import (
     load_head,
     save_head,
     with_feature_layers,
+    with_head_vocab,
     with_num_layers,
 )
 
@@ -39,5 +41,6 @@ __all__ = (
     "load_head",
     "save_head",
     "with_feature_layers",
+    "with_head_vocab",
     "with_num_layers",
 )

@@ -341,3 +341,32 @@ def test_pair_refuses_a_head_reading_a_block_the_target_lacks(target, head):
     far = head.replace(module=fh.FeatureHead(head.module.config, feature_layers=(5, -1)))
     with pytest.raises(ValueError, match=r"block\(s\) \[5\]"):
         specjax.pair(target, far)
+
+
+def test_narrowing_a_heads_vocabulary_keeps_its_logits_on_the_ids_it_keeps(target, head, head_pair):
+    """with_head_vocab: the kept ids score as before, the dropped ones as tokens
+    outside the vocabulary always did; decoding with the narrow head stays
+    lossless; ids it lacks get a clear error."""
+    keep = np.arange(0, 80, 2)[::-1]  # any order: stored sorted
+    narrow = fh.with_head_vocab(head, keep)
+    assert narrow.module.config.head_vocab_size == 40 and narrow.params["lm_head"].shape == (32, 40)
+    np.testing.assert_array_equal(np.asarray(narrow.params["head_vocab_ids"]), np.sort(keep))
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 96, (2, 7)), jnp.int32)
+    features = target.module.apply(target.params, tokens, hidden_layers=(-1,)).hidden[0]
+    wide = np.asarray(head.module.apply(head.params, tokens, features=features).logits)
+    thin = np.asarray(narrow.module.apply(narrow.params, tokens, features=features).logits)
+    np.testing.assert_array_equal(thin[..., keep], wide[..., keep])
+    dropped = np.setdiff1d(np.arange(80), keep)
+    np.testing.assert_array_equal(thin[..., dropped], np.broadcast_to(wide[..., 90:91], thin[..., dropped].shape))
+    assert np.all(thin[..., dropped] < wide[..., keep].min())
+    prompts = random_prompts(33, 6, 96, 12)
+    kw = dict(max_new_tokens=16, temperature=0.0)
+    ref = specjax.generate(target, prompts, **kw)
+    out = specjax.decode(specjax.pair(target, narrow), prompts, num_draft=3, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    with pytest.raises(ValueError, match="not in the head's vocabulary"):
+        fh.with_head_vocab(head, [1, 2, 85])
+    with pytest.raises(ValueError, match="repeat"):
+        fh.with_head_vocab(head, [1, 2, 2])
+    with pytest.raises(ValueError, match="non-empty"):
+        fh.with_head_vocab(head, [])

@@ -330,3 +330,33 @@ def test_layers_on_the_command_line(tiny, tmp_path):
     for bad in ("0", "-2", "two"):
         with pytest.raises(SystemExit):
             eagle.build_parser().parse_args(["--layers", bad])
+
+
+def test_head_vocab_narrows_an_init_from_head_to_its_most_used_ids(tiny, tmp_path):
+    """--init-from with a smaller --head-vocab keeps the ids the shards use most
+    (heads.with_head_vocab), says so in the card, and the run remembers them."""
+    target_path, data = tiny
+    wide, narrow = tmp_path / "wide", tmp_path / "narrow"
+    assert eagle.main(_args(target_path, data, tmp_path / "a", "--steps", "2", "--export", str(wide))) == 0
+    args = _args(target_path, data, tmp_path / "b", "--init-from", str(wide), "--export", str(narrow))
+    args[args.index("--head-vocab") + 1], args[args.index("--steps") + 1] = "24", "0"  # narrowed, untrained
+    assert eagle.main(args) == 0
+    old = np.asarray(specjax.load(wide).params["head_vocab_ids"])
+    new = np.asarray(specjax.load(narrow).params["head_vocab_ids"])
+    cols = np.searchsorted(old, new)
+    np.testing.assert_array_equal(np.asarray(specjax.load(narrow).params["lm_head"]),
+                                  np.asarray(specjax.load(wide).params["lm_head"])[:, cols])
+    shards = distill_data.load_shards(data)
+    vocab = specjax.load(target_path).vocab_size
+    np.testing.assert_array_equal(new, draft.head_vocabulary(shards, 24, vocab, (2,), among=old))
+    assert new.size == 24 and np.isin(new, old).all() and 2 in new
+    counts = np.bincount(shards["top_ids"][..., 0].ravel(), minlength=vocab)
+    assert counts[new].sum() > counts[np.setdiff1d(old, new)].sum()  # the kept ids are the frequent ones
+    assert "narrowed from 48 to the 24 ids" in (narrow / "MODEL_CARD.md").read_text()
+    run = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert run["head_vocab_ids"] == new.tolist()
+    for flag, bad in (("--head-vocab", "1"), ("--head-vocab", "many"), ("--steps", "-1")):
+        with pytest.raises(SystemExit):
+            eagle.build_parser().parse_args([flag, bad])
+    with pytest.raises(SystemExit, match="nothing to export"):
+        eagle.main(_args(target_path, data, tmp_path / "c", "--steps", "0"))

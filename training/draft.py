@@ -75,17 +75,25 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 # outside it), ``teacher_logp [N, S, k]``.
 Rows = dict
 
-def head_vocabulary(shards: dict, size: int, vocab_size: int, always: tuple[int, ...]) -> np.ndarray:
+def head_vocabulary(shards: dict, size: int, vocab_size: int, always: tuple[int, ...],
+                    among: np.ndarray | None = None) -> np.ndarray:
     """The ``size`` token ids the target writes or predicts first most often
     (answer tokens plus its top-1 predictions), with ``always`` (EOS) first;
-    sorted by id."""
+    only ids in ``among`` when given (narrowing a trained head); sorted by id."""
     width = shards["tokens"].shape[1]
     new = shards["top_ids"].shape[1]
     valid = np.arange(new)[None, :] < shards["answer_lengths"][:, None]
     answers = shards["tokens"][:, width - new:][valid]
     counts = np.bincount(answers, minlength=vocab_size) + np.bincount(
         shards["top_ids"][..., 0][valid], minlength=vocab_size)
+    if among is not None:
+        allowed = np.zeros(vocab_size, bool)
+        allowed[np.asarray(among)] = True
+        counts = np.where(allowed, counts, -1)
+        always = tuple(t for t in always if allowed[t])
     ranked = np.argsort(-counts, kind="stable")
+    if among is not None:
+        ranked = ranked[: int(allowed.sum())]
     chosen = list(dict.fromkeys([int(t) for t in always] + ranked.tolist()))[:size]
     return np.sort(np.asarray(chosen, np.int32))
 

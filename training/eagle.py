@@ -56,6 +56,7 @@ import platform
 import shutil
 import sys
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -595,6 +596,38 @@ Training log in `train_log.json`.
     path.write_text(text)
 
 
+def write_derived_card(path: pathlib.Path, s: dict, source_card: Optional[str]) -> None:
+    """The card of an untrained export (``--steps 0``): what was done to the
+    ``--init-from`` head, both heads' held-out agreement, then the source
+    head's own card (how it was trained), one heading level down."""
+    ev, ev0 = s["heldout"], s["heldout_source"]
+    row = lambda label, e: (f"| {label} | {e['step1']:.3f} | {e['step2']:.3f} | {e['step3']:.3f} | "  # noqa: E731
+                            f"{e['chain3']:.3f} | {e['expected_accepted']:.2f} | {e['overlap1']:.3f} / {e['overlap3']:.3f} |")
+    source = ""
+    if source_card:
+        demoted = "\n".join("#" + line if line.startswith("#") else line for line in source_card.splitlines())
+        source = f"\n## The head it comes from: its own card\n\n{demoted}\n"
+    text = f"""# {s['name']}: an EAGLE-style feature head for {s['target']}
+
+{s['init_note'][0].upper() + s['init_note'][1:]}; not trained further. The LM head
+scores {s['config']['head_vocab_size']:,} tokens ({100 * s['head_coverage']:.2f}% of the target's top-1 tokens on the
+training shards), {s['params']:,} parameters ({s['bytes']:,} bytes of bfloat16 safetensors) without the
+embedding it borrows from the target.
+
+Command: `{s['command']}`
+
+Offline top-1 agreement with the target on {ev['rows']} held-out chat prompts ({ev['answer_positions']:,} answer
+positions; step 1 reads the target's feature, steps 2 and 3 the head's own; float32 evaluation of the exported
+bfloat16 weights):
+
+| | step 1 | step 2 | step 3 | chain 3 | expected accepted of 3 | T=1 overlap, step 1 / 3 |
+|---|---|---|---|---|---|---|
+{row(f"the head it comes from ({s['init_from']})", ev0)}
+{row("**this head**", ev)}
+{source}"""
+    path.write_text(text)
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -614,12 +647,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-vocab-from", default=DEFAULT_VOCAB_FROM,
                    help="take head_vocab_ids from this exported draft ('' : rank the shards' tokens) "
                         "(default: %(default)s)")
-    p.add_argument("--head-vocab", type=int, default=8192, help="head size when ranking the shards' tokens")
+    p.add_argument("--head-vocab", type=_vocab_size, default=None,
+                   help="head vocabulary size: when ranking the shards' tokens (default 8192), or, with --init-from, "
+                        "narrow that head to its N ids the shards use most (heads.with_head_vocab: a cheaper step)")
     p.add_argument("--feature-layers", type=_layers, default=None,
                    help="target blocks the head reads, comma-separated, e.g. 2,15,-1 (EAGLE-3's low, middle and "
                         "high); must include -1. Default: the --init-from head's, else -1 (the last block)")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=600)
+    g.add_argument("--steps", type=_step_count, default=600,
+                   help="optimizer steps (default: %(default)s); 0 exports the --init-from head as grown or narrowed, "
+                        "untrained")
     g.add_argument("--batch", type=int, default=8)
     g.add_argument("--lr", type=float, default=5e-4)
     g.add_argument("--seed", type=int, default=0)
@@ -658,6 +695,26 @@ def _block_count(text: str) -> int:
         n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a number of decoder blocks, 1 or more; got {text!r}")
+    return n
+
+
+def _step_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of steps, 0 or more; got {text!r}")
+    return n
+
+
+def _vocab_size(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"expected a head vocabulary size, 2 or more; got {text!r}")
     return n
 
 
@@ -713,15 +770,18 @@ def main(argv=None) -> int:
                          "a head can grow, not shrink.")
     run["layers"] = num_blocks
     width = len(feature_layers) * cfg_t.hidden_size
-    if init is not None:
-        head_ids = np.asarray(init.params["head_vocab_ids"], np.int32)
-    elif "head_vocab_ids" in run:
+    if "head_vocab_ids" in run:
         head_ids = np.asarray(run["head_vocab_ids"], np.int32)
+    elif init is not None:
+        head_ids = np.asarray(init.params["head_vocab_ids"], np.int32)
+        if args.head_vocab is not None and args.head_vocab < head_ids.size:  # narrow it to its most frequent ids
+            head_ids = draft.head_vocabulary(distill_data.load_shards(args.data, limit=num_shards), args.head_vocab,
+                                             cfg_t.vocab_size, tuple(cfg_t.eos_token_ids), among=head_ids)
     elif args.head_vocab_from:
         head_ids = np.asarray(specjax.load(args.head_vocab_from).params["head_vocab_ids"], np.int32)
     else:
-        head_ids = draft.head_vocabulary(distill_data.load_shards(args.data, limit=num_shards), args.head_vocab,
-                                         cfg_t.vocab_size, tuple(cfg_t.eos_token_ids))
+        head_ids = draft.head_vocabulary(distill_data.load_shards(args.data, limit=num_shards),
+                                         args.head_vocab or 8192, cfg_t.vocab_size, tuple(cfg_t.eos_token_ids))
     run["head_vocab_ids"] = head_ids.tolist()
     meta_file.write_text(json.dumps(run))
 
@@ -749,6 +809,8 @@ def main(argv=None) -> int:
     if init is not None:  # continue from an exported head (fresh optimizer and schedule)
         head0 = feature_head.with_feature_layers(feature_head.attach_embedding(init, target), feature_layers)
         head0 = feature_head.with_num_layers(head0, num_blocks)
+        if head_ids.size < head0.module.config.head_vocab_size:
+            head0 = feature_head.with_head_vocab(head0, head_ids)
     else:
         head0 = feature_head.init_from_target(target, jax.random.key(args.seed), head_ids, num_layers=num_blocks)
         if args.balanced_fuse:
@@ -757,7 +819,10 @@ def main(argv=None) -> int:
     n_layers = len(feature_layers)
     cfg = head0.module.config
     trainable, frozen = split_params(head0.params)
-    optimizer = common.adamw(args.lr, args.steps, warmup_steps=min(50, args.steps // 10), weight_decay=0.01)
+    if args.steps == 0 and init is None:
+        raise SystemExit("error: --steps 0 exports an --init-from head untrained; without --init-from there is "
+                         "nothing to export.")
+    optimizer = common.adamw(args.lr, max(args.steps, 1), warmup_steps=min(50, args.steps // 10), weight_decay=0.01)
     loss_fn = make_loss(cfg, unroll=args.unroll, reg_weight=args.reg_weight, unroll_weight=args.unroll_weight,
                         num_feature_layers=n_layers, tv_weight=args.tv_weight)
     train_step = common.make_train_step(loss_fn, optimizer)
@@ -829,15 +894,29 @@ def main(argv=None) -> int:
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores (shared)",
         "final_loss": float(meta.get("last_loss", float("nan"))),
         "heldout": res, "heldout_init": res0, "balanced_fuse": bool(meta.get("balanced_fuse", args.balanced_fuse)),
-        "init_note": (f"continued from {args.init_from}" + (
+        "init_note": (f"{'made from' if args.steps == 0 else 'continued from'} {args.init_from}" + (
             f", grown from {init_blocks} to {num_blocks} blocks by `heads.with_num_layers` (each new block a copy "
             "of the top one with zero output projections: the grown head starts as the old one)"
-            if num_blocks > init_blocks else "")) if args.init_from else None,
+            if num_blocks > init_blocks else "") + (
+            f", its vocabulary narrowed from {init.module.config.head_vocab_size:,} to the {head_ids.size:,} ids the "
+            "training shards use most by `heads.with_head_vocab`"
+            if head_ids.size < init.module.config.head_vocab_size else "")) if args.init_from else None,
         "init_label": f"at the start of this run (--init-from {args.init_from})" if args.init_from
         else "initialised from the target (before training)", "heldout_new_tokens": args.eval_new_tokens, "evals": evals,
     }
     (export_dir / "train_log.json").write_text(json.dumps({"summary": summary, "evals": evals}, indent=1))
-    write_card(export_dir / "MODEL_CARD.md", summary)
+    if args.steps == 0:
+        source_rows = load_rows([held_shard], out / "heldout" / "features", np.asarray(init.params["head_vocab_ids"]),
+                                args.seq_len, cfg_t.vocab_size, width)
+        source = feature_head.with_feature_layers(feature_head.attach_embedding(init, target), feature_layers)
+        summary["heldout_source"] = agreement(source.module.config, source.params, source_rows,
+                                              num_feature_layers=n_layers)
+        summary["init_from"] = args.init_from
+        card = pathlib.Path(args.init_from) / "MODEL_CARD.md"
+        (export_dir / "train_log.json").write_text(json.dumps({"summary": summary, "evals": evals}, indent=1))
+        write_derived_card(export_dir / "MODEL_CARD.md", summary, card.read_text() if card.is_file() else None)
+    else:
+        write_card(export_dir / "MODEL_CARD.md", summary)
     log(f"[eagle] wrote {export_dir}")
     return 0
 

