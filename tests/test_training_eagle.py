@@ -355,6 +355,13 @@ def test_head_vocab_narrows_an_init_from_head_to_its_most_used_ids(tiny, tmp_pat
     assert "narrowed from 48 to the 24 ids" in (narrow / "MODEL_CARD.md").read_text()
     run = json.loads((tmp_path / "b" / "run.json").read_text())
     assert run["head_vocab_ids"] == new.tolist()
+    trained = tmp_path / "trained"  # narrowed, then trained: the usual card, saying where its ids came from
+    args = _args(target_path, data, tmp_path / "d", "--steps", "2", "--init-from", str(wide), "--export", str(trained))
+    args[args.index("--head-vocab") + 1] = "24"
+    assert eagle.main(args) == 0
+    card = (trained / "MODEL_CARD.md").read_text()
+    assert "24 tokens, the ones of its source head's vocabulary" in card and "narrowed from 48" in card
+    np.testing.assert_array_equal(np.asarray(specjax.load(trained).params["head_vocab_ids"]), new)
     for flag, bad in (("--head-vocab", "1"), ("--head-vocab", "many"), ("--steps", "-1")):
         with pytest.raises(SystemExit):
             eagle.build_parser().parse_args([flag, bad])

@@ -539,8 +539,7 @@ def write_card(path: pathlib.Path, s: dict) -> None:
     text = f"""# {s['name']}: an EAGLE-style feature head for {s['target']}
 
 A {_blocks_word(s['config']['num_layers'])}-block draft head that reads {_describe_layers(s.get('feature_layers', [-1]))} and the next token, predicts the next feature and, through a
-final norm and a reduced LM head ({s['config']['head_vocab_size']} tokens, the
-same vocabulary as `smollm2-draft`), the token after it
+final norm and a reduced LM head ({s['config']['head_vocab_size']} tokens, {s.get('vocab_source') or 'the same vocabulary as `smollm2-draft`'}), the token after it
 (`specjax/_src/models/feature_head.py`). It borrows the target's embedding
 table: the checkpoint stores only the head's own weights; pair it with the
 target (`specjax.pair(target, specjax.load(...))`).
@@ -688,34 +687,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _block_count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of decoder blocks, 1 or more; got {text!r}")
-    return n
+def _int_at_least(minimum: int, what: str):
+    """An argparse type: an int >= ``minimum``, else a message naming ``what``."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = minimum - 1
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, {minimum} or more; got {text!r}")
+        return n
+    return parse
 
 
-def _step_count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of steps, 0 or more; got {text!r}")
-    return n
-
-
-def _vocab_size(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"expected a head vocabulary size, 2 or more; got {text!r}")
-    return n
+_block_count = _int_at_least(1, "a number of decoder blocks")
+_step_count = _int_at_least(0, "a number of steps")
+_vocab_size = _int_at_least(2, "a head vocabulary size")
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -901,6 +888,8 @@ def main(argv=None) -> int:
             f", its vocabulary narrowed from {init.module.config.head_vocab_size:,} to the {head_ids.size:,} ids the "
             "training shards use most by `heads.with_head_vocab`"
             if head_ids.size < init.module.config.head_vocab_size else "")) if args.init_from else None,
+        "vocab_source": "the ones of its source head's vocabulary the training shards use most"
+        if init is not None and head_ids.size < init.module.config.head_vocab_size else None,
         "init_label": f"at the start of this run (--init-from {args.init_from})" if args.init_from
         else "initialised from the target (before training)", "heldout_new_tokens": args.eval_new_tokens, "evals": evals,
     }
