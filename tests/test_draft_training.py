@@ -103,6 +103,12 @@ def test_a_second_gather_pass_adds_shards_at_other_temperatures(tiny_chat_target
     assert [f.name for f in (tmp_path / "b").glob("shard_*.npz")] == ["shard_00002.npz"]
     with pytest.raises(ValueError, match="pass_index"):
         distill_data.gather(target, prompts, tmp_path / "c", pass_index=-1, **quiet)
+    # pass 3 would answer prompts 0 and 3 greedily again, as pass 0 did: it samples them near greedy
+    distill_data.gather(target, prompts, tmp_path / "d", pass_index=3, **quiet)
+    temps = distill_data.load_shards(tmp_path / "d")["temperatures"]
+    near = distill_data.NEAR_GREEDY_TEMPERATURE
+    np.testing.assert_allclose(temps, [near, cycle[1], cycle[2], near])
+    assert 0 < near < min(t for t in cycle if t > 0)
 
 
 def test_held_out_prompts_stay_out_of_training_in_every_gather_pass(tiny_chat_target, tmp_path):

@@ -11,8 +11,11 @@ gather continues where it stopped.
 More data from the same prompts: gather pass ``p`` gives prompt ``i`` the
 temperature ``TEMPERATURE_CYCLE[(i + p) % 3]`` and writes its shards after
 those of the earlier passes, with their own keys; passes 0, 1 and 2 together
-answer every prompt once greedily and twice sampled. Training reads every
-shard of the directory (or the first ``N``).
+answer every prompt once greedily and twice sampled. From pass 3 on, a greedy
+answer would repeat an earlier pass's token for token, so those prompts are
+sampled at ``NEAR_GREEDY_TEMPERATURE`` instead: text close to the greedy
+path that still departs from it. Training reads every shard of the directory
+(or the first ``N``).
 
 Shard contents (``N`` sequences, prompt width ``P``, ``L`` new tokens, top-``k``):
   ``tokens [N, P + L] int32``: the prompt right-padded to ``P``, then the answer.
@@ -38,6 +41,14 @@ from specjax._src.chat import encode_chat
 
 # Greedy rows teach the T=0 path, sampled rows the T=1 one and variety.
 TEMPERATURE_CYCLE = (0.0, 0.7, 1.0)
+# A greedy answer is the same in every pass; passes past the first cycle sample these rows at this instead.
+NEAR_GREEDY_TEMPERATURE = 0.3
+
+
+def pass_temperature(prompt_index: int, pass_index: int) -> float:
+    """The temperature gather pass ``pass_index`` answers prompt ``prompt_index`` at."""
+    t = TEMPERATURE_CYCLE[(prompt_index + pass_index) % len(TEMPERATURE_CYCLE)]
+    return NEAR_GREEDY_TEMPERATURE if t == 0.0 and pass_index >= len(TEMPERATURE_CYCLE) else t
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6))
@@ -124,8 +135,8 @@ def gather(
         for j, r in enumerate(rows):
             padded[j, : len(r)] = r
             lengths[j] = len(r)
-        temps = np.asarray([TEMPERATURE_CYCLE[(i + pass_index) % len(TEMPERATURE_CYCLE)] for i in
-                            np.arange(local * batch_size, (local + 1) * batch_size)], np.float32)
+        temps = np.asarray([pass_temperature(int(i), pass_index)
+                            for i in np.arange(local * batch_size, (local + 1) * batch_size)], np.float32)
         key = jax.random.fold_in(jax.random.key(seed), shard)
         t0 = time.monotonic()
         tokens, top_i, top_lp, ans_len = jax.device_get(

@@ -358,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--new-tokens", type=int, default=192, help="answer budget per prompt (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=32)
     g.add_argument("--gather-pass", type=int, default=0,
-                   help="0: the first answers; 1, 2: more, each prompt at another temperature (shards after pass 0's)")
+                   help="0: the first answers; 1, 2: more, each prompt at another temperature (shards after pass 0's); "
+                        "3 on: the cycle again, greedy prompts sampled near greedy instead (distill_data.pass_temperature)")
     g.add_argument("--gather-only", action="store_true", help="stop after gathering")
     g.add_argument("--no-gather", action="store_true", help="train on the shards already gathered")
     g.add_argument("--use-shards", type=int, default=None,
