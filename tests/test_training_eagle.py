@@ -365,5 +365,9 @@ def test_head_vocab_narrows_an_init_from_head_to_its_most_used_ids(tiny, tmp_pat
     for flag, bad in (("--head-vocab", "1"), ("--head-vocab", "many"), ("--steps", "-1")):
         with pytest.raises(SystemExit):
             eagle.build_parser().parse_args([flag, bad])
+    grow = _args(target_path, data, tmp_path / "e", "--init-from", str(wide))
+    grow[grow.index("--head-vocab") + 1] = "60"
+    with pytest.raises(SystemExit, match="narrow, not grow"):
+        eagle.main(grow)
     with pytest.raises(SystemExit, match="nothing to export"):
         eagle.main(_args(target_path, data, tmp_path / "c", "--steps", "0"))

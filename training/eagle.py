@@ -761,6 +761,9 @@ def main(argv=None) -> int:
         head_ids = np.asarray(run["head_vocab_ids"], np.int32)
     elif init is not None:
         head_ids = np.asarray(init.params["head_vocab_ids"], np.int32)
+        if args.head_vocab is not None and args.head_vocab > head_ids.size:
+            raise SystemExit(f"error: --head-vocab {args.head_vocab} is more than the {head_ids.size} ids of "
+                             f"{args.init_from}; a head's vocabulary can narrow, not grow.")
         if args.head_vocab is not None and args.head_vocab < head_ids.size:  # narrow it to its most frequent ids
             head_ids = draft.head_vocabulary(distill_data.load_shards(args.data, limit=num_shards), args.head_vocab,
                                              cfg_t.vocab_size, tuple(cfg_t.eos_token_ids), among=head_ids)
