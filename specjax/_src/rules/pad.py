@@ -77,6 +77,11 @@ CONFIG_FILE = "config.json"
 PARAMS_FILE = "params.npz"
 # The head trained for the embedded target/draft pair; ``pad(head="shipped")``.
 SHIPPED_HEAD = pathlib.Path(__file__).resolve().parents[2] / "assets" / "pivot"
+# Heads shipped with the package, by name: each reads its own target's hidden states.
+NAMED_HEADS = {
+    "shipped": SHIPPED_HEAD,
+    "smollm2-135m-instruct": SHIPPED_HEAD.parent / "pivot_smollm2",  # the real pair's short-answer task
+}
 
 
 # ---------------------------------------------------------------------------
@@ -336,8 +341,8 @@ def load_head(directory: Union[str, os.PathLike]) -> PivotHead:
 def _as_head(head) -> PivotHead:
     if isinstance(head, PivotHead):
         return head
-    if isinstance(head, str) and head == "shipped":
-        return load_head(SHIPPED_HEAD)
+    if isinstance(head, str) and head in NAMED_HEADS:
+        return load_head(NAMED_HEADS[head])
     if isinstance(head, (str, os.PathLike)):
         return load_head(head)
     raise TypeError(
@@ -489,9 +494,11 @@ def pad(
 
     Args:
       head: a :class:`PivotHead`, a directory written by
-        ``python -m training.pivot``, or ``"shipped"``: the head in
-        ``specjax/assets/pivot``, trained for the embedded target/draft pair
-        (``parse_rule("pad:head=shipped,sigma=0.7")``).
+        ``python -m training.pivot``, or a shipped head by name: ``"shipped"``
+        (``specjax/assets/pivot``, trained for the embedded target/draft pair:
+        ``parse_rule("pad:head=shipped,sigma=0.7")``) or
+        ``"smollm2-135m-instruct"`` (``specjax/assets/pivot_smollm2``, for
+        SmolLM2-135M-Instruct, ``python -m training.pivot --task chat``).
       sigma: pivot-probability threshold in ``[0, 1]``; higher accepts more
         (the paper: 0.5, 0.7).
       min_prob: the target must give the draft token at least this probability.
@@ -504,13 +511,13 @@ def pad(
       ValueError: bad sigma / min_prob / layer; at trace time, a head whose
         hidden size differs from the target's.
     """
-    shipped = isinstance(head, str) and head == "shipped"
+    name = head if isinstance(head, str) and head in NAMED_HEADS else None
     head = _as_head(head)
     sigma = check_interval("pad: sigma", sigma, 0.0, 1.0)
     min_prob = check_interval("pad: min_prob", min_prob, 0.0, 1.0)
     layer = _check_layer(head, hidden_layer)
-    if shipped:
-        head = dataclasses.replace(head, source="shipped")
+    if name is not None:
+        head = dataclasses.replace(head, source=name)
     return Pad(pardon=PivotPardon(head=head, sigma=sigma, min_prob=min_prob, layer=layer))
 
 
