@@ -158,3 +158,20 @@ def test_errors(pair, tmp_path):
         pad(ALWAYS_PIVOT, sigma=1.5)
     with pytest.raises(TypeError, match="PivotHead"):
         pad(3)
+
+
+def test_shipped_heads_load_by_name_and_fit_their_targets():
+    """Each named head reads its own target: the real pair's is SmolLM2-135M-Instruct's
+    layer -8 (hidden 576, 30 blocks); its source is the name, for the spec."""
+    from specjax._src.rules.pad import NAMED_HEADS
+    from specjax.rules import pad, parse_rule
+
+    assert set(NAMED_HEADS) == {"shipped", "smollm2-135m-instruct"}
+    rule = pad(head="smollm2-135m-instruct")
+    head = rule.pardon.head
+    assert (head.config.hidden_size, head.config.target_num_layers) == (576, 30)
+    assert head.layer % 30 == 22 and head.source == "smollm2-135m-instruct"
+    assert "head=smollm2-135m-instruct" in str(parse_rule("pad:head=smollm2-135m-instruct,sigma=0.5"))
+    assert pad(head="shipped").pardon.head.config.hidden_size != 576  # the embedded pair's
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        pad(head="smollm2-135m")  # not a name, not a directory

@@ -581,6 +581,7 @@ def write_card(directory: str | pathlib.Path, final: Optional[str | pathlib.Path
         "entropy and probability of the draft token at the judging slot. Load it with "
         f"`specjax.rules.pad(head=\"{shown}\", sigma=0.5)`"
         + (" (or `head=\"shipped\"`)" if final.resolve() == SHIPPED_HEAD.resolve() else "")
+        + (f" (or `head=\"{CHAT_TARGET}\"`)" if final.resolve() == SHIPPED_CHAT_HEAD.resolve() else "")
         + "; written by `python -m training.pivot`.",
         "",
     ]

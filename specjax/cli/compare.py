@@ -71,8 +71,10 @@ FULL_RULES = DEFAULT_RULES + ("pad:head=shipped,sigma=0.7",)
 QUICK_RULES = ("speculative_sampling", "mars:theta=0.9", "ears:beta=0.1")
 
 
-# The real pair has no PAD head (PAD's head is trained for a target and a task).
-SMOLLM2_RULES = tuple(r for r in DEFAULT_RULES if not r.startswith("pad"))
+# PAD's head is trained for a target and a task: the real pair's reads SmolLM2-135M-Instruct's
+# layer -8 (python -m training.pivot --task chat).
+SMOLLM2_RULES = tuple(r for r in DEFAULT_RULES if not r.startswith("pad")) + (
+    "pad:head=smollm2-135m-instruct,sigma=0.5",)
 SMOLLM2_QUICK_RULES = ("speculative_sampling", "mars:theta=0.9")
 SMOLLM2_DEFAULT_RULES = ("speculative_sampling", "mars:theta=0.9", "ears:beta=0.1")
 
