@@ -251,6 +251,7 @@ def main(path: str) -> None:
 
     report["trees"] = trees_on_mesh(pair, prompts, key, spy_decode, weights, caches)
     report["lookup"] = lookup_on_mesh(pair, prompts, key, spy_decode, weights, caches)
+    report["narrow"] = narrow_verification_on_mesh(pair, prompts, key, spy_decode, weights, caches)
     report["bigram"] = bigram_on_mesh()
     report["loading"] = loading(pair.target, mesh)
     report["seconds"] = round(time.time() - t0, 1)
@@ -289,6 +290,20 @@ def lookup_on_mesh(pair, prompts, key, spy, weights, caches) -> dict:
     got = specjax.decode(pair.replace(target=target), repetitive, mesh=mesh, **kw)
     return {"match": got.to_lists() == ref.to_lists(), "copied": int(np.sum(got.stats.copied)),
             "copied_ref": int(np.sum(ref.stats.copied)), "hlo": check_hlo(spy, weights, caches)}
+
+
+def narrow_verification_on_mesh(pair, prompts, key, spy, weights, caches) -> dict:
+    """A drafting policy that stops early, so cycles verify at widths 2 or 4
+    of K + 1 = 4 (``lax.switch`` over sharded forwards), on a (2, 4) mesh at T=1."""
+    from specjax.drafting import confidence
+
+    mesh = sharding.make_mesh(2, 4)
+    target = sharding.shard_params(pair.target, mesh)
+    kw = dict(num_draft=NUM_DRAFT, max_new_tokens=NEW, temperature=1.0, key=key, drafting=confidence(0.9))
+    ref = specjax.decode(pair, prompts, **kw)
+    got = specjax.decode(pair.replace(target=target), prompts, mesh=mesh, **kw)
+    return {"match": got.to_lists() == ref.to_lists(), "verified": int(np.sum(got.stats.verified)),
+            "full": (NUM_DRAFT + 1) * int(np.sum(got.stats.cycles)), "hlo": check_hlo(spy, weights, caches)}
 
 
 def bigram_on_mesh() -> dict:

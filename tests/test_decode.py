@@ -110,17 +110,21 @@ def exact_two_token_distribution(table, last, temperature, top_k, top_p):
     return joint
 
 
-def two_token_counts(pair, *, rule, num_draft, temperature, top_k, top_p, samples=20000, seed=0):
+def two_token_counts(pair, *, rule, num_draft, temperature, top_k, top_p, samples=20000, seed=0, drafting=None,
+                     stats=None):
     """Samples the first two generated tokens for `samples` sequences whose
-    prompts all end in token 3 (half are [3], half [5, 3]: both prompt paths)."""
+    prompts all end in token 3 (half are [3], half [5, 3]: both prompt paths).
+    ``stats``: a list that receives the decode's stats."""
     prompts = np.array([[3, 0], [5, 3]] * (samples // 2), np.int32)
     lengths = np.array([1, 2] * (samples // 2), np.int32)
     out = specjax.decode(
         pair, prompts, prompt_lengths=lengths, rule=rule, num_draft=num_draft, max_new_tokens=2,
-        temperature=temperature, top_k=top_k, top_p=top_p, key=jax.random.key(seed),
+        temperature=temperature, top_k=top_k, top_p=top_p, key=jax.random.key(seed), drafting=drafting,
     )
     toks = np.asarray(out.tokens)
     assert (np.asarray(out.lengths) == 2).all()
+    if stats is not None:
+        stats.append(out.stats)
     counts = np.zeros((VOCAB, VOCAB))
     np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
     return counts
@@ -180,6 +184,25 @@ def test_lossless_first_two_tokens(bigram_pair, num_draft, temperature, top_k, t
     pvalue, tv = goodness_of_fit(counts, expected)
     assert pvalue > 1e-3, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
     assert tv < 0.03
+
+
+@pytest.mark.parametrize("rule", ["speculative_sampling", "block_verification"])
+def test_lossless_with_a_narrow_verification(bigram_pair, rule):
+    """confidence(1.0) stops after one draft every cycle, so each verification
+    forward scores 2 of the K + 1 = 4 block tokens (the rest come back as zero
+    rows): the bonus and correction still follow the target's law."""
+    from specjax.drafting import confidence
+    from specjax.rules import block_verification
+
+    table = np.asarray(bigram_pair.target.params["table"])
+    expected = exact_two_token_distribution(table, 3, 1.0, None, None)
+    stats = []
+    rule = speculative_sampling() if rule == "speculative_sampling" else block_verification()
+    counts = two_token_counts(bigram_pair, rule=rule, num_draft=3, temperature=1.0, top_k=None,
+                              top_p=None, drafting=confidence(1.0), stats=stats)
+    pvalue, tv = goodness_of_fit(counts, expected)
+    assert pvalue > 1e-3 and tv < 0.03, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
+    assert np.sum(stats[0].verified) == 2 * np.sum(stats[0].cycles)
 
 
 def test_lossless_bound_rejects_a_wrong_residual(bigram_pair):

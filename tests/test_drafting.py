@@ -153,6 +153,9 @@ def test_greedy_decode_with_policy_equals_generate(pair, prompts, reference, nam
         assert drafted_at[:, 2:].sum() == 0
     if name != "fixed2":
         assert 0 < s.mean_drafted_per_cycle < K  # it adapted
+    # The verification forward covered every sequence's drafts and never more than the block.
+    verified, cycles, drafted = (np.asarray(x) for x in (s.verified, s.cycles, s.drafted))
+    assert (verified >= cycles + drafted).all() and (verified <= (K + 1) * cycles).all()
 
 
 def test_heuristic_grows_when_everything_is_accepted():
@@ -178,3 +181,38 @@ def test_fixed_k_above_num_draft_is_refused(pair):
         specjax.decode(pair, [[1]], drafting=drafting.fixed(6), num_draft=4, temperature=0.0)
     with pytest.raises(TypeError, match="DraftingPolicy"):
         specjax.decode(pair, [[1]], drafting=3, temperature=0.0)
+
+
+def test_verification_width_follows_the_drafts(pair, prompts, reference):
+    """A cycle verifies only as many tokens as its longest draft needs (rounded
+    up to 2, 4, ..., K + 1), and the tokens are those of the full-width block."""
+    def run(policy, **kw):
+        return specjax.decode(pair, prompts, drafting=policy, num_draft=K, max_new_tokens=15, temperature=0.0, **kw)
+
+    def per_cycle(out):
+        return set((np.asarray(out.stats.verified) / np.asarray(out.stats.cycles)).tolist())
+
+    one = run(drafting.confidence(1.0))  # stops after one draft every cycle: width 2
+    full = run(drafting.confidence(1.0), buckets=specjax.Buckets(verify=None))
+    for out in (one, full):
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
+    assert per_cycle(one) == {2.0} and per_cycle(full) == {K + 1.0}
+    assert per_cycle(run(drafting.fixed(2))) == {3.0}  # a fixed budget: its own static width
+    assert per_cycle(run(drafting.fixed())) == {K + 1.0}
+
+
+def test_verification_widths():
+    from specjax._src.calls import _verify_widths
+
+    conf = drafting.confidence(0.5)
+    assert _verify_widths(specjax.Buckets(), conf, 6) == (2, 4, 7)
+    assert _verify_widths(specjax.Buckets(), conf, 8) == (2, 4, 8, 9)
+    assert _verify_widths(specjax.Buckets(verify=3), conf, 4) == (3, 5)
+    assert _verify_widths(specjax.Buckets(), conf, 1) == (2,)
+    assert _verify_widths(specjax.Buckets(), drafting.fixed(), 4) is None
+    assert _verify_widths(specjax.Buckets(), drafting.fixed(2), 4) == (3,)
+    assert _verify_widths(specjax.Buckets(verify=None), conf, 4) is None
+    assert _verify_widths(None, conf, 4) is None
+    with pytest.raises(ValueError, match="Buckets.verify"):
+        specjax.decode(specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB))),
+                       [[1]], drafting=conf, temperature=0.0, buckets=specjax.Buckets(verify=0))

@@ -102,6 +102,12 @@ def test_copied_drafts_on_a_mesh_match_one_device(report):
     assert entry["hlo"]["weight_gathers"] == [] and entry["hlo"]["cache_gathers"] == [], entry["hlo"]
 
 
+def test_narrow_verification_on_a_mesh_matches_one_device(report):
+    entry = report["narrow"]
+    assert entry["match"] and entry["verified"] < entry["full"]
+    assert entry["hlo"]["weight_gathers"] == [] and entry["hlo"]["cache_gathers"] == [], entry["hlo"]
+
+
 def test_any_language_model_runs_replicated_on_a_mesh(report):
     assert report["bigram"]["match"] and sum(report["bigram"]["lengths"]) > 0
 

@@ -97,6 +97,9 @@ class _Config(NamedTuple):
     tree: Optional[Any] = None
     # ``decode(lookup=...)``: a static NgramLookup (drafts copied from the context).
     lookup: Optional[Any] = None
+    # The widths a chain's verification block may run at (:func:`_verify_widths`), ascending,
+    # the last ``num_draft + 1``; ``None``: always the full block.
+    verify_widths: Optional[tuple[int, ...]] = None
 
 
 # ---------------------------------------------------------------------------
@@ -340,7 +343,14 @@ class Buckets(NamedTuple):
       value) and the output is cut back to it;
     * with ``batch=True`` the batch pads to 1, 2, 4, 8, then multiples of 8, with
       one-token dummy sequences that are finished before the first cycle (they
-      commit nothing and are cut from the output).
+      commit nothing and are cut from the output);
+    * ``decode``'s verification block, ``[last, d_1 .. d_K]``, runs at the
+      smallest of ``verify * 2**i`` (and ``K + 1``) that holds the most drafts
+      any live sequence of the batch proposed this cycle, when the drafting
+      policy can stop before ``K`` (``confidence``, ``adasd_entropy``,
+      ``heuristic``; ``fixed(k)`` runs at ``k + 1``). One program holds a
+      target forward per width and picks one per cycle (``lax.switch``).
+      ``verify=None``: always ``K + 1``.
 
     Padding is inert: padded prompt columns lie beyond each sequence's length
     (masked, then overwritten before they are read), dummy rows never touch a
@@ -367,6 +377,7 @@ class Buckets(NamedTuple):
     prompt: int = 16
     new_tokens: int = 16
     batch: bool = True
+    verify: Optional[int] = 2
 
 
 # The default of ``decode`` and ``generate``; ``buckets=None`` compiles the exact shapes.
@@ -395,7 +406,28 @@ def _check_buckets(buckets) -> Optional[Buckets]:
         raise TypeError(f"buckets must be a specjax Buckets(...) or None, got {type(buckets).__name__}.")
     for name in ("prompt", "new_tokens"):
         check_positive_int(f"Buckets.{name}", getattr(buckets, name))
+    if buckets.verify is not None:
+        check_positive_int("Buckets.verify", buckets.verify)
     return buckets
+
+
+def _verify_widths(buckets: Optional[Buckets], drafting, num_draft: int) -> Optional[tuple[int, ...]]:
+    """The widths a chain's verification forward may run at (``None``: only
+    ``K + 1``). The forward's cost grows with its width wherever it is not
+    free: on a CPU a 4-token forward of SmolLM2-135M costs 1.2-2x a 1-token
+    one, and on an accelerator the batch's rows add up. So a cycle whose
+    drafting stopped early verifies only what was drafted."""
+    full = num_draft + 1
+    if buckets is None or buckets.verify is None:
+        return None
+    if isinstance(drafting, drafting_lib.Fixed):  # every cycle drafts the same count: one static width
+        k = num_draft if drafting.k is None else min(drafting.k, num_draft)
+        return None if k == num_draft else (k + 1,)
+    widths, w = [], max(2, buckets.verify)  # a block holds the last token and at least one draft
+    while w < full:
+        widths.append(w)
+        w *= 2
+    return tuple(widths) + (full,)
 
 
 def _position_limit(modules: Sequence[tuple[str, Any]], max_length: Optional[int]) -> Optional[int]:

@@ -29,7 +29,7 @@ from flax import struct
 from specjax._src import drafting as drafting_lib
 from specjax._src import sampling
 from specjax._src.calls import _Config
-from specjax._src.lm import KVCache
+from specjax._src.lm import KVCache, LMOutput
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.lookup import lookup_drafts
 from specjax._src.loop_ops import _batched_init, _gather, _is_eos, _prefill, _row, _warp, _where_b
@@ -365,6 +365,7 @@ class _Verified(NamedTuple):
     raw: Array  # [B, K + 1, V] target logits before the warp (checked for non-finite values)
     cache: KVCache  # the target cache after the forward (rolled back by _commit)
     features: Any  # [B, K + 1, H] the feature head's next inputs (None for a draft model)
+    width: Array  # scalar int32: tokens per sequence the forward scored (cfg.verify_widths)
 
 
 def _verify(
@@ -379,10 +380,11 @@ def _verify(
     block_in = jnp.concatenate([last[:, None], drafts.tokens], axis=1)
     head = pair_params.draft.module
     head_layers = head.feature_layers if is_feature_head(head) else ()
-    out = pair_params.target.module.apply(
-        pair_params.target.params, block_in, state.target_cache,
+    forward = functools.partial(
+        pair_params.target.module.apply, pair_params.target.params,
         hidden_layers=tuple(rule.hidden_layers) + head_layers,
     )
+    out, width = _verify_forward(cfg, forward, block_in, state.target_cache, drafts.valid, ~state.done)
     raw = out.logits[..., : pair_params.vocab_size]
     target_logits = _warp(cfg, raw, temperature, top_p)
     target_probs = jax.nn.softmax(target_logits, axis=-1)
@@ -403,7 +405,39 @@ def _verify(
     if head_layers:
         hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)
         head_features = head.target_features(pair_params.draft.params, hidden)
-    return _Verified(inputs=inputs, raw=raw, cache=out.cache, features=head_features)
+    return _Verified(inputs=inputs, raw=raw, cache=out.cache, features=head_features, width=width)
+
+
+def _verify_forward(cfg: _Config, forward, block_in: Array, cache: KVCache, valid: Array, live: Array):
+    """``forward(tokens, cache)`` over the block's first ``width`` tokens:
+    the smallest of ``cfg.verify_widths`` that holds every live sequence's
+    last token and valid drafts (all ``K + 1`` when it is ``None``).
+
+    The rows past ``width`` come back as zero logits and hidden states. No
+    sequence reads them: its accepted run, correction and bonus token lie
+    within its ``1 + valid`` slots, and the rules' verdicts on invalid slots
+    are discarded. The cache entries they would have written lie past every
+    sequence's rollback point. Returns ``(LMOutput with [B, K + 1, ...] rows,
+    width as a scalar int32)``.
+    """
+    full = block_in.shape[1]
+    widths = cfg.verify_widths or (full,)
+
+    def at(width: int):
+        def run(block_in, cache):
+            out = forward(block_in[:, :width], cache)
+            if width == full:
+                return out
+            pad = lambda x: jnp.pad(x, [(0, 0), (0, full - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+            return LMOutput(logits=pad(out.logits), hidden=tuple(pad(h) for h in out.hidden), cache=out.cache)
+        return run
+
+    if len(widths) == 1:
+        return at(widths[0])(block_in, cache), jnp.int32(widths[0])
+    need = 1 + jnp.max(jnp.where(live, valid.sum(1), 0))
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)
+    out = jax.lax.switch(index, [at(w) for w in widths], block_in, cache)
+    return out, jnp.asarray(widths, jnp.int32)[index]
 
 
 # ---------------------------------------------------------------------------
@@ -568,7 +602,7 @@ def _record(
     policy_state = _where_b(live, policy_state, state.policy_state)
     stats = record_cycle(state.stats, live=live, valid=drafts.valid, num_accepted=n,
                          num_committed=committed.num_new, paths=accepted.verdict.path,
-                         draft_forwards=drafts.forwards, copied=drafts.copied)
+                         draft_forwards=drafts.forwards, copied=drafts.copied, verified=verified.width)
     diag = None
     if cfg.diagnostics is not None:
         values = jax.vmap(cfg.diagnostics)(verified.inputs, accepted.verdict, n)

@@ -105,6 +105,7 @@ from specjax._src.calls import (
     _padded_lengths,
     _prepare_call,
     _replicated,
+    _verify_widths,
 )
 from specjax._src.cycle import _decode_cycle, _DecodeState, _initial_state
 from specjax._src.models.feature_head import is_feature_head
@@ -268,7 +269,11 @@ def decode(
         ``max_new_tokens`` buffer 16, 32, 64, ...), so that calls whose shapes
         fall in the same buckets share one compiled program. Padding never
         changes a sequence's output, and the output is cut back to ``[B, N]``.
-        ``None``: compile for the exact shapes.
+        With a drafting policy that can stop early, a cycle's verification
+        forward runs only as wide as the batch's longest draft, rounded up to
+        2, 4, 8, ... or ``K + 1`` (``Buckets.verify``; ``stats.verified``
+        counts the tokens verified). ``None``: compile for the exact shapes,
+        and verify all ``K + 1`` tokens every cycle.
       on_tokens: streaming. A host function ``on_tokens(tokens, counts)``
         called after every draft-verify cycle that committed tokens, in cycle
         order, while the loop runs: ``tokens`` is an ``int32 [B, K + 1]``
@@ -363,7 +368,8 @@ def decode(
     _check_diagnostics(diagnostics)
     if is_feature_head(params.draft.module) and call.cfg.layout is not None:
         raise ValueError("decoding with a feature head on a mesh is not supported yet; decode on one device.")
-    cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree, lookup=lookup)
+    cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree, lookup=lookup,
+                            verify_widths=None if tree is not None else _verify_widths(buckets, drafting, num_draft))
     if cfg.layout is not None:  # the rule's and policy's traced numbers, replicated on the mesh
         rule, drafting = jax.tree_util.tree_map(
             lambda x: _replicated(cfg.layout, np.asarray(jnp.asarray(x))), (rule, drafting)

@@ -15,9 +15,11 @@ every draft buffer)::
     ... verification ...
     state = policy.update(state, DraftOutcome(...))   # once, after verification
 
-The token that triggers a stop is still proposed (it is already drawn; verifying
-it costs nothing extra, since the target verifies a fixed-width block): this is
-what Hugging Face's stopping criteria do.
+The token that triggers a stop is still proposed (it is already drawn): this is
+what Hugging Face's stopping criteria do. The target then verifies only as many
+tokens as the batch's longest draft needs, rounded up to one of a few compiled
+widths (``Buckets.verify``), so a stop saves verification work as well as draft
+forwards.
 """
 
 from __future__ import annotations

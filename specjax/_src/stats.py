@@ -36,6 +36,9 @@ Counters (per sequence ``[B]`` unless noted):
 * ``tokens``: tokens committed (= ``DecodeOutput.lengths``).
 * ``draft_forwards`` / ``target_forwards``: batch forwards run (scalars;
   ``generate`` counts its target forwards).
+* ``verified``: tokens the verification forwards scored for the sequence
+  (its cycles' block widths: ``K + 1``, or narrower where the batch's drafts
+  stopped early; a tree's nodes).
 * ``copied`` / ``copied_accepted``: with ``decode(lookup=...)``, the drafted
   (and the accepted) tokens that were copied from the context rather than
   drafted by the draft model or head; 0 without a lookup.
@@ -224,7 +227,9 @@ class DecodeStats:
     @property
     def verified_per_cycle(self) -> float:
         """Tokens each verification forward scored per sequence: ``K + 1`` for a
-        chain, the tree's node count for a tree (what tau is bought with)."""
+        chain (less where a drafting policy stopped early and the forward ran
+        narrower, ``Buckets.verify``), the tree's node count for a tree (what
+        tau is bought with)."""
         return _ratio(np.sum(self.verified), np.sum(self.cycles))
 
     @property
