@@ -208,7 +208,18 @@ def test_verification_widths():
     assert _verify_widths(specjax.Buckets(), conf, 6) == (2, 4, 7)
     assert _verify_widths(specjax.Buckets(), conf, 8) == (2, 4, 8, 9)
     assert _verify_widths(specjax.Buckets(verify=3), conf, 4) == (3, 5)
-    assert _verify_widths(specjax.Buckets(), conf, 1) == (2,)
+    assert _verify_widths(specjax.Buckets(), conf, 1) is None  # the full block is 2 tokens anyway
+    # combine's budget is its smallest: fixed(2) caps every block at 3 tokens
+    assert _verify_widths(specjax.Buckets(), drafting.combine(drafting.fixed(2), conf), 4) == (2, 3)
+    assert _verify_widths(specjax.Buckets(), drafting.combine(drafting.fixed(1), conf), 4) == (2,)
+
+    from specjax._src.drafting import Fixed
+
+    class Greedier(Fixed):  # a subclass may draft more than its k: no static width for it
+        def budget(self, state, num_draft):
+            return jnp.int32(num_draft)
+
+    assert _verify_widths(specjax.Buckets(), Greedier(k=2), 4) == (2, 4, 5)
     assert _verify_widths(specjax.Buckets(), drafting.fixed(), 4) is None
     assert _verify_widths(specjax.Buckets(), drafting.fixed(2), 4) == (3,)
     assert _verify_widths(specjax.Buckets(verify=None), conf, 4) is None

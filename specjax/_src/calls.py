@@ -417,17 +417,28 @@ def _verify_widths(buckets: Optional[Buckets], drafting, num_draft: int) -> Opti
     free: on a CPU a 4-token forward of SmolLM2-135M costs 1.2-2x a 1-token
     one, and on an accelerator the batch's rows add up. So a cycle whose
     drafting stopped early verifies only what was drafted."""
-    full = num_draft + 1
     if buckets is None or buckets.verify is None:
         return None
-    if isinstance(drafting, drafting_lib.Fixed):  # every cycle drafts the same count: one static width
-        k = num_draft if drafting.k is None else min(drafting.k, num_draft)
-        return None if k == num_draft else (k + 1,)
+    cap = _draft_cap(drafting, num_draft)
+    if type(drafting) is drafting_lib.Fixed:  # every cycle drafts the same count: one static width
+        return None if cap == num_draft else (cap + 1,)
     widths, w = [], max(2, buckets.verify)  # a block holds the last token and at least one draft
-    while w < full:
+    while w < cap + 1:
         widths.append(w)
         w *= 2
-    return tuple(widths) + (full,)
+    return tuple(widths) + (cap + 1,) if cap < num_draft or widths else None
+
+
+def _draft_cap(drafting, num_draft: int) -> int:
+    """The most drafts ``drafting`` can propose in a cycle, as far as its type
+    says: ``fixed(k)``'s ``k``, the smallest cap inside ``combine(...)`` (its
+    budget is the smallest), else ``num_draft``. Exact types only: a subclass
+    may override ``budget``."""
+    if type(drafting) is drafting_lib.Fixed:
+        return num_draft if drafting.k is None else min(drafting.k, num_draft)
+    if type(drafting) is drafting_lib.Combine:
+        return min(_draft_cap(p, num_draft) for p in drafting.policies)
+    return num_draft
 
 
 def _position_limit(modules: Sequence[tuple[str, Any]], max_length: Optional[int]) -> Optional[int]:

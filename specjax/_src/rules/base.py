@@ -59,9 +59,14 @@ class VerifyInputs(NamedTuple):
         distribution the lossless test ``U <= p/q`` and residuals use.
       uniforms: ``[K]`` Uniform(0, 1) draws; shared by every rule of a
         combination, so ``any_of`` composes decisions made with the same coins.
-      valid: ``[K]`` bool, False for slots the drafting policy did not fill.
+      valid: ``[K]`` bool, False for slots the drafting policy did not fill
+        (always a prefix of True). Target rows past ``1 + sum(valid)`` may be
+        zero logits (uniform probs): the verification forward can run narrower
+        than the block (``Buckets.verify``), so a rule reads them only under
+        the ``valid`` mask, as every built-in rule does.
       features: extra per-slot inputs some rules need (PAD's hidden states), a
-        dict of arrays with leading axis ``K``, or an empty dict.
+        dict of arrays with leading axis ``K``, or an empty dict (zero rows
+        past the same point).
 
     On a token tree sampled at ``T > 0`` a node's children are judged one at
     a time, each as a one-slot block (``K = 1``) whose ``target_probs`` and
