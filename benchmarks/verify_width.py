@@ -29,9 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
-CHAT = common.ROOT / "specjax" / "assets" / "chat" / "heldout_prompts.jsonl"
-DRAFTERS = {"eagle": "smollm2-135m-instruct-eagle", "draft": "smollm2-135m-instruct-draft"}
+from real_pair import CHAT, DRAFTERS, TARGET, _blocking  # noqa: E402
 
 
 def width_costs(target, widths, repeats: int) -> dict[int, float]:
@@ -63,7 +61,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     report = common.Report(f"verify_width: drafting that stops early, narrow vs full verification ({args.drafter})")
-    target = specjax.load("smollm2-135m-instruct")
+    target = specjax.load(TARGET)
     pair = specjax.pair(target, specjax.load(DRAFTERS[args.drafter], dtype="float32"))
     K, N = args.num_draft, args.max_new_tokens
     costs = width_costs(target, range(1, max(K, args.fixed) + 2), args.cost_repeats)
@@ -137,14 +135,6 @@ def main(argv=None):
     if not args.markdown:  # write() adds it to the file
         report.text(common.load_average() + " (at end)")
     report.write(args.markdown)
-
-
-def _blocking(fn):
-    import jax
-
-    out = fn()
-    jax.block_until_ready(out.tokens)
-    return out
 
 
 if __name__ == "__main__":

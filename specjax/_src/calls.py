@@ -426,7 +426,8 @@ def _verify_widths(buckets: Optional[Buckets], drafting, num_draft: int) -> Opti
     while w < cap + 1:
         widths.append(w)
         w *= 2
-    return tuple(widths) + (cap + 1,) if cap < num_draft or widths else None
+    widths.append(cap + 1)
+    return None if widths == [num_draft + 1] else tuple(widths)
 
 
 def _draft_cap(drafting, num_draft: int) -> int:
