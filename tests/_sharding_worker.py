@@ -17,6 +17,9 @@ import os
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# Its checks count compilations; programs loaded from the suite's disk cache
+# (tests/conftest.py) would not be counted.
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8"

@@ -23,6 +23,7 @@ from specjax.rules import additive, ears, multiplicative, speculative_sampling, 
 
 from _hf_models import write_tokenizer
 from tiny_models import llama_config, peaked_target_and_draft
+from test_decode import count_compilations
 
 VOCAB, K, N = 96, 3, 12
 TREES = (2, 4)
@@ -176,20 +177,11 @@ def test_histogram_quantiles_match_numpy():
 
 
 def test_second_decode_compiles_nothing(models, strict_run):
-    counter = {"n": 0}
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            counter["n"] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with count_compilations() as counter:
         diag = certificate_diagnostics(speculative_sampling(), trees=TREES, also=ALSO)  # built anew
         out = specjax.decode(specjax.pair(*models), prompts(), rule=speculative_sampling(), temperature=0.0,
                              num_draft=K, max_new_tokens=N, diagnostics=diag)
         report = diag.summarize(out.stats)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert counter["n"] == 0
     assert report.criteria == strict_run[2].criteria
 
