@@ -37,6 +37,31 @@ def test_compare_lossless_greedy_agrees_with_target_only(small_model, tmp_path):
     assert paths["png"].stat().st_size > 0 and paths["csv"].read_text().startswith("method,")
     table = compare.format_table(rows)
     assert "speculative_sampling" in table and "tau" in table
+    assert compare.speed_verdict(rows).startswith(f"T=0, batch {sd.batch}: speculative decoding")
+
+
+def _row(method, temperature, speedup, recovery, batch=1):
+    nan = float("nan")
+    return compare.Row(method=method, temperature=temperature, batch=batch, tokens_per_s=100.0 * speedup,
+                       speedup=speedup, tau=nan, acceptance_rate=nan, drafted_per_cycle=nan, task_accuracy=nan,
+                       recovery=recovery, agreement=nan, target_nll=nan)
+
+
+def test_speed_verdict_says_where_speculative_decoding_pays():
+    rows = [
+        _row("target-only", 0.0, 1.0, 1.0), _row("speculative_sampling", 0.0, 0.72, 1.0),
+        _row("mars:theta=0.9", 0.0, 1.40, 0.93),  # faster, but loses too much of the task
+        _row("typical:eps=0.09,delta=0.3", 0.0, 1.10, 0.99),
+        _row("target-only", 1.0, 1.0, 1.0), _row("speculative_sampling", 1.0, 0.97, 1.0),
+        _row("mars:theta=0.9", 1.0, 0.96, 1.0),
+        _row("target-only", 1.0, 1.0, 1.0, batch=8), _row("mars:theta=0.9", 1.0, 2.0, 0.5, batch=8),
+    ]
+    t0, t1, t1b8 = compare.speed_verdict(rows).splitlines()
+    assert t0.startswith("T=0, batch 1: speculative decoding pays")
+    assert "lossless 0.72x" in t0 and "typical:eps=0.09,delta=0.3 1.10x" in t0 and "mars" not in t0
+    assert t1.startswith("T=1, batch 1: speculative decoding does not pay")
+    assert "best speculative_sampling 0.97x" in t1
+    assert t1b8.startswith("T=1, batch 8: speculative decoding does not pay") and "no rule kept 98%" in t1b8
 
 
 def test_task_scoring_reads_the_first_line():
