@@ -37,7 +37,7 @@ def test_compare_lossless_greedy_agrees_with_target_only(small_model, tmp_path):
     assert paths["png"].stat().st_size > 0 and paths["csv"].read_text().startswith("method,")
     table = compare.format_table(rows)
     assert "speculative_sampling" in table and "tau" in table
-    assert compare.speed_verdict(rows).startswith(f"T=0, batch {sd.batch}: speculative decoding")
+    assert compare.speed_verdict(rows)[0].startswith(f"T=0, batch {sd.batch}: speculative decoding")
 
 
 def _row(method, temperature, speedup, recovery, batch=1):
@@ -56,7 +56,10 @@ def test_speed_verdict_says_where_speculative_decoding_pays():
         _row("mars:theta=0.9", 1.0, 0.96, 1.0),
         _row("target-only", 1.0, 1.0, 1.0, batch=8), _row("mars:theta=0.9", 1.0, 2.0, 0.5, batch=8),
     ]
-    t0, t1, t1b8 = compare.speed_verdict(rows).splitlines()
+    text, paid = compare.speed_verdict(rows)
+    t0, t1, t1b8 = text.splitlines()
+    assert paid  # at T=0, batch 1
+    assert not compare.speed_verdict([r for r in rows if r.temperature == 1.0])[1]
     assert t0.startswith("T=0, batch 1: speculative decoding pays")
     assert "lossless 0.72x" in t0 and "typical:eps=0.09,delta=0.3 1.10x" in t0 and "mars" not in t0
     assert t1.startswith("T=1, batch 1: speculative decoding does not pay")
