@@ -14,13 +14,18 @@ speculative sampling (:func:`verify_tree`).
 
 ``dynamic_tree(depth, top_k, num_nodes)`` (:class:`DynamicTree`) grows a new
 shape every cycle, EAGLE-2 style (arXiv:2406.16858): ``depth`` levels, each
-expanding the ``top_k`` nodes of best cumulative draft log-probability into
-their ``top_k`` best children, then the ``num_nodes`` best candidates are
-verified (:func:`top_ranked`, :func:`rerank`). Its children are chosen, not
-sampled, so sampling verifies them as point-mass drafts, still exactly
-(:func:`verify_dynamic_tree`). Fixed shapes: one compiled program per
-``(depth, top_k, num_nodes)``. :func:`parse_tree` reads both from text
-(``"3,1,1"``, ``"dynamic:3,3,8"``), as ``specjax generate/compare --tree`` do.
+expanding the ``top_k`` best-scored nodes into ``top_k`` children, then the
+``num_nodes`` best candidates are verified (:func:`top_ranked`,
+:func:`rerank`). Greedy, the children are the draft's top-k; sampling, they
+are drawn without replacement and verified exactly like a static tree's,
+because a child's score is its slot's (:func:`slot_scores`), never its drawn
+token's own probability; with ``sampled=False`` they are the top-k, verified
+as point-mass drafts (:func:`verify_dynamic_tree`). By default the lossless
+rule gets drawn children and relaxed rules the top-k. Fixed shapes: one
+compiled program per ``(depth, top_k, num_nodes, sampled)``.
+:func:`parse_tree` reads both from text (``"3,1,1"``, ``"dynamic:3,3,8"``,
+``"dynamic-topk:3,3,8"``, ``"dynamic-sampled:3,3,8"``), as ``specjax
+generate/compare --tree`` do.
 """
 
 from specjax._src.trees import (
@@ -33,6 +38,7 @@ from specjax._src.trees import (
     parse_tree,
     rerank,
     sample_children,
+    slot_scores,
     static_tree,
     top_ranked,
     uniform_branching,
@@ -50,6 +56,7 @@ __all__ = (
     "parse_tree",
     "rerank",
     "sample_children",
+    "slot_scores",
     "static_tree",
     "top_ranked",
     "uniform_branching",

@@ -3,9 +3,12 @@
 The expansion and rerank must pick the candidates EAGLE-2's definition picks
 (a subtree, in drafting order); greedy decoding must return the target's
 greedy output token for token, with a draft model and with a feature head;
-sampling must follow the target's law exactly (point-mass verification), and
-the statistic must reject a subtly wrong verification; a dynamic tree must
-accept more than a chain of its depth; and a second call compiles nothing.
+sampling must follow the target's law exactly, with sampled children
+(recursive rejection sampling) and with top-k ones (point-mass
+verification), and the statistic must reject a subtly wrong verification
+and a tree shaped by its drawn tokens' own probabilities; a dynamic tree
+must accept more than a chain of its depth; and a second call compiles
+nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from specjax._src import trees as trees_lib
 from specjax._src.calls import _Config
 from specjax._src.cycle import _initial_state
 from specjax._src.drafting import fixed
+from specjax._src import tree_cycle
 from specjax._src.tree_cycle import _draft_dynamic, _tree_cycle
 from specjax.rules import mars, speculative_sampling
 from specjax.testing import bigram_model, random_table
@@ -243,11 +247,16 @@ def test_relaxed_greedy_rules_on_dynamic_trees(llama_pair):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, None, 0.8), (1.3, 5, None)])
-def test_dynamic_tree_sampling_is_lossless_bigram(bigram_pair, temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature, top_k, top_p, sampled", [
+    (1.0, None, None, True), (0.7, None, 0.8, True), pytest.param(1.3, 5, None, True, marks=pytest.mark.slow),
+    (1.0, None, None, False), pytest.param(0.7, None, 0.8, False, marks=pytest.mark.slow), (1.3, 5, None, False),
+])
+def test_dynamic_tree_sampling_is_lossless_bigram(bigram_pair, temperature, top_k, top_p, sampled):
+    """6 of 12 candidates kept: whether a node's later children are verified
+    depends on its cousins' draws (sampled) or scores (top-k)."""
     table = np.asarray(bigram_pair.target.params["table"])
     expected = exact_two_token_distribution(table, 3, temperature, top_k, top_p)
-    counts = tree_two_token_counts(bigram_pair, dynamic_tree(2, 3, 6), temperature, top_k, top_p)
+    counts = tree_two_token_counts(bigram_pair, dynamic_tree(2, 3, 6, sampled=sampled), temperature, top_k, top_p)
     pvalue, tv = goodness_of_fit(counts, expected)
     assert pvalue > 1e-3, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
     assert tv < 0.03
@@ -259,9 +268,55 @@ def test_the_statistic_rejects_a_wrong_point_mass_residual(bigram_pair, monkeypa
     monkeypatch.setattr(trees_lib, "_without_or_same", lambda p, token: p)
     table = np.asarray(bigram_pair.target.params["table"])
     expected = exact_two_token_distribution(table, 3, 1.0, None, None)
-    counts = tree_two_token_counts(bigram_pair, dynamic_tree(2, 3, 5), 1.0)  # a fresh program, traced patched
+    counts = tree_two_token_counts(bigram_pair, dynamic_tree(2, 3, 5, sampled=False), 1.0)  # traced patched
     pvalue, tv = goodness_of_fit(counts, expected)
     assert pvalue < 1e-6 and tv > 0.05, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
+
+
+def test_the_statistic_rejects_a_tree_shaped_by_its_draws(bigram_pair, monkeypatch):
+    """Negative control: score each sampled child by its own ``log q`` (EAGLE-2's
+    score, read off the drawn token) instead of its slot's: a low draw is then
+    dropped from the verified tree more often than a likely one, the verified
+    children are no longer draws from ``q``, and the law is off."""
+    monkeypatch.setattr(tree_cycle, "slot_scores",
+                        lambda log_q, children, sampled: jnp.take_along_axis(log_q, children, axis=-1))
+    table = np.asarray(bigram_pair.target.params["table"])
+    expected = exact_two_token_distribution(table, 3, 1.0, None, None)
+    counts = tree_two_token_counts(bigram_pair, dynamic_tree(2, 3, 4), 1.0)  # a fresh program, traced patched
+    pvalue, tv = goodness_of_fit(counts, expected)
+    print(f"\ndraw-shaped tree: chi-square p={pvalue:.2e}, TV={tv:.4f}")
+    assert pvalue < 1e-6, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
+
+
+def test_a_sampled_trees_shape_never_reads_its_draws():
+    """A draft whose distribution is the same after every token: the slot
+    scores are then the same whatever was drawn, so every key must give the
+    greedy tree's shape, with different tokens, each node's children distinct."""
+    vocab, k = 12, 3
+    row = np.asarray(random_table(5, vocab)[0]) * 2.0
+    table = np.tile(row, (vocab, 1))
+    pair = specjax.pair(bigram_model(random_table(6, vocab)), bigram_model(table))
+    tree = dynamic_tree(3, k, 7)
+    prompts = [[1, 4, 7], [2, 9], [5]]
+    cfg, _, state = _state(pair, tree, prompts)
+    greedy, _ = jax.jit(lambda s: _draft_dynamic(cfg, tree, pair, s, need_logits=False))(state)
+    cfg = cfg._replace(greedy=False)
+    draw = jax.jit(lambda s, key: _draft_dynamic(cfg, tree, pair, s, need_logits=False, sampled=True,
+                                                 draft_keys=jax.random.split(key, len(prompts)))[0])
+    seen = set()
+    for seed in range(6):
+        drafts = draw(state, jax.random.key(seed))
+        np.testing.assert_array_equal(np.asarray(drafts.parents), np.asarray(greedy.parents))
+        tokens, parents = np.asarray(drafts.tokens), np.asarray(drafts.parents)
+        for b in range(len(prompts)):
+            for node in range(tree.num_kept + 1):
+                kids = tokens[b][parents[b] == node]
+                assert len(set(kids.tolist())) == len(kids)
+        fed = np.asarray(drafts.fed) >= 0  # nodes with children were fed: the rows their children came from
+        np.testing.assert_allclose(np.asarray(drafts.probs)[fed],
+                                   np.broadcast_to(np.exp(jax.nn.log_softmax(row)), (fed.sum(), vocab)), rtol=1e-5)
+        seen.add(tokens.tobytes())
+    assert len(seen) == 6  # the draws differ; the shape does not
 
 
 def test_dynamic_tree_sampling_with_a_head_is_lossless():

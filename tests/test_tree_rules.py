@@ -30,7 +30,8 @@ from test_decode import VOCAB, goodness_of_fit, random_prompts
 PROMPTS = random_prompts(21, 24, 96, 14)
 THETA = 0.5
 THETA_LAW = 0.2  # the bigram target's margin after token 3 is low at this theta: z(2)/z(1) = 0.24
-STATIC, DYNAMIC = static_tree((2, 2, 1)), dynamic_tree(3, 2, 5)
+STATIC, DYNAMIC = static_tree((2, 2, 1)), dynamic_tree(3, 2, 5)  # DYNAMIC's children: the rule decides
+DRAWN, TOPK = dynamic_tree(3, 2, 5, sampled=True), dynamic_tree(3, 2, 5, sampled=False)
 
 
 def softmax(z):
@@ -78,7 +79,8 @@ def static_tree_law(p, q, logits, width, theta):
 
 
 def dynamic_tree_law(p, draft_logits, logits, width, theta):
-    """Children are the draft's top ``width``, each tried as a point mass."""
+    """Children are the draft's top ``width``, each tried as a point mass
+    (``dynamic_tree(..., sampled=False)``)."""
     kids = np.argsort(-draft_logits, kind="stable")[:width]
     return walk_law(p, logits, [(c, np.eye(len(p))[c]) for c in kids], theta)
 
@@ -91,15 +93,19 @@ def first_token_counts(pair, tree, rule, samples=20000, seed=0):
     return np.bincount(np.asarray(out.tokens)[:, 0], minlength=VOCAB).astype(float)
 
 
-@pytest.mark.parametrize("kind", ["static", "dynamic"])
+@pytest.mark.parametrize("kind", ["static", "dynamic", "dynamic-topk"])
 def test_mars_first_token_law_on_a_tree(bigram_pair, kind):
+    """A depth-1 dynamic tree keeping all 3 root children is, sampled, the
+    static tree (3,); with its top-k children, three point-mass tries."""
     target = np.asarray(bigram_pair.target.params["table"], np.float64)[3]
     draft = np.asarray(bigram_pair.draft.params["table"], np.float64)[3]
     p, q = softmax(target), softmax(draft)
     if kind == "static":
         tree, expected = static_tree((3,)), static_tree_law(p, q, target, 3, THETA_LAW)
+    elif kind == "dynamic":
+        tree, expected = dynamic_tree(1, 3, 3, sampled=True), static_tree_law(p, q, target, 3, THETA_LAW)
     else:
-        tree, expected = dynamic_tree(1, 3, 3), dynamic_tree_law(p, draft, target, 3, THETA_LAW)
+        tree, expected = dynamic_tree(1, 3, 3, sampled=False), dynamic_tree_law(p, draft, target, 3, THETA_LAW)
     assert np.abs(expected - p).sum() > 0.1  # MARS moves this law away from the target's
     counts = first_token_counts(bigram_pair, tree, mars(THETA_LAW))
     pvalue, tv = goodness_of_fit(counts[None], expected[None])
@@ -107,8 +113,9 @@ def test_mars_first_token_law_on_a_tree(bigram_pair, kind):
     assert tv < 0.02
 
 
-@pytest.mark.parametrize("limit, tree", [("mars", STATIC), ("mars", DYNAMIC), ("ears", STATIC), ("pad", DYNAMIC)],
-                         ids=["mars-static", "mars-dynamic", "ears-static", "pad-dynamic"])
+@pytest.mark.parametrize("limit, tree", [("mars", STATIC), ("mars", DRAWN), ("mars", TOPK), ("ears", STATIC),
+                                         ("pad", DRAWN)],
+                         ids=["mars-static", "mars-dynamic", "mars-dynamic-topk", "ears-static", "pad-dynamic"])
 def test_relaxed_rules_sampling_on_trees_collapse_to_lossless(llama_pair, tree, limit):
     from test_pad import constant_head
 
@@ -120,13 +127,26 @@ def test_relaxed_rules_sampling_on_trees_collapse_to_lossless(llama_pair, tree, 
     assert out.stats.accepted_by_path_total["exact"] == ref.stats.accepted_by_path_total["exact"] > 0
 
 
-@pytest.mark.parametrize("tree", [STATIC, DYNAMIC], ids=["static", "dynamic"])
+@pytest.mark.parametrize("tree", [STATIC, DRAWN, TOPK], ids=["static", "dynamic", "dynamic-topk"])
 def test_mars_sampling_on_a_tree_accepts_more(llama_pair, tree):
     kw = dict(tree=tree, max_new_tokens=20, temperature=1.0, eos_token_id=(), key=jax.random.key(4))
     lossless = specjax.decode(llama_pair, PROMPTS, **kw)
     relaxed = specjax.decode(llama_pair, PROMPTS, rule=mars(THETA), **kw)
     assert relaxed.stats.accepted_by_path_total["relaxed"] > 0
     assert relaxed.stats.tau > lossless.stats.tau
+
+
+def test_a_dynamic_trees_children_follow_the_rule_by_default(llama_pair):
+    """``sampled=None``: drawn children for the lossless rule, the top-k for a
+    relaxed one (the two kinds give different decodes, so each check can fail)."""
+    kw = dict(max_new_tokens=20, temperature=1.0, eos_token_id=(), key=jax.random.key(7))
+    decode = lambda tree, rule: np.asarray(specjax.decode(llama_pair, PROMPTS, tree=tree, rule=rule, **kw).tokens)  # noqa: E731
+    lossless = decode(DYNAMIC, speculative_sampling())
+    np.testing.assert_array_equal(lossless, decode(DRAWN, speculative_sampling()))
+    assert (lossless != decode(TOPK, speculative_sampling())).any()
+    relaxed = decode(DYNAMIC, mars(THETA))
+    np.testing.assert_array_equal(relaxed, decode(TOPK, mars(THETA)))
+    assert (relaxed != decode(DRAWN, mars(THETA))).any()
 
 
 def test_top_m_sampling_on_a_tree_emits_only_top_m_tokens(bigram_pair):

@@ -190,11 +190,17 @@ def test_tree_certificates_hold_for_tree_verification(m):
 
 
 def test_parse_tree_reads_static_and_dynamic_trees():
-    from specjax.trees import DynamicTree, parse_tree
+    from specjax.trees import DynamicTree, dynamic_tree, parse_tree
 
     assert parse_tree("3,1,1") == static_tree((3, 1, 1))
-    assert parse_tree(" dynamic:4,3,9") == DynamicTree(4, 3, 9)
+    assert parse_tree(" dynamic:4,3,9") == DynamicTree(4, 3, 9) == DynamicTree(4, 3, 9, sampled=None)
+    assert parse_tree("dynamic-topk:4,3,9") == DynamicTree(4, 3, 9, sampled=False)
+    assert parse_tree("dynamic-sampled:4,3,9") == DynamicTree(4, 3, 9, sampled=True)
     with pytest.raises(ValueError, match="dynamic:DEPTH,TOP_K,NUM_NODES"):
         parse_tree("dynamic:4,3")
+    with pytest.raises(ValueError, match="dynamic:DEPTH,TOP_K,NUM_NODES"):
+        parse_tree("dynamic-topk:4,3,9,1")
+    with pytest.raises(TypeError, match="sampled must be True, False or None"):
+        dynamic_tree(2, 2, 3, sampled="no")
     with pytest.raises(ValueError, match="exceeds the 6 candidates"):
         parse_tree("dynamic:2,2,7")

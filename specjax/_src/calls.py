@@ -632,7 +632,7 @@ def _check_tree(tree, params, rule, drafting, num_draft):
                         f"(specjax.trees.dynamic_tree(depth, top_k, num_nodes)), got {type(tree).__name__}.")
     if dynamic:
         # A hand-built DynamicTree gets dynamic_tree's checks (positive ints, num_nodes <= candidates).
-        trees_lib.dynamic_tree(tree.depth, tree.top_k, tree.num_kept)
+        trees_lib.dynamic_tree(tree.depth, tree.top_k, tree.num_kept, sampled=tree.sampled)
         if tree.top_k > params.vocab_size:
             raise ValueError(f"dynamic_tree: top_k={tree.top_k} exceeds the vocabulary ({params.vocab_size} tokens).")
     elif tree.num_nodes < 2:

@@ -293,16 +293,15 @@ def decode(
         (ValueError).
       tree: a :class:`specjax.trees.TokenTree` (``static_tree((4, 2, 1))``)
         or a :class:`specjax.trees.DynamicTree` (``dynamic_tree(depth, top_k,
-        num_nodes)``, EAGLE-2: each cycle expands the ``top_k`` most likely
-        nodes per level by cumulative draft log-probability and verifies the
-        ``num_nodes`` best): draft a token tree per cycle instead of a chain
-        and verify it in one target forward with tree attention (both models
-        must support trees, as the built-in decoders and feature heads do).
-        The lossless rule: greedy (output identical to the target's greedy
-        output) or exact sampling (multi-draft for a static tree, point-mass
-        drafts for a dynamic one); every other rule, greedy or sampling (see
-        :mod:`specjax.trees`). The drafting policy is the tree's shape, and
-        ``num_draft`` is its depth.
+        num_nodes)``, EAGLE-2: each cycle expands the ``top_k`` best-scored
+        nodes per level and verifies the ``num_nodes`` best): draft a token
+        tree per cycle instead of a chain and verify it in one target forward
+        with tree attention (both models must support trees, as the built-in
+        decoders and feature heads do). The lossless rule: greedy (output
+        identical to the target's greedy output) or exact sampling (children
+        drawn without replacement, recursive rejection sampling); every other
+        rule, greedy or sampling (see :mod:`specjax.trees`). The drafting
+        policy is the tree's shape, and ``num_draft`` is its depth.
       lookup: ``specjax.drafting.ngram_lookup()`` to copy drafts from the
         context: where a sequence's last ``min_match``..``max_match`` tokens
         occurred earlier in it, the tokens that followed them there fill the

@@ -24,8 +24,12 @@ A dynamic tree (:class:`specjax._src.trees.DynamicTree`, EAGLE-2) is drafted
 by :func:`_draft_dynamic` instead: ``depth`` draft forwards, each over the
 ``top_k`` frontier nodes of best cumulative draft log-probability with traced
 per-sequence tree parents, then a rerank keeps the ``num_kept`` best
-candidates. The target verifies that traced tree (greedy, or point-mass
-speculative sampling: :func:`specjax._src.trees.verify_dynamic_tree`).
+candidates. When sampling, the children are drawn without replacement as
+a static tree's are, and ranked by slot scores that never read a drawn
+token's own probability (:func:`specjax._src.trees.slot_scores`), so the
+recursive rejection sampling stays exact; with ``sampled=False`` (by
+default for relaxed rules) they are the top-k, point-mass drafts. The target verifies that traced tree
+(:func:`specjax._src.trees.verify_dynamic_tree`).
 
 Node ``j`` of the tree sits in cache slot ``start + j`` with ``start =
 num_committed - 1``, the root's own slot, in both caches (a dynamic tree's
@@ -58,7 +62,7 @@ from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Path, SpeculativeSampling, Verdict, VerifyInputs
 from specjax._src.stats import record_cycle
 from specjax._src.trees import (DynamicTree, TokenTree, children_table, levels, rerank, sample_children,
-                                top_ranked, uniform_branching, verify_dynamic_tree, verify_tree)
+                                slot_scores, top_ranked, uniform_branching, verify_dynamic_tree, verify_tree)
 
 Array = jax.Array
 
@@ -206,12 +210,14 @@ class _DynamicDrafts(NamedTuple):
     parents: Array  # [B, M + 1] int32 the verified tree (traced, per sequence)
     fed: Array  # [B, M + 1] int32 each node's slot in the draft's fed tree (root 0; -1: never fed)
     parent_logits: Array | None  # [B, M, V] the draft's raw logits at each non-root node's parent (relaxed rules)
+    probs: Array | None  # [B, M + 1, V] sampled children: the warped draft distribution they were drawn from
     bad: Array  # [B]
     forwards: Array  # scalar int32
 
 
 def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, state: _DecodeState,
-                   need_logits: bool) -> tuple[_DynamicDrafts, KVCache]:
+                   need_logits: bool, draft_keys=None, temperature=1.0, top_p=1.0,
+                   sampled: bool = False) -> tuple[_DynamicDrafts, KVCache]:
     """EAGLE-2's expansion and rerank (:func:`specjax._src.trees.dynamic_tree`).
 
     The draft sees a *fed tree*: node 0 the root, then each level's frontier
@@ -220,8 +226,10 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     tree attention; a feature head's fed node reads its parent's ``f_hat``.
     Candidates are numbered in drafting order: the root's ``top_k`` children,
     then each level's ``top_k ** 2`` (frontier slot ``i``'s children at ``i *
-    top_k ...``, best first). Scores are cumulative ``T = 1`` draft
-    log-probabilities of the raw logits.
+    top_k ...``, in draw order). Scores add :func:`slot_scores` of the
+    ``T = 1`` draft log-probabilities of the raw logits. ``sampled`` (when
+    not greedy): the children are drawn without replacement from the warped
+    draft distribution with ``draft_keys [B]`` (level ``d``'s folded with ``d``).
     """
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab, k, depth = pair_params.vocab_size, tree.top_k, tree.depth
@@ -236,8 +244,22 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     raw0 = raw0.astype(jnp.float32)
     root = _gather(state.tokens, state.num_committed - 1)
     bad = sampling.nonfinite_rows(raw0)
-    kids = sampling.top_indices(raw0, k)  # [B, k]: level 1, all of it the first frontier
-    scores = jnp.take_along_axis(jax.nn.log_softmax(raw0, axis=-1), kids, axis=-1)
+    sampled = sampled and not cfg.greedy
+
+    fed_probs = []  # sampled: [B, M, V] per draft forward, the warped distributions children are drawn from
+
+    def children(raw, d):  # [B, M, V] -> ([B, M, k] tokens in draw order, [B, M, k] slot scores)
+        if sampled:
+            level_keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, d), raw.shape[1]))(draft_keys)
+            probs = jax.nn.softmax(_warp(cfg, raw, temperature, top_p), axis=-1)
+            kids = jax.vmap(jax.vmap(sample_children, in_axes=(0, 0, None)), in_axes=(0, 0, None))(level_keys, probs, k)
+            fed_probs.append(probs)
+        else:
+            kids = sampling.top_indices(raw, k)
+        return kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids, sampled=sampled)
+
+    kids, scores = children(raw0[:, None], 0)  # level 1, all of it the first frontier
+    kids, scores = kids[:, 0], scores[:, 0]
     cand_tokens, cand_scores = [kids], [scores]
     cand_parents = [jnp.full((batch, k), -1, jnp.int32)]
     cand_fed = [jnp.broadcast_to(jnp.arange(1, k + 1, dtype=jnp.int32), (batch, k))]
@@ -259,10 +281,9 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
         cache, raw = out.cache, out.logits[..., :vocab].astype(jnp.float32)  # [B, k, V]
         bad = bad | sampling.nonfinite_rows(raw).any(1)
         raws.append(raw)
-        children = sampling.top_indices(raw, k)  # [B, k, k]
-        level_scores = front_scores[:, :, None] + jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), children,
-                                                                       axis=-1)
-        level_tokens, level_scores = children.reshape(batch, k * k), level_scores.reshape(batch, k * k)
+        level_kids, kid_scores = children(raw, d)  # [B, k, k]
+        level_scores = front_scores[:, :, None] + kid_scores
+        level_tokens, level_scores = level_kids.reshape(batch, k * k), level_scores.reshape(batch, k * k)
         cand_tokens.append(level_tokens)
         cand_scores.append(level_scores)
         cand_parents.append(jnp.repeat(front_cand, k, axis=1))
@@ -283,11 +304,13 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     take = lambda x: jnp.take_along_axis(x, kept, axis=1)  # noqa: E731
     tokens = jnp.concatenate([root[:, None], take(cand(cand_tokens))], axis=1)
     fed = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), take(cand(cand_fed))], axis=1)
-    parent_logits = None
+    parent_logits = probs = None
     if need_logits:  # every parent was fed (or is the root): its logits exist
         parent_fed = jnp.take_along_axis(fed, parents[:, 1:], axis=1)
         parent_logits = jnp.take_along_axis(cand(raws), parent_fed[:, :, None], axis=1)
-    return _DynamicDrafts(tokens, parents, fed, parent_logits, bad, jnp.int32(depth)), cache
+    if sampled:  # a node with children was fed; a never-fed leaf's row (the root's) is not read
+        probs = jnp.take_along_axis(cand(fed_probs), jnp.maximum(fed, 0)[:, :, None], axis=1)
+    return _DynamicDrafts(tokens, parents, fed, parent_logits, probs, bad, jnp.int32(depth)), cache
 
 
 def _tree_cycle(
@@ -323,7 +346,12 @@ def _tree_cycle(
 
     # ---- draft ----
     if dynamic:
-        drafts, draft_cache = _draft_dynamic(cfg, tree, pair_params, state, need_logits=relaxed or need_view)
+        # Drawn children keep the lossless walk exact and accept more; relaxed
+        # rules judge by the target's ranks and accept more of the draft's best.
+        sampled = (not relaxed) if tree.sampled is None else bool(tree.sampled)
+        drafts, draft_cache = _draft_dynamic(cfg, tree, pair_params, state, need_logits=relaxed or need_view,
+                                             draft_keys=draft_keys, temperature=temperature, top_p=top_p,
+                                             sampled=sampled)
         tree_parents = drafts.parents  # traced, per sequence
     else:
         drafts, draft_cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p)
@@ -343,8 +371,13 @@ def _tree_cycle(
     hidden = dict(zip(rule.hidden_layers, out.hidden))
     if dynamic:
         table = jax.vmap(lambda p: children_table(p, tree.top_k))(drafts.parents)
-        walk = functools.partial(verify_dynamic_tree, depth=depth, width=tree.top_k)
-        shape_args = (drafts.parents,)
+        if drafts.probs is None:
+            walk = functools.partial(verify_dynamic_tree, depth=depth, width=tree.top_k)
+            shape_args = (drafts.parents,)
+        else:  # sampled children: the walk also reads the distribution each node's were drawn from
+            walk = lambda parents, q, *xs, **kw: verify_dynamic_tree(  # noqa: E731
+                parents, *xs, depth=depth, width=tree.top_k, draft_probs=q, **kw)
+            shape_args = (drafts.parents, drafts.probs)
     else:
         static_table = tree.children_table()
         table = jnp.broadcast_to(jnp.asarray(static_table), (batch,) + static_table.shape)

@@ -30,14 +30,33 @@ verification emits its correction or bonus token.
 
 Dynamic trees (:func:`dynamic_tree`, EAGLE-2, arXiv:2406.16858) are grown
 each cycle from the draft's confidence: a frontier of the ``top_k`` nodes
-with the best cumulative draft log-probability is expanded level by level,
-and the ``num_nodes`` best of all drafted candidates are verified
+with the best cumulative draft score is expanded level by level, and the
+``num_nodes`` best of all drafted candidates are verified
 (:func:`top_ranked`, :func:`rerank`). Their shape is traced, one per
-sequence, with fixed sizes. Their children are the draft's top-k, chosen
-rather than sampled, so sampling verifies them as point-mass drafts
-(:func:`verify_dynamic_tree`): child ``c_i`` is accepted with probability
-``p_i(c_i)``, and after a rejection ``p_{i+1}`` is ``p_i`` without ``c_i``,
-renormalised; this too is exact.
+sequence, with fixed sizes. Greedy, a node's children are the draft's top-k.
+Sampling, they are drawn without replacement and verified by the recursive
+rejection sampling above, as a static tree's are; that stays exact only
+because the tree's shape never looks at a drawn token's own probability.
+EAGLE-2 scores a child by ``log q(x)`` of the token it drew; whether a
+sampled child is then kept would depend on its own value (a low-probability
+draw is dropped), and the kept children would no longer be draws from
+``q``. Here the ``i``-th child slot of a node scores the node's score plus
+the ``i``-th largest ``log q`` at the node (:func:`slot_scores`): equal to
+EAGLE-2's score when greedy, and a function of the tree above the slot
+when sampling. Whether slot ``i`` is kept or expanded then depends only on
+drafts drawn before it (its ancestors, its earlier siblings and what grew
+from them) and on draws independent of it, so the children the walk tries
+at a node are the first draws of a without-replacement sequence whose
+length was fixed before they were drawn: the recursive rejection sampling
+stays exact. With ``sampled=False`` a dynamic tree keeps EAGLE-2's top-k
+children when sampling and verifies them as point-mass drafts
+(:func:`verify_dynamic_tree` without ``draft_probs``): child ``c_i`` is
+accepted with probability ``p_i(c_i)``, and after a rejection ``p_{i+1}``
+is ``p_i`` without ``c_i``, renormalised; exact too, but the lossless walk
+accepts less. Relaxed rules accept more of the draft's best tokens than of
+its draws (they judge a child by the target's ranks and margins), so by
+default (``sampled=None``) the lossless rule gets drawn children and every
+other rule the top-k.
 
 Relaxed rules (MARS, EARS, the criteria, AdaSD, PAD, custom rules) run on
 both kinds of tree. Greedy, each node is judged once as a child of its
@@ -200,7 +219,7 @@ class TreeVerdict(NamedTuple):
 # ``judge(data, child, node, token, p, q, uniform) -> (accept, correction [V],
 # path code)``; ``data`` is the sequence's own pytree (``judge_data``), ``p``
 # and ``q`` what the child's earlier siblings left (``q`` a point mass on
-# ``token`` for a dynamic tree's chosen children).
+# ``token`` for a dynamic tree's top-k children, ``sampled=False``).
 
 
 def _residual(p: Array, q: Array) -> Array:
@@ -280,16 +299,21 @@ def verify_dynamic_tree(
     depth: int,
     width: int,
     greedy: bool,
+    draft_probs: Array | None = None,
     node_accept: Array | None = None,
     node_correction: Array | None = None,
     judge=None,
     judge_data=None,
 ) -> TreeVerdict:
-    """Verifies one sequence's dynamic tree (:func:`dynamic_tree`), whose
-    children were *chosen* (the draft's top-k), not sampled from ``q``.
+    """Verifies one sequence's dynamic tree (:func:`dynamic_tree`).
 
     Greedy: as :func:`verify_tree` (output: the target's greedy continuation).
-    Sampling, lossless: at a node with target distribution ``p``, its kept
+    Sampling with ``draft_probs``: each node's children were drawn from its
+    row without replacement, in child order, and the walk is
+    :func:`verify_tree`'s recursive rejection sampling (exact when the tree's
+    shape did not look at the drawn tokens: :func:`slot_scores`).
+    Sampling without ``draft_probs``: the children were *chosen* (the draft's
+    top-k, ``sampled=False``) and are point-mass drafts. At a node with target distribution ``p``, its kept
     children ``c_1, c_2, ...`` are tried in order (draft score): ``c_i`` is
     accepted with probability ``p_i(c_i)``, with ``p_1 = p`` and, after
     rejecting ``c_i``, ``p_{i+1} = p_i`` with ``c_i`` set to 0, renormalised;
@@ -310,10 +334,13 @@ def verify_dynamic_tree(
       depth: static, the tree's largest possible depth.
       width: static, the most children a node has (``top_k``).
       greedy: static; True at temperature 0.
+      draft_probs: sampling, optional ``[N, V]``: the distribution node
+        ``j``'s children were drawn from (rows of nodes without children are
+        not read); ``None``: the children are point masses.
     """
-    return _walk(children_table(parents, width), depth, tokens, target_logits, target_probs, None, uniforms,
-                 emit_uniform, greedy=greedy, node_accept=node_accept, node_correction=node_correction,
-                 judge=judge, judge_data=judge_data)
+    return _walk(children_table(parents, width), depth, tokens, target_logits, target_probs,
+                 None if greedy else draft_probs, uniforms, emit_uniform, greedy=greedy, node_accept=node_accept,
+                 node_correction=node_correction, judge=judge, judge_data=judge_data)
 
 
 def _walk(table, depth, tokens, target_logits, target_probs, draft_probs, uniforms, emit_uniform, *, greedy,
@@ -413,11 +440,15 @@ class DynamicTree(NamedTuple):
       top_k: the frontier's width and each frontier node's children.
       num_kept: draft nodes kept for verification (``dynamic_tree``'s
         ``num_nodes``); the verified tree is the root plus these.
+      sampled: when sampling, children are drawn without replacement (True)
+        or are the draft's top-k, verified as point masses (False); ``None``:
+        drawn for the lossless rule, the top-k for any other rule.
     """
 
     depth: int
     top_k: int
     num_kept: int
+    sampled: bool | None = None
 
     @property
     def max_depth(self) -> int:
@@ -447,23 +478,36 @@ class DynamicTree(NamedTuple):
         return max(self.num_kept, self.num_fed) + 1
 
 
-def dynamic_tree(depth: int, top_k: int, num_nodes: int) -> DynamicTree:
+def dynamic_tree(depth: int, top_k: int, num_nodes: int, *, sampled: bool | None = None) -> DynamicTree:
     """An EAGLE-2 dynamic draft tree ("EAGLE-2: Faster Inference of Language
     Models with Dynamic Draft Trees", Li et al., arXiv:2406.16858).
 
     Each cycle grows the tree from the draft's confidence, with fixed shapes:
 
-    * expansion: the root's ``top_k`` best children form level 1; at each
-      level the frontier is the ``top_k`` nodes of that level with the highest
-      cumulative draft log-probability (``sum log q`` along the root path, ``q``
-      the draft's ``T = 1`` softmax of its raw logits whatever the decoding
-      temperature), fed to the draft in one forward with tree attention; each
-      proposes its ``top_k`` best children (``top_k ** 2`` candidates), and the
-      next frontier is the ``top_k`` best of those. ``depth`` draft forwards
-      per cycle, ``top_k + (depth - 1) * top_k ** 2`` candidates.
-    * rerank: the ``num_nodes`` candidates with the highest cumulative
-      log-probability (ties: the earlier drafted) are verified, in drafting
-      order. A node scores at most its parent, so they form a subtree.
+    * expansion: the root's ``top_k`` children form level 1; at each level
+      the frontier is the ``top_k`` nodes of that level with the highest
+      score, fed to the draft in one forward with tree attention; each
+      proposes ``top_k`` children (``top_k ** 2`` candidates), and the next
+      frontier is the ``top_k`` best of those. ``depth`` draft forwards per
+      cycle, ``top_k + (depth - 1) * top_k ** 2`` candidates.
+    * rerank: the ``num_nodes`` candidates with the highest score (ties: the
+      earlier drafted) are verified, in drafting order. A node scores at most
+      its parent, so they form a subtree.
+
+    A node's ``i``-th child scores the node's score plus the ``i``-th largest
+    log-probability of the draft's ``T = 1`` softmax at the node (its raw
+    logits, whatever the decoding temperature; :func:`slot_scores`). Greedy,
+    the children are the draft's top-k and this is EAGLE-2's cumulative
+    ``sum log q`` along the root path. Sampling, with ``sampled=True`` the
+    children are drawn without replacement from the warped draft
+    distribution and verified by recursive rejection sampling, exact because
+    the scores never read a drawn token's own probability (see the module
+    docstring); with ``sampled=False`` they are the top-k, verified as
+    point-mass drafts, which the lossless walk accepts less often whenever
+    the target spreads its mass (``benchmarks/node_acceptance.py``), while a
+    relaxed rule such as MARS accepts more of them. ``sampled=None`` (the
+    default): drawn children for the lossless rule, the top-k for any other
+    rule.
 
     Verification is one target forward over the root and those nodes (greedy:
     the longest path of target argmaxes; sampling: exact, see
@@ -473,11 +517,29 @@ def dynamic_tree(depth: int, top_k: int, num_nodes: int) -> DynamicTree:
     depth = check_positive_int("dynamic_tree: depth", depth)
     top_k = check_positive_int("dynamic_tree: top_k", top_k)
     num_nodes = check_positive_int("dynamic_tree: num_nodes", num_nodes)
-    tree = DynamicTree(depth, top_k, num_nodes)
+    if sampled is not None and not isinstance(sampled, (bool, np.bool_)):
+        raise TypeError(f"dynamic_tree: sampled must be True, False or None (the rule decides), got {sampled!r}.")
+    tree = DynamicTree(depth, top_k, num_nodes, None if sampled is None else bool(sampled))
     if num_nodes > tree.num_candidates:
         raise ValueError(f"dynamic_tree: num_nodes={num_nodes} exceeds the {tree.num_candidates} candidates a "
                          f"depth-{depth}, top_k={top_k} expansion drafts (top_k + (depth - 1) * top_k ** 2).")
     return tree
+
+
+def slot_scores(log_q: Array, children: Array, *, sampled: bool) -> Array:
+    """``[..., k]`` the score each of a node's ``k`` child slots adds to its
+    node's: the ``i``-th largest ``log_q[..., V]`` for slot ``i`` when the
+    ``children [..., k]`` were sampled, ``log_q`` at each child when they are
+    the draft's top-k (the same values, read without a second top-k pass).
+
+    When sampling, a slot's score must not depend on the token it drew: the
+    rerank and the frontier compare scores, and a child kept because its
+    own draw was likely would no longer be a draw from ``q`` (the recursive
+    rejection sampling would then not be exact).
+    """
+    if sampled:
+        children = sampling.top_indices(log_q, children.shape[-1])
+    return jnp.take_along_axis(log_q, children, axis=-1)
 
 
 def top_ranked(scores: Array, k: int) -> Array:
@@ -544,17 +606,23 @@ def parse_tree(spec: str) -> TokenTree | DynamicTree:
     """A tree from its text form, as the command line takes it.
 
     ``"3,1,1"`` is ``static_tree((3, 1, 1))``; ``"dynamic:3,3,8"`` is
-    ``dynamic_tree(depth=3, top_k=3, num_nodes=8)``.
+    ``dynamic_tree(depth=3, top_k=3, num_nodes=8)``, ``"dynamic-topk:3,3,8"``
+    and ``"dynamic-sampled:3,3,8"`` the same with ``sampled=False`` / ``True``.
     """
     text = str(spec).strip()
-    dynamic = text.startswith("dynamic:")
-    body = text[len("dynamic:"):] if dynamic else text
+    kinds = {"dynamic:": None, "dynamic-topk:": False, "dynamic-sampled:": True}
+    prefix = next((p for p in kinds if text.startswith(p)), "")
+    body = text[len(prefix):]
     try:
         numbers = tuple(int(x) for x in body.split(","))
     except ValueError:
         numbers = ()
-    if not numbers or (dynamic and len(numbers) != 3):
+    if not numbers or (prefix and len(numbers) != 3):
         raise ValueError(f"tree {spec!r}: expected branching per depth such as \"3,1,1\" (a static tree) or "
-                         "\"dynamic:DEPTH,TOP_K,NUM_NODES\" such as \"dynamic:3,3,8\" (an EAGLE-2 dynamic tree).")
-    return dynamic_tree(*numbers) if dynamic else static_tree(numbers)
+                         "\"dynamic:DEPTH,TOP_K,NUM_NODES\" such as \"dynamic:3,3,8\" (an EAGLE-2 dynamic tree; "
+                         "\"dynamic-topk:...\" / \"dynamic-sampled:...\" fix how its children are chosen when "
+                         "sampling).")
+    if prefix:
+        return dynamic_tree(*numbers, sampled=kinds[prefix])
+    return static_tree(numbers)
 

@@ -24,8 +24,8 @@ def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True) -> No
     parser.add_argument("--draft", help="draft: checkpoint directory, .gguf file or model name")
     parser.add_argument("--num-draft", type=int, default=4, help="draft tokens per cycle, K (default 4)")
     parser.add_argument("--tree", help='draft a token tree instead of a chain: branching per depth, e.g. "3,1,1", '
-                        'or "dynamic:DEPTH,TOP_K,NUM_NODES", e.g. "dynamic:3,3,8" (EAGLE-2); its depth replaces '
-                        '--num-draft')
+                        'or "dynamic:DEPTH,TOP_K,NUM_NODES", e.g. "dynamic:3,3,8" (EAGLE-2; "dynamic-topk:..." keeps '
+                        'its top-k children when sampling); its depth replaces --num-draft')
     if drafting:
         parser.add_argument("--lookup", metavar="MIN[,MAX]",
                             help="also draft by context lookup: copy what followed the last MIN..MAX tokens "

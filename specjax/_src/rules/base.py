@@ -73,7 +73,7 @@ class VerifyInputs(NamedTuple):
     ``draft_probs`` are what the earlier, rejected siblings left: the rule's
     correction after the previous child (``p`` for the first) and ``q`` with
     the earlier children removed (a point mass on the child for a dynamic
-    tree's chosen children). ``target_logits`` and ``draft_logits`` stay the
+    tree's top-k children, ``dynamic_tree(..., sampled=False)``). ``target_logits`` and ``draft_logits`` stay the
     models' warped logits at the node. So a rule reads the target's own
     confidence at a position (a margin, a rank, an entropy, a tolerance) from
     :func:`position_probs` or the logits, and runs its lossless test on the
