@@ -4,6 +4,7 @@
     python benchmarks/acceptance.py --drafters eagle new=runs/x/export    # a head not shipped yet, beside it
     python benchmarks/acceptance.py --drafters eagle --tree dynamic:3,3,8 --temperatures 0
     python benchmarks/acceptance.py --drafters eagle --lookup 2 3        # + eagle with context lookup
+    python benchmarks/acceptance.py --drafters eagle --tree chain dynamic-topk:4,4,12 dynamic:4,4,12
 
 Speed figures (``real_pair.py``) can only afford 8 prompts, and tau over 8
 prompts x 128 tokens moves by about +-0.05 between drafters that differ by
@@ -19,7 +20,9 @@ how many prompts it is higher / lower), which is what tells two close
 drafters apart. ``--lookup MIN [MIN ..]`` adds each drafter with
 ``decode(lookup=specjax.drafting.ngram_lookup(MIN))`` as ``LABEL+lookupMIN``,
 and a column with the share of drafts (and of accepted drafts) copied from the
-context.
+context. ``--tree SPEC [SPEC ..]`` runs every drafter on each shape
+(``chain``: the ``--num-draft`` chain), labelled ``DRAFTER @ SPEC``, on the
+same prompts and keys.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--num-draft", type=int, default=3)
-    ap.add_argument("--tree", default=None, help='a token tree instead of a K-chain, e.g. "dynamic:3,3,8"')
+    ap.add_argument("--tree", nargs="+", default=None, metavar="SPEC",
+                    help='token trees instead of a K-chain, e.g. "dynamic:3,3,8" ("chain": the K-chain); '
+                         'several: each drafter on each')
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rule", default="speculative_sampling")
     ap.add_argument("--seed", type=int, default=0)
@@ -61,36 +66,38 @@ def main(argv=None):
     drafters = dict(args.drafters)
     if len(drafters) < len(args.drafters):
         ap.error("--drafters: each label once")
-    if args.lookup and args.tree:
-        ap.error("--lookup drafts chains: drop --tree")
+    if args.lookup and "chain" not in (args.tree or ["chain"]):
+        ap.error("--lookup drafts chains: add \"chain\" to --tree, or drop --tree")
     try:
         lookups = {m: specjax.drafting.ngram_lookup(m) for m in args.lookup}
     except ValueError as e:
         ap.error(f"--lookup: {e}")
-    shape_kw = dict(num_draft=args.num_draft)
-    if args.tree:
-        from specjax.trees import parse_tree
+    from specjax.trees import parse_tree
 
+    shapes = {}
+    for spec in args.tree or ["chain"]:
         try:
-            shape_kw = dict(tree=parse_tree(args.tree))
+            shapes[spec] = dict(num_draft=args.num_draft) if spec == "chain" else dict(tree=parse_tree(spec))
         except ValueError as e:
             ap.error(str(e))
 
     report = common.Report(f"acceptance on held-out chat prompts: SmolLM2-135M-Instruct + {' / '.join(drafters)}")
     target = specjax.load(TARGET, dtype=args.dtype)
-    pairs = {d: (specjax.pair(target, specjax.load(path, dtype=args.dtype)), None) for d, path in drafters.items()}
-    pairs.update({f"{d}+lookup{m}": (pairs[d][0], lk) for d in drafters for m, lk in lookups.items()})
+    loaded = {d: specjax.pair(target, specjax.load(path, dtype=args.dtype)) for d, path in drafters.items()}
+    label = lambda d, spec: d if len(shapes) == 1 else f"{d} @ {spec}"  # noqa: E731
+    pairs = {label(d, spec): (loaded[d], None, kw) for d in drafters for spec, kw in shapes.items()}
+    pairs.update({f"{d}+lookup{m}": (loaded[d], lk, shapes["chain"]) for d in drafters for m, lk in lookups.items()})
     texts = [r["prompt"] for r in common.read_jsonl(CHAT)][: args.prompts]
     prompts = [specjax.encode_chat(target, t) for t in texts]
     eos = tuple(target.module.config.eos_token_ids)
     rule = parse_rule(args.rule)
-    shape = args.tree or f"K={args.num_draft} chain"
+    shape = " / ".join(f"K={args.num_draft} chain" if s == "chain" else s for s in shapes)
     report.text(f"{args.dtype}, {shape}, rule {args.rule}, {len(prompts)} prompts in batches of {args.batch}, up to "
                 f"{args.max_new_tokens} new tokens, EOS {eos}; drafters: "
                 + ", ".join(f"{d} = {p}" for d, p in drafters.items()))
     for temperature in args.temperatures:
         rows, first_tau, first_seq = [], None, None
-        for label, (pair, lookup) in pairs.items():
+        for name, (pair, lookup, shape_kw) in pairs.items():
             parts = []
             for i in range(0, len(prompts), args.batch):
                 out = specjax.decode(pair, prompts[i:i + args.batch], rule=rule, max_new_tokens=args.max_new_tokens,
@@ -105,7 +112,7 @@ def main(argv=None):
             diff = per_seq - first_seq  # paired by prompt: at T=0 the same text, so acceptance alone
             paired = "-" if np.ptp(diff) == 0 else f"{diff.mean():+.3f} +- {diff.std(ddof=1) / np.sqrt(len(diff)):.3f}"
             slots = " / ".join(f"{a:.3f}" for a in stats.acceptance_at_position)
-            rows.append([label, f"{tau:.3f}", f"{per_seq.std(ddof=1) / np.sqrt(len(per_seq)):.3f}", paired,
+            rows.append([name, f"{tau:.3f}", f"{per_seq.std(ddof=1) / np.sqrt(len(per_seq)):.3f}", paired,
                          f"{int(np.sum(diff > 0))} / {int(np.sum(diff < 0))}",
                          f"{stats.acceptance_rate:.3f}", slots, f"{tau / first_tau:.3f}",
                          f"{np.sum(stats.copied) / max(np.sum(stats.drafted), 1):.3f} / "

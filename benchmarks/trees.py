@@ -5,13 +5,17 @@
     python benchmarks/trees.py --pair smollm2-eagle # the real target with its EAGLE-style head
     python benchmarks/trees.py --batch 1 4 --trees "2,2,1;3,1,1;4,2"
     python benchmarks/trees.py --trees "2,2,1" --dynamic "3,3,10;4,4,16"   # + EAGLE-2 dynamic trees
+    python benchmarks/trees.py --trees "" --dynamic-sampled "3,3,8" --dynamic-topk "3,3,8" --temperatures 1
 
 Contenders per (batch, temperature): target-only ``generate``, a chain of
 ``--num-draft`` tokens and each tree of ``--trees`` (branching per depth), all
 with ``--rule`` (default the lossless one; every rule runs on trees). All
 programs compile first; then the contenders alternate over the prompt groups
 ``--rounds`` times; medians and per-round tok/s ratios against target-only.
-``--dynamic`` adds dynamic (EAGLE-2) trees, each ``depth,top_k,num_nodes``.
+``--dynamic`` adds dynamic (EAGLE-2) trees, each ``depth,top_k,num_nodes``
+(at T > 0 their children are drawn for the lossless rule, the draft's top-k for
+others); ``--dynamic-sampled`` / ``--dynamic-topk`` fix that choice
+(``sampled=True`` / ``False``).
 ``nodes`` is how many tokens a tree's target forward verifies (a chain: K + 1).
 """
 
@@ -55,6 +59,8 @@ def main() -> None:
     ap.add_argument("--num-draft", type=int, default=3)
     ap.add_argument("--trees", default="2,2,1;3,1,1;2,1,1")
     ap.add_argument("--dynamic", default="", help='dynamic trees "depth,top_k,num_nodes;...", e.g. "3,3,10"')
+    ap.add_argument("--dynamic-sampled", default="", help="dynamic trees with sampled=True, as --dynamic")
+    ap.add_argument("--dynamic-topk", default="", help="dynamic trees with sampled=False, as --dynamic")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -70,6 +76,9 @@ def main() -> None:
     trees = {f"tree {t}": static_tree(tuple(int(x) for x in t.split(","))) for t in args.trees.split(";") if t}
     for t in filter(None, args.dynamic.split(";")):
         trees[f"dynamic {t}"] = dynamic_tree(*(int(x) for x in t.split(",")))
+    for kind, specs, sampled in (("sampled", args.dynamic_sampled, True), ("topk", args.dynamic_topk, False)):
+        for t in filter(None, specs.split(";")):
+            trees[f"dynamic-{kind} {t}"] = dynamic_tree(*(int(x) for x in t.split(",")), sampled=sampled)
     for batch in args.batch:
         prompts = prompts_of(max(args.prompts, batch))
         groups = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
