@@ -264,7 +264,8 @@ def main(path: str) -> None:
 
 def trees_on_mesh(pair, prompts, key, spy, weights, caches) -> dict:
     """Token trees on a tensor-parallel mesh (2, 4): a static tree greedy and a
-    dynamic tree sampled with MARS, against one device; their programs' HLO."""
+    dynamic tree sampled with MARS (children drawn from the draft's sharded
+    logits), against one device; their programs' HLO."""
     from specjax.rules import mars
     from specjax.trees import dynamic_tree, static_tree
 
@@ -272,8 +273,8 @@ def trees_on_mesh(pair, prompts, key, spy, weights, caches) -> dict:
     target = sharding.shard_params(pair.target, mesh)
     out = {}
     for name, kw in (("static_greedy", dict(tree=static_tree((2, 2)), temperature=0.0)),
-                     ("dynamic_mars_t1", dict(tree=dynamic_tree(2, 2, 3), temperature=1.0, rule=mars(0.5),
-                                              key=key))):
+                     ("dynamic_mars_t1", dict(tree=dynamic_tree(2, 2, 3, sampled=True), temperature=1.0,
+                                              rule=mars(0.5), key=key))):
         ref = specjax.decode(pair, prompts, max_new_tokens=NEW, **kw)
         got = specjax.decode(pair.replace(target=target), prompts, max_new_tokens=NEW, mesh=mesh, **kw)
         out[name] = {"match": got.to_lists() == ref.to_lists(), "tau": float(got.stats.tau),
