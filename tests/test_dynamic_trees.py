@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax._src import sampling
 from specjax._src import trees as trees_lib
 from specjax._src.calls import _Config
 from specjax._src.cycle import _initial_state
@@ -38,6 +39,15 @@ from test_tree_decode import tree_two_token_counts
 def head_pair(llama_pair):
     target = llama_pair.target
     return specjax.pair(target, specjax.heads.init_from_target(target, jax.random.key(1), np.arange(80)[::-1]))
+
+
+@pytest.fixture
+def fresh_programs():
+    """For a test that patches the engine: its programs are traced afresh, and
+    dropped afterwards, so no later test reuses a program built patched."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
 
 
 PROMPTS = random_prompts(21, 50, 96, 14)
@@ -262,18 +272,18 @@ def test_dynamic_tree_sampling_is_lossless_bigram(bigram_pair, temperature, top_
     assert tv < 0.03
 
 
-def test_the_statistic_rejects_a_wrong_point_mass_residual(bigram_pair, monkeypatch):
+def test_the_statistic_rejects_a_wrong_point_mass_residual(bigram_pair, monkeypatch, fresh_programs):
     """Negative control: after a rejected child, keep p as it was (the child
     may come back) instead of p without it: the law is off, and the test sees it."""
     monkeypatch.setattr(trees_lib, "_without_or_same", lambda p, token: p)
     table = np.asarray(bigram_pair.target.params["table"])
     expected = exact_two_token_distribution(table, 3, 1.0, None, None)
-    counts = tree_two_token_counts(bigram_pair, dynamic_tree(2, 3, 5, sampled=False), 1.0)  # traced patched
+    counts = tree_two_token_counts(bigram_pair, dynamic_tree(2, 3, 5, sampled=False), 1.0)
     pvalue, tv = goodness_of_fit(counts, expected)
     assert pvalue < 1e-6 and tv > 0.05, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
 
 
-def test_the_statistic_rejects_a_tree_shaped_by_its_draws(bigram_pair, monkeypatch):
+def test_the_statistic_rejects_a_tree_shaped_by_its_draws(bigram_pair, monkeypatch, fresh_programs):
     """Negative control: score each sampled child by its own ``log q`` (EAGLE-2's
     score, read off the drawn token) instead of its slot's: a low draw is then
     dropped from the verified tree more often than a likely one, the verified
@@ -282,7 +292,7 @@ def test_the_statistic_rejects_a_tree_shaped_by_its_draws(bigram_pair, monkeypat
                         lambda log_q, children, sampled: jnp.take_along_axis(log_q, children, axis=-1))
     table = np.asarray(bigram_pair.target.params["table"])
     expected = exact_two_token_distribution(table, 3, 1.0, None, None)
-    counts = tree_two_token_counts(bigram_pair, dynamic_tree(2, 3, 4), 1.0)  # a fresh program, traced patched
+    counts = tree_two_token_counts(bigram_pair, dynamic_tree(2, 3, 4), 1.0)
     pvalue, tv = goodness_of_fit(counts, expected)
     print(f"\ndraw-shaped tree: chi-square p={pvalue:.2e}, TV={tv:.4f}")
     assert pvalue < 1e-6, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
@@ -319,12 +329,41 @@ def test_a_sampled_trees_shape_never_reads_its_draws():
     assert len(seen) == 6  # the draws differ; the shape does not
 
 
-def test_dynamic_tree_sampling_with_a_head_is_lossless():
+@pytest.mark.parametrize("depth, k, m", [(3, 3, 6), (4, 2, 9)])
+def test_each_node_keeps_the_distribution_its_children_were_drawn_from(depth, k, m):
+    """A bigram draft (its distribution follows the node's token), top-k 2
+    warping: every node with children carries the warped row of its own token,
+    at every depth, and no kept child is a zero-mass filler (each node has
+    only 2 tokens with mass for its ``k`` slots; fillers rank last)."""
+    vocab, top_k = 12, 2
+    table = np.asarray(random_table(7, vocab)) * 2.0
+    pair = specjax.pair(bigram_model(random_table(8, vocab)), bigram_model(table))
+    tree = dynamic_tree(depth, k, m)
+    prompts = [[1, 4, 7], [2, 9], [5], [3, 3]]
+    cfg, _, state = _state(pair, tree, prompts)
+    cfg = cfg._replace(greedy=False, top_k=top_k)
+    warped = np.asarray(jax.nn.softmax(sampling.warp_logits(jnp.asarray(table), 1.0, top_k), -1))
+    draw = jax.jit(lambda s, key: _draft_dynamic(cfg, tree, pair, s, need_logits=False, sampled=True,
+                                                 draft_keys=jax.random.split(key, len(prompts)))[0])
+    for seed in range(4):
+        drafts = draw(state, jax.random.key(seed))
+        tokens, parents = np.asarray(drafts.tokens), np.asarray(drafts.parents)
+        probs, fed = np.asarray(drafts.probs), np.asarray(drafts.fed)
+        for b in range(len(prompts)):
+            for j in range(1, m + 1):
+                assert warped[tokens[b, parents[b, j]], tokens[b, j]] > 0, "a zero-mass filler was kept"
+            has_children = np.isin(np.arange(m + 1), parents[b, 1:])
+            assert (fed[b][has_children] >= 0).all()
+            np.testing.assert_allclose(probs[b][has_children], warped[tokens[b][has_children]], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("sampled", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_dynamic_tree_sampling_with_a_head_is_lossless(sampled):
     """The target's tree attention with traced parents, on a real decoder: the
     first two tokens' joint law against exact enumeration (vocabulary 16)."""
     vocab, prompt, samples = 16, [5, 3], 20000
     pair = _small_head_pair(vocab)
-    counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, tree=dynamic_tree(2, 3, 6),
+    counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, tree=dynamic_tree(2, 3, 6, sampled=sampled),
                                         key=jax.random.key(8))
     pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(pair.target, prompt, vocab))
     # TV of an exact sampler at 20000 draws over these 256 cells: about 0.045.

@@ -299,8 +299,9 @@ def decode(
         with tree attention (both models must support trees, as the built-in
         decoders and feature heads do). The lossless rule: greedy (output
         identical to the target's greedy output) or exact sampling (children
-        drawn without replacement, recursive rejection sampling); every other
-        rule, greedy or sampling (see :mod:`specjax.trees`). The drafting
+        drawn without replacement, recursive rejection sampling; a
+        ``sampled=False`` dynamic tree's top-k children as point masses);
+        every other rule, greedy or sampling (see :mod:`specjax.trees`). The drafting
         policy is the tree's shape, and ``num_draft`` is its depth.
       lookup: ``specjax.drafting.ngram_lookup()`` to copy drafts from the
         context: where a sequence's last ``min_match``..``max_match`` tokens

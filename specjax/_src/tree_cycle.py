@@ -22,14 +22,15 @@ tree of draft tokens in place of a chain:
 
 A dynamic tree (:class:`specjax._src.trees.DynamicTree`, EAGLE-2) is drafted
 by :func:`_draft_dynamic` instead: ``depth`` draft forwards, each over the
-``top_k`` frontier nodes of best cumulative draft log-probability with traced
-per-sequence tree parents, then a rerank keeps the ``num_kept`` best
-candidates. When sampling, the children are drawn without replacement as
-a static tree's are, and ranked by slot scores that never read a drawn
-token's own probability (:func:`specjax._src.trees.slot_scores`), so the
-recursive rejection sampling stays exact; with ``sampled=False`` (by
-default for relaxed rules) they are the top-k, point-mass drafts. The target verifies that traced tree
-(:func:`specjax._src.trees.verify_dynamic_tree`).
+``top_k`` best-scored frontier nodes with traced per-sequence tree parents,
+then a rerank keeps the ``num_kept`` best candidates. Greedy, the children
+are the draft's top-k and the scores EAGLE-2's cumulative draft
+log-probabilities. Sampling, the children are drawn without replacement as a
+static tree's are, and ranked by slot scores that never read a drawn token's
+own probability (:func:`specjax._src.trees.slot_scores`), so the recursive
+rejection sampling stays exact; with ``sampled=False`` (by default for
+relaxed rules) they are the top-k, point-mass drafts. The target verifies
+that traced tree (:func:`specjax._src.trees.verify_dynamic_tree`).
 
 Node ``j`` of the tree sits in cache slot ``start + j`` with ``start =
 num_committed - 1``, the root's own slot, in both caches (a dynamic tree's
@@ -254,9 +255,14 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
             probs = jax.nn.softmax(_warp(cfg, raw, temperature, top_p), axis=-1)
             kids = jax.vmap(jax.vmap(sample_children, in_axes=(0, 0, None)), in_axes=(0, 0, None))(level_keys, probs, k)
             fed_probs.append(probs)
-        else:
-            kids = sampling.top_indices(raw, k)
-        return kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids, sampled=sampled)
+            scores = slot_scores(jax.nn.log_softmax(raw, axis=-1), kids, sampled=True)
+            # Slots past the tokens top-k / top-p left with mass hold zero-mass
+            # fillers the walk skips: rank them last so they take no kept or
+            # frontier place (a function of q alone, so still exact).
+            has_mass = jnp.arange(k) < (probs > 0).sum(-1, keepdims=True)
+            return kids, jnp.where(has_mass, scores, -jnp.inf)
+        kids = sampling.top_indices(raw, k)
+        return kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids, sampled=False)
 
     kids, scores = children(raw0[:, None], 0)  # level 1, all of it the first frontier
     kids, scores = kids[:, 0], scores[:, 0]
@@ -392,22 +398,22 @@ def _tree_cycle(
             node_parents = np.asarray(tree.parents[1:], np.int32)
             parent_logits = drafts.logits[:, node_parents]
         child_draft_logits = jnp.concatenate([parent_logits[:, :1], parent_logits], axis=1)
-    sampled = (drafts.tokens, target_logits, target_probs) + (() if dynamic else (drafts.probs,)) + (
+    walk_inputs = (drafts.tokens, target_logits, target_probs) + (() if dynamic else (drafts.probs,)) + (
         uniforms, emit_uniform)
     if relaxed and cfg.greedy:
         node_accept, node_fix, node_code = _rule_on_nodes(rule, drafts.tokens, node_parents, parent_logits,
                                                           target_logits, target_probs, hidden, state.rule_state)
         verdict = jax.vmap(lambda shape, a, fix, *xs: walk(*shape, *xs, greedy=True, node_accept=a,
                                                               node_correction=fix))(
-            shape_args, node_accept, node_fix, *sampled)
+            shape_args, node_accept, node_fix, *walk_inputs)
     elif relaxed:
         judge_data = (target_logits, child_draft_logits, hidden, state.rule_state)
         verdict = jax.vmap(lambda shape, data, *xs: walk(*shape, *xs, greedy=False,
                                                          judge=functools.partial(_judge_child, rule),
-                                                         judge_data=data))(shape_args, judge_data, *sampled)
+                                                         judge_data=data))(shape_args, judge_data, *walk_inputs)
         node_code = verdict.path_codes
     else:
-        verdict = jax.vmap(lambda shape, *xs: walk(*shape, *xs, greedy=cfg.greedy))(shape_args, *sampled)
+        verdict = jax.vmap(lambda shape, *xs: walk(*shape, *xs, greedy=cfg.greedy))(shape_args, *walk_inputs)
     n = verdict.num_accepted
     target_bad = sampling.nonfinite_rows(raw).any(1)
     new_bad = jnp.where(~done & drafts.bad, 2, jnp.where(~done & target_bad, 1, 0)).astype(jnp.int32)

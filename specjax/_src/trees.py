@@ -330,7 +330,9 @@ def verify_dynamic_tree(
         ``parents[j] < j``).
       tokens, target_logits, target_probs, uniforms, emit_uniform,
         node_accept, node_correction, judge, judge_data: as for
-        :func:`verify_tree` (a judge sees each child as a point-mass draft).
+        :func:`verify_tree` (a judge sees each child as a point-mass draft
+        without ``draft_probs``, and what the earlier siblings left of ``q``
+        with them).
       depth: static, the tree's largest possible depth.
       width: static, the most children a node has (``top_k``).
       greedy: static; True at temperature 0.
@@ -346,8 +348,9 @@ def verify_dynamic_tree(
 def _walk(table, depth, tokens, target_logits, target_probs, draft_probs, uniforms, emit_uniform, *, greedy,
           node_accept, node_correction, judge=None, judge_data=None) -> TreeVerdict:
     """The walk down a tree given its children ``table [N, C]`` (static or
-    traced). ``draft_probs=None``: the children are point masses (a dynamic
-    tree's), else drawn from ``draft_probs`` without replacement.
+    traced). ``draft_probs=None``: the children are point masses (a
+    ``sampled=False`` dynamic tree's), else drawn from ``draft_probs``
+    without replacement.
 
     With a ``judge`` (a relaxed rule when sampling), child ``i`` of a node is
     accepted iff the judge accepts it given ``(p_i, q_i)``, and a rejection
