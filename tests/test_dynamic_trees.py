@@ -71,6 +71,19 @@ def test_top_ranked_breaks_ties_by_index_and_counts_nan_as_minus_inf():
     np.testing.assert_array_equal(np.asarray(top_ranked(scores[None], 6))[0], [1, 2, 4, 0, 3, 5])
 
 
+def test_slot_scores_read_q_not_the_draws():
+    log_q = jnp.log(jnp.asarray([0.1, 0.5, 0.15, 0.25]))
+    drawn = jnp.asarray([2, 0, 3])  # a draw order that is not q's ranking
+    np.testing.assert_allclose(np.asarray(trees_lib.slot_scores(log_q, drawn)), np.asarray(log_q)[[2, 0, 3]])
+    full = jnp.exp(log_q)
+    np.testing.assert_allclose(np.asarray(trees_lib.slot_scores(log_q, drawn, full)), np.log([0.5, 0.25, 0.15]),
+                               rtol=1e-6)
+    top2 = jnp.asarray([0.0, 0.6, 0.0, 0.4])  # warping left two tokens with mass: the third slot ranks last
+    scores = np.asarray(trees_lib.slot_scores(log_q, drawn, top2))
+    np.testing.assert_allclose(scores[:2], np.log([0.5, 0.25]), rtol=1e-6)
+    assert scores[2] == -np.inf
+
+
 def test_rerank_keeps_a_subtree_in_drafting_order():
     # candidates (drafting order): score, parent candidate (-1: the root)
     scores = jnp.asarray([-0.1, -0.5, -0.3, -0.5, -0.9, -0.35])
@@ -289,7 +302,7 @@ def test_the_statistic_rejects_a_tree_shaped_by_its_draws(bigram_pair, monkeypat
     dropped from the verified tree more often than a likely one, the verified
     children are no longer draws from ``q``, and the law is off."""
     monkeypatch.setattr(tree_cycle, "slot_scores",
-                        lambda log_q, children, sampled: jnp.take_along_axis(log_q, children, axis=-1))
+                        lambda log_q, children, draw_probs=None: jnp.take_along_axis(log_q, children, axis=-1))
     table = np.asarray(bigram_pair.target.params["table"])
     expected = exact_two_token_distribution(table, 3, 1.0, None, None)
     counts = tree_two_token_counts(bigram_pair, dynamic_tree(2, 3, 4), 1.0)
@@ -389,6 +402,8 @@ def test_clear_errors(llama_pair):
         specjax.decode(llama_pair, PROMPTS[:2], tree=DynamicTree(1, 97, 3), temperature=0.0)
     with pytest.raises(ValueError, match="num_draft=4 but the tree's depth is 3"):
         specjax.decode(llama_pair, PROMPTS[:2], tree=dynamic_tree(3, 2, 4), num_draft=4, temperature=0.0)
+    with pytest.raises(TypeError, match="sampled must be True, False or None"):
+        specjax.decode(llama_pair, PROMPTS[:2], tree=DynamicTree(2, 2, 3, "yes"), temperature=1.0)
     with pytest.raises(TypeError, match="DynamicTree"):
         specjax.decode(llama_pair, PROMPTS[:2], tree=(3, 2, 4), temperature=0.0)
     assert hash(dynamic_tree(3, 2, 4)) == hash(dynamic_tree(np.int64(3), 2, 4))

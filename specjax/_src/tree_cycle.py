@@ -255,14 +255,9 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
             probs = jax.nn.softmax(_warp(cfg, raw, temperature, top_p), axis=-1)
             kids = jax.vmap(jax.vmap(sample_children, in_axes=(0, 0, None)), in_axes=(0, 0, None))(level_keys, probs, k)
             fed_probs.append(probs)
-            scores = slot_scores(jax.nn.log_softmax(raw, axis=-1), kids, sampled=True)
-            # Slots past the tokens top-k / top-p left with mass hold zero-mass
-            # fillers the walk skips: rank them last so they take no kept or
-            # frontier place (a function of q alone, so still exact).
-            has_mass = jnp.arange(k) < (probs > 0).sum(-1, keepdims=True)
-            return kids, jnp.where(has_mass, scores, -jnp.inf)
+            return kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids, probs)
         kids = sampling.top_indices(raw, k)
-        return kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids, sampled=False)
+        return kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids)
 
     kids, scores = children(raw0[:, None], 0)  # level 1, all of it the first frontier
     kids, scores = kids[:, 0], scores[:, 0]

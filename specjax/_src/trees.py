@@ -529,20 +529,30 @@ def dynamic_tree(depth: int, top_k: int, num_nodes: int, *, sampled: bool | None
     return tree
 
 
-def slot_scores(log_q: Array, children: Array, *, sampled: bool) -> Array:
+def slot_scores(log_q: Array, children: Array, draw_probs: Array | None = None) -> Array:
     """``[..., k]`` the score each of a node's ``k`` child slots adds to its
-    node's: the ``i``-th largest ``log_q[..., V]`` for slot ``i`` when the
-    ``children [..., k]`` were sampled, ``log_q`` at each child when they are
-    the draft's top-k (the same values, read without a second top-k pass).
+    node's, from the draft's ``T = 1`` log-probabilities ``log_q [..., V]``.
+
+    ``draw_probs=None``: the ``children [..., k]`` are the draft's top-k, and
+    slot ``i`` scores ``log_q`` at its child (EAGLE-2's score). Else they were
+    drawn without replacement from ``draw_probs [..., V]`` and slot ``i``
+    scores the ``i``-th largest ``log_q``, or ``-inf`` when ``draw_probs``
+    has mass on fewer than ``i + 1`` tokens (top-k / top-p leave such slots a
+    zero-mass filler the walk skips; ranked last, it takes no kept or
+    frontier place).
 
     When sampling, a slot's score must not depend on the token it drew: the
     rerank and the frontier compare scores, and a child kept because its
     own draw was likely would no longer be a draw from ``q`` (the recursive
-    rejection sampling would then not be exact).
+    rejection sampling would then not be exact). Both rules above read ``q``
+    alone.
     """
-    if sampled:
-        children = sampling.top_indices(log_q, children.shape[-1])
-    return jnp.take_along_axis(log_q, children, axis=-1)
+    k = children.shape[-1]
+    if draw_probs is None:
+        return jnp.take_along_axis(log_q, children, axis=-1)
+    scores = jnp.take_along_axis(log_q, sampling.top_indices(log_q, k), axis=-1)
+    has_mass = jnp.arange(k) < (draw_probs > 0).sum(-1, keepdims=True)
+    return jnp.where(has_mass, scores, -jnp.inf)
 
 
 def top_ranked(scores: Array, k: int) -> Array:
