@@ -98,8 +98,11 @@ def test_greedy_with_lookup_is_target_greedy(pairs, drafter):
     assert int(np.sum(plain.stats.copied)) == 0 and "copied=" not in str(plain.stats)
 
 
-@pytest.mark.parametrize("rule,num_draft", [(speculative_sampling(), 3), (block_verification(), 3),
-                                             (speculative_sampling(), 2)], ids=["ss", "block", "ss-all-copied"])
+# Every slot copied (K = 2) is slow-only: [ss] runs the same rule with copied and drafted slots.
+@pytest.mark.parametrize("rule,num_draft", [pytest.param(speculative_sampling(), 3, id="ss"),
+                                             pytest.param(block_verification(), 3, id="block"),
+                                             pytest.param(speculative_sampling(), 2, id="ss-all-copied",
+                                                          marks=pytest.mark.slow)])
 def test_lossless_sampling_with_copied_drafts_follows_the_target(rule, num_draft):
     """K=3: two copies, then the head's own draft; K=2: both slots are copies
     and the head runs no forward after its first."""

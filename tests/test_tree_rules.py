@@ -113,9 +113,12 @@ def test_mars_first_token_law_on_a_tree(bigram_pair, kind):
     assert tv < 0.02
 
 
-@pytest.mark.parametrize("limit, tree", [("mars", STATIC), ("mars", DRAWN), ("mars", TOPK), ("ears", STATIC),
-                                         ("pad", DRAWN)],
-                         ids=["mars-static", "mars-dynamic", "mars-dynamic-topk", "ears-static", "pad-dynamic"])
+# MARS on a static tree is slow-only: EARS covers the static tree's collapse.
+@pytest.mark.parametrize("limit, tree", [pytest.param("mars", STATIC, id="mars-static", marks=pytest.mark.slow),
+                                         pytest.param("mars", DRAWN, id="mars-dynamic"),
+                                         pytest.param("mars", TOPK, id="mars-dynamic-topk"),
+                                         pytest.param("ears", STATIC, id="ears-static"),
+                                         pytest.param("pad", DRAWN, id="pad-dynamic")])
 def test_relaxed_rules_sampling_on_trees_collapse_to_lossless(llama_pair, tree, limit):
     from test_pad import constant_head
 
