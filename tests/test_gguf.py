@@ -56,8 +56,9 @@ def hf_tensors(cfg, params) -> dict[str, np.ndarray]:
 
 
 def write_gguf(path, cfg, params, *, qtype=gguf.GGMLQuantizationType.F32, tokenizer=True,
-               arch="llama", pre="smollm"):
-    """Writes ``params`` as llama.cpp would: q/k rows permuted, 2-D weights in ``qtype``."""
+               arch="llama", pre="smollm", rope_freqs=None):
+    """Writes ``params`` as llama.cpp would: q/k rows permuted, 2-D weights in ``qtype``;
+    ``rope_freqs`` ``[head_dim / 2]``: llama.cpp's per-dimension frequency divisors."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -95,6 +96,8 @@ def write_gguf(path, cfg, params, *, qtype=gguf.GGMLQuantizationType.F32, tokeni
             writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(_gguf_name(name), w)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -218,6 +221,33 @@ def test_bad_gguf_files_get_clear_errors(tmp_path):
         specjax.load(tmp_path / "weights.bin")
     with pytest.raises(ValueError, match=r"does not exist.*known model name"):
         specjax.load(tmp_path / "missing")
+
+
+def test_rope_frequency_factors_are_refused_unless_all_ones(tmp_path):
+    """llama.cpp's Llama-3.1 rope scaling lives in a rope_freqs tensor: ignoring it
+    would rotate with the wrong frequencies, so only the no-op all-ones form loads."""
+    cfg, params = _model(tie=True)
+    half = cfg.head_dim // 2
+    write_gguf(tmp_path / "ones.gguf", cfg, params, tokenizer=False, rope_freqs=np.ones(half))
+    _assert_same_params(specjax.load(tmp_path / "ones.gguf").params, params, rtol=0, atol=0)
+    scaled = np.where(np.arange(half) < half // 2, 1.0, 8.0)
+    write_gguf(tmp_path / "scaled.gguf", cfg, params, tokenizer=False, rope_freqs=scaled)
+    with pytest.raises(ValueError, match=r"scales its rotary frequencies per dimension.*Hugging Face"):
+        specjax.load(tmp_path / "scaled.gguf")
+
+
+def test_an_unknown_pre_tokenizer_is_named(tmp_path):
+    """Another pre-tokenizer regex splits text differently: refused, not read as GPT-2's."""
+    cfg, params = _model(tie=True)
+    pieces = {}
+    for pre in ("gpt-2", "smollm"):
+        write_gguf(tmp_path / f"{pre}.gguf", cfg, params, pre=pre)
+        split = specjax.load(tmp_path / f"{pre}.gguf").tokenizer.pre_tokenizer.pre_tokenize_str("x 123")
+        pieces[pre] = [piece for piece, _ in split]
+    assert pieces == {"gpt-2": ["x", "\u0120123"], "smollm": ["x", "\u0120", "1", "2", "3"]}
+    write_gguf(tmp_path / "tekken.gguf", cfg, params, pre="tekken")
+    with pytest.raises(ValueError, match=r"pre-tokenizer 'tekken'.*does not know"):
+        specjax.load(tmp_path / "tekken.gguf")
 
 
 def test_unknown_model_name_and_missing_package(monkeypatch):

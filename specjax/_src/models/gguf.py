@@ -39,6 +39,9 @@ _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_
 # Vocabularies trained with single-digit pre-splitting before GPT-2's regex
 # (SmolLM's tokenizer.json: Digits(individual_digits=True), ByteLevel).
 _DIGIT_SPLIT = ("smollm", "starcoder")
+# Pre-tokenizers that are GPT-2's own regex ("default": files written before
+# llama.cpp recorded one, which it reads the same way).
+_GPT2_SPLIT = ("default", "gpt-2", "gpt2")
 
 
 class GGUFCheckpoint(NamedTuple):
@@ -122,6 +125,7 @@ def _config(reader, path: str) -> dict:
             f"GGUF file {path} uses rope scaling {scaling!r}, which specjax's GGUF reader does "
             "not map; convert the original Hugging Face checkpoint instead."
         )
+    _check_rope_freqs(reader, path)
     if arch == "qwen2":
         cfg["attention_bias"] = True
     elif arch == "llama":
@@ -192,6 +196,19 @@ def _dequantize(gguf, tensor, path: str) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
+def _check_rope_freqs(reader, path: str) -> None:
+    """llama.cpp stores Llama-3.1-style rope scaling as per-dimension frequency
+    divisors (a ``rope_freqs.weight`` tensor), not as ``rope.scaling`` metadata;
+    ignoring them would rotate long-range dimensions at the wrong frequencies."""
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight" and not np.all(np.asarray(tensor.data, np.float32) == 1.0):
+            raise ValueError(
+                f"GGUF file {path} scales its rotary frequencies per dimension (a rope_freqs.weight "
+                "tensor, llama.cpp's form of Llama-3.1 rope scaling), which specjax's GGUF reader does "
+                "not map; load the original Hugging Face checkpoint, whose config.json gives rope_scaling."
+            )
+
+
 def _tensor_iter(reader, cfg: dict, path: str):
     gguf = _require_gguf()
     arch = cfg["model_type"]
@@ -201,7 +218,7 @@ def _tensor_iter(reader, cfg: dict, path: str):
         for tensor in reader.tensors:
             name = _hf_name(tensor.name)
             if name is None:
-                if tensor.name in ("rope_freqs.weight",):
+                if tensor.name == "rope_freqs.weight":  # all ones: no scaling (checked in read_gguf)
                     continue
                 yield tensor.name, (lambda: None), tuple(int(d) for d in reversed(tensor.shape))
                 continue
@@ -231,6 +248,14 @@ def _byte_level_tokenizer(reader, path: str):
         raise ValueError(f"GGUF file {path} has an inconsistent BPE vocabulary/merges: {e}") from e
     tokenizer = Tokenizer(bpe)
     pre = _field(reader, "tokenizer.ggml.pre", "default")
+    known = (*_SPLITS, *_DIGIT_SPLIT, *_GPT2_SPLIT)
+    if pre not in known:
+        # Another regex would split text into other pieces, so every id sequence could differ.
+        raise ValueError(
+            f"GGUF file {path} uses the pre-tokenizer {pre!r}, which specjax's GGUF reader does not "
+            f"know (known: {', '.join(known)}); load the original Hugging Face checkpoint, whose "
+            "tokenizer.json says how to split text."
+        )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
     if pre in _SPLITS:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
