@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import pathlib
 import sys
 from typing import Optional, Sequence
 
@@ -121,6 +122,17 @@ def _read(src: str, dtype: Optional[str]):
     return loading.load(src, dtype)
 
 
+def _check_out_spares_src(src: str, out: str) -> None:
+    """Replacing OUT deletes what is in it, so OUT must not be SRC or hold it
+    (``--force`` included: the source would be gone before it is read)."""
+    src_path, out_path = pathlib.Path(src).resolve(), pathlib.Path(out).resolve()
+    if out_path == src_path or out_path in src_path.parents:
+        raise ValueError(
+            f"the output {out} is the source {src} or a directory that holds it, and writing it would "
+            "delete the source; choose an OUT outside the source."
+        )
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from specjax._src.models import loading, manifest
@@ -136,6 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"ok: {count} files of {args.dir} match {manifest.MANIFEST}")
             return 0
         # Refuse before the (possibly long) read, and again when writing.
+        _check_out_spares_src(args.src, args.out)
         loading.check_output_dir(args.out, args.force, flag="--force")
         if args.command == "to-orbax":
             if loading.is_orbax_dir(args.src):

@@ -106,6 +106,19 @@ def test_cli_refuses_an_output_that_is_a_file(tmp_path, src, capsys):
     assert out.read_text() == "x"
 
 
+@pytest.mark.parametrize("command", ["to-hf", "to-orbax"])
+@pytest.mark.parametrize("where", ["the source", "its parent"])
+def test_cli_force_never_replaces_the_source(tmp_path, command, where, capsys):
+    src = tmp_path / "ckpts" / "model"
+    export_hf(_model(0), str(src))
+    before = sorted(os.listdir(src))
+    out = src if where == "the source" else src.parent
+    assert convert([command, str(src), str(out), "--force"]) == 2
+    assert "would delete the source" in capsys.readouterr().err
+    assert sorted(os.listdir(src)) == before
+    _same(load(str(src)), _model(0))
+
+
 def test_cli_help_says_gguf_sources_and_force(capsys):
     with pytest.raises(SystemExit):
         convert(["--help"])
