@@ -365,10 +365,36 @@ def test_truncated_safetensors_names_the_file(tmp_path, hf_dirs):
 
 def test_invalid_shard_index_names_the_file(tmp_path, hf_dirs):
     d = _copy(hf_dirs["llama"][0], tmp_path / "m")
+    os.rename(os.path.join(d, "model.safetensors"), os.path.join(d, "model-00001-of-00001.safetensors"))
     index = os.path.join(d, "model.safetensors.index.json")
     open(index, "w").write('{"metadata": {}}')
     with pytest.raises(ValueError, match=rf"{index}.*weight_map"):
         load(d)
     open(index, "w").write('{"weight_map": ')
     with pytest.raises(ValueError, match=rf"{index} is not valid JSON"):
+        load(d)
+
+
+def test_a_single_file_wins_over_stale_shards_as_in_transformers(tmp_path, hf_dirs):
+    """model.safetensors beside an index and its shards: transformers loads the single
+    file, so specjax does too, and the stale shards change nothing."""
+    directory, torch_model = hf_dirs["llama"]
+    d = _copy(directory, tmp_path / "m")
+    stale = type(torch_model)(torch_model.config)  # other random weights, sharded into the same directory
+    stale.save_pretrained(tmp_path / "stale", max_shard_size="20KB")
+    for f in glob.glob(str(tmp_path / "stale" / "model*.safetensors*")):
+        shutil.copy(f, d)
+    assert os.path.exists(os.path.join(d, "model.safetensors.index.json"))
+    _same_params(load(d).params, load(directory).params)
+
+
+def test_a_tensor_in_two_weight_files_is_refused(tmp_path, hf_dirs):
+    """Without model.safetensors or an index every *.safetensors is read; a tensor
+    in two of them would otherwise be taken from whichever file sorts last."""
+    d = _copy(hf_dirs["llama"][0], tmp_path / "m")
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    os.rename(os.path.join(d, "model.safetensors"), os.path.join(d, "weights.safetensors"))
+    save_file({name: np.zeros_like(tensors[name])}, os.path.join(d, "zz-stale.safetensors"))
+    with pytest.raises(ValueError, match=rf"'{name}' appears more than once"):
         load(d)

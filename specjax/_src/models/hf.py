@@ -388,11 +388,16 @@ _PICKLE_PATTERNS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def find_weight_files(path: str) -> list[str]:
-    """The safetensors files of an HF directory (following a shard index).
+    """The safetensors files of an HF directory, in transformers' order of
+    preference: ``model.safetensors``, else the shards a
+    ``model.safetensors.index.json`` names, else every ``*.safetensors``.
 
     Raises:
       ValueError: no safetensors, with an explanation if pickle weights exist.
     """
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):  # as transformers does, so both load the same weights
+        return [single]
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         try:

@@ -193,10 +193,16 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
     specs = {s.hf_name: s for s in hf.tensor_specs(cfg)}
     target = jnp.dtype(cfg.dtype)
     params: dict = {}
-    unexpected = []
+    unexpected, seen = [], set()
     if progress is not None:
         tensors = progress(tensors, total=count)
     for name, read, shape in tensors:
+        if name in seen:  # otherwise whichever file is read last would win, silently
+            raise ValueError(
+                f"Tensor {name!r} appears more than once in {path}'s weight files; remove the "
+                "stale file (or the stale entry of the shard index) and load again."
+            )
+        seen.add(name)
         spec = specs.get(name)
         if spec is None:
             if not hf.is_ignored(name, cfg):
