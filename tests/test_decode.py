@@ -584,8 +584,11 @@ def test_bad_arguments_raise_clear_errors(bigram_pair):
     p = [[1, 2]]
     with pytest.raises(ValueError, match="num_draft"):
         specjax.decode(bigram_pair, p, num_draft=0, key=key)
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
-        specjax.decode(bigram_pair, p, temperature=-0.5, key=key)
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            specjax.decode(bigram_pair, p, temperature=bad, key=key)
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            specjax.generate(bigram_pair.target, p, temperature=bad, key=key)
     with pytest.raises(ValueError, match="top_k"):
         specjax.decode(bigram_pair, p, top_k=0, key=key)
     with pytest.raises(ValueError, match="top_p"):
@@ -617,6 +620,13 @@ def test_bad_arguments_raise_clear_errors(bigram_pair):
         specjax.decode(bigram_pair, p, rule="mars", key=key)
     with pytest.raises(ValueError, match="eos_token_id"):
         specjax.decode(bigram_pair, p, eos_token_id=99, key=key)
+    with pytest.raises(ValueError, match="flat list of ids"):
+        specjax.decode(bigram_pair, p, eos_token_id=[[1, 2]], key=key)
+    for bad in (True, float("nan"), 2.5):  # True is not token 1; nor is a float id
+        with pytest.raises(TypeError, match="integer token ids"):
+            specjax.decode(bigram_pair, p, eos_token_id=bad, key=key)
+    with pytest.raises(TypeError, match="prompt_lengths must hold integers"):
+        specjax.decode(bigram_pair, np.ones((1, 3), np.int32), prompt_lengths=[2.7], key=key)
 
 
 def test_length_limits():

@@ -107,6 +107,18 @@ def test_clear_errors(llama_pair, bigram_pair):
         specjax.decode(chain_only, [[1, 2]], tree=tree, temperature=0.0)
     # The chain protocol keeps working for that model.
     assert specjax.decode(chain_only, [[1, 2]], num_draft=2, max_new_tokens=4, temperature=0.0).tokens.shape == (1, 4)
+    # A node's children are distinct tokens: no more of them than the vocabulary has.
+    for temperature in (0.0, 1.0):
+        with pytest.raises(ValueError, match=f"a node has {VOCAB + 1} children, more than the vocabulary's {VOCAB}"):
+            specjax.decode(bigram_pair, [[1, 2]], tree=static_tree((VOCAB + 1,)), temperature=temperature,
+                           key=jax.random.key(0))
+    # Hand-built trees: parents breadth-first, root first, a tuple of ints (a jit static).
+    with pytest.raises(ValueError, match=r"node\(s\) \[1\] do not"):
+        specjax.decode(bigram_pair, [[1, 2]], tree=specjax.trees.TokenTree((-1, 5)), temperature=0.0)
+    with pytest.raises(ValueError, match=r"node\(s\) \[1\] do not"):
+        specjax.decode(bigram_pair, [[1, 2]], tree=specjax.trees.TokenTree((-1, -1, 0)), temperature=0.0)
+    with pytest.raises(TypeError, match="tuple of ints"):
+        specjax.decode(bigram_pair, [[1, 2]], tree=specjax.trees.TokenTree([-1, 0, 0]), temperature=0.0)
 
 
 @pytest.mark.parametrize("limit", [mars(1.0), top_m(1), additive(0.0)], ids=lambda r: str(r.spec))

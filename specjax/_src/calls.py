@@ -164,7 +164,10 @@ def _prepare_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[np.nd
         if prompt_lengths is None:
             lengths = np.full((arr.shape[0],), arr.shape[1], np.int64)
         else:
-            lengths = np.asarray(prompt_lengths).astype(np.int64).reshape(-1)
+            lengths = np.asarray(prompt_lengths)
+            if not np.issubdtype(lengths.dtype, np.integer):  # 2.7 would be cut to 2 silently
+                raise TypeError(f"prompt_lengths must hold integers, got dtype {lengths.dtype}.")
+            lengths = lengths.astype(np.int64).reshape(-1)
             if lengths.shape[0] != arr.shape[0]:
                 raise ValueError(
                     f"prompt_lengths has {lengths.shape[0]} entries for {arr.shape[0]} prompts."
@@ -209,10 +212,17 @@ def _eos_ids(eos_token_id, vocab_size: int, module=None) -> tuple[int, ...]:
     """``None``: the target's config decides (:func:`_config_eos`); ``()``: no EOS."""
     if eos_token_id is None:
         return () if module is None else _config_eos(module, vocab_size)
-    ids = (eos_token_id,) if np.ndim(eos_token_id) == 0 else tuple(np.asarray(eos_token_id).tolist())
+    ids = np.asarray(eos_token_id, dtype=object)
+    if ids.ndim > 1:
+        raise ValueError(f"eos_token_id must be an id or a flat list of ids, got {eos_token_id!r}.")
     out = []
-    for i in ids:
-        if int(i) != i or not 0 <= int(i) < vocab_size:
+    for i in ids.reshape(-1).tolist():
+        # bool is an int to Python, but True meaning token 1 is never what was meant.
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) and not (
+            isinstance(i, float) and i.is_integer()
+        ):
+            raise TypeError(f"eos_token_id must hold integer token ids, got {i!r}.")
+        if not 0 <= int(i) < vocab_size:
             raise ValueError(f"eos_token_id {i!r} is outside the vocabulary [0, {vocab_size}).")
         out.append(int(i))
     return tuple(out)
@@ -276,7 +286,7 @@ def _check_length(
             raise ValueError(
                 f"{what} needs {needed} positions but the {name} model supports "
                 f"{limit} (max_position_embeddings): shorten the prompts or lower "
-                "max_new_tokens (or num_draft)."
+                "max_new_tokens (or num_draft, or the tree's size)."
             )
     if max_length is None:
         return needed
@@ -284,7 +294,7 @@ def _check_length(
         raise ValueError(
             f"max_length={max_length} is too short: {what} needs a cache of {needed} "
             "positions; raise max_length, or shorten the prompts / lower max_new_tokens "
-            "(or num_draft)."
+            "(or num_draft, or the tree's size)."
         )
     return int(max_length)
 
@@ -635,8 +645,10 @@ def _check_tree(tree, params, rule, drafting, num_draft):
         trees_lib.dynamic_tree(tree.depth, tree.top_k, tree.num_kept, sampled=tree.sampled)
         if tree.top_k > params.vocab_size:
             raise ValueError(f"dynamic_tree: top_k={tree.top_k} exceeds the vocabulary ({params.vocab_size} tokens).")
-    elif tree.num_nodes < 2:
-        raise ValueError("tree has no draft nodes: give it at least one level, e.g. static_tree((2,)).")
+    else:
+        _check_tree_parents(tree)
+        if tree.num_nodes < 2:
+            raise ValueError("tree has no draft nodes: give it at least one level, e.g. static_tree((2,)).")
     for name, model in (("target", params.target), ("draft", params.draft)):
         if not getattr(model.module, "supports_trees", False):
             raise ValueError(f"tree decoding needs tree attention, which the {name} model "
@@ -648,8 +660,25 @@ def _check_tree(tree, params, rule, drafting, num_draft):
         raise ValueError(f"num_draft={num_draft} but the tree's depth is {tree.max_depth}: leave num_draft "
                          "unset with tree= (the depth is the most tokens a cycle accepts).")
     if not dynamic:
-        trees_lib.uniform_branching(tree)  # raises for shapes the drafter cannot grow
+        widest = max(trees_lib.uniform_branching(tree))  # raises for shapes the drafter cannot grow
+        if widest > params.vocab_size:  # a node's children are distinct tokens
+            raise ValueError(f"tree: a node has {widest} children, more than the vocabulary's "
+                             f"{params.vocab_size} tokens; give every node at most {params.vocab_size}.")
     return tree.max_depth
+
+
+def _check_tree_parents(tree) -> None:
+    """A hand-built ``TokenTree``: breadth-first parents, the root first."""
+    parents = tree.parents
+    if not isinstance(parents, tuple) or not all(isinstance(p, int) and not isinstance(p, bool) for p in parents):
+        raise TypeError(f"TokenTree.parents must be a tuple of ints (a jit static), got {parents!r}.")
+    bad = [j for j, p in enumerate(parents) if not (p == -1 if j == 0 else 0 <= p < j)]
+    if not parents or bad:
+        raise ValueError(
+            f"TokenTree.parents {parents} must start with -1 (the root) and give every later node j a "
+            f"parent in 0..j-1 (breadth-first order); node(s) {bad} do not. Build trees with "
+            "specjax.trees.static_tree(branching)."
+        )
 
 
 def _check_diagnostics(diagnostics) -> None:

@@ -363,7 +363,8 @@ def decode(
         pad_token_id=pad_token_id,
         mesh=mesh,
         buckets=buckets,
-        what=f"decoding (longest prompt {{width}} + max_new_tokens {max_new_tokens} + num_draft {num_draft})",
+        what=(f"decoding (longest prompt {{width}} + max_new_tokens {max_new_tokens} + "
+              + (f"the tree's {cache_room} nodes)" if tree is not None else f"num_draft {num_draft})")),
     )
     _check_diagnostics(diagnostics)
     if is_feature_head(params.draft.module) and call.cfg.layout is not None:

@@ -84,7 +84,9 @@ def lookup_drafts(tokens: Array, num_committed: Array, num_draft: int, lookup: N
     ends = jnp.arange(length)[None, :]  # e: where a candidate match ends
     run = jnp.ones((batch, length), bool)
     match_len = jnp.zeros((batch, length), jnp.int32)
-    for k in range(lookup.max_match):  # static and small: compare the k-th token back
+    # Static: compare the k-th token back. No match is longer than the buffer,
+    # so a larger max_match would only unroll (and compile) more of the same.
+    for k in range(min(lookup.max_match, length)):
         here = jnp.take_along_axis(tokens, jnp.clip(ends - k, 0, length - 1), axis=1)
         suffix = jnp.take_along_axis(tokens, jnp.clip(n - 1 - k, 0, length - 1), axis=1)
         run = run & (here == suffix) & (ends - k >= 0) & (n - 1 - k >= 0)

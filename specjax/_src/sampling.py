@@ -15,6 +15,7 @@ recompile the decode loop.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import jax
@@ -187,9 +188,11 @@ def check_sampling_args(temperature, top_k, top_p) -> None:
         temperature = float(temperature)
     except TypeError as e:  # pragma: no cover - defensive
         raise TypeError(f"temperature must be a number, got {temperature!r}") from e
-    if not temperature >= 0.0:  # also rejects NaN
+    # NaN fails both tests; inf would turn a masked (-inf) logit into NaN and
+    # every token into 0, or flatten the distribution and void top-k / top-p.
+    if not (temperature >= 0.0 and math.isfinite(temperature)):
         raise ValueError(
-            f"temperature must be >= 0 (0 means greedy), got {temperature}."
+            f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}."
         )
     if top_k is not None:
         check_positive_int("top_k (or None)", top_k)
