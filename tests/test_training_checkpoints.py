@@ -5,11 +5,15 @@ training.pivot and training.draft): a truncated data file, a flipped byte, a
 deleted file or item, garbage or edited metadata in the latest step are each
 reported in one line naming the step and the problem, the step is moved aside,
 and training resumes from the previous good step, ending with exactly the
-parameters of an uninterrupted run.
+parameters of an uninterrupted run. A checkpoint written with other settings
+(training.draft / eagle / pivot flags, other shapes) is not damage: the run
+stops naming the differences and nothing is moved, so the original command
+still resumes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -22,8 +26,10 @@ import numpy as np
 import optax
 import pytest
 
-from training import common, pivot
+from training import common, eagle, pivot
+from test_draft_training import _run, tiny_chat_target  # noqa: F401 (a fixture)
 from test_pivot import CFG, synthetic
+from test_training_eagle import _args as _eagle_args, tiny  # noqa: F401 (a fixture)
 
 
 def _data_files(step_dir) -> list[str]:
@@ -271,3 +277,88 @@ def test_pivot_cli_refuses_to_overwrite_a_head_without_force(tmp_path, monkeypat
     assert (shipped / "params.npz").read_bytes() != before
     assert not (shipped / "eval.json").exists()
     assert sorted(p.name for p in shipped.parent.iterdir()) == ["pivot"]
+
+
+# --------------------------------------------------------------------------- #
+# A checkpoint of another configuration is not damage: refused, kept in place
+# --------------------------------------------------------------------------- #
+
+
+def _kept(ckpt_dir, steps) -> None:
+    """The steps are where they were and nothing was set aside as damaged."""
+    assert sorted(os.listdir(ckpt_dir)) == sorted(str(s) for s in steps)
+    assert not os.path.exists(str(ckpt_dir) + ".damaged")
+
+
+def test_other_shapes_or_settings_are_a_mismatch_not_damage(tmp_path):
+    logs = []
+    ckpt = common.Checkpointer(tmp_path / "ck", every_steps=1, log=logs.append)
+    ckpt.save(1, _state(1), {"config": {"hidden": 8, "heads": 2}})
+    ckpt.close()
+    wider = common.init_state({"w": jnp.zeros((16, 12)), "b": jnp.zeros((12,))}, optax.adam(1e-3))
+    ckpt = common.Checkpointer(tmp_path / "ck", log=logs.append)
+    with pytest.raises(common.CheckpointMismatch, match=r"params/w: float32\[16, 8\] in the checkpoint, "
+                                                        r"float32\[16, 12\] now") as err:
+        ckpt.restore(wider)
+    assert "Nothing was moved" in str(err.value) and "damaged" not in str(err.value)
+    # Same shapes, other settings: the meta tells, before any weight is read.
+    with pytest.raises(common.CheckpointMismatch, match="config.heads: 2 in the checkpoint, 4 now") as err:
+        ckpt.restore(_state(0), settings={"config": {"hidden": 8, "heads": 4}}, advice="use --out X")
+    assert str(err.value).endswith("use --out X.") and "hidden" not in str(err.value)
+    ckpt.close()
+    _kept(tmp_path / "ck", [1])
+    assert not logs
+    state, meta = _restore(tmp_path / "ck")  # the run that wrote it still resumes it
+    _equal(state, _state(1))
+
+
+def test_pivot_with_another_arch_is_refused_and_the_run_still_resumes(tmp_path):
+    data = synthetic()
+    quiet = lambda *_: None  # noqa: E731
+    ckpt = tmp_path / "ckpt"
+    pivot.train_head(*data, config=CFG, ckpt_dir=ckpt, progress=False, stop_after=20, log=quiet)
+    linear = dataclasses.replace(CFG, arch="linear")  # other parameter shapes
+    with pytest.raises(common.CheckpointMismatch, match='run.train.arch: "pad" in the checkpoint, "linear" now'):
+        pivot.train_head(*data, config=linear, ckpt_dir=ckpt, progress=False, log=quiet)
+    _kept(ckpt, [20])
+    logs = []
+    _, rep = pivot.train_head(*data, config=CFG, ckpt_dir=ckpt, progress=False, log=logs.append)
+    assert any("resuming from step 20" in m for m in logs), logs
+    assert rep["steps_run"] == CFG.steps
+
+
+def test_draft_resumed_with_another_width_is_refused_then_resumes(tiny_chat_target, tmp_path):
+    out = tmp_path / "run"
+    _run(tiny_chat_target, out, "--train-only")  # --hidden 32: a checkpoint at step 6
+    with pytest.raises(SystemExit) as err:
+        _run(tiny_chat_target, out, "--train-only", "--steps", "8", "--hidden", "48")
+    msg = str(err.value.code)
+    assert "made with different settings" in msg and "hidden_size: 32 in the checkpoint, 48 now" in msg
+    assert "--out" in msg and "--fresh" not in msg and "damaged" not in msg, msg
+    _kept(out / "ckpt", [6])
+    _run(tiny_chat_target, out, "--train-only", "--steps", "8")  # the original command
+    assert "resumed at step 6" in (out / "log.txt").read_text()
+    _kept(out / "ckpt", [6, 8])
+
+
+def test_draft_resumed_with_another_head_layout_of_the_same_shapes_is_refused(tiny_chat_target, tmp_path):
+    out = tmp_path / "run"
+    _run(tiny_chat_target, out, "--train-only")  # 2 heads / 1 KV head of 16
+    with pytest.raises(SystemExit) as err:  # 4 heads / 2 KV heads of 8: every shape the same
+        _run(tiny_chat_target, out, "--train-only", "--steps", "8", "--heads", "4", "--kv-heads", "2")
+    msg = str(err.value.code)
+    assert "num_heads: 2 in the checkpoint, 4 now" in msg and "num_kv_heads: 1 in the checkpoint, 2 now" in msg
+    _kept(out / "ckpt", [6])
+    assert "resumed" not in (out / "log.txt").read_text()
+
+
+def test_eagle_resumed_with_another_loss_is_refused(tiny, tmp_path):
+    target, data = tiny
+    out = tmp_path / "run"
+    assert eagle.main(_eagle_args(target, data, out, "--steps", "2", "--train-only")) == 0
+    with pytest.raises(SystemExit) as err:  # same shapes, another objective and schedule
+        eagle.main(_eagle_args(target, data, out, "--steps", "4", "--train-only", "--unroll", "1", "--lr", "1e-3"))
+    msg = str(err.value.code)
+    assert "unroll: 2 in the checkpoint, 1 now" in msg and "lr: 0.01 in the checkpoint, 0.001 now" in msg
+    assert "steps" not in msg.split("Nothing")[0]  # --steps may grow to continue a run
+    _kept(out / "ckpt", [2])

@@ -11,7 +11,9 @@ Shared by :mod:`training.lm` (the shipped pair) and the PAD head trainer.
   plus a JSON ``meta`` dict (data seed, config, tokens seen, wall time ...)
   every ``every_seconds`` (and/or ``every_steps``) with a CRC32 per state leaf,
   keeps the last few, and restores the latest intact one (a damaged step is
-  reported in one line and set aside; the previous one is used).
+  reported in one line and set aside; the previous one is used). A step
+  written with other settings or shapes is not damage: :class:`CheckpointMismatch`
+  names the differences and nothing is moved.
 * :func:`train_loop` -- runs steps ``state["step"] .. num_steps`` with a tqdm
   bar showing the loss, periodic log lines, optional periodic evaluation and
   checkpointing. Batches come from ``batch_fn(step)``, which must be a pure
@@ -162,6 +164,58 @@ class CheckpointDamaged(ValueError):
     """A saved step that cannot be restored as it was written."""
 
 
+class CheckpointMismatch(ValueError):
+    """A saved step written by a run with other settings or shapes.
+
+    Not damage: the step is intact and left where it is; the run that wrote
+    it can resume it. ``differences`` holds one line per differing setting
+    (``"config.hidden_size: 64 in the checkpoint, 48 now"``) or state leaf.
+    """
+
+    def __init__(self, directory: pathlib.Path, step: int, differences: list[str],
+                 advice: Optional[str] = None):
+        self.directory, self.step, self.differences = directory, step, differences
+        shown = "; ".join(differences[:6]) + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
+        advice = advice or ("rerun with the settings it was made with to resume it, "
+                            "or use another checkpoint directory")
+        super().__init__(f"the checkpoint in {directory} (step {step}) was made with different settings: "
+                         f"{shown}. Nothing was moved or deleted; {advice}.")
+
+
+def setting_differences(saved: Any, now: Any, path: str = "") -> list[str]:
+    """``"path: saved in the checkpoint, now now"`` per differing JSON value.
+
+    Dicts are compared key by key; a key only one side records (a checkpoint
+    of an older version, a setting added since) is not a difference.
+    """
+    if isinstance(saved, Mapping) and isinstance(now, Mapping):
+        return [d for k in sorted(set(saved) & set(now), key=str)
+                for d in setting_differences(saved[k], now[k], f"{path}.{k}" if path else str(k))]
+    if saved == now:
+        return []
+    return [f"{path or 'value'}: {json.dumps(saved)} in the checkpoint, {json.dumps(now)} now"]
+
+
+def _leaf_specs(tree: Any) -> dict:
+    """``{leaf path: (shape, dtype name)}``, paths as :func:`state_checksums` writes them."""
+    return {"/".join(_key_name(k) for k in kp): (tuple(leaf.shape), np.dtype(leaf.dtype).name)
+            for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def tree_differences(saved: Mapping[str, tuple], now: Mapping[str, tuple]) -> list[str]:
+    """One line per leaf missing on one side or with another shape or dtype."""
+    out = []
+    for key in sorted(set(saved) | set(now), key=lambda k: (not k.startswith("params"), k)):  # the weights first
+        if key not in now:
+            out.append(f"{key}: in the checkpoint, not in this run")
+        elif key not in saved:
+            out.append(f"{key}: not in the checkpoint")
+        elif saved[key] != now[key]:
+            (s_shape, s_dtype), (n_shape, n_dtype) = saved[key], now[key]
+            out.append(f"{key}: {s_dtype}{list(s_shape)} in the checkpoint, {n_dtype}{list(n_shape)} now")
+    return out
+
+
 class Checkpointer:
     """Periodic, resumable Orbax checkpoints of ``(state, meta)``, with checksums.
 
@@ -170,7 +224,10 @@ class Checkpointer:
     verifies them: a damaged step (truncated, flipped or missing file, garbage
     or edited metadata, a missing item) is reported in one line, moved aside to
     ``<directory>.damaged/<step>`` (kept, not deleted) and the previous step is
-    tried instead.
+    tried instead. A step whose meta differs from the ``settings`` passed to
+    :meth:`restore`, or whose state has other leaves, shapes or dtypes than the
+    new run's, is intact but not this run's: :class:`CheckpointMismatch` is
+    raised and nothing is moved.
 
     Args:
       directory: checkpoint root (one sub-directory per saved step).
@@ -207,23 +264,31 @@ class Checkpointer:
     def latest_step(self) -> Optional[int]:
         return self._manager.latest_step()
 
-    def restore(self, like: State, step: Optional[int] = None) -> Optional[tuple[State, dict]]:
+    def restore(self, like: State, step: Optional[int] = None, *,
+                settings: Optional[Mapping[str, Any]] = None,
+                advice: Optional[str] = None) -> Optional[tuple[State, dict]]:
         """The latest intact (or the given) checkpoint, shaped like ``like``;
         ``None`` if there is none.
 
+        ``settings``: meta entries the checkpoint must hold as they are now
+        (what defines the model and the run); ``advice`` ends the
+        :class:`CheckpointMismatch` message (which flags to rerun with).
+
         Raises:
+          CheckpointMismatch: the latest intact step was written with other
+            settings or shapes (names each difference; nothing is moved).
           ValueError: ``step`` is damaged, or every saved step is (names each
             step and what is wrong with it).
         """
         if step is not None:
             try:
-                return self._restore_step(step, like)
+                return self._restore_step(step, like, settings, advice)
             except CheckpointDamaged as e:
                 raise ValueError(f"checkpoint step {step} in {self.directory} is damaged: {e}") from e
         problems = []
         for s in sorted(self._manager.all_steps(), reverse=True):
             try:
-                out = self._restore_step(s, like)
+                out = self._restore_step(s, like, settings, advice)
             except CheckpointDamaged as e:
                 problems.append(f"step {s}: {e}")
                 self._log(f"[checkpoint] step {s} in {self.directory} is damaged ({e}); "
@@ -238,40 +303,47 @@ class Checkpointer:
             )
         return None
 
-    def _restore_step(self, step: int, like: State) -> tuple[State, dict]:
+    def _restore_step(self, step: int, like: State, settings: Optional[Mapping[str, Any]] = None,
+                      advice: Optional[str] = None) -> tuple[State, dict]:
         step_dir = self.directory / str(step)
         for item in ("state", "meta"):
             if not (step_dir / item).is_dir():
                 raise CheckpointDamaged(f"its {item!r} item is missing")
+        parsed = {}
         for file in (step_dir / "meta" / "metadata", step_dir / "state" / "_METADATA"):
             try:
-                json.loads(file.read_text())
+                parsed[file.parent.name] = json.loads(file.read_text())
             except (OSError, ValueError) as e:
                 raise CheckpointDamaged(
                     f"{file.relative_to(self.directory)} is missing or not valid JSON ({e})"
                 ) from e
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-        try:
-            out = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-                ),
-            )
-            state = jax.block_until_ready(out["state"])  # read everything now
-            meta = out["meta"]
-        except Exception as e:  # orbax / tensorstore / json raise many types for damaged files
-            raise CheckpointDamaged(_describe(e, self.directory)) from e
+        # The meta is read (and verified) first: it tells a run with other
+        # settings from damage before Orbax fails on their other shapes.
+        meta = parsed["meta"]
         if not isinstance(meta, Mapping):
             raise CheckpointDamaged(f"its meta is a {type(meta).__name__}, not a JSON object")
         meta = dict(meta)
         sums = meta.pop(CHECKSUM_KEY, None)
+        if sums is not None and (not isinstance(sums, Mapping) or sums.get("meta") != _meta_checksum(meta)):
+            raise CheckpointDamaged("its meta does not match its checksum")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        differences = setting_differences(meta, json.loads(json.dumps(dict(settings or {}))))
+        saved = self._saved_leaves(step_dir)
+        if not differences and saved is not None:
+            differences = tree_differences(saved, _leaf_specs(abstract))
+        if differences:
+            raise CheckpointMismatch(self.directory, step, differences, advice)
+        try:
+            out = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+            )
+            state = jax.block_until_ready(out["state"])  # read everything now
+        except Exception as e:  # orbax / tensorstore raise many types for damaged files
+            raise CheckpointDamaged(_describe(e, self.directory)) from e
         if sums is None:
             self._log(f"[checkpoint] step {step} in {self.directory} has no checksums "
                       "(written by an older version); restored unverified")
             return state, meta
-        if not isinstance(sums, Mapping) or sums.get("meta") != _meta_checksum(meta):
-            raise CheckpointDamaged("its meta does not match its checksum")
         want, got = sums.get("state") or {}, state_checksums(state)
         bad = sorted(k for k in set(want) | set(got) if k in got and want.get(k) != got[k])
         if bad:
@@ -280,6 +352,19 @@ class Checkpointer:
                 "do not match their checksums"
             )
         return state, meta
+
+    @staticmethod
+    def _saved_leaves(step_dir: pathlib.Path) -> Optional[dict]:
+        """``{leaf path: (shape, dtype)}`` of a step's saved state, from Orbax's
+        metadata; ``None`` if unreadable (the restore then reports the damage)."""
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            tree = handler.metadata(step_dir / "state")
+            return _leaf_specs(getattr(tree, "tree", tree))
+        except Exception:  # noqa: BLE001 -- any failure here is the restore's to describe
+            return None
+        finally:
+            handler.close()
 
     def _set_aside(self, step: int) -> pathlib.Path:
         """Moves a damaged step out of the manager's way (a later save of the

@@ -469,7 +469,12 @@ def main(argv=None) -> int:
     ckpt = common.Checkpointer(out / "ckpt", every_seconds=120)
     meta = {"config": loading.config_to_dict(cfg), "num_shards": num_shards, "seed": args.seed,
             "init_from": args.init_from}
-    restored = ckpt.restore(state)
+    try:  # all of meta defines the run: other values would reinterpret the saved weights or batches
+        restored = ckpt.restore(state, settings=meta, advice=(
+            "rerun with the checkpoint's settings to resume it, or choose another --out to start a new run"))
+    except common.CheckpointMismatch as e:
+        ckpt.close()
+        raise SystemExit(f"error: {e}") from None
     if restored is not None:
         state, meta = restored
         log(f"[draft] resumed at step {int(state['step'])}")

@@ -822,7 +822,12 @@ def main(argv=None) -> int:
             "unroll": args.unroll, "reg_weight": args.reg_weight, "tv_weight": args.tv_weight, "lr": args.lr, "steps": args.steps,
             "batch": args.batch, "balanced_fuse": args.balanced_fuse, "feature_layers": list(feature_layers),
             "init_from": args.init_from}
-    restored = ckpt.restore(state)
+    try:  # --steps may grow to continue a run; the rest defines the saved weights and their batches
+        restored = ckpt.restore(state, settings={k: v for k, v in meta.items() if k != "steps"}, advice=(
+            "rerun with the checkpoint's settings to resume it, or choose another --out to start a new run"))
+    except common.CheckpointMismatch as e:
+        ckpt.close()
+        raise SystemExit(f"error: {e}") from None
     if restored is not None:
         state, meta = restored
         log(f"[eagle] resumed at step {int(state['step'])}")

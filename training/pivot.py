@@ -281,8 +281,9 @@ def train_head(
     stops after that many steps of this call (simulates a kill; tests).
 
     Raises:
-      ValueError: empty data, one class only, mismatched shapes, or a
-        checkpoint directory holding a different run (pass ``fresh=True``).
+      CheckpointMismatch: ``ckpt_dir`` holds a different run (other data or
+        settings; pass ``fresh=True``); nothing in it is moved.
+      ValueError: empty data, one class only, mismatched shapes.
     """
     hidden = np.asarray(hidden, np.float32)
     scalars = np.asarray(scalars, np.float32)
@@ -325,10 +326,16 @@ def train_head(
             shutil.rmtree(ckpt_dir)
         ckpt = common.Checkpointer(ckpt_dir, every_seconds=float("inf"),
                                    every_steps=max(int(config.checkpoint_every), 1), log=log)
-        restored = ckpt.restore(state)
+        try:  # before Orbax reads the state: another --arch has other shapes, which is not damage
+            restored = ckpt.restore(state, settings={"run": run_id}, advice=(
+                "it holds a different run (other data or settings): rerun with the checkpoint's settings "
+                "to resume it, pass --fresh to discard it, or choose another --ckpt-dir"))
+        except common.CheckpointMismatch:
+            ckpt.close()
+            raise
         if restored is not None:
             r_state, r_meta = restored
-            if r_meta.get("run") != json.loads(json.dumps(run_id)):
+            if r_meta.get("run") != json.loads(json.dumps(run_id)):  # no run recorded, or fields only one side has
                 ckpt.close()
                 raise ValueError(
                     f"{ckpt_dir} holds checkpoints of a different run (other data or settings); "
@@ -797,11 +804,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"[pivot] training on {len(labels)} rows ({int(np.sum(labels))} pivots)", flush=True)
     cfg = TrainConfig(arch=args.arch, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
                       val_fraction=args.val_fraction, seed=args.seed, pivot_weight=args.pivot_weight)
-    head, report = train_head(
-        hidden, scalars, labels, config=cfg, layer=layer,
-        target_num_layers=ds.meta.get("target_num_layers"), ckpt_dir=args.ckpt_dir, fresh=args.fresh,
-        sigmas=args.sigma, progress=not args.no_progress,
-    )
+    try:
+        head, report = train_head(
+            hidden, scalars, labels, config=cfg, layer=layer,
+            target_num_layers=ds.meta.get("target_num_layers"), ckpt_dir=args.ckpt_dir, fresh=args.fresh,
+            sigmas=args.sigma, progress=not args.no_progress,
+        )
+    except common.CheckpointMismatch as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     report["dataset"] = {k: ds.meta.get(k) for k in ("candidates", "pivots", "num_prompts", "label_temperatures", "config")}
     report["dataset"]["kept_rows"] = int(ds.keep.sum())
     report["dataset"]["all_rows"] = bool(args.all_rows)
