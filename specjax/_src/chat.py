@@ -43,9 +43,25 @@ def render_chat(model, messages: Union[str, Sequence[Message]], *, add_generatio
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"A chat message is a dict with str 'role' and 'content'; got {m!r}.")
+    # BOS stays out of the text: encoding adds it where the tokenizer's
+    # post-processor says so, and rendering it too would give it twice. EOS is
+    # text the template places between turns (Mistral-Instruct closes every
+    # assistant turn with it), so it must be the real token.
     return _compile(model.chat_template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
+        messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token="",
+        eos_token=_eos_text(model),
     )
+
+
+def _eos_text(model) -> str:
+    """The text of the model's (first) EOS token; "" without a tokenizer or an EOS id."""
+    config = getattr(model.module, "config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    if eos is None or model.tokenizer is None:
+        return ""
+    return model.tokenizer.id_to_token(int(eos)) or ""
 
 
 def encode_chat(model, messages: Union[str, Sequence[Message]], *, add_generation_prompt: bool = True) -> list[int]:
