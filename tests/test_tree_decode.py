@@ -151,3 +151,22 @@ def test_pad_on_a_tree_reads_each_node_hidden_state(llama_pair):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     loose = specjax.decode(llama_pair, PROMPTS[:8], rule=pad(constant_head(-10.0), min_prob=0.0), **kw)
     assert loose.stats.accepted_by_path_total["pardon"] > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_target_logits_off_the_accepted_path_stop_nothing(temperature):
+    """As on a chain, only the nodes the walk entered count: the target's NaN row
+    after token 5 (which it never produces itself) stops the one sequence whose
+    prompt ends in 5, not those whose trees merely hold 5 as a rejected sibling."""
+    from specjax.testing import bigram_model, random_table
+    from test_decode import nan_table
+
+    target, draft = bigram_model(nan_table(5)), bigram_model(random_table(1, VOCAB))
+    prompts = [[t if t != 5 else 4 for t in p] for p in random_prompts(8, 8, VOCAB, 4)]
+    prompts[3] = [2, 5]
+    tree = static_tree((3, 2))
+    with pytest.raises(FloatingPointError, match=r"in sequence 3 \(target model\); ") as info:
+        specjax.decode(specjax.pair(target, draft), prompts, tree=tree, temperature=temperature, max_new_tokens=12,
+                       eos_token_id=(), key=jax.random.key(0))
+    lengths = np.asarray(info.value.output.lengths)
+    assert lengths[3] == 0 and np.all(np.delete(lengths, 3) == 12), lengths

@@ -410,7 +410,11 @@ def _tree_cycle(
     else:
         verdict = jax.vmap(lambda shape, *xs: walk(*shape, *xs, greedy=cfg.greedy))(shape_args, *walk_inputs)
     n = verdict.num_accepted
-    target_bad = sampling.nonfinite_rows(raw).any(1)
+    # Only the nodes the walk visited (the root and the n accepted ones) were
+    # read, as a chain reads only its rows up to n: a NaN row at a sibling the
+    # path never entered changes nothing that is committed.
+    on_path = jnp.arange(verdict.path.shape[1])[None, :] <= n[:, None]
+    target_bad = (jnp.take_along_axis(sampling.nonfinite_rows(raw), verdict.path, axis=1) & on_path).any(1)
     new_bad = jnp.where(~done & drafts.bad, 2, jnp.where(~done & target_bad, 1, 0)).astype(jnp.int32)
     live = ~done & (new_bad == 0)
 
