@@ -398,3 +398,25 @@ def test_a_tensor_in_two_weight_files_is_refused(tmp_path, hf_dirs):
     save_file({name: np.zeros_like(tensors[name])}, os.path.join(d, "zz-stale.safetensors"))
     with pytest.raises(ValueError, match=rf"'{name}' appears more than once"):
         load(d)
+
+
+def test_an_export_gives_transformers_the_special_tokens(tmp_path):
+    """transformers reads BOS / EOS / PAD from tokenizer_config.json, not config.json."""
+    from transformers import AutoTokenizer
+
+    model = load("embedded-target")
+    export_hf(model, str(tmp_path / "out"))
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    config = model.module.config
+    assert tokenizer.eos_token_id == config.eos_token_id and tokenizer.bos_token_id == config.bos_token_id
+    assert tokenizer.eos_token == model.tokenizer.id_to_token(config.eos_token_id)
+    _same_params(load(str(tmp_path / "out")).params, model.params)
+
+
+def test_a_damaged_tokenizer_file_is_named(tmp_path, hf_dirs):
+    d = _copy(hf_dirs["qwen3"][0], tmp_path / "m")
+    file = os.path.join(d, "tokenizer.json")
+    with open(file, "r+b") as fh:
+        fh.truncate(50)
+    with pytest.raises(ValueError, match=rf"{file} cannot be read as a tokenizer"):
+        load(d)

@@ -73,15 +73,30 @@ def _load_tokenizer(path: str):
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(file)
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as e:  # tokenizers raises a bare Exception for a damaged file
+        raise ValueError(f"{file} cannot be read as a tokenizer ({e}); restore or remove it.") from e
 
 
 def _save_tokenizer(model: Model, path: str) -> None:
+    """``tokenizer.json``, and a ``tokenizer_config.json`` with the chat template
+    and the special tokens' text: transformers takes BOS / EOS / PAD from there,
+    not from ``config.json``, and would pad and render templates without them."""
+    settings = {}
     if model.tokenizer is not None:
         model.tokenizer.save(os.path.join(path, _TOKENIZER))
+        config = getattr(model.module, "config", None)
+        for name in ("bos", "eos", "pad"):
+            token_id = getattr(config, f"{name}_token_id", None)
+            text = None if token_id is None else model.tokenizer.id_to_token(int(token_id))
+            if text is not None:
+                settings[f"{name}_token"] = text
     if model.chat_template is not None:
+        settings["chat_template"] = model.chat_template
+    if settings:
         with open(os.path.join(path, _TOKENIZER_CONFIG), "w") as f:
-            json.dump({"chat_template": model.chat_template}, f, indent=1)
+            json.dump(settings, f, indent=1)
 
 
 def _load_chat_template(path: str) -> Optional[str]:
