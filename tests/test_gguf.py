@@ -56,7 +56,7 @@ def hf_tensors(cfg, params) -> dict[str, np.ndarray]:
 
 
 def write_gguf(path, cfg, params, *, qtype=gguf.GGMLQuantizationType.F32, tokenizer=True,
-               arch="llama", pre="smollm", rope_freqs=None):
+               arch="llama", pre="smollm", rope_freqs=None, vocab_size=True, token_list=True):
     """Writes ``params`` as llama.cpp would: q/k rows permuted, 2-D weights in ``qtype``;
     ``rope_freqs`` ``[head_dim / 2]``: llama.cpp's per-dimension frequency divisors."""
     writer = gguf.GGUFWriter(str(path), arch)
@@ -68,7 +68,8 @@ def write_gguf(path, cfg, params, *, qtype=gguf.GGMLQuantizationType.F32, tokeni
     writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    if vocab_size:
+        writer.add_vocab_size(cfg.vocab_size)
     if tokenizer:
         spec = json.load(open(EMBEDDED_TOKENIZER))
         vocab = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -77,7 +78,8 @@ def write_gguf(path, cfg, params, *, qtype=gguf.GGMLQuantizationType.F32, tokeni
         special = {a["content"] for a in spec["added_tokens"]}
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(pre)
-        writer.add_token_list(tokens)
+        if token_list:
+            writer.add_token_list(tokens)
         writer.add_token_types([3 if t in special else 1 for t in tokens])
         merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
         known = set(tokens)
@@ -234,6 +236,19 @@ def test_rope_frequency_factors_are_refused_unless_all_ones(tmp_path):
     write_gguf(tmp_path / "scaled.gguf", cfg, params, tokenizer=False, rope_freqs=scaled)
     with pytest.raises(ValueError, match=r"scales its rotary frequencies per dimension.*Hugging Face"):
         specjax.load(tmp_path / "scaled.gguf")
+
+
+def test_missing_vocabulary_metadata(tmp_path):
+    """No vocab_size and no token list: the embedding's rows give the vocabulary;
+    a tokenizer without its token list is named, not a TypeError."""
+    cfg, params = _model(tie=True)
+    write_gguf(tmp_path / "bare.gguf", cfg, params, tokenizer=False, vocab_size=False)
+    model = specjax.load(tmp_path / "bare.gguf")
+    assert model.module.config.vocab_size == cfg.vocab_size
+    _assert_same_params(model.params, params, rtol=0, atol=0)
+    write_gguf(tmp_path / "no_tokens.gguf", cfg, params, vocab_size=False, token_list=False)
+    with pytest.raises(ValueError, match=r"lacks its token list \(the metadata key tokenizer.ggml.tokens\)"):
+        specjax.load(tmp_path / "no_tokens.gguf")
 
 
 def test_an_unknown_pre_tokenizer_is_named(tmp_path):

@@ -99,6 +99,12 @@ def _config(reader, path: str) -> dict:
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(_field(reader, "tokenizer.ggml.tokens", []))
+    if not vocab:  # neither key: the embedding table's rows are the vocabulary
+        embedding = [t for t in reader.tensors if t.name == "token_embd.weight"]
+        if not embedding:
+            raise ValueError(f"GGUF file {path} gives no vocabulary size ({arch}.vocab_size, "
+                             "tokenizer.ggml.tokens) and holds no token_embd.weight tensor.")
+        vocab = int(embedding[0].shape[-1])  # GGUF lists dimensions innermost first
     cfg = {
         "model_type": arch,
         "vocab_size": int(vocab),
@@ -293,6 +299,9 @@ def _tokenizer(reader, path: str):
             f"GGUF file {path} has a {kind!r} tokenizer; specjax builds byte-level BPE ('gpt2') "
             "tokenizers from GGUF metadata. Load the model from its Hugging Face directory instead."
         )
+    if _field(reader, "tokenizer.ggml.tokens") is None:
+        raise ValueError(f"GGUF file {path} names a {kind!r} tokenizer but lacks its token list "
+                         "(the metadata key tokenizer.ggml.tokens).")
     return _byte_level_tokenizer(reader, path)
 
 
