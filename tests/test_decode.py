@@ -625,6 +625,15 @@ def test_bad_arguments_raise_clear_errors(bigram_pair):
     for bad in (True, float("nan"), 2.5):  # True is not token 1; nor is a float id
         with pytest.raises(TypeError, match="integer token ids"):
             specjax.decode(bigram_pair, p, eos_token_id=bad, key=key)
+    with pytest.raises(TypeError, match="prompt_ids is None"):
+        specjax.decode(bigram_pair, None, key=key)
+    # Integer arguments may be JAX or numpy scalars: the same call as with Python ints.
+    plain = specjax.decode(bigram_pair, p, top_k=3, pad_token_id=-1, max_new_tokens=6, key=key)
+    scalars = specjax.decode(bigram_pair, p, top_k=jnp.int32(3), pad_token_id=jnp.int32(-1),
+                             max_new_tokens=np.int64(6), key=key)
+    np.testing.assert_array_equal(np.asarray(plain.tokens), np.asarray(scalars.tokens))
+    with pytest.raises(ValueError, match="top_k"):
+        specjax.decode(bigram_pair, p, top_k=jnp.float32(3), key=key)
     with pytest.raises(TypeError, match="prompt_lengths must hold integers"):
         specjax.decode(bigram_pair, np.ones((1, 3), np.int32), prompt_lengths=[2.7], key=key)
 

@@ -34,7 +34,7 @@ from flax import struct
 from specjax._src import drafting as drafting_lib
 from specjax._src import sampling
 from specjax._src import sharding as sharding_lib
-from specjax._src.checks import check_positive_int
+from specjax._src.checks import as_integer, check_positive_int
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, speculative_sampling
 from specjax._src.stats import DecodeStats
@@ -146,6 +146,8 @@ def _prepare_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[np.nd
             if r:
                 tokens[i, : len(r)] = np.asarray(r, np.int64)
     else:
+        if prompt_ids is None:
+            raise TypeError("prompt_ids is None: pass a list of token lists or a [batch, length] array.")
         arr = np.asarray(prompt_ids)
         if arr.dtype == object:
             raise ValueError(
@@ -323,13 +325,13 @@ def _check_common(temperature, top_k, top_p, max_new_tokens) -> None:
 
 def _check_pad_id(pad_token_id) -> int:
     """``pad_token_id`` fills the int32 token buffer: any int32 (e.g. -1) is allowed."""
-    ok = isinstance(pad_token_id, (int, np.integer)) and not isinstance(pad_token_id, bool)
-    if not ok or not -(2**31) <= int(pad_token_id) < 2**31:
+    number = as_integer(pad_token_id)
+    if number is None or not -(2**31) <= number < 2**31:
         raise ValueError(
             f"pad_token_id must be an integer in the int32 range [-2**31, 2**31 - 1] (it fills "
             f"the int32 tokens after each sequence's end), got {pad_token_id!r}."
         )
-    return int(pad_token_id)
+    return number
 
 
 # ---------------------------------------------------------------------------

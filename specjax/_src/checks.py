@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
+
 
 def check_real(name: str, value) -> float:
     """A finite real number (not a bool)."""
@@ -42,9 +44,23 @@ def check_interval(name: str, value, lo: float, hi: float, *, open_lo: bool = Fa
     return value
 
 
+def as_integer(value) -> int | None:
+    """``value`` as a Python int if it is an integer: a Python or numpy integer,
+    or a 0-d integer array such as a JAX scalar; else ``None``. Not a bool, not
+    a float such as ``4.0`` (a size given as a float is more often a slip)."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and getattr(value, "shape", None) == () and np.issubdtype(dtype, np.integer):
+        return int(value)
+    return None
+
+
 def check_positive_int(name: str, value) -> int:
-    """An integer >= 1: a Python or numpy integer (not a bool, not a float such
-    as ``4.0``: a size given as a float is more often a slip than intended)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    """An integer >= 1 (see :func:`as_integer`)."""
+    number = as_integer(value)
+    if number is None or number < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return int(value)
+    return number
