@@ -251,3 +251,83 @@ def test_cli_packs_answers_and_rebuilds_a_run_from_them(tiny_chat_target, tmp_pa
     a, b = (distill_data.load_shards(tmp_path / d / "data") for d in "ab")
     np.testing.assert_array_equal(a["tokens"], b["tokens"])
     np.testing.assert_array_equal(a["prompt_index"], b["prompt_index"])
+
+
+@pytest.fixture
+def other_vocab_draft(tmp_path):
+    """A reduced-head draft exported for a 96-token vocabulary (another target)."""
+    cfg = llama_config(num_layers=1, head_vocab_size=16, num_heads=2, num_kv_heads=1, head_dim=16)
+    params = specjax.Decoder(cfg).init(jax.random.key(0))
+    params["head_vocab_ids"] = np.arange(16, dtype=np.int32)
+    path = tmp_path / "other_vocab_draft"
+    loading.export_hf(Model(params, specjax.Decoder(cfg)), str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--hidden", "48"], "--hidden 48 is wider than the target's hidden size 32"),
+    (["--head-vocab", "24"], "--head-vocab 24 is smaller than --hidden 32"),
+    (["--head-vocab", "5000"], "--head-vocab 5000 is more than the target's 2048-token"),
+    (["--init-from", "TARGET"], "--init-from .*/t is not a draft made by python -m training.draft"),
+    (["--init-from", "OTHER"], "--init-from .*other_vocab_draft has a 96-token vocabulary, the target .* 2048"),
+])
+def test_bad_model_flags_are_refused_before_gathering(tiny_chat_target, other_vocab_draft, tmp_path, flags, message):
+    flags = [{"TARGET": tiny_chat_target, "OTHER": other_vocab_draft}.get(f, f) for f in flags]
+    with pytest.raises(SystemExit, match="^error: " + message):
+        _run(tiny_chat_target, tmp_path / "run", *flags)
+    assert not (tmp_path / "run" / "data").exists()
+
+
+@pytest.fixture
+def quick_evaluation(monkeypatch):
+    """Stand-ins for the export's acceptance and timing measurements (not under test here)."""
+    def acceptance(target, d, prompts, *, num_draft, max_new_tokens, temperature, **kw):
+        return {"acceptance_rate": 0.5, "accepted_per_drafted": 0.5, "first_position": 0.5, "tau": 2.0,
+                "prompts": len(prompts), "num_draft": num_draft, "temperature": temperature,
+                "max_new_tokens": max_new_tokens}
+
+    costs = {"c_ar_ms": 1.0, "c_draft_ms": 0.1, "c_verify_ms": 1.2, "c_draft/c_ar": 0.1, "c_verify/c_ar": 1.2}
+    monkeypatch.setattr(draft, "measure_acceptance", acceptance)
+    monkeypatch.setattr(draft, "forward_costs", lambda *a, **k: costs)
+    return acceptance
+
+
+def test_an_interrupted_export_continues_with_the_same_command(tiny_chat_target, tmp_path, monkeypatch,
+                                                               quick_evaluation):
+    dest = tmp_path / "draft"
+    command = (tiny_chat_target, tmp_path / "run", "--export", str(dest), "--eval-prompts", "1")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(draft, "measure_acceptance", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C during the evaluation: no export without its card
+        _run(*command)
+    assert not dest.exists()
+    monkeypatch.setattr(draft, "measure_acceptance", quick_evaluation)
+    _run(*command)
+    assert {"MODEL_CARD.md", "train_log.json", "model.safetensors"} <= {p.name for p in dest.iterdir()}
+    # Stopped after the swap or run again: this run's own export by this command needs no --force ...
+    _run(*command)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "run"]  # no temporary left
+    # ... another run's does, refused before it gathers
+    with pytest.raises(SystemExit, match="exists and is not empty; pass --force"):
+        _run(tiny_chat_target, tmp_path / "other", "--export", str(dest), "--eval-prompts", "1")
+    assert not (tmp_path / "other" / "data").exists()
+
+
+def test_a_forced_export_keeps_the_files_it_does_not_write(tiny_chat_target, tmp_path, quick_evaluation):
+    dest = tmp_path / "draft"
+    dest.mkdir()
+    (dest / "NOTES.md").write_text("hand-written\n")
+    (dest / "train_log_session1.json").write_text("{}")
+    (dest / "model.safetensors.index.json").write_text("{}")  # the old model's weights go with it
+    with pytest.raises(SystemExit, match="pass --force"):
+        _run(tiny_chat_target, tmp_path / "run", "--export", str(dest), "--eval-prompts", "1")
+    assert not (tmp_path / "run" / "data").exists()
+    _run(tiny_chat_target, tmp_path / "run", "--export", str(dest), "--eval-prompts", "1", "--force")
+    assert (dest / "NOTES.md").read_text() == "hand-written\n"
+    assert (dest / "train_log_session1.json").read_text() == "{}"
+    assert not (dest / "model.safetensors.index.json").exists()
+    assert specjax.load(dest).module.config.head_vocab_size == 48
+    assert "kept from the replaced" in (tmp_path / "run" / "log.txt").read_text()

@@ -271,11 +271,17 @@ def test_pivot_cli_refuses_to_overwrite_a_head_without_force(tmp_path, monkeypat
     assert "non-empty directory" in err and "--force" in err and err.count("\n") == 1
     assert (shipped / "params.npz").read_bytes() == before
 
-    # --force swaps in a whole new head: the old eval.json is gone with the old head.
+    # --force swaps in a whole new head: the old eval.json is gone with the old head,
+    # a hand-written NOTES.md (as specjax/assets/pivot has) is kept and quoted by the card.
+    (shipped / "NOTES.md").write_text("## Findings\n\nhand-written\n")
+    capsys.readouterr()
     assert pivot.main(base + ["--ckpt-dir", str(tmp_path / "ck3"), "--export-to-assets", "--seed", "1",
                               "--force"]) == 0
     assert (shipped / "params.npz").read_bytes() != before
     assert not (shipped / "eval.json").exists()
+    assert (shipped / "NOTES.md").read_text() == "## Findings\n\nhand-written\n"
+    assert "hand-written" in (shipped / "README.md").read_text()
+    assert "kept from the replaced" in capsys.readouterr().out
     assert sorted(p.name for p in shipped.parent.iterdir()) == ["pivot"]
 
 
@@ -331,9 +337,9 @@ def test_draft_resumed_with_another_width_is_refused_then_resumes(tiny_chat_targ
     out = tmp_path / "run"
     _run(tiny_chat_target, out, "--train-only")  # --hidden 32: a checkpoint at step 6
     with pytest.raises(SystemExit) as err:
-        _run(tiny_chat_target, out, "--train-only", "--steps", "8", "--hidden", "48")
+        _run(tiny_chat_target, out, "--train-only", "--steps", "8", "--hidden", "16")
     msg = str(err.value.code)
-    assert "made with different settings" in msg and "hidden_size: 32 in the checkpoint, 48 now" in msg
+    assert "made with different settings" in msg and "hidden_size: 32 in the checkpoint, 16 now" in msg
     assert "--out" in msg and "--fresh" not in msg and "damaged" not in msg, msg
     _kept(out / "ckpt", [6])
     _run(tiny_chat_target, out, "--train-only", "--steps", "8")  # the original command
@@ -362,3 +368,14 @@ def test_eagle_resumed_with_another_loss_is_refused(tiny, tmp_path):
     assert "unroll: 2 in the checkpoint, 1 now" in msg and "lr: 0.01 in the checkpoint, 0.001 now" in msg
     assert "steps" not in msg.split("Nothing")[0]  # --steps may grow to continue a run
     _kept(out / "ckpt", [2])
+
+
+def test_an_export_swap_killed_between_its_renames_is_put_back(tmp_path):
+    """common.swap_in renames the old export aside, then the new one in: a kill
+    between the two leaves only the old one, which the next run restores."""
+    dest, aside = tmp_path / "export", tmp_path / "export.old-export"
+    aside.mkdir()
+    (aside / "NOTES.md").write_text("hand-written")
+    with pytest.raises(SystemExit, match="pass --force"):
+        common.check_export(dest, force=False, run_id="run", command="cmd")
+    assert (dest / "NOTES.md").read_text() == "hand-written" and not aside.exists()

@@ -134,7 +134,7 @@ def test_training_lowers_the_loss(tiny, tmp_path):
 
 def test_interrupted_training_resumes_and_the_export_reloads(tiny, tmp_path):
     """An uninterrupted run (exported), and one killed after 4 steps then resumed by the
-    same command: the same params at step 6. The export refuses to be overwritten,
+    same command: the same params at step 6. The export refuses to be overwritten by another run,
     reloads with specjax.load and, given the target's table, gives the trained logits."""
     target_path, data = tiny
     dest = tmp_path / "head"
@@ -164,8 +164,8 @@ def test_interrupted_training_resumes_and_the_export_reloads(tiny, tmp_path):
     assert "python -m training.eagle" in (dest / "MODEL_CARD.md").read_text()
     meta = json.loads((dest / "config.json").read_text())[feature_head.CONFIG_KEY]
     assert meta["target"] == target_path and meta["config"]["dtype"] == "bfloat16"
-    with pytest.raises(SystemExit, match="--force"):
-        eagle.main(_args(target_path, data, tmp_path / "full", "--export", str(dest)))
+    with pytest.raises(SystemExit, match="--force"):  # another run's export
+        eagle.main(_args(target_path, data, tmp_path / "cut", "--export", str(dest)))
     target = specjax.load(target_path)
     loaded = specjax.load(dest)
     assert feature_head.is_feature_head(loaded.module)
@@ -371,3 +371,39 @@ def test_head_vocab_narrows_an_init_from_head_to_its_most_used_ids(tiny, tmp_pat
         eagle.main(grow)
     with pytest.raises(SystemExit, match="nothing to export"):
         eagle.main(_args(target_path, data, tmp_path / "c", "--steps", "0"))
+
+
+def test_an_export_is_checked_first_kept_whole_and_a_forced_one_keeps_other_files(tiny, tmp_path, monkeypatch):
+    target_path, data = tiny
+    dest = tmp_path / "head"
+    dest.mkdir()
+    (dest / "train_log_session1.json").write_text("{}")
+    (dest / "model.safetensors").write_text("old weights")  # the old model goes with --force
+    args = _args(target_path, data, tmp_path / "a", "--steps", "2", "--eval-every", "0", "--export", str(dest))
+    with pytest.raises(SystemExit, match="exists and is not empty; pass --force"):
+        eagle.main(args)
+    assert not (tmp_path / "a" / "features").exists()  # refused before extracting features
+    measure = eagle.agreement
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eagle, "agreement", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C in the export's evaluation: the old directory is intact
+        eagle.main(args + ["--force"])
+    assert sorted(p.name for p in dest.iterdir()) == ["model.safetensors", "train_log_session1.json"]
+    monkeypatch.setattr(eagle, "agreement", measure)
+    assert eagle.main(args + ["--force"]) == 0
+    assert (dest / "train_log_session1.json").read_text() == "{}"
+    assert not (dest / "model.safetensors").exists()
+    assert feature_head.is_feature_head(specjax.load(dest).module)
+    assert "kept from the replaced" in (tmp_path / "a" / "log.txt").read_text()
+    # A new export without --force; the same command again finds this run's own export
+    # (as after a stop just past the swap) and replaces it, where another command may not.
+    again = _args(target_path, data, tmp_path / "a", "--steps", "2", "--eval-every", "0", "--export",
+                  str(tmp_path / "b"))
+    assert eagle.main(again) == 0 and eagle.main(again) == 0
+    assert json.loads((tmp_path / "b" / "train_log.json").read_text())["summary"]["steps"] == 2
+    with pytest.raises(SystemExit, match="pass --force"):
+        eagle.main(again + ["--eval-batch", "1"])
+    assert not list(tmp_path.glob("*-export"))  # no temporary left

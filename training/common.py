@@ -20,16 +20,22 @@ Shared by :mod:`training.lm` (the shipped pair) and the PAD head trainer.
   function of the step (see :func:`training.data.make_batch`): then a run
   killed at any point resumes from its last checkpoint and reproduces the
   uninterrupted run exactly.
+* :func:`check_export` / :func:`swap_in` -- an export directory checked before
+  any slow work, written whole into a temporary sibling and swapped in,
+  keeping the files of the replaced one that the export does not write.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import os
 import pathlib
 import re
 import shutil
 import sys
 import time
+import uuid
 import zlib
 from typing import Any, Callable, Mapping, Optional
 
@@ -506,3 +512,93 @@ def train_loop(
 
 def param_count(params: Any) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+# ----------------------------------------------------------------------------- exports
+
+
+# Weights of a replaced model: never carried into a new export, where they would
+# sit beside (or be read instead of) the new weights.
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.gguf", "*.bin")
+
+
+def run_id(out: pathlib.Path) -> str:
+    """The id of the run in ``out`` (made on its first start, kept in ``run.json``);
+    its export records it, so a rerun can tell its own export from another's."""
+    meta_file = pathlib.Path(out) / "run.json"
+    run = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    if "run_id" not in run:
+        run["run_id"] = uuid.uuid4().hex
+        meta_file.write_text(json.dumps(run))
+    return run["run_id"]
+
+
+def _old(dest: pathlib.Path) -> pathlib.Path:
+    return dest.with_name(dest.name + ".old-export")
+
+
+def own_export(dest: pathlib.Path, run_id: str, command: str) -> bool:
+    """Whether ``dest`` is a complete export of run ``run_id`` by this very ``command``
+    (its ``train_log.json``, written before the swap, records both)."""
+    try:
+        summary = json.loads((dest / "train_log.json").read_text())["summary"]
+        return summary["run_id"] == run_id and summary["command"] == command
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def check_export(dest: pathlib.Path, *, force: bool, run_id: str, command: str) -> bool:
+    """Exits unless an export may replace ``dest`` (call it before any slow work);
+    True when ``dest`` holds this run's own export of this command."""
+    if not dest.exists() and _old(dest).is_dir():  # killed between the two renames of swap_in
+        os.replace(_old(dest), dest)
+    if dest.exists() and not dest.is_dir():
+        raise SystemExit(f"error: --export {dest} is a file, not a directory; choose another path.")
+    if not dest.is_dir() or not any(dest.iterdir()):
+        return False
+    if own_export(dest, run_id, command):
+        # Swapped in whole, so complete; the same run's data and final checkpoint
+        # rebuild it, and files beside it are carried over again: replacing it
+        # loses nothing, so the documented way to continue (the same command)
+        # needs no --force. Another run's export, or this run's by another
+        # command (e.g. fewer --steps), could not be rebuilt: --force.
+        return True
+    if not force:
+        raise SystemExit(f"error: {dest} exists and is not empty; pass --force to replace it.")
+    return False
+
+
+def carry_over(old: pathlib.Path, new: pathlib.Path, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Copies into ``new`` each entry of ``old`` that ``new`` lacks and no ``skip``
+    pattern matches: what the new export does not write itself (hand-written
+    notes, earlier sessions' logs) outlives a forced replacement. Copied, not
+    moved, so ``old`` stays whole until the swap. The names copied."""
+    if not old.is_dir():
+        return []
+    kept = []
+    for entry in sorted(old.iterdir()):
+        if (new / entry.name).exists() or any(fnmatch.fnmatch(entry.name, p) for p in skip):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, symlinks=True)
+        else:
+            shutil.copy2(entry, new / entry.name, follow_symlinks=False)
+        kept.append(entry.name)
+    return kept
+
+
+def swap_in(tmp: pathlib.Path, dest: pathlib.Path) -> list[str]:
+    """Replaces ``dest`` by the complete export in ``tmp`` (card and logs
+    included), after carrying over what only ``dest`` has (not its weights), by
+    two renames: an interruption leaves the old directory or the new one
+    (``check_export`` puts back one caught between the renames). The names kept."""
+    kept = carry_over(dest, tmp, skip=WEIGHT_FILES)
+    if dest.exists():
+        shutil.rmtree(_old(dest), ignore_errors=True)
+        os.replace(dest, _old(dest))
+        os.replace(tmp, dest)
+        shutil.rmtree(_old(dest))
+    else:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, dest)
+    return kept

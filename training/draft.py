@@ -36,7 +36,10 @@ ids (about 1 MB per pass over all prompts) and ``--answers-from FILE.npz`` rebui
 ``data/`` from them on another machine, recomputing the target's distributions by
 teacher forcing instead of answering again. The packed passes live in
 ``training/answers/``. ``--export`` refuses to overwrite an existing
-directory unless ``--force``.
+directory unless ``--force`` (checked before gathering), except this run's own
+export by the same command; the export is written, evaluated and carded in a
+temporary directory and swapped in whole, keeping the replaced directory's
+files it does not write itself (notes, earlier sessions' logs).
 """
 
 from __future__ import annotations
@@ -276,23 +279,14 @@ def forward_costs(target: Model, draft: Model, *, num_draft: int, batch: int = 1
 # ----------------------------------------------------------------------------- export
 
 
-def export(draft: Model, dest: pathlib.Path, *, force: bool) -> None:
-    """Writes the draft as bf16 safetensors + config + tokenizer, atomically."""
-    if dest.exists() and any(dest.iterdir()):
-        if not force:
-            raise SystemExit(f"error: {dest} exists and is not empty; pass --force to replace it.")
+def export(draft: Model, dest: pathlib.Path) -> pathlib.Path:
+    """Writes the draft as bf16 safetensors + config + tokenizer into a
+    temporary sibling of ``dest`` (returned); ``common.swap_in`` puts it in
+    place once its card and logs are written too."""
     tmp = dest.with_name(dest.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     loading.export_hf(loading.astype(draft, "bfloat16"), str(tmp))
-    if dest.exists():
-        old = dest.with_name(dest.name + ".old-export")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old)
-    else:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, dest)
+    return tmp
 
 
 def write_card(path: pathlib.Path, summary: dict) -> None:
@@ -397,17 +391,69 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def load_init(args, target: Model) -> Model | None:
+    """The ``--init-from`` draft, checked against the target; its layout and head
+    vocabulary replace the model flags."""
+    if not args.init_from:
+        return None
+    init = specjax.load(args.init_from, dtype="float32")
+    if is_feature_head(init.module) or "head_vocab_ids" not in init.params:
+        raise SystemExit(f"error: --init-from {args.init_from} is not a draft made by python -m training.draft "
+                         "(no reduced head: head_vocab_ids); pass such an exported draft, or leave --init-from "
+                         "out to start from the target's embeddings.")
+    if init.vocab_size != target.vocab_size:
+        raise SystemExit(f"error: --init-from {args.init_from} has a {init.vocab_size}-token vocabulary, the target "
+                         f"{args.target} {target.vocab_size}: it drafts for another target; pass a draft of this "
+                         "target, or leave --init-from out.")
+    c = init.module.config
+    args.hidden, args.layers, args.heads, args.kv_heads = c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads
+    args.mlp, args.head_vocab = c.intermediate_size, c.head_vocab_size
+    return init
+
+
+def check_model_flags(args, cfg_t: ModelConfig) -> None:
+    """Exits naming the flag where ``init_from_target`` cannot build the draft:
+    it projects the target's embeddings of the --head-vocab tokens on their top
+    --hidden principal directions, of which there are at most min(both sizes)."""
+    if args.hidden > cfg_t.hidden_size:
+        raise SystemExit(f"error: --hidden {args.hidden} is wider than the target's hidden size "
+                         f"{cfg_t.hidden_size}: the draft's embedding is the target's projected on its top --hidden "
+                         f"principal directions; pass --hidden {cfg_t.hidden_size} or less.")
+    if args.head_vocab > cfg_t.vocab_size:
+        raise SystemExit(f"error: --head-vocab {args.head_vocab} is more than the target's {cfg_t.vocab_size}-token "
+                         f"vocabulary; pass --head-vocab {cfg_t.vocab_size} or less.")
+    if args.head_vocab < args.hidden:
+        raise SystemExit(f"error: --head-vocab {args.head_vocab} is smaller than --hidden {args.hidden}: the "
+                         f"{args.head_vocab} head tokens' embeddings have at most {args.head_vocab} principal "
+                         f"directions; pass --head-vocab {args.hidden} or more, or --hidden {args.head_vocab} or less.")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.gather_pass < 0:
         parser.error(f"--gather-pass must be 0 (the first answers) or more, got {args.gather_pass}")
+    command = "python -m training.draft " + " ".join(argv if argv is not None else sys.argv[1:])
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_file = out / "log.txt"
     log = lambda m: common._log(m, log_file)  # noqa: E731
     target = specjax.load(args.target)
     cfg_t = target.module.config
+    # Bad flags and an occupied --export fail now, not after gathering and training.
+    init = load_init(args, target)
+    if init is None:
+        check_model_flags(args, cfg_t)
+    try:
+        cfg = draft_config(cfg_t, args.hidden, args.layers, args.heads, args.kv_heads, args.mlp, args.head_vocab)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    run_id = common.run_id(out)
+    export_dir = pathlib.Path(args.export) if args.export else out / "export"
+    force = args.force or not args.export  # the run's own out/export is always replaced
+    if not (args.gather_only or args.train_only or args.stop_after is not None):
+        if common.check_export(export_dir, force=force, run_id=run_id, command=command):
+            log(f"[draft] {export_dir} holds this run's export by this command: it is made again")
 
     train_prompts = chat_prompts.train_prompts()
     data_dir = out / "data"
@@ -439,12 +485,8 @@ def main(argv=None) -> int:
     meta_file.write_text(json.dumps(run))
     shards = distill_data.load_shards(data_dir, limit=num_shards)
     eos = tuple(cfg_t.eos_token_ids)
-    init = specjax.load(args.init_from, dtype="float32") if args.init_from else None
     if init is not None:
         head_ids = np.asarray(init.params["head_vocab_ids"])
-        c = init.module.config
-        args.hidden, args.layers, args.heads, args.kv_heads = c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads
-        args.mlp, args.head_vocab = c.intermediate_size, c.head_vocab_size
     else:
         head_ids = head_vocabulary(shards, args.head_vocab, cfg_t.vocab_size, eos)
     rows = build_rows(shards, head_ids, args.seq_len, cfg_t.vocab_size)
@@ -459,7 +501,6 @@ def main(argv=None) -> int:
     log(f"[draft] {num_shards} shards: {train['tokens'].shape[0]} train rows ({answer_tokens:,} answer tokens), "
         f"{held['tokens'].shape[0]} held-out rows; head covers {100 * coverage:.2f}% of answer tokens")
 
-    cfg = draft_config(cfg_t, args.hidden, args.layers, args.heads, args.kv_heads, args.mlp, args.head_vocab)
     params = init_from_target(cfg, target, head_ids, args.seed) if init is None else dict(init.params)
     trainable, ids = split_trainable(params)
     optimizer = common.adamw(args.lr, args.steps, warmup_steps=min(100, args.steps // 10), weight_decay=0.01)
@@ -502,9 +543,10 @@ def main(argv=None) -> int:
     final = dict(state["params"], head_vocab_ids=ids["head_vocab_ids"])
     draft = Model(params=final, module=Decoder(cfg), tokenizer=target.tokenizer,
                   chat_template=target.chat_template)
-    export_dir = pathlib.Path(args.export) if args.export else out / "export"
-    export(draft, export_dir, force=args.force or not args.export)
-    draft = specjax.load(export_dir, dtype="float32")  # what users get: the bf16 weights
+    # Evaluated, carded and logged in the temporary directory, then swapped in
+    # whole: an interruption leaves the old export or the complete new one.
+    tmp = export(draft, export_dir)
+    draft = specjax.load(tmp, dtype="float32")  # what users get: the bf16 weights
 
     heldout_prompts = chat_prompts.heldout_prompts()[: args.eval_prompts]
     acceptance = [
@@ -518,8 +560,7 @@ def main(argv=None) -> int:
     log(f"[draft] forward costs: {json.dumps(costs)}")
     n_params = common.param_count(trainable)
     summary = {
-        "name": export_dir.name, "target": args.target,
-        "command": "python -m training.draft " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "name": export_dir.name, "target": args.target, "command": command, "run_id": run_id,
         "train_prompts": len(set(train_prompts[: num_shards * args.gather_batch])),
         "train_rows": int(train["tokens"].shape[0]), "train_answer_tokens": answer_tokens,
         "top_k": args.top_k, "config": loading.config_to_dict(cfg), "head_coverage": coverage,
@@ -533,8 +574,12 @@ def main(argv=None) -> int:
                     "rows": int(held["tokens"].shape[0])},
         "acceptance": acceptance, "costs": costs, "num_draft": args.num_draft, "log_every": 100,
     }
-    (export_dir / "train_log.json").write_text(json.dumps({"summary": summary, "evals": meta.get("evals", history)}, indent=1))
-    write_card(export_dir / "MODEL_CARD.md", summary)
+    (tmp / "train_log.json").write_text(json.dumps({"summary": summary, "evals": meta.get("evals", history)}, indent=1))
+    write_card(tmp / "MODEL_CARD.md", summary)
+    common.check_export(export_dir, force=force, run_id=run_id, command=command)  # filled while we trained?
+    kept = common.swap_in(tmp, export_dir)
+    if kept:
+        log(f"[draft] kept from the replaced {export_dir}: {', '.join(kept)} (files the export does not write)")
     log(f"[draft] wrote {export_dir}")
     return 0
 

