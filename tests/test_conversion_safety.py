@@ -144,6 +144,18 @@ def test_library_refuses_to_overwrite_unless_asked(tmp_path, save):
     assert _siblings(out) == ["out"]
 
 
+def test_an_overwrite_killed_between_its_renames_is_put_back(tmp_path):
+    """A hard kill after the old directory was renamed aside and before the new one
+    took its place: the next write puts the old one back instead of deleting it."""
+    out = tmp_path / "out"
+    export_hf(_model(2), str(out))
+    os.rename(out, tmp_path / ".out.specjax-old")  # the state such a kill leaves
+    with pytest.raises(ValueError, match="non-empty directory"):
+        export_hf(_model(3), str(out))  # not asked to overwrite: the old checkpoint is back, kept
+    _same(load(str(out)), _model(2))
+    assert _siblings(out) == ["out"]
+
+
 def test_a_failed_overwrite_leaves_the_old_checkpoint(tmp_path, monkeypatch):
     out = str(tmp_path / "out")
     export_hf(_model(2), out)

@@ -613,13 +613,17 @@ def _write_directory(path: str, overwrite: bool, write: Callable[[str], None]) -
     import shutil
 
     path = os.path.abspath(os.fspath(path))
-    check_output_dir(path, overwrite)
     parent, name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
     # A fixed name (not a random one) so that every host of a multi-host job
     # writes the same directory; a leftover of a killed run is ours to remove.
     tmp = os.path.join(parent, f".{name}.specjax-tmp")
     old = os.path.join(parent, f".{name}.specjax-old")
+    if not os.path.exists(path) and os.path.isdir(old):
+        # A run killed between the two renames below: the old directory is the
+        # user's checkpoint, not a leftover. Put it back before anything else.
+        os.rename(old, path)
+    check_output_dir(path, overwrite)
+    os.makedirs(parent, exist_ok=True)
     for leftover in (tmp, old):
         if os.path.isdir(leftover):
             shutil.rmtree(leftover)
