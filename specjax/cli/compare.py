@@ -149,8 +149,20 @@ class EvalSet:
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The JSON object on each non-empty line; a bad line is named by file and number."""
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}, line {number}: not JSON ({e}).") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, line {number}: want a JSON object, got {type(row).__name__}.")
+            rows.append(row)
+    return rows
 
 
 def _read_eval_rows(eval_dir: Path, task_file: str, open_file: str, num_task: int, num_open: int, kind: str):
@@ -161,7 +173,14 @@ def _read_eval_rows(eval_dir: Path, task_file: str, open_file: str, num_task: in
                 f"{eval_dir / name} does not exist: {kind} evaluation directory needs {task_file} "
                 f'({{"prompt", "answer"}} rows) and {open_file} ({{"prompt"}} rows).'
             )
-    return read_jsonl(eval_dir / task_file)[:num_task], read_jsonl(eval_dir / open_file)[:num_open]
+    task, open_ = read_jsonl(eval_dir / task_file)[:num_task], read_jsonl(eval_dir / open_file)[:num_open]
+    for name, rows, keys in ((task_file, task, ("prompt", "answer")), (open_file, open_, ("prompt",))):
+        for i, row in enumerate(rows):
+            missing = [k for k in keys if k not in row]
+            if missing:
+                raise ValueError(f"{eval_dir / name}: row {i + 1} lacks {', '.join(map(repr, missing))} "
+                                 f"(rows need {', '.join(map(repr, keys))}).")
+    return task, open_
 
 
 def load_eval_set(tokenizer, eval_dir: Path, num_task: int, num_code: int) -> EvalSet:
@@ -499,6 +518,22 @@ def plot_speedup_vs_recovery(rows: Sequence[Row], path: Path) -> None:
 # the `specjax compare` command
 
 
+def _check_rules(spec: str) -> tuple[str, ...]:
+    """``--rules "a;b"`` as stripped specs, each parsed now: a typo fails before any
+    model runs, not after the baselines (minutes on the real pair)."""
+    from specjax.rules import parse_rule
+
+    rules = tuple(r.strip() for r in spec.split(";") if r.strip())
+    if not rules:
+        raise SystemExit(f"error: --rules {spec!r} names no rule.")
+    for r in rules:
+        try:
+            parse_rule(r)
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"error: --rules: {e}") from None
+    return rules
+
+
 def run(args) -> int:
     """Runs the preset the options pick, prints the table and writes compare.csv/.json/.png."""
     from specjax.cli import common
@@ -507,7 +542,15 @@ def run(args) -> int:
     chat = pair.startswith("smollm2") or (pair == "custom" and args.chat_eval)
     presets = SMOLLM2_PRESETS if chat else PRESETS
     preset = presets["quick" if args.quick else "full" if args.full else "default"]
-    rules = tuple(args.rules.split(";")) if args.rules else preset.rules
+    rules = _check_rules(args.rules) if args.rules else preset.rules
+    # 0 would read as "unset" below; refuse it instead of falling back to the preset.
+    for flag, value in (("--batch", args.batch), ("--max-new-tokens", args.max_new_tokens)):
+        if value is not None and value < 1:
+            raise SystemExit(f"error: {flag} must be a positive integer, got {value}.")
+    if args.chat_eval and pair != "custom":
+        raise SystemExit("error: --chat-eval is for a custom chat pair (--target/--draft); the smollm2 pairs "
+                         "always use the chat evaluation and the embedded pair has none.")
+    tree, lookup, drafting = common.tree(args), common.lookup(args), common.drafting_policy(args)
     target, draft = common.load_pair(args)
     if target.tokenizer is None:
         raise SystemExit("error: the target has no tokenizer; compare needs one to score text.")
@@ -517,8 +560,11 @@ def run(args) -> int:
     else:
         eval_dir = Path(args.eval_dir) if args.eval_dir else DEFAULT_EVAL
         eval_set = load_eval_set(target.tokenizer, eval_dir, preset.num_task, preset.num_code)
+    if not eval_set.prompts:
+        raise SystemExit(f"error: the evaluation set in {eval_dir} has no prompts.")
+    batch = min(args.batch or preset.batch_size or len(eval_set.prompts), len(eval_set.prompts))
     print(f"compare: pair {pair}, {len(eval_set.prompts)} prompts ({int(eval_set.task_mask.sum())} task), "
-          f"batch {args.batch or preset.batch_size or len(eval_set.prompts)}, "
+          f"batch {batch}, "
           f"{'tree ' + args.tree if args.tree else f'K={args.num_draft}'}"
           f"{', lookup ' + args.lookup if args.lookup else ''}, up to {args.max_new_tokens or preset.max_new_tokens} new tokens, {args.dtype}, "
           f"device {common.device_platform()}")
@@ -530,11 +576,11 @@ def run(args) -> int:
         temperatures=preset.temperatures,
         max_new_tokens=args.max_new_tokens or preset.max_new_tokens,
         num_draft=args.num_draft,
-        drafting=common.drafting_policy(args),
-        tree=common.tree(args),
-        lookup=common.lookup(args),
+        drafting=drafting,
+        tree=tree,
+        lookup=lookup,
         seed=args.seed,
-        batch_size=args.batch or preset.batch_size,
+        batch_size=batch,
         progress=not args.no_progress,
     )
     print(format_table(rows))

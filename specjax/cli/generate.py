@@ -14,6 +14,9 @@ def run(args) -> int:
     rule = parse_rule(args.rule)
     if (args.prompt is None) == (args.chat is None):
         raise SystemExit("error: pass exactly one of --prompt TEXT or --chat MESSAGE.")
+    # Checked before anything loads or prints: --lookup / --drafting with --tree are refused here.
+    tree, lookup = common.tree(args), common.lookup(args)
+    chain = dict(drafting=common.drafting_policy(args), num_draft=args.num_draft, lookup=lookup) if tree is None else {}
     target, draft = common.load_pair(args)
     if target.tokenizer is None:
         raise SystemExit("error: the target has no tokenizer; pass token ids from Python instead.")
@@ -24,9 +27,6 @@ def run(args) -> int:
         print(args.prompt, end="", flush=True)
     # Streams: each draft-verify cycle's tokens are printed as the loop commits them.
     text = TextStream(target.tokenizer)
-    tree = common.tree(args)
-    chain = (dict(drafting=common.drafting_policy(args), num_draft=args.num_draft, lookup=common.lookup(args))
-             if tree is None else {})
     out = specjax.decode(specjax.pair(target, draft), [ids], on_tokens=text.on_tokens, rule=rule, tree=tree, **chain,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          key=jax.random.key(args.seed))
