@@ -157,3 +157,22 @@ def test_bad_lookup_arguments_get_clear_errors(pairs):
     with pytest.raises(ValueError, match="tree="):
         specjax.decode(pair, [[1, 2]], lookup=drafting.ngram_lookup(), tree=static_tree((2, 1)),
                        max_new_tokens=4, temperature=0.0)
+
+
+def test_a_max_match_past_the_buffer_traces_no_more_than_the_buffer():
+    """No match is longer than the token buffer: max_match=256 over 12 tokens gives
+    the program (and the drafts) of max_match=12, not 256 unrolled comparisons."""
+    from specjax._src.lookup import lookup_drafts
+
+    tokens = jnp.asarray([[3, 1, 4, 1, 5, 3, 1, 4, 1, 0, 0, 0]], jnp.int32)
+    n = jnp.asarray([9], jnp.int32)
+
+    def program(max_match):
+        fn = lambda t, c: lookup_drafts(t, c, 3, drafting.ngram_lookup(1, max_match))  # noqa: E731
+        return len(jax.make_jaxpr(fn)(tokens, n).jaxpr.eqns), fn(tokens, n)
+
+    (size_12, (drafts_12, valid_12)), (size_256, (drafts_256, valid_256)) = program(12), program(256)
+    assert size_256 == size_12
+    np.testing.assert_array_equal(np.asarray(drafts_256), np.asarray(drafts_12))
+    np.testing.assert_array_equal(np.asarray(valid_256), np.asarray(valid_12))
+    assert np.asarray(valid_12).any()

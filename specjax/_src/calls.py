@@ -219,14 +219,12 @@ def _eos_ids(eos_token_id, vocab_size: int, module=None) -> tuple[int, ...]:
         raise ValueError(f"eos_token_id must be an id or a flat list of ids, got {eos_token_id!r}.")
     out = []
     for i in ids.reshape(-1).tolist():
-        # bool is an int to Python, but True meaning token 1 is never what was meant.
-        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) and not (
-            isinstance(i, float) and i.is_integer()
-        ):
+        token = as_integer(i)  # not a bool: True meaning token 1 is never what was meant
+        if token is None:
             raise TypeError(f"eos_token_id must hold integer token ids, got {i!r}.")
-        if not 0 <= int(i) < vocab_size:
+        if not 0 <= token < vocab_size:
             raise ValueError(f"eos_token_id {i!r} is outside the vocabulary [0, {vocab_size}).")
-        out.append(int(i))
+        out.append(token)
     return tuple(out)
 
 

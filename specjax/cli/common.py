@@ -87,15 +87,22 @@ def tree(args):
         return None
     from specjax.trees import parse_tree
 
-    if getattr(args, "lookup", None):
-        raise SystemExit("error: --lookup drafts chains; drop --tree or --lookup.")
-    if getattr(args, "drafting", None):
-        raise SystemExit("error: --drafting sets how long a chain is; a tree's shape decides what is drafted: "
-                         "drop --tree or --drafting.")
+    _refuse_chain_options_with_tree(args)
     try:
         return parse_tree(args.tree)
     except ValueError as e:
         raise SystemExit(f"error: --tree: {e}") from None
+
+
+def _refuse_chain_options_with_tree(args) -> None:
+    """--lookup and --drafting shape chains; with --tree the tree's shape decides
+    what is drafted, so either would be ignored."""
+    if not getattr(args, "tree", None):
+        return
+    for flag in ("--lookup", "--drafting"):
+        if getattr(args, flag[2:], None):
+            raise SystemExit(f"error: {flag} applies to chains; with --tree the tree's shape decides what is "
+                             f"drafted: drop --tree or {flag}.")
 
 
 def lookup(args):
@@ -104,8 +111,7 @@ def lookup(args):
         return None
     from specjax.drafting import ngram_lookup
 
-    if getattr(args, "tree", None):
-        raise SystemExit("error: --lookup drafts chains; drop --tree or --lookup.")
+    _refuse_chain_options_with_tree(args)
     try:
         return ngram_lookup(*(int(x) for x in args.lookup.split(",")))
     except (TypeError, ValueError) as e:
