@@ -248,7 +248,7 @@ def main(path: str) -> None:
     mesh = sharding.make_mesh(2, 4)
     gen = specjax.generate(pair.target, prompts, temperature=0.0, max_new_tokens=NEW, mesh=mesh)
     report["generate"] = {"greedy": gen.to_lists(), "hlo": check_hlo(spy_generate, weights, caches)}
-    bad_target = sharding.shard_params(pair.target, mesh).replace(module=GatheringDecoder(CFG, mesh))
+    bad_target = sharding.shard_params(pair.target, mesh).replace(module=GatheringDecoder(CFG, mesh=mesh))
     gen_bad = specjax.generate(bad_target, prompts, temperature=0.0, max_new_tokens=NEW, mesh=mesh)
     report["generate_gathering"] = {"greedy": gen_bad.to_lists(), "hlo": check_hlo(spy_generate, weights, caches)}
 

@@ -393,6 +393,20 @@ def _find_mesh(*trees) -> Optional[Mesh]:
     return meshes[0] if meshes else None
 
 
+def _xla_matmuls(model: Model) -> Model:
+    """The model with XLA's dots: the CPU kernels are opaque custom calls that
+    XLA's partitioner would run on gathered, unsharded weights."""
+    module = model.module
+    if isinstance(module, Decoder) and module.matmul != "xla":
+        if module.matmul == "kernel":
+            raise ValueError(
+                "matmul='kernel' runs on one device; decode on a mesh with matmul='auto' or 'xla' "
+                "(dataclasses.replace(model.module, matmul='auto'))."
+            )
+        return model.replace(module=dataclasses.replace(module, matmul="xla"))
+    return model
+
+
 def prepare(models: dict, batch: int, mesh: Optional[Mesh]):
     """Resolves the mesh of a decode call and places what is not yet on it.
 
@@ -426,8 +440,8 @@ def prepare(models: dict, batch: int, mesh: Optional[Mesh]):
         else:  # another LanguageModel: replicated
             plans[name] = jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), m.params)
     placed = {
-        name: m if plans[name] is None
-        else m.replace(params=_place(m.params, plans[name], keep_placed=True, mesh=mesh))
+        name: _xla_matmuls(m if plans[name] is None
+                           else m.replace(params=_place(m.params, plans[name], keep_placed=True, mesh=mesh)))
         for name, m in models.items()
     }
 

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax._src.kernels import cpu_matmul
 from specjax._src.lm import Array, KVCache, LMOutput, Params
 from specjax._src.models.config import ModelConfig
 
@@ -322,7 +323,7 @@ def _norm(config: ModelConfig, name: str) -> nn.Module:
     return cls(eps=config.norm_eps, dtype=jnp.dtype(config.dtype), name=name)
 
 
-def _dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> nn.Dense:
+def _dense(config: ModelConfig, features: int, use_bias: bool, name: str, matmul: str = "auto") -> nn.Dense:
     dtype = jnp.dtype(config.dtype)
     return nn.Dense(
         features,
@@ -330,6 +331,7 @@ def _dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> nn.
         dtype=dtype,
         param_dtype=dtype,
         kernel_init=nn.initializers.normal(_INIT_STD),
+        dot_general=functools.partial(cpu_matmul.dense_dot_general, matmul_mode=matmul),
         name=name,
     )
 
@@ -338,6 +340,7 @@ class Attention(nn.Module):
     """Self-attention of one block; reads and writes that block's KV buffers."""
 
     config: ModelConfig
+    matmul: str = "auto"
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, lengths, mask=None):
@@ -345,12 +348,12 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         n, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if cfg.is_gpt2:
-            qkv = _dense(cfg, 3 * n * d, True, "qkv")(x)
+            qkv = _dense(cfg, 3 * n * d, True, "qkv", self.matmul)(x)
             q, k, v = jnp.split(qkv, 3, axis=-1)
         else:
-            q = _dense(cfg, n * d, cfg.attention_bias, "q")(x)
-            k = _dense(cfg, kv * d, cfg.attention_bias, "k")(x)
-            v = _dense(cfg, kv * d, cfg.attention_bias, "v")(x)
+            q = _dense(cfg, n * d, cfg.attention_bias, "q", self.matmul)(x)
+            k = _dense(cfg, kv * d, cfg.attention_bias, "k", self.matmul)(x)
+            v = _dense(cfg, kv * d, cfg.attention_bias, "v", self.matmul)(x)
         q = q.reshape(b, t, n, d)
         k = k.reshape(b, t, kv, d)
         v = v.reshape(b, t, kv, d)
@@ -373,37 +376,39 @@ class Attention(nn.Module):
         if mask is None:  # a chain: causal by position
             mask = attention_mask(positions, keys.shape[2], cfg.sliding_window)
         out = grouped_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask, d**-0.5)
-        out = _dense(cfg, cfg.hidden_size, cfg.is_gpt2 or cfg.attention_out_bias, "o")(out)
+        out = _dense(cfg, cfg.hidden_size, cfg.is_gpt2 or cfg.attention_out_bias, "o", self.matmul)(out)
         return out, new_cache
 
 
 class MLP(nn.Module):
     config: ModelConfig
+    matmul: str = "auto"
 
     @nn.compact
     def __call__(self, x):
         cfg = self.config
         act = _activation(cfg.activation)
         if cfg.is_gpt2:
-            h = act(_dense(cfg, cfg.intermediate_size, True, "fc")(x))
-            return _dense(cfg, cfg.hidden_size, True, "proj")(h)
-        gate = _dense(cfg, cfg.intermediate_size, cfg.mlp_bias, "gate")(x)
-        up = _dense(cfg, cfg.intermediate_size, cfg.mlp_bias, "up")(x)
-        return _dense(cfg, cfg.hidden_size, cfg.mlp_bias, "down")(act(gate) * up)
+            h = act(_dense(cfg, cfg.intermediate_size, True, "fc", self.matmul)(x))
+            return _dense(cfg, cfg.hidden_size, True, "proj", self.matmul)(h)
+        gate = _dense(cfg, cfg.intermediate_size, cfg.mlp_bias, "gate", self.matmul)(x)
+        up = _dense(cfg, cfg.intermediate_size, cfg.mlp_bias, "up", self.matmul)(x)
+        return _dense(cfg, cfg.hidden_size, cfg.mlp_bias, "down", self.matmul)(act(gate) * up)
 
 
 class Block(nn.Module):
     """Pre-norm residual block: attention then MLP."""
 
     config: ModelConfig
+    matmul: str = "auto"
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, lengths, mask=None):
-        attn, new_cache = Attention(self.config, name="attn")(
+        attn, new_cache = Attention(self.config, self.matmul, name="attn")(
             _norm(self.config, "attn_norm")(x), positions, kv_cache, lengths, mask
         )
         x = x + attn
-        x = x + MLP(self.config, name="mlp")(_norm(self.config, "mlp_norm")(x))
+        x = x + MLP(self.config, self.matmul, name="mlp")(_norm(self.config, "mlp_norm")(x))
         return x, new_cache
 
 
@@ -411,9 +416,11 @@ class Transformer(nn.Module):
     """Embeddings, ``num_layers`` blocks, final norm and LM head.
 
     Returns ``(logits[B, T, V] float32, block outputs (one per layer), caches)``.
+    ``matmul``: see :class:`Decoder`.
     """
 
     config: ModelConfig
+    matmul: str = "auto"
 
     @nn.compact
     def __call__(self, tokens, positions, kv_caches, lengths, logits_at=None, reduced_logits=False, mask=None):
@@ -440,7 +447,7 @@ class Transformer(nn.Module):
         block_outputs, new_caches = [], []
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
-            x, c = Block(cfg, name=f"layer_{i}")(x, positions, layer_cache, lengths, mask)
+            x, c = Block(cfg, self.matmul, name=f"layer_{i}")(x, positions, layer_cache, lengths, mask)
             block_outputs.append(x)
             new_caches.append(c)
         if logits_at is not None:
@@ -453,7 +460,7 @@ class Transformer(nn.Module):
                 "lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.head_vocab_size), dtype
             )
             ids = self.param("head_vocab_ids", _identity_ids, (cfg.head_vocab_size,))
-            logits = jnp.einsum("bth,hv->btv", x, head, preferred_element_type=jnp.float32)
+            logits = _head_logits(x, head, self.matmul)
             if not reduced_logits:
                 logits = scatter_to_vocab(logits, ids, cfg.vocab_size)
         elif cfg.tie_word_embeddings:
@@ -463,14 +470,24 @@ class Transformer(nn.Module):
             # token for a 2048 x 64 table), and with the table on the right a
             # 4-token verification of SmolLM2's 49152 x 576 table took 1.3 ms
             # more (a 20.9 ms forward against 19.6 ms; 1 token: the same).
-            logits = jnp.einsum("vh,bth->vbt", embed.embedding, x, preferred_element_type=jnp.float32)
-            logits = logits.transpose(1, 2, 0)
+            if cpu_matmul.applies(x, embed.embedding, self.matmul):
+                logits = cpu_matmul.matmul(x, embed.embedding, transpose_w=True)
+            else:
+                logits = jnp.einsum("vh,bth->vbt", embed.embedding, x, preferred_element_type=jnp.float32)
+                logits = logits.transpose(1, 2, 0)
         else:
             head = self.param(
                 "lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.vocab_size), dtype
             )
-            logits = jnp.einsum("bth,hv->btv", x, head, preferred_element_type=jnp.float32)
+            logits = _head_logits(x, head, self.matmul)
         return logits, tuple(block_outputs), tuple(new_caches)
+
+
+def _head_logits(x: Array, head: Array, matmul: str) -> Array:
+    """``x[B, T, H] @ head[H, V]`` accumulated in float32."""
+    if cpu_matmul.applies(x, head, matmul):
+        return cpu_matmul.matmul(x, head)
+    return jnp.einsum("bth,hv->btv", x, head, preferred_element_type=jnp.float32)
 
 
 def _identity_ids(key, shape):
@@ -543,13 +560,25 @@ class Decoder:
         cache = model.init_cache(batch_size=2, max_length=64)
         out = model.apply(params, prompt, cache)          # prefill
         out = model.apply(params, next_tokens, out.cache)  # append
+
+    ``matmul`` picks how the float32 products of 2 to 16 rows (verification
+    blocks at small batch) run on the CPU: ``"auto"`` (default) by specjax's
+    few-row kernels where they can be built (:mod:`specjax._src.kernels.cpu_matmul`),
+    else by XLA's dot; ``"kernel"`` by the kernels or an error saying why
+    they cannot be built; ``"xla"`` always by XLA's dot. Other platforms,
+    dtypes and row counts always use XLA's dot. ``dataclasses.replace(model,
+    matmul="xla")`` gives the same model with another choice (a new program).
     """
 
     config: ModelConfig
+    matmul: str = "auto"
 
     # ``apply(..., logits_at=)`` is implemented (the optional protocol extension).
     supports_logits_at = True
     supports_trees = True  # apply(tree_parents=...): see specjax._src.lm
+
+    def __post_init__(self):
+        cpu_matmul.check_mode(self.matmul)
 
     @property
     def vocab_size(self) -> int:
@@ -686,7 +715,7 @@ class Decoder:
             kv_len = t if cache is None else cache.max_length
             mask, positions = tree_attention_mask(tree_parents, start, kv_len, cfg.sliding_window,
                                                   offset=tree_offset, num=t)
-        logits, block_outputs, new_caches = Transformer(cfg).apply(
+        logits, block_outputs, new_caches = Transformer(cfg, self.matmul).apply(
             {"params": params}, tokens, positions, kv_caches, lengths, logits_at, False, mask
         )
         hidden = tuple(block_outputs[i].astype(jnp.float32) for i in layers)

@@ -1,0 +1,269 @@
+"""Few-row float32 matrix products on the CPU, as XLA FFI custom calls.
+
+Verifying ``K + 1`` drafted tokens multiplies ``K + 1`` rows by every weight
+matrix of the target. At batch 1 that should cost what one row costs (the
+weights are read once either way), which is the premise of speculative
+decoding. On the CPU, XLA hands every product of two or more rows to a GEMM
+library that first copies the weight matrix into a packed layout; at
+SmolLM2-135M's sizes that copy doubles the product's time, so a 4-token
+forward cost 1.8 one-token forwards (BENCHMARKS.md, session 18).
+``cpu_matmul.cc`` reads the weights in place, once, for any number of rows up
+to :data:`MAX_ROWS`.
+
+The library is compiled on first use with the system's C++ compiler (``$CXX``,
+else ``c++``) against the FFI headers that jaxlib ships, and cached under
+``$SPECJAX_CACHE_DIR`` (default ``~/.cache/specjax``). Where it cannot be
+built, ``matmul="auto"`` falls back to XLA's dot with one warning.
+
+Each output element is summed in the same order whatever the number of rows,
+so a row's result does not depend on the rows it is batched with: a
+verification forward's logits equal the one-token forward's bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+Array = jax.Array
+
+#: Rows (the product of every dimension but the last) that ``applies`` sends
+#: to the kernels. One row stays with XLA, whose own matrix-vector loop is as
+#: fast; from 24 rows on, XLA's packed GEMM is (``benchmarks/cpu_matmul.py``).
+MIN_ROWS, MAX_ROWS = 2, 16
+
+MATMUL_MODES = ("auto", "xla", "kernel")
+
+_SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+_TARGETS = {"nn": ("specjax_matmul", "SpecjaxMatmul"), "nt": ("specjax_matmul_nt", "SpecjaxMatmulNt")}
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
+
+_lock = threading.Lock()
+_state: dict = {}  # "error": None once loaded, else why not; "warned"
+_registered: list = []  # the loaded library, once its targets are registered (once per process)
+
+
+class KernelUnavailableError(RuntimeError):
+    """The CPU matmul library could not be built or loaded."""
+
+
+def cache_dir() -> Path:
+    """Where the compiled library is kept: ``$SPECJAX_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/specjax``, else ``~/.cache/specjax``."""
+    if os.environ.get("SPECJAX_CACHE_DIR"):
+        return Path(os.environ["SPECJAX_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specjax"
+
+
+def _compiler() -> list[str]:
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shlex.split(cxx)
+    found = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if found is None:
+        raise KernelUnavailableError(
+            "no C++ compiler found (set $CXX, or install g++ or clang++) to build specjax's CPU matmul kernels"
+        )
+    return [found]
+
+
+def _library_path(cxx: list[str]) -> Path:
+    digest = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), jaxlib.__version__.encode(), " ".join(cxx + list(_FLAGS)).encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return cache_dir() / "kernels" / f"cpu_matmul-{digest.hexdigest()[:16]}.so"
+
+
+def _build(cxx: list[str], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: concurrent processes (pytest
+    # workers) never load a half-written library.
+    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    cmd = [*cxx, *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelUnavailableError(
+                f"compiling specjax's CPU matmul kernels failed ({shlex.join(cmd)}):\n{done.stderr.strip()[-2000:]}"
+            )
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> None:
+    """Builds (once per source and jaxlib version) and registers the kernels."""
+    cxx = _compiler()
+    path = _library_path(cxx)
+    if not path.exists():
+        _build(cxx, path)
+    if _registered:  # XLA refuses a second registration of a name
+        return
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+    except OSError as e:
+        raise KernelUnavailableError(f"loading {path} failed: {e}; delete it to rebuild") from e
+    for target, symbol in _TARGETS.values():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    _registered.append(lib)
+
+
+def ensure_loaded() -> None:
+    """Builds and registers the kernels if they are not yet.
+
+    Raises:
+      KernelUnavailableError: with the reason, where they cannot be built.
+    """
+    with _lock:
+        if "error" not in _state:
+            try:
+                _load()
+                _state["error"] = None
+            except KernelUnavailableError as e:
+                _state["error"] = str(e)
+            except (OSError, subprocess.SubprocessError) as e:
+                _state["error"] = f"building specjax's CPU matmul kernels failed: {e}"
+        error = _state["error"]
+    if error is not None:
+        raise KernelUnavailableError(error)
+
+
+def is_available() -> bool:
+    """Whether the kernels are built and registered (building them if needed)."""
+    try:
+        ensure_loaded()
+    except KernelUnavailableError:
+        return False
+    return True
+
+
+def check_mode(matmul: str) -> str:
+    if matmul not in MATMUL_MODES:
+        raise ValueError(f"matmul must be one of {', '.join(map(repr, MATMUL_MODES))}, got {matmul!r}.")
+    return matmul
+
+
+def _kernel_wanted(matmul: str) -> bool:
+    if matmul == "xla":
+        return False
+    if matmul == "kernel":
+        ensure_loaded()
+        return True
+    if is_available():
+        return True
+    with _lock:
+        if not _state.get("warned"):
+            _state["warned"] = True
+            warnings.warn(
+                f"{_state['error']}\nspecjax falls back to XLA's dot on the CPU, which is slower for "
+                "speculative verification; pass matmul='xla' to silence this.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    return False
+
+
+def _ffi(kind: str, x: Array, w: Array) -> Array:
+    n = w.shape[0] if kind == "nt" else w.shape[1]
+    call = jax.ffi.ffi_call(
+        _TARGETS[kind][0], jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential"
+    )
+    return call(x, w)
+
+
+def _xla(kind: str, x: Array, w: Array) -> Array:
+    dims = (((1,), (1,)), ((), ())) if kind == "nt" else (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rows_matmul(kind: str, x: Array, w: Array) -> Array:
+    # The kernel on the CPU; XLA's dot wherever else the program is lowered.
+    return jax.lax.platform_dependent(
+        x, w, cpu=functools.partial(_ffi, kind), default=functools.partial(_xla, kind)
+    )
+
+
+def _rows_matmul_fwd(kind, x, w):
+    return _rows_matmul(kind, x, w), (x, w)
+
+
+def _rows_matmul_bwd(kind, residuals, g):
+    x, w = residuals
+    if kind == "nt":  # y = x @ w.T
+        return g @ w, g.T @ x
+    return g @ w.T, x.T @ g
+
+
+_rows_matmul.defvjp(_rows_matmul_fwd, _rows_matmul_bwd)
+
+
+def applies(x: Array, w: Array, matmul: str) -> bool:
+    """Whether ``x[..., K] @ w`` goes to the kernel: float32 operands,
+    :data:`MIN_ROWS` to :data:`MAX_ROWS` rows, ``matmul`` not ``"xla"`` and
+    the kernels built."""
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or w.ndim != 2 or not MIN_ROWS <= rows <= MAX_ROWS:
+        return False
+    return _kernel_wanted(matmul)
+
+
+def matmul(x: Array, w: Array, *, transpose_w: bool = False) -> Array:
+    """``x[..., K] @ w[K, N]`` (or ``@ w[N, K].T``) as one few-row product.
+
+    Float32 only, at most :data:`MAX_ROWS` rows; on other platforms the same
+    product by XLA's dot. Differentiable (the gradient uses XLA's dots).
+    """
+    ensure_loaded()
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise TypeError(f"the CPU matmul kernels take float32 operands, got {x.dtype} and {w.dtype}.")
+    if w.ndim != 2 or x.shape[-1] != w.shape[1 if transpose_w else 0]:
+        raise ValueError(f"cannot multiply x {x.shape} by w {w.shape} (transpose_w={transpose_w}).")
+    if not 0 < rows <= MAX_ROWS:
+        raise ValueError(f"the CPU matmul kernels take 1 to {MAX_ROWS} rows, got {rows} (x {x.shape}).")
+    out = _rows_matmul("nt" if transpose_w else "nn", x.reshape(rows, x.shape[-1]), w)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, matmul_mode="auto"):
+    """A ``lax.dot_general`` for ``flax.linen.Dense`` that sends few-row
+    float32 products (``matmul_mode`` permitting) to the kernel."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    plain = (
+        tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)
+        and not lhs_batch and not rhs_batch and precision is None
+    )
+    if plain and applies(lhs, rhs, matmul_mode):
+        return matmul(lhs, rhs).astype(preferred_element_type or lhs.dtype)
+    return jax.lax.dot_general(
+        lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type
+    )
+
+
+def _reset_for_tests(error: Optional[str] = None) -> None:
+    """Forgets the load state (not the registration); with ``error``, pretends
+    the build failed."""
+    with _lock:
+        _state.clear()
+        if error is not None:
+            _state["error"] = error
