@@ -245,10 +245,11 @@ def measure_acceptance(target: Model, draft: Model, prompts: list[str], *, num_d
 def forward_costs(target: Model, draft: Model, *, num_draft: int, batch: int = 1, repeats: int = 20) -> dict:
     """Median wall time of one cached 1-token forward of each model and of the
     target's (K+1)-token verification forward after a 64-token prefix, at
-    ``batch`` sequences, after warm-up (``repeats`` timed calls each). The
-    draft may be a feature head (``specjax.heads``): it is fed features too.
-    ``draft=None`` times the target only (``c_draft`` 0)."""
-    def timer(model, t):
+    ``batch`` sequences, after warm-up (``repeats`` timed calls each, the three
+    forwards taking turns so that a slow spell of a shared machine hits all of
+    them alike). The draft may be a feature head (``specjax.heads``): it is fed
+    features too. ``draft=None`` times the target only (``c_draft`` 0)."""
+    def forward(model, t):
         module, params = model.module, model.params
 
         def extra(n):  # a feature head also reads n target features
@@ -262,16 +263,21 @@ def forward_costs(target: Model, draft: Model, *, num_draft: int, batch: int = 1
             return module.apply(params, tokens, cache, **extra(tokens.shape[1])).logits
 
         tokens = jnp.ones((batch, t), jnp.int32)
-        jax.block_until_ready(fwd(params, cache, tokens))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fwd(params, cache, tokens))
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
+        run = lambda: jax.block_until_ready(fwd(params, cache, tokens))  # noqa: E731
+        run()
+        return run
 
-    c_ar, c_verify = timer(target, 1), timer(target, num_draft + 1)
-    c_draft = 0.0 if draft is None else timer(draft, 1)
+    runs = {"ar": forward(target, 1), "verify": forward(target, num_draft + 1)}
+    if draft is not None:
+        runs["draft"] = forward(draft, 1)
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    c_ar, c_verify = float(np.median(times["ar"])), float(np.median(times["verify"]))
+    c_draft = float(np.median(times["draft"])) if draft is not None else 0.0
     return {"c_ar_ms": 1e3 * c_ar, "c_draft_ms": 1e3 * c_draft, "c_verify_ms": 1e3 * c_verify,
             "c_draft/c_ar": c_draft / c_ar, "c_verify/c_ar": c_verify / c_ar}
 
