@@ -285,40 +285,34 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
+// y = x @ w (kTransposed: x @ w^T). Both column kernels zero y first, so an
+// empty contraction (K = 0) gives zeros.
+template <bool kTransposed>
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::Result<ffi::Buffer<ffi::F32>> y) {
   Problem p;
-  if (auto err = CheckShapes(x, w, y, /*transposed=*/false, &p); !err.success()) return err;
+  if (auto err = CheckShapes(x, w, y, kTransposed, &p); !err.success()) return err;
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  if (p.k == 0) {
-    std::fill(p.y, p.y + p.m * p.n, 0.0f);
-    return ffi::Error::Success();
-  }
-  ParallelColumns(pool, p.n, ChunkColumns(p.n, pool.num_threads()),
-                  [&p](int64_t j0, int64_t j1) { MatmulColumns(p, j0, j1); });
-  return ffi::Error::Success();
-}
-
-ffi::Error MatmulNtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                        ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  Problem p;
-  if (auto err = CheckShapes(x, w, y, /*transposed=*/true, &p); !err.success()) return err;
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  ParallelColumns(pool, p.n, ChunkColumns(p.n, pool.num_threads()),
-                  [&p](int64_t j0, int64_t j1) { MatmulNtColumns(p, j0, j1); });
+  ParallelColumns(pool, p.n, ChunkColumns(p.n, pool.num_threads()), [&p](int64_t j0, int64_t j1) {
+    if (kTransposed) {
+      MatmulNtColumns(p, j0, j1);
+    } else {
+      MatmulColumns(p, j0, j1);
+    }
+  });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmul, MatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmul, MatmulImpl<false>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmulNt, MatmulNtImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmulNt, MatmulImpl<true>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
