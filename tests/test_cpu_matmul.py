@@ -183,7 +183,12 @@ def test_the_library_is_built_into_the_cache_dir(fresh_kernel_state, monkeypatch
 
 
 def test_a_mesh_runs_xla_dots():
-    model = specjax.Model(params={}, module=_tiny_decoder())
-    assert sharding_lib._xla_matmuls(model).module.matmul == "xla"
+    module = _tiny_decoder()
+    params = module.init(jax.random.key(0))
+    mesh = sharding_lib.make_mesh(data=1, model=1)
+    placed, layout = sharding_lib.prepare({"target": specjax.Model(params, module)}, 1, mesh)
+    assert layout is not None and placed["target"].module.matmul == "xla"
+    # Refused with the other checks, before any param is placed.
+    kernel = specjax.Model(params, _tiny_decoder(matmul="kernel"))
     with pytest.raises(ValueError, match="one device"):
-        sharding_lib._xla_matmuls(model.replace(module=_tiny_decoder(matmul="kernel")))
+        sharding_lib.prepare({"target": kernel}, 1, mesh)

@@ -393,16 +393,19 @@ def _find_mesh(*trees) -> Optional[Mesh]:
     return meshes[0] if meshes else None
 
 
+def _check_matmul_on_mesh(model: Model, name: str) -> None:
+    if isinstance(model.module, Decoder) and model.module.matmul == "kernel":
+        raise ValueError(
+            f"{name}: matmul='kernel' runs on one device; decode on a mesh with matmul='auto' or 'xla' "
+            "(dataclasses.replace(model.module, matmul='auto'))."
+        )
+
+
 def _xla_matmuls(model: Model) -> Model:
     """The model with XLA's dots: the CPU kernels are opaque custom calls that
     XLA's partitioner would run on gathered, unsharded weights."""
     module = model.module
     if isinstance(module, Decoder) and module.matmul != "xla":
-        if module.matmul == "kernel":
-            raise ValueError(
-                "matmul='kernel' runs on one device; decode on a mesh with matmul='auto' or 'xla' "
-                "(dataclasses.replace(model.module, matmul='auto'))."
-            )
         return model.replace(module=dataclasses.replace(module, matmul="xla"))
     return model
 
@@ -432,6 +435,7 @@ def prepare(models: dict, batch: int, mesh: Optional[Mesh]):
     # Every check first, so that nothing is moved when a later model fails.
     plans = {}
     for name, m in models.items():
+        _check_matmul_on_mesh(m, name)
         leaves = jax.tree_util.tree_leaves(m.params)
         if leaves and all(_on_mesh(l, mesh) for l in leaves):
             plans[name] = None  # the user's layout (sharded or replicated) is kept

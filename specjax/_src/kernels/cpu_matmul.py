@@ -17,7 +17,8 @@ built, ``matmul="auto"`` falls back to XLA's dot with one warning.
 
 Each output element is summed in the same order whatever the number of rows,
 so a row's result does not depend on the rows it is batched with: a
-verification forward's logits equal the one-token forward's bit for bit.
+verification block's logits for a token are the same whether it verifies 2
+or 16 tokens. (One row goes to XLA's dot, which sums in another order.)
 """
 
 from __future__ import annotations

@@ -470,11 +470,7 @@ class Transformer(nn.Module):
             # token for a 2048 x 64 table), and with the table on the right a
             # 4-token verification of SmolLM2's 49152 x 576 table took 1.3 ms
             # more (a 20.9 ms forward against 19.6 ms; 1 token: the same).
-            if cpu_matmul.applies(x, embed.embedding, self.matmul):
-                logits = cpu_matmul.matmul(x, embed.embedding, transpose_w=True)
-            else:
-                logits = jnp.einsum("vh,bth->vbt", embed.embedding, x, preferred_element_type=jnp.float32)
-                logits = logits.transpose(1, 2, 0)
+            logits = _head_logits(x, embed.embedding, self.matmul, table=True)
         else:
             head = self.param(
                 "lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.vocab_size), dtype
@@ -483,10 +479,12 @@ class Transformer(nn.Module):
         return logits, tuple(block_outputs), tuple(new_caches)
 
 
-def _head_logits(x: Array, head: Array, matmul: str) -> Array:
-    """``x[B, T, H] @ head[H, V]`` accumulated in float32."""
+def _head_logits(x: Array, head: Array, matmul: str, table: bool = False) -> Array:
+    """``x[B, T, H] @ head[H, V]`` (``table``: ``@ head[V, H].T``), accumulated in float32."""
     if cpu_matmul.applies(x, head, matmul):
-        return cpu_matmul.matmul(x, head)
+        return cpu_matmul.matmul(x, head, transpose_w=table)
+    if table:
+        return jnp.einsum("vh,bth->vbt", head, x, preferred_element_type=jnp.float32).transpose(1, 2, 0)
     return jnp.einsum("bth,hv->btv", x, head, preferred_element_type=jnp.float32)
 
 
