@@ -32,6 +32,7 @@ import numpy as np
 from flax import struct
 
 from specjax._src import drafting as drafting_lib
+from specjax._src import multihost
 from specjax._src import sampling
 from specjax._src import sharding as sharding_lib
 from specjax._src.checks import as_integer, check_positive_int
@@ -234,12 +235,15 @@ def _resolve_key(key, batch: int, greedy: bool) -> tuple[Any, Any, Optional[int]
     ``key=None`` when sampling draws a fresh 32-bit seed from the OS
     (``secrets``), so two such calls differ; the seed and its key are recorded
     so that passing either back reproduces the run. Greedy decoding uses no
-    randomness: nothing is drawn or recorded.
+    randomness: nothing is drawn or recorded. On a multi-host job every
+    process takes process 0's seed: the key is one replicated value, and
+    shards of one sequence that sampled differently would diverge (and the
+    loop's exit with them).
     """
     if key is None:
         if greedy:
             return jax.random.key(0), None, None  # never read when greedy
-        seed = secrets.randbits(32)
+        seed = multihost.one_seed(secrets.randbits(32))
         fresh = jax.random.key(seed)
         return fresh, fresh, seed
     return _sequence_keys_input(key, batch), key, None
@@ -535,6 +539,8 @@ def _prepare_call(
     prompts = prompts[:, : int(lengths.max())]
     batch, width = prompts.shape
     eos = _eos_ids(eos_token_id, vocab, models["target"].module)
+    if jax.process_count() > 1:
+        _check_same_inputs(what, prompts, lengths, new_tokens, extra, temperature, top_k, top_p, eos, pad_id, key)
     key, recorded_key, seed = _resolve_key(key, batch, greedy)
     modules = [(name, m.module) for name, m in models.items()]
     cache_length = _check_length(modules, width + new_tokens + extra, max_length, what.format(width=width))
@@ -576,6 +582,23 @@ def _prepare_call(
         padded_prompts, padded_lengths, max_new, eos_ids, pad, key, temp, top_p_value, cfg=cfg, models=placed,
         batch=batch, new_tokens=new_tokens, record=(recorded_key, seed),
     )
+
+
+def _check_same_inputs(what: str, prompts, lengths, *settings) -> None:
+    """Every process of a multi-host job must pass the same global batch and
+    settings (each builds its shards of the same global arrays from them)."""
+    *settings, key = settings
+    parts = [prompts, lengths, *(None if x is None else np.asarray(x) for x in settings), _key_digest(key)]
+    multihost.check_same_on_every_process(what.split(" (")[0], parts)
+
+
+def _key_digest(key):
+    """A host copy of ``key``'s data to compare across processes (its type where it has none)."""
+    if key is None or not hasattr(key, "dtype") or not getattr(key, "is_fully_addressable", True):
+        return repr(type(key))
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return np.asarray(key)
 
 
 def _eos_array(eos: tuple[int, ...]) -> np.ndarray:

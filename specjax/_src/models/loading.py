@@ -307,6 +307,10 @@ def save_orbax(model: Model, path: str, *, overwrite: bool = False) -> None:
     Args:
       overwrite: replace an existing non-empty ``path`` (and everything in it).
 
+    On a multi-host job every process calls it with the same ``path``, on a
+    filesystem all of them see: each writes its own shards, process 0 the
+    rest, and the directory is swapped in once all are done.
+
     Raises:
       ValueError: ``path`` exists and is not empty (without ``overwrite``), or
         is a file.
@@ -314,21 +318,28 @@ def save_orbax(model: Model, path: str, *, overwrite: bool = False) -> None:
     module = model.module
     if not isinstance(module, Decoder):
         raise TypeError(f"save_orbax needs a specjax Decoder model, got {type(module).__name__}.")
-    _write_directory(path, overwrite, functools.partial(_write_orbax, model))
+    write = functools.partial(_write_orbax, model)
+    if jax.process_count() > 1:
+        _write_directory_from_every_process(path, overwrite, write)
+    else:
+        _write_directory(path, overwrite, write)
 
 
 def _write_orbax(model: Model, path: str) -> None:
     import orbax.checkpoint as ocp
 
-    with ocp.StandardCheckpointer() as ckptr:
+    with ocp.StandardCheckpointer() as ckptr:  # on a multi-host job, every process writes its shards
         ckptr.save(os.path.join(path, _PARAMS_DIR), model.params)
         ckptr.wait_until_finished()
+    checksums, _ = _checksums(model.params, gather=True)
+    if jax.process_index() != 0:
+        return
     _save_tokenizer(model, path)
     meta = {
         "format": ORBAX_FORMAT,
         "version": ORBAX_VERSION,
         "config": config_to_dict(model.module.config),
-        "checksums": _checksums(model.params),
+        "checksums": checksums,
     }
     with open(os.path.join(path, ORBAX_CONFIG), "w") as f:
         json.dump(meta, f, indent=1)
@@ -339,8 +350,9 @@ def load_orbax(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Mo
 
     ``mesh`` / ``shardings`` as for :func:`load_hf`: Orbax restores each param
     directly into its sharding. The checksums are then checked one param at a
-    time on the host; they are skipped for params not fully addressable from
-    this host (multi-host), which only see their own slices.
+    time on the host: on a multi-host job, each process checks the params it
+    holds whole (replicated ones included) and skips those split across
+    processes, of which it holds only slices.
 
     Raises:
       ValueError: the directory is truncated or corrupted (names what).
@@ -378,8 +390,8 @@ def load_orbax(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Mo
         ) from e
     want = meta.get("checksums")
     if want is not None:
-        got = _checksums(params)
-        bad = sorted(k for k in want if got.get(k) != want[k])
+        got, split = _checksums(params)
+        bad = sorted(k for k in want if k not in split and got.get(k) != want[k])
         if bad:
             raise ValueError(
                 f"Orbax checkpoint {path} is corrupted: param(s) {', '.join(bad[:5])} do not "
@@ -403,17 +415,33 @@ def _first_line(e: Exception) -> str:
     return str(e).split("See full TensorStore")[0].strip().splitlines()[0][:300]
 
 
-def _checksums(params) -> dict:
+def _checksums(params, *, gather: bool = False) -> tuple[dict, set]:
     """CRC32 of every leaf's bytes, keyed by its path: Orbax reads a flipped
-    byte back without complaint, so :func:`load_orbax` checks these."""
-    out = {}
+    byte back without complaint, so :func:`load_orbax` checks these.
+
+    Returns ``(checksums, split)``: ``split`` holds the keys of leaves split
+    across the processes of a multi-host job, which no process holds whole
+    and which are left out unless ``gather`` (then every process gathers each
+    such leaf in turn, a collective all of them must enter). A replicated leaf
+    is read from this process's copy.
+    """
+    out, split = {}, set()
     for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         key = "/".join(str(getattr(k, "key", k)) for k in kp)
-        if not getattr(leaf, "is_fully_addressable", True):
-            continue  # multi-host: this host holds only its slices
-        arr = np.ascontiguousarray(np.asarray(leaf))
+        if getattr(leaf, "is_fully_addressable", True):
+            arr = np.asarray(leaf)
+        elif leaf.is_fully_replicated:
+            arr = np.asarray(leaf.addressable_data(0))
+        elif gather:
+            from jax.experimental import multihost_utils
+
+            arr = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        else:
+            split.add(key)
+            continue
+        arr = np.ascontiguousarray(arr)
         out[key] = [list(arr.shape), arr.dtype.name, zlib.crc32(arr.view(np.uint8).reshape(-1))]
-    return out
+    return out, split
 
 
 def astype(model: Model, dtype: Any) -> Model:
@@ -610,36 +638,84 @@ def _write_directory(path: str, overwrite: bool, write: Callable[[str], None]) -
     """Runs ``write(tmp)`` into a temporary sibling of ``path``, then swaps it
     in by renames: ``path`` is either the old directory or the complete new
     one, never a mix (no stale shard survives an overwrite)."""
-    import shutil
+    path, tmp, old = _prepare_directory(path, overwrite)
+    try:
+        write(tmp)
+        _swap_in(path, tmp, old)
+    finally:
+        _remove(tmp)
 
+
+def _write_directory_from_every_process(path: str, overwrite: bool, write: Callable[[str], None]) -> None:
+    """:func:`_write_directory` for a multi-host job: process 0 prepares and
+    swaps, every process runs ``write(tmp)`` (a collective), barriers between.
+    A failure on process 0 before writing is raised on every process."""
+    from jax.experimental import multihost_utils
+
+    primary = jax.process_index() == 0
+    error = None
+    if primary:
+        try:
+            _prepare_directory(path, overwrite)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others learn of it
+            error = e
+    if not int(multihost_utils.broadcast_one_to_all(np.int32(error is None))):
+        raise error or ValueError(f"process 0 could not prepare {path} for writing; see its error.")
+    path, tmp, old = _sibling_paths(path)
+    try:
+        write(tmp)
+        multihost_utils.sync_global_devices(f"specjax: {path} written")
+        if primary:
+            _swap_in(path, tmp, old)
+    finally:
+        if primary:
+            _remove(tmp)
+    multihost_utils.sync_global_devices(f"specjax: {path} swapped in")
+
+
+def _sibling_paths(path: str) -> tuple[str, str, str]:
     path = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(path)
     # A fixed name (not a random one) so that every host of a multi-host job
     # writes the same directory; a leftover of a killed run is ours to remove.
-    tmp = os.path.join(parent, f".{name}.specjax-tmp")
-    old = os.path.join(parent, f".{name}.specjax-old")
+    return path, os.path.join(parent, f".{name}.specjax-tmp"), os.path.join(parent, f".{name}.specjax-old")
+
+
+def _prepare_directory(path: str, overwrite: bool) -> tuple[str, str, str]:
+    """Checks ``path`` may be written and makes an empty temporary sibling: ``(path, tmp, old)``."""
+    import shutil
+
+    path, tmp, old = _sibling_paths(path)
     if not os.path.exists(path) and os.path.isdir(old):
         # A run killed between the two renames below: the old directory is the
         # user's checkpoint, not a leftover. Put it back before anything else.
         os.rename(old, path)
     check_output_dir(path, overwrite)
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     for leftover in (tmp, old):
         if os.path.isdir(leftover):
             shutil.rmtree(leftover)
     os.makedirs(tmp)
-    try:
-        write(tmp)
-        if os.path.isdir(path):
-            os.rename(path, old)
-            try:
-                os.rename(tmp, path)
-            except BaseException:
-                os.rename(old, path)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
+    return path, tmp, old
+
+
+def _swap_in(path: str, tmp: str, old: str) -> None:
+    import shutil
+
+    if os.path.isdir(path):
+        os.rename(path, old)
+        try:
             os.rename(tmp, path)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            os.rename(old, path)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
+
+
+def _remove(tmp: str) -> None:
+    import shutil
+
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,127 @@
+"""Decoding across two JAX processes (multi-host, on one machine) equals one device.
+
+Two processes on 127.0.0.1 (``jax.distributed.initialize``, gloo collectives),
+2 CPU devices each, run ``tests/_multihost_worker.py`` on two 2 x 2 meshes:
+one whose ``'data'`` axis spans the processes and one whose ``'model'`` axis
+does. Checked: sampled decoding with a fixed key equals the single-device
+output; ``key=None`` gives every process one seed (process 0's)
+and the run replays on one device from the recorded key, also where the
+model axis spans processes (a seed per process hangs there); ``save_orbax``
+from both processes and ``load(mesh=)`` give the same values, its checksums
+pass, and decoding with it matches; different prompts or settings on the two
+processes raise the same clear error on both. The slow part adds greedy
+decoding, generate, a token tree and the lookup.
+
+The processes are bounded by a timeout and ended by their PIDs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_job(out_dir, part: str) -> list[dict]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
+    port = str(_free_port())
+    logs = [open(out_dir / f"process{i}.log", "w") for i in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, os.path.join(HERE, "_multihost_worker.py"), str(i), port, str(out_dir), part],
+                         env=env, stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True)
+        for i in range(2)
+    ]
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # its own session: the worker and nothing else
+                p.wait()
+        for f in logs:
+            f.close()
+    reports = []
+    for i in range(2):
+        path = out_dir / f"process{i}.json"
+        log = (out_dir / f"process{i}.log").read_text()[-4000:]
+        assert path.exists(), f"process {i} wrote no report (exit {procs[i].returncode}):\n{log}"
+        with open(path) as f:
+            reports.append(json.load(f))
+        assert reports[i].get("done"), (
+            f"process {i} did not finish (exit {procs[i].returncode}; a hang is ended after {TIMEOUT_S} s); "
+            f"last check: {list(reports[i])[-1]}\n{log}"
+        )
+    return reports
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    return _run_job(tmp_path_factory.mktemp("multihost"), "small")
+
+
+def _ok(value):
+    assert not (isinstance(value, dict) and "error" in value), value.get("traceback", value)
+    return value
+
+
+def test_the_job_has_two_processes_of_two_devices(job):
+    assert [r["process"] for r in job] == [0, 1]
+    assert all(r["devices"] == 4 and r["local_devices"] == 2 for r in job)
+    assert all(r["data_axis_spans_processes"] and r["model_axis_spans_processes"] for r in job)
+
+
+def test_sampling_across_processes_with_a_key_equals_one_device(job):
+    for r in job:
+        assert _ok(r["model_across_t1"]) == _ok(r["reference_t1"])
+    assert any(len(seq) > 1 for seq in job[0]["reference_t1"])
+
+
+@pytest.mark.parametrize("mesh", ["data_across", "model_across"])
+def test_key_none_draws_one_seed_for_every_process(job, mesh):
+    first, second = (_ok(r[f"{mesh}_key_none"]) for r in job)
+    assert first["seed"] == second["seed"]
+    assert first["tokens"] == second["tokens"] == first["replayed_on_one_device"]
+
+
+def test_save_and_load_orbax_from_every_process(job):
+    for r in job:
+        orbax = _ok(r["orbax"])
+        assert orbax["q_spans_processes"]  # the case the checksums must handle
+        assert orbax["values_equal"]
+        assert orbax["t1"] == r["reference_t1"]
+
+
+@pytest.mark.parametrize("check", ["mismatched_prompts", "mismatched_temperature"])
+def test_different_inputs_on_the_processes_are_refused_on_every_process(job, check):
+    for r in job:
+        assert isinstance(r[check], dict), r[check]
+        assert r[check]["error"].startswith("ValueError"), r[check]["error"]
+        assert "passed different inputs" in r[check]["error"] and "process(es) 1" in r[check]["error"]
+
+
+@pytest.mark.slow
+def test_generate_a_tree_and_the_lookup_across_processes(tmp_path):
+    job = _run_job(tmp_path, "full")
+    for r in job:
+        assert _ok(r["data_across_greedy"]) == _ok(r["reference_greedy"])
+        for what in ("generate", "tree", "lookup"):
+            assert _ok(r[f"model_across_{what}"]) == _ok(r[f"reference_{what}"]), what
