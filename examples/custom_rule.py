@@ -6,11 +6,14 @@ a full AcceptanceRule (correction: argmax p when greedy, p restricted to the set
 when sampling). ``any_of`` then keeps every token lossless speculative sampling
 accepts and adds the ones our rule accepts.
 
-    python examples/custom_rule.py        # after `pip install -e .` (or with PYTHONPATH=.)
+    python examples/custom_rule.py           # after `pip install -e .` (or with PYTHONPATH=.)
+    python examples/custom_rule.py --small   # 200 random blocks instead of 2000 (what the tests run)
 
 Random logits stand in for the models; ``specjax.decode(..., rule=rule)`` takes
 the same object.
 """
+
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +43,12 @@ def random_block(key, k=5, v=50):
                               jnp.ones((k,), bool), {})
 
 
-def main():
-    inputs = jax.vmap(random_block)(jax.random.split(jax.random.key(0), 2000))
+def main(num_blocks=2000):
+    inputs = jax.vmap(random_block)(jax.random.split(jax.random.key(0), num_blocks))
     print(f"{'rule':58s} accept  tau   paths (exact/relaxed/pardon)")
     for r in (rules.speculative_sampling(), my_rule, rule, rules.parse_rule("mars:theta=0.9")):
         verify = jax.jit(jax.vmap(lambda x, s: r.verify(x, s, greedy=False)))
-        v = verify(inputs, jax.vmap(lambda _: r.init())(jnp.arange(2000)))
+        v = verify(inputs, jax.vmap(lambda _: r.init())(jnp.arange(num_blocks)))
         # tokens per cycle = accepted prefix + one correction/bonus token
         tau = np.mean(np.cumprod(np.asarray(v.accept), axis=1).sum(1) + 1)
         paths = np.bincount(np.asarray(v.path).ravel(), minlength=rules.NUM_PATHS)
@@ -53,4 +56,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="200 random blocks instead of 2000")
+    main(num_blocks=200 if parser.parse_args().small else 2000)

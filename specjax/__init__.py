@@ -1,5 +1,7 @@
 """specjax: speculative decoding in JAX with composable acceptance rules.
 
+Example::
+
     import jax, specjax
     from specjax.rules import mars
 

@@ -91,7 +91,7 @@ class DraftingPolicy:
       this cycle (the engine clips it to ``[1, num_draft]``);
     * ``proceed(state, DraftStep) -> bool``, draft another token after this one?
     * ``update(state, DraftOutcome) -> state``, once per cycle;
-    * ``spec``: name and parameters (a :class:`RuleSpec`).
+    * ``spec``: name and parameters (a :class:`specjax.rules.RuleSpec`).
     """
 
     name = "policy"

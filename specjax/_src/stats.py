@@ -242,7 +242,7 @@ class DecodeStats:
 
         Per slot ``k``: ``alpha_at_{k}`` (:attr:`acceptance_at_position`) and
         ``prefix_acceptance_{k}`` (:attr:`prefix_acceptance`). These are rates;
-        to pool several calls, :func:`concatenate` the stats, not the summaries.
+        to pool several calls, :func:`specjax.concatenate_stats` the stats, not the summaries.
         """
         out = {
             "sequences": float(self.batch_size),

@@ -75,10 +75,18 @@ a leaf follows ``p``, as a chain's bonus token does). A stateful rule
 
 Everything is per sequence with static shapes (``vmap`` over the batch): the
 walk is a ``fori_loop`` over depths with the node's children unrolled.
+
+Sizes are bounded where a tree is made, before any node exists: at most
+:data:`MAX_TREE_NODES` nodes (a dynamic tree: drafted candidates) and depth
+:data:`MAX_TREE_DEPTH`. Each depth is one more draft forward in the compiled
+program, so compiling takes longer the deeper the tree: past
+:data:`WARN_TREE_DEPTH` a ``RuntimeWarning`` says so.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import NamedTuple, Sequence
 
 import jax
@@ -89,6 +97,40 @@ from specjax._src import sampling
 from specjax._src.checks import check_positive_int
 
 Array = jax.Array
+
+#: The most nodes a tree may have (a dynamic tree: candidates drafted per
+#: cycle). Every node carries a ``[V]`` distribution per sequence, and a
+#: dynamic tree ranks its candidates pairwise (``O(C^2)``), so a larger tree
+#: fills memory; none verifies faster than a smaller one on real models.
+MAX_TREE_NODES = 4096
+#: The deepest tree: one draft forward per level is unrolled into the program.
+MAX_TREE_DEPTH = 64
+#: Deeper trees compile long enough to look like a hang: a warning says so.
+WARN_TREE_DEPTH = 16
+_warned_depths: set = set()  # a shape is warned about once per process (decode checks it again)
+
+
+def _check_tree_depth(what: str, depth: int) -> None:
+    """Refuses a tree deeper than :data:`MAX_TREE_DEPTH`; warns (once per
+    shape) past :data:`WARN_TREE_DEPTH`."""
+    if depth > MAX_TREE_DEPTH:
+        raise ValueError(f"{what} has depth {depth}, more than {MAX_TREE_DEPTH}: every level is one more draft "
+                         "forward in the compiled program, which would compile for many minutes. Draft long "
+                         "chains with decode(num_draft=K) instead (a loop, not unrolled).")
+    if depth > WARN_TREE_DEPTH and (what, depth) not in _warned_depths:
+        _warned_depths.add((what, depth))
+        warnings.warn(f"{what} has depth {depth}: every level is one more draft forward in the compiled "
+                      "program, so the first decode with it compiles for a long time (the longer the deeper).",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _check_tree_nodes(what: str, nodes: int, noun: str = "nodes") -> None:
+    """Refuses a tree of more than :data:`MAX_TREE_NODES` nodes (``nodes`` is
+    counted, never built)."""
+    if nodes > MAX_TREE_NODES:
+        raise ValueError(f"{what} has {nodes:,} {noun}, more than the {MAX_TREE_NODES:,} a tree may have "
+                         "(each holds a vocabulary-sized distribution per sequence); choose a smaller tree, "
+                         "e.g. static_tree((4, 2, 2, 1)) or dynamic_tree(6, 10, 60).")
 
 
 class TokenTree(NamedTuple):
@@ -148,10 +190,14 @@ def static_tree(branching: Sequence[int]) -> TokenTree:
     ``static_tree((4, 2, 2, 1))`` drafts the root's 4 best (or sampled)
     children, 2 children of each, and so on: 4 + 8 + 16 + 16 = 44 draft nodes,
     depth 4 (Medusa / SpecInfer style). ``static_tree((1,) * K)`` is a chain.
+    At most :data:`MAX_TREE_NODES` nodes and depth :data:`MAX_TREE_DEPTH`.
     """
     if not branching:
         raise ValueError("static_tree: branching must give at least one depth, e.g. (4, 2, 1).")
     branching = tuple(check_positive_int(f"static_tree: branching[{d}]", b) for d, b in enumerate(branching))
+    what = f"static_tree({branching if len(branching) <= 8 else f'({branching[0]}, ..., {branching[-1]})'})"
+    _check_tree_depth(what, len(branching))
+    _check_tree_nodes(what, 1 + sum(math.prod(branching[: d + 1]) for d in range(len(branching))))
     parents, level = [-1], [0]
     for b in branching:
         next_level = []
@@ -328,9 +374,8 @@ def verify_dynamic_tree(
     Args:
       parents: ``int32 [N]`` the verified tree (traced; node 0 the root,
         ``parents[j] < j``).
-      tokens, target_logits, target_probs, uniforms, emit_uniform,
-        node_accept, node_correction, judge, judge_data: as for
-        :func:`verify_tree` (a judge sees each child as a point-mass draft
+      tokens, target_logits, target_probs, uniforms, emit_uniform, node_accept, node_correction, judge, judge_data:
+        as for :func:`verify_tree` (a judge sees each child as a point-mass draft
         without ``draft_probs``, and what the earlier siblings left of ``q``
         with them).
       depth: static, the tree's largest possible depth.
@@ -469,7 +514,7 @@ class DynamicTree(NamedTuple):
 
     @property
     def verified_nodes(self) -> int:
-        """Nodes of the target's tree forward: the root and ``num_kept`` drafts."""
+        """The number of nodes in the target's tree forward (the root and ``num_kept`` drafts)."""
         return self.num_kept + 1
 
     @property
@@ -515,7 +560,8 @@ def dynamic_tree(depth: int, top_k: int, num_nodes: int, *, sampled: bool | None
     Verification is one target forward over the root and those nodes (greedy:
     the longest path of target argmaxes; sampling: exact, see
     :func:`verify_dynamic_tree`). ``num_nodes`` may be at most the number of
-    candidates.
+    candidates, the candidates at most :data:`MAX_TREE_NODES` and ``depth``
+    at most :data:`MAX_TREE_DEPTH`.
     """
     depth = check_positive_int("dynamic_tree: depth", depth)
     top_k = check_positive_int("dynamic_tree: top_k", top_k)
@@ -523,6 +569,9 @@ def dynamic_tree(depth: int, top_k: int, num_nodes: int, *, sampled: bool | None
     if sampled is not None and not isinstance(sampled, (bool, np.bool_)):
         raise TypeError(f"dynamic_tree: sampled must be True, False or None (the rule decides), got {sampled!r}.")
     tree = DynamicTree(depth, top_k, num_nodes, None if sampled is None else bool(sampled))
+    what = f"dynamic_tree({depth}, {top_k}, {num_nodes})"
+    _check_tree_depth(what, depth)
+    _check_tree_nodes(what, tree.num_candidates, "candidates (top_k + (depth - 1) * top_k ** 2)")
     if num_nodes > tree.num_candidates:
         raise ValueError(f"dynamic_tree: num_nodes={num_nodes} exceeds the {tree.num_candidates} candidates a "
                          f"depth-{depth}, top_k={top_k} expansion drafts (top_k + (depth - 1) * top_k ** 2).")

@@ -28,7 +28,8 @@ def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True) -> No
         parser.add_argument("--tree", help='draft a token tree instead of a chain: branching per depth, e.g. '
                             '"3,1,1", or "dynamic:DEPTH,TOP_K,NUM_NODES", e.g. "dynamic:3,3,8" (EAGLE-2; '
                             '"dynamic-topk:..." keeps its top-k children when sampling); its depth replaces '
-                            '--num-draft')
+                            '--num-draft. At most 4,096 nodes (dynamic: candidates) and depth 64; past depth 16 '
+                            'the first decode compiles for a long time')
         parser.add_argument("--lookup", metavar="MIN[,MAX]",
                             help="also draft by context lookup: copy what followed the last MIN..MAX tokens "
                                  "(default MAX 8) where they occurred earlier in the text; the draft fills the other "
@@ -81,9 +82,15 @@ def load_pair(args):
     return specjax.load(target, dtype=args.dtype), specjax.load(draft, dtype=args.dtype)
 
 
+def _given(args, name: str) -> bool:
+    """Whether option ``name`` was given at all: an empty value counts, so that
+    ``--tree ""`` is refused rather than read as no tree."""
+    return getattr(args, name, None) is not None
+
+
 def tree(args):
     """The --tree shape (``specjax.trees.parse_tree``), or None (chains)."""
-    if not getattr(args, "tree", None):
+    if not _given(args, "tree"):
         return None
     from specjax.trees import parse_tree
 
@@ -97,17 +104,17 @@ def tree(args):
 def _refuse_chain_options_with_tree(args) -> None:
     """--lookup and --drafting shape chains; with --tree the tree's shape decides
     what is drafted, so either would be ignored."""
-    if not getattr(args, "tree", None):
+    if not _given(args, "tree"):
         return
     for flag in ("--lookup", "--drafting"):
-        if getattr(args, flag[2:], None):
+        if _given(args, flag[2:]):
             raise SystemExit(f"error: {flag} applies to chains; with --tree the tree's shape decides what is "
                              f"drafted: drop --tree or {flag}.")
 
 
 def lookup(args):
     """The --lookup setting (``specjax.drafting.ngram_lookup``), or None."""
-    if not getattr(args, "lookup", None):
+    if not _given(args, "lookup"):
         return None
     from specjax.drafting import ngram_lookup
 
@@ -120,9 +127,14 @@ def lookup(args):
 
 def drafting_policy(args):
     """The --drafting policy, or None (fixed K) where not given."""
+    if not _given(args, "drafting"):
+        return None
     from specjax.drafting import parse_drafting
 
-    return parse_drafting(args.drafting) if getattr(args, "drafting", None) else None
+    try:
+        return parse_drafting(args.drafting)
+    except ValueError as e:
+        raise SystemExit(f"error: --drafting {args.drafting!r}: {e}") from None
 
 
 def device_platform() -> str:

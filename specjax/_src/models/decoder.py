@@ -657,7 +657,7 @@ class Decoder:
             flattened tree in topological order (``parents[t] < t``, ``-1`` for
             a child of the last cached token): node ``t`` attends to the prefix
             and its ancestors only and sits at position ``lengths + depth``
-            (:func:`tree_attention_mask`), so its logits are those of a chain
+            (``tree_attention_mask``), so its logits are those of a chain
             forward over its root path. Node ``t``'s K/V go to slot
             ``lengths + t``; :meth:`KVCache.keep_path` keeps the accepted path.
             ``parents = [-1, 0, 1, ...]`` is the plain causal block.

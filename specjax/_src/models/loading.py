@@ -532,6 +532,7 @@ def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
 
     Args:
       path: one of
+
         * a converted Orbax directory (it holds ``specjax_config.json``);
         * a Hugging Face directory (``config.json`` + safetensors);
         * a ``.gguf`` file (llama.cpp's format; weights dequantized);

@@ -164,7 +164,7 @@ class PivotHeadConfig:
       layer: the (negative) block index its hidden states come from.
       target_num_layers: depth of the target it was trained on (``None`` if unknown).
       arch: ``"pad"``, ``"linear"`` or ``"mlp"``.
-      hidden_proj, scalar_proj, width: layer widths (see :class:`PivotNet`).
+      hidden_proj, scalar_proj, width: layer widths (see ``PivotNet``).
       info: free-form JSON-able metadata (training metrics, label settings).
     """
 
