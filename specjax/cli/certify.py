@@ -276,14 +276,38 @@ def _prompt_files(args) -> list[Path]:
     return files
 
 
+def _rule_specs(text: Optional[str]) -> tuple[str, ...]:
+    """--rules: ";"-separated specs; not given: :data:`CERTIFY_RULES`."""
+    if text is None:
+        return CERTIFY_RULES
+    rules = tuple(r.strip() for r in text.split(";") if r.strip())
+    if not rules:
+        raise SystemExit(f"error: --rules {text!r} names no rule; give specs such as \"additive:t=0.3;top_m:m=2\", "
+                         "or leave --rules out for the default criteria.")
+    return rules
+
+
+def _tree_widths(text: Optional[str]) -> tuple[int, ...]:
+    """--trees: comma-separated widths >= 1; "" for none; not given: :data:`CERTIFY_TREES`."""
+    if text is None:
+        return CERTIFY_TREES
+    try:
+        widths = tuple(int(m) for m in text.split(",") if m.strip())
+    except ValueError:
+        widths = (0,)
+    if any(m < 1 for m in widths):
+        raise SystemExit(f"error: --trees {text!r}: want comma-separated tree widths, integers >= 1 such as "
+                         "\"2,4,8\" (\"\" for none).")
+    return widths
+
+
 def run(args) -> int:
     if args.num_prompts < 1:
         raise SystemExit(f"error: --num-prompts must be a positive integer, got {args.num_prompts}.")
+    rules, trees = _rule_specs(args.rules), _tree_widths(args.trees)  # before anything loads
     target, draft = common.load_pair(args)
     files = _prompt_files(args)
     prompts = [p for f in files for p in read_prompts(f, target.tokenizer, args.num_prompts)]
-    rules = tuple(r for r in args.rules.split(";") if r) if args.rules else CERTIFY_RULES
-    trees = tuple(int(m) for m in args.trees.split(",") if m) if args.trees is not None else CERTIFY_TREES
     eos = tuple(getattr(target.module.config, "eos_token_ids", ())) or None
     print(f"certify: {len(prompts)} prompts from {', '.join(str(f) for f in files)}; greedy, K={args.num_draft}, "
           f"up to {args.max_new_tokens} new tokens")
