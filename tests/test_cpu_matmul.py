@@ -2,6 +2,8 @@
 decoder's use of them."""
 
 import dataclasses
+import os
+import stat
 import warnings
 
 import jax
@@ -177,9 +179,15 @@ def test_a_missing_compiler_is_named(fresh_kernel_state, monkeypatch, tmp_path):
 def test_the_library_is_built_into_the_cache_dir(fresh_kernel_state, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
     cpu_matmul._reset_for_tests()
-    cpu_matmul.ensure_loaded()
+    old_umask = os.umask(0o022)
+    try:
+        cpu_matmul.ensure_loaded()
+    finally:
+        os.umask(old_umask)
     built = list((tmp_path / "kernels").glob("cpu_matmul-*.so"))
-    assert len(built) == 1 and not list((tmp_path / "kernels").glob("*.tmp"))
+    assert len(built) == 1 and os.listdir(tmp_path / "kernels") == [built[0].name]  # nothing half-written
+    # With the user's umask, not mkstemp's 0600: a cache shared between users stays readable.
+    assert stat.S_IMODE(os.stat(built[0]).st_mode) == 0o755
 
 
 def test_a_mesh_runs_xla_dots():

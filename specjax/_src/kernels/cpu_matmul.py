@@ -94,21 +94,19 @@ def _library_path(cxx: list[str]) -> Path:
 
 def _build(cxx: list[str], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Compile beside the target and rename: concurrent processes (pytest
-    # workers) never load a half-written library.
-    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    cmd = [*cxx, *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", tmp]
-    try:
+    # Compiled in a private directory beside the target, then renamed:
+    # concurrent processes (pytest workers) never load a half-written library,
+    # and the compiler creates the file itself, with the user's umask (a
+    # cache shared between users stays readable by the next one).
+    with tempfile.TemporaryDirectory(prefix=out.stem + ".", dir=out.parent) as tmp_dir:
+        tmp = os.path.join(tmp_dir, out.name)
+        cmd = [*cxx, *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise KernelUnavailableError(
                 f"compiling specjax's CPU matmul kernels failed ({shlex.join(cmd)}):\n{done.stderr.strip()[-2000:]}"
             )
         os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _load() -> None:
@@ -119,12 +117,18 @@ def _load() -> None:
         _build(cxx, path)
     if _registered:  # XLA refuses a second registration of a name
         return
+    # Any failure to bind (not a shared library, another architecture, a
+    # library without the kernels' symbols) means the kernels are unavailable,
+    # never an error in decode.
     try:
         lib = ctypes.cdll.LoadLibrary(str(path))
-    except OSError as e:
-        raise KernelUnavailableError(f"loading {path} failed: {e}; delete it to rebuild") from e
-    for target, symbol in _TARGETS.values():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        handlers = {target: jax.ffi.pycapsule(getattr(lib, symbol)) for target, symbol in _TARGETS.values()}
+    except (OSError, AttributeError) as e:
+        raise KernelUnavailableError(
+            f"loading {path} failed ({e}); it is not the library specjax builds: delete it to rebuild"
+        ) from e
+    for target, handler in handlers.items():
+        jax.ffi.register_ffi_target(target, handler, platform="cpu")
     _registered.append(lib)
 
 
