@@ -32,8 +32,16 @@ from specjax._src.checks import check_positive_int
 Array = jax.Array
 
 
-class NgramLookup(NamedTuple):
+class _NgramLookupFields(NamedTuple):
+    min_match: int
+    max_match: int
+
+
+class NgramLookup(_NgramLookupFields):
     """Static settings of the context lookup (part of the compiled program's key).
+
+    Checked when made, however it is made (``NgramLookup(...)``, ``ngram_lookup``
+    or ``_replace``): positive integers with ``max_match >= min_match``.
 
     Attributes:
       min_match: the fewest trailing tokens that must match earlier context.
@@ -41,8 +49,18 @@ class NgramLookup(NamedTuple):
         the most recent one among equals.
     """
 
-    min_match: int = 2
-    max_match: int = 8
+    __slots__ = ()
+
+    def __new__(cls, min_match: int = 2, max_match: int = 8):
+        min_match = check_positive_int("ngram_lookup min_match", min_match)
+        max_match = check_positive_int("ngram_lookup max_match", max_match)
+        if max_match < min_match:
+            raise ValueError(f"ngram_lookup: max_match ({max_match}) must be >= min_match ({min_match}).")
+        return super().__new__(cls, min_match, max_match)
+
+    @classmethod
+    def _make(cls, iterable):  # namedtuple's _make (and so _replace) would skip __new__
+        return cls(*iterable)
 
 
 def ngram_lookup(min_match: int = 2, max_match: int = 8) -> NgramLookup:
@@ -55,10 +73,6 @@ def ngram_lookup(min_match: int = 2, max_match: int = 8) -> NgramLookup:
     prompt, against +0.083 for 4); at T=1 no setting changed it measurably
     (BENCHMARKS.md, session 10).
     """
-    min_match = check_positive_int("ngram_lookup min_match", min_match)
-    max_match = check_positive_int("ngram_lookup max_match", max_match)
-    if max_match < min_match:
-        raise ValueError(f"ngram_lookup: max_match ({max_match}) must be >= min_match ({min_match}).")
     return NgramLookup(min_match, max_match)
 
 

@@ -91,7 +91,8 @@ def pair(target: Model, draft: Model, *, vocab_size: Optional[int] = None) -> Mo
 
     Raises:
       TypeError: if either argument is not a :class:`~specjax.Model`.
-      ValueError: for a real vocabulary mismatch.
+      ValueError: for a real vocabulary mismatch, or a feature head given as
+        the target (the two swapped).
     """
     for name, m in (("target", target), ("draft", draft)):
         if not isinstance(m, Model):
@@ -99,6 +100,12 @@ def pair(target: Model, draft: Model, *, vocab_size: Optional[int] = None) -> Mo
                 f"pair(): {name} must be a specjax.Model (from specjax.load or "
                 f"Model(params, module, tokenizer)), got {type(m).__name__}."
             )
+    if feature_head.is_feature_head(target.module):
+        which = "the two are swapped" if not feature_head.is_feature_head(draft.module) else "so is the draft"
+        raise ValueError(
+            "pair(): the target is a feature head (a draft that reads a target's hidden states), and "
+            f"{which}; pass the target model first: specjax.pair(target, head)."
+        )
     tv, dv = target.vocab_size, draft.vocab_size
     tt, dt = target.tokenizer, draft.tokenizer
     if tt is not None and dt is not None and not _same_tokenizer(tt, dt):

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from specjax._src.checks import check_positive_int
 from specjax._src.lm import Array, KVCache, LMOutput, Model, Params
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import (
@@ -387,9 +388,10 @@ def with_num_layers(head: Model, num_layers: int) -> Model:
     and the rest of each block follows after the first update.
 
     Raises:
-      ValueError: ``num_layers`` is fewer than the head's blocks.
+      ValueError: ``num_layers`` is not an integer, or fewer than the head's blocks.
     """
     cfg = head.module.config
+    num_layers = check_positive_int("with_num_layers: num_layers", num_layers)
     if num_layers < cfg.num_layers:
         raise ValueError(f"with_num_layers: the head has {cfg.num_layers} blocks; it can grow, not shrink to "
                          f"{num_layers}.")
@@ -459,8 +461,7 @@ def save_head(head: Model, path: str, *, overwrite: bool = False, extra: Optiona
     target it was trained for). An existing non-empty ``path`` is replaced only
     with ``overwrite=True``, and then whole (written aside, swapped in).
     """
-    from safetensors.numpy import save_file
-
+    from specjax._src.models.hf import write_safetensors
     from specjax._src.models.loading import _write_directory, config_to_dict
 
     meta = {CONFIG_KEY: {"config": config_to_dict(head.module.config),
@@ -469,7 +470,11 @@ def save_head(head: Model, path: str, *, overwrite: bool = False, extra: Optiona
     def write(tmp: str) -> None:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(meta, f, indent=1)
-        save_file(_flat(head.params), os.path.join(tmp, WEIGHTS_FILE))
+        # Not safetensors' save_file, which writes mode 0600 whatever the umask:
+        # a head shared between users must stay readable.
+        tensors = [(name, x.shape, x.dtype, lambda x=x: x) for name, x in _flat(head.params).items()]
+        for _ in write_safetensors(os.path.join(tmp, WEIGHTS_FILE), tensors):
+            pass
 
     _write_directory(path, overwrite, write)
 
