@@ -13,6 +13,7 @@ SRC = ROOT / "specjax" / "_src"
 PUBLIC_MODULES = (
     "specjax",
     "specjax.drafting",
+    "specjax.engine",
     "specjax.rules",
     "specjax.sharding",
     "specjax.theory",

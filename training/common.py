@@ -23,11 +23,17 @@ Shared by :mod:`training.lm` (the shipped pair) and the PAD head trainer.
 * :func:`check_export` / :func:`swap_in` -- an export directory checked before
   any slow work, written whole into a temporary sibling and swapped in,
   keeping the files of the replaced one that the export does not write.
+* :func:`check_outside_package`, :func:`check_resumable` and
+  :func:`exit_on_interrupt` -- the trainers' command-line manners: no run
+  directory inside the installed package, no silent restart at step 0 after
+  every checkpoint was damaged (``--fresh`` starts over), and a short message
+  instead of a traceback on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import os
 import pathlib
@@ -265,32 +271,40 @@ class Checkpointer:
 
     @property
     def damaged_directory(self) -> pathlib.Path:
-        return self.directory.with_name(self.directory.name + ".damaged")
+        return _damaged_directory(self.directory)
 
     def latest_step(self) -> Optional[int]:
         return self._manager.latest_step()
 
     def restore(self, like: State, step: Optional[int] = None, *,
                 settings: Optional[Mapping[str, Any]] = None,
-                advice: Optional[str] = None) -> Optional[tuple[State, dict]]:
+                advice: Optional[str] = None,
+                start_over: str = "use another checkpoint directory") -> Optional[tuple[State, dict]]:
         """The latest intact (or the given) checkpoint, shaped like ``like``;
-        ``None`` if there is none.
+        ``None`` if there is none (a new run).
 
         ``settings``: meta entries the checkpoint must hold as they are now
         (what defines the model and the run); ``advice`` ends the
-        :class:`CheckpointMismatch` message (which flags to rerun with).
+        :class:`CheckpointMismatch` message (which flags to rerun with);
+        ``start_over`` says how to start at step 0 when no step is intact.
 
         Raises:
           CheckpointMismatch: the latest intact step was written with other
             settings or shapes (names each difference; nothing is moved).
           ValueError: ``step`` is damaged, or every saved step is (names each
-            step and what is wrong with it).
+            step and what is wrong with it), now or when an earlier attempt
+            set them aside: a rerun does not silently start at step 0.
         """
         if step is not None:
             try:
                 return self._restore_step(step, like, settings, advice)
             except CheckpointDamaged as e:
                 raise ValueError(f"checkpoint step {step} in {self.directory} is damaged: {e}") from e
+        if not self._manager.all_steps():
+            problem = damage_only(self.directory)
+            if problem:
+                raise ValueError(f"{problem} To start over at step 0, {start_over}.")
+            return None
         problems = []
         for s in sorted(self._manager.all_steps(), reverse=True):
             try:
@@ -301,13 +315,10 @@ class Checkpointer:
                           f"moved to {self._set_aside(s)}, trying the previous step")
                 continue
             return out
-        if problems:
-            raise ValueError(
-                f"no intact checkpoint in {self.directory} ({'; '.join(problems)}); the damaged "
-                f"steps are in {self.damaged_directory}. Start a fresh run (e.g. --fresh or a new "
-                "output directory)."
-            )
-        return None
+        raise ValueError(
+            f"no intact checkpoint in {self.directory} ({'; '.join(problems)}); the damaged "
+            f"steps are in {self.damaged_directory}. To start over at step 0, {start_over}."
+        )
 
     def _restore_step(self, step: int, like: State, settings: Optional[Mapping[str, Any]] = None,
                       advice: Optional[str] = None) -> tuple[State, dict]:
@@ -412,6 +423,82 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _damaged_directory(directory: pathlib.Path) -> pathlib.Path:
+    return directory.with_name(directory.name + ".damaged")
+
+
+def damage_only(directory: str | pathlib.Path) -> Optional[str]:
+    """Why ``directory`` cannot be resumed although a run used it: it holds no
+    step and every step it held was damaged and set aside
+    (:meth:`Checkpointer.restore`); ``None`` if that is not so."""
+    directory = pathlib.Path(directory).absolute()
+    damaged = _damaged_directory(directory)
+    steps = [p for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
+    if steps or not damaged.is_dir() or not any(damaged.iterdir()):
+        return None
+    return (f"no intact checkpoint in {directory}: every step saved there was damaged and set aside in "
+            f"{damaged} ({', '.join(sorted(p.name for p in damaged.iterdir()))}).")
+
+
+def discard_checkpoints(directory: str | pathlib.Path) -> None:
+    """Deletes a checkpoint directory and the damaged steps set aside beside it
+    (what ``--fresh`` asks for)."""
+    directory = pathlib.Path(directory).absolute()
+    for path in (directory, _damaged_directory(directory)):
+        if path.exists():
+            shutil.rmtree(path)
+
+
+def check_resumable(directory: str | pathlib.Path, *, fresh: bool, flag: str = "--fresh") -> None:
+    """Exits, before any slow work, where ``directory`` holds only damaged steps
+    (rerunning would otherwise train from step 0 without a word); with
+    ``fresh``, discards its checkpoints so that training starts at step 0."""
+    if fresh:
+        discard_checkpoints(directory)
+        return
+    problem = damage_only(directory)
+    if problem:
+        raise SystemExit(f"error: {problem} Pass {flag} to discard them and train from step 0 (data and "
+                         "features already made are kept).")
+
+
+def package_directory() -> pathlib.Path:
+    """Where the ``specjax`` package is installed (its shipped models included)."""
+    import specjax
+
+    return pathlib.Path(specjax.__file__).resolve().parent
+
+
+def check_outside_package(path: str | pathlib.Path, flag: str) -> None:
+    """Exits if ``path`` lies inside the installed ``specjax`` package: a
+    trainer's run directory (checkpoints, data, logs) there would land among
+    the shipped models. An export into a shipped directory is its own option."""
+    package = package_directory()
+    resolved = pathlib.Path(path).resolve()
+    if resolved == package or package in resolved.parents:
+        raise SystemExit(f"error: {flag} {path} is inside the installed package ({package}); a run writes "
+                         "checkpoints, data and logs there. Choose a directory outside it, e.g. runs/NAME.")
+
+
+def exit_on_interrupt(command: str):
+    """Decorates a trainer's ``main``: Ctrl-C (SIGINT) ends it with a short
+    message saying how to resume, and exit status 130, instead of a traceback."""
+
+    def wrap(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def run(*args, **kwargs) -> int:
+            try:
+                return main(*args, **kwargs)
+            except KeyboardInterrupt:
+                print(f"\n{command}: interrupted. Finished stages and the last checkpoint are kept: run the "
+                      "same command again to resume (--fresh starts training over).", file=sys.stderr)
+                return 130
+
+        return run
+
+    return wrap
 
 
 # ----------------------------------------------------------------------------- loop

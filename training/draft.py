@@ -27,8 +27,10 @@ Reproduce the shipped draft (see its MODEL_CARD.md for the exact figures)::
     pip install -e ".[smollm2]"
     python -m training.draft --out runs/smollm2-draft --export specjax/assets/models/smollm2-draft
 
-An interrupted run continues with the same command: finished shards and the
-latest checkpoint are reused.
+An interrupted run (Ctrl-C included) continues with the same command:
+finished shards and the latest checkpoint are reused. If every checkpoint is
+damaged, the run stops and says so; ``--fresh`` discards them and trains from
+step 0. ``--out`` may not lie inside the installed package.
 
 Answering is the slow stage (about 17 s per 32-prompt shard on 2 CPU cores); the
 answers themselves are small. ``--pack-answers FILE.npz`` keeps a gather's token
@@ -351,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/smollm2-draft", help="run directory: data/, ckpt/ (default: %(default)s)")
     p.add_argument("--export", default=None, help="write the trained draft here (HF-style dir, bf16)")
     p.add_argument("--force", action="store_true", help="replace an existing --export directory or --pack-answers file")
+    p.add_argument("--fresh", action="store_true",
+                   help="discard the checkpoints in OUT/ckpt (and damaged steps set aside in OUT/ckpt.damaged) and "
+                        "train from step 0; gathered data is kept")
     p.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("gather")
     g.add_argument("--prompts", type=int, default=None, help="training prompts to answer (default: all)")
@@ -434,6 +439,7 @@ def check_model_flags(args, cfg_t: ModelConfig) -> None:
                          f"directions; pass --head-vocab {args.hidden} or more, or --hidden {args.head_vocab} or less.")
 
 
+@common.exit_on_interrupt("python -m training.draft")
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -441,6 +447,8 @@ def main(argv=None) -> int:
         parser.error(f"--gather-pass must be 0 (the first answers) or more, got {args.gather_pass}")
     command = "python -m training.draft " + " ".join(argv if argv is not None else sys.argv[1:])
     out = pathlib.Path(args.out)
+    common.check_outside_package(out, "--out")
+    common.check_resumable(out / "ckpt", fresh=args.fresh)
     out.mkdir(parents=True, exist_ok=True)
     log_file = out / "log.txt"
     log = lambda m: common._log(m, log_file)  # noqa: E731
@@ -518,8 +526,9 @@ def main(argv=None) -> int:
             "init_from": args.init_from}
     try:  # all of meta defines the run: other values would reinterpret the saved weights or batches
         restored = ckpt.restore(state, settings=meta, advice=(
-            "rerun with the checkpoint's settings to resume it, or choose another --out to start a new run"))
-    except common.CheckpointMismatch as e:
+            "rerun with the checkpoint's settings to resume it, or choose another --out to start a new run"),
+            start_over="rerun with --fresh")
+    except ValueError as e:  # CheckpointMismatch, or every step damaged
         ckpt.close()
         raise SystemExit(f"error: {e}") from None
     if restored is not None:

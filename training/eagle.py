@@ -43,6 +43,11 @@ for the separate draft (the target's own answers and its top-32 distributions;
    work, to replace an existing export without ``--force``, except this
    run's own export by the same command.
 
+An interrupted run (Ctrl-C included) continues with the same command. If
+every checkpoint is damaged, the run stops and says so; ``--fresh`` discards
+them and trains from step 0. The run directory ``--out`` may not lie inside
+the installed package (``--export`` may: that is how the shipped head is made).
+
 Reproduce the shipped head (see its MODEL_CARD.md for the exact command)::
 
     python -m training.eagle --export specjax/assets/models/smollm2-eagle
@@ -633,6 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/smollm2-eagle", help="run directory (default: %(default)s)")
     p.add_argument("--export", default=None, help="write the trained head here (bf16)")
     p.add_argument("--force", action="store_true", help="replace an existing --export directory")
+    p.add_argument("--fresh", action="store_true",
+                   help="discard the checkpoints in OUT/ckpt (and damaged steps set aside in OUT/ckpt.damaged) and "
+                        "train from step 0; features already extracted are kept")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--shards", type=int, default=None, help="use the first N shards (recorded; resume uses the same)")
     p.add_argument("--seq-len", type=int, default=256)
@@ -710,6 +718,7 @@ def _layers(text: str) -> tuple[int, ...]:
     return layers
 
 
+@common.exit_on_interrupt("python -m training.eagle")
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -722,6 +731,8 @@ def main(argv=None) -> int:
             parser.error(f"--draft-temperature must be 'fit' or a positive number, got {args.draft_temperature!r}")
     command = "python -m training.eagle " + " ".join(argv if argv is not None else sys.argv[1:])
     out = pathlib.Path(args.out)
+    common.check_outside_package(out, "--out")
+    common.check_resumable(out / "ckpt", fresh=args.fresh)
     out.mkdir(parents=True, exist_ok=True)
     log_file = out / "log.txt"
     log = lambda m: common._log(m, log_file)  # noqa: E731
@@ -826,8 +837,9 @@ def main(argv=None) -> int:
             "init_from": args.init_from}
     try:  # --steps may grow to continue a run; the rest defines the saved weights and their batches
         restored = ckpt.restore(state, settings={k: v for k, v in meta.items() if k != "steps"}, advice=(
-            "rerun with the checkpoint's settings to resume it, or choose another --out to start a new run"))
-    except common.CheckpointMismatch as e:
+            "rerun with the checkpoint's settings to resume it, or choose another --out to start a new run"),
+            start_over="rerun with --fresh")
+    except ValueError as e:  # CheckpointMismatch, or every step damaged
         ckpt.close()
         raise SystemExit(f"error: {e}") from None
     if restored is not None:

@@ -63,7 +63,6 @@ import functools
 import hashlib
 import json
 import pathlib
-import shutil
 import sys
 import time
 from typing import Optional, Sequence
@@ -323,15 +322,16 @@ def train_head(
     ckpt = None
     if ckpt_dir is not None:
         ckpt_dir = pathlib.Path(ckpt_dir)
-        if fresh and ckpt_dir.exists():
-            shutil.rmtree(ckpt_dir)
+        if fresh:
+            common.discard_checkpoints(ckpt_dir)
         ckpt = common.Checkpointer(ckpt_dir, every_seconds=float("inf"),
                                    every_steps=max(int(config.checkpoint_every), 1), log=log)
         try:  # before Orbax reads the state: another --arch has other shapes, which is not damage
             restored = ckpt.restore(state, settings={"run": run_id}, advice=(
                 "it holds a different run (other data or settings): rerun with the checkpoint's settings "
-                "to resume it, pass --fresh to discard it, or choose another --ckpt-dir"))
-        except common.CheckpointMismatch:
+                "to resume it, pass --fresh to discard it, or choose another --ckpt-dir"),
+                start_over="pass --fresh (fresh=True) or choose another --ckpt-dir")
+        except ValueError:  # CheckpointMismatch, or every step damaged
             ckpt.close()
             raise
         if restored is not None:
@@ -678,7 +678,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-dir", default=None,
                    help=f"Orbax checkpoints; a re-run resumes (default: {_shown(DEFAULT_CKPT)}; --task chat: "
                         f"{_shown(CHAT_RUNS / 'ckpt')})")
-    g.add_argument("--fresh", action="store_true", help="discard existing checkpoints in --ckpt-dir")
+    g.add_argument("--fresh", action="store_true", help="discard existing checkpoints in --ckpt-dir (and damaged steps set "
+                   "aside beside it) and train from step 0")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     g = p.add_argument_group("labelling (with --gather)")
@@ -775,6 +776,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args.out = str(resolve_out(args))
         if not args.evaluate:  # refuse now, not after gathering and training
+            if not args.export_to_assets:  # the one way to write the shipped head
+                common.check_outside_package(args.out, "--out")
+            common.check_outside_package(args.ckpt_dir, "--ckpt-dir")
+            if not args.fresh:  # only damaged steps left: say so before gathering, not after
+                common.check_resumable(args.ckpt_dir, fresh=False)
+            if args.gather or not pathlib.Path(args.dataset).is_file():
+                common.check_outside_package(args.dataset, "--dataset")
             loading.check_output_dir(args.out, args.force, flag="--force")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -811,7 +819,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             target_num_layers=ds.meta.get("target_num_layers"), ckpt_dir=args.ckpt_dir, fresh=args.fresh,
             sigmas=args.sigma, progress=not args.no_progress,
         )
-    except common.CheckpointMismatch as e:
+    except ValueError as e:  # checkpoints of another run, or every one damaged
         print(f"error: {e}", file=sys.stderr)
         return 2
     report["dataset"] = {k: ds.meta.get(k) for k in ("candidates", "pivots", "num_prompts", "label_temperatures", "config")}

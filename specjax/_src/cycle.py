@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax._src import drafting as drafting_lib
+from specjax._src import processors as processors_lib
 from specjax._src import sampling
 from specjax._src.calls import _Config
 from specjax._src.lm import KVCache, LMOutput
@@ -121,22 +122,33 @@ def _prefill_head(cfg: _Config, head, prompts, prompt_lengths, features) -> tupl
 
 def _decode_cycle(
     cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy,
-    prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, state: _DecodeState,
+    prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, state: _DecodeState, rows=None,
 ):
     """One draft-verify cycle. Returns ``(state, diagnostics or None)``.
 
     ``max_new[B]``: each sequence's ``max_new_tokens`` (traced, so it does not
     shape the program; ``cfg.max_new_tokens`` is only the buffer's bucket).
+
+    ``rows``: per-sequence settings (:class:`specjax._src.processors.RowSettings`,
+    the slots engine's): then ``temperature`` and ``top_p`` are ``[B]``,
+    ``eos_ids`` may be ``[B, E]`` and ``state.step`` ``[B]``; greedy rows, top-k,
+    the draft cap and the logits processors are per sequence. ``None``: the
+    settings are the call's, one for every sequence.
     """
     batch = state.num_committed.shape[0]
+    hist = None
+    if rows is not None and rows.controls is not None:
+        hist = processors_lib.history(state.tokens, prompt_lengths, state.num_committed, eos_ids,
+                                      pair_params.vocab_size)
     uniforms, draft_uniforms, emit_uniform = _cycle_uniforms(cfg, seq_keys, state.step, batch)
-    drafts, draft_cache = _draft(cfg, pair_params, policy, state, draft_uniforms, temperature, top_p)
-    verified = _verify(cfg, pair_params, rule, state, drafts, uniforms, temperature, top_p)
-    accepted = _accept(cfg, rule, state, drafts, verified, emit_uniform)
+    drafts, draft_cache = _draft(cfg, pair_params, policy, state, draft_uniforms, temperature, top_p, rows, hist)
+    verified = _verify(cfg, pair_params, rule, state, drafts, uniforms, temperature, top_p, rows, hist)
+    accepted = _accept(cfg, rule, state, drafts, verified, emit_uniform, rows)
     committed = _commit(
         cfg, state, drafts, accepted, verified.cache, draft_cache, prompt_lengths, max_new, eos_ids
     )
-    rule_state, policy_state, stats, diag = _record(cfg, rule, policy, state, drafts, verified, accepted, committed)
+    rule_state, policy_state, stats, diag = _record(cfg, rule, policy, state, drafts, verified, accepted, committed,
+                                                    rows)
     new_state = _DecodeState(
         step=state.step + 1,
         tokens=committed.tokens,
@@ -158,11 +170,13 @@ def _cycle_uniforms(cfg: _Config, seq_keys, step, batch: int):
     ``fold_in(seq_key, step)``): ``(uniforms [B, K], draft_uniforms [B, K],
     emit_uniform [B])``, the K acceptance uniforms, one uniform per draft sample
     and one for the emitted token (inverse-CDF sampling; a Gumbel-max draw
-    would need V of them). Greedy draws nothing."""
+    would need V of them). Greedy draws nothing. ``step``: a scalar, or one
+    count per sequence (the slots engine's, where sequences start apart)."""
     k_max = cfg.num_draft
     if cfg.greedy:
         return jnp.zeros((batch, k_max), jnp.float32), None, None  # rules ignore them when greedy
-    u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, step), (2 * k_max + 1,)))(seq_keys)
+    steps = jnp.broadcast_to(step, (batch,))
+    u = jax.vmap(lambda k, s: sampling.uniform_open(jax.random.fold_in(k, s), (2 * k_max + 1,)))(seq_keys, steps)
     return u[:, :k_max], u[:, k_max : 2 * k_max], u[:, 2 * k_max]
 
 
@@ -185,7 +199,7 @@ class _Drafts(NamedTuple):
 
 def _draft(
     cfg: _Config, pair_params: ModelPair, policy: drafting_lib.DraftingPolicy, state: _DecodeState, draft_uniforms,
-    temperature, top_p,
+    temperature, top_p, rows=None, hist=None,
 ) -> tuple[_Drafts, KVCache]:
     """Draft up to K tokens per sequence: the policy's ``budget``, cut short
     where its ``proceed`` says stop, one draft forward per token (the first is
@@ -195,7 +209,9 @@ def _draft(
     head, once every active sequence's remaining slots are copies, the
     forwards stop (no slot reads them, and the head's cache is rewritten
     from the target's features next cycle). Returns the drafts and the draft
-    cache after them (rolled back by :func:`_commit`)."""
+    cache after them (rolled back by :func:`_commit`). ``rows.draft_cap``
+    lowers each sequence's budget (0: no drafts, the cycle emits the target's
+    token alone)."""
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab, k_max = pair_params.vocab_size, cfg.num_draft
     batch = state.num_committed.shape[0]
@@ -206,13 +222,18 @@ def _draft(
 
     budget = jax.vmap(lambda s: policy.budget(s, k_max), axis_size=batch)(state.policy_state)
     budget = jnp.clip(jnp.asarray(budget, jnp.int32), 1, k_max)
+    active0 = ~state.done
+    if rows is not None and rows.draft_cap is not None:
+        budget = jnp.minimum(budget, rows.draft_cap)
+        active0 = active0 & (budget > 0)
     copied = None
     if cfg.lookup is not None:
         copied = lookup_drafts(state.tokens, state.num_committed, k_max, cfg.lookup)
     slot = functools.partial(
-        _draft_slot, cfg, policy, state.policy_state, budget, draft_uniforms, temperature, top_p, copied
+        _draft_slot, cfg, policy, state.policy_state, budget, draft_uniforms, temperature, top_p, copied,
+        rows=rows, hist=hist,
     )
-    active, bufs = slot(0, raw0, ~state.done, _no_drafts(batch, k_max, vocab))
+    active, bufs = slot(0, raw0, active0, _no_drafts(batch, k_max, vocab))
     # copied_rest[b, j]: slots j.. are all copies, so no head forward from slot j on is read. (A head's
     # cache is rewritten from the target's features next cycle; a draft model keeps the entries these
     # forwards write, so it runs them all.)
@@ -295,21 +316,27 @@ def _first_draft_logits(module, params, vocab: int, state: _DecodeState) -> tupl
 
 def _draft_slot(
     cfg: _Config, policy: drafting_lib.DraftingPolicy, policy_state, budget, draft_uniforms, temperature, top_p,
-    copied, j, raw: Array, active: Array, bufs: _Drafts,
+    copied, j, raw: Array, active: Array, bufs: _Drafts, *, rows=None, hist=None,
 ) -> tuple[Array, _Drafts]:
-    """Draft slot ``j`` from the draft's raw logits ``[B, V]``: warp, sample
-    (argmax when greedy), write the slot into ``bufs`` and ask the policy
-    whether to go on. ``copied``: ``None``, or the lookup's ``(tokens [B, K],
-    valid [B, K])``, whose valid slots replace the draft's sample by a point
-    mass on the copied token. Returns ``(active for slot j + 1, bufs)``."""
+    """Draft slot ``j`` from the draft's raw logits ``[B, V]``: process (with
+    ``rows.controls``), warp, sample (argmax when greedy), write the slot into
+    ``bufs`` and ask the policy whether to go on. ``copied``: ``None``, or the
+    lookup's ``(tokens [B, K], valid [B, K])``, whose valid slots replace the
+    draft's sample by a point mass on the copied token. Returns ``(active for
+    slot j + 1, bufs)``."""
     batch = raw.shape[0]
-    logits = _warp(cfg, raw, temperature, top_p)
+    unprocessed = raw
+    if hist is not None:  # the draft sees the target's processing: same tokens before the slot
+        raw = processors_lib.process(rows.processors, rows.controls, hist, raw[:, None], bufs.tokens, j)[:, 0]
+    logits = _warp(cfg, raw, temperature, top_p, rows)
     probs = jax.nn.softmax(logits, axis=-1)
     if cfg.greedy:
         tok = sampling.argmax(raw)
     else:
         u = jax.lax.dynamic_index_in_dim(draft_uniforms, j, axis=1, keepdims=False)
         tok = sampling.sample_categorical(probs, u)
+        if rows is not None and rows.greedy is not None:
+            tok = jnp.where(rows.greedy, sampling.argmax(raw), tok)
     is_copy = jnp.zeros((batch,), bool)
     if copied is not None:
         copy_tok, copy_ok = (jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False) for x in copied)
@@ -332,7 +359,7 @@ def _draft_slot(
         valid=bufs.valid.at[:, j].set(active),
         entropies=bufs.entropies.at[:, j].set(ent),
         token_probs=bufs.token_probs.at[:, j].set(tok_p),
-        bad=bufs.bad.at[:, j].set(active & sampling.nonfinite_rows(raw)),
+        bad=bufs.bad.at[:, j].set(active & sampling.nonfinite_rows(unprocessed)),
         forwards=bufs.forwards,
         copied=bufs.copied.at[:, j].set(active & is_copy),
     )
@@ -370,7 +397,7 @@ class _Verified(NamedTuple):
 
 def _verify(
     cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _DecodeState, drafts: _Drafts, uniforms,
-    temperature, top_p,
+    temperature, top_p, rows=None, hist=None,
 ) -> _Verified:
     """One target forward over ``[last, d_1 .. d_K]`` (``T = K + 1``): logits at
     slot ``k`` judge ``d_{k+1}``, slot ``K`` gives the bonus. A rule that
@@ -386,7 +413,10 @@ def _verify(
     )
     out, width = _verify_forward(cfg, forward, block_in, state.target_cache, drafts.valid, ~state.done)
     raw = out.logits[..., : pair_params.vocab_size]
-    target_logits = _warp(cfg, raw, temperature, top_p)
+    processed = raw
+    if hist is not None:  # row k follows k drafts: the processing the draft saw at slot k
+        processed = processors_lib.process(rows.processors, rows.controls, hist, raw, drafts.tokens, 0)
+    target_logits = _warp(cfg, processed, temperature, top_p, rows)
     target_probs = jax.nn.softmax(target_logits, axis=-1)
     features = {}
     if rule.hidden_layers:
@@ -457,13 +487,20 @@ class _Accepted(NamedTuple):
 
 def _accept(
     cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafts: _Drafts, verified: _Verified, emit_uniform,
+    rows=None,
 ) -> _Accepted:
     """The rule judges each slot; the leading run of accepted valid slots is
     kept and one more token is emitted: the rule's correction at the first
     rejection, or the target's bonus token after the last valid draft. A
-    sequence whose outcome read non-finite logits stops and emits nothing."""
+    sequence whose outcome read non-finite logits stops and emits nothing.
+    Greedy rows among sampled ones (``rows.greedy``) take the rule's greedy
+    verdict and the argmax tokens, as a greedy loop would."""
     k_max, inputs = cfg.num_draft, verified.inputs
+    greedy_rows = None if rows is None or cfg.greedy else rows.greedy
     verdict = jax.vmap(functools.partial(rule.verify, greedy=cfg.greedy))(inputs, state.rule_state)
+    if greedy_rows is not None:
+        greedy_verdict = jax.vmap(functools.partial(rule.verify, greedy=True))(inputs, state.rule_state)
+        verdict = _where_b(greedy_rows, greedy_verdict, verdict)
     accept = jnp.asarray(verdict.accept, bool) & drafts.valid
     n = jnp.cumprod(accept.astype(jnp.int32), axis=1).sum(1)
     v = drafts.valid.sum(1).astype(jnp.int32)
@@ -475,6 +512,9 @@ def _accept(
         # One uniform serves both: only one of the two tokens is used.
         corr_tok = sampling.sample_categorical(correction, emit_uniform)
         bonus_tok = sampling.sample_categorical(_row(inputs.target_probs, n), emit_uniform)
+        if greedy_rows is not None:
+            corr_tok = jnp.where(greedy_rows, sampling.argmax(correction), corr_tok)
+            bonus_tok = jnp.where(greedy_rows, sampling.argmax(_row(inputs.target_logits, n)), bonus_tok)
     emitted = jnp.where(n < v, corr_tok, bonus_tok)
 
     # Non-finite logits: only rows the outcome depends on count: target rows
@@ -580,7 +620,7 @@ def _draft_keep(cfg: _Config, state: _DecodeState, new_nc: Array) -> Array:
 
 def _record(
     cfg: _Config, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, state: _DecodeState, drafts: _Drafts,
-    verified: _Verified, accepted: _Accepted, committed: _Committed,
+    verified: _Verified, accepted: _Accepted, committed: _Committed, rows=None,
 ):
     """What the cycle leaves for later, for live sequences only: the rule's
     and the drafting policy's running states, the stats
@@ -590,6 +630,11 @@ def _record(
     rule_state = jax.vmap(functools.partial(rule.update, greedy=cfg.greedy))(
         state.rule_state, verified.inputs, accepted.verdict, n
     )
+    if rows is not None and rows.greedy is not None and not cfg.greedy:
+        greedy_state = jax.vmap(functools.partial(rule.update, greedy=True))(
+            state.rule_state, verified.inputs, accepted.verdict, n
+        )
+        rule_state = _where_b(rows.greedy, greedy_state, rule_state)
     rule_state = _where_b(live, rule_state, state.rule_state)
     outcome = drafting_lib.DraftOutcome(
         num_drafted=accepted.num_drafted,

@@ -89,6 +89,7 @@ from flax import struct
 
 from specjax._src import drafting as drafting_lib
 from specjax._src import lookup as lookup_lib
+from specjax._src import processors as processors_lib
 from specjax._src import sampling
 from specjax._src.calls import (
     BUCKETS,
@@ -157,10 +158,11 @@ Array = jax.Array
 
 def _decode_impl(
     pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, prompts, prompt_lengths,
-    max_new, eos_ids, pad_id, key, temperature, top_p, stream_id=None, *, cfg: _Config,
+    max_new, eos_ids, pad_id, key, temperature, top_p, stream_id=None, *, cfg: _Config, rows=None,
 ):
     """The jitted body of ``decode``: prefill, then cycles (:func:`_decode_cycle`)
-    in one ``while_loop`` until every sequence is done; returns ``(output, bad)``."""
+    in one ``while_loop`` until every sequence is done; returns ``(output, bad)``.
+    ``rows``: the logits processors' per-sequence settings, or None."""
     batch = prompts.shape[0]
     k_max, n_max = cfg.num_draft, cfg.max_new_tokens
     seq_keys = _per_sequence_keys(key, batch)
@@ -170,7 +172,7 @@ def _decode_impl(
     if cfg.tree is None:
         cycle = functools.partial(
             _decode_cycle, cfg, pair_params, rule, policy, prompt_lengths, max_new, eos_ids, seq_keys, temperature,
-            top_p,
+            top_p, rows=rows,
         )
     else:
         cycle = functools.partial(
@@ -205,6 +207,27 @@ def _decode_impl(
 _decode_jit = jax.jit(_decode_impl, static_argnames=("cfg",))
 
 
+def _controls_rows(controls, vocab: int, batch: int, batch_pad: int, layout) -> Optional[processors_lib.RowSettings]:
+    """``controls=`` (one :class:`GenerationControls` or one per prompt) as
+    per-sequence arrays for the loop; None when every request has the defaults
+    (the program is then the one without processors)."""
+    if controls is None:
+        return None
+    many = isinstance(controls, (list, tuple))
+    items = list(controls) if many else [controls] * batch
+    if many and len(items) != batch:
+        raise ValueError(f"controls has {len(items)} entries for {batch} prompts; give one per prompt or one for all.")
+    items = [processors_lib.check_controls(c, vocab, f"controls[{i}]" if many else "controls")
+             for i, c in enumerate(items)]
+    if all(processors_lib.is_default(c) for c in items):
+        return None
+    if layout is not None:
+        raise ValueError("controls (logits processors) are not supported on a mesh yet; decode on one device.")
+    items += [processors_lib.GenerationControls()] * (batch_pad - batch)
+    arrays = processors_lib.controls_rows(items, processors_lib.bias_bucket(items))
+    return processors_lib.RowSettings(controls=processors_lib.Controls(**arrays))
+
+
 def decode(
     params: ModelPair,
     prompt_ids,
@@ -227,6 +250,7 @@ def decode(
     on_tokens: Optional[Callable] = None,
     tree=None,
     lookup: Optional[lookup_lib.NgramLookup] = None,
+    controls=None,
 ) -> DecodeOutput:
     """Speculative decoding: draft with ``params.draft``, verify with ``params.target``.
 
@@ -311,6 +335,14 @@ def decode(
         drafts the rest, reading the copied tokens. Counted in
         ``stats.copied`` / ``stats.copied_accepted``. Chains only (ValueError
         with ``tree=``).
+      controls: :class:`specjax.GenerationControls` (repetition / presence /
+        frequency penalties, ``logit_bias``, ``min_new_tokens``) for every
+        prompt, or a list with one per prompt. The processed logits are what
+        both models sample from and what the rule judges, so the lossless
+        rule is exactly lossless with respect to the processed target
+        (:mod:`specjax._src.processors`). Chains only (ValueError with
+        ``tree=``); stop strings are matched on the text by the reader of the
+        tokens (:class:`specjax.engine.TextStream`).
 
     Compilation and warm-up: the first call for each combination of
     (batch bucket, prompt-width bucket, ``max_new_tokens`` bucket) and of the
@@ -340,6 +372,8 @@ def decode(
         raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
     if lookup is not None and tree is not None:
         raise ValueError("lookup= drafts chains; it cannot be combined with tree=. Drop one of them.")
+    if controls is not None and tree is not None:
+        raise ValueError("controls= (logits processors) work with chains; they cannot be combined with tree= yet.")
     if tree is not None:
         rule, drafting, _ = _check_decode_args(params, rule, drafting, None)
         depth = _check_tree(tree, params, rule, drafting, num_draft)
@@ -376,13 +410,15 @@ def decode(
             lambda x: _replicated(cfg.layout, np.asarray(jnp.asarray(x))), (rule, drafting)
         )
     _check_on_tokens(on_tokens, call)
+    rows = _controls_rows(controls, params.vocab_size, call.batch, call.prompts.shape[0], cfg.layout)
     cfg = cfg._replace(stream=on_tokens is not None)
     params = params.replace(target=call.models["target"], draft=call.models["draft"])
     args = (params, rule, drafting, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id, call.key,
             call.temperature, call.top_p)
     out, bad = _run_streaming(
         on_tokens, call.batch,
-        lambda sid: _decode_jit(*args, cfg=cfg) if sid is None else _decode_jit(*args, sid, cfg=cfg),
+        lambda sid: (_decode_jit(*args, cfg=cfg, rows=rows) if sid is None
+                     else _decode_jit(*args, sid, cfg=cfg, rows=rows)),
     )
     return _finish(call, out, bad, {1: "target", 2: "draft"})
 
@@ -404,7 +440,7 @@ class _GenState:
 
 def _generate_impl(
     model: Model, vocab: int, prompts, prompt_lengths, max_new, eos_ids, pad_id, key, temperature, top_p,
-    stream_id=None, *, cfg: _Config,
+    stream_id=None, *, cfg: _Config, rows=None,
 ):
     batch, width = prompts.shape
     n_max = cfg.max_new_tokens
@@ -428,13 +464,17 @@ def _generate_impl(
         last = _gather(s.tokens, nc - 1)
         out = model.module.apply(model.params, last[:, None], s.cache)
         raw = out.logits[:, 0, :vocab]
+        bad_now = ~s.done & sampling.nonfinite_rows(raw)
+        if rows is not None:
+            hist = processors_lib.history(s.tokens, prompt_lengths, nc, eos_ids, vocab)
+            raw = processors_lib.process(rows.processors, rows.controls, hist, raw[:, None],
+                                         jnp.zeros((batch, 0), jnp.int32), 0)[:, 0]
         if cfg.greedy:
             tok = sampling.argmax(raw)
         else:
             probs = jax.nn.softmax(_warp(cfg, raw, temperature, top_p), axis=-1)
             u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, s.step), ()))(seq_keys)
             tok = sampling.sample_categorical(probs, u)
-        bad_now = ~s.done & sampling.nonfinite_rows(raw)
         live = ~s.done & ~bad_now
         tokens = jax.vmap(lambda row, t, off: jax.lax.dynamic_update_slice(row, t[None], (off,)))(
             s.tokens, tok, nc
@@ -483,6 +523,7 @@ def generate(
     mesh=None,
     buckets: Optional[Buckets] = BUCKETS,
     on_tokens: Optional[Callable] = None,
+    controls=None,
 ) -> DecodeOutput:
     """Target-only autoregressive sampling: the baseline ``decode`` is compared to.
 
@@ -497,6 +538,8 @@ def generate(
     ``on_tokens``: streaming, as for :func:`decode`, called after every token
     step with ``tokens`` ``int32 [B, 1]`` and ``counts`` ``int32 [B]`` (1 for
     a sequence that produced a token in that step, else 0).
+
+    ``controls``: logits processors, as for :func:`decode`.
     """
     if isinstance(model, ModelPair):
         vocab, model = model.vocab_size, model.target
@@ -523,11 +566,13 @@ def generate(
         what=f"generation (longest prompt {{width}} + max_new_tokens {max_new_tokens})",
     )
     _check_on_tokens(on_tokens, call)
+    rows = _controls_rows(controls, vocab, call.batch, call.prompts.shape[0], call.cfg.layout)
     cfg = call.cfg._replace(stream=on_tokens is not None)
     args = (call.models["target"], vocab, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id,
             call.key, call.temperature, call.top_p)
     out, bad = _run_streaming(
         on_tokens, call.batch,
-        lambda sid: _generate_jit(*args, cfg=cfg) if sid is None else _generate_jit(*args, sid, cfg=cfg),
+        lambda sid: (_generate_jit(*args, cfg=cfg, rows=rows) if sid is None
+                     else _generate_jit(*args, sid, cfg=cfg, rows=rows)),
     )
     return _finish(call, out, bad, {1: "target"})

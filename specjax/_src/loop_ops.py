@@ -54,10 +54,32 @@ def _per_sequence_keys(key: Array, batch: int) -> Array:
     return key
 
 
-def _warp(cfg: _Config, raw: Array, temperature, top_p) -> Array:
+def _warp(cfg: _Config, raw: Array, temperature, top_p, rows=None) -> Array:
+    """The sampling warp of raw logits ``[B, ..., V]``. With per-row settings
+    (``rows``, a :class:`specjax._src.processors.RowSettings`), ``temperature``
+    and ``top_p`` are ``[B]`` arrays, a ``top_p`` of 1 keeps every token, and a
+    greedy row gets its raw logits, as a greedy loop does."""
     if cfg.greedy:
         return raw.astype(jnp.float32)
-    return sampling.warp_logits(raw, temperature, cfg.top_k, top_p if cfg.use_top_p else None)
+    if rows is None:
+        return sampling.warp_logits(raw, temperature, cfg.top_k, top_p if cfg.use_top_p else None)
+    raw = raw.astype(jnp.float32)
+    t, p = _per_row(temperature, raw), _per_row(top_p, raw)
+    greedy = None if rows.greedy is None else _per_row(rows.greedy, raw)
+    logits = raw / (t if greedy is None else jnp.where(greedy, 1.0, t))
+    if rows.top_k is not None:
+        logits = sampling.apply_top_k_rows(logits, _per_row(rows.top_k, raw))
+    elif cfg.top_k is not None:
+        logits = sampling.apply_top_k(logits, cfg.top_k)
+    if cfg.use_top_p:
+        logits = jnp.where(p < 1.0, sampling.apply_top_p(logits, p), logits)
+    return logits if greedy is None else jnp.where(greedy, raw, logits)
+
+
+def _per_row(x, like: Array) -> Array:
+    """A scalar as it is, a ``[B]`` array shaped to broadcast against ``like[B, ...]``."""
+    x = jnp.asarray(x)
+    return x if x.ndim == 0 else x.reshape(x.shape + (1,) * (like.ndim - x.ndim))
 
 
 # Prompts are prefilled in blocks of this many tokens (the smallest prompt
@@ -165,6 +187,9 @@ def _extract(cfg: _Config, tokens: Array, prompt_lengths: Array, generated: Arra
 
 
 def _is_eos(eos_ids: Array, tokens: Array) -> Array:
-    """``tokens`` (any shape) that are one of ``eos_ids[E]`` (-1 entries match nothing)."""
+    """``tokens`` (any shape) that are one of ``eos_ids[E]`` (-1 entries match nothing),
+    or, for ``eos_ids[B, E]`` (one set per sequence), ``tokens[B, ...]`` in their row's set."""
+    if eos_ids.ndim == 2:
+        eos_ids = eos_ids.reshape((eos_ids.shape[0],) + (1,) * (tokens.ndim - 1) + (eos_ids.shape[1],))
     return (tokens[..., None] == eos_ids).any(-1)
 

@@ -35,6 +35,17 @@ def apply_top_k(logits: Array, top_k: int) -> Array:
     return jnp.where(logits < kth, -jnp.inf, logits)
 
 
+def apply_top_k_rows(logits: Array, top_k: Array) -> Array:
+    """:func:`apply_top_k` with a traced ``k`` per row (``top_k`` broadcasts
+    against ``logits[..., :1]``; 0 keeps every token). The k-th largest logit
+    comes from a sort, so the kept set is :func:`apply_top_k`'s."""
+    vocab = logits.shape[-1]
+    ordered = jnp.sort(logits, axis=-1)[..., ::-1]
+    k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), logits.shape[:-1] + (1,))
+    kth = jnp.take_along_axis(ordered, jnp.clip(k - 1, 0, vocab - 1), axis=-1)
+    return jnp.where((k > 0) & (k < vocab) & (logits < kth), -jnp.inf, logits)
+
+
 def apply_top_p(logits: Array, top_p) -> Array:
     """Nucleus filter: keeps the smallest set of most likely tokens whose mass is
     ``>= top_p`` (ties with its least likely member kept).

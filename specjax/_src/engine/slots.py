@@ -1,0 +1,462 @@
+"""Slots: a state of S requests, each in its own row of the draft-verify loop.
+
+The functional core a server drives from a host loop, in the shape of
+JetStream's engine API (``prefill`` / ``insert`` / ``generate`` over decode
+slots): a :class:`SlotState` holds ``S`` slots, each with a fixed-capacity
+region of both KV caches, its token buffer and its own settings as traced
+arrays; three jitted pure functions move it on:
+
+* :func:`insert` prefills one request into a free slot (the prompt padded to
+  a width bucket: one program per bucket);
+* :func:`step` runs up to ``num_cycles`` draft-verify cycles for every live
+  slot in one ``lax.while_loop`` (the chain cycle of :mod:`specjax._src.cycle`,
+  with per-row settings) and returns what each slot committed (one program);
+* :func:`release` frees a slot (one program).
+
+Per-request data (traced, so mixed traffic shares one program): temperature
+(0 = greedy), top_p, top_k, the PRNG key, ``max_new_tokens``, EOS and stop
+ids, the ``num_draft`` cap (0 = one target token per cycle) and the logits
+processors' numbers (:mod:`specjax._src.processors`). Static structure (one
+program per value): the pair, the rule's and drafting policy's types, ``K``,
+the slot count and capacity, the lookup, whether processors are compiled in.
+
+A slot's randomness: ``SlotSettings(seed=s)`` samples what
+``decode(..., key=jax.random.key(s))`` samples for that request alone (the key
+of sequence 0, ``fold_in(key(s), 0)``); ``SlotSettings(key=k)`` what
+``decode(..., key=k[None])`` does (one key per sequence). The cycle counter
+is per slot, so a request's draws do not depend on when it was inserted.
+"""
+
+from __future__ import annotations
+
+import functools
+import secrets
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax._src import drafting as drafting_lib
+from specjax._src import lookup as lookup_lib
+from specjax._src import processors as processors_lib
+from specjax._src.calls import _bucket, _check_common, _check_decode_args, _Config, _eos_ids, _prepare_prompts
+from specjax._src.checks import as_integer
+from specjax._src.cycle import _decode_cycle, _DecodeState, _initial_state
+from specjax._src.pairing import ModelPair
+
+Array = jax.Array
+
+# ---------------------------------------------------------------------------
+# Per-request settings (host values)
+# ---------------------------------------------------------------------------
+
+
+class SlotSettings(NamedTuple):
+    """One request's settings (host values; checked by :meth:`Engine.insert`).
+
+    Attributes:
+      temperature: 0 for greedy; else ``>= specjax.MIN_TEMPERATURE``.
+      top_p: in (0, 1]; 1 keeps every token.
+      top_k: a positive int up to the vocabulary size, or None.
+      seed: an int: the request samples what ``decode(key=jax.random.key(seed))``
+        samples for it alone. None with ``key`` None: a fresh random seed.
+      key: a typed PRNG key instead of ``seed`` (``decode(key=key[None])``).
+      max_new_tokens: tokens to generate at most (prompt + this must fit the
+        slot's capacity).
+      eos_token_id: an id or ids; None: the target's config; ``()``: none.
+      stop_token_ids: more ids that end the request (kept in the output, as EOS).
+      num_draft: the most drafts per cycle for this request, ``0 .. K``
+        (None: the engine's ``K``; 0: plain decoding, one target token per cycle).
+      controls: :class:`specjax.GenerationControls` (penalties, logit bias,
+        ``min_new_tokens``), or None.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
+    key: Any = None
+    max_new_tokens: int = 64
+    eos_token_id: Any = None
+    stop_token_ids: Sequence[int] = ()
+    num_draft: Optional[int] = None
+    controls: Optional[processors_lib.GenerationControls] = None
+
+
+# ---------------------------------------------------------------------------
+# The state and the step's output
+# ---------------------------------------------------------------------------
+
+
+@struct.dataclass
+class SlotState:
+    """``S`` slots (every leaf's leading axis is ``S`` but the loop's two scalar counters).
+
+    Attributes:
+      loop: the draft-verify loop's state (``tokens [S, C + K + 1]``, caches of
+        ``C + K`` positions, ``num_committed``, ``done``, stats, ...), with a
+        per-slot cycle counter ``step [S]``.
+      occupied: ``[S]`` bool, a request holds the slot (finished ones too,
+        until released).
+      prompt_lengths, max_new, draft_cap, top_k: ``[S]`` int32.
+      temperature, top_p: ``[S]`` float32.
+      eos: ``[S, E]`` int32 EOS and stop ids, ``-1`` for none.
+      keys: ``[S, ...]`` uint32 key data.
+      controls: :class:`specjax._src.processors.Controls` ``[S]``, or None.
+    """
+
+    loop: _DecodeState
+    occupied: Array
+    prompt_lengths: Array
+    max_new: Array
+    draft_cap: Array
+    top_k: Array
+    temperature: Array
+    top_p: Array
+    eos: Array
+    keys: Array
+    controls: Any = None
+
+
+@struct.dataclass
+class StepOutput:
+    """What one :func:`step` committed.
+
+    Attributes:
+      tokens: ``[S, W]`` int32: row ``s``'s first ``counts[s]`` entries are the
+        tokens slot ``s`` committed in this step, in order; ``-1`` after them.
+        ``W`` is the token buffer's width, ``capacity + K + 1``.
+      counts: ``[S]`` int32.
+      done: ``[S]`` bool: the slot's request is finished (EOS, a stop id,
+        ``max_new_tokens``, or non-finite logits), or the slot is free.
+      lengths: ``[S]`` int32 tokens generated so far per slot.
+      bad: ``[S]`` int32: 0, or 1 / 2 when the target's / draft's logits went
+        non-finite (the request stopped before that cycle).
+    """
+
+    tokens: Array
+    counts: Array
+    done: Array
+    lengths: Array
+    bad: Array
+
+
+class _EngineConfig(NamedTuple):
+    """The engine's static structure (a ``jit`` static)."""
+
+    loop: _Config
+    num_slots: int
+    capacity: int
+    prompt_bucket: int
+    num_eos: int
+    num_bias: int
+    controls: bool
+    processors: tuple
+
+
+# ---------------------------------------------------------------------------
+# The jitted pure functions
+# ---------------------------------------------------------------------------
+
+
+def _set_rows(full, part, slots: Array):
+    """``full`` with rows ``slots[n]`` replaced by ``part``'s ``n`` rows (scalar leaves kept)."""
+    return jax.tree_util.tree_map(lambda f, p: f if jnp.ndim(f) == 0 else f.at[slots].set(p), full, part)
+
+
+def _init_impl(params: ModelPair, rule, policy, *, cfg: _EngineConfig) -> SlotState:
+    s = cfg.num_slots
+    loop_cfg = cfg.loop._replace(max_new_tokens=cfg.capacity - 1)
+    ones = jnp.ones((s,), jnp.int32)
+    loop = _initial_state(loop_cfg, params, rule, policy, jnp.zeros((s, 1), jnp.int32), ones,
+                          jnp.zeros((s,), jnp.int32))
+    key_data = jax.random.key_data(jax.random.key(0))
+    controls = None
+    if cfg.controls:
+        rows = processors_lib.controls_rows([processors_lib.GenerationControls()] * s, cfg.num_bias)
+        controls = processors_lib.Controls(**{k: jnp.asarray(v) for k, v in rows.items()})
+    return SlotState(
+        loop=loop.replace(step=jnp.zeros((s,), jnp.int32)),
+        occupied=jnp.zeros((s,), bool),
+        prompt_lengths=ones,
+        max_new=jnp.zeros((s,), jnp.int32),
+        draft_cap=jnp.zeros((s,), jnp.int32),
+        top_k=jnp.zeros((s,), jnp.int32),
+        temperature=jnp.ones((s,), jnp.float32),
+        top_p=jnp.ones((s,), jnp.float32),
+        eos=jnp.full((s, cfg.num_eos), -1, jnp.int32),
+        keys=jnp.broadcast_to(key_data, (s,) + key_data.shape),
+        controls=controls,
+    )
+
+
+def _insert_impl(params: ModelPair, rule, policy, state: SlotState, slots, prompts, lengths, row: dict, *,
+                 cfg: _EngineConfig) -> SlotState:
+    loop_cfg = cfg.loop._replace(max_new_tokens=cfg.capacity - prompts.shape[1])
+    fresh = _initial_state(loop_cfg, params, rule, policy, prompts, lengths, row["max_new"])
+    loop = _set_rows(state.loop, fresh.replace(step=jnp.zeros_like(lengths)), slots)
+    controls = state.controls
+    if cfg.controls:
+        controls = _set_rows(controls, processors_lib.Controls(**row["controls"]), slots)
+    put = lambda name: getattr(state, name).at[slots].set(row[name])  # noqa: E731
+    # A seed's key is decode's key of sequence 0, derived here so that no host-side op compiles per insert.
+    seeded = jax.vmap(lambda seed: jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0)))(row["seed"])
+    keys = jnp.where(row["use_key"][:, None], row["keys"], seeded)
+    return state.replace(
+        loop=loop,
+        occupied=state.occupied.at[slots].set(True),
+        prompt_lengths=state.prompt_lengths.at[slots].set(lengths),
+        max_new=put("max_new"), draft_cap=put("draft_cap"), top_k=put("top_k"),
+        temperature=put("temperature"), top_p=put("top_p"), eos=put("eos"), keys=state.keys.at[slots].set(keys),
+        controls=controls,
+    )
+
+
+def _rows(state: SlotState, cfg: _EngineConfig) -> processors_lib.RowSettings:
+    return processors_lib.RowSettings(
+        greedy=state.temperature == 0.0, top_k=state.top_k, draft_cap=state.draft_cap,
+        controls=state.controls if cfg.controls else None, processors=cfg.processors,
+    )
+
+
+def _step_impl(params: ModelPair, rule, policy, state: SlotState, num_cycles, *,
+               cfg: _EngineConfig) -> tuple[SlotState, StepOutput]:
+    keys = jax.random.wrap_key_data(state.keys)
+    cycle = functools.partial(
+        _decode_cycle, cfg.loop, params, rule, policy, state.prompt_lengths, state.max_new, state.eos, keys,
+        state.temperature, state.top_p, rows=_rows(state, cfg),
+    )
+    start = state.loop.num_committed
+
+    def cond(carry):
+        i, loop = carry
+        return (i < num_cycles) & ~loop.done.all()
+
+    def body(carry):
+        i, loop = carry
+        return i + 1, cycle(loop)[0]
+
+    _, loop = jax.lax.while_loop(cond, body, (jnp.int32(0), state.loop))
+    counts = loop.num_committed - start
+    width = loop.tokens.shape[1]
+    cols = jnp.arange(width)[None, :]
+    new = jnp.take_along_axis(loop.tokens, jnp.minimum(start[:, None] + cols, width - 1), axis=1)
+    out = StepOutput(
+        tokens=jnp.where(cols < counts[:, None], new, -1),
+        counts=counts,
+        done=loop.done,
+        lengths=loop.num_committed - state.prompt_lengths,
+        bad=loop.bad,
+    )
+    return state.replace(loop=loop), out
+
+
+def _release_impl(state: SlotState, slots) -> SlotState:
+    loop = state.loop
+    return state.replace(loop=loop.replace(done=loop.done.at[slots].set(True)),
+                         occupied=state.occupied.at[slots].set(False))
+
+
+_init_jit = jax.jit(_init_impl, static_argnames=("cfg",))
+_insert_jit = jax.jit(_insert_impl, static_argnames=("cfg",))
+_step_jit = jax.jit(_step_impl, static_argnames=("cfg",))
+_release_jit = jax.jit(_release_impl)
+
+
+# ---------------------------------------------------------------------------
+# The engine: static structure, params, and checked entry points
+# ---------------------------------------------------------------------------
+
+
+class Engine:
+    """A pair of models and the static structure of a :class:`SlotState`.
+
+    ``engine.init()`` gives a state of ``num_slots`` free slots; ``insert``,
+    ``step`` and ``release`` check their arguments on the host (an error
+    names the field at fault and leaves the state as it was), then call the
+    jitted pure functions. The state is a value: each call returns a new one.
+
+    Args:
+      params: ``specjax.pair(target, draft)`` (a draft model or a feature head).
+      num_slots: S, requests held at once.
+      capacity: C, the most prompt + generated tokens per slot (each slot's
+        caches hold ``C + num_draft`` positions).
+      num_draft: K, the most drafts per cycle (a request may cap it lower).
+      rule: the acceptance rule (default ``speculative_sampling()``); its
+        numbers are shared by every slot.
+      drafting: the drafting policy (default ``fixed()``).
+      lookup: ``specjax.drafting.ngram_lookup(...)``: drafts copied from each
+        slot's own context.
+      controls: compile the logits processors in (``SlotSettings.controls``);
+        False saves their work when no request uses them.
+      max_eos: EOS + stop ids per request (E).
+      max_bias: ``logit_bias`` entries per request.
+      prompt_bucket: the smallest prompt width bucket (widths ``b * 2**i``,
+        capped at ``capacity``): one ``insert`` program per width.
+    """
+
+    def __init__(self, params: ModelPair, *, num_slots: int, capacity: int, num_draft: Optional[int] = None,
+                 rule=None, drafting=None, lookup=None, controls: bool = True, max_eos: int = 8,
+                 max_bias: int = 8, prompt_bucket: int = 16):
+        rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
+        if lookup is not None and not isinstance(lookup, lookup_lib.NgramLookup):
+            raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
+        for name, value in (("num_slots", num_slots), ("capacity", capacity), ("max_eos", max_eos),
+                            ("max_bias", max_bias), ("prompt_bucket", prompt_bucket)):
+            number = as_integer(value)
+            if number is None or number < 1:
+                raise ValueError(f"Engine: {name} must be a positive integer, got {value!r}.")
+        for name, model in (("target", params.target), ("draft", params.draft)):
+            limit = getattr(getattr(model.module, "config", None), "max_position_embeddings", None)
+            if limit is not None and capacity + num_draft > limit:
+                raise ValueError(f"Engine: capacity {capacity} + num_draft {num_draft} exceeds the {name} model's "
+                                 f"{limit} positions (max_position_embeddings); lower capacity.")
+        self.params, self.rule, self.drafting = params, rule, drafting
+        self.vocab_size = params.vocab_size
+        loop = _Config(diagnostics=None, num_draft=num_draft, max_new_tokens=capacity - 1,
+                       cache_length=capacity + num_draft, greedy=False, top_k=None, use_top_p=True, lookup=lookup)
+        self.cfg = _EngineConfig(loop=loop, num_slots=int(num_slots), capacity=int(capacity),
+                                 prompt_bucket=int(prompt_bucket), num_eos=int(max_eos), num_bias=int(max_bias),
+                                 controls=bool(controls), processors=processors_lib.BUILTIN_PROCESSORS)
+
+    @property
+    def num_slots(self) -> int:
+        return self.cfg.num_slots
+
+    @property
+    def num_draft(self) -> int:
+        return self.cfg.loop.num_draft
+
+    @property
+    def capacity(self) -> int:
+        return self.cfg.capacity
+
+    def init(self) -> SlotState:
+        """A state of ``num_slots`` free slots."""
+        return _init_jit(self.params, self.rule, self.drafting, cfg=self.cfg)
+
+    def free_slots(self, state: SlotState) -> list[int]:
+        """The slots no request holds (reads ``state.occupied`` from the device)."""
+        return np.flatnonzero(~np.asarray(state.occupied)).tolist()
+
+    def insert(self, state: SlotState, slot: int, prompt, settings: Optional[SlotSettings] = None) -> SlotState:
+        """Prefills ``prompt`` (a list of token ids) into the free ``slot``.
+
+        Raises ``ValueError`` / ``TypeError`` naming the field (an unknown or
+        busy slot, a prompt longer than the capacity, a bad setting) before
+        anything runs: the state passed in is unchanged either way.
+        """
+        return self.insert_many(state, [slot], [prompt], [settings])
+
+    def insert_many(self, state: SlotState, slots: Sequence[int], prompts, settings=None) -> SlotState:
+        """:meth:`insert` for ``n`` requests at once (one program per ``n`` and width bucket)."""
+        slots = [self._check_slot(s) for s in slots]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots {slots} name a slot twice.")
+        busy = [s for s in slots if bool(np.asarray(state.occupied)[s])]
+        if busy:
+            raise ValueError(f"slot(s) {busy} are busy (a request holds them): release them first "
+                             f"(engine.release(state, slot)); free slots: {self.free_slots(state)}.")
+        if settings is None:
+            settings = [None] * len(slots)
+        if len(settings) != len(slots) or len(prompts) != len(slots):
+            raise ValueError(f"{len(slots)} slots, {len(prompts)} prompts and {len(settings)} settings: give one "
+                             "of each per request.")
+        settings = [SlotSettings() if s is None else s for s in settings]
+        tokens, lengths = _prepare_prompts(list(prompts), None, self.vocab_size)
+        tokens = tokens[:, : int(lengths.max())]
+        rows = [self._check_settings(s, int(n), i) for i, (s, n) in enumerate(zip(settings, lengths))]
+        width = min(_bucket(tokens.shape[1], self.cfg.prompt_bucket), self.capacity)
+        padded = np.zeros((len(slots), width), np.int32)
+        padded[:, : tokens.shape[1]] = tokens
+        row = {name: np.stack([r[name] for r in rows]) for name in rows[0] if name != "controls"}
+        if self.cfg.controls:
+            row["controls"] = processors_lib.controls_rows([r["controls"] for r in rows], self.cfg.num_bias)
+        return _insert_jit(self.params, self.rule, self.drafting, state, np.asarray(slots, np.int32), padded,
+                           lengths, row, cfg=self.cfg)
+
+    def step(self, state: SlotState, num_cycles: int = 1) -> tuple[SlotState, StepOutput]:
+        """Runs up to ``num_cycles`` draft-verify cycles for every live slot
+        (fewer when every slot is done); ``num_cycles`` is traced."""
+        n = as_integer(num_cycles)
+        if n is None or n < 1:
+            raise ValueError(f"num_cycles must be a positive integer, got {num_cycles!r}.")
+        return _step_jit(self.params, self.rule, self.drafting, state, np.int32(n), cfg=self.cfg)
+
+    def release(self, state: SlotState, slot: int) -> SlotState:
+        """Frees ``slot`` (finished or not): it stops and takes the next :meth:`insert`."""
+        return _release_jit(state, np.asarray([self._check_slot(slot)], np.int32))
+
+    # -- checks -------------------------------------------------------------
+
+    def _check_slot(self, slot) -> int:
+        number = as_integer(slot)
+        if number is None or not 0 <= number < self.num_slots:
+            raise ValueError(f"slot {slot!r} is not one of this engine's {self.num_slots} slots "
+                             f"(0 .. {self.num_slots - 1}).")
+        return number
+
+    def _check_settings(self, s: SlotSettings, prompt_length: int, index: int) -> dict:
+        if not isinstance(s, SlotSettings):
+            raise TypeError(f"settings must be specjax.engine.SlotSettings(...), got {type(s).__name__}.")
+        vocab, k_max = self.vocab_size, self.num_draft
+        top_p = 1.0 if s.top_p is None else s.top_p
+        _check_common(s.temperature, s.top_k, top_p, s.max_new_tokens)
+        if s.top_k is not None and s.top_k > vocab:
+            raise ValueError(f"top_k={s.top_k} exceeds the vocabulary ({vocab} tokens); pass at most {vocab} "
+                             "or None.")
+        if prompt_length + s.max_new_tokens > self.capacity:
+            raise ValueError(f"request {index}: the prompt ({prompt_length} tokens) + max_new_tokens "
+                             f"({s.max_new_tokens}) exceed the slot capacity ({self.capacity}); shorten the "
+                             "prompt, lower max_new_tokens, or build the Engine with a larger capacity.")
+        cap = k_max if s.num_draft is None else as_integer(s.num_draft)
+        if cap is None or not 0 <= cap <= k_max:
+            raise ValueError(f"num_draft must be an integer in 0 .. {k_max} (the engine's K), got {s.num_draft!r}.")
+        eos = _eos_ids(s.eos_token_id, vocab, self.params.target.module)
+        stops = _eos_ids(tuple(s.stop_token_ids), vocab) if len(tuple(s.stop_token_ids)) else ()
+        ends = tuple(dict.fromkeys(eos + stops))
+        if len(ends) > self.cfg.num_eos:
+            raise ValueError(f"eos_token_id and stop_token_ids name {len(ends)} ids; this engine holds "
+                             f"{self.cfg.num_eos} per request (Engine(max_eos=...)).")
+        controls = processors_lib.check_controls(s.controls, vocab, "controls")
+        if not self.cfg.controls and not processors_lib.is_default(controls):
+            raise ValueError("controls: this Engine was built with controls=False; build it with controls=True "
+                             "to use penalties, logit_bias or min_new_tokens.")
+        if controls.logit_bias and len(controls.logit_bias) > self.cfg.num_bias:
+            raise ValueError(f"controls.logit_bias has {len(controls.logit_bias)} entries; this engine holds "
+                             f"{self.cfg.num_bias} per request (Engine(max_bias=...)).")
+        eos_row = np.full((self.cfg.num_eos,), -1, np.int32)
+        eos_row[: len(ends)] = ends
+        return dict(
+            max_new=np.int32(s.max_new_tokens),
+            draft_cap=np.int32(cap),
+            top_k=np.int32(0 if s.top_k is None else s.top_k),
+            temperature=np.float32(s.temperature),
+            top_p=np.float32(top_p),
+            eos=eos_row,
+            controls=controls,
+            **_key_fields(s),
+        )
+
+
+_KEY_SHAPE = (2,)  # the default (threefry) key's data
+
+
+def _key_fields(s: SlotSettings) -> dict:
+    """``seed`` (uint32), ``keys`` (key data) and ``use_key``: a given key, or
+    decode's key of sequence 0 for ``seed`` (``fold_in(key(seed), 0)``, derived in ``insert``)."""
+    if s.key is not None and s.seed is not None:
+        raise ValueError("give seed or key, not both.")
+    if s.key is not None:
+        key = s.key
+        if not (hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 0
+                and jax.random.key_impl(key) == jax.random.key_impl(jax.random.key(0))):
+            raise TypeError(f"key must be one typed PRNG key of the default kind (jax.random.key(seed)), "
+                            f"got {key!r}.")
+        return dict(seed=np.uint32(0), keys=np.asarray(jax.random.key_data(key)), use_key=np.bool_(True))
+    seed = secrets.randbits(32) if s.seed is None else as_integer(s.seed)
+    if seed is None or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {s.seed!r}.")
+    return dict(seed=np.uint32(seed), keys=np.zeros(_KEY_SHAPE, np.uint32), use_key=np.bool_(False))

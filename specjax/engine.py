@@ -1,0 +1,44 @@
+"""Many requests, one state: the slots engine a server drives from a host loop.
+
+::
+
+    import specjax
+    from specjax.engine import Engine, SlotSettings
+
+    engine = Engine(specjax.pair(target, draft), num_slots=4, capacity=256, num_draft=4)
+    state = engine.init()
+    state = engine.insert(state, 0, prompt_ids, SlotSettings(temperature=0.7, top_p=0.9, seed=1))
+    state, out = engine.step(state, num_cycles=8)   # out.tokens[s, :out.counts[s]]: slot s's new tokens
+    state = engine.release(state, 0)
+
+See ``docs/engine.md``.
+"""
+
+from specjax._src.engine.slots import Engine, SlotSettings, SlotState, StepOutput
+from specjax._src.engine.text import TextStream, check_stop_strings, cut_at_stop
+from specjax._src.processors import (
+    BUILTIN_PROCESSORS,
+    GenerationControls,
+    TokenContext,
+    logit_bias,
+    min_new_tokens,
+    presence_frequency_penalty,
+    repetition_penalty,
+)
+
+__all__ = [
+    "Engine",
+    "SlotSettings",
+    "SlotState",
+    "StepOutput",
+    "GenerationControls",
+    "TokenContext",
+    "BUILTIN_PROCESSORS",
+    "logit_bias",
+    "repetition_penalty",
+    "presence_frequency_penalty",
+    "min_new_tokens",
+    "TextStream",
+    "cut_at_stop",
+    "check_stop_strings",
+]

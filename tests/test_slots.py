@@ -1,0 +1,210 @@
+"""The slots engine: per-request settings in one state, each request decoded as ``decode`` decodes it alone."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax.drafting import ngram_lookup
+from specjax.engine import Engine, GenerationControls, SlotSettings
+from specjax.rules import speculative_sampling
+from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
+from specjax._src.models import feature_head as fh
+from test_decode import count_compilations, exact_two_token_distribution, goodness_of_fit
+
+K, CAPACITY = 3, 48
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    return specjax.pair(*peaked_target_and_draft(llama_config()))
+
+
+def run_to_end(engine, state, pending=(), cycles=2):
+    """Steps until every slot is done; ``pending``: ``(after_step, slot, prompt, settings)``
+    requests inserted once that many steps ran. Returns ``{slot: tokens}``."""
+    out, steps, pending = {}, 0, list(pending)
+    while True:
+        for item in [p for p in pending if p[0] == steps]:
+            state = engine.insert(state, item[1], item[2], item[3])
+            pending.remove(item)
+        state, step = engine.step(state, cycles)
+        step = jax.device_get(step)
+        steps += 1
+        for s in range(engine.num_slots):
+            out.setdefault(s, []).extend(step.tokens[s, : step.counts[s]].tolist())
+        if step.done.all() and not pending:
+            return out, state
+
+
+def alone(pair, prompt, s: SlotSettings, **kw):
+    """What ``decode`` gives the request alone (the slot's cache length, so that attention shapes agree)."""
+    key = None if s.seed is None else jax.random.key(s.seed)
+    out = specjax.decode(
+        pair, [prompt], num_draft=K, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+        top_k=s.top_k, top_p=None if s.top_p >= 1 else s.top_p, key=key, max_length=CAPACITY + K,
+        eos_token_id=s.eos_token_id, controls=s.controls, **kw,
+    )
+    return out.to_lists()[0]
+
+
+MIXED = [
+    SlotSettings(temperature=0.0, max_new_tokens=20),
+    SlotSettings(temperature=0.7, top_p=0.9, seed=3, max_new_tokens=18),
+    SlotSettings(temperature=1.0, top_k=20, seed=5, max_new_tokens=20),
+    SlotSettings(temperature=0.0, num_draft=0, max_new_tokens=12),  # plain decoding in a speculative state
+]
+PROMPTS = [[5, 9, 3], [7] * 12, [1, 2, 3, 4, 5, 6], [11, 12]]
+
+
+def test_mixed_settings_each_equal_decode_alone(llama_pair):
+    """Greedy, T=0.7 with top_p, T=1 with top_k and a zero-draft request share one state; the
+    last is inserted while the others are mid-generation. Each gets what decode gives it alone."""
+    engine = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, controls=False)
+    state = engine.init()
+    for slot in range(3):
+        state = engine.insert(state, slot, PROMPTS[slot], MIXED[slot])
+    got, state = run_to_end(engine, state, pending=[(2, 3, PROMPTS[3], MIXED[3])])
+    for slot in range(4):
+        assert got[slot] == alone(llama_pair, PROMPTS[slot], MIXED[slot]), f"slot {slot} ({MIXED[slot]})"
+    # The zero-draft request drafted nothing: greedy plain decoding, target-only's tokens.
+    assert got[3] == specjax.generate(llama_pair, [PROMPTS[3]], max_new_tokens=12, temperature=0.0).to_lists()[0]
+    stats = jax.device_get(state.loop.stats)
+    assert stats.drafted[3] == 0 and stats.drafted[0] > 0
+    # A freed slot takes the next request, which again decodes as alone.
+    state = engine.release(state, 1)
+    state = engine.insert(state, 1, PROMPTS[2], MIXED[2])
+    again, _ = run_to_end(engine, state)
+    assert again[1] == got[2]
+
+
+def test_lookup_and_feature_head_in_slots(llama_pair):
+    """Drafts copied from each slot's own context, and an EAGLE-style head, in slots."""
+    engine = Engine(llama_pair, num_slots=2, capacity=CAPACITY, num_draft=K, lookup=ngram_lookup(2),
+                    controls=False)
+    prompt = [4, 5, 6, 4, 5, 6, 4, 5]
+    state = engine.insert(engine.init(), 1, prompt, MIXED[1])
+    got, state = run_to_end(engine, state)
+    assert got[1] == alone(llama_pair, prompt, MIXED[1], lookup=ngram_lookup(2))
+    assert int(jax.device_get(state.loop.stats.copied)[1]) > 0  # the repeated prompt was copied from
+
+    target = llama_pair.target
+    head_pair = specjax.pair(target, fh.init_from_target(target, jax.random.key(1), np.arange(80)[::-1]))
+    engine = Engine(head_pair, num_slots=2, capacity=CAPACITY, num_draft=K, controls=False)
+    state = engine.insert(engine.init(), 0, PROMPTS[2], MIXED[0])
+    got, _ = run_to_end(engine, state)
+    assert got[0] == alone(head_pair, PROMPTS[2], MIXED[0])
+
+
+def test_compiles_per_prompt_bucket_then_none(llama_pair):
+    """50 requests of mixed prompt lengths (two width buckets) and settings, inserted as slots
+    free up: one insert program per bucket, one step program, one release program; none on a
+    second pass."""
+    engine = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, controls=True)
+    rng = np.random.default_rng(0)
+    requests = []
+    for i in range(50):
+        length = int(rng.integers(1, 30))
+        settings = SlotSettings(
+            temperature=float(rng.choice([0.0, 0.7, 1.0])), top_p=float(rng.choice([1.0, 0.9])),
+            top_k=int(rng.choice([0, 20])) or None, seed=i, max_new_tokens=int(rng.integers(2, 12)),
+            num_draft=int(rng.integers(0, K + 1)),
+            controls=GenerationControls(repetition_penalty=float(rng.choice([1.0, 1.3]))),
+        )
+        requests.append((rng.integers(0, 96, length).tolist(), settings))
+
+    def serve(state):
+        queue, outputs = list(requests), 0
+        while queue or not np.asarray(state.loop.done).all():
+            for slot in engine.free_slots(state):
+                if queue:
+                    state = engine.insert(state, slot, *queue.pop(0))
+            state, out = engine.step(state, 2)
+            for slot in np.flatnonzero(np.asarray(out.done) & np.asarray(state.occupied)):
+                state = engine.release(state, int(slot))
+                outputs += 1
+        return state, outputs
+
+    state = engine.init()
+    with count_compilations() as first:
+        state, served = serve(state)
+    assert served == 50
+    assert first["n"] <= 2 + 1 + 1, first  # prompt buckets 16 and 32, the step, the release
+    with count_compilations() as second:
+        serve(state)
+    assert second["n"] == 0
+
+
+def test_bad_settings_name_the_field_and_insert_nothing(llama_pair):
+    engine = Engine(llama_pair, num_slots=2, capacity=CAPACITY, num_draft=K)
+    state = engine.init()
+    cases = [
+        (dict(settings=SlotSettings(top_k=1000)), "top_k=1000 exceeds the vocabulary"),
+        (dict(slot=2), "slot 2 is not one of this engine's 2 slots"),
+        (dict(prompt=[1] * 45), "exceed the slot capacity"),
+        (dict(settings=SlotSettings(controls=GenerationControls(repetition_penalty=-1.0))),
+         "repetition_penalty must be > 0"),
+        (dict(settings=SlotSettings(controls=GenerationControls(presence_penalty=3.0))), "presence_penalty"),
+        (dict(settings=SlotSettings(num_draft=K + 1)), "num_draft must be an integer in 0 .. 3"),
+        (dict(settings=SlotSettings(temperature=-0.5)), "temperature"),
+        (dict(settings=SlotSettings(controls=GenerationControls(logit_bias={500: 1.0}))), "token id 500"),
+        (dict(prompt=[1, 2, 999]), "token id 999"),
+    ]
+    for change, message in cases:
+        args = dict(slot=0, prompt=[1, 2, 3], settings=SlotSettings(seed=0, max_new_tokens=8))
+        args.update(change)
+        if change.get("settings"):
+            args["settings"] = args["settings"]._replace(max_new_tokens=8)
+        with pytest.raises((ValueError, TypeError), match=message):
+            engine.insert(state, args["slot"], args["prompt"], args["settings"])
+    # A batch with one bad request inserts none of them.
+    with pytest.raises(ValueError, match="top_k"):
+        engine.insert_many(state, [0, 1], [[1, 2], [3, 4]],
+                           [SlotSettings(seed=0, max_new_tokens=8), SlotSettings(top_k=1000, max_new_tokens=8)])
+    assert engine.free_slots(state) == [0, 1]
+    state = engine.insert(state, 0, [1, 2, 3], SlotSettings(seed=0, max_new_tokens=8))
+    with pytest.raises(ValueError, match=r"slot\(s\) \[0\] are busy"):
+        engine.insert(state, 0, [1, 2, 3], SlotSettings(seed=0, max_new_tokens=8))
+    assert engine.free_slots(state) == [1]
+    with pytest.raises(ValueError, match="slot -1"):
+        engine.release(state, -1)
+
+
+# ---------------------------------------------------------------------------
+# The lossless law, per slot, with per-slot temperatures
+# ---------------------------------------------------------------------------
+
+VOCAB = 8
+
+
+def test_lossless_law_per_slot_with_per_slot_temperatures():
+    """Three groups of slots in one state: T=1, T=0.6 with top_k 3, and T=1 drafting nothing;
+    each group's first two tokens follow its own warped target law. Negative control: the
+    T=0.6 group is far from the T=1 law, so the test can tell the temperatures apart."""
+    pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
+    groups = [SlotSettings(temperature=1.0, max_new_tokens=2, eos_token_id=()),
+              SlotSettings(temperature=0.6, top_k=3, max_new_tokens=2, eos_token_id=()),
+              SlotSettings(temperature=1.0, num_draft=0, max_new_tokens=2, eos_token_id=())]
+    per_group = 6000
+    n = per_group * len(groups)
+    engine = Engine(pair, num_slots=n, capacity=8, num_draft=K, controls=False)
+    settings = [groups[i % 3]._replace(seed=i) for i in range(n)]
+    state = engine.insert_many(engine.init(), list(range(n)), [[3]] * n, settings)
+    state, out = engine.step(state, 4)
+    out = jax.device_get(out)
+    assert (out.counts == 2).all()
+    table = np.asarray(pair.target.params["table"])
+    laws = [exact_two_token_distribution(table, 3, g.temperature, g.top_k, None) for g in groups]
+    for g in range(3):
+        toks = out.tokens[g::3, :2]
+        counts = np.zeros((VOCAB, VOCAB))
+        np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+        pvalue, tv = goodness_of_fit(counts, laws[g])
+        assert pvalue > 1e-3 and tv < 0.05, (g, pvalue, tv)
+    toks = out.tokens[1::3, :2]
+    counts = np.zeros((VOCAB, VOCAB))
+    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    pvalue, tv = goodness_of_fit(counts, laws[0])
+    assert pvalue < 1e-6 and tv > 0.1, (pvalue, tv)
