@@ -77,8 +77,8 @@ Everything is per sequence with static shapes (``vmap`` over the batch): the
 walk is a ``fori_loop`` over depths with the node's children unrolled.
 
 Sizes are bounded where a tree is made, before any node exists: at most
-:data:`MAX_TREE_NODES` nodes (a dynamic tree: drafted candidates) and depth
-:data:`MAX_TREE_DEPTH`. Each depth is one more draft forward in the compiled
+``MAX_TREE_NODES`` nodes (a dynamic tree: drafted candidates) and depth
+``MAX_TREE_DEPTH``. Each depth is one more draft forward in the compiled
 program, so compiling takes longer the deeper the tree: past
 :data:`WARN_TREE_DEPTH` a ``RuntimeWarning`` says so.
 """
@@ -111,7 +111,7 @@ _warned_depths: set = set()  # a shape is warned about once per process (decode 
 
 
 def _check_tree_depth(what: str, depth: int) -> None:
-    """Refuses a tree deeper than :data:`MAX_TREE_DEPTH`; warns (once per
+    """Refuses a tree deeper than ``MAX_TREE_DEPTH``; warns (once per
     shape) past :data:`WARN_TREE_DEPTH`."""
     if depth > MAX_TREE_DEPTH:
         raise ValueError(f"{what} has depth {depth}, more than {MAX_TREE_DEPTH}: every level is one more draft "
@@ -125,7 +125,7 @@ def _check_tree_depth(what: str, depth: int) -> None:
 
 
 def _check_tree_nodes(what: str, nodes: int, noun: str = "nodes") -> None:
-    """Refuses a tree of more than :data:`MAX_TREE_NODES` nodes (``nodes`` is
+    """Refuses a tree of more than ``MAX_TREE_NODES`` nodes (``nodes`` is
     counted, never built)."""
     if nodes > MAX_TREE_NODES:
         raise ValueError(f"{what} has {nodes:,} {noun}, more than the {MAX_TREE_NODES:,} a tree may have "
@@ -190,7 +190,7 @@ def static_tree(branching: Sequence[int]) -> TokenTree:
     ``static_tree((4, 2, 2, 1))`` drafts the root's 4 best (or sampled)
     children, 2 children of each, and so on: 4 + 8 + 16 + 16 = 44 draft nodes,
     depth 4 (Medusa / SpecInfer style). ``static_tree((1,) * K)`` is a chain.
-    At most :data:`MAX_TREE_NODES` nodes and depth :data:`MAX_TREE_DEPTH`.
+    At most ``MAX_TREE_NODES`` nodes and depth ``MAX_TREE_DEPTH``.
     """
     if not branching:
         raise ValueError("static_tree: branching must give at least one depth, e.g. (4, 2, 1).")
@@ -560,8 +560,8 @@ def dynamic_tree(depth: int, top_k: int, num_nodes: int, *, sampled: bool | None
     Verification is one target forward over the root and those nodes (greedy:
     the longest path of target argmaxes; sampling: exact, see
     :func:`verify_dynamic_tree`). ``num_nodes`` may be at most the number of
-    candidates, the candidates at most :data:`MAX_TREE_NODES` and ``depth``
-    at most :data:`MAX_TREE_DEPTH`.
+    candidates, the candidates at most ``MAX_TREE_NODES`` and ``depth``
+    at most ``MAX_TREE_DEPTH``.
     """
     depth = check_positive_int("dynamic_tree: depth", depth)
     top_k = check_positive_int("dynamic_tree: top_k", top_k)
