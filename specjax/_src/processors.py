@@ -173,7 +173,7 @@ def process(processors, controls: Controls, hist: History, logits: Array, block:
 
 @struct.dataclass
 class GenerationControls:
-    """One request's generation controls (host values, checked by :func:`check_controls`).
+    """One request's generation controls (host values, checked by ``check_controls``).
 
     Attributes:
       repetition_penalty: ``> 0``; 1 (default) is off, above 1 discourages

@@ -122,7 +122,7 @@ class SlotState:
 
 @struct.dataclass
 class StepOutput:
-    """What one :func:`step` committed.
+    """What one :meth:`Engine.step` committed.
 
     Attributes:
       tokens: ``[S, W]`` int32: row ``s``'s first ``counts[s]`` entries are the
