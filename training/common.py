@@ -483,8 +483,10 @@ def check_outside_package(path: str | pathlib.Path, flag: str) -> None:
 
 
 def exit_on_interrupt(command: str):
-    """Decorates a trainer's ``main``: Ctrl-C (SIGINT) ends it with a short
-    message saying how to resume, and exit status 130, instead of a traceback."""
+    """Wraps a trainer's ``main`` for the command line: Ctrl-C (SIGINT) ends it
+    with a short message saying how to resume, and exit status 130, instead
+    of a traceback. (``main`` itself lets ``KeyboardInterrupt`` through to a
+    Python caller.)"""
 
     def wrap(main: Callable[..., int]) -> Callable[..., int]:
         @functools.wraps(main)

@@ -439,7 +439,6 @@ def check_model_flags(args, cfg_t: ModelConfig) -> None:
                          f"directions; pass --head-vocab {args.hidden} or more, or --hidden {args.head_vocab} or less.")
 
 
-@common.exit_on_interrupt("python -m training.draft")
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -600,4 +599,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.exit_on_interrupt("python -m training.draft")(main)())

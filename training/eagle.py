@@ -718,7 +718,6 @@ def _layers(text: str) -> tuple[int, ...]:
     return layers
 
 
-@common.exit_on_interrupt("python -m training.eagle")
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -937,4 +936,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.exit_on_interrupt("python -m training.eagle")(main)())
