@@ -57,5 +57,7 @@ add_module_names = False
 # relative link of the guides and the README points to a file that exists.
 suppress_warnings = ["myst.header", "myst.xref_missing"]
 
+# furo: a plain, maintained theme with a light and a dark mode, readable API pages and no
+# configuration to keep up.
 html_theme = "furo"
 html_title = "specjax"
