@@ -5,7 +5,7 @@
     python examples/smollm2_chat.py "Write a haiku about rivers." 1.0                # sampled at T=1
     python examples/smollm2_chat.py --small                                          # 16 new tokens
 
-The fastest lossless settings measured on a CPU (README, "The real pair"): the
+The fastest lossless settings measured on a CPU (BENCHMARKS.md, "The real pair"): the
 EAGLE-style head trained for this target, plus drafts copied from the context
 when decoding greedily; block verification when sampling.
 """
