@@ -454,7 +454,7 @@ def fit_draft_temperature(cfg, params: dict, rows: dict, *, steps: int = 3, batc
     overlap too, so this fit leans sharp: on the real pair's held-out rows the
     shipped head's step-1 overlap against the target's full distribution was
     0.567 at ``t = 1`` and 0.581 at 0.8, against the top-32 figures' 0.547 and
-    0.569 (BENCHMARKS.md, session 10). Returns ``(t, {t: mean overlap})``.
+    0.569 (BENCHMARKS.md). Returns ``(t, {t: mean overlap})``.
     """
     run = _jitted_unrolled(cfg, steps, num_feature_layers)
     totals = {t: 0.0 for t in grid}

@@ -71,7 +71,7 @@ def ngram_lookup(min_match: int = 2, max_match: int = 8) -> NgramLookup:
     real pair (SmolLM2-135M-Instruct with its feature head, greedy, 64
     held-out chat prompts) ``min_match=2`` raised tau the most (+0.109 per
     prompt, against +0.083 for 4); at T=1 no setting changed it measurably
-    (BENCHMARKS.md, session 10).
+    (BENCHMARKS.md).
     """
     return NgramLookup(min_match, max_match)
 

@@ -6,7 +6,7 @@ weights are read once either way), which is the premise of speculative
 decoding. On the CPU, XLA hands every product of two or more rows to a GEMM
 library that first copies the weight matrix into a packed layout; at
 SmolLM2-135M's sizes that copy doubles the product's time, so a 4-token
-forward cost 1.8 one-token forwards (BENCHMARKS.md, session 18).
+forward cost 1.8 one-token forwards (BENCHMARKS.md).
 ``cpu_matmul.cc`` reads the weights in place, once, for any number of rows up
 to :data:`MAX_ROWS`.
 
