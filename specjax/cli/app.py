@@ -81,12 +81,21 @@ def _add_certify(sub) -> None:
     p.set_defaults(func=_command("certify"))
 
 
+def _add_serve(sub) -> None:
+    from specjax.cli import serve
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, speculative decoding)")
+    serve.add_arguments(p)
+    p.set_defaults(func=_command("serve"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding with composable acceptance rules.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_compare(sub)
     _add_generate(sub)
     _add_certify(sub)
+    _add_serve(sub)
     p = sub.add_parser("models", help="list the models specjax.load knows by name and where they are")
     p.set_defaults(func=_models)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")

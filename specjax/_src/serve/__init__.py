@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server on the slots engine (``specjax serve``)."""

@@ -1,0 +1,92 @@
+"""``specjax serve``: an OpenAI-compatible HTTP server on the slots engine (see ``docs/server.md``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specjax.cli import common
+
+
+def _require_server_packages():
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"specjax serve needs FastAPI and uvicorn ({e}); install them with "
+                          "pip install -e \".[serve]\" (or pip install \"specjax[serve]\").") from None
+
+
+def build(args):
+    """``(app, scheduler)`` from the parsed options: the pair loaded, the engine built, nothing compiled yet."""
+    _require_server_packages()
+    import specjax
+    from specjax._src.serve.api import ServerConfig, create_app
+    from specjax._src.serve.scheduler import Scheduler
+    from specjax.engine import Engine
+    from specjax.rules import parse_rule
+
+    if getattr(args, "tree", None) is not None:
+        raise SystemExit("error: --tree: the slots engine drafts chains; token trees are not served yet.")
+    lookup, drafting = common.lookup(args), common.drafting_policy(args)
+    rule = parse_rule(args.rule)
+    target, draft = common.load_pair(args)
+    if target.tokenizer is None:
+        raise SystemExit("error: the target has no tokenizer; the server needs one to read and write text.")
+    if args.chat_template:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            raise SystemExit(f"error: --chat-template {path} is not a file; give a Jinja template file.")
+        target = target.replace(chat_template=path.read_text())
+    num_draft = args.num_draft if args.num_draft is not None else (3 if common.pair_name(args).startswith("smollm2")
+                                                                   else 4)
+    engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=args.capacity, num_draft=num_draft,
+                    rule=rule, drafting=drafting, lookup=lookup)
+    eos = getattr(target.module.config, "eos_token_id", None)
+    eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+    scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,
+                          eos_ids=eos)
+    name = args.served_model_name or (args.target or common.pair_name(args))
+    app = create_app(scheduler, ServerConfig(name, target), drain_seconds=args.drain_seconds)
+    return app, scheduler
+
+
+def run(args) -> int:
+    _require_server_packages()
+    import uvicorn
+
+    for flag, value in (("--slots", args.slots), ("--capacity", args.capacity),
+                        ("--cycles-per-step", args.cycles_per_step)):
+        if value < 1:
+            raise SystemExit(f"error: {flag} must be a positive integer, got {value}.")
+    if args.max_queue < 0:
+        raise SystemExit(f"error: --max-queue must be >= 0, got {args.max_queue}.")
+    app, _ = build(args)
+    print(f"specjax serve: compiling, then serving on http://{args.host}:{args.port} (GET /health answers 200 "
+          "once ready)", flush=True)
+    # uvicorn handles SIGINT / SIGTERM: it stops accepting, lets open requests finish for
+    # --drain-seconds, then the app's lifespan refuses what still waits and stops the scheduler.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.drain_seconds)
+    return 0
+
+
+def add_arguments(p) -> None:
+    """``specjax serve``'s options (this module imports nothing heavy, so ``--help`` stays fast)."""
+    common.add_model_args(p, default_num_draft=None)
+    p.add_argument("--rule", default="speculative_sampling",
+                   help='acceptance rule spec, e.g. "mars:theta=0.9" (default: lossless speculative sampling)')
+    p.add_argument("--slots", type=int, default=8, help="requests generated at once (default 8)")
+    p.add_argument("--capacity", type=int, default=512,
+                   help="tokens per slot, prompt and completion together (default 512; at most the models' "
+                        "positions minus --num-draft)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a slot; more are refused with 429 (default 64)")
+    p.add_argument("--cycles-per-step", type=int, default=4,
+                   help="draft-verify cycles between two admissions / stream flushes (default 4)")
+    p.add_argument("--chat-template", help="a Jinja chat template file for models without one (the embedded pair)")
+    p.add_argument("--served-model-name", help="the model name clients give (default: the pair's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGINT / SIGTERM, how long live requests may finish before they are cancelled")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

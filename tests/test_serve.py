@@ -1,0 +1,301 @@
+"""`specjax serve` with the real `openai` client against a server on 127.0.0.1 (the embedded pair).
+
+One server per module (its programs compile once); each test talks HTTP to it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import jax
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+import specjax  # noqa: E402
+from specjax._src.serve import scheduler as sched  # noqa: E402
+from specjax._src.serve.api import ServerConfig, create_app  # noqa: E402
+from specjax.engine import Engine, SlotSettings  # noqa: E402
+
+K, CAPACITY, SLOTS, MAX_QUEUE = 4, 128, 2, 2
+MODEL = "embedded"
+# The embedded pair has no chat template of its own; the server takes one (--chat-template).
+TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}# assistant:{% endif %}")
+PROMPT = "def fib(n):"
+
+
+class Server:
+    """uvicorn in a thread on a socket bound to a free port of 127.0.0.1."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("the server did not become ready")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = specjax.load("embedded-target", dtype="float32").replace(chat_template=TEMPLATE)
+    draft = specjax.load("embedded-draft", dtype="float32")
+    pair = specjax.pair(target, draft)
+    engine = Engine(pair, num_slots=SLOTS, capacity=CAPACITY, num_draft=K)
+    scheduler = sched.Scheduler(engine, target.tokenizer, max_queue=MAX_QUEUE, num_cycles=2, warmup_widths=(16, 32),
+                                eos_ids=[target.module.config.eos_token_id])
+    server = Server(create_app(scheduler, ServerConfig(MODEL, target), drain_seconds=5))
+    try:
+        assert httpx.get(server.url + "/health", timeout=5).status_code in (200, 503)
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        yield dict(url=server.url, client=client, scheduler=scheduler, target=target, pair=pair, engine=engine)
+    finally:
+        server.stop()
+    assert not scheduler._thread.is_alive(), "the scheduler's loop outlived the server"
+
+
+def metrics(url) -> dict:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+
+
+def test_greedy_completion_equals_decode(setup):
+    client, target = setup["client"], setup["target"]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    ids = target.tokenizer.encode(PROMPT).ids
+    ref = specjax.decode(setup["pair"], [ids], num_draft=K, max_new_tokens=24, temperature=0.0,
+                         max_length=CAPACITY + K).to_lists()[0]
+    assert r.choices[0].text == target.tokenizer.decode(ref)
+    assert r.usage.completion_tokens == len(ref) and r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].finish_reason == ("length" if len(ref) == 24 else "stop")
+    spec = r.model_extra["speculative"]
+    assert spec["cycles"] >= 1 and 0 <= spec["accepted"] <= spec["drafted"]
+    assert spec["tau"] == pytest.approx(len(ref) / spec["cycles"])
+    # Speculative decoding off for this request (num_draft 0): the same greedy text, no drafts.
+    off = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                    extra_body={"num_draft": 0})
+    assert off.choices[0].text == r.choices[0].text
+    assert off.model_extra["speculative"]["drafted"] == 0
+
+
+def test_streaming_and_seed(setup):
+    client = setup["client"]
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=1.0, top_p=0.95)
+    a = client.completions.create(seed=7, **args).choices[0].text
+    b = client.completions.create(seed=7, **args).choices[0].text
+    c = client.completions.create(seed=8, **args).choices[0].text
+    assert a == b and a != c
+    chunks = list(client.completions.create(seed=7, stream=True, stream_options={"include_usage": True}, **args))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == a
+    assert len([ch for ch in chunks if ch.choices and ch.choices[0].text]) >= 2  # streamed, not one block
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length") and "speculative" in chunks[-2].model_extra
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_chat_uses_the_template(setup):
+    client, target = setup["client"], setup["target"]
+    messages = [{"role": "system", "content": "code"}, {"role": "user", "content": "def add(a, b):"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    ids = specjax.encode_chat(target, messages)
+    same = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == same.choices[0].text and r.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_stop_string_cuts_the_text(setup):
+    client = setup["client"]
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
+    stop = full[10:14]
+    assert stop.strip(), f"pick another slice of {full!r}"
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop, "@@@"])
+    assert r.choices[0].text == full[: full.find(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == r.choices[0].text
+
+
+BAD = [
+    # (route, body changes, param, code)
+    ("completions", {"model": "gpt-4"}, "model", "model_not_found"),
+    ("completions", {"temperature": "hot"}, "temperature", "invalid_value"),
+    ("completions", {"max_tokens": 1.5}, "max_tokens", "invalid_value"),
+    ("completions", {"max_tokens": CAPACITY}, "max_tokens", "context_length_exceeded"),
+    ("completions", {"prompt": [5] * CAPACITY}, "prompt", "context_length_exceeded"),
+    ("completions", {"n": 2}, "n", "unsupported"),
+    ("completions", {"logprobs": 1}, "logprobs", "unsupported"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt", "unsupported"),
+    ("completions", {"temperature": 3}, "temperature", "invalid_value"),
+    ("completions", {"top_k": 10**6}, "top_k", "invalid_value"),
+    ("completions", {"presence_penalty": 5}, "presence_penalty", "invalid_value"),
+    ("completions", {"stop": [""]}, "stop", "invalid_value"),
+    ("completions", {"seed": -1}, "seed", "invalid_value"),
+    ("completions", {"num_draft": K + 1}, "num_draft", "invalid_value"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options", None),
+    ("chat", {"logprobs": True}, "logprobs", "unsupported"),
+    ("chat", {"messages": []}, "messages", None),
+    ("chat", {"messages": [{"role": "user"}], "max_tokens": "10"}, "max_tokens", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("route,change,param,code", BAD, ids=[f"{r}-{'-'.join(c)}" for r, c, _, _ in BAD])
+def test_bad_request_gets_an_openai_error_body(setup, route, change, param, code):
+    body = ({"model": MODEL, "prompt": PROMPT, "max_tokens": 8} if route == "completions" else
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+    path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
+    r = httpx.post(setup["url"] + path, json={**body, **change}, timeout=10)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] == code
+    assert len(error["message"]) > 10
+
+
+def test_bad_requests_through_the_client(setup):
+    client = setup["client"]
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
+        client.completions.create(model="nope", prompt=PROMPT)
+    with pytest.raises(openai.BadRequestError, match="slot capacity"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10**4)
+    r = httpx.post(setup["url"] + "/v1/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_client_disconnect_frees_its_slot(setup):
+    url, scheduler = setup["url"], setup["scheduler"]
+    before = scheduler.metrics()["requests_cancelled"]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "min_tokens": 100, "temperature": 0.8,
+            "seed": 1, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["text"]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = scheduler.metrics()
+        if m["requests_cancelled"] > before and m["live_slots"] == 0:
+            break
+        time.sleep(0.05)
+    m = metrics(url)
+    assert m["specjax_requests_cancelled_total"] == before + 1 and m["specjax_live_slots"] == 0
+
+
+def test_full_queue_is_refused_not_hung(setup):
+    client, scheduler, url = setup["client"], setup["scheduler"], setup["url"]
+    results = []
+
+    def ask(seed):
+        results.append(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, seed=seed))
+
+    with scheduler.paused():
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(MAX_QUEUE)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while scheduler.metrics()["queue_depth"] < MAX_QUEUE and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert metrics(url)["specjax_queue_depth"] == MAX_QUEUE
+        t0 = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+        assert time.monotonic() - t0 < 5
+        assert refused.value.status_code == 429 and refused.value.body["code"] == "queue_full"
+    for t in threads:
+        t.join(timeout=30)
+    assert len(results) == MAX_QUEUE and all(r.usage.completion_tokens > 0 for r in results)  # none lost
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+def test_models_health_and_metrics(setup):
+    url = setup["url"]
+    assert [m.id for m in setup["client"].models.list()] == [MODEL]
+    assert httpx.get(url + "/health", timeout=5).json() == {"status": "ok"}
+    m = metrics(url)
+    assert m["specjax_requests_finished_total"] >= 1 and m["specjax_slots"] == SLOTS
+    assert 0 <= m["specjax_acceptance_rate"] <= 1 and m["specjax_tau"] >= 1
+    assert 0 <= m["specjax_host_share"] < 1 and m["specjax_step_seconds_total"] > 0
+
+
+def test_close_refuses_waiting_requests(setup):
+    """Shutdown: a request still waiting for a slot is refused with a reason; later ones are refused at once."""
+    engine, target = setup["engine"], setup["target"]
+    scheduler = sched.Scheduler(engine, target.tokenizer, max_queue=4, num_cycles=2, warmup_widths=(16,)).start()
+    assert scheduler.ready.wait(120)
+    events = []
+    with scheduler.paused():
+        request = sched.Request(prompt=[5, 6, 7], settings=SlotSettings(temperature=0.0, max_new_tokens=4),
+                                emit=events.append)
+        scheduler.submit(request)
+        scheduler.close(drain_seconds=5)
+    assert events == [sched.Failed(events[0].message, "shutting_down")] and "shut down" in events[0].message
+    with pytest.raises(sched.Closed):
+        scheduler.submit(request)
+    assert not scheduler._thread.is_alive()
+
+
+def test_serve_names_the_extra_when_fastapi_is_missing(monkeypatch):
+    import sys
+
+    from specjax.cli import serve
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[serve\]"'):
+        serve._require_server_packages()
+
+
+@pytest.mark.slow
+def test_real_pair_greedy_equals_decode():
+    """The smollm2-eagle pair (a feature head) through the CLI's build and the openai client."""
+    import argparse
+
+    from specjax.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--pair", "smollm2-eagle", "--slots", "2", "--capacity", "256"])
+    app, scheduler = serve.build(args)
+    server = Server(app)
+    try:
+        server.wait_ready(600)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        messages = [{"role": "user", "content": "Name three primary colors."}]
+        r = client.chat.completions.create(model="smollm2-eagle", messages=messages, max_tokens=32, temperature=0)
+        target = scheduler.engine.params.target
+        ids = specjax.encode_chat(target, messages)
+        ref = specjax.decode(scheduler.engine.params, [ids], num_draft=scheduler.engine.num_draft, max_new_tokens=32,
+                             temperature=0.0, max_length=256 + scheduler.engine.num_draft).to_lists()[0]
+        assert r.choices[0].message.content == target.tokenizer.decode(ref)
+        assert r.model_extra["speculative"]["accepted"] > 0
+    finally:
+        server.stop()
+    jax.clear_caches()
