@@ -134,6 +134,18 @@ def orbax_round_trip():
 record("orbax", orbax_round_trip)
 
 
+def export_on_the_mesh():
+    """The sharded decode program lowers for CUDA and TPU too (tests/test_export.py's check)."""
+    import test_export
+
+    text = test_export.stablehlo_for(lambda: specjax.decode(pair, PROMPTS, **T1, mesh=model_across, **KW))
+    test_export.assert_portable(text)
+    return {"sharded": "mhlo.sharding" in text or "sdy.sharding" in text}
+
+
+record("export_on_the_mesh", export_on_the_mesh)
+
+
 def mismatched_prompts():
     mine = [list(p) for p in PROMPTS]
     mine[0][0] += PROCESS  # process 1's first prompt differs

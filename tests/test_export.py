@@ -14,6 +14,9 @@ The programs are the engine's own jitted functions with the arguments
 ``decode`` prepares: the call is run up to the jitted function, whose
 arguments are captured (:func:`_captured`), then exported.
 
+The sharded program (a mesh spanning two processes) is exported the same way
+in ``tests/test_multihost.py``, where a mesh exists.
+
 Streaming (``on_tokens=``) is the one configuration with a host callback by
 design. A Python callback is registered with the backend that lowers it, so
 a CPU machine cannot lower it for another platform; its test checks instead

@@ -116,6 +116,12 @@ def test_save_and_load_orbax_from_every_process(job):
         assert orbax["t1"] == r["reference_t1"]
 
 
+def test_the_sharded_program_lowers_for_accelerators(job):
+    """tests/test_export.py's check, on a mesh (this job is where one exists)."""
+    for r in job:
+        assert _check(r, "export_on_the_mesh")["sharded"]
+
+
 @pytest.mark.parametrize("check", ["mismatched_prompts", "mismatched_temperature"])
 def test_different_inputs_on_the_processes_are_refused_on_every_process(job, check):
     for r in job:
