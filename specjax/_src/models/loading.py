@@ -553,7 +553,7 @@ def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
       :class:`specjax.Model` with ``params``, ``module`` (a :class:`Decoder`),
       ``tokenizer`` (a ``tokenizers.Tokenizer``, or None) and ``chat_template``.
     """
-    from specjax._src.models import registry
+    from specjax._src.models import packed, registry
 
     path = os.fspath(path)
     if not os.path.exists(path) and registry.is_known(path):
@@ -570,6 +570,7 @@ def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
             f"Checkpoint {path} does not exist: pass a checkpoint directory, a .gguf file, or "
             f"a known model name ({', '.join(registry.names())})."
         )
+    path = packed.unpacked(path)  # a shipped directory with xz-compressed files: its unpacked copy
     if is_orbax_dir(path):
         return load_orbax(path, dtype, mesh=mesh, shardings=shardings)
     from specjax._src.models import feature_head

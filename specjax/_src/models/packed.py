@@ -1,0 +1,132 @@
+"""Model directories that ship with some files xz-compressed, unpacked once into a cache.
+
+The models that ship with specjax travel inside the package (and the
+repository), where every megabyte counts; their bf16 weights and their
+tokenizer compress by a quarter and by seven eighths. Such a directory holds
+``NAME.xz`` (an xz stream of the exact file: ``xz -dk NAME.xz`` gives it back)
+and ``specjax_packed.json``, which records each packed file's size and SHA-256.
+:func:`unpacked` writes the directory with every such file decompressed and
+checked into ``$SPECJAX_CACHE_DIR/models`` (default ``~/.cache/specjax``) the
+first time it is loaded; later loads read the unpacked copy. The loaded model
+is the one the uncompressed files gave, bit for bit.
+
+:func:`pack` makes such a directory from a plain one (``python -m
+specjax._src.models.packed DIR FILE...``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+PACKED = "specjax_packed.json"
+PACKED_FORMAT = "specjax-packed"
+_CHUNK = 1 << 20
+
+
+def cache_dir() -> Path:
+    """``$SPECJAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/specjax``, else ``~/.cache/specjax``."""
+    if os.environ.get("SPECJAX_CACHE_DIR"):
+        return Path(os.environ["SPECJAX_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specjax"
+
+
+def is_packed(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, PACKED))
+
+
+def _read_manifest(path: str) -> dict:
+    try:
+        with open(os.path.join(path, PACKED)) as f:
+            meta = json.load(f)
+        if meta.get("format") != PACKED_FORMAT or not isinstance(meta.get("files"), dict):
+            raise ValueError(f"format is {meta.get('format')!r}, expected {PACKED_FORMAT!r}")
+        return meta
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable {PACKED} ({e}); reinstall specjax or restore the directory.") from e
+
+
+def _decompress(src: str, dest: str, want: dict) -> None:
+    """``src`` (xz) into ``dest``, checking the size and SHA-256 recorded for it."""
+    digest, size = hashlib.sha256(), 0
+    try:
+        with lzma.open(src, "rb") as fin, open(dest, "wb") as fout:
+            for chunk in iter(lambda: fin.read(_CHUNK), b""):
+                digest.update(chunk)
+                size += len(chunk)
+                fout.write(chunk)
+    except (OSError, lzma.LZMAError, EOFError) as e:
+        raise ValueError(f"{src} is damaged and cannot be decompressed ({e}); reinstall specjax.") from e
+    if size != want["size"] or digest.hexdigest() != want["sha256"]:
+        raise ValueError(
+            f"{src} decompresses to {size} bytes with SHA-256 {digest.hexdigest()[:16]}..., not the "
+            f"{want['size']} bytes {want['sha256'][:16]}... recorded in {PACKED}: it is damaged; reinstall specjax."
+        )
+
+
+def unpacked(path: str) -> str:
+    """``path`` itself, or for a packed directory its unpacked copy in the cache (made on first use).
+
+    Raises:
+      ValueError: a packed file is missing or damaged (names it).
+    """
+    if not is_packed(path):
+        return path
+    meta = _read_manifest(path)
+    with open(os.path.join(path, PACKED), "rb") as f:
+        key = hashlib.sha256(f.read()).hexdigest()[:16]
+    dest = cache_dir() / "models" / f"{Path(path).resolve().name}-{key}"
+    if (dest / PACKED).exists():  # written last: the copy is complete
+        return str(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Unpack beside the destination and rename: concurrent loads (pytest
+    # workers) never read a half-written directory.
+    tmp = tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent)
+    try:
+        for name, want in meta["files"].items():
+            src = os.path.join(path, name + ".xz")
+            if not os.path.isfile(src):
+                raise ValueError(f"{path} is missing {name}.xz, which {PACKED} lists; reinstall specjax.")
+            _decompress(src, os.path.join(tmp, name), want)
+        for entry in sorted(os.listdir(path)):
+            if entry != PACKED and not (entry.endswith(".xz") and entry[:-3] in meta["files"]):
+                shutil.copy2(os.path.join(path, entry), os.path.join(tmp, entry))
+        shutil.copy2(os.path.join(path, PACKED), os.path.join(tmp, PACKED))
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / PACKED).exists():  # not a finished copy by a concurrent load
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(dest)
+
+
+def pack(path: str, names: list[str]) -> None:
+    """Replaces each file ``names`` of directory ``path`` by ``NAME.xz`` and records it in ``specjax_packed.json``."""
+    meta = _read_manifest(path) if is_packed(path) else {"format": PACKED_FORMAT, "files": {}}
+    for name in names:
+        src = os.path.join(path, name)
+        digest = hashlib.sha256()
+        with open(src, "rb") as fin, lzma.open(src + ".xz", "wb", preset=9) as fout:
+            for chunk in iter(lambda: fin.read(_CHUNK), b""):
+                digest.update(chunk)
+                fout.write(chunk)
+        meta["files"][name] = {"size": os.path.getsize(src), "sha256": digest.hexdigest()}
+        os.unlink(src)
+    with open(os.path.join(path, PACKED), "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit("usage: python -m specjax._src.models.packed DIR FILE [FILE ...]")
+    pack(sys.argv[1], sys.argv[2:])
