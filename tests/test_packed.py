@@ -79,11 +79,13 @@ def test_a_file_that_decompresses_to_other_bytes_is_refused(plain_dir, tmp_path,
         specjax.load(path)
 
 
-def test_the_shipped_draft_is_packed_and_loads_with_its_tokenizer():
+def test_the_shipped_drafters_are_packed_and_load():
     from specjax._src.models import registry
 
-    path = registry.resolve("smollm2-135m-instruct-draft")
-    assert packed.is_packed(path)
+    for name in ("smollm2-135m-instruct-draft", "smollm2-135m-instruct-eagle"):
+        assert packed.is_packed(registry.resolve(name)), name
     draft = specjax.load("smollm2-135m-instruct-draft")
     assert draft.module.config.hidden_size == 256 and draft.tokenizer is not None
     assert draft.tokenizer.encode("Hello").ids
+    head = specjax.load("smollm2-135m-instruct-eagle")
+    assert type(head.module).__name__ == "FeatureHead"
