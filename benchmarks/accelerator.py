@@ -11,7 +11,7 @@ tables; paste into BENCHMARKS.md), ``OUT`` = ``--out`` (default
 1. **Device and versions**: platform, device kind, jax / jaxlib / flax, the
    measured copy bandwidth (a jitted ``x + 1`` over ``--copy-mib``, bytes read
    plus bytes written over the median time).
-2. **Correctness on the device** (float32): greedy speculative decoding equals
+2. **Correctness on the device** (float32, full-precision products): greedy speculative decoding equals
    the target's own greedy output on the embedded pair and on a random-weight
    Llama pair (``specjax.testing``); lossless sampling follows the target's law
    on a bigram pair (the first two tokens of 16384 sequences against the exact
@@ -55,9 +55,7 @@ lacks.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import platform
 import sys
 import time
@@ -75,13 +73,9 @@ import specjax  # noqa: E402
 from specjax import ModelConfig, testing  # noqa: E402
 from specjax._src.models.decoder import Decoder  # noqa: E402
 
-# The shapes users run (Hugging Face configs; random weights).
+# The shapes users run (Hugging Face configs; random weights), in the order they run:
+# the time budget cuts from the end.
 SHAPES = {
-    "smollm2-135m": ModelConfig(
-        model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-        head_dim=64, intermediate_size=1536, max_position_embeddings=2048, rope_theta=100000.0,
-        tie_word_embeddings=True, norm_eps=1e-5,
-    ),
     "llama-3.2-1b": ModelConfig(
         model_type="llama", vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
         head_dim=64, intermediate_size=8192, max_position_embeddings=4096, rope_theta=500000.0,
@@ -91,6 +85,11 @@ SHAPES = {
         model_type="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
         head_dim=128, intermediate_size=14336, max_position_embeddings=4096, rope_theta=500000.0,
         tie_word_embeddings=False, norm_eps=1e-5,
+    ),
+    "smollm2-135m": ModelConfig(
+        model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+        head_dim=64, intermediate_size=1536, max_position_embeddings=2048, rope_theta=100000.0,
+        tie_word_embeddings=True, norm_eps=1e-5,
     ),
 }
 SMOKE_SHAPES = {
@@ -137,12 +136,13 @@ def blocking(fn):
 
 def versions() -> dict:
     import flax
+    import jaxlib
 
     dev = jax.devices()[0]
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count(),
-        "jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         "flax": flax.__version__, "python": platform.python_version(), "command": " ".join(sys.argv),
     }
 
@@ -271,8 +271,10 @@ def target_only(model, batch: int, width: int, new: int, repeats: int, bandwidth
 def forward_ms(model, batch: int, width: int, prefix: int, repeats: int) -> float:
     """Median ms of one cached forward of ``width`` tokens after ``prefix`` cached ones."""
     module, params = model.module, model.params
+    # The cost does not depend on what the cached entries hold: a zeroed cache that
+    # counts ``prefix`` entries stands in for a prefill (one program fewer to compile).
     cache = module.init_cache(batch, prefix + 64)
-    cache = jax.jit(lambda p, c, t: module.apply(p, t, c).cache)(params, cache, jnp.ones((batch, prefix), jnp.int32))
+    cache = cache.replace(lengths=jnp.full((batch,), prefix, jnp.int32))
     fwd = jax.jit(lambda p, c, t: module.apply(p, t, c).logits)
     tokens = jnp.ones((batch, width), jnp.int32)
     return 1e3 * timed(lambda: fwd(params, cache, tokens).block_until_ready(), repeats)
@@ -287,46 +289,61 @@ def speculative(target, draft, name: str, num_draft: int, width: int, new: int, 
     out = specjax.decode(pair, rows, num_draft=num_draft, **kw)
     sd_s = timed(blocking(lambda: specjax.decode(pair, rows, num_draft=num_draft, **kw).tokens), repeats)
     ar_s = timed(blocking(lambda: specjax.generate(target, rows, **kw).tokens), repeats)
-    cycles = float(np.asarray(out.stats.cycles)[0])
-    tau = float(np.asarray(out.stats.tau))
+    cycles = float(np.mean(np.asarray(out.stats.cycles)))
+    tau = float(np.mean(np.asarray(out.stats.tau)))
     c_d = c["c_1"] if draft is target else c["c_draft"]
     model_cycle_ms = num_draft * c_d + c["c_verify"]
     cycle_ms = 1e3 * sd_s / cycles
     ideal = tau * c["c_1"] / model_cycle_ms
     realized = ar_s / sd_s
-    return {"draft": name, "num_draft": num_draft, "tau": tau, "acceptance": float(np.asarray(out.stats.acceptance_rate)),
+    return {"draft": name, "num_draft": num_draft, "tau": tau, "acceptance": float(np.mean(np.asarray(out.stats.acceptance_rate))),
             "cycles": cycles, "sd_tok_s": new / sd_s, "target_tok_s": new / ar_s,
             "realized": realized, "ideal": ideal, "realized_over_ideal": realized / ideal,
             "cycle_ms": cycle_ms, "modelled_cycle_ms": model_cycle_ms,
             "overhead_of_cycle": max(0.0, cycle_ms - model_cycle_ms) / cycle_ms}
 
 
-def speed(shape: str, cfg: ModelConfig, args, bandwidth: float, budget: Budget) -> dict:
+def speed(shape: str, cfg: ModelConfig, args, bandwidth: float, budget: Budget, save) -> dict:
+    """One shape's figures, the batch-1 ones first (each later section only while the budget
+    lasts); ``save(out)`` after each section, so that a run stopped from outside keeps them."""
     target = random_model(cfg.replace(dtype="bfloat16"))
     draft = first_blocks(target, max(1, cfg.num_layers // 8))
-    out = {"shape": shape, "params": int(sum(x.size for x in jax.tree.leaves(target.params))),
-           "param_bytes": param_bytes(target), "draft_layers": draft.module.config.num_layers}
-    out["target_only"] = []
-    for batch in args.batches:
-        if not budget.left():
-            out.setdefault("skipped", []).append(f"target-only batch {batch}")
-            continue
-        out["target_only"].append(target_only(target, batch, args.prompt, args.new_tokens, args.repeats, bandwidth))
-    if not budget.left():
-        out.setdefault("skipped", []).append("verification cost, speculative decoding")
-        return out
     k = args.num_draft
-    c = {"c_1": forward_ms(target, 1, 1, 128, args.repeats),
-         "c_verify": forward_ms(target, 1, k + 1, 128, args.repeats),
-         "c_draft": forward_ms(draft, 1, 1, 128, args.repeats)}
-    out["forward_ms"] = c
-    out["verify_over_one"] = c["c_verify"] / c["c_1"]
-    out["speculative"] = []
-    for name, d in (("oracle", target), ("small", draft)):
-        if not budget.left():
-            out.setdefault("skipped", []).append(f"speculative {name}")
-            continue
-        out["speculative"].append(speculative(target, d, name, k, args.prompt, args.new_tokens, args.repeats, c))
+    out = {"shape": shape, "params": int(sum(x.size for x in jax.tree.leaves(target.params))),
+           "param_bytes": param_bytes(target), "draft_layers": draft.module.config.num_layers,
+           "target_only": [], "speculative": [], "skipped": []}
+
+    def section(name, run):
+        if budget.left():
+            run()
+        else:
+            out["skipped"].append(name)
+        save(out)
+
+    def costs():
+        c = {"c_1": forward_ms(target, 1, 1, 128, args.repeats),
+             "c_verify": forward_ms(target, 1, k + 1, 128, args.repeats),
+             "c_draft": forward_ms(draft, 1, 1, 128, args.repeats)}
+        out["forward_ms"], out["verify_over_one"] = c, c["c_verify"] / c["c_1"]
+
+    def target_only_at(batch):
+        out["target_only"].append(target_only(target, batch, args.prompt, args.new_tokens, args.repeats, bandwidth))
+
+    def speculative_with(name, d):
+        if "forward_ms" in out:
+            out["speculative"].append(
+                speculative(target, d, name, k, args.prompt, args.new_tokens, args.repeats, out["forward_ms"]))
+
+    batches = list(args.batches)
+    if 1 in batches:
+        section("target-only batch 1", lambda: target_only_at(1))
+        batches.remove(1)
+    section("verification cost", costs)
+    section("speculative oracle", lambda: speculative_with("oracle", target))
+    section("speculative small", lambda: speculative_with("small", draft))
+    for batch in batches:
+        section(f"target-only batch {batch}", lambda b=batch: target_only_at(b))
+    out["target_only"].sort(key=lambda r: r["batch"])
     return out
 
 
@@ -358,13 +375,13 @@ def markdown(report: dict) -> str:
     lines += ["", "| shape (bf16), batch 1 | c_1 ms | c_verify(K+1) / c_1 | draft | tau | realized | ideal | "
               "realized / ideal | cycle ms | overhead of cycle |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in report["speed"]:
-        for r in s.get("speculative", []):
+        for r in s["speculative"]:
             lines.append(
                 f"| {s['shape']} | {s['forward_ms']['c_1']:.2f} | {s['verify_over_one']:.2f} | {r['draft']} "
                 f"(K={r['num_draft']}{', ' + str(s['draft_layers']) + ' blocks' if r['draft'] == 'small' else ''}) | "
                 f"{r['tau']:.2f} | {r['realized']:.2f} | {r['ideal']:.2f} | {r['realized_over_ideal']:.2f} | "
                 f"{r['cycle_ms']:.2f} | {r['overhead_of_cycle']:.0%} |")
-    skipped = [f"{s['shape']}: {x}" for s in report["speed"] for x in s.get("skipped", [])]
+    skipped = [f"{s['shape']}: {x}" for s in report["speed"] for x in s["skipped"]]
     skipped += [f"{x} (budget)" for x in report.get("skipped_shapes", [])]
     if skipped:
         lines += ["", "Skipped (time budget): " + "; ".join(skipped) + "."]
@@ -397,22 +414,30 @@ def main(argv=None) -> dict:
     args.out = args.out or ROOT / "benchmarks" / "results" / f"accelerator-{time.strftime('%Y-%m-%d')}"
 
     budget = Budget(args.budget_s)
-    report = {"versions": versions(), "smoke": args.smoke}
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"versions": versions(), "smoke": args.smoke, "correctness": {}, "speed": [], "skipped_shapes": []}
+
+    def save(shape_report=None):
+        if shape_report is not None and shape_report not in report["speed"]:
+            report["speed"].append(shape_report)
+        report["seconds"] = budget.elapsed
+        (args.out / "accelerator.json").write_text(json.dumps(report, indent=1))
+        (args.out / "accelerator.md").write_text(markdown(report))
+
     report["copy_bandwidth_gb_s"] = copy_bandwidth(args.copy_mib, max(args.repeats, 3)) / 1e9
-    report["correctness"] = correctness(args.smoke)
-    report["speed"], report["skipped_shapes"] = [], []
+    # Float32 products at full precision (GPUs would otherwise use TF32): greedy equality
+    # between a (K+1)-token verification and 1-token forwards needs the same rounding.
+    with jax.default_matmul_precision("highest"):
+        report["correctness"] = correctness(args.smoke)
+    save()
     for shape, cfg in shapes.items():
         if not budget.left():
             report["skipped_shapes"].append(shape)
             continue
-        report["speed"].append(speed(shape, cfg, args, report["copy_bandwidth_gb_s"] * 1e9, budget))
+        speed(shape, cfg, args, report["copy_bandwidth_gb_s"] * 1e9, budget, save)
         jax.clear_caches()  # free one shape's programs (and device memory) before the next
-    report["seconds"] = budget.elapsed
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "accelerator.json").write_text(json.dumps(report, indent=1))
-    table = markdown(report)
-    (args.out / "accelerator.md").write_text(table)
-    print(table)
+    save()
+    print(markdown(report))
     return report
 
 
