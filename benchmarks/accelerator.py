@@ -355,7 +355,7 @@ def markdown(report: dict) -> str:
     v = report["versions"]
     lines = [
         f"Measured {v['date']} on {v['device_count']} x {v['device_kind']} ({v['platform']}); jax {v['jax']}, "
-        f"flax {v['flax']}; copy bandwidth {report['copy_bandwidth_gb_s']:.0f} GB/s; "
+        f"flax {v['flax']}; copy bandwidth {report['copy_bandwidth_gb_s']:.3g} GB/s; "
         f"`{v['command']}` ({report['seconds']:.0f} s).", "",
         "| correctness (float32, on the device) | result |", "|---|---|",
     ]

@@ -264,11 +264,15 @@ def load_gguf(path: str, dtype: Any = None, *, progress: Progress = None, mesh=N
     """Loads a GGUF file (llama.cpp's format): dequantized weights, config and
     tokenizer (with its chat template) from the file's metadata.
 
-    Args and Raises as for :func:`load_hf`; ``dtype`` defaults to float32, the
-    dtype the weights are dequantized to.
+    Args and Raises as for :func:`load_hf`; ``dtype`` defaults to float32 on
+    the CPU (the dtype the weights are dequantized to) and to bfloat16 on a GPU
+    or TPU (on the mesh's devices when ``mesh`` is given), where bf16 halves
+    the bytes every decoding step reads. Logits are float32 either way.
     """
     from specjax._src.models import gguf
 
+    if dtype is None:
+        dtype = "float32" if _platform(mesh) == "cpu" else "bfloat16"
     ckpt = gguf.read_gguf(path)
     cfg = hf.from_hf_config(ckpt.hf_config, _dtype_name(dtype))
     params = _params_from_tensors(
@@ -277,6 +281,13 @@ def load_gguf(path: str, dtype: Any = None, *, progress: Progress = None, mesh=N
     return Model(
         params=params, module=Decoder(cfg), tokenizer=ckpt.tokenizer, chat_template=ckpt.chat_template
     )
+
+
+def _platform(mesh=None) -> str:
+    """The platform the params will live on: the mesh's, else JAX's default backend."""
+    if mesh is not None:
+        return next(iter(mesh.devices.flat)).platform
+    return jax.default_backend()
 
 
 def _has(tree: dict, path: Sequence[str]) -> bool:
@@ -542,7 +553,8 @@ def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
         * a target-feature head directory (``specjax.pair`` gives it its
           target's embedding table).
       dtype: ``"float32"`` or ``"bfloat16"`` (or a jnp dtype); ``None`` keeps
-        the checkpoint's dtype (float32 for GGUF files).
+        the checkpoint's dtype (for GGUF files, float32 on the CPU and
+        bfloat16 on a GPU or TPU; logits are float32 either way).
       mesh: a ``('data', 'model')`` mesh (``specjax.sharding.make_mesh``): the
         params are read straight into ``specjax.sharding.param_shardings``
         (tensor parallel over ``'model'``), never whole on one device.
