@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +43,7 @@ def _run_job(out_dir, part: str) -> list[dict]:
     logs = [open(out_dir / f"process{i}.log", "w") for i in range(2)]
     procs = [
         subprocess.Popen([sys.executable, os.path.join(HERE, "_multihost_worker.py"), str(i), port, str(out_dir), part],
-                         env=env, stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True)
+                         env=env, stdout=logs[i], stderr=subprocess.STDOUT)
         for i in range(2)
     ]
     try:
@@ -55,7 +54,7 @@ def _run_job(out_dir, part: str) -> list[dict]:
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)  # its own session: the worker and nothing else
+                p.kill()  # by its PID: the worker this test started, nothing else
                 p.wait()
         for f in logs:
             f.close()
