@@ -40,7 +40,7 @@ def build(args):
     num_draft = args.num_draft if args.num_draft is not None else (3 if common.pair_name(args).startswith("smollm2")
                                                                    else 4)
     engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=args.capacity, num_draft=num_draft,
-                    rule=rule, drafting=drafting, lookup=lookup)
+                    rule=rule, drafting=drafting, lookup=lookup, controls=not args.no_penalties)
     eos = getattr(target.module.config, "eos_token_id", None)
     eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,
@@ -83,6 +83,9 @@ def add_arguments(p) -> None:
                    help="requests that may wait for a slot; more are refused with 429 (default 64)")
     p.add_argument("--cycles-per-step", type=int, default=4,
                    help="draft-verify cycles between two admissions / stream flushes (default 4)")
+    p.add_argument("--no-penalties", action="store_true",
+                   help="compile the engine without the logits processors: faster cycles, and requests with "
+                        "penalties, logit_bias or min_tokens are refused")
     p.add_argument("--chat-template", help="a Jinja chat template file for models without one (the embedded pair)")
     p.add_argument("--served-model-name", help="the model name clients give (default: the pair's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

@@ -315,6 +315,16 @@ def _settings(body: _Sampling, prompt: list[int], scheduler: sched.Scheduler, co
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=bias, min_new_tokens=body.min_tokens or 0)
+    if not engine.cfg.controls:
+        used = [name for name, value in (("repetition_penalty", body.repetition_penalty),
+                                         ("presence_penalty", body.presence_penalty),
+                                         ("frequency_penalty", body.frequency_penalty),
+                                         ("logit_bias", body.logit_bias), ("min_tokens", body.min_tokens))
+                if value not in (None, 0, 0.0, {}) and not (name == "repetition_penalty" and value == 1)]
+        if used:
+            raise _bad(f"{used[0]}: this server was started with --no-penalties (its engine has no logits "
+                       "processors); leave the penalties, logit_bias and min_tokens unset.", used[0], "unsupported")
+        controls = None
     settings = SlotSettings(
         temperature=float(temperature), top_p=1.0 if body.top_p is None else float(body.top_p), top_k=body.top_k,
         seed=body.seed, max_new_tokens=int(max_tokens), num_draft=body.num_draft, controls=controls)

@@ -1,0 +1,318 @@
+"""`specjax serve` under load: clients with Poisson arrivals against the server, with speculative
+decoding on and off, and against static-batch ``decode`` of the same requests.
+
+For each number of concurrent clients C (default 1, 2, 4, 8), C client threads each send
+``--requests-per-client`` streaming requests, waiting an exponential gap (mean ``--mean-gap`` s)
+before each one (Poisson arrivals per client). The same requests run three ways:
+
+* ``speculative``: the server as started (the pair's draft, ``--lookup``, the lossless rule);
+* ``no drafts``: the same server, each request with ``num_draft: 0`` (one target token per cycle);
+* ``static decode``: ``specjax.decode`` in this process (the server stopped), the requests in
+  batches of C, each batch running until its longest request ends.
+
+Reported per row: output tokens per second (wall time of the row), time to first token and
+inter-token latency (a request's time from its first to its last token over its tokens after
+the first) at p50 and p99, requests lost (neither completed nor refused with an error: must be 0);
+per run, the server's peak RSS and its scheduler loop's host share (from ``/metrics``), and
+whether ``/health`` still answers 200 after the load.
+
+Everything runs on 127.0.0.1; the run is bounded by ``--requests-per-client``, ``--max-tokens``
+and ``--max-seconds`` (per row).
+
+The full run on the real pair (about 30 minutes on 2 CPU cores):
+
+    python benchmarks/serve_load.py --pair smollm2-eagle --lookup 2 --slots 8 --capacity 384 \\
+        --clients 1 2 4 8 --requests-per-client 4 --max-tokens 96 --mean-gap 0.5
+
+A smoke run (the embedded pair, a minute):
+
+    python benchmarks/serve_load.py --pair embedded --slots 4 --capacity 128 --clients 1 2 \\
+        --requests-per-client 2 --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT_PROMPTS = ROOT / "benchmarks" / "prompts" / "heldout_chat_64.jsonl"
+CODE_PROMPTS = ["def fib(n):", "class Stack:", "import os\n\ndef main():", "x = [1, 2, 3]\nfor",
+                "def parse(line):", "def add(a, b):", "with open(path) as f:", "def __init__(self):"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", default="smollm2-eagle", choices=["smollm2", "smollm2-eagle", "embedded"])
+    p.add_argument("--lookup", default="2", help='context lookup "MIN[,MAX]" ("" for none)')
+    p.add_argument("--rule", default="speculative_sampling")
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--capacity", type=int, default=384)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--mean-gap", type=float, default=0.5, help="mean seconds between a client's requests")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-seconds", type=float, default=600.0, help="per row: no new request after this")
+    p.add_argument("--skip-decode", action="store_true", help="leave out the static-batch decode rows")
+    p.add_argument("--out", help="write the rows as JSON here")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------
+# The server (a subprocess, ended by its PID)
+# ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-c", "import sys; from specjax.cli import main; sys.exit(main(sys.argv[1:]))", "serve",
+           "--pair", args.pair, "--rule", args.rule, "--slots", str(args.slots), "--capacity", str(args.capacity),
+           "--max-queue", str(max(64, max(args.clients) * args.requests_per_client)), "--port", str(port),
+           "--log-level", "warning", "--served-model-name", "bench"]
+    if args.lookup:
+        cmd += ["--lookup", args.lookup]
+    return subprocess.Popen(cmd, cwd=ROOT)
+
+
+def wait_ready(httpx, url: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the server was not ready in time")
+
+
+def peak_rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def scrape(httpx, url: str) -> dict:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+
+
+# ---------------------------------------------------------------------------
+# Clients
+# ---------------------------------------------------------------------------
+
+
+def one_request(httpx, url: str, body: dict) -> dict:
+    """Streams one request; returns its send, first-token and last-token times and its token count."""
+    sent = time.perf_counter()
+    first = last = None
+    tokens, error, done = 0, None, False
+    try:
+        with httpx.stream("POST", url, json=body, timeout=600) as r:
+            if r.status_code != 200:
+                r.read()
+                return dict(sent=sent, error=f"{r.status_code}: {r.text[:200]}", done=False)
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                if not line.startswith("data: ") or done:
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    error = data["error"]["message"]
+                    break
+                if data.get("usage"):
+                    tokens = data["usage"]["completion_tokens"]
+                choices = data.get("choices") or []
+                if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
+                    last = time.perf_counter()
+                    first = first or last
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"
+    return dict(sent=sent, first=first, last=last, tokens=tokens, error=error, done=done)
+
+
+def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_draft) -> dict:
+    """``clients`` threads share ``requests`` round-robin; each waits an exponential gap before each one."""
+    results, lock = [], threading.Lock()
+    deadline = time.monotonic() + args.max_seconds
+
+    def client(index: int):
+        rng = np.random.default_rng(index)
+        for body in requests[index::clients]:
+            time.sleep(rng.exponential(args.mean_gap))
+            if time.monotonic() > deadline:
+                break
+            body = dict(body, stream=True, stream_options={"include_usage": True})
+            if num_draft is not None:
+                body["num_draft"] = num_draft
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = one_request(httpx, base + path, body)
+            with lock:
+                results.append(r)
+
+    before = scrape(httpx, base)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    after = scrape(httpx, base)
+    ok = [r for r in results if not r["error"] and r["done"]]
+    timed = [r for r in ok if r["first"] is not None]
+    busy = after["specjax_busy_seconds_total"] - before["specjax_busy_seconds_total"]
+    engine = (after["specjax_step_seconds_total"] - before["specjax_step_seconds_total"]
+              + after["specjax_prefill_seconds_total"] - before["specjax_prefill_seconds_total"])
+    return dict(
+        requests=len(results), completed=len(ok), errors=len(results) - len(ok),
+        lost=sum(1 for r in results if not r["error"] and not r["done"]),
+        tokens=sum(r["tokens"] for r in ok), wall=wall, tok_s=sum(r["tokens"] for r in ok) / wall,
+        ttft=[r["first"] - r["sent"] for r in timed],
+        itl=[(r["last"] - r["first"]) / (r["tokens"] - 1) for r in timed if r["tokens"] > 1],
+        host_share=(busy - engine) / busy if busy > 0 else float("nan"),
+        acceptance=(after["specjax_accepted_tokens_total"] - before["specjax_accepted_tokens_total"])
+        / max(1.0, after["specjax_drafted_tokens_total"] - before["specjax_drafted_tokens_total"]),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Static batches
+# ---------------------------------------------------------------------------
+
+
+def static_decode(args, pair, prompts: list[list[int]], clients: int) -> dict:
+    """The same requests through ``specjax.decode``, ``clients`` per batch (compiled before timing)."""
+    import jax
+
+    import specjax
+    from specjax.cli import common as cli_common
+    from specjax.rules import parse_rule
+
+    ns = argparse.Namespace(lookup=args.lookup or None)
+    kw = dict(num_draft=3 if args.pair.startswith("smollm2") else 4, max_new_tokens=args.max_tokens,
+              temperature=args.temperature, rule=parse_rule(args.rule), lookup=cli_common.lookup(ns),
+              key=jax.random.key(0))
+    batches = [prompts[i:i + clients] for i in range(0, len(prompts), clients)]
+    for batch in {len(b): b for b in batches}.values():
+        specjax.decode(pair, batch, **kw)  # compile each batch size
+    t0 = time.perf_counter()
+    tokens = 0
+    for batch in batches:
+        out = specjax.decode(pair, batch, **kw)
+        tokens += sum(len(x) for x in out.to_lists())
+    wall = time.perf_counter() - t0
+    return dict(requests=len(prompts), completed=len(prompts), errors=0, lost=0, tokens=tokens, wall=wall,
+                tok_s=tokens / wall, ttft=[], itl=[], host_share=float("nan"), acceptance=float("nan"))
+
+
+# ---------------------------------------------------------------------------
+
+
+def pct(xs, q) -> str:
+    return f"{np.percentile(xs, q) * 1000:.0f}" if xs else "-"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import httpx
+
+    print(common.header("serve_load: specjax serve under Poisson load"))
+    total = max(args.clients) * args.requests_per_client
+    if args.pair == "embedded":
+        texts = [CODE_PROMPTS[i % len(CODE_PROMPTS)] for i in range(total)]
+        requests = [dict(model="bench", prompt=t, max_tokens=args.max_tokens, temperature=args.temperature)
+                    for t in texts]
+    else:
+        texts = [json.loads(line)["prompt"] for line in CHAT_PROMPTS.read_text().splitlines()][:total]
+        requests = [dict(model="bench", messages=[{"role": "user", "content": t}], max_tokens=args.max_tokens,
+                         temperature=args.temperature) for t in texts]
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_server(args, port)
+    rows = []
+    try:
+        t0 = time.perf_counter()
+        wait_ready(httpx, base, proc)
+        print(f"server ready after {time.perf_counter() - t0:.0f} s (load and compile)", flush=True)
+        for clients in args.clients:
+            share = requests[: clients * args.requests_per_client]
+            for mode, num_draft in (("speculative", None), ("no drafts", 0)):
+                row = run_load(httpx, base, share, clients, args, num_draft)
+                rows.append(dict(mode=mode, clients=clients, **row))
+                print(f"  {mode:12s} C={clients}: {row['tok_s']:.1f} tok/s, {row['completed']}/{row['requests']} "
+                      f"completed, lost {row['lost']}", flush=True)
+        health = httpx.get(base + "/health", timeout=10).status_code
+        rss = peak_rss_mib(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+    print(f"server: peak RSS {rss:.0f} MiB; /health after the load: {health}; exit status after SIGTERM: {code}")
+
+    if not args.skip_decode:
+        import specjax
+        from specjax.cli import common as cli_common
+
+        ns = argparse.Namespace(pair=args.pair, target=None, draft=None, dtype="float32", default_pair=args.pair)
+        target, draft = cli_common.load_pair(ns)
+        pair = specjax.pair(target, draft)
+        if args.pair == "embedded":
+            ids = [target.tokenizer.encode(t).ids for t in texts]
+        else:
+            ids = [specjax.encode_chat(target, t) for t in texts]
+        for clients in args.clients:
+            row = static_decode(args, pair, ids[: clients * args.requests_per_client], clients)
+            rows.append(dict(mode="static decode", clients=clients, **row))
+
+    head = ["mode", "C", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "done/sent", "lost",
+            "host share", "accept"]
+    table = [[r["mode"], r["clients"], f"{r['tok_s']:.1f}", pct(r["ttft"], 50), pct(r["ttft"], 99),
+              pct(r["itl"], 50), pct(r["itl"], 99), f"{r['completed']}/{r['requests']}", r["lost"],
+              "-" if r["host_share"] != r["host_share"] else f"{r['host_share']:.3f}",
+              "-" if r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.2f}"] for r in rows]
+    print(common.table(head, table, markdown=True))
+    for clients in args.clients:
+        spec = next(r for r in rows if r["mode"] == "speculative" and r["clients"] == clients)
+        off = next(r for r in rows if r["mode"] == "no drafts" and r["clients"] == clients)
+        if spec["itl"] and off["itl"]:
+            print(f"C={clients}: median ITL no drafts / speculative = "
+                  f"{statistics.median(off['itl']) / statistics.median(spec['itl']):.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(rows=rows, peak_rss_mib=rss, health_after=health,
+                                                  exit_status=code), indent=1))
+    lost = sum(r["lost"] for r in rows)
+    return 0 if lost == 0 and health == 200 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
