@@ -37,13 +37,13 @@ def test_greedy_speculative_with_penalties_equals_target_only_with_them(llama_pa
 
 def test_slot_with_controls_equals_decode_with_them(llama_pair):
     settings = SlotSettings(temperature=0.8, seed=4, max_new_tokens=16, controls=PENALTIES)
-    engine = Engine(llama_pair, num_slots=2, capacity=32, num_draft=3)
+    engine = Engine(llama_pair, num_slots=4, capacity=48, num_draft=3)  # test_slots.py's engine
     state = engine.insert(engine.init(), 1, [4, 4, 8], settings)
     state, out = engine.step(state, 64)
     out = jax.device_get(out)
     got = out.tokens[1, : out.counts[1]].tolist()
     alone = specjax.decode(llama_pair, [[4, 4, 8]], num_draft=3, max_new_tokens=16, temperature=0.8,
-                           key=jax.random.key(4), max_length=32 + 3, controls=PENALTIES)
+                           key=jax.random.key(4), max_length=48 + 3, controls=PENALTIES)
     assert got == alone.to_lists()[0]
 
 

@@ -22,6 +22,13 @@ def llama_pair():
     return specjax.pair(*peaked_target_and_draft(llama_config()))
 
 
+@pytest.fixture(scope="module")
+def engine(llama_pair):
+    """Four slots with the processors compiled in (at their defaults they change no logit), shared
+    by the tests here and in test_processors.py so that its programs are compiled once."""
+    return Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K)
+
+
 def run_to_end(engine, state, pending=(), cycles=2):
     """Steps until every slot is done; ``pending``: ``(after_step, slot, prompt, settings)``
     requests inserted once that many steps ran. Returns ``{slot: tokens}``."""
@@ -59,18 +66,16 @@ MIXED = [
 PROMPTS = [[5, 9, 3], [7] * 12, [1, 2, 3, 4, 5, 6], [11, 12]]
 
 
-def test_mixed_settings_each_equal_decode_alone(llama_pair):
+def test_mixed_settings_each_equal_decode_alone(llama_pair, engine):
     """Greedy, T=0.7 with top_p, T=1 with top_k and a zero-draft request share one state; the
     last is inserted while the others are mid-generation. Each gets what decode gives it alone."""
-    engine = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, controls=False)
     state = engine.init()
     for slot in range(3):
         state = engine.insert(state, slot, PROMPTS[slot], MIXED[slot])
     got, state = run_to_end(engine, state, pending=[(2, 3, PROMPTS[3], MIXED[3])])
     for slot in range(4):
         assert got[slot] == alone(llama_pair, PROMPTS[slot], MIXED[slot]), f"slot {slot} ({MIXED[slot]})"
-    # The zero-draft request drafted nothing: greedy plain decoding, target-only's tokens.
-    assert got[3] == specjax.generate(llama_pair, [PROMPTS[3]], max_new_tokens=12, temperature=0.0).to_lists()[0]
+    # The zero-draft request drafted nothing: plain decoding, one target token per cycle.
     stats = jax.device_get(state.loop.stats)
     assert stats.drafted[3] == 0 and stats.drafted[0] > 0
     # A freed slot takes the next request, which again decodes as alone.
@@ -80,8 +85,8 @@ def test_mixed_settings_each_equal_decode_alone(llama_pair):
     assert again[1] == got[2]
 
 
-def test_lookup_and_feature_head_in_slots(llama_pair):
-    """Drafts copied from each slot's own context, and an EAGLE-style head, in slots."""
+def test_lookup_in_slots(llama_pair):
+    """Drafts copied from each slot's own context."""
     engine = Engine(llama_pair, num_slots=2, capacity=CAPACITY, num_draft=K, lookup=ngram_lookup(2),
                     controls=False)
     prompt = [4, 5, 6, 4, 5, 6, 4, 5]
@@ -90,6 +95,10 @@ def test_lookup_and_feature_head_in_slots(llama_pair):
     assert got[1] == alone(llama_pair, prompt, MIXED[1], lookup=ngram_lookup(2))
     assert int(jax.device_get(state.loop.stats.copied)[1]) > 0  # the repeated prompt was copied from
 
+
+@pytest.mark.slow
+def test_feature_head_in_slots(llama_pair):
+    """An EAGLE-style head drafts in slots as it does in decode."""
     target = llama_pair.target
     head_pair = specjax.pair(target, fh.init_from_target(target, jax.random.key(1), np.arange(80)[::-1]))
     engine = Engine(head_pair, num_slots=2, capacity=CAPACITY, num_draft=K, controls=False)
@@ -98,11 +107,10 @@ def test_lookup_and_feature_head_in_slots(llama_pair):
     assert got[0] == alone(head_pair, PROMPTS[2], MIXED[0])
 
 
-def test_compiles_per_prompt_bucket_then_none(llama_pair):
+def test_compiles_per_prompt_bucket_then_none(llama_pair, engine):
     """50 requests of mixed prompt lengths (two width buckets) and settings, inserted as slots
-    free up: one insert program per bucket, one step program, one release program; none on a
-    second pass."""
-    engine = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, controls=True)
+    free up: one insert program per bucket, one step program, one release program (at most:
+    earlier tests may have compiled some); none on a second pass."""
     rng = np.random.default_rng(0)
     requests = []
     for i in range(50):
@@ -137,12 +145,11 @@ def test_compiles_per_prompt_bucket_then_none(llama_pair):
     assert second["n"] == 0
 
 
-def test_bad_settings_name_the_field_and_insert_nothing(llama_pair):
-    engine = Engine(llama_pair, num_slots=2, capacity=CAPACITY, num_draft=K)
+def test_bad_settings_name_the_field_and_insert_nothing(engine):
     state = engine.init()
     cases = [
         (dict(settings=SlotSettings(top_k=1000)), "top_k=1000 exceeds the vocabulary"),
-        (dict(slot=2), "slot 2 is not one of this engine's 2 slots"),
+        (dict(slot=4), "slot 4 is not one of this engine's 4 slots"),
         (dict(prompt=[1] * 45), "exceed the slot capacity"),
         (dict(settings=SlotSettings(controls=GenerationControls(repetition_penalty=-1.0))),
          "repetition_penalty must be > 0"),
@@ -163,11 +170,11 @@ def test_bad_settings_name_the_field_and_insert_nothing(llama_pair):
     with pytest.raises(ValueError, match="top_k"):
         engine.insert_many(state, [0, 1], [[1, 2], [3, 4]],
                            [SlotSettings(seed=0, max_new_tokens=8), SlotSettings(top_k=1000, max_new_tokens=8)])
-    assert engine.free_slots(state) == [0, 1]
+    assert engine.free_slots(state) == [0, 1, 2, 3]
     state = engine.insert(state, 0, [1, 2, 3], SlotSettings(seed=0, max_new_tokens=8))
     with pytest.raises(ValueError, match=r"slot\(s\) \[0\] are busy"):
         engine.insert(state, 0, [1, 2, 3], SlotSettings(seed=0, max_new_tokens=8))
-    assert engine.free_slots(state) == [1]
+    assert engine.free_slots(state) == [1, 2, 3]
     with pytest.raises(ValueError, match="slot -1"):
         engine.release(state, -1)
 
@@ -208,3 +215,23 @@ def test_lossless_law_per_slot_with_per_slot_temperatures():
     np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
     pvalue, tv = goodness_of_fit(counts, laws[0])
     assert pvalue < 1e-6 and tv > 0.1, (pvalue, tv)
+
+
+def test_rule_numbers_per_slot():
+    """Greedy MARS with theta 0.3 and 0.95 in two slots of one engine: each request gets what decode
+    gives it alone with its own theta; a rule of another type is refused."""
+    from specjax.rules import mars
+
+    pair = specjax.pair(bigram_model(random_table(0, 16)), bigram_model(random_table(1, 16)))
+    engine = Engine(pair, num_slots=2, capacity=40, num_draft=K, rule=mars(0.9), controls=False)
+    requests = [SlotSettings(temperature=0.0, max_new_tokens=32, rule=mars(0.3), eos_token_id=()),
+                SlotSettings(temperature=0.0, max_new_tokens=32, rule=mars(0.95), eos_token_id=())]
+    state = engine.insert_many(engine.init(), [0, 1], [[3, 4], [3, 4]], requests)
+    got, _ = run_to_end(engine, state)
+    for slot, s in enumerate(requests):
+        ref = specjax.decode(pair, [[3, 4]], num_draft=K, max_new_tokens=32, rule=s.rule, temperature=0.0,
+                             max_length=40 + K, eos_token_id=())
+        assert got[slot] == ref.to_lists()[0], slot
+    assert got[0] != got[1]  # the two thetas decoded differently
+    with pytest.raises(ValueError, match="not the engine's rule type"):
+        engine.insert(engine.init(), 0, [1], SlotSettings(rule=speculative_sampling(), max_new_tokens=4))

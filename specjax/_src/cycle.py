@@ -497,9 +497,9 @@ def _accept(
     verdict and the argmax tokens, as a greedy loop would."""
     k_max, inputs = cfg.num_draft, verified.inputs
     greedy_rows = None if rows is None or cfg.greedy else rows.greedy
-    verdict = jax.vmap(functools.partial(rule.verify, greedy=cfg.greedy))(inputs, state.rule_state)
+    verdict = _per_row_rule(rule, rows, "verify", cfg.greedy, inputs, state.rule_state)
     if greedy_rows is not None:
-        greedy_verdict = jax.vmap(functools.partial(rule.verify, greedy=True))(inputs, state.rule_state)
+        greedy_verdict = _per_row_rule(rule, rows, "verify", True, inputs, state.rule_state)
         verdict = _where_b(greedy_rows, greedy_verdict, verdict)
     accept = jnp.asarray(verdict.accept, bool) & drafts.valid
     n = jnp.cumprod(accept.astype(jnp.int32), axis=1).sum(1)
@@ -535,6 +535,14 @@ def _accept(
         new_bad=new_bad,
         bad=jnp.where(state.bad > 0, state.bad, new_bad),
     )
+
+
+def _per_row_rule(rule: AcceptanceRule, rows, method: str, greedy: bool, *args):
+    """``rule.verify`` / ``rule.update`` per sequence: with ``rows.rules``, each
+    sequence's own numbers (vmapped over the rule's leaves too)."""
+    if rows is None or rows.rules is None:
+        return jax.vmap(functools.partial(getattr(rule, method), greedy=greedy))(*args)
+    return jax.vmap(lambda r, *a: getattr(r, method)(*a, greedy=greedy))(rows.rules, *args)
 
 
 # ---------------------------------------------------------------------------
@@ -627,14 +635,10 @@ def _record(
     (:func:`specjax._src.stats.record_cycle`) and the ``diagnostics`` hook's
     values. Returns ``(rule_state, policy_state, stats, diagnostics or None)``."""
     live, n = accepted.live, accepted.num_accepted
-    rule_state = jax.vmap(functools.partial(rule.update, greedy=cfg.greedy))(
-        state.rule_state, verified.inputs, accepted.verdict, n
-    )
+    args = (state.rule_state, verified.inputs, accepted.verdict, n)
+    rule_state = _per_row_rule(rule, rows, "update", cfg.greedy, *args)
     if rows is not None and rows.greedy is not None and not cfg.greedy:
-        greedy_state = jax.vmap(functools.partial(rule.update, greedy=True))(
-            state.rule_state, verified.inputs, accepted.verdict, n
-        )
-        rule_state = _where_b(rows.greedy, greedy_state, rule_state)
+        rule_state = _where_b(rows.greedy, _per_row_rule(rule, rows, "update", True, *args), rule_state)
     rule_state = _where_b(live, rule_state, state.rule_state)
     outcome = drafting_lib.DraftOutcome(
         num_drafted=accepted.num_drafted,

@@ -282,6 +282,8 @@ class RowSettings:
       draft_cap: ``[B]`` int32, the most drafts per cycle; 0 decodes the row
         one token per cycle (the bonus token alone).
       controls: :class:`Controls`, or None for no processing.
+      rules: the acceptance rule with every numeric field ``[B]``-batched (one
+        rule's numbers per sequence, of the loop's rule type), or None.
       processors: the processors (static).
     """
 
@@ -289,4 +291,5 @@ class RowSettings:
     top_k: Any = None
     draft_cap: Any = None
     controls: Any = None
+    rules: Any = None
     processors: tuple = struct.field(pytree_node=False, default=BUILTIN_PROCESSORS)

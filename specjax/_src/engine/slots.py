@@ -71,6 +71,10 @@ class SlotSettings(NamedTuple):
         (None: the engine's ``K``; 0: plain decoding, one target token per cycle).
       controls: :class:`specjax.GenerationControls` (penalties, logit bias,
         ``min_new_tokens``), or None.
+      rule: this request's acceptance rule: the engine's rule type with its
+        own numbers (e.g. ``mars(theta=0.7)`` in an engine built with
+        ``mars()``), where the engine holds per-slot rule numbers (every
+        numeric field of its rule a scalar); None: the engine's rule.
     """
 
     temperature: float = 1.0
@@ -83,6 +87,7 @@ class SlotSettings(NamedTuple):
     stop_token_ids: Sequence[int] = ()
     num_draft: Optional[int] = None
     controls: Optional[processors_lib.GenerationControls] = None
+    rule: Any = None
 
 
 # ---------------------------------------------------------------------------
@@ -105,6 +110,8 @@ class SlotState:
       eos: ``[S, E]`` int32 EOS and stop ids, ``-1`` for none.
       keys: ``[S, ...]`` uint32 key data.
       controls: :class:`specjax._src.processors.Controls` ``[S]``, or None.
+      rules: the engine's rule with each numeric field ``[S]`` (one set of
+        numbers per slot), or None where the numbers are shared.
     """
 
     loop: _DecodeState
@@ -118,6 +125,7 @@ class SlotState:
     eos: Array
     keys: Array
     controls: Any = None
+    rules: Any = None
 
 
 @struct.dataclass
@@ -154,6 +162,7 @@ class _EngineConfig(NamedTuple):
     num_bias: int
     controls: bool
     processors: tuple
+    per_slot_rule: bool
 
 
 # ---------------------------------------------------------------------------
@@ -189,6 +198,8 @@ def _init_impl(params: ModelPair, rule, policy, *, cfg: _EngineConfig) -> SlotSt
         eos=jnp.full((s, cfg.num_eos), -1, jnp.int32),
         keys=jnp.broadcast_to(key_data, (s,) + key_data.shape),
         controls=controls,
+        rules=(jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (s,) + jnp.shape(x)), rule)
+               if cfg.per_slot_rule else None),
     )
 
 
@@ -197,7 +208,9 @@ def _insert_impl(params: ModelPair, rule, policy, state: SlotState, slots, promp
     loop_cfg = cfg.loop._replace(max_new_tokens=cfg.capacity - prompts.shape[1])
     fresh = _initial_state(loop_cfg, params, rule, policy, prompts, lengths, row["max_new"])
     loop = _set_rows(state.loop, fresh.replace(step=jnp.zeros_like(lengths)), slots)
-    controls = state.controls
+    controls, rules = state.controls, state.rules
+    if cfg.per_slot_rule:
+        rules = _set_rows(rules, row["rule"], slots)
     if cfg.controls:
         controls = _set_rows(controls, processors_lib.Controls(**row["controls"]), slots)
     put = lambda name: getattr(state, name).at[slots].set(row[name])  # noqa: E731
@@ -211,13 +224,14 @@ def _insert_impl(params: ModelPair, rule, policy, state: SlotState, slots, promp
         max_new=put("max_new"), draft_cap=put("draft_cap"), top_k=put("top_k"),
         temperature=put("temperature"), top_p=put("top_p"), eos=put("eos"), keys=state.keys.at[slots].set(keys),
         controls=controls,
+        rules=rules,
     )
 
 
 def _rows(state: SlotState, cfg: _EngineConfig) -> processors_lib.RowSettings:
     return processors_lib.RowSettings(
         greedy=state.temperature == 0.0, top_k=state.top_k, draft_cap=state.draft_cap,
-        controls=state.controls if cfg.controls else None, processors=cfg.processors,
+        controls=state.controls if cfg.controls else None, rules=state.rules, processors=cfg.processors,
     )
 
 
@@ -314,12 +328,15 @@ class Engine:
                 raise ValueError(f"Engine: capacity {capacity} + num_draft {num_draft} exceeds the {name} model's "
                                  f"{limit} positions (max_position_embeddings); lower capacity.")
         self.params, self.rule, self.drafting = params, rule, drafting
+        leaves = jax.tree_util.tree_leaves(rule)
+        per_slot_rule = bool(leaves) and all(np.ndim(x) == 0 for x in leaves)
         self.vocab_size = params.vocab_size
         loop = _Config(diagnostics=None, num_draft=num_draft, max_new_tokens=capacity - 1,
                        cache_length=capacity + num_draft, greedy=False, top_k=None, use_top_p=True, lookup=lookup)
         self.cfg = _EngineConfig(loop=loop, num_slots=int(num_slots), capacity=int(capacity),
                                  prompt_bucket=int(prompt_bucket), num_eos=int(max_eos), num_bias=int(max_bias),
-                                 controls=bool(controls), processors=processors_lib.BUILTIN_PROCESSORS)
+                                 controls=bool(controls), processors=processors_lib.BUILTIN_PROCESSORS,
+                                 per_slot_rule=per_slot_rule)
 
     @property
     def num_slots(self) -> int:
@@ -371,9 +388,12 @@ class Engine:
         width = min(_bucket(tokens.shape[1], self.cfg.prompt_bucket), self.capacity)
         padded = np.zeros((len(slots), width), np.int32)
         padded[:, : tokens.shape[1]] = tokens
-        row = {name: np.stack([r[name] for r in rows]) for name in rows[0] if name != "controls"}
+        row = {name: np.stack([r[name] for r in rows]) for name in rows[0] if name not in ("controls", "rule")}
         if self.cfg.controls:
             row["controls"] = processors_lib.controls_rows([r["controls"] for r in rows], self.cfg.num_bias)
+        if self.cfg.per_slot_rule:
+            row["rule"] = jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
+                                                 *[r["rule"] for r in rows])
         return _insert_jit(self.params, self.rule, self.drafting, state, np.asarray(slots, np.int32), padded,
                            lengths, row, cfg=self.cfg)
 
@@ -427,6 +447,7 @@ class Engine:
         if controls.logit_bias and len(controls.logit_bias) > self.cfg.num_bias:
             raise ValueError(f"controls.logit_bias has {len(controls.logit_bias)} entries; this engine holds "
                              f"{self.cfg.num_bias} per request (Engine(max_bias=...)).")
+        rule = self._check_rule(s.rule)
         eos_row = np.full((self.cfg.num_eos,), -1, np.int32)
         eos_row[: len(ends)] = ends
         return dict(
@@ -437,8 +458,25 @@ class Engine:
             top_p=np.float32(top_p),
             eos=eos_row,
             controls=controls,
+            rule=rule,
             **_key_fields(s),
         )
+
+    def _check_rule(self, rule):
+        """A request's rule: the engine's type and static fields, its own numbers (float32 scalars)."""
+        if rule is None:
+            rule = self.rule
+        elif not self.cfg.per_slot_rule:
+            raise ValueError(f"rule: this engine's rule ({self.rule}) has no per-request numbers (it holds arrays, "
+                             "or none), so every request uses it; leave SlotSettings.rule unset.")
+        elif jax.tree_util.tree_structure(rule) != jax.tree_util.tree_structure(self.rule):
+            raise ValueError(f"rule: {rule} is not the engine's rule type with other numbers ({self.rule}); a "
+                             "request may change the rule's numbers, not its type or static fields.")
+        if not self.cfg.per_slot_rule:
+            return None
+        return jax.tree_util.tree_map(
+            lambda x, ref: np.asarray(x, np.asarray(ref).dtype if np.asarray(ref).dtype != np.float64 else np.float32),
+            rule, self.rule)
 
 
 _KEY_SHAPE = (2,)  # the default (threefry) key's data
