@@ -299,8 +299,8 @@ def speculative(target, draft, name: str, num_draft: int, width: int, new: int, 
     return {"draft": name, "num_draft": num_draft, "tau": tau, "acceptance": float(np.mean(np.asarray(out.stats.acceptance_rate))),
             "cycles": cycles, "sd_tok_s": new / sd_s, "target_tok_s": new / ar_s,
             "realized": realized, "ideal": ideal, "realized_over_ideal": realized / ideal,
-            "cycle_ms": cycle_ms, "modelled_cycle_ms": model_cycle_ms,
-            "overhead_of_cycle": max(0.0, cycle_ms - model_cycle_ms) / cycle_ms}
+            "cycle_ms": cycle_ms, "modelled_cycle_ms": model_cycle_ms, "overhead_ms": cycle_ms - model_cycle_ms,
+            "overhead_of_cycle": max(0.0, cycle_ms - model_cycle_ms) / cycle_ms}  # < 0: timing noise
 
 
 def speed(shape: str, cfg: ModelConfig, args, bandwidth: float, budget: Budget, save) -> dict:
