@@ -38,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax._src import drafting as drafting_lib
 from specjax._src import lookup as lookup_lib
 from specjax._src import processors as processors_lib
 from specjax._src.calls import _bucket, _check_common, _check_decode_args, _Config, _eos_ids, _prepare_prompts
@@ -298,8 +297,9 @@ class Engine:
       capacity: C, the most prompt + generated tokens per slot (each slot's
         caches hold ``C + num_draft`` positions).
       num_draft: K, the most drafts per cycle (a request may cap it lower).
-      rule: the acceptance rule (default ``speculative_sampling()``); its
-        numbers are shared by every slot.
+      rule: the acceptance rule (default ``speculative_sampling()``). When
+        every numeric field is a scalar, each slot holds its own numbers
+        (``SlotSettings.rule``, default this rule's); otherwise they are shared.
       drafting: the drafting policy (default ``fixed()``).
       lookup: ``specjax.drafting.ngram_lookup(...)``: drafts copied from each
         slot's own context.
@@ -327,6 +327,8 @@ class Engine:
             if limit is not None and capacity + num_draft > limit:
                 raise ValueError(f"Engine: capacity {capacity} + num_draft {num_draft} exceeds the {name} model's "
                                  f"{limit} positions (max_position_embeddings); lower capacity.")
+        if capacity < 2:
+            raise ValueError(f"Engine: capacity must hold a prompt token and a generated one (>= 2), got {capacity}.")
         self.params, self.rule, self.drafting = params, rule, drafting
         leaves = jax.tree_util.tree_leaves(rule)
         per_slot_rule = bool(leaves) and all(np.ndim(x) == 0 for x in leaves)
