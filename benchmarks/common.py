@@ -101,6 +101,21 @@ def ratio_cell(ratios: Sequence[float]) -> str:
     return f"{median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
+def spread_summary(xs: Sequence[float]) -> dict:
+    """Mean, median, 10th and 90th percentile of per-prompt ratios, and how many exceed 1."""
+    import numpy as np
+
+    arr = np.asarray(xs, float)
+    p10, p50, p90 = np.percentile(arr, (10, 50, 90))
+    return {"mean": float(arr.mean()), "median": float(p50), "p10": float(p10), "p90": float(p90),
+            "faster": int((arr > 1.0).sum()), "n": int(arr.size)}
+
+
+def percentile_cell(spread: dict) -> str:
+    """``median [p10-p90]`` of a :func:`spread_summary`."""
+    return f"{spread['median']:.2f}x [{spread['p10']:.2f}-{spread['p90']:.2f}]"
+
+
 # ---------------------------------------------------------------------------
 # The embedded pair and its prompts
 # ---------------------------------------------------------------------------
@@ -193,7 +208,7 @@ class Report:
     def __init__(self, title: str):
         self.parts: list[str] = []
         self.md: list[str] = []
-        h = header(title)
+        self.header = h = header(title)
         print(h, flush=True)
         self.md.append("```\n" + h + "\n```")
 

@@ -13,16 +13,32 @@ and the drafters shipped in ``specjax/assets/models/``: the distilled draft
 model (``draft``) and the target-feature head (``eagle``, :mod:`specjax.heads`).
 With two drafters, each rule runs with each, named ``drafter:rule``.
 
-Prompts: held-out chat prompts (``specjax/assets/chat/heldout_prompts.jsonl``:
-subjects the draft never saw in training), rendered with the model's chat
-template; EOS (``<|im_end|>``) honoured, up to ``--max-new-tokens`` each.
-tok/s counts the tokens each contender actually emitted.
+The headline configurations (batch 1, 128 new tokens, float32, the head at
+K=3, alone and with context lookup at T=0; lossless and block verification at
+T=1) on the 64 prompts, about 35 minutes on 2 CPU cores:
+
+    python benchmarks/real_pair.py --drafters eagle --num-draft 3 --lookup 2 --lookup-temperatures 0 \
+        --rules "speculative_sampling;block_verification" --rounds 2 --json real_pair.json --markdown real_pair.md
+
+Prompts: ``--prompt-file`` (default ``benchmarks/prompts/heldout_chat_64.jsonl``:
+64 held-out chat prompts, subjects the draft never saw in training, of seven
+kinds; ``benchmarks/prompts/README.md``), the first ``--prompts`` of them,
+rendered with the model's chat template; EOS (``<|im_end|>``) honoured, up to
+``--max-new-tokens`` each. tok/s counts the tokens each contender actually emitted.
 
 Contenders, per (batch, temperature): specjax target-only ``generate``, lossless
-speculative decoding (``speculative_sampling``) and the relaxed rules of
-``--rules``. Every program is compiled first; then the contenders alternate
-over the prompt groups ``--rounds`` times (each round runs every contender on
-every group, in turn); medians and per-round ratios against target-only.
+speculative decoding (``speculative_sampling``) and the rules of ``--rules``.
+Every program is compiled first; then the contenders alternate over the
+prompt groups ``--rounds`` times (each round runs every contender on every
+group, in turn). Reported against target-only: the median of the per-round
+ratios of total tok/s (its range over rounds in brackets); and per prompt
+(per group at batch > 1) its own speedup (its tok/s over target-only's on
+the same prompt, each at its median time over the rounds): their mean,
+median and 10th-90th percentile, and on how many prompts it was faster.
+Beside them, the machine's c_verify/c_AR (a (K+1)-token target forward over
+a 1-token one), measured before and after the timed runs: what a user's own
+machine will give depends on it. ``--json PATH`` writes every figure, per
+prompt and per round.
 
 Realized / ideal: the ideal speedup of a rule is what its measured tau and
 drafted tokens per cycle give with the isolated forward costs measured here
@@ -57,6 +73,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -64,8 +81,41 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 CHAT = common.ROOT / "specjax" / "assets" / "chat" / "heldout_prompts.jsonl"
+HELDOUT_64 = common.ROOT / "benchmarks" / "prompts" / "heldout_chat_64.jsonl"  # 64 of CHAT, stratified by kind
 TARGET = "smollm2-135m-instruct"
 DRAFTERS = {"draft": "smollm2-135m-instruct-draft", "eagle": "smollm2-135m-instruct-eagle"}
+
+
+def read_prompts(path: Path, ap: argparse.ArgumentParser) -> list[dict]:
+    """The ``{"prompt": str[, "kind": str]}`` rows of a JSONL file; a bad file is an argparse error."""
+    if not path.is_file():
+        ap.error(f"--prompt-file {path} does not exist")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            ap.error(f"--prompt-file {path}, line {number}: not JSON ({e})")
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            ap.error(f'--prompt-file {path}, line {number}: want {{"prompt": str}}')
+        rows.append(row)
+    if not rows:
+        ap.error(f"--prompt-file {path} has no prompts")
+    return rows
+
+
+def runs_at(contender: str, temperature: float, pairs, lookups, rule_specs, lookup_temperatures) -> bool:
+    """Whether a ``[drafter:]rule`` contender runs at ``temperature``: +lookup
+    drafters only at ``lookup_temperatures``, and block verification not at
+    T=0 beside speculative sampling (greedy, both accept exactly the target's
+    argmax prefix: the same output and the same cycles)."""
+    drafter, spec = contender.split(":", 1) if len(pairs) > 1 else (next(iter(pairs)), contender)
+    if lookups.get(drafter) is not None and temperature not in lookup_temperatures:
+        return False
+    name = spec.split(":", 1)[0].strip()
+    return not (temperature == 0 and name == "block_verification" and "speculative_sampling" in rule_specs)
 
 
 def drafter_arg(text: str) -> tuple[str, str]:
@@ -151,11 +201,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--prompts", type=int, default=8, help="held-out chat prompts (per batch size: a multiple of it)")
+    ap.add_argument("--prompt-file", type=Path, default=HELDOUT_64,
+                    help="JSONL of {\"prompt\": str[, \"kind\": str]} (default: benchmarks/prompts/"
+                         "heldout_chat_64.jsonl, 64 held-out chat prompts of seven kinds)")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="use the first N prompts of --prompt-file (default: all; per batch size: a multiple of it)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--num-draft", type=int, default=5)
     ap.add_argument("--rules", default="speculative_sampling;mars:theta=0.9;ears:beta=0.1;typical:eps=0.09,delta=0.3",
-                    help='";"-separated rule specs; the first should be the lossless one')
+                    help='";"-separated rule specs; the first should be the lossless one. At T=0, '
+                         "block_verification is greedy exact match, the same as speculative_sampling: it runs only "
+                         "at T>0 where speculative_sampling runs too")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--hf", action="store_true", help="also time transformers assisted generation (batch 1)")
@@ -167,8 +223,18 @@ def main(argv=None):
     ap.add_argument("--tree", default=None, help='a token tree for every rule, e.g. "3,1,1" or "dynamic:3,3,8"')
     ap.add_argument("--lookup", default=None, metavar="MIN[,MAX]",
                     help="also run every drafter with context lookup drafting (ngram_lookup(MIN, MAX))")
+    ap.add_argument("--lookup-temperatures", type=float, nargs="+", default=None, metavar="T",
+                    help="run the +lookup drafters only at these temperatures (default: every one)")
     ap.add_argument("--markdown")
+    ap.add_argument("--json", help="write every figure, per prompt and per round, to this JSON file")
     args = ap.parse_args(argv)
+    for flag, value in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
+                        ("--num-draft", args.num_draft), ("--rounds", args.rounds)):
+        if value is not None and value < 1:
+            ap.error(f"{flag} must be a positive integer, got {value}")
+    for path in (args.json, args.markdown):
+        if path and os.path.isdir(path):
+            ap.error(f"{path} is a directory; --json / --markdown want a file path")
     tree = None
     if args.tree:
         from specjax.trees import DynamicTree, parse_tree
@@ -180,6 +246,10 @@ def main(argv=None):
     from specjax.cli.common import lookup as parse_lookup
 
     lookup = parse_lookup(args)  # the CLI's --lookup: MIN[,MAX], a clear exit on bad values or with --tree
+    if args.lookup_temperatures is not None and lookup is None:
+        ap.error("--lookup-temperatures says where the +lookup drafters run: add --lookup")
+    lookup_temperatures = set(args.temperatures if args.lookup_temperatures is None else args.lookup_temperatures)
+    prompt_rows = read_prompts(args.prompt_file, ap)
 
     drafters = dict(args.drafters)
     if len(drafters) < len(args.drafters):
@@ -199,7 +269,8 @@ def main(argv=None):
         ap.error("--hf compares with transformers assisted generation, which needs the draft model: add --drafters draft")
     pair = pairs.get("draft", pairs[first])  # the HF comparison's
     draft = pair.draft
-    texts = [r["prompt"] for r in common.read_jsonl(CHAT)]
+    texts = [r["prompt"] for r in prompt_rows]
+    kinds = [r.get("kind", "") for r in prompt_rows]
     K, N = args.num_draft, args.max_new_tokens
     if tree is not None:  # the target's verification forward: the tree's nodes
         K = (tree.verified_nodes if isinstance(tree, DynamicTree) else tree.num_nodes) - 1
@@ -209,14 +280,18 @@ def main(argv=None):
     shape = f"tree {args.tree} ({K + 1} nodes verified)" if tree is not None else f"K={K}"
     if lookup is not None:
         shape += f", +lookup = ngram_lookup(min_match={lookup.min_match}, max_match={lookup.max_match})"
-    report.text(f"{args.dtype}, {shape}, up to {N} new tokens, EOS {eos}, rules {rules}, {args.rounds} rounds; "
+        if args.lookup_temperatures is not None:
+            shape += f" at T={', '.join(f'{t:g}' for t in sorted(lookup_temperatures))}"
+    report.text(f"{args.dtype}, {shape}, up to {N} new tokens, EOS {eos}, rules {rules}, {args.rounds} rounds, "
+                f"prompts: {args.prompt_file.name}; "
                 + "; ".join(f"{d}: {p.draft.module.config.num_layers} layers x {p.draft.module.config.hidden_size}, "
                             f"head vocabulary {p.draft.module.config.head_vocab_size}" for d, p in pairs.items()))
     summary = {}
-    for batch in args.batch:
-        n_prompts = max(args.prompts, batch)
-        prompts = [specjax.encode_chat(target, t) for t in texts[:n_prompts]]
-        groups = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+    record = {"header": report.header, "argv": sys.argv[1:], "settings": {k: str(v) if isinstance(v, Path) else v
+                                                                           for k, v in vars(args).items()},
+              "prompts": prompt_rows, "forward_costs": {}, "results": []}
+
+    def measure_costs(batch):
         all_costs = {d: forward_costs(target, p.draft, num_draft=K, batch=batch) for d, p in pairs.items()
                      if lookups[d] is None}
         all_costs.update({d: all_costs[d.removesuffix("+lookup")] for d in pairs if lookups[d] is not None})
@@ -228,10 +303,21 @@ def main(argv=None):
                 all_costs[d] = dict(c, c_ar_ms=costs["c_ar_ms"], c_verify_ms=costs["c_verify_ms"],
                                     **{"c_verify/c_ar": costs["c_verify/c_ar"],
                                        "c_draft/c_ar": c["c_draft_ms"] / costs["c_ar_ms"]})
+        return all_costs
+
+    for batch in args.batch:
+        n_prompts = max(args.prompts or len(texts), batch)
+        if n_prompts > len(texts):
+            ap.error(f"--prompts {n_prompts}: {args.prompt_file} has {len(texts)} prompts")
+        prompts = [specjax.encode_chat(target, t) for t in texts[:n_prompts]]
+        groups = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+        all_costs = measure_costs(batch)
+        costs = all_costs[first]
         report.text(f"\nbatch {batch}: forward costs (median ms) target 1 token {costs['c_ar_ms']:.2f}, "
                     f"target {K + 1} tokens {costs['c_verify_ms']:.2f} (c_verify/c_AR {costs['c_verify/c_ar']:.2f}); "
                     + ", ".join(f"{d} 1 token {c['c_draft_ms']:.2f} (c_draft/c_AR {c['c_draft/c_ar']:.3f})"
                                 for d, c in all_costs.items() if lookups[d] is None))
+        batch_results = []
         for temperature in args.temperatures:
             def make(rule_spec, group, i):
                 key = jax.random.key(1000 * i + 7)
@@ -243,23 +329,22 @@ def main(argv=None):
                 shape_kw = dict(tree=tree) if tree is not None else dict(num_draft=K, lookup=lookups[drafter])
                 return lambda: specjax.decode(pairs[drafter], group, rule=rule, **shape_kw, **common_kw)
 
-            contenders = ["target-only"] + rules
+            contenders = ["target-only"] + [c for c in rules if runs_at(c, temperature, pairs, lookups,
+                                                                         rule_specs, lookup_temperatures)]
             fns = {(c, i): make(None if c == "target-only" else c, g, i)
                    for i, g in enumerate(groups) for c in contenders}
             for fn in fns.values():  # compile every program first
                 jax.block_until_ready(fn().tokens)
-            times = {c: [] for c in contenders}
+            # seconds[c][r, i]: contender c on group i in round r; the contenders take turns on each group
+            seconds = {c: np.zeros((args.rounds, len(groups))) for c in contenders}
             outs = {}
-            for _ in range(args.rounds):
-                per_round = {c: 0.0 for c in contenders}
+            for r in range(args.rounds):
                 for i in range(len(groups)):
                     for c in contenders:
                         out, dt = common.timed_once(lambda: _blocking(fns[(c, i)]))
-                        per_round[c] += dt
+                        seconds[c][r, i] = dt
                         outs[(c, i)] = out
-                for c in contenders:
-                    times[c].append(per_round[c])
-            runs = times
+            runs = {c: list(seconds[c].sum(axis=1)) for c in contenders}
             # outputs of the last round (every call is deterministic for its key)
             results = {}
             for c in contenders:
@@ -275,17 +360,31 @@ def main(argv=None):
                     results.setdefault(c, []).append(out)
                 results[c] = (emitted, tau_num / max(cycles, 1), drafted / max(cycles, 1), results[c])
             base_emitted = results["target-only"][0]
+            group_tokens = {c: np.array([int(np.sum(o.lengths)) for o in results[c][3]], float) for c in contenders}
+            group_speed = {c: group_tokens[c] / np.median(seconds[c], axis=0) for c in contenders}
             rows = []
             for c in contenders:
                 emitted, tau, drafted, outs_c = results[c]
                 tok_s = [emitted / t for t in runs[c]]
                 base = [base_emitted / t for t in runs["target-only"]]
                 ratios = [a / b for a, b in zip(tok_s, base)]
+                per_prompt = group_speed[c] / group_speed["target-only"]
+                spread = common.spread_summary(per_prompt)
+                entry = {"batch": batch, "temperature": temperature, "contender": c, "tok_s": common.median(tok_s),
+                         "speedup": common.median(ratios), "speedup_rounds": ratios, "per_prompt": spread,
+                         "tau": tau if c != "target-only" else 1.0, "drafted_per_cycle": drafted,
+                         "tokens": emitted, "groups": [
+                             {"prompts": list(range(i * batch, (i + 1) * batch)), "tokens": int(group_tokens[c][i]),
+                              "seconds": [float(x) for x in seconds[c][:, i]], "speedup": float(per_prompt[i])}
+                             for i in range(len(groups))]}
+                batch_results.append(entry)
                 if c == "target-only":
-                    rows.append([c, f"{common.median(tok_s):.1f}", "1.00x", "-", "-", "-", "-", emitted])
+                    rows.append([c, f"{common.median(tok_s):.1f}", "1.00x", "-", "-", "-", "-", "-", "-", "-",
+                                 emitted])
                     continue
                 c_costs = all_costs[c.split(":", 1)[0] if len(pairs) > 1 else first]
                 ideal = None if tree is not None else tau / (c_costs["c_verify/c_ar"] + drafted * c_costs["c_draft/c_ar"])
+                entry["ideal"] = ideal
                 same = ""
                 if temperature == 0 and (c.split(":", 1)[1] if len(pairs) > 1 else c) == rule_specs[0]:
                     ref = results["target-only"][3]
@@ -293,14 +392,29 @@ def main(argv=None):
                                                np.asarray(b.tokens)[j, :int(b.lengths[j])])
                                 for a, b in zip(outs_c, ref) for j in range(len(a.lengths)))
                     same = " (greedy output identical)" if agree else " (GREEDY OUTPUT DIFFERS)"
-                rows.append([c + same, f"{common.median(tok_s):.1f}", common.ratio_cell(ratios), f"{tau:.2f}",
-                             f"{drafted:.2f}", "-" if ideal is None else f"{ideal:.2f}x",
+                    entry["greedy_identical"] = agree
+                rows.append([c + same, f"{common.median(tok_s):.1f}", common.ratio_cell(ratios),
+                             f"{spread['mean']:.2f}x", common.percentile_cell(spread),
+                             f"{spread['faster']}/{len(per_prompt)}", f"{tau:.2f}", f"{drafted:.2f}",
+                             "-" if ideal is None else f"{ideal:.2f}x",
                              "-" if ideal is None else f"{common.median(ratios) / ideal:.2f}", emitted])
-                summary[f"b{batch}_T{temperature:g}_{c}"] = {"speedup": common.median(ratios), "tau": tau,
-                                                              "ideal": ideal, "tok_s": common.median(tok_s)}
-            report.table(f"batch {batch}, T={temperature:g} ({len(groups)} groups x {args.rounds} rounds)",
-                         ["contender", "tok/s", "speedup vs target-only", "tau", "drafted/cycle", "ideal",
+                summary[f"b{batch}_T{temperature:g}_{c}"] = {
+                    "speedup": common.median(ratios), "per_prompt_median": spread["median"],
+                    "per_prompt_p10": spread["p10"], "per_prompt_p90": spread["p90"], "tau": tau, "ideal": ideal,
+                    "tok_s": common.median(tok_s), "c_verify/c_ar": costs["c_verify/c_ar"]}
+            unit = "prompt" if batch == 1 else f"group of {batch}"
+            report.table(f"batch {batch}, T={temperature:g} ({len(groups)} {unit}s x {args.rounds} rounds, "
+                         f"contenders taking turns on each; this machine: c_verify/c_AR "
+                         f"{costs['c_verify/c_ar']:.2f} for {K + 1} tokens)",
+                         ["contender", "tok/s", "speedup vs target-only [rounds]", f"mean per {unit}",
+                          f"per {unit}: median [p10-p90]", "faster", "tau", "drafted/cycle", "ideal",
                           "realized/ideal", "tokens"], rows)
+        after = measure_costs(batch)[first]
+        report.text(f"batch {batch}: c_verify/c_AR {costs['c_verify/c_ar']:.2f} before the timed runs, "
+                    f"{after['c_verify/c_ar']:.2f} after (1-token target forward {costs['c_ar_ms']:.1f} / "
+                    f"{after['c_ar_ms']:.1f} ms)")
+        record["forward_costs"][str(batch)] = {"before": all_costs, "after": after}
+        record["results"] += batch_results
 
     if args.hf:
         import torch
@@ -367,6 +481,10 @@ def main(argv=None):
                     "ratio": common.median(ratios), "specjax": label}
     report.text("summary: " + json.dumps(summary))
     report.write(args.markdown)
+    if args.json:
+        record["summary"], record["load_at_end"] = summary, common.load_average()
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
