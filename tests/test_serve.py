@@ -273,6 +273,17 @@ def test_serve_names_the_extra_when_fastapi_is_missing(monkeypatch):
         serve._require_server_packages()
 
 
+def test_cli_parses_serve_and_refuses_trees():
+    from specjax.cli import serve
+    from specjax.cli.app import build_parser
+
+    args = build_parser().parse_args(["serve", "--slots", "2", "--rule", "mars:theta=0.9", "--port", "0"])
+    assert (args.slots, args.capacity, args.rule, args.host) == (2, 512, "mars:theta=0.9", "127.0.0.1")
+    args = build_parser().parse_args(["serve", "--tree", "2,1"])
+    with pytest.raises(SystemExit, match="token trees are not served"):
+        serve.build(args)
+
+
 @pytest.mark.slow
 def test_real_pair_greedy_equals_decode():
     """The smollm2-eagle pair (a feature head) through the CLI's build and the openai client."""

@@ -169,8 +169,8 @@ def create_app(scheduler: sched.Scheduler, config: ServerConfig, *, drain_second
     async def _validation_error(request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
+        param = loc[0] if loc else None  # the request's field; the message gives the full path
+        message = f"{'.'.join(loc)}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             message, param = "The body is not valid JSON.", None
         return JSONResponse(_bad(message, param, "invalid_value").body(), status_code=400)

@@ -134,11 +134,15 @@ class Scheduler:
       max_queue: requests that may wait for a slot; one more is refused with
         :class:`QueueFull` (memory stays bounded whatever the load).
       num_cycles: draft-verify cycles per ``engine.step``. A step delivers its
-        tokens at its end, and a request waits up to one step to be admitted,
-        so fewer cycles stream sooner; more cycles spread the loop's fixed
+        tokens at its end; a request waits up to one step to be admitted, and
+        one that ends mid-step holds its slot until the step ends: fewer
+        cycles stream and admit sooner. More cycles spread the loop's fixed
         cost per step (dispatch, reading the output back, detokenizing) over
-        more tokens. 4 keeps that cost a few percent of the wall time on the
-        smollm2 pair on a CPU while a step stays well under a tenth of a second.
+        more tokens. At 4 that cost measured 0.1 to 2% of the loop's busy
+        time (``host_share``; the embedded and smollm2-eagle pairs on a
+        shared 2-core CPU, ``benchmarks/serve_load.py`` smoke runs of
+        2026-11-26): the loop's cost is small beside a step's either way, so
+        lower it where steps are slow and a stream's latency matters.
       warmup_widths: prompt widths to compile ``insert`` for before
         :attr:`ready` (None: every width bucket up to the capacity).
       eos_ids: the ids that end a request (the target's EOS), to tell
