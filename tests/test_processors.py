@@ -161,3 +161,25 @@ def test_bad_controls_and_stop_strings_name_the_field(llama_pair, tokenizer):
 
     with pytest.raises(ValueError, match="stop\\[1\\] = 'é' encodes to no tokens"):
         check_stop_strings(["ok", "é"], DropsUnknown())
+
+
+def ban_token_5(logits, ctx):
+    """A processor of one's own: token 5 is never generated."""
+    del ctx
+    return logits.at[5].set(-np.inf)
+
+
+def test_an_engine_runs_processors_of_ones_own():
+    pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
+    settings = [SlotSettings(temperature=t, seed=i, max_new_tokens=8, eos_token_id=())
+                for i, t in enumerate([0.0, 1.0] * 16)]
+    seen = {}
+    for name, processors in (("banned", (ban_token_5,)), ("free", ())):
+        engine = Engine(pair, num_slots=32, capacity=12, num_draft=3, processors=processors)
+        state = engine.insert_many(engine.init(), list(range(32)), [[5, 3]] * 32, settings)
+        state, out = engine.step(state, 8)
+        out = jax.device_get(out)
+        assert (out.counts == 8).all()
+        seen[name] = out.tokens[:, :8]
+    assert not (seen["banned"] == 5).any()
+    assert (seen["free"] == 5).any()  # the control: token 5 is generated without the processor

@@ -77,23 +77,27 @@ LogitsProcessor = Callable[[Array, TokenContext], Array]
 
 
 def logit_bias(logits: Array, ctx: TokenContext) -> Array:
+    """Adds ``controls.bias_values`` to the logits of ``controls.bias_ids`` (``-1``: unused)."""
     ids, values = ctx.controls.bias_ids, ctx.controls.bias_values
     valid = ids >= 0
     return logits.at[jnp.where(valid, ids, 0)].add(jnp.where(valid, values, 0.0))
 
 
 def repetition_penalty(logits: Array, ctx: TokenContext) -> Array:
+    """Tokens seen in the prompt or the output: a positive logit divided by ``r``, a negative one times ``r``."""
     r = ctx.controls.repetition_penalty
     penalised = jnp.where(logits > 0, logits / r, logits * r)
     return jnp.where(ctx.seen, penalised, logits)
 
 
 def presence_frequency_penalty(logits: Array, ctx: TokenContext) -> Array:
+    """Subtracts ``presence`` once from each generated token and ``frequency`` per occurrence."""
     c = ctx.controls
     return logits - c.presence_penalty * (ctx.counts > 0) - c.frequency_penalty * ctx.counts
 
 
 def min_new_tokens(logits: Array, ctx: TokenContext) -> Array:
+    """EOS and stop ids to ``-inf`` while fewer than ``min_new_tokens`` tokens were generated."""
     early = ctx.num_generated < ctx.controls.min_new_tokens
     is_end = (jnp.arange(logits.shape[-1])[:, None] == ctx.eos_ids[None, :]).any(-1)
     return jnp.where(early & is_end, -jnp.inf, logits)

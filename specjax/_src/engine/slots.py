@@ -305,6 +305,9 @@ class Engine:
         slot's own context.
       controls: compile the logits processors in (``SlotSettings.controls``);
         False saves their work when no request uses them.
+      processors: the processors, in order (static; default the built-ins:
+        bias, repetition, presence / frequency, ``min_new_tokens``). Each is a
+        pure function ``(logits [V], TokenContext) -> logits [V]``.
       max_eos: EOS + stop ids per request (E).
       max_bias: ``logit_bias`` entries per request.
       prompt_bucket: the smallest prompt width bucket (widths ``b * 2**i``,
@@ -313,7 +316,8 @@ class Engine:
 
     def __init__(self, params: ModelPair, *, num_slots: int, capacity: int, num_draft: Optional[int] = None,
                  rule=None, drafting=None, lookup=None, controls: bool = True, max_eos: int = 8,
-                 max_bias: int = 8, prompt_bucket: int = 16):
+                 max_bias: int = 8, prompt_bucket: int = 16,
+                 processors: Sequence = processors_lib.BUILTIN_PROCESSORS):
         rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
         if lookup is not None and not isinstance(lookup, lookup_lib.NgramLookup):
             raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
@@ -327,6 +331,9 @@ class Engine:
             if limit is not None and capacity + num_draft > limit:
                 raise ValueError(f"Engine: capacity {capacity} + num_draft {num_draft} exceeds the {name} model's "
                                  f"{limit} positions (max_position_embeddings); lower capacity.")
+        processors = tuple(processors)
+        if not all(callable(p) for p in processors):
+            raise TypeError("processors must be functions (logits [V], TokenContext) -> logits [V].")
         if capacity < 2:
             raise ValueError(f"Engine: capacity must hold a prompt token and a generated one (>= 2), got {capacity}.")
         self.params, self.rule, self.drafting = params, rule, drafting
@@ -337,7 +344,7 @@ class Engine:
                        cache_length=capacity + num_draft, greedy=False, top_k=None, use_top_p=True, lookup=lookup)
         self.cfg = _EngineConfig(loop=loop, num_slots=int(num_slots), capacity=int(capacity),
                                  prompt_bucket=int(prompt_bucket), num_eos=int(max_eos), num_bias=int(max_bias),
-                                 controls=bool(controls), processors=processors_lib.BUILTIN_PROCESSORS,
+                                 controls=bool(controls), processors=processors,
                                  per_slot_rule=per_slot_rule)
 
     @property
