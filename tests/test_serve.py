@@ -263,6 +263,26 @@ def test_close_refuses_waiting_requests(setup):
     assert not scheduler._thread.is_alive()
 
 
+def test_shutdown_finishes_a_live_stream(setup):
+    """What SIGINT / SIGTERM do (uvicorn sets ``should_exit``): a live stream runs to its end, then the loop stops."""
+    engine, target = setup["engine"], setup["target"]
+    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=2, warmup_widths=(16,),
+                                eos_ids=[target.module.config.eos_token_id])
+    server = Server(create_app(scheduler, ServerConfig(MODEL, target), drain_seconds=20))
+    server.wait_ready(120)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60, "min_tokens": 60, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        server.server.should_exit = True
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    server.thread.join(timeout=30)
+    assert not server.thread.is_alive() and not scheduler._thread.is_alive()
+    server.sock.close()
+
+
 def test_serve_names_the_extra_when_fastapi_is_missing(monkeypatch):
     import sys
 
