@@ -10,7 +10,9 @@ before each one (Poisson arrivals per client). The same requests run three ways:
 * ``static decode``: ``specjax.decode`` in this process (the server stopped), the requests in
   batches of C, each batch running until its longest request ends.
 
-Reported per row: output tokens per second (wall time of the row), time to first token and
+Reported per row: output tokens per second over the row's wall time (for the server rows that
+includes the clients' gaps, so it measures capacity only where the gaps are short; the static rows
+have every request at the start and no gaps), time to first token and
 inter-token latency (a request's time from its first to its last token over its tokens after
 the first) at p50 and p99, requests lost (neither completed nor refused with an error: must be 0);
 per run, the server's peak RSS and its scheduler loop's host share (from ``/metrics``), and
@@ -19,12 +21,12 @@ whether ``/health`` still answers 200 after the load.
 Everything runs on 127.0.0.1; the run is bounded by ``--requests-per-client``, ``--max-tokens``
 and ``--max-seconds`` (per row).
 
-The full run on the real pair (about 30 minutes on 2 CPU cores):
+The full run on the real pair:
 
     python benchmarks/serve_load.py --pair smollm2-eagle --lookup 2 --slots 8 --capacity 384 \\
         --clients 1 2 4 8 --requests-per-client 4 --max-tokens 96 --mean-gap 0.5
 
-A smoke run (the embedded pair, a minute):
+A smoke run (the embedded pair; a few minutes, most of it compiling):
 
     python benchmarks/serve_load.py --pair embedded --slots 4 --capacity 128 --clients 1 2 \\
         --requests-per-client 2 --max-tokens 32
