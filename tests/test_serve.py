@@ -283,6 +283,30 @@ def test_shutdown_finishes_a_live_stream(setup):
     server.sock.close()
 
 
+def test_refusals_that_need_another_server(setup):
+    """A model without a chat template, and an engine built without logits processors (--no-penalties):
+    the requests they cannot serve are refused with a 400 that says why (checked on the host, nothing compiles)."""
+    import types
+
+    from specjax._src.serve import api
+
+    with pytest.raises(api.ApiError) as e:
+        api._chat_prompt([api.Message(role="user", content="hi")], setup["target"].replace(chat_template=None))
+    assert (e.value.status, e.value.param, e.value.code) == (400, "messages", "no_chat_template")
+    assert "chat template" in e.value.message
+    bare = Engine(setup["pair"], num_slots=1, capacity=64, num_draft=K, controls=False)
+    config = ServerConfig(MODEL, setup["target"])
+    for field, value in (("presence_penalty", 0.5), ("logit_bias", {"5": 1.0}), ("min_tokens", 3)):
+        body = api.CompletionRequest(model=MODEL, prompt=PROMPT, **{field: value})
+        with pytest.raises(api.ApiError) as e:
+            api._settings(body, [5, 6], types.SimpleNamespace(engine=bare), config)
+        assert (e.value.status, e.value.param, e.value.code) == (400, field, "unsupported")
+        assert "--no-penalties" in e.value.message
+    body = api.CompletionRequest(model=MODEL, prompt=PROMPT, temperature=0.5, seed=3)
+    settings, stop = api._settings(body, [5, 6], types.SimpleNamespace(engine=bare), config)
+    assert settings.controls is None and (settings.temperature, settings.seed, stop) == (0.5, 3, ())
+
+
 def test_serve_names_the_extra_when_fastapi_is_missing(monkeypatch):
     import sys
 
