@@ -317,12 +317,14 @@ def test_serve_names_the_extra_when_fastapi_is_missing(monkeypatch):
         serve._require_server_packages()
 
 
-def test_cli_parses_serve_and_refuses_trees():
+def test_cli_parses_serve_and_refuses_trees(setup):
     from specjax.cli import serve
     from specjax.cli.app import build_parser
 
     args = build_parser().parse_args(["serve", "--slots", "2", "--rule", "mars:theta=0.9", "--port", "0"])
-    assert (args.slots, args.capacity, args.rule, args.host) == (2, 512, "mars:theta=0.9", "127.0.0.1")
+    assert (args.slots, args.capacity, args.rule, args.host) == (2, None, "mars:theta=0.9", "127.0.0.1")
+    # The default capacity fits the models' positions: the embedded pair's 256, less K.
+    assert serve.default_capacity(setup["target"], setup["pair"].draft, K) == 256 - K
     args = build_parser().parse_args(["serve", "--tree", "2,1"])
     with pytest.raises(SystemExit, match="token trees are not served"):
         serve.build(args)

@@ -39,7 +39,8 @@ def build(args):
         target = target.replace(chat_template=path.read_text())
     num_draft = args.num_draft if args.num_draft is not None else (3 if common.pair_name(args).startswith("smollm2")
                                                                    else 4)
-    engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=args.capacity, num_draft=num_draft,
+    capacity = args.capacity if args.capacity is not None else default_capacity(target, draft, num_draft)
+    engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=capacity, num_draft=num_draft,
                     rule=rule, drafting=drafting, lookup=lookup, controls=not args.no_penalties)
     eos = getattr(target.module.config, "eos_token_id", None)
     eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
@@ -50,13 +51,20 @@ def build(args):
     return app, scheduler
 
 
+def default_capacity(target, draft, num_draft: int, most: int = 512) -> int:
+    """``most`` tokens per slot, or fewer where the models' positions end sooner (a slot's caches hold
+    ``capacity + num_draft`` positions)."""
+    limits = [getattr(getattr(m.module, "config", None), "max_position_embeddings", None) for m in (target, draft)]
+    return min([most] + [limit - num_draft for limit in limits if limit is not None])
+
+
 def run(args) -> int:
     _require_server_packages()
     import uvicorn
 
     for flag, value in (("--slots", args.slots), ("--capacity", args.capacity),
                         ("--cycles-per-step", args.cycles_per_step)):
-        if value < 1:
+        if value is not None and value < 1:
             raise SystemExit(f"error: {flag} must be a positive integer, got {value}.")
     if args.max_queue < 0:
         raise SystemExit(f"error: --max-queue must be >= 0, got {args.max_queue}.")
@@ -76,9 +84,9 @@ def add_arguments(p) -> None:
     p.add_argument("--rule", default="speculative_sampling",
                    help='acceptance rule spec, e.g. "mars:theta=0.9" (default: lossless speculative sampling)')
     p.add_argument("--slots", type=int, default=8, help="requests generated at once (default 8)")
-    p.add_argument("--capacity", type=int, default=512,
-                   help="tokens per slot, prompt and completion together (default 512; at most the models' "
-                        "positions minus --num-draft)")
+    p.add_argument("--capacity", type=int,
+                   help="tokens per slot, prompt and completion together (default 512, or the models' positions "
+                        "minus --num-draft where fewer: 252 on the embedded pair)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; more are refused with 429 (default 64)")
     p.add_argument("--cycles-per-step", type=int, default=4,

@@ -260,6 +260,9 @@ def _chat_prompt(messages, target) -> list[int]:
 
     if not messages:
         raise _bad("messages is empty: give at least one message.", "messages")
+    if target.chat_template is None:
+        raise _bad("The served model has no chat template: send plain prompts to /v1/completions, or start the "
+                   "server with --chat-template FILE (a Jinja template).", "messages", "no_chat_template")
     plain = []
     for i, m in enumerate(messages):
         content = m.content
@@ -272,7 +275,7 @@ def _chat_prompt(messages, target) -> list[int]:
     try:
         return encode_chat(target, plain)
     except ValueError as e:
-        raise _bad(str(e), "messages", "no_chat_template" if target.chat_template is None else None) from None
+        raise _bad(str(e), "messages") from None
     except Exception as e:  # noqa: BLE001 -- a template's own error (jinja raise_exception, e.g. roles)
         raise _bad(f"The chat template refused the messages: {e}", "messages") from None
 
