@@ -809,7 +809,7 @@ def quality_notes(rows: Sequence[Row]) -> str:
                             f"DIFFERS for {', '.join(differs)} (near-tie logits rounding differently?)."))
         elif lossless:
             lines.append(f"T={temperature:g}: lossless rows sample the target's own distribution: their answers "
-                         "differ from target-only's by chance, not by a loss of quality.")
+                         "and NLL differ from target-only's by chance, not by a loss of quality.")
         base_accuracy = base.task_accuracy if base is not None else math.nan
         for r in group:
             if r.lossless or not r.task_total:
