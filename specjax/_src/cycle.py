@@ -137,9 +137,13 @@ def _decode_cycle(
     """
     batch = state.num_committed.shape[0]
     hist = None
+    if rows is not None:
+        rows, top_p = _live_settings(rows, top_p, ~state.done)
     if rows is not None and rows.controls is not None:
+        active = processors_lib.changes_logits(rows.processors, rows.controls,
+                                               state.num_committed - prompt_lengths, ~state.done)
         hist = processors_lib.history(state.tokens, prompt_lengths, state.num_committed, eos_ids,
-                                      pair_params.vocab_size)
+                                      pair_params.vocab_size, active=active)
     uniforms, draft_uniforms, emit_uniform = _cycle_uniforms(cfg, seq_keys, state.step, batch)
     drafts, draft_cache = _draft(cfg, pair_params, policy, state, draft_uniforms, temperature, top_p, rows, hist)
     verified = _verify(cfg, pair_params, rule, state, drafts, uniforms, temperature, top_p, rows, hist)
@@ -163,6 +167,17 @@ def _decode_cycle(
         draft_features=verified.features,
     )
     return new_state, diag
+
+
+def _live_settings(rows, top_p, live: Array):
+    """Per-row settings with finished rows' top-k and top-p filters off: such
+    a row commits nothing, so its filters need not keep a batch of unfiltered
+    live rows sorting the vocabulary (:func:`specjax._src.loop_ops._warp`)."""
+    if rows.top_k is not None:
+        rows = rows.replace(top_k=jnp.where(live, rows.top_k, 0))
+    if top_p is not None and jnp.ndim(top_p) == 1:
+        top_p = jnp.where(live, top_p, 1.0)
+    return rows, top_p
 
 
 def _cycle_uniforms(cfg: _Config, seq_keys, step, batch: int):

@@ -64,16 +64,30 @@ def _warp(cfg: _Config, raw: Array, temperature, top_p, rows=None) -> Array:
     if rows is None:
         return sampling.warp_logits(raw, temperature, cfg.top_k, top_p if cfg.use_top_p else None)
     raw = raw.astype(jnp.float32)
+    batch, vocab = raw.shape[0], raw.shape[-1]
     t, p = _per_row(temperature, raw), _per_row(top_p, raw)
     greedy = None if rows.greedy is None else _per_row(rows.greedy, raw)
     logits = raw / (t if greedy is None else jnp.where(greedy, 1.0, t))
+    # Each filter sorts the whole vocabulary per row; a batch in which no
+    # sampled row asks for it (all greedy, or top_k 0 / top_p 1) skips it.
+    # Skipping is exact: a skipped filter would have kept every logit.
+    sampled = jnp.ones((batch,), bool) if rows.greedy is None else ~jnp.broadcast_to(rows.greedy, (batch,))
     if rows.top_k is not None:
-        logits = sampling.apply_top_k_rows(logits, _per_row(rows.top_k, raw))
+        k = jnp.broadcast_to(rows.top_k, (batch,))
+        logits = _only_if((sampled & (k > 0) & (k < vocab)).any(),
+                          lambda x: sampling.apply_top_k_rows(x, _per_row(k, x)), logits)
     elif cfg.top_k is not None:
         logits = sampling.apply_top_k(logits, cfg.top_k)
     if cfg.use_top_p:
-        logits = jnp.where(p < 1.0, sampling.apply_top_p(logits, p), logits)
+        below = (sampled & (jnp.broadcast_to(top_p, (batch,)) < 1.0)).any()
+        logits = _only_if(below, lambda x: jnp.where(p < 1.0, sampling.apply_top_p(x, p), x), logits)
     return logits if greedy is None else jnp.where(greedy, raw, logits)
+
+
+def _only_if(pred: Array, fn: Callable[[Array], Array], x: Array) -> Array:
+    """``fn(x)`` if the traced scalar ``pred`` holds, else ``x`` (which ``fn``
+    must then leave as it is): the work of ``fn`` runs only when it changes something."""
+    return jax.lax.cond(pred, fn, lambda y: y, x)
 
 
 def _per_row(x, like: Array) -> Array:

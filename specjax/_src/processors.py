@@ -121,20 +121,51 @@ class History(NamedTuple):
     seen: Array  # [B, V] bool: prompt and generated tokens
     num_generated: Array  # [B] int32
     eos_ids: Array  # [B, E] int32
+    # Scalar bool: some row's logits change in this cycle (:func:`changes_logits`); where it is
+    # False, ``counts`` and ``seen`` are zeros and :func:`process` returns the logits as they are.
+    # None: always processed.
+    active: Any = None
 
 
-def history(tokens: Array, prompt_lengths: Array, num_committed: Array, eos_ids: Array, vocab: int) -> History:
-    """Counts of ``tokens[b, :num_committed[b]]`` (``[B, L]``), split at the prompt."""
+def changes_logits(processors, controls: Controls, num_generated: Array, live: Array) -> Optional[Array]:
+    """Scalar bool: the built-in processors change some live row's logits in
+    a cycle that starts after ``num_generated [B]`` tokens (a control off its
+    default; for ``min_new_tokens``, a row still short of it). None when ``processors``
+    holds others than the built-ins, whose effect cannot be told: they always run.
+
+    A batch of requests at their defaults (the common case) thus skips the
+    vocabulary-sized counts and scatters of :func:`history` and :func:`process`."""
+    if not set(processors) <= set(BUILTIN_PROCESSORS):
+        return None
+    c = controls
+    row = ((c.repetition_penalty != 1.0) | (c.presence_penalty != 0.0) | (c.frequency_penalty != 0.0)
+           | (c.min_new_tokens > num_generated) | (c.bias_ids >= 0).any(-1))
+    return (row & live).any()
+
+
+def history(tokens: Array, prompt_lengths: Array, num_committed: Array, eos_ids: Array, vocab: int,
+            active: Optional[Array] = None) -> History:
+    """Counts of ``tokens[b, :num_committed[b]]`` (``[B, L]``), split at the prompt
+    (computed only where ``active``, a scalar bool, holds; None: always)."""
     batch, length = tokens.shape
-    pos = jnp.arange(length)[None, :]
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, length))
-    ids = jnp.clip(tokens, 0, vocab - 1)
-    before = pos < num_committed[:, None]
-    generated = before & (pos >= prompt_lengths[:, None])
-    counts = jnp.zeros((batch, vocab), jnp.float32).at[rows, ids].add(generated.astype(jnp.float32))
-    seen = jnp.zeros((batch, vocab), jnp.float32).at[rows, ids].add(before.astype(jnp.float32)) > 0
+
+    def count(tokens):
+        pos = jnp.arange(length)[None, :]
+        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, length))
+        ids = jnp.clip(tokens, 0, vocab - 1)
+        before = pos < num_committed[:, None]
+        generated = before & (pos >= prompt_lengths[:, None])
+        counts = jnp.zeros((batch, vocab), jnp.float32).at[rows, ids].add(generated.astype(jnp.float32))
+        seen = jnp.zeros((batch, vocab), jnp.float32).at[rows, ids].add(before.astype(jnp.float32)) > 0
+        return counts, seen
+
+    if active is None:
+        counts, seen = count(tokens)
+    else:
+        nothing = lambda _: (jnp.zeros((batch, vocab), jnp.float32), jnp.zeros((batch, vocab), bool))  # noqa: E731
+        counts, seen = jax.lax.cond(active, count, nothing, tokens)
     eos = jnp.broadcast_to(eos_ids, (batch, eos_ids.shape[-1])) if eos_ids.ndim == 1 else eos_ids
-    return History(counts, seen, num_committed - prompt_lengths, eos)
+    return History(counts, seen, num_committed - prompt_lengths, eos, active)
 
 
 def process(processors, controls: Controls, hist: History, logits: Array, block: Array, offset: Array) -> Array:
@@ -150,6 +181,10 @@ def process(processors, controls: Controls, hist: History, logits: Array, block:
     Returns:
       ``[B, T, V]`` float32 processed logits.
     """
+    if hist.active is not None:
+        return jax.lax.cond(hist.active, lambda x: process(processors, controls, hist._replace(active=None), x,
+                                                           block, offset),
+                            lambda x: x.astype(jnp.float32), logits)
     batch, width, vocab = logits.shape
     k = block.shape[1]
     onehot = jax.nn.one_hot(block, vocab, dtype=jnp.float32)  # [B, K, V]
