@@ -345,6 +345,22 @@ def _settings(body: _Sampling, prompt: list[int], scheduler: sched.Scheduler, co
 # ---------------------------------------------------------------------------
 
 
+def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
+    """``emit`` for the scheduler's thread: hands each event to the request's loop.
+
+    Once the server's loop has closed (shutdown), nobody is left to read the
+    events, so they are dropped instead of raising in the scheduler's thread.
+    """
+
+    def emit(event) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:
+            pass
+
+    return emit
+
+
 async def _serve(raw: Request, scheduler: sched.Scheduler, config: ServerConfig, body: _Sampling,
                  prompt: list[int], *, chat: bool):
     if scheduler.error is not None:
@@ -357,7 +373,7 @@ async def _serve(raw: Request, scheduler: sched.Scheduler, config: ServerConfig,
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     request = sched.Request(prompt=prompt, settings=settings, stop=stop,
-                            emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+                            emit=_emitter(loop, events))
     try:
         scheduler.submit(request)
     except sched.QueueFull as e:
