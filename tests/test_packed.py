@@ -60,6 +60,17 @@ def test_a_packed_directory_loads_bit_for_bit_and_once(plain_dir, tmp_path, cach
     specjax.load(path)
 
 
+def test_the_unpacked_copy_follows_the_umask(plain_dir, tmp_path, cache):
+    path = _packed_copy(plain_dir, tmp_path)
+    old = os.umask(0o022)
+    try:
+        copy = packed.unpacked(path)
+    finally:
+        os.umask(old)
+    assert os.stat(copy).st_mode & 0o777 == 0o755  # readable by the next user of a shared cache
+    assert os.stat(os.path.join(copy, "model.safetensors")).st_mode & 0o777 == 0o644
+
+
 def test_a_damaged_packed_file_is_named(plain_dir, tmp_path, cache):
     path = _packed_copy(plain_dir, tmp_path)
     xz = os.path.join(path, "model.safetensors.xz")

@@ -22,7 +22,7 @@ import lzma
 import os
 import shutil
 import sys
-import tempfile
+import uuid
 from pathlib import Path
 
 PACKED = "specjax_packed.json"
@@ -87,8 +87,11 @@ def unpacked(path: str) -> str:
         return str(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     # Unpack beside the destination and rename: concurrent loads (pytest
-    # workers) never read a half-written directory.
-    tmp = tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent)
+    # workers) never read a half-written directory. os.mkdir, not mkdtemp:
+    # mkdtemp makes the directory 0700 whatever the umask, and a cache shared
+    # between users must stay readable by the next one.
+    tmp = dest.parent / f"{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    os.mkdir(tmp)
     try:
         for name, want in meta["files"].items():
             src = os.path.join(path, name + ".xz")
