@@ -65,11 +65,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import specjax  # noqa: E402
+from common import timed  # noqa: E402
 from specjax import ModelConfig, testing  # noqa: E402
 from specjax._src.models.decoder import Decoder  # noqa: E402
 
@@ -117,17 +119,6 @@ class Budget:
 
     def left(self) -> bool:
         return self.elapsed < self.limit
-
-
-def timed(fn, repeats: int) -> float:
-    """Median wall seconds of ``fn()`` (which must block) after one untimed call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def blocking(fn):

@@ -77,6 +77,17 @@ def alternate(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
     return times
 
 
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of ``fn()`` (which must block) after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def timed_once(fn: Callable[[], object]) -> tuple[object, float]:
     t0 = time.perf_counter()
     out = fn()

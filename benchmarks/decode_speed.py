@@ -24,8 +24,8 @@ distributions are peaked.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,10 @@ from specjax._src.stats import concatenate
 
 import specjax
 from specjax import Decoder, Model, ModelConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from common import timed  # noqa: E402
 
 
 def random_pair(vocab: int, hidden: int, layers: int, draft_layers: int, seed: int = 0,
@@ -56,17 +60,6 @@ def random_pair(vocab: int, hidden: int, layers: int, draft_layers: int, seed: i
     target = Model(params, module)
     draft = Model(draft_params, Decoder(cfg.replace(num_layers=draft_layers)))
     return target, draft
-
-
-def timed(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` (which must block), after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def forward_cost(model: Model, batch: int, t: int, context: int, cache_length: int, vocab: int,
@@ -126,11 +119,6 @@ def main(argv=None):
     ap.add_argument("--markdown", help="also write the report as markdown")
     args = ap.parse_args(argv)
 
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import common
     from specjax.rules import parse_rule
 
     rep = common.Report("decode_speed: target-only vs speculative, realized vs ideal speedup")
