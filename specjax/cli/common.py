@@ -10,6 +10,13 @@ from pathlib import Path
 
 
 PAIRS = ("smollm2", "smollm2-eagle", "embedded")
+# The checkpoints behind the named pairs: the embedded pair's directories in the package, and the
+# registry names of SmolLM2-135M-Instruct, its distilled draft and its feature head.
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_TARGET = ASSETS / "models" / "target"
+DEFAULT_DRAFT = ASSETS / "models" / "draft"
+SMOLLM2_TARGET, SMOLLM2_DRAFT = "smollm2-135m-instruct", "smollm2-135m-instruct-draft"
+SMOLLM2_EAGLE = "smollm2-135m-instruct-eagle"
 
 
 def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True, default_pair: str = "embedded",
@@ -67,13 +74,12 @@ def load_pair(args):
     Exits with a one-line message when both forms are given or a path is missing.
     """
     import specjax
-    from specjax.cli import compare
 
     if args.pair and (args.target or args.draft):
         raise SystemExit("error: pass either --pair or --target/--draft, not both.")
     if args.target or args.draft:
-        target = args.target or str(compare.DEFAULT_TARGET)
-        draft = args.draft or str(compare.DEFAULT_DRAFT)
+        target = args.target or str(DEFAULT_TARGET)
+        draft = args.draft or str(DEFAULT_DRAFT)
         from specjax._src.models import registry
 
         for name, path in (("target", target), ("draft", draft)):
@@ -83,11 +89,11 @@ def load_pair(args):
                     "directory, a .gguf file or a model name (see `specjax models`)."
                 )
     elif pair_name(args) == "smollm2":
-        target, draft = compare.SMOLLM2_TARGET, compare.SMOLLM2_DRAFT
+        target, draft = SMOLLM2_TARGET, SMOLLM2_DRAFT
     elif pair_name(args) == "smollm2-eagle":
-        target, draft = compare.SMOLLM2_TARGET, compare.SMOLLM2_EAGLE
+        target, draft = SMOLLM2_TARGET, SMOLLM2_EAGLE
     else:
-        target, draft = str(compare.DEFAULT_TARGET), str(compare.DEFAULT_DRAFT)
+        target, draft = str(DEFAULT_TARGET), str(DEFAULT_DRAFT)
     return specjax.load(target, dtype=args.dtype), specjax.load(draft, dtype=args.dtype)
 
 

@@ -56,18 +56,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src import stats as stats_lib
+from specjax.cli import common
+# The named pairs' checkpoints live with the options that pick them; they stay readable as compare's too.
+from specjax.cli.common import (  # noqa: F401
+    ASSETS, DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DRAFT, SMOLLM2_EAGLE, SMOLLM2_TARGET,
+)
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-DEFAULT_TARGET = ASSETS / "models" / "target"
-DEFAULT_DRAFT = ASSETS / "models" / "draft"
 DEFAULT_EVAL = ASSETS / "task"
 TASK_FILE = "arith_heldout.jsonl"  # {prompt, answer}: held-out arithmetic problems
 CODE_FILE = "code_prompts.jsonl"  # {prompt}: snippets of held-out stdlib files
 CHAT_EVAL = ASSETS / "chat"
 CHAT_TASK_FILE = "task.jsonl"  # {prompt, answer}: short questions with one answer
 CHAT_OPEN_FILE = "heldout_prompts.jsonl"  # {prompt}: chat prompts on subjects the draft never saw
-SMOLLM2_TARGET, SMOLLM2_DRAFT = "smollm2-135m-instruct", "smollm2-135m-instruct-draft"
-SMOLLM2_EAGLE = "smollm2-135m-instruct-eagle"
 
 # Rules of the default comparison, as spec strings (the CLI's syntax).
 DEFAULT_RULES = (
@@ -972,7 +972,6 @@ def settings(args) -> Settings:
     """Resolves and checks every option of ``specjax compare``: a mistake
     (a bad value, an --out that cannot be written, the real pair's package
     missing) stops here, before minutes of loading and decoding."""
-    from specjax.cli import common
     from specjax.drafting import ngram_lookup
 
     pair = "custom" if (args.target or args.draft) else common.pair_name(args)
@@ -1005,8 +1004,6 @@ def settings(args) -> Settings:
 
 def run(args) -> int:
     """Runs the rows the options pick, prints the table and verdicts and writes compare.csv/.json/.png."""
-    from specjax.cli import common
-
     plan = settings(args)
     if plan.pair != "custom":
         args.pair = plan.pair  # load_pair loads the named pair
