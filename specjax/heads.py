@@ -1,6 +1,6 @@
 """Target-feature draft heads (EAGLE-style): a one-block draft that reads the target's hidden states.
 
-    head = specjax.load("smollm2-135m-instruct-eagle")           # or heads.load_head(dir)
+    head = specjax.load("smollm2-135m-instruct-eagle")           # or heads.load_feature_head(dir)
     pair = specjax.pair(specjax.load("smollm2-135m-instruct"), head)  # the head borrows the target's embeddings
     out = specjax.decode(pair, prompts, num_draft=4, temperature=0.0)
 
@@ -19,13 +19,15 @@ works with it, on chains and trees. ``python -m training.eagle`` trains one
 for a target.
 """
 
+import warnings
+
 from specjax._src.models.feature_head import (
     FeatureHead,
     attach_embedding,
     head_config,
     init_from_target,
     is_feature_head,
-    load_head,
+    load_feature_head,
     save_head,
     with_feature_layers,
     with_head_vocab,
@@ -38,9 +40,16 @@ __all__ = (
     "head_config",
     "init_from_target",
     "is_feature_head",
-    "load_head",
+    "load_feature_head",
     "save_head",
     "with_feature_layers",
     "with_head_vocab",
     "with_num_layers",
 )
+
+
+def load_head(path, dtype=None):
+    """Deprecated name of :func:`load_feature_head` (``specjax.rules`` loads pivot heads)."""
+    warnings.warn("specjax.heads.load_head is deprecated; use specjax.heads.load_feature_head "
+                  "(specjax.rules.load_pivot_head loads a pivot head).", DeprecationWarning, stacklevel=2)
+    return load_feature_head(path, dtype)

@@ -15,6 +15,8 @@ Every rule documents its correction distribution (what replaces the first
 rejected draft token) and labels each acceptance with a :class:`Path`.
 """
 
+import warnings
+
 from specjax._src.rules.adasd import AdaSD, AdaSDState, adasd, adasd_threshold
 from specjax._src.rules.base import (
     NUM_PATHS,
@@ -41,16 +43,14 @@ from specjax._src.rules.common import entropy, js_distance, paths
 from specjax._src.rules.criteria import Criterion, additive, criterion, multiplicative, top_m, typical
 from specjax._src.rules.ears import Ears, ears
 from specjax._src.rules.mars import Mars, mars
-from specjax._src.rules.pad import (
-    Pad,
+from specjax._src.models.pivot_head import (
+    ARCHS as PIVOT_HEAD_ARCHS,
     PivotHead,
     PivotHeadConfig,
-    PivotPardon,
-    load_head,
-    pad,
-    pivot_features,
-    pivot_pardon,
+    load_pivot_head,
+    resolve_layer,
 )
+from specjax._src.rules.pad import Pad, PivotPardon, pad, pivot_features, pivot_pardon
 from specjax._src.rules.parse import parse_rule, parse_spec, rule_from_spec
 
 __all__ = (
@@ -86,8 +86,10 @@ __all__ = (
     "PivotPardon",
     "PivotHead",
     "PivotHeadConfig",
-    "load_head",
+    "PIVOT_HEAD_ARCHS",
+    "load_pivot_head",
     "pivot_features",
+    "resolve_layer",
     # combinators and building blocks for custom rules
     "any_of",
     "AnyOf",
@@ -110,3 +112,10 @@ __all__ = (
     "parse_spec",
     "rule_from_spec",
 )
+
+
+def load_head(directory):
+    """Deprecated name of :func:`load_pivot_head` (``specjax.heads`` loads feature heads)."""
+    warnings.warn("specjax.rules.load_head is deprecated; use specjax.rules.load_pivot_head "
+                  "(specjax.heads.load_feature_head loads a feature head).", DeprecationWarning, stacklevel=2)
+    return load_pivot_head(directory)

@@ -38,7 +38,7 @@ import specjax
 from specjax._src import decode as decode_lib
 from specjax._src.kernels import cpu_matmul
 from specjax._src.models import feature_head as fh
-from specjax._src.rules.pad import PivotHead, PivotHeadConfig, init_head_params
+from specjax._src.models.pivot_head import PivotHead, PivotHeadConfig, init_head_params
 from specjax.drafting import adasd_entropy, combine, confidence, heuristic, ngram_lookup
 from specjax.rules import (
     adasd, additive, any_of, block_verification, ears, mars, multiplicative, pad, speculative_sampling, top_m,

@@ -276,7 +276,7 @@ def test_an_exported_head_follows_the_umask(head, tmp_path, umask_022):
     fh.save_head(head, str(tmp_path / "head"))
     for name in ("config.json", fh.WEIGHTS_FILE):
         assert stat.S_IMODE(os.stat(tmp_path / "head" / name).st_mode) == 0o644, name
-    loaded = fh.load_head(str(tmp_path / "head"))  # what it wrote reads back
+    loaded = fh.load_feature_head(str(tmp_path / "head"))  # what it wrote reads back
     got, want = fh._flat(loaded.params), fh._flat(head.params)
     assert got.keys() == want.keys()
     for name in want:

@@ -17,13 +17,14 @@ from specjax.rules import (
     Path,
     PivotHead,
     PivotHeadConfig,
-    load_head,
+    load_pivot_head,
     pad,
     parse_rule,
     pivot_features,
+    resolve_layer,
     speculative_sampling,
 )
-from specjax._src.rules.pad import init_head_params, resolve_layer
+from specjax._src.models.pivot_head import init_head_params
 from test_decode import count_compilations
 from tiny_models import llama_config, peaked_target_and_draft
 
@@ -126,7 +127,7 @@ def test_head_files_roundtrip_and_parse(tmp_path):
     head = constant_head(-1.0)
     head.params["net"]["out"]["kernel"] = jnp.ones_like(head.params["net"]["out"]["kernel"]) * 0.01
     head.save(tmp_path / "h")
-    loaded = load_head(tmp_path / "h")
+    loaded = load_pivot_head(tmp_path / "h")
     assert loaded.source == str(tmp_path / "h")
     # The source is a label, not part of the compiled program's key.
     assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(head)
@@ -163,7 +164,7 @@ def test_errors(pair, tmp_path):
 def test_shipped_heads_load_by_name_and_fit_their_targets():
     """Each named head reads its own target: the real pair's is SmolLM2-135M-Instruct's
     layer -8 (hidden 576, 30 blocks); its source is the name, for the spec."""
-    from specjax._src.rules.pad import NAMED_HEADS
+    from specjax._src.models.pivot_head import NAMED_HEADS
     from specjax.rules import pad, parse_rule
 
     assert set(NAMED_HEADS) == {"shipped", "smollm2-135m-instruct"}

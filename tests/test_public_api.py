@@ -89,3 +89,27 @@ def test_console_script_and_python_m_run_the_cli():
     import specjax.cli
 
     assert entry is specjax.cli.main and specjax.__main__.main is specjax.cli.main
+
+
+def test_the_old_head_loader_names_warn_and_load_what_the_new_ones_do(tmp_path):
+    """``load_head`` named two loaders (a pivot head in specjax.rules, a feature
+    head in specjax.heads); each old name still loads, for one release, and its
+    DeprecationWarning names the function to call instead."""
+    import jax
+    import numpy as np
+
+    from specjax import heads, rules
+    from specjax.testing import llama_config, peaked_target_and_draft
+
+    config = rules.PivotHeadConfig(hidden_size=8, layer=-1, target_num_layers=2, arch="linear")
+    rules.PivotHead.init(config, jax.random.key(0)).save(tmp_path / "pivot")
+    with pytest.warns(DeprecationWarning, match=r"specjax\.rules\.load_pivot_head"):
+        old = rules.load_head(tmp_path / "pivot")
+    assert old.config == rules.load_pivot_head(tmp_path / "pivot").config
+
+    target = peaked_target_and_draft(llama_config())[0]
+    heads.save_head(heads.init_from_target(target, jax.random.key(0), np.arange(80)), str(tmp_path / "feature"))
+    with pytest.warns(DeprecationWarning, match=r"specjax\.heads\.load_feature_head"):
+        old = heads.load_head(str(tmp_path / "feature"))
+    new = heads.load_feature_head(str(tmp_path / "feature"))
+    assert heads.is_feature_head(old.module) and old.module == new.module

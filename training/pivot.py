@@ -11,7 +11,7 @@ says rejecting it would not change the task's outcome. This command
    (:mod:`training.rollouts`; defaults: the embedded pair in
    ``specjax/assets/models`` and the training split of its arithmetic task —
    never the held-out problems);
-2. trains the head (:mod:`specjax._src.rules.pad`; the authors' architecture
+2. trains the head (:class:`specjax.rules.PivotHead`; the authors' architecture
    by default, ``--arch linear|mlp`` too) with Optax AdamW on class-balanced
    cross-entropy (``--pivot-weight`` > 1 weights pivots more: recall over
    acceptance), full batch, on an 80/20 stratified split; keeps the
@@ -72,14 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax._src.rules.pad import (
-    ARCHS,
-    PivotHead,
-    PivotHeadConfig,
-    fit_norm,
-    head_logits,
-    init_head_params,
-)
+from specjax.rules import PIVOT_HEAD_ARCHS, PivotHead, PivotHeadConfig, resolve_layer
 from training import common
 from training.rollouts import LabelConfig, LabelledSet
 
@@ -225,12 +218,12 @@ def _optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
 @functools.partial(jax.jit, static_argnames=("head_cfg",))
 def _loss(net, norm, data, *, head_cfg):
     h, s, y, w = data
-    return _balanced_ce(head_logits(head_cfg, {"net": net, "norm": norm}, h, s), y, w)
+    return _balanced_ce(PivotHead(head_cfg, {"net": net, "norm": norm}).logits(h, s), y, w)
 
 
 @functools.partial(jax.jit, static_argnames=("head_cfg",))
 def _prob_pivot(params, h, s, *, head_cfg):
-    return jax.nn.softmax(head_logits(head_cfg, params, h, s), -1)[..., 1]
+    return PivotHead(head_cfg, params).prob_pivot(h, s)
 
 
 @functools.partial(jax.jit, static_argnames=("head_cfg", "tcfg"))
@@ -294,14 +287,13 @@ def train_head(
             f"expected hidden [N, H], scalars [N, 2], labels [N]; got {hidden.shape}, "
             f"{scalars.shape}, {labels.shape}."
         )
-    if config.arch not in ARCHS:
-        raise ValueError(f"unknown arch {config.arch!r}; valid: {', '.join(ARCHS)}")
+    if config.arch not in PIVOT_HEAD_ARCHS:
+        raise ValueError(f"unknown arch {config.arch!r}; valid: {', '.join(PIVOT_HEAD_ARCHS)}")
     tr, va = stratified_split(labels, config.val_fraction, config.seed)
-    norm = fit_norm(hidden[tr], scalars[tr])
     head_cfg = PivotHeadConfig(hidden_size=hidden.shape[1], layer=int(layer),
                                target_num_layers=target_num_layers, arch=config.arch, width=config.width)
-    params0 = init_head_params(head_cfg, jax.random.key(config.seed), norm)
-    net0 = params0["net"]
+    head0 = PivotHead.init(head_cfg, jax.random.key(config.seed), hidden[tr], scalars[tr])
+    norm, net0 = head0.params["norm"], head0.params["net"]
 
     pw = config.pivot_weight
     train = tuple(jnp.asarray(x) for x in (hidden[tr], scalars[tr], labels[tr], _class_weights(labels[tr], pw)))
@@ -406,7 +398,7 @@ def task_prompts(tokenizer, pairs) -> tuple[list[list[int]], list[str]]:
 
 def chat_task_prompts(target, items) -> tuple[list[list[int]], list[str]]:
     """Chat-template token ids of ``items``' prompts and their answers."""
-    from specjax._src.chat import encode_chat
+    from specjax import encode_chat
 
     return [encode_chat(target, it["prompt"]) for it in items], [str(it["answer"]) for it in items]
 
@@ -709,7 +701,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch", type=int, default=32, help="prompts per labelling batch (default: %(default)s)")
 
     g = p.add_argument_group("training")
-    g.add_argument("--arch", choices=ARCHS, default="pad", help="pad = the authors' head (default), linear, mlp")
+    g.add_argument("--arch", choices=PIVOT_HEAD_ARCHS, default="pad", help="pad = the authors' head (default), linear, mlp")
     g.add_argument("--steps", type=int, default=2000, help="full-batch AdamW steps (default: %(default)s)")
     g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: %(default)s)")
@@ -804,8 +796,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     layer = int(ds.meta.get("layer", -8))
     hidden_all = ds.hidden
     if args.hidden_layer is not None:
-        from specjax._src.rules.pad import resolve_layer
-
         hidden_all = ds.hidden_at(args.hidden_layer)
         layer = resolve_layer(args.hidden_layer, int(ds.meta.get("target_num_layers") or 1 << 30))
     rows = np.ones(len(ds), bool) if args.all_rows else ds.keep.astype(bool)

@@ -76,9 +76,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import specjax
-from specjax._src.decode import ModelPair
-from specjax._src.rules.base import residual_distribution
-from specjax._src.rules.pad import pivot_features, resolve_layer
+from specjax import ModelPair
+from specjax.rules import pivot_features, residual_distribution, resolve_layer
 
 Utility = Callable[[np.ndarray, list], np.ndarray]  # optionally with .is_final (see module doc)
 

@@ -490,7 +490,7 @@ def is_head_dir(path: str) -> bool:
         return False
 
 
-def load_head(path: str, dtype: Any = None) -> Model:
+def load_feature_head(path: str, dtype: Any = None) -> Model:
     """Loads a head saved by :func:`save_head`; pair it with its target to use it.
 
     Raises:

@@ -590,7 +590,7 @@ def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
     if feature_head.is_head_dir(path):
         if mesh is not None or shardings is not None:
             raise ValueError("A feature head loads onto one device (it is a few MB); place it after specjax.pair.")
-        return feature_head.load_head(path, dtype)
+        return feature_head.load_feature_head(path, dtype)
     return load_hf(path, dtype, mesh=mesh, shardings=shardings)
 
 
