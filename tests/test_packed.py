@@ -1,12 +1,15 @@
 """Shipped model directories with xz-compressed files (``specjax/_src/models/packed.py``).
 
 A packed directory must load as the plain one did, bit for bit; a damaged
-packed file must be named, never loaded; a second load reads the cached copy.
+packed file must be named, never loaded; a second load reads the cached copy;
+bf16 weights pack smaller than ``xz -9e`` and streams packed with other
+settings still load.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import lzma
 import os
 import shutil
@@ -88,6 +91,39 @@ def test_a_file_that_decompresses_to_other_bytes_is_refused(plain_dir, tmp_path,
         f.write(b"not the weights")
     with pytest.raises(ValueError, match="not the .* recorded in specjax_packed.json"):
         specjax.load(path)
+
+
+def test_bf16_weights_pack_smaller_than_xz_9e_and_unpack_exactly(tmp_path, cache):
+    """bf16 weights compress at least 5% better than ``xz -9e`` (the two-byte LZMA2 setting: 7% on
+    this data; the text setting alone gives 3%), and the stream is still plain xz."""
+    import ml_dtypes
+
+    data = np.random.default_rng(0).normal(0, 0.02, 1 << 17).astype(ml_dtypes.bfloat16).tobytes()
+    path = tmp_path / "weights"
+    path.mkdir()
+    (path / "weights.bin").write_bytes(data)
+    packed.pack(str(path), ["weights.bin"])
+    xz_9e = len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
+    assert os.path.getsize(path / "weights.bin.xz") < 0.95 * xz_9e
+    assert lzma.decompress((path / "weights.bin.xz").read_bytes()) == data  # what ``xz -dk`` gives back
+    assert open(os.path.join(packed.unpacked(str(path)), "weights.bin"), "rb").read() == data
+
+
+def test_a_directory_packed_with_default_xz_settings_loads(plain_dir, tmp_path, cache):
+    """Streams written with xz's default settings (as ``xz -9`` writes them) unpack as before: the
+    reader takes any xz stream, whatever settings packed it."""
+    path = tmp_path / "default-xz"
+    shutil.copytree(plain_dir, path)
+    src = path / "model.safetensors"
+    with open(src, "rb") as fin, lzma.open(str(src) + ".xz", "wb", preset=9) as fout:
+        fout.write(fin.read())
+    meta = {"format": packed.PACKED_FORMAT,
+            "files": {"model.safetensors": {"size": os.path.getsize(src), "sha256": _sha(src)}}}
+    (path / packed.PACKED).write_text(json.dumps(meta))
+    os.unlink(src)
+    model, reference = specjax.load(str(path)), specjax.load(str(plain_dir))
+    for a, b in zip(*(map(np.asarray, jax.tree.leaves(m.params)) for m in (model, reference))):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
 def test_the_shipped_drafters_are_packed_and_load():
