@@ -72,8 +72,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import specjax  # noqa: E402
 from common import timed  # noqa: E402
-from specjax import ModelConfig, testing  # noqa: E402
-from specjax._src.models.decoder import Decoder  # noqa: E402
+from specjax import Decoder, ModelConfig, testing  # noqa: E402
 
 # The shapes users run (Hugging Face configs; random weights), in the order they run:
 # the time budget cuts from the end.

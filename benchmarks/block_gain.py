@@ -9,7 +9,7 @@ This script decodes once with token verification and, at every cycle, computes
 from the same drafts and distributions what each rule accepts *in expectation*
 over its uniforms: ``sum_k prod_{j <= k} min(1, p_j / q_j)`` for token
 verification and ``sum_t t P(tau = t)`` for block verification
-(:func:`specjax._src.rules.block.stopping_probabilities`). The two figures
+(:func:`specjax.rules.stopping_probabilities`). The two figures
 share every draft, so their ratio is exact up to which cycles occur.
 """
 
@@ -23,8 +23,7 @@ import numpy as np
 
 import common
 import specjax
-from specjax._src.rules.block import stopping_probabilities
-from specjax.rules import speculative_sampling, token_prob
+from specjax.rules import speculative_sampling, stopping_probabilities, token_prob
 
 DRAFTERS = {"eagle": "smollm2-135m-instruct-eagle", "draft": "smollm2-135m-instruct-draft"}
 

@@ -48,22 +48,22 @@ def products(report: common.Report, rows: list[int], rounds: int) -> None:
     import jax
     import jax.numpy as jnp
 
-    from specjax._src.kernels import cpu_matmul
+    from specjax.models import CPU_MATMUL_MAX_ROWS, cpu_matmul
 
     rng = np.random.default_rng(0)
     mats = [jnp.asarray(rng.standard_normal((HIDDEN, MLP), np.float32) * 0.02) for _ in range(LAYERS)]
     table = jnp.asarray(rng.standard_normal((VOCAB, HIDDEN), np.float32) * 0.02)
-    mlp = {"xla": _chain(lambda x, w: x @ w), "kernel": _chain(cpu_matmul.matmul)}
+    mlp = {"xla": _chain(lambda x, w: x @ w), "kernel": _chain(cpu_matmul)}
     head = {
         "xla": jax.jit(lambda x, t: jnp.einsum("vh,th->vt", t, x).T),
-        "kernel": jax.jit(lambda x, t: cpu_matmul.matmul(x, t, transpose_w=True)),
+        "kernel": jax.jit(lambda x, t: cpu_matmul(x, t, transpose_w=True)),
     }
     out = []
     for m in rows:
         x = jnp.asarray(rng.standard_normal((m, HIDDEN), np.float32))
         fns = {f"{part} {name}": (lambda f=f, a=a: jax.block_until_ready(f(x, a)))
                for part, group, a in (("mlp", mlp, mats), ("head", head, table))
-               for name, f in group.items() if name == "xla" or m <= cpu_matmul.MAX_ROWS}
+               for name, f in group.items() if name == "xla" or m <= CPU_MATMUL_MAX_ROWS}
         times = common.alternate(fns, rounds)
         ms = {k: 1e3 * common.median(v) for k, v in times.items()}
         cell = lambda part: (f"{ms[part + ' xla']:.2f}", f"{ms[part + ' kernel']:.2f}" if part + " kernel" in ms  # noqa: E731
@@ -116,10 +116,10 @@ def main(argv=None):
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
 
-    from specjax._src.kernels import cpu_matmul
+    from specjax.models import build_cpu_kernels
 
     report = common.Report("few-row CPU matmul kernels against XLA's dot")
-    cpu_matmul.ensure_loaded()
+    build_cpu_kernels()
     products(report, args.rows, args.rounds)
     if not args.skip_model:
         forwards(report, args.widths, args.rounds, args.target)

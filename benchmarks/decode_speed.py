@@ -31,8 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src.stats import concatenate
-
 import specjax
 from specjax import Decoder, Model, ModelConfig
 
@@ -195,7 +193,7 @@ def main(argv=None):
             tok = sum(int(np.sum(o.lengths)) for o in outs)
             tokens = sum(float(np.sum(o.stats.tokens)) for o in outs)
             cycles = sum(float(np.sum(o.stats.cycles)) for o in outs)
-            acc = concatenate([o.stats for o in outs]).acceptance_rate  # alpha = accepted / judged
+            acc = specjax.concatenate_stats([o.stats for o in outs]).acceptance_rate  # alpha = accepted / judged
             dpc = sum(float(o.stats.draft_forwards) for o in outs) / max(
                 sum(float(o.stats.target_forwards) for o in outs), 1.0)
             tau = tokens / cycles

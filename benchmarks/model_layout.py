@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import Decoder, ModelConfig
-from specjax._src.models.decoder import Block, _norm
+from specjax.models import Block, RMSNorm
 
 CONFIG = ModelConfig(
     model_type="llama", vocab_size=8192, hidden_size=512, num_layers=6, num_heads=8,
@@ -69,7 +69,7 @@ def stacked_decoder(model: Decoder, params, steps: int):
             return x, (k, v)
 
         x, (keys, values) = jax.lax.scan(layer, x, (p["layers"], keys, values))
-        x = _norm(cfg, "final_norm").apply({"params": p["final_norm"]}, x)
+        x = RMSNorm(cfg.norm_eps, jnp.dtype(cfg.dtype)).apply({"params": p["final_norm"]}, x)
         logits = x @ p["lm_head"]
         return logits, keys, values, lengths + tokens.shape[1]
 

@@ -137,13 +137,12 @@ def hf_models(draft_model, K: int):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from specjax._src.models import hf as hf_lib
-    from specjax._src.models import registry
+    from specjax.models import hf_tensor_specs, known_model_path, to_hf_config
 
-    folder, name = os.path.split(registry.resolve(TARGET))
+    folder, name = os.path.split(known_model_path(TARGET))
     target = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     cfg = draft_model.module.config
-    hf_cfg = {k: v for k, v in hf_lib.to_hf_config(cfg.replace(head_vocab_size=None)).items()
+    hf_cfg = {k: v for k, v in to_hf_config(cfg.replace(head_vocab_size=None)).items()
               if k not in ("architectures", "model_type")}
     hf_cfg["tie_word_embeddings"] = False
     ids = np.asarray(draft_model.params["head_vocab_ids"])
@@ -158,7 +157,7 @@ def hf_models(draft_model, K: int):
 
     draft = MaskedLlama(LlamaConfig(**hf_cfg)).eval()
     state = {}
-    for spec in hf_lib.tensor_specs(cfg.replace(head_vocab_size=None, tie_word_embeddings=False)):
+    for spec in hf_tensor_specs(cfg.replace(head_vocab_size=None, tie_word_embeddings=False)):
         if spec.hf_name == "lm_head.weight":
             continue
         leaf = draft_model.params

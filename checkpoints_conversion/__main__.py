@@ -136,6 +136,7 @@ def _check_out_spares_src(src: str, out: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from specjax._src.models import loading, manifest
+    from specjax.models import check_output_dir
 
     try:
         if args.command == "manifest":
@@ -149,7 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         # Refuse before the (possibly long) read, and again when writing.
         _check_out_spares_src(args.src, args.out)
-        loading.check_output_dir(args.out, args.force, flag="--force")
+        check_output_dir(args.out, args.force, flag="--force")
         if args.command == "to-orbax":
             if loading.is_orbax_dir(args.src):
                 raise ValueError(f"{args.src} is already an Orbax checkpoint.")

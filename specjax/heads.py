@@ -16,18 +16,24 @@ without changing what it drafts, and :func:`with_num_layers` stacks more
 blocks on a trained head the same way; :func:`with_head_vocab` narrows its
 LM head to fewer (the most frequent) tokens, for a cheaper step. Every acceptance rule and drafting policy
 works with it, on chains and trees. ``python -m training.eagle`` trains one
-for a target.
+for a target. A head's directory (:func:`save_head`) holds ``config.json``
+and ``head.safetensors`` (``WEIGHTS_FILE``), without the borrowed embedding;
+:class:`FeatureHeadModule` and :func:`reduce_features` are the Flax module and
+the feature mix behind :class:`FeatureHead`, for a training loss.
 """
 
 import warnings
 
 from specjax._src.models.feature_head import (
+    WEIGHTS_FILE,
     FeatureHead,
+    _HeadModule as FeatureHeadModule,
     attach_embedding,
     head_config,
     init_from_target,
     is_feature_head,
     load_feature_head,
+    reduce_features,
     save_head,
     with_feature_layers,
     with_head_vocab,
@@ -35,12 +41,15 @@ from specjax._src.models.feature_head import (
 )
 
 __all__ = (
+    "WEIGHTS_FILE",
     "FeatureHead",
+    "FeatureHeadModule",
     "attach_embedding",
     "head_config",
     "init_from_target",
     "is_feature_head",
     "load_feature_head",
+    "reduce_features",
     "save_head",
     "with_feature_layers",
     "with_head_vocab",

@@ -37,7 +37,7 @@ from specjax._src.rules.base import (
     token_prob,
     traced_field,
 )
-from specjax._src.rules.block import BlockVerification, block_verification
+from specjax._src.rules.block import BlockVerification, block_verification, stopping_probabilities
 from specjax._src.rules.combinators import AllOf, AnyOf, all_of, any_of
 from specjax._src.rules.common import entropy, js_distance, paths
 from specjax._src.rules.criteria import Criterion, additive, criterion, multiplicative, top_m, typical
@@ -68,6 +68,7 @@ __all__ = (
     "SpeculativeSampling",
     "block_verification",
     "BlockVerification",
+    "stopping_probabilities",
     "ears",
     "Ears",
     "mars",

@@ -20,6 +20,7 @@ PUBLIC_MODULES = (
     "specjax.testing",
     "specjax.trees",
     "specjax.heads",
+    "specjax.models",
     "specjax.cli",
 )
 

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src.chat import encode_chat
+from specjax import encode_chat
 
 # Greedy rows teach the T=0 path, sampled rows the T=1 one and variety.
 TEMPERATURE_CYCLE = (0.0, 0.7, 1.0)

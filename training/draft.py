@@ -62,11 +62,9 @@ import numpy as np
 import optax
 
 import specjax
-from specjax._src.lm import Model
-from specjax._src.models import loading
-from specjax._src.models.config import ModelConfig
-from specjax._src.models.decoder import Decoder, Transformer, is_index_param
-from specjax._src.models.feature_head import is_feature_head
+from specjax import Decoder, Model, ModelConfig
+from specjax.heads import is_feature_head
+from specjax.models import Transformer, astype
 from training import chat_prompts, common, distill_data
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -227,18 +225,15 @@ def measure_acceptance(target: Model, draft: Model, prompts: list[str], *, num_d
     per-token rate that predicts tau; ``accepted_per_drafted`` is the share of
     drafted tokens kept; ``first_position`` is alpha at slot 0 (always judged).
     """
-    from specjax._src.chat import encode_chat
-    from specjax._src.stats import concatenate
-
     pair = specjax.pair(target, draft)
     eos = target.module.config.eos_token_ids
     outs = []
     for start in range(0, len(prompts), batch_size):
-        ids = [encode_chat(target, p) for p in prompts[start:start + batch_size]]
+        ids = [specjax.encode_chat(target, p) for p in prompts[start:start + batch_size]]
         out = specjax.decode(pair, ids, num_draft=num_draft, max_new_tokens=max_new_tokens,
                              temperature=temperature, eos_token_id=eos, key=jax.random.key(seed + start))
         outs.append(out.stats)
-    s = concatenate(outs)  # pooled counts, not averaged rates
+    s = specjax.concatenate_stats(outs)  # pooled counts, not averaged rates
     return {"acceptance_rate": s.acceptance_rate, "accepted_per_drafted": s.accepted_per_drafted,
             "first_position": float(s.acceptance_at_position[0]), "tau": s.tau, "prompts": len(prompts),
             "num_draft": num_draft, "temperature": temperature, "max_new_tokens": max_new_tokens}
@@ -293,7 +288,7 @@ def export(draft: Model, dest: pathlib.Path) -> pathlib.Path:
     place once its card and logs are written too."""
     tmp = dest.with_name(dest.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
-    loading.export_hf(loading.astype(draft, "bfloat16"), str(tmp))
+    specjax.export_hf(astype(draft, "bfloat16"), str(tmp))
     return tmp
 
 
@@ -521,7 +516,7 @@ def main(argv=None) -> int:
     train_step = common.make_train_step(loss_fn, optimizer)
     state = common.init_state(trainable, optimizer)
     ckpt = common.Checkpointer(out / "ckpt", every_seconds=120)
-    meta = {"config": loading.config_to_dict(cfg), "num_shards": num_shards, "seed": args.seed,
+    meta = {"config": cfg.to_dict(), "num_shards": num_shards, "seed": args.seed,
             "init_from": args.init_from}
     try:  # all of meta defines the run: other values would reinterpret the saved weights or batches
         restored = ckpt.restore(state, settings=meta, advice=(
@@ -577,7 +572,7 @@ def main(argv=None) -> int:
         "name": export_dir.name, "target": args.target, "command": command, "run_id": run_id,
         "train_prompts": len(set(train_prompts[: num_shards * args.gather_batch])),
         "train_rows": int(train["tokens"].shape[0]), "train_answer_tokens": answer_tokens,
-        "top_k": args.top_k, "config": loading.config_to_dict(cfg), "head_coverage": coverage,
+        "top_k": args.top_k, "config": cfg.to_dict(), "head_coverage": coverage,
         "params": n_params,
         "params_per_token": n_params - cfg.vocab_size * cfg.hidden_size,
         "steps": int(state["step"]), "batch": args.batch, "seq_len": args.seq_len,

@@ -1,6 +1,6 @@
 """Train an EAGLE-style target-feature draft head: ``python -m training.eagle``.
 
-The head (:mod:`specjax._src.models.feature_head`) is one decoder block that
+The head (:mod:`specjax.heads`) is one decoder block that
 reads the target's last-block features ``f_i`` (or, with ``--feature-layers``,
 a learned mixture of several blocks' outputs, as EAGLE-3) and the next token ``x_{i+1}``,
 predicts ``f_{i+1}`` and, through a final norm and a reduced LM head, the token
@@ -72,9 +72,8 @@ import ml_dtypes
 import numpy as np
 
 import specjax
-from specjax._src.lm import Model
-from specjax._src.models import feature_head, loading
-from specjax._src.models.feature_head import FeatureHead, _HeadModule
+from specjax import Model, heads
+from specjax.heads import FeatureHead, FeatureHeadModule
 from training import chat_prompts, common, distill_data, draft
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -231,7 +230,7 @@ def make_unrolled(cfg, steps: int, num_feature_layers: int = 1):
     made at ``j - 1``), attending as :func:`chain_mask` says. Logits are over
     the reduced head only (``lm_head`` columns, in ``head_vocab_ids`` order).
     """
-    module = _HeadModule(cfg)
+    module = FeatureHeadModule(cfg)
     eps = cfg.norm_eps
 
     def run(params, tokens, features):
@@ -242,7 +241,7 @@ def make_unrolled(cfg, steps: int, num_feature_layers: int = 1):
         zeros = jnp.zeros((b, cfg.num_kv_heads, size, cfg.head_dim), dtype)
         caches = tuple((zeros, zeros) for _ in range(cfg.num_layers))
         out = []
-        features = feature_head.reduce_features(params, features, num_feature_layers, eps)
+        features = heads.reduce_features(params, features, num_feature_layers, eps)
         feats = features
         for m in range(1, steps + 1):
             lengths = jnp.full((b,), (m - 1) * t, jnp.int32)
@@ -342,7 +341,7 @@ def make_loss(cfg, *, unroll: int, reg_weight: float, unroll_weight: float = 1.0
                 step_loss = step_loss + tv_weight * (1.0 - overlap)
             total = total + (1.0 if m == 1 else unroll_weight) * step_loss
         next_features = jax.lax.stop_gradient(
-            feature_head.reduce_features(params, h["next_features"], num_feature_layers, cfg.norm_eps))
+            heads.reduce_features(params, h["next_features"], num_feature_layers, cfg.norm_eps))
         reg = _smooth_l1(_rms_normalise(outs[0][1]), _rms_normalise(next_features))
         reg = jnp.sum(jnp.where(ans, reg, 0.0)) / jnp.maximum(ans.sum(), 1)
         aux["reg"] = reg
@@ -502,7 +501,7 @@ def export(head: Model, dest: pathlib.Path, *, extra: dict) -> pathlib.Path:
     place once its card and logs are written too."""
     tmp = dest.with_name(dest.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
-    feature_head.save_head(as_bfloat16(head), str(tmp), extra=extra)
+    heads.save_head(as_bfloat16(head), str(tmp), extra=extra)
     return tmp
 
 
@@ -809,15 +808,15 @@ def main(argv=None) -> int:
         f"covers {100 * coverage:.2f}% of the target's top-1; {held['tokens'].shape[0]} held-out rows")
 
     if init is not None:  # continue from an exported head (fresh optimizer and schedule)
-        head0 = feature_head.with_feature_layers(feature_head.attach_embedding(init, target), feature_layers)
-        head0 = feature_head.with_num_layers(head0, num_blocks)
+        head0 = heads.with_feature_layers(heads.attach_embedding(init, target), feature_layers)
+        head0 = heads.with_num_layers(head0, num_blocks)
         if head_ids.size < head0.module.config.head_vocab_size:
-            head0 = feature_head.with_head_vocab(head0, head_ids)
+            head0 = heads.with_head_vocab(head0, head_ids)
     else:
-        head0 = feature_head.init_from_target(target, jax.random.key(args.seed), head_ids, num_layers=num_blocks)
+        head0 = heads.init_from_target(target, jax.random.key(args.seed), head_ids, num_layers=num_blocks)
         if args.balanced_fuse:
             head0 = balance_fuse(head0)
-        head0 = feature_head.with_feature_layers(head0, feature_layers)
+        head0 = heads.with_feature_layers(head0, feature_layers)
     n_layers = len(feature_layers)
     cfg = head0.module.config
     trainable, frozen = split_params(head0.params)
@@ -830,7 +829,7 @@ def main(argv=None) -> int:
     train_step = common.make_train_step(loss_fn, optimizer)
     state = common.init_state(jax.tree.map(jnp.copy, trainable), optimizer)  # the step donates its state
     ckpt = common.Checkpointer(out / "ckpt", every_seconds=args.checkpoint_seconds, log=log)
-    meta = {"config": loading.config_to_dict(cfg), "num_shards": num_shards, "seed": args.seed,
+    meta = {"config": cfg.to_dict(), "num_shards": num_shards, "seed": args.seed,
             "unroll": args.unroll, "reg_weight": args.reg_weight, "tv_weight": args.tv_weight, "lr": args.lr, "steps": args.steps,
             "batch": args.batch, "balanced_fuse": args.balanced_fuse, "feature_layers": list(feature_layers),
             "init_from": args.init_from}
@@ -879,7 +878,7 @@ def main(argv=None) -> int:
     # Evaluated, carded and logged in the temporary directory, then swapped in
     # whole: an interruption leaves the old export or the complete new one.
     tmp = export(head, export_dir, extra=extra)
-    loaded = feature_head.attach_embedding(specjax.load(tmp, dtype="float32"), target)  # the bf16 weights
+    loaded = heads.attach_embedding(specjax.load(tmp, dtype="float32"), target)  # the bf16 weights
     res = agreement(loaded.module.config, loaded.params, held, num_feature_layers=n_layers)
     res0 = agreement(cfg, head0.params, held, num_feature_layers=n_layers)
     log(f"[eagle] held-out agreement (exported bf16): {json.dumps(res)}; before training: {json.dumps(res0)}")
@@ -889,8 +888,8 @@ def main(argv=None) -> int:
         "name": export_dir.name, "target": args.target, "command": command, "run_id": run_id,
         "num_shards": num_shards, "train_rows": int(train["tokens"].shape[0]),
         "train_answer_tokens": answer_tokens, "head_coverage": coverage,
-        "config": loading.config_to_dict(cfg), "params": n_params, "feature_layers": list(feature_layers),
-        "bytes": (tmp / feature_head.WEIGHTS_FILE).stat().st_size,
+        "config": cfg.to_dict(), "params": n_params, "feature_layers": list(feature_layers),
+        "bytes": (tmp / heads.WEIGHTS_FILE).stat().st_size,
         "steps": int(state["step"]), "batch": args.batch, "seq_len": args.seq_len, "lr": meta.get("lr", args.lr),
         "unroll": int(meta.get("unroll", args.unroll)), "reg_weight": meta.get("reg_weight", args.reg_weight),
         "tv_weight": meta.get("tv_weight", 0.0), "draft_temperature": draft_temperature,
@@ -918,7 +917,7 @@ def main(argv=None) -> int:
     if args.steps == 0:
         source_rows = load_rows([held_shard], out / "heldout" / "features", np.asarray(init.params["head_vocab_ids"]),
                                 args.seq_len, cfg_t.vocab_size, width)
-        source = feature_head.with_feature_layers(feature_head.attach_embedding(init, target), feature_layers)
+        source = heads.with_feature_layers(heads.attach_embedding(init, target), feature_layers)
         summary["heldout_source"] = agreement(source.module.config, source.params, source_rows,
                                               num_feature_layers=n_layers)
         summary["init_from"] = args.init_from

@@ -3,11 +3,11 @@
 Corpus and task: :mod:`training.data` (CPython stdlib source + ``assert A + B
 == C`` with 0..99 operands; held-out task pairs and held-out stdlib files are
 never trained on). Tokenizer: :mod:`training.tokenizer` (byte-level BPE, 2048
-tokens, digits split). Models: Llama-layout :class:`specjax._src.models.
-decoder.Decoder`, float32 training, AdamW with warmup + cosine
-(:mod:`training.common`), Orbax checkpoints every few minutes under
-``--out``; ``--resume`` continues an interrupted run exactly (step, params,
-optimizer state; batches are a pure function of ``(seed, step)``).
+tokens, digits split). Models: Llama-layout :class:`specjax.Decoder`, float32
+training, AdamW with warmup + cosine (:mod:`training.common`), Orbax
+checkpoints every few minutes under ``--out``; ``--resume`` continues an
+interrupted run exactly (step, params, optimizer state; batches are a pure
+function of ``(seed, step)``).
 
 At the end: held-out code and task loss, greedy exact match on the held-out
 task, ``MODEL_CARD.md``, and a Hugging Face directory (config.json,
@@ -69,7 +69,6 @@ import os
 import pathlib
 import platform
 import shutil
-import sys
 import time
 
 import jax
@@ -77,9 +76,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax._src.models.config import ModelConfig
-from specjax._src.models import decoder as decoder_lib
-from specjax._src.models.decoder import Decoder
+from specjax import models
+from specjax.models import Decoder, ModelConfig
 from training import common, data
 from training import tokenizer as tokenizer_lib
 
@@ -151,8 +149,8 @@ def train_logits(cfg: ModelConfig, params, tokens):
     n, kv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     x = params["embed"]["embedding"][tokens].reshape(b * t, h)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    rope = decoder_lib.rope_cos_sin(positions, decoder_lib.rope_inv_freq(cfg))
-    mask = decoder_lib.attention_mask(positions, t, cfg.sliding_window)
+    rope = models.rope_cos_sin(positions, models.rope_inv_freq(cfg))
+    mask = models.attention_mask(positions, t, cfg.sliding_window)
     for i in range(cfg.num_layers):
         lp = params[f"layer_{i}"]
         a, m = lp["attn"], lp["mlp"]
@@ -160,9 +158,9 @@ def train_logits(cfg: ModelConfig, params, tokens):
         q = (y @ a["q"]["kernel"]).reshape(b, t, n, d)
         k = (y @ a["k"]["kernel"]).reshape(b, t, kv, d)
         v = (y @ a["v"]["kernel"]).reshape(b, t, kv, d)
-        q, k = decoder_lib.rotate(q, *rope), decoder_lib.rotate(k, *rope)
+        q, k = models.rotate(q, *rope), models.rotate(k, *rope)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # heads-major, as the cache
-        o = decoder_lib.grouped_attention(q, k, v, mask, d**-0.5).reshape(b * t, n * d)
+        o = models.grouped_attention(q, k, v, mask, d**-0.5).reshape(b * t, n * d)
         x = x + o @ a["o"]["kernel"]
         y = _rms(x, lp["mlp_norm"]["scale"], cfg.norm_eps)
         x = x + (jax.nn.silu(y @ m["gate"]["kernel"]) * (y @ m["up"]["kernel"])) @ m["down"]["kernel"]
@@ -327,18 +325,13 @@ def _write_card(path: pathlib.Path, name: str, summary: dict, cfg: ModelConfig) 
 
 
 def export(module: Decoder, params, tokenizer, out_dir: pathlib.Path, force: bool = False) -> bool:
-    """HF directory through the project's exporter, in bf16. False if unavailable."""
-    try:
-        from specjax._src.models import loading
-    except ImportError as e:  # the exporter lands separately
-        print(f"export skipped: {e}", file=sys.stderr)
-        return False
+    """Writes a Hugging Face directory (:func:`specjax.export_hf`) in bf16; returns True."""
     import specjax
 
     cfg = module.config.replace(dtype="bfloat16")
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     model = specjax.Model(params=bf16, module=Decoder(cfg), tokenizer=tokenizer)
-    loading.export_hf(model, str(out_dir), overwrite=force)
+    specjax.export_hf(model, str(out_dir), overwrite=force)
     if not (out_dir / "tokenizer.json").exists():
         tokenizer.save(str(out_dir / "tokenizer.json"))
     # So that transformers' AutoTokenizer knows the special tokens too.

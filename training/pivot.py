@@ -72,6 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from specjax.models import check_output_dir, write_directory
 from specjax.rules import PIVOT_HEAD_ARCHS, PivotHead, PivotHeadConfig, resolve_layer
 from training import common
 from training.rollouts import LabelConfig, LabelledSet
@@ -757,8 +758,6 @@ def resolve_out(args) -> pathlib.Path:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from specjax._src.models import loading
-
     resolve_task_defaults(args)
     if args.evaluate and args.task == "chat":
         print("error: --evaluate measures the embedded pair's task; measure a chat-task head with "
@@ -775,7 +774,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 common.check_resumable(args.ckpt_dir, fresh=False)
             if args.gather or not pathlib.Path(args.dataset).is_file():
                 common.check_outside_package(args.dataset, "--dataset")
-            loading.check_output_dir(args.out, args.force, flag="--force")
+            check_output_dir(args.out, args.force, flag="--force")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -833,7 +832,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         write_card(d, final=args.out)
 
     try:
-        loading._write_directory(args.out, args.force, write)
+        write_directory(args.out, args.force, write)
     except ValueError as e:  # the directory was filled while we trained
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -128,3 +128,16 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """The fields as JSON-able values (what checkpoints store); :meth:`from_dict` reads them back."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "ModelConfig":
+        """The config whose :meth:`to_dict` gave ``fields``."""
+        fields = dict(fields)
+        if fields.get("rope_scaling") is not None:
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        fields["eos_token_ids"] = tuple(fields.get("eos_token_ids") or ())
+        return cls(**fields)

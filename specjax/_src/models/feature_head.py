@@ -62,6 +62,8 @@ from specjax._src.models.decoder import (
     scatter_to_vocab,
     tree_attention_mask,
 )
+from specjax._src.models.files import load_tokenizer, write_directory
+from specjax._src.models.hf import write_safetensors
 
 CONFIG_KEY = "specjax_feature_head"
 WEIGHTS_FILE = "head.safetensors"
@@ -461,10 +463,7 @@ def save_head(head: Model, path: str, *, overwrite: bool = False, extra: Optiona
     target it was trained for). An existing non-empty ``path`` is replaced only
     with ``overwrite=True``, and then whole (written aside, swapped in).
     """
-    from specjax._src.models.hf import write_safetensors
-    from specjax._src.models.loading import _write_directory, config_to_dict
-
-    meta = {CONFIG_KEY: {"config": config_to_dict(head.module.config),
+    meta = {CONFIG_KEY: {"config": head.module.config.to_dict(),
                          "feature_layers": list(head.module.feature_layers), **(extra or {})}}
 
     def write(tmp: str) -> None:
@@ -476,7 +475,7 @@ def save_head(head: Model, path: str, *, overwrite: bool = False, extra: Optiona
         for _ in write_safetensors(os.path.join(tmp, WEIGHTS_FILE), tensors):
             pass
 
-    _write_directory(path, overwrite, write)
+    write_directory(path, overwrite, write)
 
 
 def is_head_dir(path: str) -> bool:
@@ -498,11 +497,9 @@ def load_feature_head(path: str, dtype: Any = None) -> Model:
     """
     from safetensors.numpy import load_file
 
-    from specjax._src.models.loading import _load_tokenizer, config_from_dict
-
     with open(os.path.join(path, "config.json")) as f:
         meta = json.load(f)[CONFIG_KEY]
-    cfg = config_from_dict(meta["config"])
+    cfg = ModelConfig.from_dict(meta["config"])
     if dtype is not None:
         cfg = cfg.replace(dtype=jnp.dtype(dtype).name)
     # "feature_layer": one block, as heads saved before feature_layers were written
@@ -524,4 +521,4 @@ def load_feature_head(path: str, dtype: Any = None) -> Model:
             raise ValueError(f"{weights_file}: tensor {name!r} has shape {value.shape}, expected {leaf.shape}.")
         flat[key] = jnp.asarray(value, leaf.dtype)
     params = traverse_util.unflatten_dict(flat)
-    return Model(params=params, module=module, tokenizer=_load_tokenizer(path), chat_template=None)
+    return Model(params=params, module=module, tokenizer=load_tokenizer(path), chat_template=None)

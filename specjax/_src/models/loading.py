@@ -20,7 +20,6 @@ Pickle weights are refused (see :func:`specjax._src.models.hf.find_weight_files`
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -31,17 +30,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax._src import sharding as sharding_lib
 from specjax._src.lm import Model
-from specjax._src.models import hf
-from specjax._src.models.config import ModelConfig, RopeScaling
+from specjax._src.models import feature_head, hf
+from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
+from specjax._src.models.files import (
+    load_chat_template,
+    load_tokenizer,
+    save_tokenizer,
+    write_directory,
+    write_directory_from_every_process,
+)
 
 ORBAX_CONFIG = "specjax_config.json"
 ORBAX_FORMAT = "specjax-orbax"
 ORBAX_VERSION = 1
 _PARAMS_DIR = "params"
-_TOKENIZER = "tokenizer.json"
-_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 Progress = Optional[Callable[[Any], Any]]  # e.g. `functools.partial(tqdm, desc=...)`
 
@@ -67,65 +72,8 @@ def _get(tree: dict, path: Sequence[str]):
     return tree
 
 
-def _load_tokenizer(path: str):
-    file = os.path.join(path, _TOKENIZER)
-    if not os.path.exists(file):
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(file)
-    except Exception as e:  # tokenizers raises a bare Exception for a damaged file
-        raise ValueError(f"{file} cannot be read as a tokenizer ({e}); restore or remove it.") from e
-
-
-def _save_tokenizer(model: Model, path: str) -> None:
-    """``tokenizer.json``, and a ``tokenizer_config.json`` with the chat template
-    and the special tokens' text: transformers takes BOS / EOS / PAD from there,
-    not from ``config.json``, and would pad and render templates without them."""
-    settings = {}
-    if model.tokenizer is not None:
-        model.tokenizer.save(os.path.join(path, _TOKENIZER))
-        config = getattr(model.module, "config", None)
-        for name in ("bos", "eos", "pad"):
-            token_id = getattr(config, f"{name}_token_id", None)
-            text = None if token_id is None else model.tokenizer.id_to_token(int(token_id))
-            if text is not None:
-                settings[f"{name}_token"] = text
-    if model.chat_template is not None:
-        settings["chat_template"] = model.chat_template
-    if settings:
-        with open(os.path.join(path, _TOKENIZER_CONFIG), "w") as f:
-            json.dump(settings, f, indent=1)
-
-
-def _load_chat_template(path: str) -> Optional[str]:
-    """The chat template of ``tokenizer_config.json``, as transformers reads it."""
-    file = os.path.join(path, _TOKENIZER_CONFIG)
-    if not os.path.exists(file):
-        return None
-    try:
-        with open(file) as f:
-            template = json.load(f).get("chat_template")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"{file} is not valid JSON ({e}); fix or remove it.") from e
-    return template if isinstance(template, str) else None
-
-
 def _shape_str(shape) -> str:
     return "(" + ", ".join(str(int(d)) for d in shape) + ")"
-
-
-def config_to_dict(cfg: ModelConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def config_from_dict(d: dict) -> ModelConfig:
-    d = dict(d)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
-    return ModelConfig(**d)
 
 
 # --------------------------------------------------------------------------- #
@@ -158,8 +106,6 @@ def _target_shardings(cfg: ModelConfig, mesh, shardings):
     if shardings is not None:
         return shardings(cfg) if callable(shardings) else shardings
     if mesh is not None:
-        from specjax._src import sharding as sharding_lib
-
         return sharding_lib.param_shardings(cfg, mesh)
     return None
 
@@ -196,8 +142,8 @@ def load_hf(
         _target_shardings(cfg, mesh, shardings),
     )
     return Model(
-        params=params, module=Decoder(cfg), tokenizer=_load_tokenizer(path),
-        chat_template=_load_chat_template(path),
+        params=params, module=Decoder(cfg), tokenizer=load_tokenizer(path),
+        chat_template=load_chat_template(path),
     )
 
 
@@ -331,9 +277,9 @@ def save_orbax(model: Model, path: str, *, overwrite: bool = False) -> None:
         raise TypeError(f"save_orbax needs a specjax Decoder model, got {type(module).__name__}.")
     write = functools.partial(_write_orbax, model)
     if jax.process_count() > 1:
-        _write_directory_from_every_process(path, overwrite, write)
+        write_directory_from_every_process(path, overwrite, write)
     else:
-        _write_directory(path, overwrite, write)
+        write_directory(path, overwrite, write)
 
 
 def _write_orbax(model: Model, path: str) -> None:
@@ -345,11 +291,11 @@ def _write_orbax(model: Model, path: str) -> None:
     checksums, _ = _checksums(model.params, gather=True)
     if jax.process_index() != 0:
         return
-    _save_tokenizer(model, path)
+    save_tokenizer(model, path)
     meta = {
         "format": ORBAX_FORMAT,
         "version": ORBAX_VERSION,
-        "config": config_to_dict(model.module.config),
+        "config": model.module.config.to_dict(),
         "checksums": checksums,
     }
     with open(os.path.join(path, ORBAX_CONFIG), "w") as f:
@@ -376,7 +322,7 @@ def load_orbax(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Mo
             meta = json.load(f)
         if meta.get("format") != ORBAX_FORMAT:
             raise ValueError(f"format is {meta.get('format')!r}, expected {ORBAX_FORMAT!r}")
-        cfg = config_from_dict(meta["config"])
+        cfg = ModelConfig.from_dict(meta["config"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"Orbax checkpoint {path} has an unreadable {ORBAX_CONFIG}: {e}") from e
     module = Decoder(cfg)
@@ -417,8 +363,8 @@ def load_orbax(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Mo
         params = jax.tree.unflatten(treedef, leaves)
         module = Decoder(cfg.replace(dtype=jnp.dtype(dtype).name))
     return Model(
-        params=params, module=module, tokenizer=_load_tokenizer(path),
-        chat_template=_load_chat_template(path),
+        params=params, module=module, tokenizer=load_tokenizer(path),
+        chat_template=load_chat_template(path),
     )
 
 
@@ -506,7 +452,7 @@ def export_hf(model: Model, path: str, *, progress: Progress = None, overwrite: 
     if not isinstance(module, Decoder):
         raise TypeError(f"export_hf needs a specjax Decoder model, got {type(module).__name__}.")
     hf.to_hf_config(module.config)  # validates before anything is written
-    _write_directory(path, overwrite, functools.partial(_write_hf, model, progress=progress))
+    write_directory(path, overwrite, functools.partial(_write_hf, model, progress=progress))
 
 
 def _write_hf(model: Model, path: str, *, progress: Progress = None) -> None:
@@ -525,7 +471,7 @@ def _write_hf(model: Model, path: str, *, progress: Progress = None) -> None:
         pass
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    _save_tokenizer(model, path)
+    save_tokenizer(model, path)
 
 
 def _hf_tensor(leaf, transpose: bool) -> np.ndarray:
@@ -585,8 +531,6 @@ def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
     path = packed.unpacked(path)  # a shipped directory with xz-compressed files: its unpacked copy
     if is_orbax_dir(path):
         return load_orbax(path, dtype, mesh=mesh, shardings=shardings)
-    from specjax._src.models import feature_head
-
     if feature_head.is_head_dir(path):
         if mesh is not None or shardings is not None:
             raise ValueError("A feature head loads onto one device (it is a few MB); place it after specjax.pair.")
@@ -627,109 +571,3 @@ def logits(model: Model, token_ids) -> jax.Array:
             f"token ids must lie in [0, {model.vocab_size}); got {tokens.min()} ... {tokens.max()}."
         )
     return _forward_logits(model.module, model.params, jnp.asarray(tokens, jnp.int32))
-
-
-# --------------------------------------------------------------------------- #
-# Output directories: never overwritten silently, swapped in whole
-# --------------------------------------------------------------------------- #
-
-
-def check_output_dir(path: str, overwrite: bool = False, *, flag: str = "overwrite=True") -> None:
-    """Raises ``ValueError`` unless a checkpoint may be written to ``path``:
-    it does not exist, is an empty directory, or (``overwrite``) a directory
-    to replace. ``flag`` names the way to ask for that in the message."""
-    path = os.path.abspath(os.fspath(path))
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise ValueError(f"Output {path} is a file, not a directory; choose another output path.")
-    if os.path.isdir(path) and os.listdir(path) and not overwrite:
-        raise ValueError(
-            f"Refusing to write into non-empty directory {path}: pass {flag} to replace it and "
-            "everything in it, or choose a new directory."
-        )
-
-
-def _write_directory(path: str, overwrite: bool, write: Callable[[str], None]) -> None:
-    """Runs ``write(tmp)`` into a temporary sibling of ``path``, then swaps it
-    in by renames: ``path`` is either the old directory or the complete new
-    one, never a mix (no stale shard survives an overwrite)."""
-    path, tmp, old = _prepare_directory(path, overwrite)
-    try:
-        write(tmp)
-        _swap_in(path, tmp, old)
-    finally:
-        _remove(tmp)
-
-
-def _write_directory_from_every_process(path: str, overwrite: bool, write: Callable[[str], None]) -> None:
-    """:func:`_write_directory` for a multi-host job: process 0 prepares and
-    swaps, every process runs ``write(tmp)`` (a collective), barriers between.
-    A failure on process 0 before writing is raised on every process."""
-    from jax.experimental import multihost_utils
-
-    primary = jax.process_index() == 0
-    error = None
-    if primary:
-        try:
-            _prepare_directory(path, overwrite)
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the others learn of it
-            error = e
-    if not int(multihost_utils.broadcast_one_to_all(np.int32(error is None))):
-        raise error or ValueError(f"process 0 could not prepare {path} for writing; see its error.")
-    path, tmp, old = _sibling_paths(path)
-    try:
-        write(tmp)
-        multihost_utils.sync_global_devices(f"specjax: {path} written")
-        if primary:
-            _swap_in(path, tmp, old)
-    finally:
-        if primary:
-            _remove(tmp)
-    multihost_utils.sync_global_devices(f"specjax: {path} swapped in")
-
-
-def _sibling_paths(path: str) -> tuple[str, str, str]:
-    path = os.path.abspath(os.fspath(path))
-    parent, name = os.path.split(path)
-    # A fixed name (not a random one) so that every host of a multi-host job
-    # writes the same directory; a leftover of a killed run is ours to remove.
-    return path, os.path.join(parent, f".{name}.specjax-tmp"), os.path.join(parent, f".{name}.specjax-old")
-
-
-def _prepare_directory(path: str, overwrite: bool) -> tuple[str, str, str]:
-    """Checks ``path`` may be written and makes an empty temporary sibling: ``(path, tmp, old)``."""
-    import shutil
-
-    path, tmp, old = _sibling_paths(path)
-    if not os.path.exists(path) and os.path.isdir(old):
-        # A run killed between the two renames below: the old directory is the
-        # user's checkpoint, not a leftover. Put it back before anything else.
-        os.rename(old, path)
-    check_output_dir(path, overwrite)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    for leftover in (tmp, old):
-        if os.path.isdir(leftover):
-            shutil.rmtree(leftover)
-    os.makedirs(tmp)
-    return path, tmp, old
-
-
-def _swap_in(path: str, tmp: str, old: str) -> None:
-    import shutil
-
-    if os.path.isdir(path):
-        os.rename(path, old)
-        try:
-            os.rename(tmp, path)
-        except BaseException:
-            os.rename(old, path)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, path)
-
-
-def _remove(tmp: str) -> None:
-    import shutil
-
-    if os.path.isdir(tmp):
-        shutil.rmtree(tmp, ignore_errors=True)
