@@ -30,13 +30,17 @@ token wall (11.7 ms CPU), the same weights stacked with a ``lax.scan`` 11.6 ms
 Scan-over-layers compiles faster on TPU; the per-layer layout is chosen for
 the CPU, where the tests and small-model users run.
 
-Cache contract: see :mod:`specjax._src.lm`. Attention runs over the whole
-preallocated buffer with a mask (key position ``s`` is visible to the query at
-absolute position ``p`` iff ``s <= p`` and, with a sliding window ``W``,
+Cache contract: see :mod:`specjax._src.lm`. Attention runs over a prefix of
+the preallocated buffer with a mask (key position ``s`` is visible to the query
+at absolute position ``p`` iff ``s <= p`` and, with a sliding window ``W``,
 ``s > p - W``). Because the block's own keys are written at ``lengths[b] ...``
 before attending, ``s <= p`` covers both "cached entries before
 ``lengths[b]``" and "causal within the block", and stale entries beyond the
-block are never read: rollback is a length reset.
+block are never read: rollback is a length reset. The prefix is the narrowest
+of a few static widths that holds ``max(lengths) + T`` (:func:`attention_widths`:
+powers of two from 256, then the capacity), so a step over short sequences in
+a long cache reads only their part of it (:func:`cache_attention`; on CPU and
+TPU, while GPUs read the whole buffer).
 
 Only shapes can be checked here (this code runs under ``jit``): a block longer
 than the cache, a cache longer than GPT-2's position table, or a full forward
@@ -264,6 +268,93 @@ def grouped_attention(q: Array, k: Array, v: Array, mask: Array, scale: float) -
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n * d)
 
 
+# Below this many slots a narrower read saves too little to be worth a
+# compiled branch (256 positions of K and V are a few percent of a step's
+# weight bytes for the models specjax runs), and a multiple of 128 keeps the
+# scores' key axis lane-aligned on TPU.
+_MIN_ATTENTION_WIDTH = 256
+
+
+def attention_widths(capacity: int) -> tuple[int, ...]:
+    """The static key widths :func:`cache_attention` may read from ``capacity`` slots.
+
+    Powers of two from 256 that save at least a quarter of the capacity, then
+    the capacity itself: ``(capacity,)`` below 342 slots, ``(256, 512, 1024,
+    2048)`` for 2048. Below the last, a width depends on the positions needed
+    only, so a short sequence reads the same slots in any long cache.
+    """
+    capacity = int(capacity)
+    widths = []
+    width = _MIN_ATTENTION_WIDTH
+    while 4 * width <= 3 * capacity:
+        widths.append(width)
+        width *= 2
+    return tuple(widths) + (capacity,)
+
+
+def attention_width_index(capacity: int, lengths: Array, num_new: int) -> Optional[Array]:
+    """Which of :func:`attention_widths` ``(capacity)`` holds every row's
+    ``lengths[b] + num_new`` positions: an int32 scalar, the same for the
+    whole batch (the longest row decides), or ``None`` when there is one width.
+    Past the capacity (which ``specjax.decode`` rules out before tracing) it
+    names the capacity, the whole buffer, as a full read would.
+    """
+    widths = attention_widths(capacity)
+    if len(widths) == 1:
+        return None
+    needed = jnp.max(lengths).astype(jnp.int32) + num_new
+    narrower = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < needed).astype(jnp.int32)
+    return narrower  # widths[narrower] is the first width >= needed, else the capacity
+
+
+# Where a conditional is a branch on the device. XLA's GPU runtime copies a
+# conditional's index to the host and waits for the stream instead (see
+# cache_attention); ``benchmarks/accelerator.py`` adds "cuda" here to measure
+# what the narrow reads would give on a GPU.
+_PREFIX_READ_PLATFORMS = ("cpu", "tpu")
+
+
+def cache_attention(q: Array, keys: Array, values: Array, mask_at, scale: float,
+                    width_index: Optional[Array]) -> Array:
+    """:func:`grouped_attention` over the first ``attention_widths(S)[width_index]``
+    slots of ``keys, values`` ``[B, K, S, D]``; ``mask_at(width)`` gives the
+    ``[B, T, width]`` mask. Every slot past that width is masked for every
+    query (the index holds the batch's longest row), so the output is the
+    full read's: masked slots only add exact zeros.
+
+    Why a ``lax.switch`` per layer that only reads (the cache is written
+    before it): XLA copies a buffer that a conditional's branch updates in
+    place, so one switch around the whole forward, whose blocks write the
+    cache, copied the whole 2048-slot cache on every step; a loop over cache
+    chunks with an online softmax would round differently from one softmax
+    (and a sequence's tokens would depend on the chunking). On CPU and TPU a
+    conditional is a branch on the device. XLA's GPU runtime copies the
+    branch index to the host and waits for the stream before running a
+    branch, draining the queue of launched kernels once per layer and step;
+    at batch 1 that is expected to cost more than a short cache saves, so
+    GPUs read the whole buffer (platforms: ``_PREFIX_READ_PLATFORMS``;
+    ``benchmarks/accelerator.py`` measures both on a GPU).
+    """
+    capacity = keys.shape[2]
+    widths = attention_widths(capacity)
+
+    def at(width: int):
+        def run(q, keys, values):
+            if width < capacity:
+                keys, values = keys[:, :, :width], values[:, :, :width]
+            return grouped_attention(q, keys, values, mask_at(width), scale)
+        return run
+
+    if width_index is None or len(widths) == 1:
+        return at(capacity)(q, keys, values)
+
+    def prefix(q, keys, values):
+        return jax.lax.switch(width_index, [at(w) for w in widths], q, keys, values)
+
+    branches = {platform: prefix for platform in _PREFIX_READ_PLATFORMS}
+    return jax.lax.platform_dependent(q, keys, values, default=at(capacity), **branches)
+
+
 def write_cache(buffer: Array, new: Array, offsets: Array) -> Array:
     """Writes ``new[b]`` (``[K, T, D]``) into ``buffer[b]`` (``[K, S, D]``) at ``offsets[b]``."""
 
@@ -337,13 +428,18 @@ def _dense(config: ModelConfig, features: int, use_bias: bool, name: str, matmul
 
 
 class Attention(nn.Module):
-    """Self-attention of one block; reads and writes that block's KV buffers."""
+    """Self-attention of one block; reads and writes that block's KV buffers.
+
+    With a cache, attention reads the prefix ``width_index`` names
+    (:func:`attention_width_index`; ``None``: the whole buffer), and a given
+    ``mask`` spans the whole buffer, ``[B, T, S]``.
+    """
 
     config: ModelConfig
     matmul: str = "auto"
 
     @nn.compact
-    def __call__(self, x, positions, kv_cache, lengths, mask=None):
+    def __call__(self, x, positions, kv_cache, lengths, mask=None, width_index=None):
         cfg = self.config
         b, t, _ = x.shape
         n, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -374,8 +470,11 @@ class Attention(nn.Module):
             values = write_cache(kv_cache[1], v, lengths)
             new_cache = (keys, values)
         if mask is None:  # a chain: causal by position
-            mask = attention_mask(positions, keys.shape[2], cfg.sliding_window)
-        out = grouped_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask, d**-0.5)
+            mask_at = functools.partial(attention_mask, positions, sliding_window=cfg.sliding_window)
+        else:
+            mask_at = lambda width: mask[:, :, :width]  # noqa: E731
+        out = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask_at, d**-0.5,
+                              None if kv_cache is None else width_index)
         out = _dense(cfg, cfg.hidden_size, cfg.is_gpt2 or cfg.attention_out_bias, "o", self.matmul)(out)
         return out, new_cache
 
@@ -403,9 +502,9 @@ class Block(nn.Module):
     matmul: str = "auto"
 
     @nn.compact
-    def __call__(self, x, positions, kv_cache, lengths, mask=None):
+    def __call__(self, x, positions, kv_cache, lengths, mask=None, width_index=None):
         attn, new_cache = Attention(self.config, self.matmul, name="attn")(
-            _norm(self.config, "attn_norm")(x), positions, kv_cache, lengths, mask
+            _norm(self.config, "attn_norm")(x), positions, kv_cache, lengths, mask, width_index
         )
         x = x + attn
         x = x + MLP(self.config, self.matmul, name="mlp")(_norm(self.config, "mlp_norm")(x))
@@ -423,7 +522,8 @@ class Transformer(nn.Module):
     matmul: str = "auto"
 
     @nn.compact
-    def __call__(self, tokens, positions, kv_caches, lengths, logits_at=None, reduced_logits=False, mask=None):
+    def __call__(self, tokens, positions, kv_caches, lengths, logits_at=None, reduced_logits=False, mask=None,
+                 width_index=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         embed = nn.Embed(
@@ -447,7 +547,7 @@ class Transformer(nn.Module):
         block_outputs, new_caches = [], []
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
-            x, c = Block(cfg, self.matmul, name=f"layer_{i}")(x, positions, layer_cache, lengths, mask)
+            x, c = Block(cfg, self.matmul, name=f"layer_{i}")(x, positions, layer_cache, lengths, mask, width_index)
             block_outputs.append(x)
             new_caches.append(c)
         if logits_at is not None:
@@ -696,7 +796,9 @@ class Decoder:
             lengths = cache.lengths.astype(jnp.int32)
             positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
             kv_caches = tuple(zip(cache.keys, cache.values))
-        mask = None
+        mask = width_index = None
+        if cache is not None:
+            width_index = attention_width_index(cache.max_length, lengths, t)
         if tree_parents is not None:
             if not isinstance(tree_parents, np.ndarray):  # numpy stays on the host (static shape)
                 tree_parents = jnp.asarray(tree_parents, jnp.int32)
@@ -714,7 +816,7 @@ class Decoder:
             mask, positions = tree_attention_mask(tree_parents, start, kv_len, cfg.sliding_window,
                                                   offset=tree_offset, num=t)
         logits, block_outputs, new_caches = Transformer(cfg, self.matmul).apply(
-            {"params": params}, tokens, positions, kv_caches, lengths, logits_at, False, mask
+            {"params": params}, tokens, positions, kv_caches, lengths, logits_at, False, mask, width_index
         )
         hidden = tuple(block_outputs[i].astype(jnp.float32) for i in layers)
         new_cache = None

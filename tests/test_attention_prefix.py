@@ -1,0 +1,144 @@
+"""Attention over a KV cache reads only the prefix the batch's longest row needs.
+
+A step's queries see cache slots below ``max(lengths) + T`` only, so attention
+reads the narrowest of :func:`attention_widths` that holds them, not the whole
+capacity. Two kinds of check: slots past that width are filled with NaN, which
+any read would spread into the output (a masked score still multiplies its
+value by zero, and ``0 * NaN`` is NaN); and decoding in a long cache gives the
+tokens it gives in a short one.
+"""
+
+from __future__ import annotations
+
+import re
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax._src.models import feature_head as fh
+from specjax._src.models.decoder import Decoder, attention_widths
+from specjax.testing import llama_config, peaked_target_and_draft
+from specjax.trees import static_tree
+
+LONG = 2048  # widths 256, 512, 1024, 2048
+VOCAB = 96
+
+
+def config(**overrides):
+    return llama_config(max_position_embeddings=4096, **overrides)
+
+
+def poisoned(cache, start: int):
+    """``cache`` with NaN in every key and value slot from ``start`` on."""
+    nan = lambda x: x.at[:, :, start:].set(jnp.nan)  # noqa: E731
+    return cache.replace(keys=tuple(map(nan, cache.keys)), values=tuple(map(nan, cache.values)))
+
+
+def prefilled(module, params, batch: int, length: int, **kw):
+    prompt = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (batch, length)), jnp.int32)
+    if kw:  # a feature head reads features beside its tokens
+        kw = {"features": jnp.ones((batch, length, module.hidden_size), jnp.float32)}
+    return module.apply(params, prompt, module.init_cache(batch, LONG), **kw).cache
+
+
+def test_widths_are_powers_of_two_then_the_capacity():
+    assert attention_widths(64) == (64,)
+    assert attention_widths(341) == (341,)
+    assert attention_widths(384) == (256, 384)
+    assert attention_widths(2048) == (256, 512, 1024, 2048)
+    assert attention_widths(2052) == (256, 512, 1024, 2052)
+
+
+@pytest.mark.parametrize("case", ["one token", "verify block", "tree", "sliding window", "rows of unequal length"])
+def test_a_step_reads_no_slot_past_the_width_its_rows_need(case):
+    """Rows of 20 (and 200) cached tokens plus a block fit in 256 slots: NaN from
+    slot 256 on must not reach the logits, which equal the clean cache's."""
+    cfg = config(sliding_window=8) if case == "sliding window" else config()
+    model = Decoder(cfg)
+    params = model.init(jax.random.key(0))
+    cache = prefilled(model, params, 2, 20)
+    if case == "rows of unequal length":
+        cache = cache.replace(lengths=jnp.asarray([20, 200], jnp.int32))
+    t = 1 if case == "one token" else 4
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (2, t)), jnp.int32)
+    kw = {"tree_parents": np.asarray([-1, 0, 0, 1], np.int32)} if case == "tree" else {}
+    step = jax.jit(lambda c: model.apply(params, tokens, c, **kw).logits)
+    clean, dirty = step(cache), step(poisoned(cache, 256))
+    assert np.isfinite(np.asarray(dirty)).all(), "attention read cache slots past the width its rows need"
+    np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
+
+
+def test_a_row_past_a_width_reads_the_next_one():
+    """A row at 300 cached tokens needs 512 slots: NaN from 512 stays out, and
+    the slots between 300 and 512 are read (NaN there shows up, masked or not)."""
+    model = Decoder(config())
+    params = model.init(jax.random.key(0))
+    cache = prefilled(model, params, 1, 20).replace(lengths=jnp.asarray([300], jnp.int32))
+    step = jax.jit(lambda c: model.apply(params, jnp.ones((1, 1), jnp.int32), c).logits)
+    assert np.isfinite(np.asarray(step(poisoned(cache, 512)))).all()
+    assert not np.isfinite(np.asarray(step(poisoned(cache, 400)))).all()
+
+
+def test_the_narrow_reads_lower_for_tpu_and_the_gpu_reads_the_whole_cache():
+    """Exported for TPU, a one-token step attends over a switch of widths 256 ...
+    2048; for CUDA (where a conditional waits on the host) over all 2048 slots."""
+    model = Decoder(config())
+    params = model.init(jax.random.key(0))
+    cache = model.init_cache(1, LONG)
+    step = jax.jit(lambda p, c: model.apply(p, jnp.ones((1, 1), jnp.int32), c).logits)
+    text = {platform: jax.export.export(step, platforms=(platform,))(params, cache).mlir_module()
+            for platform in ("tpu", "cuda")}
+    # the scores' shapes [B, K, G, T, width] (2 kv heads of 2 queries each)
+    scores = {platform: {int(w) for w in re.findall(r"tensor<1x2x2x1x(\d+)xf32>", t)} & set(attention_widths(LONG))
+              for platform, t in text.items()}
+    assert scores == {"tpu": set(attention_widths(LONG)), "cuda": {LONG}}
+
+
+def test_the_cache_is_written_in_place_in_a_loop_of_steps():
+    """The switch over widths only reads: a branch that wrote the cache would
+    make XLA copy the whole buffer on every step."""
+    model = Decoder(config())
+    params = model.init(jax.random.key(0))
+
+    def steps(params, cache):
+        def body(i, carry):
+            cache, tok = carry
+            out = model.apply(params, tok, cache)
+            return out.cache, out.logits.argmax(-1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, 4, body, (cache, jnp.ones((2, 1), jnp.int32)))
+
+    hlo = jax.jit(steps, donate_argnums=1).lower(params, model.init_cache(2, LONG)).compile().as_text()
+    copies = re.findall(rf"= f32\[2,2,{LONG},8\]\{{[0-9,]*\}} copy\(", hlo)
+    assert " conditional(" in hlo and copies == [], f"{len(copies)} copies of a whole cache buffer per step"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return specjax.pair(*peaked_target_and_draft(config()))
+
+
+def prompts(lengths):
+    rng = np.random.default_rng(4)
+    return [rng.integers(0, VOCAB, size=n).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("case", ["chain", "tree", "generate"])
+def test_a_long_cache_decodes_what_a_short_one_does(pair, case):
+    """Greedy tokens in a 2048-slot cache equal those in the cache ``decode``
+    sizes itself (one width, the whole buffer); a 250-token prompt grows past
+    256 slots, so its row switches widths while it decodes."""
+    kw = dict(max_new_tokens=24, temperature=0.0)
+    if case == "feature head":
+        target = pair.target
+        pair = specjax.pair(target, fh.init_from_target(target, jax.random.key(1), np.arange(80)))
+    if case == "tree":
+        kw["tree"] = static_tree((2, 2))
+    elif case != "generate":
+        kw["num_draft"] = 3
+    run = specjax.generate if case == "generate" else specjax.decode
+    batch = prompts([5, 250, 12])
+    short = run(pair, batch, **kw)
+    long = run(pair, batch, max_length=LONG, **kw)
+    np.testing.assert_array_equal(np.asarray(long.tokens), np.asarray(short.tokens))
