@@ -70,6 +70,19 @@ def test_a_step_reads_no_slot_past_the_width_its_rows_need(case):
     np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
 
 
+def test_a_feature_head_step_reads_no_slot_past_the_width():
+    target = peaked_target_and_draft(config())[0]
+    head = fh.init_from_target(target, jax.random.key(1), np.arange(80))
+    module, params = head.module, head.params
+    cache = prefilled(module, params, 2, 20, features=True)
+    tokens = jnp.ones((2, 3), jnp.int32)
+    feats = jnp.ones((2, 3, module.hidden_size), jnp.float32)
+    step = jax.jit(lambda c: module.apply(params, tokens, c, features=feats).logits)
+    clean, dirty = step(cache), step(poisoned(cache, 256))
+    assert not np.isnan(np.asarray(dirty)).any(), "the head's attention read cache slots past the width"
+    np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
+
+
 def test_a_row_past_a_width_reads_the_next_one():
     """A row at 300 cached tokens needs 512 slots: NaN from 512 stays out, and
     the slots between 300 and 512 are read (NaN there shows up, masked or not)."""
@@ -124,7 +137,7 @@ def prompts(lengths):
     return [rng.integers(0, VOCAB, size=n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("case", ["chain", "tree", "generate"])
+@pytest.mark.parametrize("case", ["chain", "tree", "feature head", "generate"])
 def test_a_long_cache_decodes_what_a_short_one_does(pair, case):
     """Greedy tokens in a 2048-slot cache equal those in the cache ``decode``
     sizes itself (one width, the whole buffer); a 250-token prompt grows past

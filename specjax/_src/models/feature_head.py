@@ -59,6 +59,7 @@ from specjax._src.models.decoder import (
     Decoder,
     _dense,
     _norm,
+    attention_width_index,
     scatter_to_vocab,
     tree_attention_mask,
 )
@@ -79,7 +80,7 @@ class _HeadModule(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, features, positions, kv_caches, lengths, logits_at=None, mask=None):
+    def __call__(self, tokens, features, positions, kv_caches, lengths, logits_at=None, mask=None, width_index=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         embedded = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
@@ -89,7 +90,7 @@ class _HeadModule(nn.Module):
         new_caches = []
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
-            x, c = Block(cfg, name=f"layer_{i}")(x, positions, layer_cache, lengths, mask)
+            x, c = Block(cfg, name=f"layer_{i}")(x, positions, layer_cache, lengths, mask, width_index)
             new_caches.append(c)
         f_hat = x
         if logits_at is not None:
@@ -206,11 +207,13 @@ class FeatureHead:
         b, t = tokens.shape
         if cache is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            kv_caches = lengths = None
+            kv_caches = lengths = width_index = None
         else:
             lengths = cache.lengths.astype(jnp.int32)
             positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
             kv_caches = tuple(zip(cache.keys, cache.values))
+            # the cache prefix attention reads (see Decoder.apply)
+            width_index = attention_width_index(cache.max_length, lengths, t)
         mask = None
         if tree_parents is not None:
             if not isinstance(tree_parents, np.ndarray):
@@ -221,7 +224,7 @@ class FeatureHead:
                 tree_parents, start, kv_len, cfg.sliding_window, offset=tree_offset, num=t
             )
         logits, f_hat, new_caches = _HeadModule(cfg).apply(
-            {"params": params}, tokens, features, positions, kv_caches, lengths, logits_at, mask
+            {"params": params}, tokens, features, positions, kv_caches, lengths, logits_at, mask, width_index
         )
         new_cache = None
         if cache is not None:
