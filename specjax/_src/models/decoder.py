@@ -515,7 +515,7 @@ class Transformer(nn.Module):
     """Embeddings, ``num_layers`` blocks, final norm and LM head.
 
     Returns ``(logits[B, T, V] float32, block outputs (one per layer), caches)``.
-    ``matmul``: see :class:`Decoder`.
+    ``matmul``: see :class:`specjax.Decoder`.
     """
 
     config: ModelConfig
