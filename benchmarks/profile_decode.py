@@ -42,7 +42,7 @@ PAIRS = {
     "smollm2": ("smollm2-135m-instruct", "smollm2-135m-instruct-draft"),
     "smollm2-eagle": ("smollm2-135m-instruct", "smollm2-135m-instruct-eagle"),
 }
-MODEL_SCOPES = ("Transformer/", "FeatureHead/", "_HeadModule/")  # op_name scopes of the models' forwards
+MODEL_SCOPES = ("Transformer/", "FeatureHead/", "FeatureHeadModule/")  # op_name scopes of the models' forwards
 
 
 def _is_model(source: str) -> bool:

@@ -27,7 +27,7 @@ import warnings
 from specjax._src.models.feature_head import (
     WEIGHTS_FILE,
     FeatureHead,
-    _HeadModule as FeatureHeadModule,
+    FeatureHeadModule,
     attach_embedding,
     head_config,
     init_from_target,

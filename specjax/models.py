@@ -2,7 +2,7 @@
 
 Using a model needs only :func:`specjax.load`, :class:`specjax.Decoder` and
 :mod:`specjax.heads`. Training one often needs a little more: the Flax module
-behind :class:`Decoder` (to ask for the reduced head's logits without
+behind :class:`specjax.Decoder` (to ask for the reduced head's logits without
 scattering them to the vocabulary), the rotary-embedding and attention
 functions it is made of (a training forward that reshapes differently must
 compute exactly what the decoder does), the few-row CPU matmul kernels the
@@ -18,10 +18,8 @@ these; e.g. a reduced head's logits ``[B, T, V']`` for a distillation loss::
 import jax
 
 from specjax._src.kernels import cpu_matmul as _cpu_matmul
-from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import (
     Block,
-    Decoder,
     RMSNorm,
     Transformer,
     attention_mask,
@@ -61,8 +59,6 @@ def cpu_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.
     return _cpu_matmul.matmul(x, w, transpose_w=transpose_w)
 
 __all__ = (
-    "Decoder",
-    "ModelConfig",
     "Transformer",
     "Block",
     "RMSNorm",

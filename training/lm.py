@@ -76,8 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax import models
-from specjax.models import Decoder, ModelConfig
+from specjax import Decoder, ModelConfig, models
 from training import common, data
 from training import tokenizer as tokenizer_lib
 

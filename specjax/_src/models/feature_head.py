@@ -71,8 +71,9 @@ WEIGHTS_FILE = "head.safetensors"
 EMBED_PATH = ("embed", "embedding")
 
 
-class _HeadModule(nn.Module):
-    """Fuse, ``config.num_layers`` blocks, final norm, reduced LM head.
+class FeatureHeadModule(nn.Module):
+    """The Flax module behind :class:`FeatureHead`: fuse, ``config.num_layers``
+    blocks, final norm, reduced LM head.
 
     Returns ``(logits [B, T, V] float32, f_hat [B, T, H], caches)``.
     """
@@ -223,7 +224,7 @@ class FeatureHead:
             mask, positions = tree_attention_mask(
                 tree_parents, start, kv_len, cfg.sliding_window, offset=tree_offset, num=t
             )
-        logits, f_hat, new_caches = _HeadModule(cfg).apply(
+        logits, f_hat, new_caches = FeatureHeadModule(cfg).apply(
             {"params": params}, tokens, features, positions, kv_caches, lengths, logits_at, mask, width_index
         )
         new_cache = None
@@ -262,7 +263,7 @@ def _param_shapes(config: ModelConfig, num_feature_layers: int = 1) -> Params:
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     feats = jax.ShapeDtypeStruct((1, 1, config.hidden_size), jnp.float32)
     variables = jax.eval_shape(
-        lambda k, t, f: _HeadModule(config).init(k, t, f, t, None, None), jax.random.key(0), tokens, feats
+        lambda k, t, f: FeatureHeadModule(config).init(k, t, f, t, None, None), jax.random.key(0), tokens, feats
     )
     params = dict(variables["params"])
     if num_feature_layers > 1:
