@@ -26,6 +26,13 @@ tables; paste into BENCHMARKS.md), ``OUT`` = ``--out`` (default
      KV cache at the mean context);
    * the cost of a (K+1)-token verification forward relative to a 1-token one
      (batch 1, after a 128-token prefix);
+   * a 1-token forward at batch 8 after 128 cached tokens in a tight cache
+     (192 slots) and in a ``LONG_CACHE``-slot one, read as the platform reads
+     it by default (``Decoder(attention_reads="auto")``: the needed prefix on
+     TPU, the whole buffer on a GPU) and with ``attention_reads="prefix"``
+     (a ``lax.switch`` per layer over the prefix widths, on every platform),
+     with the bytes of K and V each reads: what reading only the needed part
+     of a long cache gives on this device;
    * speculative decoding at batch 1, K = ``--num-draft``, greedy, with an
      *oracle* draft (the target itself: every draft accepted) and a *small*
      draft (the target's first ``L/8`` blocks with its embedding and head).
@@ -55,6 +62,7 @@ lacks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -258,16 +266,44 @@ def target_only(model, batch: int, width: int, new: int, repeats: int, bandwidth
             "ms_per_step": 1e3 * seconds / new, "bytes_per_step": step_bytes}
 
 
-def forward_ms(model, batch: int, width: int, prefix: int, repeats: int) -> float:
-    """Median ms of one cached forward of ``width`` tokens after ``prefix`` cached ones."""
+def forward_ms(model, batch: int, width: int, prefix: int, repeats: int, capacity: int | None = None) -> float:
+    """Median ms of one cached forward of ``width`` tokens after ``prefix`` cached ones
+    (a cache of ``capacity`` slots, default ``prefix + 64``)."""
     module, params = model.module, model.params
     # The cost does not depend on what the cached entries hold: a zeroed cache that
     # counts ``prefix`` entries stands in for a prefill (one program fewer to compile).
-    cache = module.init_cache(batch, prefix + 64)
+    cache = module.init_cache(batch, prefix + 64 if capacity is None else capacity)
     cache = cache.replace(lengths=jnp.full((batch,), prefix, jnp.int32))
     fwd = jax.jit(lambda p, c, t: module.apply(p, t, c).logits)
     tokens = jnp.ones((batch, width), jnp.int32)
     return 1e3 * timed(lambda: fwd(params, cache, tokens).block_until_ready(), repeats)
+
+
+# A serving-sized cache (the slots engine and the server allocate hundreds to thousands of slots).
+LONG_CACHE = 2048
+
+
+def kv_slots_read(module, capacity: int, needed: int, prefix: bool) -> int:
+    """Cache slots a forward's attention reads: the narrowest of the model's widths holding
+    ``needed`` positions where it reads a prefix, else the whole buffer."""
+    return next(w for w in module.attention_widths(capacity) if w >= needed) if prefix else capacity
+
+
+def long_cache(model, batch: int, prefix: int, repeats: int, smoke: bool) -> dict:
+    """A 1-token forward after ``prefix`` cached tokens, in a tight cache and in a long one."""
+    module = model.module
+    capacity = 512 if smoke else LONG_CACHE
+    # "auto" reads a prefix on TPU and CPU; jax names the CUDA and ROCm backends "gpu".
+    auto_prefix = jax.default_backend() in ("cpu", "tpu")
+    per_slot = batch * kv_bytes_per_token(module.config)
+    prefixed = model.replace(module=dataclasses.replace(module, attention_reads="prefix"))
+    rows = {"tight": (model, prefix + 64, True), "long": (model, capacity, auto_prefix),
+            "long, prefix reads": (prefixed, capacity, True)}
+    out = {"batch": batch, "cached": prefix, "capacity": capacity}
+    for name, (m, cap, reads_prefix) in rows.items():
+        out[name] = {"ms": forward_ms(m, batch, 1, prefix, repeats, capacity=cap),
+                     "kv_bytes_read": per_slot * kv_slots_read(m.module, cap, prefix + 1, reads_prefix)}
+    return out
 
 
 def speculative(target, draft, name: str, num_draft: int, width: int, new: int, repeats: int,
@@ -329,6 +365,7 @@ def speed(shape: str, cfg: ModelConfig, args, bandwidth: float, budget: Budget, 
         section("target-only batch 1", lambda: target_only_at(1))
         batches.remove(1)
     section("verification cost", costs)
+    section("long cache", lambda: out.update(long_cache=long_cache(target, 8, 128, args.repeats, args.smoke)))
     section("speculative oracle", lambda: speculative_with("oracle", target))
     section("speculative small", lambda: speculative_with("small", draft))
     for batch in batches:
@@ -371,6 +408,16 @@ def markdown(report: dict) -> str:
                 f"(K={r['num_draft']}{', ' + str(s['draft_layers']) + ' blocks' if r['draft'] == 'small' else ''}) | "
                 f"{r['tau']:.2f} | {r['realized']:.2f} | {r['ideal']:.2f} | {r['realized_over_ideal']:.2f} | "
                 f"{r['cycle_ms']:.2f} | {r['overhead_of_cycle']:.0%} |")
+    longs = [s for s in report["speed"] if "long_cache" in s]
+    if longs:
+        lines += ["", "| shape (bf16), 1 token at batch 8 after 128 cached | cache | ms | K/V MB read |",
+                  "|---|---|---|---|"]
+        for s in longs:
+            lc = s["long_cache"]
+            for name, cap in (("tight", lc["cached"] + 64), ("long", lc["capacity"]),
+                              ("long, prefix reads", lc["capacity"])):
+                label = f"{cap} slots" + (", attention_reads='prefix'" if "prefix" in name else "")
+                lines.append(f"| {s['shape']} | {label} | {lc[name]['ms']:.2f} | {lc[name]['kv_bytes_read'] / 1e6:.1f} |")
     skipped = [f"{s['shape']}: {x}" for s in report["speed"] for x in s["skipped"]]
     skipped += [f"{x} (budget)" for x in report.get("skipped_shapes", [])]
     if skipped:

@@ -94,19 +94,41 @@ def test_a_row_past_a_width_reads_the_next_one():
     assert not np.isfinite(np.asarray(step(poisoned(cache, 400)))).all()
 
 
-def test_the_narrow_reads_lower_for_tpu_and_the_gpu_reads_the_whole_cache():
-    """Exported for TPU, a one-token step attends over a switch of widths 256 ...
-    2048; for CUDA (where a conditional waits on the host) over all 2048 slots."""
-    model = Decoder(config())
+@pytest.mark.parametrize("reads,want", [
+    ("auto", {"tpu": attention_widths(LONG), "cuda": (LONG,)}),
+    ("prefix", {"tpu": attention_widths(LONG), "cuda": attention_widths(LONG)}),
+    ("whole", {"tpu": (LONG,), "cuda": (LONG,)}),
+])
+def test_what_each_platform_reads(reads, want):
+    """Exported, a one-token step attends over the widths 256 ... 2048 (a switch)
+    where it reads a prefix, over all 2048 slots where it reads the whole
+    buffer: by default TPU the prefix, CUDA (where a conditional waits on the
+    host) the whole buffer."""
+    model = Decoder(config(), attention_reads=reads)
     params = model.init(jax.random.key(0))
     cache = model.init_cache(1, LONG)
     step = jax.jit(lambda p, c: model.apply(p, jnp.ones((1, 1), jnp.int32), c).logits)
-    text = {platform: jax.export.export(step, platforms=(platform,))(params, cache).mlir_module()
-            for platform in ("tpu", "cuda")}
-    # the scores' shapes [B, K, G, T, width] (2 kv heads of 2 queries each)
-    scores = {platform: {int(w) for w in re.findall(r"tensor<1x2x2x1x(\d+)xf32>", t)} & set(attention_widths(LONG))
-              for platform, t in text.items()}
-    assert scores == {"tpu": set(attention_widths(LONG)), "cuda": {LONG}}
+    got = {}
+    for platform in ("tpu", "cuda"):
+        text = jax.export.export(step, platforms=(platform,))(params, cache).mlir_module()
+        # the scores' shapes [B, K, G, T, width] (2 kv heads of 2 queries each)
+        got[platform] = tuple(sorted({int(w) for w in re.findall(r"tensor<1x2x2x1x(\d+)xf32>", text)}
+                                     & set(attention_widths(LONG))))
+    assert got == want
+
+
+def test_reading_the_whole_buffer_reads_the_poison():
+    """The NaN check above can fail: a model told to read the whole buffer spreads it."""
+    model = Decoder(config(), attention_reads="whole")
+    params = model.init(jax.random.key(0))
+    cache = poisoned(prefilled(model, params, 1, 20), 256)
+    logits = model.apply(params, jnp.ones((1, 1), jnp.int32), cache).logits
+    assert np.isnan(np.asarray(logits)).all()
+
+
+def test_a_bad_attention_reads_is_refused():
+    with pytest.raises(ValueError, match="attention_reads must be one of"):
+        Decoder(config(), attention_reads="some")
 
 
 def test_the_cache_is_written_in_place_in_a_loop_of_steps():

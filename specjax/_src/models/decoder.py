@@ -307,20 +307,27 @@ def attention_width_index(capacity: int, lengths: Array, num_new: int) -> Option
     return narrower  # widths[narrower] is the first width >= needed, else the capacity
 
 
-# Where a conditional is a branch on the device. XLA's GPU runtime copies a
-# conditional's index to the host and waits for the stream instead (see
-# cache_attention); ``benchmarks/accelerator.py`` adds "cuda" here to measure
-# what the narrow reads would give on a GPU.
+# Where ``attention_reads="auto"`` reads a prefix: the platforms on which a
+# conditional is a branch on the device (not on GPUs; see cache_attention).
 _PREFIX_READ_PLATFORMS = ("cpu", "tpu")
+ATTENTION_READS = ("auto", "prefix", "whole")
+
+
+def check_attention_reads(mode: str) -> None:
+    if mode not in ATTENTION_READS:
+        raise ValueError(f"attention_reads must be one of {ATTENTION_READS}, got {mode!r}: 'auto' reads the "
+                         "needed cache prefix on CPU and TPU and the whole buffer on GPUs.")
 
 
 def cache_attention(q: Array, keys: Array, values: Array, mask_at, scale: float,
-                    width_index: Optional[Array]) -> Array:
+                    width_index: Optional[Array], reads: str = "auto") -> Array:
     """:func:`grouped_attention` over the first ``attention_widths(S)[width_index]``
     slots of ``keys, values`` ``[B, K, S, D]``; ``mask_at(width)`` gives the
     ``[B, T, width]`` mask. Every slot past that width is masked for every
     query (the index holds the batch's longest row), so the output is the
-    full read's: masked slots only add exact zeros.
+    full read's: masked slots only add exact zeros. ``reads``: ``"prefix"``
+    on every platform, ``"whole"`` never (every slot, as with no index),
+    ``"auto"`` on CPU and TPU only.
 
     Why a ``lax.switch`` per layer that only reads (the cache is written
     before it): XLA copies a buffer that a conditional's branch updates in
@@ -332,8 +339,8 @@ def cache_attention(q: Array, keys: Array, values: Array, mask_at, scale: float,
     branch index to the host and waits for the stream before running a
     branch, draining the queue of launched kernels once per layer and step;
     at batch 1 that is expected to cost more than a short cache saves, so
-    GPUs read the whole buffer (platforms: ``_PREFIX_READ_PLATFORMS``;
-    ``benchmarks/accelerator.py`` measures both on a GPU).
+    with ``"auto"`` GPUs read the whole buffer (``benchmarks/accelerator.py``
+    measures both on a GPU).
     """
     capacity = keys.shape[2]
     widths = attention_widths(capacity)
@@ -345,12 +352,14 @@ def cache_attention(q: Array, keys: Array, values: Array, mask_at, scale: float,
             return grouped_attention(q, keys, values, mask_at(width), scale)
         return run
 
-    if width_index is None or len(widths) == 1:
+    if width_index is None or len(widths) == 1 or reads == "whole":
         return at(capacity)(q, keys, values)
 
     def prefix(q, keys, values):
         return jax.lax.switch(width_index, [at(w) for w in widths], q, keys, values)
 
+    if reads == "prefix":
+        return prefix(q, keys, values)
     branches = {platform: prefix for platform in _PREFIX_READ_PLATFORMS}
     return jax.lax.platform_dependent(q, keys, values, default=at(capacity), **branches)
 
@@ -431,12 +440,14 @@ class Attention(nn.Module):
     """Self-attention of one block; reads and writes that block's KV buffers.
 
     With a cache, attention reads the prefix ``width_index`` names
-    (:func:`attention_width_index`; ``None``: the whole buffer), and a given
+    (:func:`attention_width_index`; ``None``: the whole buffer) where
+    ``attention_reads`` allows (:func:`cache_attention`), and a given
     ``mask`` spans the whole buffer, ``[B, T, S]``.
     """
 
     config: ModelConfig
     matmul: str = "auto"
+    attention_reads: str = "auto"
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, lengths, mask=None, width_index=None):
@@ -474,7 +485,7 @@ class Attention(nn.Module):
         else:
             mask_at = lambda width: mask[:, :, :width]  # noqa: E731
         out = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask_at, d**-0.5,
-                              None if kv_cache is None else width_index)
+                              None if kv_cache is None else width_index, self.attention_reads)
         out = _dense(cfg, cfg.hidden_size, cfg.is_gpt2 or cfg.attention_out_bias, "o", self.matmul)(out)
         return out, new_cache
 
@@ -500,10 +511,11 @@ class Block(nn.Module):
 
     config: ModelConfig
     matmul: str = "auto"
+    attention_reads: str = "auto"
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, lengths, mask=None, width_index=None):
-        attn, new_cache = Attention(self.config, self.matmul, name="attn")(
+        attn, new_cache = Attention(self.config, self.matmul, self.attention_reads, name="attn")(
             _norm(self.config, "attn_norm")(x), positions, kv_cache, lengths, mask, width_index
         )
         x = x + attn
@@ -515,11 +527,12 @@ class Transformer(nn.Module):
     """Embeddings, ``num_layers`` blocks, final norm and LM head.
 
     Returns ``(logits[B, T, V] float32, block outputs (one per layer), caches)``.
-    ``matmul``: see :class:`specjax.Decoder`.
+    ``matmul``, ``attention_reads``: see :class:`specjax.Decoder`.
     """
 
     config: ModelConfig
     matmul: str = "auto"
+    attention_reads: str = "auto"
 
     @nn.compact
     def __call__(self, tokens, positions, kv_caches, lengths, logits_at=None, reduced_logits=False, mask=None,
@@ -547,7 +560,8 @@ class Transformer(nn.Module):
         block_outputs, new_caches = [], []
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
-            x, c = Block(cfg, self.matmul, name=f"layer_{i}")(x, positions, layer_cache, lengths, mask, width_index)
+            x, c = Block(cfg, self.matmul, self.attention_reads, name=f"layer_{i}")(
+                x, positions, layer_cache, lengths, mask, width_index)
             block_outputs.append(x)
             new_caches.append(c)
         if logits_at is not None:
@@ -666,10 +680,19 @@ class Decoder:
     they cannot be built; ``"xla"`` always by XLA's dot. Other platforms,
     dtypes and row counts always use XLA's dot. ``dataclasses.replace(model,
     matmul="xla")`` gives the same model with another choice (a new program).
+
+    ``attention_reads`` picks how much of a KV cache each forward's attention
+    reads: ``"auto"`` (default) the prefix every row needs on CPU and TPU
+    (the narrowest of :func:`attention_widths`) and the whole buffer on GPUs,
+    ``"prefix"`` the prefix everywhere, ``"whole"`` the whole buffer
+    everywhere. The outputs are the same; only the bytes read and the
+    programs differ (:func:`cache_attention` says why GPUs default to the
+    whole buffer).
     """
 
     config: ModelConfig
     matmul: str = "auto"
+    attention_reads: str = "auto"
 
     # ``apply(..., logits_at=)`` is implemented (the optional protocol extension).
     supports_logits_at = True
@@ -677,6 +700,7 @@ class Decoder:
 
     def __post_init__(self):
         cpu_matmul.check_mode(self.matmul)
+        check_attention_reads(self.attention_reads)
 
     @property
     def vocab_size(self) -> int:
@@ -702,6 +726,13 @@ class Decoder:
         which XLA's CPU backend took ~10 s to compile for a 2-layer model.
         """
         return _init_params(self.config, key)
+
+    def attention_widths(self, capacity: int) -> tuple[int, ...]:
+        """The key widths this model's attention may read from a cache of
+        ``capacity`` slots (the narrowest holding every row's positions runs),
+        where it reads a prefix: every platform with ``attention_reads="prefix"``,
+        CPU and TPU with ``"auto"``. ``(capacity,)``: the whole buffer always."""
+        return (int(capacity),) if self.attention_reads == "whole" else attention_widths(capacity)
 
     def param_shapes(self) -> Params:
         """The params' ``jax.ShapeDtypeStruct`` tree, without allocating anything."""
@@ -815,7 +846,7 @@ class Decoder:
             kv_len = t if cache is None else cache.max_length
             mask, positions = tree_attention_mask(tree_parents, start, kv_len, cfg.sliding_window,
                                                   offset=tree_offset, num=t)
-        logits, block_outputs, new_caches = Transformer(cfg, self.matmul).apply(
+        logits, block_outputs, new_caches = Transformer(cfg, self.matmul, self.attention_reads).apply(
             {"params": params}, tokens, positions, kv_caches, lengths, logits_at, False, mask, width_index
         )
         hidden = tuple(block_outputs[i].astype(jnp.float32) for i in layers)
