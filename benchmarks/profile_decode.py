@@ -33,7 +33,7 @@ import numpy as np
 
 import common
 import specjax
-from specjax._src import decode as decode_lib
+from specjax._src.engine import loop as decode_lib
 from specjax.rules import parse_rule
 
 

@@ -19,7 +19,7 @@ from specjax._src.models.loading import export_hf, load, logits, save_orbax
 from specjax._src.models.manifest import checkpoint_manifest, verify_manifest
 from specjax._src.models.registry import describe as known_models
 from specjax._src.chat import encode_chat, render_chat
-from specjax._src.decode import BUCKETS, MIN_TEMPERATURE, Buckets, DecodeOutput, ModelPair, decode, generate, pair
+from specjax._src.engine.loop import BUCKETS, MIN_TEMPERATURE, Buckets, DecodeOutput, ModelPair, decode, generate, pair
 from specjax._src.stats import DecodeStats, concatenate as concatenate_stats, expected_tau
 from specjax._src.processors import GenerationControls
 from specjax import drafting

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax import Decoder, Model, ModelConfig, sharding  # noqa: E402
-from specjax._src import decode as decode_lib  # noqa: E402
+from specjax._src.engine import loop as decode_lib  # noqa: E402
 from tiny_models import peaked_target_and_draft  # noqa: E402
 
 MESHES = ((8, 1), (4, 2), (2, 4), (1, 8))

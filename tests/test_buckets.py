@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax._src import decode as decode_lib
+from specjax._src.engine import prepare as prepare_lib
 from test_decode import count_compilations
 from tiny_models import llama_config, peaked_target_and_draft
 
@@ -39,14 +39,14 @@ def width_bucket(width):
 
 
 def test_the_ladders():
-    assert [decode_lib._bucket(n, 16) for n in (1, 16, 17, 33, 90, 129)] == [16, 16, 32, 64, 128, 256]
-    assert [decode_lib._batch_bucket(n, 1) for n in (1, 2, 3, 5, 8, 9, 25, 64, 65)] == [
+    assert [prepare_lib._bucket(n, 16) for n in (1, 16, 17, 33, 90, 129)] == [16, 16, 32, 64, 128, 256]
+    assert [prepare_lib._batch_bucket(n, 1) for n in (1, 2, 3, 5, 8, 9, 25, 64, 65)] == [
         1, 2, 4, 8, 8, 16, 32, 64, 72]
-    assert decode_lib._batch_bucket(3, 3) == 3  # a bucket the mesh's data axis does not divide
+    assert prepare_lib._batch_bucket(3, 3) == 3  # a bucket the mesh's data axis does not divide
     # Near the position limit the padding shrinks to fit; the request never does.
-    assert decode_lib._padded_lengths(decode_lib.BUCKETS, 90, 16, 3, 128) == (109, 16)
-    assert decode_lib._padded_lengths(decode_lib.BUCKETS, 4, 9, 4, 17) == (4, 9)
-    assert decode_lib._padded_lengths(None, 5, 7, 3, None) == (5, 7)
+    assert prepare_lib._padded_lengths(prepare_lib.BUCKETS, 90, 16, 3, 128) == (109, 16)
+    assert prepare_lib._padded_lengths(prepare_lib.BUCKETS, 4, 9, 4, 17) == (4, 9)
+    assert prepare_lib._padded_lengths(None, 5, 7, 3, None) == (5, 7)
 
 
 def test_mixed_widths_compile_once_per_bucket(decoder_pair):
@@ -114,7 +114,7 @@ def test_buckets_do_not_change_results(decoder_pair, temperature):
 def test_bad_buckets_raise():
     pair = specjax.pair(*peaked_target_and_draft(llama_config()))
     with pytest.raises(ValueError, match="Buckets.prompt"):
-        specjax.decode(pair, [[1]], buckets=decode_lib.Buckets(prompt=0), temperature=0.0)
+        specjax.decode(pair, [[1]], buckets=prepare_lib.Buckets(prompt=0), temperature=0.0)
     with pytest.raises(TypeError, match="buckets"):
         specjax.decode(pair, [[1]], buckets=16, temperature=0.0)
 
@@ -189,7 +189,7 @@ def test_the_prefill_skips_the_buckets_padding_and_changes_nothing_it_keeps(widt
     """Blocks wholly past every sequence's kept prefix are not run: their cache
     rows stay zero, while the kept rows and features equal a prefill that runs
     every block."""
-    from specjax._src.loop_ops import PREFILL_BLOCK, _prefill
+    from specjax._src.engine.ops import PREFILL_BLOCK, _prefill
 
     target, _ = peaked_target_and_draft(llama_config(max_position_embeddings=256))
     prompts = jax.numpy.asarray(np.random.default_rng(3).integers(0, VOCAB, size=(2, width)), jax.numpy.int32)

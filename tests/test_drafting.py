@@ -202,7 +202,7 @@ def test_verification_width_follows_the_drafts(pair, prompts, reference):
 
 
 def test_verification_widths():
-    from specjax._src.calls import _verify_widths
+    from specjax._src.engine.prepare import _verify_widths
 
     conf = drafting.confidence(0.5)
     assert _verify_widths(specjax.Buckets(), conf, 6) == (2, 4, 7)

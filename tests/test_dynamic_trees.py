@@ -21,11 +21,11 @@ import pytest
 import specjax
 from specjax._src import sampling
 from specjax._src import trees as trees_lib
-from specjax._src.calls import _Config
-from specjax._src.cycle import _initial_state
 from specjax._src.drafting import fixed
-from specjax._src import tree_cycle
-from specjax._src.tree_cycle import _draft_dynamic, _tree_cycle
+from specjax._src.engine import tree as tree_cycle
+from specjax._src.engine.chain import _initial_state
+from specjax._src.engine.config import _Config
+from specjax._src.engine.tree import _draft_dynamic, _tree_cycle
 from specjax.rules import mars, speculative_sampling
 from specjax.testing import bigram_model, random_table
 from specjax.trees import (DynamicTree, children_table, dynamic_tree, rerank, static_tree, top_ranked,

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax._src import decode as decode_lib
+from specjax._src.engine import loop as decode_lib
 from specjax._src.kernels import cpu_matmul
 from specjax._src.models import feature_head as fh
 from specjax._src.models.pivot_head import PivotHead, PivotHeadConfig, init_head_params

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import pytest
 
 import specjax
-from specjax._src.calls import _Config
-from specjax._src.cycle import _decode_cycle, _draft, _initial_state
+from specjax._src.engine.chain import _decode_cycle, _draft, _initial_state
+from specjax._src.engine.config import _Config
 from specjax._src.drafting import fixed
 from specjax._src.models import feature_head as fh
 from specjax.rules import Verdict, from_functions, mars, speculative_sampling

@@ -12,9 +12,9 @@ import pytest
 
 from specjax._src import processors as P
 from specjax._src import sampling
-from specjax._src.calls import _Config
-from specjax._src.cycle import _live_settings
-from specjax._src.loop_ops import _warp
+from specjax._src.engine.chain import _live_settings
+from specjax._src.engine.config import _Config
+from specjax._src.engine.ops import _warp
 
 V = 50
 CFG = _Config(diagnostics=None, num_draft=2, max_new_tokens=8, cache_length=16, greedy=False, top_k=None,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax._src import decode as decode_lib
+from specjax._src.engine import loop as decode_lib
 
 from bigram import bigram_model, random_table
 from tiny_models import llama_config, peaked_target_and_draft

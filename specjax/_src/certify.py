@@ -420,7 +420,7 @@ def certified_decode(params, prompt_ids, *, rule=None, trees: Iterable[int] = ()
     Returns ``(DecodeOutput, CertificateReport)``. Raises ``ValueError`` for a
     non-certifiable rule or ``temperature > 0`` before anything runs.
     """
-    from specjax._src.decode import decode
+    from specjax._src.engine.loop import decode
     from specjax._src.rules.base import speculative_sampling
 
     rule = speculative_sampling() if rule is None else rule

@@ -6,7 +6,7 @@ from the tokenizers when they are attached (:func:`_tokenizer_size`) and the
 logits beyond it are dropped by the engine. Nothing here traces or runs a
 model: it is plain validation before ``decode``.
 
-Its own module (not part of :mod:`specjax._src.decode`) because
+Its own module (not part of :mod:`specjax._src.engine.loop`) because
 :mod:`specjax._src.sharding` needs :class:`ModelPair` to place a pair's params,
 and the engine needs sharding: with the pair here, both import it and neither
 imports the other.

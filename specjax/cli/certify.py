@@ -97,7 +97,7 @@ def run_certify(target, draft, prompts: Sequence[Sequence[int]], *, rules: Seque
 
     ``progress``: called with one line per rule once its runs are done
     (:func:`run` passes ``print``); nothing else here prints."""
-    from specjax._src.decode import decode, pair
+    from specjax._src.engine.loop import decode, pair
     from specjax._src.rules.parse import parse_rule
 
     if not prompts:

@@ -9,7 +9,7 @@ arrays; three jitted pure functions move it on:
 * :func:`insert` prefills one request into a free slot (the prompt padded to
   a width bucket: one program per bucket);
 * :func:`step` runs up to ``num_cycles`` draft-verify cycles for every live
-  slot in one ``lax.while_loop`` (the chain cycle of :mod:`specjax._src.cycle`,
+  slot in one ``lax.while_loop`` (the chain cycle of :mod:`specjax._src.engine.chain`,
   with per-row settings) and returns what each slot committed (one program);
 * :func:`release` frees a slot (one program).
 
@@ -40,9 +40,10 @@ from flax import struct
 
 from specjax._src import lookup as lookup_lib
 from specjax._src import processors as processors_lib
-from specjax._src.calls import _bucket, _check_common, _check_decode_args, _Config, _eos_ids, _prepare_prompts
 from specjax._src.checks import as_integer
-from specjax._src.cycle import _decode_cycle, _DecodeState, _initial_state
+from specjax._src.engine.chain import _decode_cycle, _initial_state
+from specjax._src.engine.config import _Config, _DecodeState
+from specjax._src.engine.prepare import _bucket, _check_common, _check_decode_args, _eos_ids, _prepare_prompts
 from specjax._src.pairing import ModelPair
 
 Array = jax.Array

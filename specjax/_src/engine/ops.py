@@ -2,8 +2,8 @@
 cycle and ``generate``'s token step): the blocked prefill, per-sequence
 gathers and selects, the logit warp, the per-sequence keys, EOS tests, the
 output slice and the mesh pins. Each is a pure function of arrays, traced
-inside the jitted loops of :mod:`specjax._src.decode`. They live apart from
-:mod:`specjax._src.cycle` because ``generate``'s loop uses them too, and
+inside the jitted loops of :mod:`specjax._src.engine.loop`. They live apart from
+:mod:`specjax._src.engine.chain` because ``generate``'s loop uses them too, and
 that loop has no draft-verify cycle.
 """
 
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax._src import sampling
-from specjax._src.calls import _Config
+from specjax._src.engine.config import _Config
 from specjax._src.lm import KVCache
 
 Array = jax.Array

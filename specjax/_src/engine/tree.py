@@ -1,6 +1,6 @@
 """One draft-verify cycle over a token tree (``decode(..., tree=static_tree(...))``).
 
-The same five steps as the chain cycle (:mod:`specjax._src.cycle`), with a
+The same five steps as the chain cycle (:mod:`specjax._src.engine.chain`), with a
 tree of draft tokens in place of a chain:
 
 * draft: the draft's ``T = 2`` first step gives its distribution at the root
@@ -54,10 +54,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src import sampling
-from specjax._src.calls import _Config
-from specjax._src.cycle import _commit_block, _DecodeState, _draft_keep, _first_draft_logits, _first_head_logits
+from specjax._src.engine.chain import _commit_block, _draft_keep, _first_draft_logits, _first_head_logits
+from specjax._src.engine.config import _Config, _DecodeState
+from specjax._src.engine.ops import _gather, _warp, _where_b
 from specjax._src.lm import KVCache
-from specjax._src.loop_ops import _gather, _warp, _where_b
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Path, SpeculativeSampling, Verdict, VerifyInputs

@@ -1,7 +1,7 @@
 """One draft-verify cycle of ``decode``, as five small pure functions.
 
 :func:`_decode_cycle` is the whole cycle; each step is one function of
-arrays, traced inside the ``while_loop`` of :mod:`specjax._src.decode`::
+arrays, traced inside the ``while_loop`` of :mod:`specjax._src.engine.loop`::
 
     uniforms  = _cycle_uniforms(...)  # the cycle's randomness, one draw per sequence
     drafts    = _draft(...)           # up to K draft tokens, one draft forward each (some copied
@@ -11,10 +11,10 @@ arrays, traced inside the ``while_loop`` of :mod:`specjax._src.decode`::
     committed = _commit(...)          # tokens written, EOS / max_new_tokens, caches rolled back
     ...       = _record(...)          # rule and policy states, stats, diagnostics
 
-The loop state (:class:`_DecodeState`, built by :func:`_initial_state`) and
-its cache invariants are described in :mod:`specjax._src.decode`'s
+The loop state (:class:`specjax._src.engine.config._DecodeState`, built by
+:func:`_initial_state`) and its cache invariants are described in :mod:`specjax._src.engine.loop`'s
 docstring, the reader's map of the loop. The device helpers the cycle shares
-with ``generate`` are in :mod:`specjax._src.loop_ops`.
+with ``generate`` are in :mod:`specjax._src.engine.ops`.
 """
 
 from __future__ import annotations
@@ -24,16 +24,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from specjax._src import drafting as drafting_lib
 from specjax._src import processors as processors_lib
 from specjax._src import sampling
-from specjax._src.calls import _Config
+from specjax._src.engine.config import _Config, _DecodeState
+from specjax._src.engine.ops import _batched_init, _gather, _is_eos, _prefill, _row, _warp, _where_b
 from specjax._src.lm import KVCache, LMOutput
-from specjax._src.models.feature_head import is_feature_head
 from specjax._src.lookup import lookup_drafts
-from specjax._src.loop_ops import _batched_init, _gather, _is_eos, _prefill, _row, _warp, _where_b
+from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Verdict, VerifyInputs
 from specjax._src.stats import DecodeStats, record_cycle
@@ -42,25 +41,8 @@ Array = jax.Array
 _POINT_MASS_FLOOR = -1e9  # a copied draft's logits off its token
 
 # ---------------------------------------------------------------------------
-# The loop state
+# The state before the first cycle
 # ---------------------------------------------------------------------------
-
-
-@struct.dataclass
-class _DecodeState:
-    step: Array  # scalar int32: cycles run
-    tokens: Array  # [B, L]
-    num_committed: Array  # [B]
-    done: Array  # [B] bool
-    bad: Array  # [B] int32: 0 ok, 1 target logits non-finite, 2 draft logits non-finite
-    target_cache: KVCache
-    draft_cache: KVCache
-    rule_state: Any
-    policy_state: Any
-    stats: DecodeStats
-    # A feature head's pending inputs: the target's features of the last
-    # verified block, [B, K + 1, H] (None for a draft model; see _first_head_logits).
-    draft_features: Any = None
 
 
 def _initial_state(
@@ -172,7 +154,7 @@ def _decode_cycle(
 def _live_settings(rows, top_p, live: Array):
     """Per-row settings with finished rows' top-k and top-p filters off: such
     a row commits nothing, so its filters need not keep a batch of unfiltered
-    live rows sorting the vocabulary (:func:`specjax._src.loop_ops._warp`)."""
+    live rows sorting the vocabulary (:func:`specjax._src.engine.ops._warp`)."""
     if rows.top_k is not None:
         rows = rows.replace(top_k=jnp.where(live, rows.top_k, 0))
     if top_p is not None and jnp.ndim(top_p) == 1:

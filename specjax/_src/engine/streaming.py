@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from specjax._src.calls import _Call, _Config
+from specjax._src.engine.config import _Config
+from specjax._src.engine.prepare import _Call
 
 Array = jax.Array
 

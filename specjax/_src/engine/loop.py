@@ -4,7 +4,7 @@
 (draft up to K tokens, verify them in one target forward, accept per sequence,
 commit, roll the caches back by length) — inside one ``jax.lax.while_loop``
 with fixed-size buffers. There is no host round trip per cycle (unless
-``on_tokens=`` asks for streaming: see :mod:`specjax._src.streaming`).
+``on_tokens=`` asks for streaming: see :mod:`specjax._src.engine.streaming`).
 
 Shapes are bucketed (:class:`Buckets`): the batch, the prompt width and the
 ``max_new_tokens`` buffer are padded up to a few sizes so that mixed traffic
@@ -64,17 +64,20 @@ pinned by ``with_sharding_constraint`` (``_Config.layout``); XLA's SPMD
 partitioner inserts the collectives. See :mod:`specjax._src.sharding`.
 
 The code, by concern (this module holds only the two entry points and their
-jitted loops, and re-exports what used to live here):
+jitted loops):
 
 * :mod:`specjax._src.pairing`: :class:`ModelPair`, :func:`pair`, vocabulary checks;
-* :mod:`specjax._src.calls`: argument checks, :class:`Buckets`, the shared
+* :mod:`specjax._src.engine.config`: the loop's static config (``_Config``)
+  and its state (``_DecodeState``), which every other piece reads;
+* :mod:`specjax._src.engine.prepare`: argument checks, :class:`Buckets`, the shared
   argument preparation (``_prepare_call``), :class:`DecodeOutput` and the
   cut back after the loop (``_finish``);
-* :mod:`specjax._src.cycle`: the loop state and one cycle as five pure
-  functions (draft, verify, accept, commit, record);
-* :mod:`specjax._src.loop_ops`: device helpers both loops share (prefill,
+* :mod:`specjax._src.engine.chain`: the initial state and one chain cycle as
+  five pure functions (draft, verify, accept, commit, record);
+* :mod:`specjax._src.engine.tree`: one cycle over a token tree, the same five steps;
+* :mod:`specjax._src.engine.ops`: device helpers both loops share (prefill,
   gathers, warp, EOS test, output slice, mesh pins);
-* :mod:`specjax._src.streaming`: the ``on_tokens`` callback plumbing.
+* :mod:`specjax._src.engine.streaming`: the ``on_tokens`` callback plumbing.
 """
 
 from __future__ import annotations
@@ -91,29 +94,9 @@ from specjax._src import drafting as drafting_lib
 from specjax._src import lookup as lookup_lib
 from specjax._src import processors as processors_lib
 from specjax._src import sampling
-from specjax._src.calls import (
-    BUCKETS,
-    MIN_TEMPERATURE,
-    Buckets,
-    DecodeOutput,
-    _batch_bucket,
-    _bucket,
-    _check_decode_args,
-    _check_diagnostics,
-    _check_tree,
-    _Config,
-    _finish,
-    _padded_lengths,
-    _prepare_call,
-    _replicated,
-    _verify_widths,
-)
-from specjax._src.cycle import _decode_cycle, _DecodeState, _initial_state
-from specjax._src.models.feature_head import is_feature_head
-from specjax._src.tree_cycle import _tree_cycle
-from specjax._src.lm import KVCache, Model
-from specjax._src.loop_ops import (
-    PREFILL_BLOCK,
+from specjax._src.engine.chain import _decode_cycle, _initial_state
+from specjax._src.engine.config import _Config, _DecodeState
+from specjax._src.engine.ops import (
     _constrain,
     _extract,
     _gather,
@@ -123,13 +106,28 @@ from specjax._src.loop_ops import (
     _replicate_outputs,
     _warp,
 )
+from specjax._src.engine.prepare import (
+    BUCKETS,
+    MIN_TEMPERATURE,
+    Buckets,
+    DecodeOutput,
+    _check_decode_args,
+    _check_diagnostics,
+    _check_tree,
+    _finish,
+    _prepare_call,
+    _replicated,
+    _verify_widths,
+)
+from specjax._src.engine.streaming import _check_on_tokens, _report, _run_streaming
+from specjax._src.engine.tree import _tree_cycle
+from specjax._src.lm import KVCache, Model
+from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair, _model_vocab, pair
 from specjax._src.rules.base import AcceptanceRule
 from specjax._src.stats import DecodeStats
-from specjax._src.streaming import _check_on_tokens, _report, _run_streaming
 
-# The public names (``specjax/__init__.py`` imports them from here), and the
-# private ones tests and benchmarks reach through this module.
+# The public names (``specjax/__init__.py`` imports them from here).
 __all__ = [
     "BUCKETS",
     "MIN_TEMPERATURE",
@@ -139,14 +137,6 @@ __all__ = [
     "decode",
     "generate",
     "pair",
-    "PREFILL_BLOCK",
-    "_batch_bucket",
-    "_bucket",
-    "_decode_cycle",
-    "_decode_jit",
-    "_generate_jit",
-    "_padded_lengths",
-    "_prepare_call",
 ]
 
 Array = jax.Array

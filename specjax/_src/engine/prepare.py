@@ -10,7 +10,7 @@ Read in the order of a call:
    to their :class:`Buckets` and the inputs padded and, on a mesh, placed. It
    returns a :class:`_Call`: the host inputs, the compile-time :class:`_Config`
    and what the output must be cut back to.
-2. the jitted loop runs (:mod:`specjax._src.decode`).
+2. the jitted loop runs (:mod:`specjax._src.engine.loop`).
 3. :func:`_finish` cuts the bucket padding off the output, records the key
    and raises on non-finite logits (:func:`_raise_if_bad`).
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import secrets
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from specjax._src import multihost
 from specjax._src import sampling
 from specjax._src import sharding as sharding_lib
 from specjax._src.checks import as_integer, check_positive_int
+from specjax._src.engine.config import _Config
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, speculative_sampling
 from specjax._src.stats import DecodeStats
@@ -43,7 +44,7 @@ from specjax._src.stats import DecodeStats
 Array = jax.Array
 
 # ---------------------------------------------------------------------------
-# What a call returns, and the static settings of its loop
+# What a call returns
 # ---------------------------------------------------------------------------
 
 
@@ -73,34 +74,6 @@ class DecodeOutput:
         """The generated tokens as ragged Python lists."""
         toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
         return [toks[b, : lens[b]].tolist() for b in range(toks.shape[0])]
-
-
-class _Config(NamedTuple):
-    """The compile-time settings of one loop (a ``jit`` static). The rule and
-    the drafting policy are not here: they are pytree arguments, whose static
-    fields are part of the program's key and whose numbers are traced."""
-
-    # ``decode(diagnostics=fn)``: hashed by identity, so pass one function
-    # object (not a fresh lambda per call) to reuse the compiled loop.
-    diagnostics: Optional[Callable]
-    num_draft: int
-    max_new_tokens: int
-    cache_length: int
-    greedy: bool
-    top_k: Optional[int]
-    use_top_p: bool
-    layout: Optional[sharding_lib.DecodeLayout] = None  # set when running on a mesh
-    # ``on_tokens=`` given: the loop reports each cycle's tokens to the host
-    # (:func:`specjax._src.streaming._report`). False compiles the program
-    # without any callback.
-    stream: bool = False
-    # ``decode(tree=...)``: a static TokenTree; ``num_draft`` is then its depth.
-    tree: Optional[Any] = None
-    # ``decode(lookup=...)``: a static NgramLookup (drafts copied from the context).
-    lookup: Optional[Any] = None
-    # The widths a chain's verification block may run at (:func:`_verify_widths`), ascending,
-    # the last ``num_draft + 1``; ``None``: always the full block.
-    verify_widths: Optional[tuple[int, ...]] = None
 
 
 # ---------------------------------------------------------------------------
