@@ -109,8 +109,8 @@ def test_feature_head_in_slots(llama_pair):
 
 def test_compiles_per_prompt_bucket_then_none(llama_pair):
     """50 requests of mixed prompt lengths (two width buckets) and settings, inserted as slots
-    free up: one insert program per bucket, one step program, one release program; none on a
-    second pass."""
+    free up: one insert program per bucket and one step program (release compiles nothing); none
+    on a second pass."""
     # Its own static structure (7 EOS ids a slot), so that no earlier test built its programs.
     engine = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, max_eos=7)
     rng = np.random.default_rng(0)
@@ -141,10 +141,37 @@ def test_compiles_per_prompt_bucket_then_none(llama_pair):
     with count_compilations() as first:
         state, served = serve(state)
     assert served == 50
-    assert first["n"] <= 2 + 1 + 1, first  # prompt buckets 16 and 32, the step, the release
+    assert first["n"] <= 2 + 1, first  # prompt buckets 16 and 32, the step
     with count_compilations() as second:
         serve(state)
     assert second["n"] == 0
+
+
+def test_release_mid_generation_stops_the_slot_and_keeps_its_tokens(llama_pair, engine):
+    """A request released before it finished: the slot is free, later steps report nothing for it,
+    its tokens so far stay as they were, and the other slot decodes as alone. The state passed
+    in is unchanged (release returns a new value)."""
+    state = engine.insert_many(engine.init(), [0, 1], PROMPTS[:2], MIXED[:2])
+    state, out = engine.step(state, 1)
+    assert not np.asarray(out.done)[0]  # still generating when released
+    committed = int(np.asarray(state.loop.num_committed)[0])
+    tokens_before = np.asarray(state.loop.tokens)[0, :committed].copy()
+    released = engine.release(state, 0)
+    assert engine.free_slots(released) == [0, 2, 3] and engine.free_slots(state) == [2, 3]
+    assert not np.asarray(state.loop.done)[0]
+    later = released
+    got = jax.device_get(out).tokens[1, : int(out.counts[1])].tolist()
+    for _ in range(20):
+        later, out = engine.step(later, 2)
+        out = jax.device_get(out)
+        assert out.counts[0] == 0 and out.done[0]
+        got += out.tokens[1, : out.counts[1]].tolist()
+        if out.done[1]:
+            break
+    # Its committed tokens stay (the buffer past them is the loop's scratch space).
+    assert int(np.asarray(later.loop.num_committed)[0]) == committed
+    np.testing.assert_array_equal(np.asarray(later.loop.tokens)[0, :committed], tokens_before)
+    assert got == alone(llama_pair, PROMPTS[1], MIXED[1])
 
 
 def test_bad_settings_name_the_field_and_insert_nothing(engine):

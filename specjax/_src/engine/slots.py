@@ -4,14 +4,15 @@ The functional core a server drives from a host loop, in the shape of
 JetStream's engine API (``prefill`` / ``insert`` / ``generate`` over decode
 slots): a :class:`SlotState` holds ``S`` slots, each with a fixed-capacity
 region of both KV caches, its token buffer and its own settings as traced
-arrays; three jitted pure functions move it on:
+arrays; two jitted pure functions move it on, and a host-side update frees a slot:
 
 * :func:`insert` prefills one request into a free slot (the prompt padded to
   a width bucket: one program per bucket);
 * :func:`step` runs up to ``num_cycles`` draft-verify cycles for every live
   slot in one ``lax.while_loop`` (the chain cycle of :mod:`specjax._src.engine.chain`,
   with per-row settings) and returns what each slot committed (one program);
-* :func:`release` frees a slot (one program).
+* :meth:`Engine.release` frees a slot: it sets the slot's ``occupied`` and
+  ``done`` flags from the host (no program of its own, no work added to a step).
 
 Per-request data (traced, so mixed traffic shares one program): temperature
 (0 = greedy), top_p, top_k, the PRNG key, ``max_new_tokens``, EOS and stop
@@ -267,16 +268,22 @@ def _step_impl(params: ModelPair, rule, policy, state: SlotState, num_cycles, *,
     return state.replace(loop=loop), out
 
 
-def _release_impl(state: SlotState, slots) -> SlotState:
-    loop = state.loop
-    return state.replace(loop=loop.replace(done=loop.done.at[slots].set(True)),
-                         occupied=state.occupied.at[slots].set(False))
-
-
 _init_jit = jax.jit(_init_impl, static_argnames=("cfg",))
 _insert_jit = jax.jit(_insert_impl, static_argnames=("cfg",))
 _step_jit = jax.jit(_step_impl, static_argnames=("cfg",))
-_release_jit = jax.jit(_release_impl)
+
+
+def _with_entry(flags: Array, index: int, value) -> Array:
+    """A copy of ``flags`` ``[S]`` with entry ``index`` set to ``value``, written from the host.
+
+    A device transfer, not a program: it compiles nothing. The copy is placed
+    as ``flags`` was (its sharding, and committed or not: both are part of a
+    jitted program's cache key), so the insert and step programs that read it
+    are not compiled again.
+    """
+    host = np.array(flags)
+    host[index] = value
+    return jax.device_put(host, flags.sharding) if flags.committed else jax.device_put(host)
 
 
 # ---------------------------------------------------------------------------
@@ -289,8 +296,9 @@ class Engine:
 
     ``engine.init()`` gives a state of ``num_slots`` free slots; ``insert``,
     ``step`` and ``release`` check their arguments on the host (an error
-    names the field at fault and leaves the state as it was), then call the
-    jitted pure functions. The state is a value: each call returns a new one.
+    names the field at fault and leaves the state as it was); ``insert`` and
+    ``step`` then call the jitted pure functions, ``release`` sets two flags
+    from the host. The state is a value: each call returns a new one.
 
     Args:
       params: ``specjax.pair(target, draft)`` (a draft model or a feature head).
@@ -416,8 +424,17 @@ class Engine:
         return _step_jit(self.params, self.rule, self.drafting, state, np.int32(n), cfg=self.cfg)
 
     def release(self, state: SlotState, slot: int) -> SlotState:
-        """Frees ``slot`` (finished or not): it stops and takes the next :meth:`insert`."""
-        return _release_jit(state, np.asarray([self._check_slot(slot)], np.int32))
+        """Frees ``slot`` (finished or not): it stops and takes the next :meth:`insert`.
+
+        Marks the slot done and not occupied; its tokens and caches stay as
+        they were until an insert overwrites them. Two ``[S]`` flag arrays go
+        to the host and back (waiting for the step that made them); nothing
+        is compiled.
+        """
+        slot = self._check_slot(slot)
+        loop = state.loop
+        return state.replace(loop=loop.replace(done=_with_entry(loop.done, slot, True)),
+                             occupied=_with_entry(state.occupied, slot, False))
 
     # -- checks -------------------------------------------------------------
 

@@ -261,7 +261,7 @@ class Scheduler:
                 _emit(request, Failed(f"the server's engine failed: {type(e).__name__}: {e}", "engine_error"))
 
     def _warm_up(self):
-        """Compiles init, insert (per prompt width), step and release before any request."""
+        """Compiles init, insert (per prompt width) and step before any request (release compiles nothing)."""
         engine = self.engine
         state = engine.init()
         widths = self.warmup_widths
