@@ -115,11 +115,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _read(src: str, dtype: Optional[str]):
-    from specjax._src.models import loading
+    import specjax
+    from specjax.models import is_orbax_dir, load_hf
 
-    if os.path.isdir(src) and not loading.is_orbax_dir(src):
-        return loading.load_hf(src, dtype, progress=_progress("reading"))
-    return loading.load(src, dtype)
+    if os.path.isdir(src) and not is_orbax_dir(src):
+        return load_hf(src, dtype, progress=_progress("reading"))
+    return specjax.load(src, dtype)
 
 
 def _check_out_spares_src(src: str, out: str) -> None:
@@ -135,28 +136,28 @@ def _check_out_spares_src(src: str, out: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    from specjax._src.models import loading, manifest
-    from specjax.models import check_output_dir
+    import specjax
+    from specjax.models import MANIFEST_FILE, check_output_dir, is_orbax_dir
 
     try:
         if args.command == "manifest":
-            recorded = manifest.checkpoint_manifest(args.dir, write=True, overwrite=args.force)
-            print(f"wrote {os.path.join(args.dir, manifest.MANIFEST)} "
+            recorded = specjax.checkpoint_manifest(args.dir, write=True, overwrite=args.force)
+            print(f"wrote {os.path.join(args.dir, MANIFEST_FILE)} "
                   f"({len(recorded['files'])} files)")
             return 0
         if args.command == "verify":
-            count = manifest.verify_manifest(args.dir)
-            print(f"ok: {count} files of {args.dir} match {manifest.MANIFEST}")
+            count = specjax.verify_manifest(args.dir)
+            print(f"ok: {count} files of {args.dir} match {MANIFEST_FILE}")
             return 0
         # Refuse before the (possibly long) read, and again when writing.
         _check_out_spares_src(args.src, args.out)
         check_output_dir(args.out, args.force, flag="--force")
         if args.command == "to-orbax":
-            if loading.is_orbax_dir(args.src):
+            if is_orbax_dir(args.src):
                 raise ValueError(f"{args.src} is already an Orbax checkpoint.")
-            loading.save_orbax(_read(args.src, args.dtype), args.out, overwrite=args.force)
+            specjax.save_orbax(_read(args.src, args.dtype), args.out, overwrite=args.force)
         else:
-            loading.export_hf(_read(args.src, args.dtype), args.out,
+            specjax.export_hf(_read(args.src, args.dtype), args.out,
                               progress=_progress("writing"), overwrite=args.force)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

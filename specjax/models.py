@@ -8,8 +8,8 @@ functions it is made of (a training forward that reshapes differently must
 compute exactly what the decoder does), the few-row CPU matmul kernels the
 decoder runs, the Hugging Face layout (``config.json`` and tensor names, to
 rebuild a model in transformers), and a way to write a checkpoint directory
-whole. The trainers in ``training/`` and the scripts in ``benchmarks/`` use
-these; e.g. a reduced head's logits ``[B, T, V']`` for a distillation loss::
+whole. The trainers in ``training/``, the scripts in ``benchmarks/`` and
+``checkpoints_conversion`` use these; e.g. a reduced head's logits ``[B, T, V']`` for a distillation loss::
 
     logits, _, _ = Transformer(config).apply({"params": params}, tokens, positions, None, None,
                                              None, True)
@@ -31,8 +31,12 @@ from specjax._src.models.decoder import (
 )
 from specjax._src.models.files import check_output_dir, write_directory
 from specjax._src.models.hf import tensor_specs as hf_tensor_specs, to_hf_config
-from specjax._src.models.loading import astype
+from specjax._src.models import manifest as _manifest
+from specjax._src.models.loading import astype, is_orbax_dir, load_hf
 from specjax._src.models.registry import resolve as known_model_path
+
+#: The file :func:`specjax.checkpoint_manifest` writes into a checkpoint directory.
+MANIFEST_FILE = _manifest.MANIFEST
 
 #: The most rows :func:`cpu_matmul` multiplies at once (more go to XLA's dot in the decoder).
 CPU_MATMUL_MAX_ROWS = _cpu_matmul.MAX_ROWS
@@ -69,6 +73,9 @@ __all__ = (
     "grouped_attention",
     "is_index_param",
     "astype",
+    "load_hf",
+    "is_orbax_dir",
+    "MANIFEST_FILE",
     "to_hf_config",
     "hf_tensor_specs",
     "known_model_path",

@@ -250,6 +250,7 @@ def _has(tree: dict, path: Sequence[str]) -> bool:
 
 
 def is_orbax_dir(path: str) -> bool:
+    """Whether ``path`` is a directory written by :func:`specjax.save_orbax` (it holds ``specjax_config.json``)."""
     return os.path.exists(os.path.join(path, ORBAX_CONFIG))
 
 
