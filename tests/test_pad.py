@@ -176,3 +176,16 @@ def test_shipped_heads_load_by_name_and_fit_their_targets():
     assert pad(head="shipped").pardon.head.config.hidden_size != 576  # the embedded pair's
     with pytest.raises(FileNotFoundError, match="config.json"):
         pad(head="smollm2-135m")  # not a name, not a directory
+
+
+def test_a_fresh_head_standardises_its_features_by_the_training_split():
+    cfg = PivotHeadConfig(hidden_size=H, layer=-2, target_num_layers=2, arch="linear")
+    rng = np.random.default_rng(0)
+    hidden, scalars = rng.normal(3.0, 2.0, (64, H)), rng.uniform(0.0, 1.0, (64, 2))
+    norm = PivotHead.init(cfg, jax.random.key(0), hidden, scalars).params["norm"]
+    np.testing.assert_allclose(np.asarray(norm["hidden_mean"]), hidden.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(norm["scalar_std"]), scalars.std(0), rtol=1e-5)
+    identity = PivotHead.init(cfg, jax.random.key(0)).params["norm"]
+    assert float(jnp.abs(identity["hidden_mean"]).max()) == 0.0 and float(identity["hidden_std"].min()) == 1.0
+    with pytest.raises(ValueError, match="both hidden and scalars"):
+        PivotHead.init(cfg, jax.random.key(0), hidden)

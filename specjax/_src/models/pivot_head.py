@@ -207,7 +207,8 @@ class PivotHead:
         [N, H]``, ``scalars [N, 2]``, see :func:`pivot_features`) or, without
         one, the identity."""
         if (hidden is None) != (scalars is None):
-            raise ValueError("PivotHead.init: pass both hidden and scalars (the training split's features) or neither.")
+            raise ValueError("PivotHead.init: pass both hidden and scalars (the training split's features), "
+                             "or neither for the identity standardisation.")
         norm = None if hidden is None else fit_norm(hidden, scalars)
         return cls(config, init_head_params(config, key, norm))
 
