@@ -80,7 +80,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src import theory
-from specjax._src.rules.base import RuleSpec
+from specjax._src.engine.loop import decode
+from specjax._src.rules.base import RuleSpec, speculative_sampling
 
 Array = jax.Array
 
@@ -393,8 +394,6 @@ def certificate_diagnostics(
       num_bins, lo: histogram resolution (module docstring).
       temperature: if given and ``> 0``, raises: certificates are for greedy decoding.
     """
-    from specjax._src.rules.base import speculative_sampling
-
     rule = speculative_sampling() if rule is None else rule
     label = criterion_label(rule)
     _check_greedy(temperature, label)
@@ -420,9 +419,6 @@ def certified_decode(params, prompt_ids, *, rule=None, trees: Iterable[int] = ()
     Returns ``(DecodeOutput, CertificateReport)``. Raises ``ValueError`` for a
     non-certifiable rule or ``temperature > 0`` before anything runs.
     """
-    from specjax._src.engine.loop import decode
-    from specjax._src.rules.base import speculative_sampling
-
     rule = speculative_sampling() if rule is None else rule
     diag = certificate_diagnostics(rule, trees=trees, also=also, num_bins=num_bins, temperature=temperature)
     out = decode(params, prompt_ids, rule=rule, temperature=0.0, diagnostics=diag, **decode_kwargs)

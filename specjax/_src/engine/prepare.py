@@ -35,6 +35,7 @@ from specjax._src import drafting as drafting_lib
 from specjax._src import multihost
 from specjax._src import sampling
 from specjax._src import sharding as sharding_lib
+from specjax._src import trees as trees_lib
 from specjax._src.checks import as_integer, check_positive_int
 from specjax._src.engine.config import _Config
 from specjax._src.pairing import ModelPair
@@ -630,8 +631,6 @@ def _check_decode_args(params, rule, drafting, num_draft) -> tuple[AcceptanceRul
 
 def _check_tree(tree, params, rule, drafting, num_draft):
     """``decode(tree=...)``'s preconditions; returns the tree's depth (its ``K``)."""
-    from specjax._src import trees as trees_lib
-
     dynamic = isinstance(tree, trees_lib.DynamicTree)
     if not isinstance(tree, trees_lib.TokenTree) and not dynamic:
         raise TypeError(f"tree must be a TokenTree (e.g. specjax.trees.static_tree((4, 2, 1))) or a DynamicTree "
