@@ -683,10 +683,10 @@ class Decoder:
 
     ``attention_reads`` picks how much of a KV cache each forward's attention
     reads: ``"auto"`` (default) the prefix every row needs on CPU and TPU
-    (the narrowest of :func:`attention_widths`) and the whole buffer on GPUs,
+    (the narrowest of :func:`~specjax._src.models.decoder.attention_widths`) and the whole buffer on GPUs,
     ``"prefix"`` the prefix everywhere, ``"whole"`` the whole buffer
     everywhere. The outputs are the same; only the bytes read and the
-    programs differ (:func:`cache_attention` says why GPUs default to the
+    programs differ (:func:`~specjax._src.models.decoder.cache_attention` says why GPUs default to the
     whole buffer).
     """
 
