@@ -12,9 +12,11 @@ arrays, traced inside the ``while_loop`` of :mod:`specjax._src.engine.loop`::
     ...       = _record(...)          # rule and policy states, stats, diagnostics
 
 The loop state (:class:`specjax._src.engine.config._DecodeState`, built by
-:func:`_initial_state`) and its cache invariants are described in :mod:`specjax._src.engine.loop`'s
-docstring, the reader's map of the loop. The device helpers the cycle shares
-with ``generate`` are in :mod:`specjax._src.engine.ops`.
+:func:`_initial_state`) and its cache invariants are described in
+:mod:`specjax._src.engine.loop`'s docstring, the reader's map of the loop.
+What the cycle shares with the tree cycle (the first draft step, the commit
+of a block, the state after a cycle) is in :mod:`specjax._src.engine.cycle`;
+the device helpers it shares with ``generate`` are in :mod:`specjax._src.engine.ops`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,17 @@ from specjax._src import drafting as drafting_lib
 from specjax._src import processors as processors_lib
 from specjax._src import sampling
 from specjax._src.engine.config import _Config, _DecodeState
-from specjax._src.engine.ops import _batched_init, _gather, _is_eos, _prefill, _row, _warp, _where_b
+from specjax._src.engine.cycle import (
+    Committed,
+    commit_block,
+    draft_keep,
+    first_draft_logits,
+    first_head_logits,
+    live_diagnostics,
+    next_state,
+    nonfinite_codes,
+)
+from specjax._src.engine.ops import _batched_init, _gather, _prefill, _row, _warp, _where_b
 from specjax._src.lm import KVCache, LMOutput
 from specjax._src.lookup import lookup_drafts
 from specjax._src.models.feature_head import is_feature_head
@@ -135,19 +147,8 @@ def _decode_cycle(
     )
     rule_state, policy_state, stats, diag = _record(cfg, rule, policy, state, drafts, verified, accepted, committed,
                                                     rows)
-    new_state = _DecodeState(
-        step=state.step + 1,
-        tokens=committed.tokens,
-        num_committed=committed.num_committed,
-        done=committed.done,
-        bad=accepted.bad,
-        target_cache=committed.target_cache,
-        draft_cache=committed.draft_cache,
-        rule_state=rule_state,
-        policy_state=policy_state,
-        stats=stats,
-        draft_features=verified.features,
-    )
+    new_state = next_state(state, committed, bad=accepted.bad, rule_state=rule_state, policy_state=policy_state,
+                           stats=stats, draft_features=verified.features)
     return new_state, diag
 
 
@@ -200,7 +201,7 @@ def _draft(
 ) -> tuple[_Drafts, KVCache]:
     """Draft up to K tokens per sequence: the policy's ``budget``, cut short
     where its ``proceed`` says stop, one draft forward per token (the first is
-    :func:`_first_draft_logits`). With ``cfg.lookup``, a slot that the context
+    :func:`specjax._src.engine.cycle.first_draft_logits`). With ``cfg.lookup``, a slot that the context
     lookup fills (:func:`specjax._src.lookup.lookup_drafts`) takes the copied
     token instead, and the draft reads it for the next slot; with a feature
     head, once every active sequence's remaining slots are copies, the
@@ -213,9 +214,9 @@ def _draft(
     vocab, k_max = pair_params.vocab_size, cfg.num_draft
     batch = state.num_committed.shape[0]
     if is_feature_head(module):
-        raw0, feature, cache = _first_head_logits(cfg, module, params, vocab, state)
+        raw0, feature, cache = first_head_logits(cfg, module, params, vocab, state)
     else:
-        (raw0, cache), feature = _first_draft_logits(module, params, vocab, state), jnp.zeros((batch, 0))
+        (raw0, cache), feature = first_draft_logits(module, params, vocab, state), jnp.zeros((batch, 0))
 
     budget = jax.vmap(lambda s: policy.budget(s, k_max), axis_size=batch)(state.policy_state)
     budget = jnp.clip(jnp.asarray(budget, jnp.int32), 1, k_max)
@@ -267,48 +268,6 @@ def _draft(
 
         _, _, bufs = jax.lax.while_loop(lambda c: (c[0] < k_max) & c[1].any(), copy_slot, (j, active, bufs))
     return bufs, cache
-
-
-def _first_head_logits(cfg: _Config, module, params, vocab: int, state: _DecodeState):
-    """A feature head's first draft step: one ``T = K + 1`` forward over the
-    positions whose target features the last verification produced.
-
-    The head cache holds positions ``0 .. m - 1``; ``state.draft_features[:, j]``
-    is the target's ``f_{m+j}``, valid for ``j < count = num_committed - 1 - m``
-    (the tokens the last cycle committed). Position ``m + j`` reads
-    ``(f_{m+j}, x_{m+j+1})``; the output at ``j = count - 1`` drafts
-    ``x_{num_committed}``, and the rows past it are dropped (a length reset).
-    The drafts of the last cycle, written with the head's own features, are
-    thus rewritten with the target's: EAGLE's feature correction.
-
-    Returns ``(raw logits [B, V], predicted feature [B, H], cache)``.
-    """
-    cache, tokens = state.draft_cache, state.tokens
-    start = cache.lengths
-    count = jnp.clip(state.num_committed - 1 - start, 1, cfg.num_draft + 1)
-    index = start[:, None] + 1 + jnp.arange(cfg.num_draft + 1)[None, :]
-    block = jnp.take_along_axis(tokens, jnp.minimum(index, tokens.shape[1] - 1), axis=1)
-    out = module.apply(params, block, cache, features=state.draft_features, logits_at=count - 1)
-    return out.logits[:, 0, :vocab], _row(out.hidden[0], count - 1), out.cache.rollback(start + count)
-
-
-def _first_draft_logits(module, params, vocab: int, state: _DecodeState) -> tuple[Array, KVCache]:
-    """The cycle's first draft step: a ``T = 2`` forward over the last two
-    committed tokens (or ``[t0, pad]``), read at the last real one. Returns
-    its raw logits ``[B, V]`` and the draft cache, now holding every committed token."""
-    nc, tokens = state.num_committed, state.tokens
-    first = _gather(tokens, jnp.maximum(nc - 2, 0))
-    second = jnp.where(nc >= 2, _gather(tokens, jnp.maximum(nc - 1, 0)), 0)
-    pair_tokens, row = jnp.stack([first, second], axis=1), jnp.minimum(nc - 1, 1)
-    if getattr(module, "supports_logits_at", False):
-        # Only one of the two rows is read: a one-row LM head (on CPU a 2-row
-        # head ran ~10x slower than a one-row one, a quarter of a greedy cycle).
-        out = module.apply(params, pair_tokens, state.draft_cache, logits_at=row)
-        raw0 = out.logits[:, 0, :vocab]
-    else:
-        out = module.apply(params, pair_tokens, state.draft_cache)
-        raw0 = _row(out.logits[..., :vocab], row)
-    return raw0, out.cache.rollback(nc)
 
 
 def _draft_slot(
@@ -519,18 +478,15 @@ def _accept(
     slots = jnp.arange(k_max + 1)[None, :]
     target_bad = (sampling.nonfinite_rows(verified.raw) & (slots <= n[:, None])).any(1)
     draft_bad = (drafts.bad & (slots[:, :k_max] <= n[:, None])).any(1)
-    live_before = ~state.done
-    new_bad = jnp.where(
-        live_before & draft_bad, 2, jnp.where(live_before & target_bad, 1, 0)
-    ).astype(jnp.int32)
+    new_bad, bad = nonfinite_codes(state, draft_bad, target_bad)
     return _Accepted(
         verdict=verdict,
         num_accepted=n,
         num_drafted=v,
         emitted=emitted,
-        live=live_before & (new_bad == 0),
+        live=~state.done & (new_bad == 0),
         new_bad=new_bad,
-        bad=jnp.where(state.bad > 0, state.bad, new_bad),
+        bad=bad,
     )
 
 
@@ -547,75 +503,25 @@ def _per_row_rule(rule: AcceptanceRule, rows, method: str, greedy: bool, *args):
 # ---------------------------------------------------------------------------
 
 
-class _Committed(NamedTuple):
-    tokens: Array  # [B, L] with this cycle's block written at the old num_committed
-    num_committed: Array  # [B]
-    num_new: Array  # [B] tokens this cycle committed
-    done: Array  # [B]
-    target_cache: KVCache  # rolled back: num_committed - 1 entries
-    draft_cache: KVCache  # rolled back: max(num_committed - 2, 0) entries
-
-
-def _commit_block(state: _DecodeState, accepted_tokens: Array, n: Array, emitted: Array, live: Array,
-                  prompt_lengths, max_new, eos_ids) -> tuple[Array, Array, Array]:
-    """Writes ``accepted_tokens[:, :n] + emitted`` at ``num_committed``, cut after
-    the first EOS and at each sequence's ``max_new_tokens`` (nothing for
-    non-live rows). Shared by the chain and the tree cycle.
-
-    Args:
-      accepted_tokens: ``[B, K]`` the drafts in output order (a chain's drafts,
-        a tree's accepted path); only the first ``n[b]`` are committed.
-
-    Returns:
-      ``(tokens [B, L], num_new [B], done [B])``: ``done`` for EOS or the budget.
-    """
-    nc = state.num_committed
-    batch, k = accepted_tokens.shape
-    slots = jnp.arange(k + 1)[None, :]
-    block = jnp.concatenate([accepted_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
-    block = jnp.where(slots == n[:, None], emitted[:, None], block)
-    is_eos = _is_eos(eos_ids, block) & (slots <= n[:, None])
-    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), k + 1)
-    room = max_new - (nc - prompt_lengths)
-    n_commit = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), room)
-    n_commit = jnp.where(live, n_commit, 0).astype(jnp.int32)
-    hit_eos = live & (first_eos < n_commit)
-    tokens = jax.vmap(lambda row, blk, off: jax.lax.dynamic_update_slice(row, blk, (off,)))(
-        state.tokens, block, nc
-    )
-    return tokens, n_commit, hit_eos | (nc + n_commit - prompt_lengths >= max_new)
-
-
 def _commit(
     cfg: _Config, state: _DecodeState, drafts: _Drafts, accepted: _Accepted, target_cache: KVCache,
     draft_cache: KVCache, prompt_lengths, max_new, eos_ids,
-) -> _Committed:
-    """Commits ``drafts[:n] + emitted`` (:func:`_commit_block`) and rolls both
-    caches back to their invariants (a length reset, nothing copied)."""
-    tokens, n_commit, finished = _commit_block(
+) -> Committed:
+    """Commits ``drafts[:n] + emitted`` (:func:`specjax._src.engine.cycle.commit_block`)
+    and rolls both caches back to their invariants (a length reset, nothing copied)."""
+    tokens, n_commit, finished = commit_block(
         state, drafts.tokens, accepted.num_accepted, accepted.emitted, accepted.live, prompt_lengths, max_new,
         eos_ids,
     )
     new_nc = state.num_committed + n_commit
-    return _Committed(
+    return Committed(
         tokens=tokens,
         num_committed=new_nc,
         num_new=n_commit,
         done=state.done | (accepted.new_bad > 0) | finished,
         target_cache=target_cache.rollback(new_nc - 1),
-        draft_cache=draft_cache.rollback(_draft_keep(cfg, state, new_nc)),
+        draft_cache=draft_cache.rollback(draft_keep(state, new_nc)),
     )
-
-
-def _draft_keep(cfg: _Config, state: _DecodeState, new_nc: Array) -> Array:
-    """The draft cache's invariant after a commit: a draft model keeps every
-    committed token but the last two (the next cycle's first forward reads
-    them); a feature head keeps the positions whose features were the
-    target's before this cycle (``num_committed - 1`` of them), and rewrites
-    the rest from this cycle's target features (:func:`_first_head_logits`)."""
-    if state.draft_features is not None:
-        return state.num_committed - 1
-    return jnp.maximum(new_nc - 2, 0)
 
 
 # ---------------------------------------------------------------------------
@@ -625,7 +531,7 @@ def _draft_keep(cfg: _Config, state: _DecodeState, new_nc: Array) -> Array:
 
 def _record(
     cfg: _Config, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, state: _DecodeState, drafts: _Drafts,
-    verified: _Verified, accepted: _Accepted, committed: _Committed, rows=None,
+    verified: _Verified, accepted: _Accepted, committed: Committed, rows=None,
 ):
     """What the cycle leaves for later, for live sequences only: the rule's
     and the drafting policy's running states, the stats
@@ -649,10 +555,5 @@ def _record(
     stats = record_cycle(state.stats, live=live, valid=drafts.valid, num_accepted=n,
                          num_committed=committed.num_new, paths=accepted.verdict.path,
                          draft_forwards=drafts.forwards, copied=drafts.copied, verified=verified.width)
-    diag = None
-    if cfg.diagnostics is not None:
-        values = jax.vmap(cfg.diagnostics)(verified.inputs, accepted.verdict, n)
-        diag = jax.tree_util.tree_map(
-            lambda x: jnp.where(live.reshape(live.shape + (1,) * (x.ndim - 1)), x, 0), values
-        )
+    diag = live_diagnostics(cfg, live, verified.inputs, accepted.verdict, n)
     return rule_state, policy_state, stats, diag

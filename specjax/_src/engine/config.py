@@ -68,5 +68,5 @@ class _DecodeState:
     policy_state: Any
     stats: DecodeStats
     # A feature head's pending inputs: the target's features of the last
-    # verified block, [B, K + 1, H] (None for a draft model; see _first_head_logits).
+    # verified block, [B, K + 1, H] (None for a draft model; see cycle.first_head_logits).
     draft_features: Any = None

@@ -75,6 +75,8 @@ jitted loops):
 * :mod:`specjax._src.engine.chain`: the initial state and one chain cycle as
   five pure functions (draft, verify, accept, commit, record);
 * :mod:`specjax._src.engine.tree`: one cycle over a token tree, the same five steps;
+* :mod:`specjax._src.engine.cycle`: what both cycles are built from (the first
+  draft step, the block commit, the state after a cycle);
 * :mod:`specjax._src.engine.ops`: device helpers both loops share (prefill,
   gathers, warp, EOS test, output slice, mesh pins);
 * :mod:`specjax._src.engine.streaming`: the ``on_tokens`` callback plumbing.

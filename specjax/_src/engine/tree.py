@@ -1,7 +1,19 @@
 """One draft-verify cycle over a token tree (``decode(..., tree=static_tree(...))``).
 
-The same five steps as the chain cycle (:mod:`specjax._src.engine.chain`), with a
-tree of draft tokens in place of a chain:
+The same five steps as the chain cycle (:mod:`specjax._src.engine.chain`), as
+the same five functions, with a tree of draft tokens in place of a chain.
+:func:`_tree_cycle` is the whole cycle::
+
+    keys, uniforms = _tree_uniforms(...)  # the cycle's randomness, from one key per sequence
+    drafted   = _draft(...)      # the tree: a static one level by level, a dynamic one expanded and reranked
+    verified  = _verify(...)     # one target forward over all N nodes with tree attention
+    accepted  = _accept(...)     # the walk down the tree: the accepted path and the emitted token
+    committed = _commit(...)     # the path's tokens written, both caches keep the path and roll back
+    ...       = _record(...)     # stats, a stateful rule's state and diagnostics from the path
+
+What it shares with the chain cycle (the first draft step, the block
+commit, the draft cache's invariant, the non-finite codes, the state after a
+cycle) is in :mod:`specjax._src.engine.cycle`. Step by step:
 
 * draft: the draft's ``T = 2`` first step gives its distribution at the root
   (the last committed token, node 0); each breadth-first level's children are
@@ -47,28 +59,156 @@ its next cycle's first inputs, as in the chain cycle.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax._src import sampling
-from specjax._src.engine.chain import _commit_block, _draft_keep, _first_draft_logits, _first_head_logits
 from specjax._src.engine.config import _Config, _DecodeState
+from specjax._src.engine.cycle import (
+    Committed,
+    commit_block,
+    draft_keep,
+    first_draft_logits,
+    first_head_logits,
+    live_diagnostics,
+    next_state,
+    nonfinite_codes,
+)
 from specjax._src.engine.ops import _gather, _warp, _where_b
 from specjax._src.lm import KVCache
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Path, SpeculativeSampling, Verdict, VerifyInputs
 from specjax._src.stats import record_cycle
-from specjax._src.trees import (DynamicTree, TokenTree, children_table, levels, rerank, sample_children,
-                                slot_scores, top_ranked, uniform_branching, verify_dynamic_tree, verify_tree)
+from specjax._src.trees import (DynamicTree, TokenTree, TreeVerdict, children_table, levels, rerank,
+                                sample_children, slot_scores, top_ranked, uniform_branching, verify_dynamic_tree,
+                                verify_tree)
 
 Array = jax.Array
 
 
-class _TreeDrafts(NamedTuple):
+def _tree_cycle(
+    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, prompt_lengths, max_new, eos_ids, seq_keys,
+    temperature, top_p, state: _DecodeState,
+):
+    """One tree cycle (a static :class:`TokenTree` or a :class:`DynamicTree`)
+    with any rule, as the chain cycle's five steps. Returns ``(state,
+    diagnostics or None)``."""
+    batch = state.num_committed.shape[0]
+    need_view = _needs_chain_view(cfg, state)
+    draft_keys, uniforms, emit_uniform = _tree_uniforms(cfg, seq_keys, state.step, batch)
+    drafted, draft_cache = _draft(cfg, pair_params, rule, state, draft_keys, temperature, top_p, need_view)
+    verified = _verify(cfg, pair_params, rule, state, drafted, temperature, top_p)
+    accepted = _accept(cfg, rule, state, drafted, verified, uniforms, emit_uniform)
+    committed, draft_features = _commit(pair_params, state, drafted, verified, accepted, draft_cache, prompt_lengths,
+                                        max_new, eos_ids)
+    rule_state, stats, diag = _record(cfg, rule, state, drafted, verified, accepted, committed, uniforms, need_view)
+    new_state = next_state(state, committed, bad=accepted.bad, rule_state=rule_state,
+                           policy_state=state.policy_state, stats=stats, draft_features=draft_features)
+    return new_state, diag
+
+
+def _needs_chain_view(cfg: _Config, state: _DecodeState) -> bool:
+    """Whether anything reads the decided path as a chain block
+    (:func:`_path_as_chain`): a stateful rule's ``update`` (e.g. AdaSD's
+    running means) or a ``diagnostics`` hook."""
+    return _stateful(state) or cfg.diagnostics is not None
+
+
+def _stateful(state: _DecodeState) -> bool:
+    return bool(jax.tree_util.tree_leaves(state.rule_state))
+
+
+def _verified_nodes(tree) -> int:
+    """``N``: the nodes one verification scores, the root included."""
+    return tree.verified_nodes if isinstance(tree, DynamicTree) else tree.num_nodes
+
+
+def _tree_uniforms(cfg: _Config, seq_keys, step, batch: int):
+    """All of a cycle's randomness, from ``fold_in(seq_key, step)``:
+    ``(draft_keys [B], uniforms [B, N], emit_uniform [B])``: the keys the
+    children are drawn with (each level folds in its own index), one
+    acceptance uniform per node and one for the emitted token. Greedy draws
+    nothing (``draft_keys`` is None)."""
+    n_nodes = _verified_nodes(cfg.tree)
+    if cfg.greedy:
+        return None, jnp.zeros((batch, n_nodes), jnp.float32), jnp.zeros((batch,), jnp.float32)
+    cycle_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(seq_keys)
+    draft_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(cycle_keys)
+    u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, 2), (n_nodes + 1,)))(cycle_keys)
+    return draft_keys, u[:, :n_nodes], u[:, n_nodes]
+
+
+# ---------------------------------------------------------------------------
+# 1. draft
+# ---------------------------------------------------------------------------
+
+
+class _DraftedTree(NamedTuple):
+    """A cycle's tree, static or dynamic, as the later steps read it."""
+
+    tokens: Array  # [B, N] node tokens (node 0: the root, the last committed token)
+    # The tree's parents: numpy [N] for a static tree (its attention mask is built on the host),
+    # traced [B, N] for a dynamic one.
+    parents: Any
+    table: Array  # [B, N, C] each node's children, -1 padded
+    # [B, N, V] the draft distribution each node's children were drawn from (None: a dynamic
+    # tree's top-k children, point masses).
+    probs: Any
+    # [B, N - 1, V] the draft's warped logits at each non-root node's parent (None where neither
+    # a relaxed rule nor the chain view reads them).
+    parent_logits: Any
+    fed: Any  # [B, N] a dynamic tree's node slots in the draft's fed tree (-1: never fed); None for a static tree
+    bad: Array  # [B] the draft's logits were non-finite somewhere
+    forwards: Array  # scalar int32
+
+    @property
+    def node_parents(self):
+        """The non-root nodes' parents: numpy ``[N - 1]`` or traced ``[B, N - 1]``."""
+        return self.parents[1:] if isinstance(self.parents, np.ndarray) else self.parents[:, 1:]
+
+    @property
+    def child_draft_logits(self) -> Array:
+        """``[B, N, V]``: :attr:`parent_logits` by node (row 0, the root's, is unused)."""
+        return jnp.concatenate([self.parent_logits[:, :1], self.parent_logits], axis=1)
+
+
+def _draft(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _DecodeState, draft_keys,
+           temperature, top_p, need_view: bool) -> tuple[_DraftedTree, KVCache]:
+    """Drafts the cycle's tree: a static tree level by level
+    (:func:`_draft_tree`), a dynamic one by EAGLE-2's expansion and rerank
+    (:func:`_draft_dynamic`). Returns the tree and the draft cache after it,
+    whose accepted path :func:`_commit` keeps."""
+    tree = cfg.tree
+    batch = state.num_committed.shape[0]
+    lossless = isinstance(rule, SpeculativeSampling)
+    need_logits = not lossless or need_view
+    if isinstance(tree, DynamicTree):
+        # Drawn children keep the lossless walk exact and accept more; relaxed
+        # rules judge by the target's ranks and accept more of the draft's best.
+        sampled = lossless if tree.sampled is None else bool(tree.sampled)
+        drafts, cache = _draft_dynamic(cfg, tree, pair_params, state, need_logits=need_logits, draft_keys=draft_keys,
+                                       temperature=temperature, top_p=top_p, sampled=sampled)
+        parent_logits = _warp(cfg, drafts.parent_logits, temperature, top_p) if need_logits else None
+        table = jax.vmap(lambda p: children_table(p, tree.top_k))(drafts.parents)
+        return _DraftedTree(tokens=drafts.tokens, parents=drafts.parents, table=table, probs=drafts.probs,
+                            parent_logits=parent_logits, fed=drafts.fed, bad=drafts.bad,
+                            forwards=drafts.forwards), cache
+    drafts, cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p)
+    parents = np.asarray(tree.parents, np.int32)  # static: the mask is built on the host
+    static_table = tree.children_table()
+    table = jnp.broadcast_to(jnp.asarray(static_table), (batch,) + static_table.shape)
+    return _DraftedTree(tokens=drafts.tokens, parents=parents, table=table, probs=drafts.probs,
+                        parent_logits=drafts.logits[:, parents[1:]] if need_logits else None, fed=None,
+                        bad=drafts.bad, forwards=drafts.forwards), cache
+
+
+class _StaticDrafts(NamedTuple):
+    """What :func:`_draft_tree` drafts for a static tree."""
+
     tokens: Array  # [B, N] node tokens (node 0: the root, the last committed token)
     logits: Array  # [B, N, V] the warped draft logits at each node (raw when greedy)
     probs: Array  # [B, N, V] the draft distribution each node's children were drawn from
@@ -90,7 +230,7 @@ def _children(cfg: _Config, raw: Array, keys: Array, num: int, temperature, top_
 
 
 def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _DecodeState, draft_keys,
-                temperature, top_p) -> tuple[_TreeDrafts, KVCache]:
+                temperature, top_p) -> tuple[_StaticDrafts, KVCache]:
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab = pair_params.vocab_size
     batch = state.num_committed.shape[0]
@@ -98,11 +238,11 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
     spans = levels(tree)
     head = is_feature_head(module)
     if head:  # the root's own prediction; node j then reads its parent's f_hat
-        raw0, root_feature, cache = _first_head_logits(cfg, module, params, vocab, state)
+        raw0, root_feature, cache = first_head_logits(cfg, module, params, vocab, state)
         node_features = jnp.zeros((batch, tree.num_nodes, root_feature.shape[-1]), jnp.float32)
         node_features = node_features.at[:, 0].set(root_feature)
     else:
-        raw0, cache = _first_draft_logits(module, params, vocab, state)
+        raw0, cache = first_draft_logits(module, params, vocab, state)
     root = _gather(state.tokens, state.num_committed - 1)
     tokens = jnp.zeros((batch, tree.num_nodes), jnp.int32).at[:, 0].set(root)
     probs = jnp.zeros((batch, tree.num_nodes, vocab), jnp.float32)
@@ -128,85 +268,12 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
             cache, raw = out.cache, out.logits[..., :vocab]
             bad = bad | sampling.nonfinite_rows(raw).any(1)
             forwards += 1
-    return _TreeDrafts(tokens, logits, probs, bad, jnp.int32(forwards)), cache
-
-
-def _rule_on_nodes(rule: AcceptanceRule, tokens: Array, parents, parent_logits: Array, target_logits,
-                   target_probs, hidden: dict, rule_state) -> tuple[Array, Array, Array]:
-    """A greedy rule's verdict on every node as a child of its parent:
-    ``(accept [B, N], correction token [B, N], path code [B, N])`` (node 0: none).
-
-    ``parents``: the non-root nodes' parents, ``[N - 1]`` (numpy, a static
-    tree) or ``[B, N - 1]`` (traced, a dynamic tree); ``parent_logits [B, N -
-    1, V]``: the draft's logits each node was drafted from (at its parent).
-    The rule sees the ``N - 1`` non-root nodes as the slots of one block, slot
-    ``i`` (node ``i + 1``) judged by its parent's distributions. That is exact
-    for rules that decide a slot from its own distributions alone (every
-    stateless built-in rule); each node's hidden states are at its own position.
-    """
-    batch, n = tokens.shape
-    if isinstance(parents, np.ndarray):
-        at_parents = lambda x: x[:, parents]  # noqa: E731
-    else:
-        at_parents = lambda x: jnp.take_along_axis(x, parents[:, :, None], axis=1)  # noqa: E731
-    judge = lambda x: jnp.concatenate([at_parents(x), x[:, :1]], axis=1)  # noqa: E731 (+ an unused bonus row)
-    features = {"hidden": {layer: h[:, 1:] for layer, h in hidden.items()}} if hidden else {}
-    inputs = VerifyInputs(
-        draft_tokens=tokens[:, 1:], draft_logits=parent_logits, draft_probs=jax.nn.softmax(parent_logits, axis=-1),
-        target_logits=judge(target_logits), target_probs=judge(target_probs),
-        uniforms=jnp.zeros((batch, n - 1), jnp.float32),
-        valid=jnp.ones((batch, n - 1), bool), features=features,
-    )
-    verdict = jax.vmap(lambda i, s: rule.verify(i, s, greedy=True))(inputs, rule_state)
-    pad = lambda x, v: jnp.concatenate([jnp.full((batch, 1), v, x.dtype), x], axis=1)  # noqa: E731
-    return (pad(jnp.asarray(verdict.accept, bool), False), pad(sampling.argmax(verdict.correction), 0),
-            pad(jnp.asarray(verdict.path, jnp.int32), Path.REJECTED))
-
-
-def _judge_child(rule: AcceptanceRule, data, child, node, token, p, q, uniform):
-    """A relaxed rule's verdict on one tree child when sampling (the walk's
-    ``judge``, :func:`specjax._src.trees._walk`): the child as a one-slot
-    block whose ``target_probs`` / ``draft_probs`` are what its earlier
-    siblings left, and whose logits are the models' at the node (see
-    :class:`~specjax.rules.VerifyInputs`). ``data``: the sequence's
-    ``(target_logits [N, V], child_draft_logits [N, V], hidden, rule_state)``."""
-    target_logits, child_draft_logits, hidden, rule_state = data
-    features = {"hidden": {layer: h[child][None] for layer, h in hidden.items()}} if hidden else {}
-    inputs = VerifyInputs(
-        draft_tokens=token[None], draft_logits=child_draft_logits[child][None], draft_probs=q[None],
-        target_logits=jnp.stack([target_logits[node]] * 2), target_probs=jnp.stack([p, p]),
-        uniforms=uniform[None], valid=jnp.ones((1,), bool), features=features,
-    )
-    verdict = rule.verify(inputs, rule_state, greedy=False)
-    return jnp.asarray(verdict.accept[0], bool), verdict.correction[0], jnp.asarray(verdict.path[0], jnp.int32)
-
-
-def _path_as_chain(table, path, n, codes, tokens, child_draft_logits, target_logits, uniforms,
-                   hidden) -> tuple[VerifyInputs, Verdict]:
-    """One sequence's decided path as a chain block, for a stateful rule's
-    ``update`` and a ``diagnostics`` hook: slot ``s < n`` the accepted path node ``s + 1``, slot ``n`` the
-    first child rejected at the node the walk stopped at (invalid when that
-    node is a leaf), later slots invalid. The rows are the models' own
-    distributions at each slot's parent (``softmax`` of the logits). The
-    verdict accepts the first ``n`` slots with their path ``codes [D]``; its
-    correction rows are the target's distributions (a tree's corrections are
-    per child, not per slot)."""
-    depth = path.shape[0] - 1
-    slot = jnp.arange(depth)
-    stop_child = table[path[n], 0]
-    node = jnp.where(slot < n, path[1:], jnp.where(slot == n, jnp.maximum(stop_child, 0), 0))
-    valid = (slot < n) | ((slot == n) & (stop_child >= 0))
-    draft_logits, logits = child_draft_logits[node], target_logits[path]
-    features = {"hidden": {layer: h[node] for layer, h in hidden.items()}} if hidden else {}
-    inputs = VerifyInputs(
-        draft_tokens=tokens[node], draft_logits=draft_logits, draft_probs=jax.nn.softmax(draft_logits, axis=-1),
-        target_logits=logits, target_probs=jax.nn.softmax(logits, axis=-1), uniforms=uniforms[node],
-        valid=valid, features=features,
-    )
-    return inputs, Verdict(accept=slot < n, path=codes, correction=inputs.target_probs[:depth])
+    return _StaticDrafts(tokens, logits, probs, bad, jnp.int32(forwards)), cache
 
 
 class _DynamicDrafts(NamedTuple):
+    """What :func:`_draft_dynamic` drafts for a dynamic tree."""
+
     tokens: Array  # [B, M + 1] the verified tree's tokens (node 0: the root)
     parents: Array  # [B, M + 1] int32 the verified tree (traced, per sequence)
     fed: Array  # [B, M + 1] int32 each node's slot in the draft's fed tree (root 0; -1: never fed)
@@ -237,11 +304,11 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     batch = state.num_committed.shape[0]
     head = is_feature_head(module)
     if head:
-        raw0, root_feature, cache = _first_head_logits(cfg, module, params, vocab, state)
+        raw0, root_feature, cache = first_head_logits(cfg, module, params, vocab, state)
         fed_features = jnp.zeros((batch, tree.num_fed + 1, root_feature.shape[-1]), jnp.float32)
         fed_features = fed_features.at[:, 0].set(root_feature)
     else:
-        raw0, cache = _first_draft_logits(module, params, vocab, state)
+        raw0, cache = first_draft_logits(module, params, vocab, state)
     raw0 = raw0.astype(jnp.float32)
     root = _gather(state.tokens, state.num_committed - 1)
     bad = sampling.nonfinite_rows(raw0)
@@ -314,168 +381,267 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     return _DynamicDrafts(tokens, parents, fed, parent_logits, probs, bad, jnp.int32(depth)), cache
 
 
-def _tree_cycle(
-    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, prompt_lengths, max_new, eos_ids, seq_keys,
-    temperature, top_p, state: _DecodeState,
-):
-    """One tree cycle (a static :class:`TokenTree` or a :class:`DynamicTree`)
-    with any rule. Greedy, a relaxed rule judges every node at once as a
-    child of its parent; sampling, the walk asks it about each child in turn
-    (:func:`_judge_child`). A stateful rule updates from, and a diagnostics
-    hook reads, the decided path as a chain block (:func:`_path_as_chain`).
-    Returns ``(state, diagnostics or None)``."""
-    tree = cfg.tree
-    dynamic = isinstance(tree, DynamicTree)
-    depth = tree.max_depth
-    n_nodes = tree.verified_nodes if dynamic else tree.num_nodes
-    nc, done = state.num_committed, state.done
-    batch = nc.shape[0]
-    start = nc - 1
-    if cfg.greedy:
-        draft_keys = None
-        uniforms = jnp.zeros((batch, n_nodes), jnp.float32)
-        emit_uniform = jnp.zeros((batch,), jnp.float32)
-    else:
-        cycle_keys = jax.vmap(lambda k: jax.random.fold_in(k, state.step))(seq_keys)
-        draft_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(cycle_keys)
-        u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, 2), (n_nodes + 1,)))(cycle_keys)
-        uniforms, emit_uniform = u[:, :n_nodes], u[:, n_nodes]
-    relaxed = not isinstance(rule, SpeculativeSampling)
-    stateful = bool(jax.tree_util.tree_leaves(state.rule_state))
-    # Stateful rules and diagnostics hooks see the decided path as a chain block (_path_as_chain).
-    need_view = stateful or cfg.diagnostics is not None
+# ---------------------------------------------------------------------------
+# 2. verify
+# ---------------------------------------------------------------------------
 
-    # ---- draft ----
-    if dynamic:
-        # Drawn children keep the lossless walk exact and accept more; relaxed
-        # rules judge by the target's ranks and accept more of the draft's best.
-        sampled = (not relaxed) if tree.sampled is None else bool(tree.sampled)
-        drafts, draft_cache = _draft_dynamic(cfg, tree, pair_params, state, need_logits=relaxed or need_view,
-                                             draft_keys=draft_keys, temperature=temperature, top_p=top_p,
-                                             sampled=sampled)
-        tree_parents = drafts.parents  # traced, per sequence
-    else:
-        drafts, draft_cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p)
-        tree_parents = np.asarray(tree.parents, np.int32)  # static: the mask is built on the host
 
-    # ---- verify ----
+class _TreeVerified(NamedTuple):
+    raw: Array  # [B, N, V] target logits before the warp (checked for non-finite values)
+    target_logits: Array  # [B, N, V] warped (raw when greedy): row j judges node j's children
+    target_probs: Array  # [B, N, V] softmax(target_logits)
+    hidden: dict  # {layer: [B, N, H]} the rule's hidden_layers, at each node's own position
+    head_hidden: Any  # [B, N, n H] a feature head's layers, concatenated (None for a draft model)
+    cache: KVCache  # the target cache after the forward (the commit keeps the accepted path)
+
+
+def _verify(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _DecodeState,
+            drafted: _DraftedTree, temperature, top_p) -> _TreeVerified:
+    """One target forward over all ``N`` nodes with tree attention: row ``j``
+    of its logits judges node ``j``'s children."""
     head = pair_params.draft.module
     head_layers = head.feature_layers if is_feature_head(head) else ()
-    out = pair_params.target.module.apply(pair_params.target.params, drafts.tokens, state.target_cache,
-                                          tree_parents=tree_parents,
+    out = pair_params.target.module.apply(pair_params.target.params, drafted.tokens, state.target_cache,
+                                          tree_parents=drafted.parents,
                                           hidden_layers=tuple(rule.hidden_layers) + head_layers)
     raw = out.logits[..., : pair_params.vocab_size]
     target_logits = _warp(cfg, raw, temperature, top_p)
-    target_probs = jax.nn.softmax(target_logits, axis=-1)
+    head_hidden = None
+    if head_layers:
+        head_hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)
+    return _TreeVerified(raw=raw, target_logits=target_logits, target_probs=jax.nn.softmax(target_logits, axis=-1),
+                         hidden=dict(zip(rule.hidden_layers, out.hidden)), head_hidden=head_hidden, cache=out.cache)
 
-    # ---- accept ----
-    hidden = dict(zip(rule.hidden_layers, out.hidden))
-    if dynamic:
-        table = jax.vmap(lambda p: children_table(p, tree.top_k))(drafts.parents)
-        if drafts.probs is None:
-            walk = functools.partial(verify_dynamic_tree, depth=depth, width=tree.top_k)
-            shape_args = (drafts.parents,)
-        else:  # sampled children: the walk also reads the distribution each node's were drawn from
-            walk = lambda parents, q, *xs, **kw: verify_dynamic_tree(  # noqa: E731
-                parents, *xs, depth=depth, width=tree.top_k, draft_probs=q, **kw)
-            shape_args = (drafts.parents, drafts.probs)
-    else:
-        static_table = tree.children_table()
-        table = jnp.broadcast_to(jnp.asarray(static_table), (batch,) + static_table.shape)
-        walk = functools.partial(verify_tree, tree)
-        shape_args = ()
-    child_draft_logits = None  # [B, N, V]: the draft's warped logits at each node's parent (row 0 unused)
-    if relaxed or need_view:
-        if dynamic:
-            node_parents = drafts.parents[:, 1:]
-            parent_logits = _warp(cfg, drafts.parent_logits, temperature, top_p)
-        else:
-            node_parents = np.asarray(tree.parents[1:], np.int32)
-            parent_logits = drafts.logits[:, node_parents]
-        child_draft_logits = jnp.concatenate([parent_logits[:, :1], parent_logits], axis=1)
-    walk_inputs = (drafts.tokens, target_logits, target_probs) + (() if dynamic else (drafts.probs,)) + (
-        uniforms, emit_uniform)
+
+# ---------------------------------------------------------------------------
+# 3. accept
+# ---------------------------------------------------------------------------
+
+
+class _TreeAccepted(NamedTuple):
+    verdict: TreeVerdict  # [B]-batched: the accepted path, its length and the emitted token
+    num_accepted: Array  # [B] n: the accepted path's draft tokens
+    # [B, N] each node's Path code as a relaxed rule judged it (None for the lossless rule).
+    node_codes: Any
+    live: Array  # [B] live before the cycle, with finite logits: the sequences that commit
+    new_bad: Array  # [B] int32: this cycle's non-finite logits (1 target, 2 draft), else 0
+    bad: Array  # [B] int32: the first non-finite logits each sequence met (sticky)
+
+
+def _accept(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _DraftedTree,
+            verified: _TreeVerified, uniforms, emit_uniform) -> _TreeAccepted:
+    """The walk down each sequence's tree (:func:`_walk`) keeps the accepted
+    path and emits one more token. Greedy, a relaxed rule judges every node
+    at once as a child of its parent (:func:`_rule_on_nodes`); sampling, the
+    walk asks it about each child in turn (:func:`_judge_child`). A sequence
+    whose path read non-finite logits stops and emits nothing."""
+    walk = functools.partial(_walk, cfg.tree)
+    shape = _walk_shape(cfg.tree, drafted)
+    inputs = (drafted.tokens, verified.target_logits, verified.target_probs, uniforms, emit_uniform)
+    relaxed = not isinstance(rule, SpeculativeSampling)
+    node_codes = None
     if relaxed and cfg.greedy:
-        node_accept, node_fix, node_code = _rule_on_nodes(rule, drafts.tokens, node_parents, parent_logits,
-                                                          target_logits, target_probs, hidden, state.rule_state)
-        verdict = jax.vmap(lambda shape, a, fix, *xs: walk(*shape, *xs, greedy=True, node_accept=a,
-                                                              node_correction=fix))(
-            shape_args, node_accept, node_fix, *walk_inputs)
+        node_accept, node_fix, node_codes = _rule_on_nodes(
+            rule, drafted.tokens, drafted.node_parents, drafted.parent_logits, verified.target_logits,
+            verified.target_probs, verified.hidden, state.rule_state)
+        verdict = jax.vmap(lambda s, a, fix, *xs: walk(s, *xs, greedy=True, node_accept=a, node_correction=fix))(
+            shape, node_accept, node_fix, *inputs)
     elif relaxed:
-        judge_data = (target_logits, child_draft_logits, hidden, state.rule_state)
-        verdict = jax.vmap(lambda shape, data, *xs: walk(*shape, *xs, greedy=False,
-                                                         judge=functools.partial(_judge_child, rule),
-                                                         judge_data=data))(shape_args, judge_data, *walk_inputs)
-        node_code = verdict.path_codes
+        judge_data = (verified.target_logits, drafted.child_draft_logits, verified.hidden, state.rule_state)
+        verdict = jax.vmap(lambda s, data, *xs: walk(s, *xs, greedy=False, judge=functools.partial(_judge_child, rule),
+                                                     judge_data=data))(shape, judge_data, *inputs)
+        node_codes = verdict.path_codes
     else:
-        verdict = jax.vmap(lambda shape, *xs: walk(*shape, *xs, greedy=cfg.greedy))(shape_args, *walk_inputs)
+        verdict = jax.vmap(lambda s, *xs: walk(s, *xs, greedy=cfg.greedy))(shape, *inputs)
     n = verdict.num_accepted
     # Only the nodes the walk visited (the root and the n accepted ones) were
     # read, as a chain reads only its rows up to n: a NaN row at a sibling the
     # path never entered changes nothing that is committed.
     on_path = jnp.arange(verdict.path.shape[1])[None, :] <= n[:, None]
-    target_bad = (jnp.take_along_axis(sampling.nonfinite_rows(raw), verdict.path, axis=1) & on_path).any(1)
-    new_bad = jnp.where(~done & drafts.bad, 2, jnp.where(~done & target_bad, 1, 0)).astype(jnp.int32)
-    live = ~done & (new_bad == 0)
+    target_bad = (jnp.take_along_axis(sampling.nonfinite_rows(verified.raw), verdict.path, axis=1) & on_path).any(1)
+    new_bad, bad = nonfinite_codes(state, drafted.bad, target_bad)
+    return _TreeAccepted(verdict=verdict, num_accepted=n, node_codes=node_codes, live=~state.done & (new_bad == 0),
+                         new_bad=new_bad, bad=bad)
 
-    # ---- commit ----
-    path_tokens = jnp.take_along_axis(drafts.tokens, verdict.path[:, 1:], axis=1)  # [B, D], root excluded
-    tokens, n_commit, finished = _commit_block(state, path_tokens, n, verdict.token, live, prompt_lengths, max_new,
-                                               eos_ids)
+
+def _walk_shape(tree, drafted: _DraftedTree) -> tuple:
+    """What :func:`_walk` reads of a sequence's tree besides the models' rows
+    (``[B]``-batched): a static tree's ``(draft_probs,)``, a dynamic tree's
+    ``(parents, draft_probs or None)``."""
+    if isinstance(tree, DynamicTree):
+        return drafted.parents, drafted.probs
+    return (drafted.probs,)
+
+
+def _walk(tree, shape: tuple, tokens, target_logits, target_probs, uniforms, emit_uniform, **kwargs) -> TreeVerdict:
+    """One sequence's walk down its tree: :func:`specjax._src.trees.verify_tree`
+    for a static tree, :func:`specjax._src.trees.verify_dynamic_tree` for a
+    dynamic one (``shape``: :func:`_walk_shape`'s, one sequence's)."""
+    if isinstance(tree, DynamicTree):
+        parents, draft_probs = shape
+        return verify_dynamic_tree(parents, tokens, target_logits, target_probs, uniforms, emit_uniform,
+                                   depth=tree.max_depth, width=tree.top_k, draft_probs=draft_probs, **kwargs)
+    (draft_probs,) = shape
+    return verify_tree(tree, tokens, target_logits, target_probs, draft_probs, uniforms, emit_uniform, **kwargs)
+
+
+def _rule_on_nodes(rule: AcceptanceRule, tokens: Array, parents, parent_logits: Array, target_logits,
+                   target_probs, hidden: dict, rule_state) -> tuple[Array, Array, Array]:
+    """A greedy rule's verdict on every node as a child of its parent:
+    ``(accept [B, N], correction token [B, N], path code [B, N])`` (node 0: none).
+
+    ``parents``: the non-root nodes' parents, ``[N - 1]`` (numpy, a static
+    tree) or ``[B, N - 1]`` (traced, a dynamic tree); ``parent_logits [B, N -
+    1, V]``: the draft's logits each node was drafted from (at its parent).
+    The rule sees the ``N - 1`` non-root nodes as the slots of one block, slot
+    ``i`` (node ``i + 1``) judged by its parent's distributions. That is exact
+    for rules that decide a slot from its own distributions alone (every
+    stateless built-in rule); each node's hidden states are at its own position.
+    """
+    batch, n = tokens.shape
+    if isinstance(parents, np.ndarray):
+        at_parents = lambda x: x[:, parents]  # noqa: E731
+    else:
+        at_parents = lambda x: jnp.take_along_axis(x, parents[:, :, None], axis=1)  # noqa: E731
+    judge = lambda x: jnp.concatenate([at_parents(x), x[:, :1]], axis=1)  # noqa: E731 (+ an unused bonus row)
+    features = {"hidden": {layer: h[:, 1:] for layer, h in hidden.items()}} if hidden else {}
+    inputs = VerifyInputs(
+        draft_tokens=tokens[:, 1:], draft_logits=parent_logits, draft_probs=jax.nn.softmax(parent_logits, axis=-1),
+        target_logits=judge(target_logits), target_probs=judge(target_probs),
+        uniforms=jnp.zeros((batch, n - 1), jnp.float32),
+        valid=jnp.ones((batch, n - 1), bool), features=features,
+    )
+    verdict = jax.vmap(lambda i, s: rule.verify(i, s, greedy=True))(inputs, rule_state)
+    pad = lambda x, v: jnp.concatenate([jnp.full((batch, 1), v, x.dtype), x], axis=1)  # noqa: E731
+    return (pad(jnp.asarray(verdict.accept, bool), False), pad(sampling.argmax(verdict.correction), 0),
+            pad(jnp.asarray(verdict.path, jnp.int32), Path.REJECTED))
+
+
+def _judge_child(rule: AcceptanceRule, data, child, node, token, p, q, uniform):
+    """A relaxed rule's verdict on one tree child when sampling (the walk's
+    ``judge``, :func:`specjax._src.trees._walk`): the child as a one-slot
+    block whose ``target_probs`` / ``draft_probs`` are what its earlier
+    siblings left, and whose logits are the models' at the node (see
+    :class:`~specjax.rules.VerifyInputs`). ``data``: the sequence's
+    ``(target_logits [N, V], child_draft_logits [N, V], hidden, rule_state)``."""
+    target_logits, child_draft_logits, hidden, rule_state = data
+    features = {"hidden": {layer: h[child][None] for layer, h in hidden.items()}} if hidden else {}
+    inputs = VerifyInputs(
+        draft_tokens=token[None], draft_logits=child_draft_logits[child][None], draft_probs=q[None],
+        target_logits=jnp.stack([target_logits[node]] * 2), target_probs=jnp.stack([p, p]),
+        uniforms=uniform[None], valid=jnp.ones((1,), bool), features=features,
+    )
+    verdict = rule.verify(inputs, rule_state, greedy=False)
+    return jnp.asarray(verdict.accept[0], bool), verdict.correction[0], jnp.asarray(verdict.path[0], jnp.int32)
+
+
+# ---------------------------------------------------------------------------
+# 4. commit
+# ---------------------------------------------------------------------------
+
+
+def _commit(pair_params: ModelPair, state: _DecodeState, drafted: _DraftedTree, verified: _TreeVerified,
+            accepted: _TreeAccepted, draft_cache: KVCache, prompt_lengths, max_new, eos_ids) -> tuple[Committed, Any]:
+    """Commits the accepted path's tokens and the emitted token
+    (:func:`specjax._src.engine.cycle.commit_block`); both caches keep the
+    accepted path (:meth:`KVCache.keep_path`: its rows move into place) and
+    roll back to the chain loop's invariants. Returns the commit and a
+    feature head's next inputs, the target's features on the accepted path
+    ``[B, D + 1, H]`` (None for a draft model)."""
+    nc = state.num_committed
+    start = nc - 1
+    path, n = accepted.verdict.path, accepted.num_accepted
+    path_tokens = jnp.take_along_axis(drafted.tokens, path[:, 1:], axis=1)  # [B, D], root excluded
+    tokens, n_commit, finished = commit_block(state, path_tokens, n, accepted.verdict.token, accepted.live,
+                                              prompt_lengths, max_new, eos_ids)
     new_nc = nc + n_commit
     # The target cache keeps the root and the first n_commit - 1 path nodes
     # (everything committed but the last token); the draft one path node less.
-    target_cache = out.cache.keep_path(start, verdict.path, n_commit)
+    target_cache = verified.cache.keep_path(start, path, n_commit)
     draft_features = None
-    if head_layers:  # a feature head rewrites its tree from the target's features on the accepted path
-        hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)  # [B, N, n H]
-        path_hidden = jnp.take_along_axis(hidden, verdict.path[:, :, None], axis=1)
-        draft_features = head.target_features(pair_params.draft.params, path_hidden)  # [B, D + 1, H]
-    elif dynamic:
+    if verified.head_hidden is not None:  # a feature head rewrites its tree from the target's features on the path
+        path_hidden = jnp.take_along_axis(verified.head_hidden, path[:, :, None], axis=1)
+        draft_features = pair_params.draft.module.target_features(pair_params.draft.params, path_hidden)
+    elif drafted.fed is not None:
         # The draft holds the fed tree at start + fed slot. The kept path nodes
         # (all but the last committed two tokens' nodes) each have an accepted
         # child, so they were frontier nodes, all fed; entries past the kept
         # count are ignored (a never-fed leaf reads slot 0, the root).
-        fed_path = jnp.maximum(jnp.take_along_axis(drafts.fed, verdict.path, axis=1), 0)
+        fed_path = jnp.maximum(jnp.take_along_axis(drafted.fed, path, axis=1), 0)
         draft_cache = draft_cache.keep_path(start, fed_path, jnp.maximum(n_commit - 1, 0))
     else:
-        draft_cache = draft_cache.keep_path(start, verdict.path, jnp.maximum(n_commit - 1, 0))
+        draft_cache = draft_cache.keep_path(start, path, jnp.maximum(n_commit - 1, 0))
+    committed = Committed(
+        tokens=tokens,
+        num_committed=new_nc,
+        num_new=n_commit,
+        done=state.done | (accepted.new_bad > 0) | finished,
+        target_cache=target_cache.rollback(new_nc - 1),
+        draft_cache=draft_cache.rollback(draft_keep(state, new_nc)),
+    )
+    return committed, draft_features
 
-    # ---- record ----
+
+# ---------------------------------------------------------------------------
+# 5. record
+# ---------------------------------------------------------------------------
+
+
+def _record(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _DraftedTree, verified: _TreeVerified,
+            accepted: _TreeAccepted, committed: Committed, uniforms, need_view: bool):
+    """What the cycle leaves for later, for live sequences only: the stats
+    with ``K`` = the tree's depth (each cycle judges one path), and, from the
+    decided path as a chain block (:func:`_path_as_chain`), a stateful rule's
+    running state and the ``diagnostics`` hook's values. Returns
+    ``(rule_state, stats, diagnostics or None)``."""
+    tree = cfg.tree
+    depth = tree.max_depth
+    verdict, n, live = accepted.verdict, accepted.num_accepted, accepted.live
+    batch = n.shape[0]
     # Slot n was judged only if the walk stopped at a node with children; a
     # dynamic tree's path can end at a leaf above full depth, and the token
     # emitted there is a bonus, not a correction.
     stop = jnp.take_along_axis(verdict.path, n[:, None], axis=1)[:, 0]
-    stop_has_child = jax.vmap(lambda t, j: t[j, 0] >= 0)(table, stop)
+    stop_has_child = jax.vmap(lambda t, j: t[j, 0] >= 0)(drafted.table, stop)
     judged = jnp.where(jnp.arange(depth)[None, :] == n[:, None], stop_has_child[:, None], True)
-    if relaxed:  # each accepted node's own path code (exact / relaxed / pardon)
-        paths = jnp.take_along_axis(node_code, verdict.path[:, 1:], axis=1)
+    if accepted.node_codes is not None:  # each accepted node's own path code (exact / relaxed / pardon)
+        paths = jnp.take_along_axis(accepted.node_codes, verdict.path[:, 1:], axis=1)
     else:
         paths = jnp.full((batch, depth), Path.EXACT, jnp.int32)
     paths = jnp.where(jnp.arange(depth)[None, :] < n[:, None], paths, Path.REJECTED).astype(jnp.int32)
     rule_state, diag = state.rule_state, None
     if need_view:
-        view = jax.vmap(_path_as_chain)(table, verdict.path, n, paths, drafts.tokens, child_draft_logits,
-                                        target_logits, uniforms, hidden)
-    if stateful:  # e.g. AdaSD's running means: the rule updates from the decided path, as from a chain
-        rule_state = jax.vmap(functools.partial(rule.update, greedy=cfg.greedy))(rule_state, *view, n)
-        rule_state = _where_b(live, rule_state, state.rule_state)
-    if cfg.diagnostics is not None:
-        values = jax.vmap(cfg.diagnostics)(*view, n)
-        diag = jax.tree_util.tree_map(
-            lambda x: jnp.where(live.reshape(live.shape + (1,) * (x.ndim - 1)), x, 0), values)
-    stats = record_cycle(state.stats, live=live, valid=judged, num_accepted=n, num_committed=n_commit,
-                         paths=paths, draft_forwards=drafts.forwards, verified=n_nodes)
-    new_state = state.replace(
-        step=state.step + 1,
-        tokens=tokens,
-        num_committed=new_nc,
-        done=done | (new_bad > 0) | finished,
-        bad=jnp.where(state.bad > 0, state.bad, new_bad),
-        target_cache=target_cache.rollback(new_nc - 1),
-        draft_cache=draft_cache.rollback(_draft_keep(cfg, state, new_nc)),
-        stats=stats,
-        rule_state=rule_state,
-        draft_features=draft_features,
+        view = jax.vmap(_path_as_chain)(drafted.table, verdict.path, n, paths, drafted.tokens,
+                                        drafted.child_draft_logits, verified.target_logits, uniforms, verified.hidden)
+        if _stateful(state):  # e.g. AdaSD's running means: the rule updates from the decided path, as from a chain
+            rule_state = jax.vmap(functools.partial(rule.update, greedy=cfg.greedy))(rule_state, *view, n)
+            rule_state = _where_b(live, rule_state, state.rule_state)
+        diag = live_diagnostics(cfg, live, *view, n)
+    stats = record_cycle(state.stats, live=live, valid=judged, num_accepted=n, num_committed=committed.num_new,
+                         paths=paths, draft_forwards=drafted.forwards, verified=_verified_nodes(tree))
+    return rule_state, stats, diag
+
+
+def _path_as_chain(table, path, n, codes, tokens, child_draft_logits, target_logits, uniforms,
+                   hidden) -> tuple[VerifyInputs, Verdict]:
+    """One sequence's decided path as a chain block, for a stateful rule's
+    ``update`` and a ``diagnostics`` hook: slot ``s < n`` the accepted path node ``s + 1``, slot ``n`` the
+    first child rejected at the node the walk stopped at (invalid when that
+    node is a leaf), later slots invalid. The rows are the models' own
+    distributions at each slot's parent (``softmax`` of the logits). The
+    verdict accepts the first ``n`` slots with their path ``codes [D]``; its
+    correction rows are the target's distributions (a tree's corrections are
+    per child, not per slot)."""
+    depth = path.shape[0] - 1
+    slot = jnp.arange(depth)
+    stop_child = table[path[n], 0]
+    node = jnp.where(slot < n, path[1:], jnp.where(slot == n, jnp.maximum(stop_child, 0), 0))
+    valid = (slot < n) | ((slot == n) & (stop_child >= 0))
+    draft_logits, logits = child_draft_logits[node], target_logits[path]
+    features = {"hidden": {layer: h[node] for layer, h in hidden.items()}} if hidden else {}
+    inputs = VerifyInputs(
+        draft_tokens=tokens[node], draft_logits=draft_logits, draft_probs=jax.nn.softmax(draft_logits, axis=-1),
+        target_logits=logits, target_probs=jax.nn.softmax(logits, axis=-1), uniforms=uniforms[node],
+        valid=valid, features=features,
     )
-    return new_state, diag
+    return inputs, Verdict(accept=slot < n, path=codes, correction=inputs.target_probs[:depth])

@@ -1,0 +1,191 @@
+"""What every draft-verify cycle is built from, whether it drafts a chain or a tree.
+
+The chain cycle (:mod:`specjax._src.engine.chain`) and the tree cycle
+(:mod:`specjax._src.engine.tree`) run the same five steps (draft, verify,
+accept, commit, record) over the same loop state
+(:class:`specjax._src.engine.config._DecodeState`) and keep the same cache
+invariants (:mod:`specjax._src.engine.loop`). What those invariants fix,
+whatever the drafts' shape, is here, and both cycles import it:
+
+* draft: the cycle's first draft step, a draft model's ``T = 2`` forward
+  (:func:`first_draft_logits`) or a feature head's ``T = K + 1`` one
+  (:func:`first_head_logits`);
+* accept: which model's non-finite logits stop a sequence (:func:`nonfinite_codes`);
+* commit: the committed block written and cut at EOS and ``max_new_tokens``
+  (:func:`commit_block`), the draft cache's length after it
+  (:func:`draft_keep`), and what a commit hands on (:class:`Committed`);
+* record: the ``diagnostics`` hook's values on live sequences
+  (:func:`live_diagnostics`), and the state the cycle leaves (:func:`next_state`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from specjax._src.engine.config import _Config, _DecodeState
+from specjax._src.engine.ops import _gather, _is_eos, _row
+from specjax._src.lm import KVCache
+from specjax._src.stats import DecodeStats
+
+Array = jax.Array
+
+# ---------------------------------------------------------------------------
+# draft: the first step
+# ---------------------------------------------------------------------------
+
+
+def first_draft_logits(module, params, vocab: int, state: _DecodeState) -> tuple[Array, KVCache]:
+    """The cycle's first draft step: a ``T = 2`` forward over the last two
+    committed tokens (or ``[t0, pad]``), read at the last real one. Returns
+    its raw logits ``[B, V]`` and the draft cache, now holding every committed token."""
+    nc, tokens = state.num_committed, state.tokens
+    first = _gather(tokens, jnp.maximum(nc - 2, 0))
+    second = jnp.where(nc >= 2, _gather(tokens, jnp.maximum(nc - 1, 0)), 0)
+    pair_tokens, row = jnp.stack([first, second], axis=1), jnp.minimum(nc - 1, 1)
+    if getattr(module, "supports_logits_at", False):
+        # Only one of the two rows is read: a one-row LM head (on CPU a 2-row
+        # head ran ~10x slower than a one-row one, a quarter of a greedy cycle).
+        out = module.apply(params, pair_tokens, state.draft_cache, logits_at=row)
+        raw0 = out.logits[:, 0, :vocab]
+    else:
+        out = module.apply(params, pair_tokens, state.draft_cache)
+        raw0 = _row(out.logits[..., :vocab], row)
+    return raw0, out.cache.rollback(nc)
+
+
+def first_head_logits(cfg: _Config, module, params, vocab: int, state: _DecodeState):
+    """A feature head's first draft step: one ``T = K + 1`` forward over the
+    positions whose target features the last verification produced.
+
+    The head cache holds positions ``0 .. m - 1``; ``state.draft_features[:, j]``
+    is the target's ``f_{m+j}``, valid for ``j < count = num_committed - 1 - m``
+    (the tokens the last cycle committed). Position ``m + j`` reads
+    ``(f_{m+j}, x_{m+j+1})``; the output at ``j = count - 1`` drafts
+    ``x_{num_committed}``, and the rows past it are dropped (a length reset).
+    The drafts of the last cycle, written with the head's own features, are
+    thus rewritten with the target's: EAGLE's feature correction.
+
+    Returns ``(raw logits [B, V], predicted feature [B, H], cache)``.
+    """
+    cache, tokens = state.draft_cache, state.tokens
+    start = cache.lengths
+    count = jnp.clip(state.num_committed - 1 - start, 1, cfg.num_draft + 1)
+    index = start[:, None] + 1 + jnp.arange(cfg.num_draft + 1)[None, :]
+    block = jnp.take_along_axis(tokens, jnp.minimum(index, tokens.shape[1] - 1), axis=1)
+    out = module.apply(params, block, cache, features=state.draft_features, logits_at=count - 1)
+    return out.logits[:, 0, :vocab], _row(out.hidden[0], count - 1), out.cache.rollback(start + count)
+
+
+# ---------------------------------------------------------------------------
+# accept: non-finite logits
+# ---------------------------------------------------------------------------
+
+
+def nonfinite_codes(state: _DecodeState, draft_bad: Array, target_bad: Array) -> tuple[Array, Array]:
+    """``(new_bad [B], bad [B])`` int32: this cycle's code for each live
+    sequence whose outcome read non-finite logits (2 the draft's, else 1 the
+    target's, else 0), and the first code each sequence met (sticky).
+
+    ``draft_bad`` / ``target_bad [B]``: only the logits the outcome depended on
+    (a chain's rows up to the accepted run, a tree's path)."""
+    live_before = ~state.done
+    new_bad = jnp.where(
+        live_before & draft_bad, 2, jnp.where(live_before & target_bad, 1, 0)
+    ).astype(jnp.int32)
+    return new_bad, jnp.where(state.bad > 0, state.bad, new_bad)
+
+
+# ---------------------------------------------------------------------------
+# commit
+# ---------------------------------------------------------------------------
+
+
+class Committed(NamedTuple):
+    """What a cycle's commit hands on (both caches already rolled back)."""
+
+    tokens: Array  # [B, L] with this cycle's block written at the old num_committed
+    num_committed: Array  # [B]
+    num_new: Array  # [B] tokens this cycle committed
+    done: Array  # [B]
+    target_cache: KVCache  # rolled back: num_committed - 1 entries
+    draft_cache: KVCache  # rolled back to draft_keep(...) entries
+
+
+def commit_block(state: _DecodeState, accepted_tokens: Array, n: Array, emitted: Array, live: Array,
+                 prompt_lengths, max_new, eos_ids) -> tuple[Array, Array, Array]:
+    """Writes ``accepted_tokens[:, :n] + emitted`` at ``num_committed``, cut after
+    the first EOS and at each sequence's ``max_new_tokens`` (nothing for
+    non-live rows).
+
+    Args:
+      accepted_tokens: ``[B, K]`` the drafts in output order (a chain's drafts,
+        a tree's accepted path); only the first ``n[b]`` are committed.
+
+    Returns:
+      ``(tokens [B, L], num_new [B], done [B])``: ``done`` for EOS or the budget.
+    """
+    nc = state.num_committed
+    batch, k = accepted_tokens.shape
+    slots = jnp.arange(k + 1)[None, :]
+    block = jnp.concatenate([accepted_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    block = jnp.where(slots == n[:, None], emitted[:, None], block)
+    is_eos = _is_eos(eos_ids, block) & (slots <= n[:, None])
+    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), k + 1)
+    room = max_new - (nc - prompt_lengths)
+    n_commit = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), room)
+    n_commit = jnp.where(live, n_commit, 0).astype(jnp.int32)
+    hit_eos = live & (first_eos < n_commit)
+    tokens = jax.vmap(lambda row, blk, off: jax.lax.dynamic_update_slice(row, blk, (off,)))(
+        state.tokens, block, nc
+    )
+    return tokens, n_commit, hit_eos | (nc + n_commit - prompt_lengths >= max_new)
+
+
+def draft_keep(state: _DecodeState, new_nc: Array) -> Array:
+    """The draft cache's invariant after a commit: a draft model keeps every
+    committed token but the last two (the next cycle's first forward reads
+    them); a feature head keeps the positions whose features were the
+    target's before this cycle (``num_committed - 1`` of them), and rewrites
+    the rest from this cycle's target features (:func:`first_head_logits`)."""
+    if state.draft_features is not None:
+        return state.num_committed - 1
+    return jnp.maximum(new_nc - 2, 0)
+
+
+# ---------------------------------------------------------------------------
+# record
+# ---------------------------------------------------------------------------
+
+
+def live_diagnostics(cfg: _Config, live: Array, inputs, verdict, num_accepted: Array):
+    """The ``diagnostics`` hook's per-sequence values over the cycle's chain
+    block (``inputs``, ``verdict``, ``num_accepted``, each ``[B]``-batched),
+    zero for sequences that did not commit; None without a hook."""
+    if cfg.diagnostics is None:
+        return None
+    values = jax.vmap(cfg.diagnostics)(inputs, verdict, num_accepted)
+    return jax.tree_util.tree_map(
+        lambda x: jnp.where(live.reshape(live.shape + (1,) * (x.ndim - 1)), x, 0), values
+    )
+
+
+def next_state(state: _DecodeState, committed: Committed, *, bad: Array, rule_state, policy_state,
+               stats: DecodeStats, draft_features: Optional[Any]) -> _DecodeState:
+    """The loop state after one cycle: one more step, the commit, and what the
+    record step and the verification left for the next cycle."""
+    return _DecodeState(
+        step=state.step + 1,
+        tokens=committed.tokens,
+        num_committed=committed.num_committed,
+        done=committed.done,
+        bad=bad,
+        target_cache=committed.target_cache,
+        draft_cache=committed.draft_cache,
+        rule_state=rule_state,
+        policy_state=policy_state,
+        stats=stats,
+        draft_features=draft_features,
+    )
