@@ -54,6 +54,7 @@ def build_contenders(capacity: int, reads: str | None = None) -> tuple[tuple[str
     import jax.numpy as jnp
     import numpy as np
 
+    import common
     import specjax
     from specjax.engine import Engine, SlotSettings
 
@@ -86,15 +87,7 @@ def build_contenders(capacity: int, reads: str | None = None) -> tuple[tuple[str
     def engine_cycle(slots, cap, cycles=16):
         engine = Engine(pair, num_slots=slots, capacity=cap - K, num_draft=K)
         settings = SlotSettings(max_new_tokens=cap - K - len(prompt), eos_token_id=(), temperature=0.0)
-
-        def run():
-            state = engine.insert_many(engine.init(), list(range(slots)), [prompt] * slots, [settings] * slots)
-            jax.block_until_ready(state)
-            t0 = time.perf_counter()
-            state, out = engine.step(state, num_cycles=cycles)
-            jax.block_until_ready(out)
-            return (time.perf_counter() - t0) / cycles
-        return run
+        return common.engine_step_timer(engine, prompt, slots, settings, cycles)
 
     def decode_cycle(cap):
         def run():

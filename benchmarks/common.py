@@ -94,6 +94,22 @@ def timed_once(fn: Callable[[], object]) -> tuple[object, float]:
     return out, time.perf_counter() - t0
 
 
+def engine_step_timer(engine, prompt: Sequence[int], live: int, settings, cycles: int) -> Callable[[], float]:
+    """A ``run()`` that inserts ``prompt`` into slots ``0 .. live - 1`` of a fresh state, then times one
+    ``engine.step`` of ``cycles`` cycles: seconds per cycle (the insert is not timed)."""
+
+    def run() -> float:
+        import jax
+
+        state = engine.insert_many(engine.init(), list(range(live)), [prompt] * live, [settings] * live)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        state, out = engine.step(state, num_cycles=cycles)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / cycles
+    return run
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 

@@ -27,13 +27,18 @@ import importlib.util
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
 import specjax
 from specjax.engine import Engine, SlotSettings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 
 def load_pair(dtype: str):
@@ -66,16 +71,7 @@ def engine_contender(pair, prompt, k: int, slots: int, live: int, controls: bool
     engine = Engine(pair, num_slots=slots, capacity=capacity, num_draft=k, controls=controls)
     warp = dict(SAMPLED, seed=0) if sampled else dict(temperature=0.0)
     settings = SlotSettings(max_new_tokens=capacity - len(prompt), eos_token_id=(), **warp)
-
-    def run() -> float:
-        state = engine.init()
-        state = engine.insert_many(state, list(range(live)), [prompt] * live, [settings] * live)
-        jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        state, out = engine.step(state, num_cycles=cycles)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / cycles
-    return run
+    return common.engine_step_timer(engine, prompt, live, settings, cycles)
 
 
 def main() -> None:
