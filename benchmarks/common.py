@@ -156,7 +156,10 @@ def read_jsonl(path: Path) -> list[dict]:
 def tokenizer():
     import tokenizers
 
-    return tokenizers.Tokenizer.from_file(str(MODELS / "target" / "tokenizer.json"))
+    from specjax.models import unpacked_dir
+
+    # The embedded target ships tokenizer.json xz-compressed: read its unpacked copy.
+    return tokenizers.Tokenizer.from_file(str(Path(unpacked_dir(str(MODELS / "target"))) / "tokenizer.json"))
 
 
 def eval_prompts(num_task: int, num_code: int, max_len: int) -> list[list[int]]:

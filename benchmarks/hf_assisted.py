@@ -72,6 +72,7 @@ def main(argv=None):
 
     import jax
     import specjax
+    from specjax.models import unpacked_dir
     from specjax.rules import parse_rule
 
     rep = common.Report("hf_assisted: specjax lossless vs Hugging Face assisted generation (batch 1)")
@@ -80,8 +81,9 @@ def main(argv=None):
     temps = [float(t) for t in args.temperatures.split(",")]
 
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    hf_t = AutoModelForCausalLM.from_pretrained(args.target, dtype=tdtype).eval()
-    hf_d = AutoModelForCausalLM.from_pretrained(args.draft, dtype=tdtype).eval()
+    # The shipped pair keeps its weights xz-compressed; transformers reads the unpacked copy.
+    hf_t = AutoModelForCausalLM.from_pretrained(unpacked_dir(args.target), dtype=tdtype).eval()
+    hf_d = AutoModelForCausalLM.from_pretrained(unpacked_dir(args.draft), dtype=tdtype).eval()
     for m in (hf_t, hf_d):
         m.generation_config.eos_token_id = None  # no EOS: exactly N tokens
         m.generation_config.pad_token_id = 0

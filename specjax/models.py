@@ -7,8 +7,10 @@ scattering them to the vocabulary), the rotary-embedding and attention
 functions it is made of (a training forward that reshapes differently must
 compute exactly what the decoder does), the few-row CPU matmul kernels the
 decoder runs, the Hugging Face layout (``config.json`` and tensor names, to
-rebuild a model in transformers), and a way to write a checkpoint directory
-whole. The trainers in ``training/``, the scripts in ``benchmarks/`` and
+rebuild a model in transformers), a way to write a checkpoint directory
+whole, and the plain directory behind a shipped one whose files are stored
+xz-compressed (:func:`unpacked_dir`, for code that reads the files itself).
+The trainers in ``training/``, the scripts in ``benchmarks/`` and
 ``checkpoints_conversion`` use these; e.g. a reduced head's logits ``[B, T, V']`` for a distillation loss::
 
     logits, _, _ = Transformer(config).apply({"params": params}, tokens, positions, None, None,
@@ -33,6 +35,7 @@ from specjax._src.models.files import check_output_dir, write_directory
 from specjax._src.models.hf import tensor_specs as hf_tensor_specs, to_hf_config
 from specjax._src.models import manifest as _manifest
 from specjax._src.models.loading import astype, is_orbax_dir, load_hf
+from specjax._src.models.packed import unpacked as unpacked_dir
 from specjax._src.models.registry import resolve as known_model_path
 
 #: The file :func:`specjax.checkpoint_manifest` writes into a checkpoint directory.
@@ -84,4 +87,5 @@ __all__ = (
     "build_cpu_kernels",
     "check_output_dir",
     "write_directory",
+    "unpacked_dir",
 )

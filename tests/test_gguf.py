@@ -18,9 +18,11 @@ import specjax
 from specjax._src.chat import encode_chat, render_chat
 from specjax._src.models import gguf as gguf_lib
 from specjax._src.models import hf
+from specjax._src.models import packed, registry
 from tests.tiny_models import llama_config
 
-EMBEDDED_TOKENIZER = os.path.join(os.path.dirname(specjax.__file__), "assets", "models", "target", "tokenizer.json")
+# The embedded target ships its tokenizer xz-compressed; its unpacked copy is the plain file.
+EMBEDDED_TOKENIZER = os.path.join(packed.unpacked(registry.resolve("embedded-target")), "tokenizer.json")
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

@@ -136,3 +136,16 @@ def test_the_shipped_drafters_are_packed_and_load():
     assert draft.tokenizer.encode("Hello").ids
     head = specjax.load("smollm2-135m-instruct-eagle")
     assert type(head.module).__name__ == "FeatureHead"
+
+
+def test_the_embedded_pair_is_packed_and_loads():
+    """The embedded target and draft ship xz-compressed too; each directory holds its own
+    tokenizer, so a copy of either one alone still loads with it."""
+    from specjax._src.models import registry
+
+    for name in ("embedded-target", "embedded-draft"):
+        path = registry.resolve(name)
+        assert packed.is_packed(path), name
+        assert not os.path.exists(os.path.join(path, "model.safetensors")), name
+        model = specjax.load(name)
+        assert model.tokenizer.encode("assert 37 + 48 ==").ids, name

@@ -24,9 +24,15 @@ thread each; the first command builds the tokenizer/corpus cache in
         python -m training.lm --model target --out runs/target --export specjax/assets/models/target --force &
     XLA_FLAGS=--xla_cpu_multi_thread_eigen=false \\
         python -m training.lm --model draft --out runs/draft --export specjax/assets/models/draft --force &
+    wait
+    for m in target draft; do
+        python -m specjax._src.models.packed specjax/assets/models/$m model.safetensors tokenizer.json
+    done
 
 (defaults: 2,400 steps of batch 16 x 96 tokens, 75% task rows, task-answer
-tokens weighted 5x in the loss, seed 0). The corpus is this interpreter's
+tokens weighted 5x in the loss, seed 0). The last step stores the weights and
+the tokenizer xz-compressed, as the shipped pair keeps them
+(:mod:`specjax._src.models.packed`). The corpus is this interpreter's
 stdlib, so the tokenizer and code data are exactly reproducible only on the
 same CPython version (the pair shipped was trained on 3.11.7). An interrupted
 run continues with the same command plus ``--resume`` (``--rehorizon`` also

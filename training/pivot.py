@@ -72,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax.models import check_output_dir, write_directory
+from specjax.models import check_output_dir, unpacked_dir, write_directory
 from specjax.rules import PIVOT_HEAD_ARCHS, PivotHead, PivotHeadConfig, resolve_layer
 from training import common
 from training.rollouts import LabelConfig, LabelledSet
@@ -815,8 +815,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report["dataset"]["kept_rows"] = int(ds.keep.sum())
     report["dataset"]["all_rows"] = bool(args.all_rows)
     report["train_config"] = dataclasses.asdict(cfg)
-    weights = pathlib.Path(args.target) / "model.safetensors"
-    if weights.is_file():  # the head is tied to these exact target weights
+    # The head is tied to these exact target weights; a shipped directory keeps them
+    # xz-compressed, and its unpacked copy holds the file itself.
+    weights = pathlib.Path(unpacked_dir(args.target)) / "model.safetensors"
+    if weights.is_file():
         report["target"] = {"dir": str(args.target),
                             "model.safetensors sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
     head = dataclasses.replace(head, config=dataclasses.replace(head.config, info=report))
