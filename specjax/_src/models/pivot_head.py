@@ -233,7 +233,7 @@ class PivotHead:
         d = pathlib.Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         (d / CONFIG_FILE).write_text(json.dumps(self.config.to_json(), indent=2, sort_keys=True) + "\n")
-        np.savez(d / PARAMS_FILE, **_flatten(jax.device_get(self.params)))
+        np.savez_compressed(d / PARAMS_FILE, **_flatten(jax.device_get(self.params)))  # deflate: float32 weights take about 8% less
         return d
 
     @classmethod
