@@ -28,6 +28,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=2"
     + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    + " --xla_cpu_use_fusion_emitters=false"  # about half the compile time (tests/conftest.py)
 )
 
 import json  # noqa: E402
