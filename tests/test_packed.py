@@ -2,8 +2,8 @@
 
 A packed directory must load as the plain one did, bit for bit; a damaged
 packed file must be named, never loaded; a second load reads the cached copy;
-bf16 weights pack smaller than ``xz -9e`` and streams packed with other
-settings still load.
+bf16 weights pack smaller than ``xz -9e``, weights whose columns share a scale
+pack column by column, and streams packed with other settings still load.
 """
 
 from __future__ import annotations
@@ -124,6 +124,68 @@ def test_a_directory_packed_with_default_xz_settings_loads(plain_dir, tmp_path, 
     model, reference = specjax.load(str(path)), specjax.load(str(plain_dir))
     for a, b in zip(*(map(np.asarray, jax.tree.leaves(m.params)) for m in (model, reference))):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def _write_columns_packed(plain_dir, path, stream: bytes, layout: str = "columns") -> None:
+    """``path``: ``plain_dir`` with model.safetensors replaced by ``stream`` (xz) recorded in ``layout``."""
+    shutil.copytree(plain_dir, path)
+    src = path / "model.safetensors"
+    meta = {"format": packed.PACKED_FORMAT,
+            "files": {"model.safetensors": {"size": os.path.getsize(src), "sha256": _sha(src), "layout": layout}}}
+    (path / packed.PACKED).write_text(json.dumps(meta))
+    (path / "model.safetensors.xz").write_bytes(lzma.compress(stream))
+    os.unlink(src)
+
+
+def test_weights_whose_columns_share_a_scale_pack_by_columns_and_unpack_exactly(tmp_path, cache):
+    """A 2-D tensor whose columns have scales 2**-12 .. 2**2 (as an embedding's dimensions do)
+    packs smaller stored column by column than any row-order stream pack() tries; the
+    record says so, and the unpacked file is the exact original."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    scales = 2.0 ** rng.uniform(-12, 2, 64)
+    tensors = {"embed": (rng.normal(size=(2048, 64)) * scales).astype(ml_dtypes.bfloat16),
+               "norm": rng.normal(size=(64,)).astype(np.float32)}
+    path = tmp_path / "weights"
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    data = (path / "model.safetensors").read_bytes()
+    packed.pack(str(path), ["model.safetensors"])
+
+    rows = min(len(lzma.compress(data, format=lzma.FORMAT_XZ, filters=[{"id": lzma.FILTER_LZMA2, **f}]))
+               for f in packed._FILTER_CANDIDATES)
+    assert os.path.getsize(path / "model.safetensors.xz") < 0.95 * rows
+    assert json.loads((path / packed.PACKED).read_text())["files"]["model.safetensors"]["layout"] == "columns"
+    stream = lzma.decompress((path / "model.safetensors.xz").read_bytes())
+    assert stream != data and len(stream) == len(data)  # the same bytes, in another order
+    assert open(os.path.join(packed.unpacked(str(path)), "model.safetensors"), "rb").read() == data
+
+
+def test_a_model_packed_by_columns_loads_bit_for_bit(plain_dir, tmp_path, cache):
+    data = (plain_dir / "model.safetensors").read_bytes()
+    path = tmp_path / "by-columns"
+    _write_columns_packed(plain_dir, path, packed._by_columns(data, to_columns=True))
+    model, reference = specjax.load(str(path)), specjax.load(str(plain_dir))
+    for a, b in zip(*(map(np.asarray, jax.tree.leaves(m.params)) for m in (model, reference))):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("stream", [b"not the weights", b"\x02" + bytes(7) + b"{}", b"\x0c" + bytes(7) + b'{"a": 1, "b": 2}'])
+def test_a_columns_stream_that_is_not_the_recorded_file_is_refused(plain_dir, tmp_path, cache, stream):
+    path = tmp_path / "not-weights"
+    _write_columns_packed(plain_dir, path, stream)
+    with pytest.raises(ValueError, match="model.safetensors.xz decompresses to .* not the .* recorded in specjax_packed.json"):
+        specjax.load(str(path))
+    assert not any((cache / "models").iterdir())
+
+
+def test_an_unknown_layout_is_named(plain_dir, tmp_path, cache):
+    path = tmp_path / "unknown-layout"
+    _write_columns_packed(plain_dir, path, (plain_dir / "model.safetensors").read_bytes(), layout="diagonal")
+    with pytest.raises(ValueError, match="'diagonal', which this specjax does not know.*upgrade specjax"):
+        specjax.load(str(path))
 
 
 def test_the_shipped_drafters_are_packed_and_load():
