@@ -264,3 +264,35 @@ def test_rule_numbers_per_slot():
     assert got[0] != got[1]  # the two thetas decoded differently
     with pytest.raises(ValueError, match="not the engine's rule type"):
         engine.insert(engine.init(), 0, [1], SlotSettings(rule=speculative_sampling(), max_new_tokens=4))
+
+
+def test_until_first_finish_returns_when_a_slot_frees(llama_pair, engine):
+    """A step told to stop at the first finish returns after the cycle in which the short request
+    ended, the long one mid-generation; stepping on, the long one gets what it gets alone."""
+    short, long_ = SlotSettings(temperature=0.0, max_new_tokens=2), SlotSettings(temperature=0.0, max_new_tokens=20)
+    state = engine.insert_many(engine.init(), [0, 1], PROMPTS[:2], [short, long_])
+    state, out = engine.step(state, 30, until_first_finish=True)
+    out = jax.device_get(out)
+    assert out.done[0] and not out.done[1] and 0 < out.counts[1] < 20
+    got = out.tokens[1, : out.counts[1]].tolist()
+    while not out.done[1]:
+        state, out = engine.step(state, 30)  # without the flag: runs until every slot is done
+        out = jax.device_get(out)
+        got += out.tokens[1, : out.counts[1]].tolist()
+    assert got == alone(llama_pair, PROMPTS[1], long_)
+
+
+def test_a_donating_engine_decodes_the_same_and_refuses_a_consumed_state(llama_pair, engine):
+    """``donate_state=True`` writes each new state into the old one's buffers: outputs are those of
+    the engine that copies, and passing the consumed state again is a clear error, not a crash."""
+    donating = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, donate_state=True)
+    first = donating.init()
+    state = donating.insert(first, 0, PROMPTS[0], MIXED[0])
+    assert first.loop.tokens.is_deleted()  # the buffers were reused, not copied
+    with pytest.raises(ValueError, match="consumed by an earlier insert or step .*donate_state=True"):
+        donating.step(first, 1)
+    got, state = run_to_end(donating, state)
+    assert got[0] == alone(llama_pair, PROMPTS[0], MIXED[0])
+    state = donating.release(state, 0)
+    with pytest.raises(ValueError, match="consumed"):
+        donating.insert(first, 1, PROMPTS[1], MIXED[1])

@@ -236,18 +236,19 @@ def _rows(state: SlotState, cfg: _EngineConfig) -> processors_lib.RowSettings:
     )
 
 
-def _step_impl(params: ModelPair, rule, policy, state: SlotState, num_cycles, *,
+def _step_impl(params: ModelPair, rule, policy, state: SlotState, num_cycles, until_first_finish, *,
                cfg: _EngineConfig) -> tuple[SlotState, StepOutput]:
     keys = jax.random.wrap_key_data(state.keys)
     cycle = functools.partial(
         _decode_cycle, cfg.loop, params, rule, policy, state.prompt_lengths, state.max_new, state.eos, keys,
         state.temperature, state.top_p, rows=_rows(state, cfg),
     )
-    start = state.loop.num_committed
+    start, done_before = state.loop.num_committed, state.loop.done
 
     def cond(carry):
         i, loop = carry
-        return (i < num_cycles) & ~loop.done.all()
+        finished = (loop.done & ~done_before).any()
+        return (i < num_cycles) & ~loop.done.all() & ~(until_first_finish & finished)
 
     def body(carry):
         i, loop = carry
@@ -271,6 +272,11 @@ def _step_impl(params: ModelPair, rule, policy, state: SlotState, num_cycles, *,
 _init_jit = jax.jit(_init_impl, static_argnames=("cfg",))
 _insert_jit = jax.jit(_insert_impl, static_argnames=("cfg",))
 _step_jit = jax.jit(_step_impl, static_argnames=("cfg",))
+# The same programs writing the new state into the old one's buffers: without
+# donation every call copies the whole state, both KV caches of every slot
+# included, to write a few rows of it.
+_insert_donating = jax.jit(_insert_impl, static_argnames=("cfg",), donate_argnames=("state",))
+_step_donating = jax.jit(_step_impl, static_argnames=("cfg",), donate_argnames=("state",))
 
 
 def _with_entry(flags: Array, index: int, value) -> Array:
@@ -321,12 +327,17 @@ class Engine:
       max_bias: ``logit_bias`` entries per request.
       prompt_bucket: the smallest prompt width bucket (widths ``b * 2**i``,
         capped at ``capacity``): one ``insert`` program per width.
+      donate_state: ``insert`` and ``step`` write the new state into the
+        buffers of the state passed in, which is then consumed (passing it
+        again is an error): no copy of the caches per call, which a serving
+        loop that keeps only the newest state wants. False (default): every
+        state stays valid.
     """
 
     def __init__(self, params: ModelPair, *, num_slots: int, capacity: int, num_draft: Optional[int] = None,
                  rule=None, drafting=None, lookup=None, controls: bool = True, max_eos: int = 8,
                  max_bias: int = 8, prompt_bucket: int = 16,
-                 processors: Sequence = processors_lib.BUILTIN_PROCESSORS):
+                 processors: Sequence = processors_lib.BUILTIN_PROCESSORS, donate_state: bool = False):
         rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
         if lookup is not None and not isinstance(lookup, lookup_lib.NgramLookup):
             raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
@@ -346,6 +357,9 @@ class Engine:
         if capacity < 2:
             raise ValueError(f"Engine: capacity must hold a prompt token and a generated one (>= 2), got {capacity}.")
         self.params, self.rule, self.drafting = params, rule, drafting
+        self.donate_state = bool(donate_state)
+        self._insert_fn, self._step_fn = ((_insert_donating, _step_donating) if self.donate_state
+                                          else (_insert_jit, _step_jit))
         leaves = jax.tree_util.tree_leaves(rule)
         per_slot_rule = bool(leaves) and all(np.ndim(x) == 0 for x in leaves)
         self.vocab_size = params.vocab_size
@@ -387,6 +401,7 @@ class Engine:
 
     def insert_many(self, state: SlotState, slots: Sequence[int], prompts, settings=None) -> SlotState:
         """:meth:`insert` for ``n`` requests at once (one program per ``n`` and width bucket)."""
+        self._check_state(state)
         slots = [self._check_slot(s) for s in slots]
         if len(set(slots)) != len(slots):
             raise ValueError(f"slots {slots} name a slot twice.")
@@ -412,16 +427,25 @@ class Engine:
         if self.cfg.per_slot_rule:
             row["rule"] = jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
                                                  *[r["rule"] for r in rows])
-        return _insert_jit(self.params, self.rule, self.drafting, state, np.asarray(slots, np.int32), padded,
-                           lengths, row, cfg=self.cfg)
+        return self._insert_fn(self.params, self.rule, self.drafting, state, np.asarray(slots, np.int32), padded,
+                               lengths, row, cfg=self.cfg)
 
-    def step(self, state: SlotState, num_cycles: int = 1) -> tuple[SlotState, StepOutput]:
+    def step(self, state: SlotState, num_cycles: int = 1, *,
+             until_first_finish: bool = False) -> tuple[SlotState, StepOutput]:
         """Runs up to ``num_cycles`` draft-verify cycles for every live slot
-        (fewer when every slot is done); ``num_cycles`` is traced."""
+        (fewer when every slot is done).
+
+        ``until_first_finish``: also return after the first cycle in which a
+        slot's request finishes, so that a waiting request can take the slot
+        at once instead of it idling for the rest of the step. Both arguments
+        are traced: any values share one program.
+        """
+        self._check_state(state)
         n = as_integer(num_cycles)
         if n is None or n < 1:
             raise ValueError(f"num_cycles must be a positive integer, got {num_cycles!r}.")
-        return _step_jit(self.params, self.rule, self.drafting, state, np.int32(n), cfg=self.cfg)
+        return self._step_fn(self.params, self.rule, self.drafting, state, np.int32(n),
+                             np.bool_(until_first_finish), cfg=self.cfg)
 
     def release(self, state: SlotState, slot: int) -> SlotState:
         """Frees ``slot`` (finished or not): it stops and takes the next :meth:`insert`.
@@ -431,12 +455,22 @@ class Engine:
         to the host and back (waiting for the step that made them); nothing
         is compiled.
         """
+        self._check_state(state)
         slot = self._check_slot(slot)
         loop = state.loop
         return state.replace(loop=loop.replace(done=_with_entry(loop.done, slot, True)),
                              occupied=_with_entry(state.occupied, slot, False))
 
     # -- checks -------------------------------------------------------------
+
+    def _check_state(self, state) -> None:
+        if not isinstance(state, SlotState):
+            raise TypeError(f"state must be a SlotState (engine.init(), or what insert / step / release "
+                            f"returned), got {type(state).__name__}.")
+        if any(x.is_deleted() for x in (state.loop.tokens, state.loop.target_cache.lengths, state.occupied)):
+            raise ValueError("this SlotState was consumed by an earlier insert or step (the Engine was built "
+                             "with donate_state=True, which reuses its buffers): pass the state that call "
+                             "returned.")
 
     def _check_slot(self, slot) -> int:
         number = as_integer(slot)
