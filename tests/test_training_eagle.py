@@ -90,19 +90,21 @@ def test_unrolled_steps_attend_as_cached_drafting(tiny):
     cfg = head.module.config
     tokens = jax.random.randint(jax.random.key(2), (2, 12), 3, cfg.vocab_size)
     feats = target.module.apply(target.params, tokens, hidden_layers=(-1,)).hidden[0]
-    outs = eagle.make_unrolled(cfg, 3)(head.params, tokens, feats)
-    full = head.module.apply(head.params, tokens, features=feats)
+    # Both sides jitted: op by op, every primitive was dispatched (and compiled) for each prefix width.
+    apply = jax.jit(head.module.apply)
+    outs = jax.jit(eagle.make_unrolled(cfg, 3))(head.params, tokens, feats)
+    full = apply(head.params, tokens, features=feats)
     # step 1 = the plain forward; the reduced logits are its columns at head_vocab_ids
     np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(full.logits[..., ids]), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(outs[0][1]), np.asarray(full.hidden[0]), rtol=1e-4, atol=1e-4)
     for j in (3, 7, 11):
         # drafting with a cache: the prefix with the target's features, then the head's own
         cache = head.module.init_cache(2, 32)
-        out = head.module.apply(head.params, tokens[:, :j - 1], cache, features=feats[:, :j - 1])
+        out = apply(head.params, tokens[:, :j - 1], cache, features=feats[:, :j - 1])
         f, cache = out.hidden[0][:, -1:], out.cache
         for step in (2, 3):
             pos = j - 3 + step  # chain started at j - 2: step 2 at j - 1, step 3 at j
-            out = head.module.apply(head.params, tokens[:, pos:pos + 1], cache, features=f)
+            out = apply(head.params, tokens[:, pos:pos + 1], cache, features=f)
             np.testing.assert_allclose(np.asarray(outs[step - 1][0][:, pos]), np.asarray(out.logits[:, 0, ids]),
                                        rtol=1e-4, atol=1e-4, err_msg=f"step {step} at {pos}")
             f, cache = out.hidden[0], out.cache
@@ -215,7 +217,7 @@ def test_a_head_grown_to_several_blocks_starts_where_it_was(tiny, tmp_path):
     loss_fn = eagle.make_loss(cfg, unroll=2, reg_weight=1.0, num_feature_layers=2)
     trainable, frozen = eagle.split_params(grown.params)
     batch = {**{k: jnp.asarray(v) for k, v in rows2.items()}, "frozen": frozen}
-    grads = jax.grad(lambda p: loss_fn(p, batch)[0])(trainable)
+    grads = jax.jit(jax.grad(lambda p: loss_fn(p, batch)[0]))(trainable)  # one program, not op by op
     assert float(jnp.abs(grads["reduce"]["kernel"][:h]).max()) > 0  # block 0's weights move
 
 
@@ -307,7 +309,7 @@ def test_a_head_grown_to_more_blocks_drafts_as_before_then_trains_its_new_block(
     trainable, frozen = eagle.split_params(grown.params)
     loss_fn = eagle.make_loss(grown.module.config, unroll=2, reg_weight=1.0)
     batch = {**{k: jnp.asarray(v) for k, v in rows.items()}, "frozen": frozen}
-    grads = jax.grad(lambda p: loss_fn(p, batch)[0])(trainable)
+    grads = jax.jit(jax.grad(lambda p: loss_fn(p, batch)[0]))(trainable)  # one program, not op by op
     for name in ("layer_1", "layer_2"):
         assert float(jnp.abs(grads[name]["mlp"]["down"]["kernel"]).max()) > 0
         assert float(jnp.abs(grads[name]["attn"]["o"]["kernel"]).max()) > 0
