@@ -184,7 +184,9 @@ def test_lossless_sampling_with_a_draft_that_never_proposes_some_tokens():
     assert counts[[0, 4, 7]].sum() > 0  # the target still emits them
 
 
-def test_training_continues_from_an_exported_draft(tiny_chat_target, tmp_path):
+def test_training_continues_from_an_exported_draft(tiny_chat_target, tmp_path, quick_evaluation):
+    # The export's real acceptance and timing run in test_exported_draft_is_lossless_with_its_target;
+    # here only what --init-from reads of an export matters.
     _run(tiny_chat_target, tmp_path / "a", "--export", str(tmp_path / "a_draft"), "--eval-prompts", "1",
          "--eval-new-tokens", "4")
     first = specjax.load(tmp_path / "a_draft", dtype="float32")
