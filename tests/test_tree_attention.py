@@ -38,6 +38,10 @@ def sliding_model():
     return decoder, decoder.init(jax.random.key(1))
 
 
+# Jitted: op by op, each forward dispatched (and compiled) every primitive for its own path width.
+apply = jax.jit(Decoder.apply, static_argnums=0, static_argnames=("hidden_layers", "tree_offset"))
+
+
 def root_path(parents, node):
     path = []
     while node >= 0:
@@ -50,7 +54,7 @@ def prefilled(decoder, params, prompts, lengths, cache_len=48):
     """A cache holding each prompt's first ``lengths[b]`` tokens, with stale
     entries beyond them (prefilled wider, then rolled back)."""
     cache = decoder.init_cache(len(prompts), cache_len)
-    cache = decoder.apply(params, jnp.asarray(prompts), cache).cache
+    cache = apply(decoder, params, jnp.asarray(prompts), cache).cache
     return cache.rollback(jnp.asarray(lengths))
 
 
@@ -71,11 +75,11 @@ def test_tree_forward_matches_chain_per_root_path(model, name):
     lengths = [10, 4, 7]  # ragged, each with stale entries past its length
     cache = prefilled(decoder, params, prompts, lengths)
     nodes = rng.integers(0, 64, size=(3, len(parents)))
-    out = decoder.apply(params, jnp.asarray(nodes), cache, tree_parents=jnp.asarray(parents), hidden_layers=(-1,))
+    out = apply(decoder, params, jnp.asarray(nodes), cache, tree_parents=jnp.asarray(parents), hidden_layers=(-1,))
     for b in range(3):
         for t in range(len(parents)):
             path = root_path(parents, t)
-            chain = decoder.apply(params, jnp.asarray(nodes[b : b + 1, path]),
+            chain = apply(decoder, params, jnp.asarray(nodes[b : b + 1, path]),
                                   jax.tree_util.tree_map(lambda x: x[b : b + 1], cache))
             np.testing.assert_allclose(np.asarray(out.logits[b, t]), np.asarray(chain.logits[0, -1]),
                                        rtol=2e-5, atol=2e-5, err_msg=f"{name} sequence {b} node {t}")
@@ -89,10 +93,10 @@ def test_per_sequence_trees(model):
     prompts = np.random.default_rng(5).integers(0, 64, size=(2, 6))
     cache = prefilled(decoder, params, prompts, [6, 3])
     nodes = np.random.default_rng(6).integers(0, 64, size=(2, 7))
-    out = decoder.apply(params, jnp.asarray(nodes), cache, tree_parents=jnp.asarray(parents))
+    out = apply(decoder, params, jnp.asarray(nodes), cache, tree_parents=jnp.asarray(parents))
     for b in range(2):
         path = root_path(parents[b].tolist(), 6)
-        chain = decoder.apply(params, jnp.asarray(nodes[b : b + 1, path]),
+        chain = apply(decoder, params, jnp.asarray(nodes[b : b + 1, path]),
                               jax.tree_util.tree_map(lambda x: x[b : b + 1], cache))
         np.testing.assert_allclose(np.asarray(out.logits[b, 6]), np.asarray(chain.logits[0, -1]), rtol=2e-5, atol=2e-5)
 
@@ -103,11 +107,11 @@ def test_sliding_window_trees(sliding_model):
     prompts = np.random.default_rng(7).integers(0, 64, size=(2, 12))
     cache = prefilled(decoder, params, prompts, [12, 8])
     nodes = np.random.default_rng(8).integers(0, 64, size=(2, len(parents)))
-    out = decoder.apply(params, jnp.asarray(nodes), cache, tree_parents=jnp.asarray(parents))
+    out = apply(decoder, params, jnp.asarray(nodes), cache, tree_parents=jnp.asarray(parents))
     for b in range(2):
         for t in (4, 7):
             path = root_path(parents, t)
-            chain = decoder.apply(params, jnp.asarray(nodes[b : b + 1, path]),
+            chain = apply(decoder, params, jnp.asarray(nodes[b : b + 1, path]),
                                   jax.tree_util.tree_map(lambda x: x[b : b + 1], cache))
             np.testing.assert_allclose(np.asarray(out.logits[b, t]), np.asarray(chain.logits[0, -1]),
                                        rtol=2e-5, atol=2e-5)
@@ -122,7 +126,7 @@ def test_keep_path_equals_running_the_path_as_a_chain(model):
     lengths = np.array([8, 5])
     cache = prefilled(decoder, params, prompts, lengths)
     nodes = np.random.default_rng(10).integers(0, 64, size=(2, len(parents)))
-    tree = decoder.apply(params, jnp.asarray(nodes), cache, tree_parents=jnp.asarray(parents)).cache
+    tree = apply(decoder, params, jnp.asarray(nodes), cache, tree_parents=jnp.asarray(parents)).cache
     accepted = [root_path(parents, 6), root_path(parents, 3)[:2]]  # [0, 2, 6] and [0, 1]
     path = np.zeros((2, 3), np.int32)
     for b, p in enumerate(accepted):
@@ -130,11 +134,11 @@ def test_keep_path_equals_running_the_path_as_a_chain(model):
     kept = tree.keep_path(jnp.asarray(lengths), jnp.asarray(path), jnp.asarray([len(p) for p in accepted]))
     np.testing.assert_array_equal(np.asarray(kept.lengths), lengths + [3, 2])
     follow = jnp.asarray([[11, 12], [13, 14]])
-    after_tree = decoder.apply(params, follow, kept)
+    after_tree = apply(decoder, params, follow, kept)
     for b, p in enumerate(accepted):
         one = jax.tree_util.tree_map(lambda x: x[b : b + 1], cache)
-        chain_cache = decoder.apply(params, jnp.asarray(nodes[b : b + 1, p]), one).cache
-        after_chain = decoder.apply(params, follow[b : b + 1], chain_cache)
+        chain_cache = apply(decoder, params, jnp.asarray(nodes[b : b + 1, p]), one).cache
+        after_chain = apply(decoder, params, follow[b : b + 1], chain_cache)
         np.testing.assert_allclose(np.asarray(after_tree.logits[b]), np.asarray(after_chain.logits[0]),
                                    rtol=2e-5, atol=2e-5)
 
@@ -153,9 +157,9 @@ def test_tree_forward_without_cache(model):
     decoder, params = model
     parents = TREES["star"]
     nodes = jnp.asarray([[5, 6, 7]])
-    out = decoder.apply(params, nodes, tree_parents=jnp.asarray(parents))
+    out = apply(decoder, params, nodes, tree_parents=jnp.asarray(parents))
     for t in range(3):
-        alone = decoder.apply(params, nodes[:, t : t + 1])
+        alone = apply(decoder, params, nodes[:, t : t + 1])
         np.testing.assert_allclose(np.asarray(out.logits[0, t]), np.asarray(alone.logits[0, 0]), rtol=2e-5, atol=2e-5)
 
 
@@ -169,10 +173,10 @@ def test_a_tree_fed_level_by_level_equals_the_whole_tree(model):
     prompts = np.random.default_rng(11).integers(0, 64, size=(2, 9))
     cache = prefilled(decoder, params, prompts, [9, 6])
     nodes = jnp.asarray(np.random.default_rng(12).integers(0, 64, size=(2, len(parents))))
-    whole = decoder.apply(params, nodes, cache, tree_parents=jnp.asarray(parents))
+    whole = apply(decoder, params, nodes, cache, tree_parents=jnp.asarray(parents))
     grown = cache
     for lo, hi in levels:
-        out = decoder.apply(params, nodes[:, lo:hi], grown, tree_parents=jnp.asarray(parents), tree_offset=lo)
+        out = apply(decoder, params, nodes[:, lo:hi], grown, tree_parents=jnp.asarray(parents), tree_offset=lo)
         np.testing.assert_allclose(np.asarray(out.logits), np.asarray(whole.logits[:, lo:hi]), rtol=2e-5, atol=2e-5)
         grown = out.cache
     np.testing.assert_array_equal(np.asarray(grown.lengths), np.asarray(whole.cache.lengths))
