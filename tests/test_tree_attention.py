@@ -80,7 +80,7 @@ def test_tree_forward_matches_chain_per_root_path(model, name):
         for t in range(len(parents)):
             path = root_path(parents, t)
             chain = apply(decoder, params, jnp.asarray(nodes[b : b + 1, path]),
-                                  jax.tree_util.tree_map(lambda x: x[b : b + 1], cache))
+                          jax.tree_util.tree_map(lambda x: x[b : b + 1], cache))
             np.testing.assert_allclose(np.asarray(out.logits[b, t]), np.asarray(chain.logits[0, -1]),
                                        rtol=2e-5, atol=2e-5, err_msg=f"{name} sequence {b} node {t}")
     np.testing.assert_array_equal(np.asarray(out.cache.lengths), np.asarray(lengths) + len(parents))
@@ -97,7 +97,7 @@ def test_per_sequence_trees(model):
     for b in range(2):
         path = root_path(parents[b].tolist(), 6)
         chain = apply(decoder, params, jnp.asarray(nodes[b : b + 1, path]),
-                              jax.tree_util.tree_map(lambda x: x[b : b + 1], cache))
+                      jax.tree_util.tree_map(lambda x: x[b : b + 1], cache))
         np.testing.assert_allclose(np.asarray(out.logits[b, 6]), np.asarray(chain.logits[0, -1]), rtol=2e-5, atol=2e-5)
 
 
@@ -112,7 +112,7 @@ def test_sliding_window_trees(sliding_model):
         for t in (4, 7):
             path = root_path(parents, t)
             chain = apply(decoder, params, jnp.asarray(nodes[b : b + 1, path]),
-                                  jax.tree_util.tree_map(lambda x: x[b : b + 1], cache))
+                          jax.tree_util.tree_map(lambda x: x[b : b + 1], cache))
             np.testing.assert_allclose(np.asarray(out.logits[b, t]), np.asarray(chain.logits[0, -1]),
                                        rtol=2e-5, atol=2e-5)
 
