@@ -16,11 +16,14 @@ whatever the drafts' shape, is here, and both cycles import it:
   (:func:`draft_keep`), and what a commit hands on (:class:`Committed`);
 * record: the ``diagnostics`` hook's values on live sequences
   (:func:`live_diagnostics`), and the state the cycle leaves (:func:`next_state`).
+
+And the loop that runs cycles (:func:`run_cycles`): ``decode`` runs it until
+every sequence is done, the slots engine's ``step`` for a number of cycles.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -189,3 +192,41 @@ def next_state(state: _DecodeState, committed: Committed, *, bad: Array, rule_st
         stats=stats,
         draft_features=draft_features,
     )
+
+
+# ---------------------------------------------------------------------------
+# the loop
+# ---------------------------------------------------------------------------
+
+
+def run_cycles(
+    cycle: Callable[[_DecodeState], tuple[_DecodeState, Any]],
+    state: _DecodeState,
+    keep_going: Callable[[_DecodeState, Array], Array],
+    after_cycle: Optional[Callable[[_DecodeState, _DecodeState, Any], _DecodeState]] = None,
+) -> _DecodeState:
+    """Draft-verify cycles in one ``lax.while_loop``: the loop of ``decode`` and
+    of the slots engine's ``step`` alike.
+
+    Args:
+      cycle: ``state -> (state, diagnostics or None)``, a chain or tree cycle
+        with its settings bound.
+      state: the loop state before the first cycle.
+      keep_going: ``(state, cycles_run) -> bool`` scalar, tested before each cycle.
+      after_cycle: optional ``(before, after, diagnostics) -> after``: what a
+        caller adds to each cycle (``decode``: the diagnostics summed into the
+        stats, the streamed tokens, the state placed back on its mesh).
+
+    Returns:
+      The state after the last cycle.
+    """
+
+    def body(carry):
+        i, before = carry
+        after, diagnostics = cycle(before)
+        if after_cycle is not None:
+            after = after_cycle(before, after, diagnostics)
+        return i + 1, after
+
+    _, state = jax.lax.while_loop(lambda carry: keep_going(carry[1], carry[0]), body, (jnp.int32(0), state))
+    return state

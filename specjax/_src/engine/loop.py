@@ -98,6 +98,7 @@ from specjax._src import processors as processors_lib
 from specjax._src import sampling
 from specjax._src.engine.chain import _decode_cycle, _initial_state
 from specjax._src.engine.config import _Config, _DecodeState
+from specjax._src.engine.cycle import run_cycles
 from specjax._src.engine.ops import (
     _constrain,
     _extract,
@@ -175,18 +176,17 @@ def _decode_impl(
         extra = jax.tree_util.tree_map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
         state = state.replace(stats=state.stats.replace(extra=extra))
 
-    def cond(s: _DecodeState):
+    def until_done(s: _DecodeState, _):
         return (~s.done.all()) & (s.step < n_max)
 
-    def body(s: _DecodeState):
-        new, diag = cycle(s)
+    def after_cycle(s: _DecodeState, new: _DecodeState, diag):
         if diag is not None:
             extra = jax.tree_util.tree_map(jnp.add, new.stats.extra, diag)
             new = new.replace(stats=new.stats.replace(extra=extra))
         _report(cfg, stream_id, new.tokens, s.num_committed, new.num_committed, k_max + 1, pad_id)
         return _constrain(cfg, new, batch, caches)
 
-    state = jax.lax.while_loop(cond, body, state)
+    state = run_cycles(cycle, state, until_done, after_cycle)
     generated = state.num_committed - prompt_lengths
     out = DecodeOutput(
         tokens=_extract(cfg, state.tokens, prompt_lengths, generated, pad_id),

@@ -44,6 +44,7 @@ from specjax._src import processors as processors_lib
 from specjax._src.checks import as_integer
 from specjax._src.engine.chain import _decode_cycle, _initial_state
 from specjax._src.engine.config import _Config, _DecodeState
+from specjax._src.engine.cycle import run_cycles
 from specjax._src.engine.prepare import _bucket, _check_common, _check_decode_args, _eos_ids, _prepare_prompts
 from specjax._src.pairing import ModelPair
 
@@ -245,16 +246,11 @@ def _step_impl(params: ModelPair, rule, policy, state: SlotState, num_cycles, un
     )
     start, done_before = state.loop.num_committed, state.loop.done
 
-    def cond(carry):
-        i, loop = carry
+    def keep_going(loop: _DecodeState, cycles_run):
         finished = (loop.done & ~done_before).any()
-        return (i < num_cycles) & ~loop.done.all() & ~(until_first_finish & finished)
+        return (cycles_run < num_cycles) & ~loop.done.all() & ~(until_first_finish & finished)
 
-    def body(carry):
-        i, loop = carry
-        return i + 1, cycle(loop)[0]
-
-    _, loop = jax.lax.while_loop(cond, body, (jnp.int32(0), state.loop))
+    loop = run_cycles(cycle, state.loop, keep_going)
     counts = loop.num_committed - start
     width = loop.tokens.shape[1]
     cols = jnp.arange(width)[None, :]
