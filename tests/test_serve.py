@@ -63,7 +63,8 @@ def setup():
     target = specjax.load("embedded-target", dtype="float32").replace(chat_template=TEMPLATE)
     draft = specjax.load("embedded-draft", dtype="float32")
     pair = specjax.pair(target, draft)
-    engine = Engine(pair, num_slots=SLOTS, capacity=CAPACITY, num_draft=K)
+    # As `specjax serve` builds it: each step and insert reuses the state's buffers.
+    engine = Engine(pair, num_slots=SLOTS, capacity=CAPACITY, num_draft=K, donate_state=True)
     scheduler = sched.Scheduler(engine, target.tokenizer, max_queue=MAX_QUEUE, num_cycles=2, warmup_widths=(16, 32),
                                 eos_ids=[target.module.config.eos_token_id])
     server = Server(create_app(scheduler, ServerConfig(MODEL, target), drain_seconds=5))
