@@ -7,8 +7,11 @@ before each one (Poisson arrivals per client). The same requests run three ways:
 
 * ``speculative``: the server as started (the pair's draft, ``--lookup``, the lossless rule);
 * ``no drafts``: the same server, each request with ``num_draft: 0`` (one target token per cycle);
-* ``static decode``: ``specjax.decode`` in this process (the server stopped), the requests in
-  batches of C, each batch running until its longest request ends.
+* ``static decode``: ``specjax.decode`` in this process (the server idle meanwhile), the
+  requests in batches of C, each batch running until its longest request ends.
+
+The three take turns: for each round (``--rounds``) and each C, the speculative row, the
+no-drafts row, then the static row, so that a load change on a shared machine hits them alike.
 
 Reported per row: output tokens per second over the row's wall time (for the server rows that
 includes the clients' gaps, so it measures capacity only where the gaps are short; the static rows
@@ -71,6 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-seconds", type=float, default=600.0, help="per row: no new request after this")
     p.add_argument("--skip-decode", action="store_true", help="leave out the static-batch decode rows")
+    p.add_argument("--rounds", type=int, default=1, help="times each row runs, the contenders in turn")
     p.add_argument("--out", help="write the rows as JSON here")
     return p.parse_args(argv)
 
@@ -208,6 +212,24 @@ def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_dra
 # ---------------------------------------------------------------------------
 
 
+_COMPILED: set[int] = set()  # batch sizes static_decode has compiled
+
+
+def static_runner(args, texts: list[str]):
+    """``clients -> row``: the same requests through ``decode`` in this process (the pair loaded once)."""
+    import specjax
+    from specjax.cli import common as cli_common
+
+    ns = argparse.Namespace(pair=args.pair, target=None, draft=None, dtype="float32", default_pair=args.pair)
+    target, draft = cli_common.load_pair(ns)
+    pair = specjax.pair(target, draft)
+    if args.pair == "embedded":
+        ids = [target.tokenizer.encode(t).ids for t in texts]
+    else:
+        ids = [specjax.encode_chat(target, t) for t in texts]
+    return lambda clients: static_decode(args, pair, ids[: clients * args.requests_per_client], clients)
+
+
 def static_decode(args, pair, prompts: list[list[int]], clients: int) -> dict:
     """The same requests through ``specjax.decode``, ``clients`` per batch (compiled before timing)."""
     import jax
@@ -222,7 +244,9 @@ def static_decode(args, pair, prompts: list[list[int]], clients: int) -> dict:
               key=jax.random.key(0))
     batches = [prompts[i:i + clients] for i in range(0, len(prompts), clients)]
     for batch in {len(b): b for b in batches}.values():
-        specjax.decode(pair, batch, **kw)  # compile each batch size
+        if len(batch) not in _COMPILED:
+            specjax.decode(pair, batch, **kw)  # compile each batch size
+            _COMPILED.add(len(batch))
     t0 = time.perf_counter()
     tokens = 0
     for batch in batches:
@@ -263,13 +287,20 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         wait_ready(httpx, base, proc)
         print(f"server ready after {time.perf_counter() - t0:.0f} s (load and compile)", flush=True)
-        for clients in args.clients:
-            share = requests[: clients * args.requests_per_client]
-            for mode, num_draft in (("speculative", None), ("no drafts", 0)):
-                row = run_load(httpx, base, share, clients, args, num_draft)
-                rows.append(dict(mode=mode, clients=clients, **row))
-                print(f"  {mode:12s} C={clients}: {row['tok_s']:.1f} tok/s, {row['completed']}/{row['requests']} "
-                      f"completed, lost {row['lost']}", flush=True)
+        static = None if args.skip_decode else static_runner(args, texts)
+        for rnd in range(args.rounds):
+            for clients in args.clients:
+                share = requests[: clients * args.requests_per_client]
+                for mode, num_draft in (("speculative", None), ("no drafts", 0), ("static decode", None)):
+                    if mode == "static decode":
+                        if static is None:
+                            continue
+                        row = static(clients)
+                    else:
+                        row = run_load(httpx, base, share, clients, args, num_draft)
+                    rows.append(dict(mode=mode, clients=clients, round=rnd, **row))
+                    print(f"  {mode:13s} C={clients} round {rnd}: {row['tok_s']:.1f} tok/s, "
+                          f"{row['completed']}/{row['requests']} completed, lost {row['lost']}", flush=True)
         health = httpx.get(base + "/health", timeout=10).status_code
         rss = peak_rss_mib(proc.pid)
     finally:
@@ -284,34 +315,24 @@ def main(argv=None) -> int:
     print(f"server: peak RSS {rss:.0f} MiB; /health after the load: {health}; after SIGTERM it exited "
           f"{'cleanly' if clean else f'with status {code}'}")
 
-    if not args.skip_decode:
-        import specjax
-        from specjax.cli import common as cli_common
-
-        ns = argparse.Namespace(pair=args.pair, target=None, draft=None, dtype="float32", default_pair=args.pair)
-        target, draft = cli_common.load_pair(ns)
-        pair = specjax.pair(target, draft)
-        if args.pair == "embedded":
-            ids = [target.tokenizer.encode(t).ids for t in texts]
-        else:
-            ids = [specjax.encode_chat(target, t) for t in texts]
-        for clients in args.clients:
-            row = static_decode(args, pair, ids[: clients * args.requests_per_client], clients)
-            rows.append(dict(mode="static decode", clients=clients, **row))
-
-    head = ["mode", "C", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "done/sent", "lost",
+    head = ["mode", "C", "round", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "done/sent", "lost",
             "host share", "accept"]
-    table = [[r["mode"], r["clients"], f"{r['tok_s']:.1f}", pct(r["ttft"], 50), pct(r["ttft"], 99),
+    table = [[r["mode"], r["clients"], r["round"], f"{r['tok_s']:.1f}", pct(r["ttft"], 50), pct(r["ttft"], 99),
               pct(r["itl"], 50), pct(r["itl"], 99), f"{r['completed']}/{r['requests']}", r["lost"],
               "-" if r["host_share"] != r["host_share"] else f"{r['host_share']:.3f}",
               "-" if r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.2f}"] for r in rows]
     print(common.table(head, table, markdown=True))
     for clients in args.clients:
-        spec = next(r for r in rows if r["mode"] == "speculative" and r["clients"] == clients)
-        off = next(r for r in rows if r["mode"] == "no drafts" and r["clients"] == clients)
-        if spec["itl"] and off["itl"]:
+        of = lambda mode: [r for r in rows if r["mode"] == mode and r["clients"] == clients]  # noqa: E731
+        spec, off, static_rows = of("speculative"), of("no drafts"), of("static decode")
+        itl = lambda rs: [x for r in rs for x in r["itl"]]  # noqa: E731
+        if itl(spec) and itl(off):
             print(f"C={clients}: median ITL no drafts / speculative = "
-                  f"{statistics.median(off['itl']) / statistics.median(spec['itl']):.2f}x")
+                  f"{statistics.median(itl(off)) / statistics.median(itl(spec)):.2f}x")
+        if static_rows:  # rows of one round ran back to back: their ratio is the fair one
+            ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(spec, static_rows)]
+            print(f"C={clients}: tok/s speculative server / static decode = {common.ratio_cell(ratios)} "
+                  f"({len(ratios)} round{'s' if len(ratios) > 1 else ''})")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(rows=rows, peak_rss_mib=rss, health_after=health,
                                                   exit_status=code), indent=1))
