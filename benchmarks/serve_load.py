@@ -76,7 +76,10 @@ def parse_args(argv=None):
     p.add_argument("--skip-decode", action="store_true", help="leave out the static-batch decode rows")
     p.add_argument("--rounds", type=int, default=1, help="times each row runs, the contenders in turn")
     p.add_argument("--out", help="write the rows as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    return args
 
 
 # ---------------------------------------------------------------------------
@@ -212,9 +215,6 @@ def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_dra
 # ---------------------------------------------------------------------------
 
 
-_COMPILED: set[int] = set()  # batch sizes static_decode has compiled
-
-
 def static_runner(args, texts: list[str]):
     """``clients -> row``: the same requests through ``decode`` in this process (the pair loaded once)."""
     import specjax
@@ -227,10 +227,19 @@ def static_runner(args, texts: list[str]):
         ids = [target.tokenizer.encode(t).ids for t in texts]
     else:
         ids = [specjax.encode_chat(target, t) for t in texts]
-    return lambda clients: static_decode(args, pair, ids[: clients * args.requests_per_client], clients)
+    compiled: set = set()
+    return lambda clients: static_decode(args, pair, ids[: clients * args.requests_per_client], clients, compiled)
 
 
-def static_decode(args, pair, prompts: list[list[int]], clients: int) -> dict:
+def width_bucket(n: int) -> int:
+    """The prompt width ``decode`` pads ``n`` to with its default buckets (16, 32, 64, ...)."""
+    width = 16
+    while width < n:
+        width *= 2
+    return width
+
+
+def static_decode(args, pair, prompts: list[list[int]], clients: int, compiled: set) -> dict:
     """The same requests through ``specjax.decode``, ``clients`` per batch (compiled before timing)."""
     import jax
 
@@ -243,10 +252,11 @@ def static_decode(args, pair, prompts: list[list[int]], clients: int) -> dict:
               temperature=args.temperature, rule=parse_rule(args.rule), lookup=cli_common.lookup(ns),
               key=jax.random.key(0))
     batches = [prompts[i:i + clients] for i in range(0, len(prompts), clients)]
-    for batch in {len(b): b for b in batches}.values():
-        if len(batch) not in _COMPILED:
-            specjax.decode(pair, batch, **kw)  # compile each batch size
-            _COMPILED.add(len(batch))
+    for batch in batches:  # compile each (batch size, prompt width bucket) before timing
+        shape = (len(batch), width_bucket(max(len(p) for p in batch)))
+        if shape not in compiled:
+            specjax.decode(pair, batch, **kw)
+            compiled.add(shape)
     t0 = time.perf_counter()
     tokens = 0
     for batch in batches:
@@ -315,8 +325,8 @@ def main(argv=None) -> int:
     print(f"server: peak RSS {rss:.0f} MiB; /health after the load: {health}; after SIGTERM it exited "
           f"{'cleanly' if clean else f'with status {code}'}")
 
-    head = ["mode", "C", "round", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "done/sent", "lost",
-            "host share", "accept"]
+    head = ["mode", "C", "round", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "done/sent",
+            "lost", "host share", "accept"]
     table = [[r["mode"], r["clients"], r["round"], f"{r['tok_s']:.1f}", pct(r["ttft"], 50), pct(r["ttft"], 99),
               pct(r["itl"], 50), pct(r["itl"], 99), f"{r['completed']}/{r['requests']}", r["lost"],
               "-" if r["host_share"] != r["host_share"] else f"{r['host_share']:.3f}",
@@ -329,7 +339,7 @@ def main(argv=None) -> int:
         if itl(spec) and itl(off):
             print(f"C={clients}: median ITL no drafts / speculative = "
                   f"{statistics.median(itl(off)) / statistics.median(itl(spec)):.2f}x")
-        if static_rows:  # rows of one round ran back to back: their ratio is the fair one
+        if static_rows:  # rows of one round ran one after the other: their ratio is the fair one
             ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(spec, static_rows)]
             print(f"C={clients}: tok/s speculative server / static decode = {common.ratio_cell(ratios)} "
                   f"({len(ratios)} round{'s' if len(ratios) > 1 else ''})")

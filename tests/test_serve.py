@@ -284,6 +284,39 @@ def test_shutdown_finishes_a_live_stream(setup):
     server.sock.close()
 
 
+def test_a_waiting_request_takes_a_slot_as_soon_as_one_frees(setup, monkeypatch):
+    """Both slots busy and a third request waiting: the steps stop at the first request that
+    finishes (``until_first_finish``) instead of running all their cycles, and every request
+    still gets the text ``decode`` gives it alone."""
+    engine, target, pair = setup["engine"], setup["target"], setup["pair"]
+    flags, step = [], engine.step
+
+    def recording_step(state, num_cycles=1, *, until_first_finish=False):
+        flags.append(until_first_finish)
+        return step(state, num_cycles, until_first_finish=until_first_finish)
+
+    monkeypatch.setattr(engine, "step", recording_step)
+    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=16, warmup_widths=(16,)).start()
+    assert scheduler.ready.wait(120)
+    flags.clear()
+    prompts = [target.tokenizer.encode(p).ids for p in ("def fib(n):", "class Stack:", "x = [1, 2, 3]\nfor")]
+    lengths, events = (3, 40, 6), [[] for _ in prompts]
+    with scheduler.paused():
+        for prompt, n, got in zip(prompts, lengths, events):
+            settings = SlotSettings(temperature=0.0, max_new_tokens=n, eos_token_id=())
+            scheduler.submit(sched.Request(prompt=prompt, settings=settings, emit=got.append))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(got and isinstance(got[-1], sched.Done) for got in events):
+        time.sleep(0.02)
+    scheduler.close(drain_seconds=5)
+    assert flags[0] is True and flags[-1] is False  # the third request waited, then nobody did
+    for prompt, n, got in zip(prompts, lengths, events):
+        ref = specjax.decode(pair, [prompt], num_draft=K, max_new_tokens=n, temperature=0.0, eos_token_id=(),
+                             max_length=CAPACITY + K).to_lists()[0]
+        assert "".join(e.text for e in got if isinstance(e, sched.Delta)) == target.tokenizer.decode(ref)
+        assert got[-1].completion_tokens == n
+
+
 def test_refusals_that_need_another_server(setup):
     """A model without a chat template, and an engine built without logits processors (--no-penalties):
     the requests they cannot serve are refused with a 400 that says why (checked on the host, nothing compiles)."""

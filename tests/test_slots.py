@@ -291,8 +291,35 @@ def test_a_donating_engine_decodes_the_same_and_refuses_a_consumed_state(llama_p
     assert first.loop.tokens.is_deleted()  # the buffers were reused, not copied
     with pytest.raises(ValueError, match="consumed by an earlier insert or step .*donate_state=True"):
         donating.step(first, 1)
-    got, state = run_to_end(donating, state)
-    assert got[0] == alone(llama_pair, PROMPTS[0], MIXED[0])
+    before_step = state
+    state, out = donating.step(state, 1)
+    assert before_step.loop.target_cache.keys[0].is_deleted()  # the step reused the caches too
+    with pytest.raises(TypeError, match="host arrays"):
+        donating.step(jax.device_get(state), 1)
+    head = jax.device_get(out).tokens[0, : int(out.counts[0])].tolist()
+    rest, state = run_to_end(donating, state)
+    assert head + rest[0] == alone(llama_pair, PROMPTS[0], MIXED[0])
     state = donating.release(state, 0)
     with pytest.raises(ValueError, match="consumed"):
         donating.insert(first, 1, PROMPTS[1], MIXED[1])
+
+
+def test_row_buckets_run_the_occupied_rows_and_decode_the_same(llama_pair):
+    """An engine with row buckets runs only the leading rows that hold every occupied slot; each
+    request still gets what it gets alone, whichever bucket its steps ran in."""
+    bucketed = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, row_buckets="powers")
+    assert bucketed.row_buckets == (1, 2, 4)
+    state = bucketed.insert(bucketed.init(), 0, PROMPTS[0], MIXED[0])
+    assert bucketed.rows_to_run(state) == 1
+    # Slot 2 joins mid-generation: the steps from then on run all four rows.
+    got, state = run_to_end(bucketed, state, pending=[(1, 2, PROMPTS[1], MIXED[1])])
+    assert got[0] == alone(llama_pair, PROMPTS[0], MIXED[0])
+    assert got[2] == alone(llama_pair, PROMPTS[1], MIXED[1])
+    assert bucketed.rows_to_run(state) == 4  # finished requests hold their slots until released
+    state = bucketed.release(bucketed.release(state, 0), 2)
+    state = bucketed.insert(state, 1, PROMPTS[3], MIXED[3])
+    assert bucketed.rows_to_run(state) == 2
+    got, _ = run_to_end(bucketed, state)
+    assert got[1] == alone(llama_pair, PROMPTS[3], MIXED[3]) and got[0] == [] and got[2] == []
+    with pytest.raises(ValueError, match="row_buckets must be slot counts in 1 .. num_slots"):
+        Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, row_buckets=(0, 2))

@@ -42,7 +42,7 @@ def build(args):
     capacity = args.capacity if args.capacity is not None else default_capacity(target, draft, num_draft)
     engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=capacity, num_draft=num_draft,
                     rule=rule, drafting=drafting, lookup=lookup, controls=not args.no_penalties,
-                    donate_state=True)
+                    row_buckets="powers", donate_state=True)
     eos = getattr(target.module.config, "eos_token_id", None)
     eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,
@@ -91,7 +91,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; more are refused with 429 (default 64)")
     p.add_argument("--cycles-per-step", type=int, default=4,
-                   help="draft-verify cycles between two admissions / stream flushes (default 4)")
+                   help="the most draft-verify cycles between two admissions / stream flushes; a step ends sooner when a request finishes while others wait (default 4)")
     p.add_argument("--no-penalties", action="store_true",
                    help="compile the engine without the logits processors: faster cycles, and requests with "
                         "penalties, logit_bias or min_tokens are refused")

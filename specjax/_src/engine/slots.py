@@ -165,6 +165,7 @@ class _EngineConfig(NamedTuple):
     controls: bool
     processors: tuple
     per_slot_rule: bool
+    row_buckets: tuple = ()  # the leading rows a step may run, ascending, ending at num_slots
 
 
 # ---------------------------------------------------------------------------
@@ -237,20 +238,27 @@ def _rows(state: SlotState, cfg: _EngineConfig) -> processors_lib.RowSettings:
     )
 
 
+def _leading_rows(tree, n: int):
+    """Every ``[S, ...]`` leaf of ``tree`` cut to its first ``n`` rows (scalar leaves kept)."""
+    return jax.tree_util.tree_map(lambda x: x if jnp.ndim(x) == 0 else x[:n], tree)
+
+
+def _with_leading_rows(full, part):
+    """``full`` with its first rows replaced by ``part``'s (scalar leaves: ``part``'s)."""
+    return jax.tree_util.tree_map(
+        lambda f, p: p if jnp.ndim(f) == 0 else jax.lax.dynamic_update_slice_in_dim(f, p, 0, axis=0), full, part)
+
+
 def _step_impl(params: ModelPair, rule, policy, state: SlotState, num_cycles, until_first_finish, *,
-               cfg: _EngineConfig) -> tuple[SlotState, StepOutput]:
-    keys = jax.random.wrap_key_data(state.keys)
-    cycle = functools.partial(
-        _decode_cycle, cfg.loop, params, rule, policy, state.prompt_lengths, state.max_new, state.eos, keys,
-        state.temperature, state.top_p, rows=_rows(state, cfg),
-    )
-    start, done_before = state.loop.num_committed, state.loop.done
-
-    def keep_going(loop: _DecodeState, cycles_run):
-        finished = (loop.done & ~done_before).any()
-        return (cycles_run < num_cycles) & ~loop.done.all() & ~(until_first_finish & finished)
-
-    loop = run_cycles(cycle, state.loop, keep_going)
+               cfg: _EngineConfig, rows_run: int) -> tuple[SlotState, StepOutput]:
+    """Cycles for the first ``rows_run`` slots (static: the engine passes a row
+    bucket holding every occupied slot; the rows past it are free, so nothing
+    of theirs changes), then the step's output for all ``S``."""
+    start = state.loop.num_committed
+    part = state if rows_run == cfg.num_slots else _leading_rows(state, rows_run)
+    loop = _run_rows(params, rule, policy, part, num_cycles, until_first_finish, cfg)
+    if rows_run != cfg.num_slots:
+        loop = _with_leading_rows(state.loop, loop)
     counts = loop.num_committed - start
     width = loop.tokens.shape[1]
     cols = jnp.arange(width)[None, :]
@@ -265,14 +273,31 @@ def _step_impl(params: ModelPair, rule, policy, state: SlotState, num_cycles, un
     return state.replace(loop=loop), out
 
 
+def _run_rows(params: ModelPair, rule, policy, state: SlotState, num_cycles, until_first_finish,
+              cfg: _EngineConfig) -> _DecodeState:
+    """Up to ``num_cycles`` cycles of ``state``'s rows; returns the loop state after them."""
+    keys = jax.random.wrap_key_data(state.keys)
+    cycle = functools.partial(
+        _decode_cycle, cfg.loop, params, rule, policy, state.prompt_lengths, state.max_new, state.eos, keys,
+        state.temperature, state.top_p, rows=_rows(state, cfg),
+    )
+    done_before = state.loop.done
+
+    def keep_going(loop: _DecodeState, cycles_run):
+        finished = (loop.done & ~done_before).any()
+        return (cycles_run < num_cycles) & ~loop.done.all() & ~(until_first_finish & finished)
+
+    return run_cycles(cycle, state.loop, keep_going)
+
+
 _init_jit = jax.jit(_init_impl, static_argnames=("cfg",))
 _insert_jit = jax.jit(_insert_impl, static_argnames=("cfg",))
-_step_jit = jax.jit(_step_impl, static_argnames=("cfg",))
+_step_jit = jax.jit(_step_impl, static_argnames=("cfg", "rows_run"))
 # The same programs writing the new state into the old one's buffers: without
 # donation every call copies the whole state, both KV caches of every slot
 # included, to write a few rows of it.
 _insert_donating = jax.jit(_insert_impl, static_argnames=("cfg",), donate_argnames=("state",))
-_step_donating = jax.jit(_step_impl, static_argnames=("cfg",), donate_argnames=("state",))
+_step_donating = jax.jit(_step_impl, static_argnames=("cfg", "rows_run"), donate_argnames=("state",))
 
 
 def _with_entry(flags: Array, index: int, value) -> Array:
@@ -323,6 +348,12 @@ class Engine:
       max_bias: ``logit_bias`` entries per request.
       prompt_bucket: the smallest prompt width bucket (widths ``b * 2**i``,
         capped at ``capacity``): one ``insert`` program per width.
+      row_buckets: the leading slot counts a step may run, e.g. ``(1, 2, 4)``
+        (``num_slots`` is always one): a step runs the smallest that holds
+        every occupied slot, so an engine with few requests, packed into its
+        lowest slots, pays for those rows only (one ``step`` program per
+        bucket). None (default): every step runs all ``num_slots`` rows, one
+        program. ``"powers"``: 1, 2, 4, ... below ``num_slots``.
       donate_state: ``insert`` and ``step`` write the new state into the
         buffers of the state passed in, which is then consumed (passing it
         again is an error): no copy of the caches per call, which a serving
@@ -333,7 +364,8 @@ class Engine:
     def __init__(self, params: ModelPair, *, num_slots: int, capacity: int, num_draft: Optional[int] = None,
                  rule=None, drafting=None, lookup=None, controls: bool = True, max_eos: int = 8,
                  max_bias: int = 8, prompt_bucket: int = 16,
-                 processors: Sequence = processors_lib.BUILTIN_PROCESSORS, donate_state: bool = False):
+                 processors: Sequence = processors_lib.BUILTIN_PROCESSORS, row_buckets=None,
+                 donate_state: bool = False):
         rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
         if lookup is not None and not isinstance(lookup, lookup_lib.NgramLookup):
             raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
@@ -364,7 +396,8 @@ class Engine:
         self.cfg = _EngineConfig(loop=loop, num_slots=int(num_slots), capacity=int(capacity),
                                  prompt_bucket=int(prompt_bucket), num_eos=int(max_eos), num_bias=int(max_bias),
                                  controls=bool(controls), processors=processors,
-                                 per_slot_rule=per_slot_rule)
+                                 per_slot_rule=per_slot_rule,
+                                 row_buckets=_check_row_buckets(row_buckets, int(num_slots)))
 
     @property
     def num_slots(self) -> int:
@@ -391,7 +424,9 @@ class Engine:
 
         Raises ``ValueError`` / ``TypeError`` naming the field (an unknown or
         busy slot, a prompt longer than the capacity, a bad setting) before
-        anything runs: the state passed in is unchanged either way.
+        anything runs, leaving the state passed in as it was. On success the
+        state passed in stays valid, unless the engine donates its state
+        (``donate_state=True``): then it is consumed.
         """
         return self.insert_many(state, [slot], [prompt], [settings])
 
@@ -440,8 +475,25 @@ class Engine:
         n = as_integer(num_cycles)
         if n is None or n < 1:
             raise ValueError(f"num_cycles must be a positive integer, got {num_cycles!r}.")
+        if not isinstance(until_first_finish, (bool, np.bool_)):
+            raise TypeError(f"until_first_finish must be True or False, got {until_first_finish!r}.")
         return self._step_fn(self.params, self.rule, self.drafting, state, np.int32(n),
-                             np.bool_(until_first_finish), cfg=self.cfg)
+                             np.bool_(until_first_finish), cfg=self.cfg, rows_run=self.rows_to_run(state))
+
+    @property
+    def row_buckets(self) -> tuple[int, ...]:
+        """The slot counts a step may run (ascending; the last is ``num_slots``)."""
+        return self.cfg.row_buckets
+
+    def rows_to_run(self, state: SlotState) -> int:
+        """The smallest row bucket holding every occupied slot (reads
+        ``state.occupied``, waiting for the call that made it)."""
+        buckets = self.cfg.row_buckets
+        if len(buckets) == 1:
+            return buckets[0]
+        occupied = np.flatnonzero(np.asarray(state.occupied))
+        used = int(occupied[-1]) + 1 if occupied.size else 1
+        return next(b for b in buckets if b >= used)
 
     def release(self, state: SlotState, slot: int) -> SlotState:
         """Frees ``slot`` (finished or not): it stops and takes the next :meth:`insert`.
@@ -449,7 +501,9 @@ class Engine:
         Marks the slot done and not occupied; its tokens and caches stay as
         they were until an insert overwrites them. Two ``[S]`` flag arrays go
         to the host and back (waiting for the step that made them); nothing
-        is compiled.
+        is compiled. The state returned shares every other buffer with the
+        one passed in, so with ``donate_state=True`` the next insert or step
+        on it consumes both.
         """
         self._check_state(state)
         slot = self._check_slot(slot)
@@ -463,7 +517,11 @@ class Engine:
         if not isinstance(state, SlotState):
             raise TypeError(f"state must be a SlotState (engine.init(), or what insert / step / release "
                             f"returned), got {type(state).__name__}.")
-        if any(x.is_deleted() for x in (state.loop.tokens, state.loop.target_cache.lengths, state.occupied)):
+        leaves = (state.loop.tokens, state.loop.target_cache.lengths, state.occupied)
+        if not all(isinstance(x, jax.Array) for x in leaves):
+            raise TypeError("state holds host arrays (e.g. from jax.device_get): pass the SlotState that "
+                            "engine.init / insert / step / release returned.")
+        if any(x.is_deleted() for x in leaves):
             raise ValueError("this SlotState was consumed by an earlier insert or step (the Engine was built "
                              "with donate_state=True, which reuses its buffers): pass the state that call "
                              "returned.")
@@ -534,6 +592,19 @@ class Engine:
         return jax.tree_util.tree_map(
             lambda x, ref: np.asarray(x, np.asarray(ref).dtype if np.asarray(ref).dtype != np.float64 else np.float32),
             rule, self.rule)
+
+
+def _check_row_buckets(row_buckets, num_slots: int) -> tuple[int, ...]:
+    if row_buckets is None:
+        return (num_slots,)
+    if isinstance(row_buckets, str):
+        if row_buckets != "powers":
+            raise ValueError(f"row_buckets must be None, \"powers\" or slot counts, got {row_buckets!r}.")
+        row_buckets = [2**i for i in range(num_slots.bit_length()) if 2**i < num_slots]
+    numbers = [as_integer(b) for b in row_buckets]
+    if any(b is None or not 1 <= b <= num_slots for b in numbers):
+        raise ValueError(f"row_buckets must be slot counts in 1 .. num_slots ({num_slots}), got {row_buckets!r}.")
+    return tuple(sorted(set(numbers) | {num_slots}))
 
 
 _KEY_SHAPE = (2,)  # the default (threefry) key's data

@@ -133,13 +133,13 @@ class Scheduler:
       tokenizer: the target's tokenizer (detokenizes each request's stream).
       max_queue: requests that may wait for a slot; one more is refused with
         :class:`QueueFull` (memory stays bounded whatever the load).
-      num_cycles: draft-verify cycles per ``engine.step``. A step delivers its
-        tokens at its end; a request waits up to one step to be admitted. While
-        requests wait, a step returns as soon as a slot's request finishes
-        (``until_first_finish``), so that a freed slot does not idle for the
-        rest of the step: fewer cycles stream and admit sooner. More cycles spread the loop's fixed
-        cost per step (dispatch, reading the output back, detokenizing) over
-        more tokens. At 4 that cost measured 0.1 to 2% of the loop's busy
+      num_cycles: the most draft-verify cycles per ``engine.step``. A step
+        delivers its tokens at its end; a request waits up to one step to be
+        admitted. While requests wait, a step returns as soon as a slot's
+        request finishes (``until_first_finish``), so that a freed slot does
+        not idle for the rest of the step. Fewer cycles stream and admit
+        sooner; more cycles spread the loop's fixed cost per step (dispatch,
+        reading the output back, detokenizing) over more tokens. At 4 that cost measured 0.1 to 2% of the loop's busy
         time (``host_share``; the embedded and smollm2-eagle pairs on a
         shared 2-core CPU, ``benchmarks/serve_load.py`` smoke runs of
         2026-11-26): the loop's cost is small beside a step's either way, so
@@ -262,7 +262,8 @@ class Scheduler:
                 _emit(request, Failed(f"the server's engine failed: {type(e).__name__}: {e}", "engine_error"))
 
     def _warm_up(self):
-        """Compiles init, insert (per prompt width) and step before any request (release compiles nothing)."""
+        """Compiles init, insert (per prompt width) and step (per row bucket) before any request
+        (release compiles nothing)."""
         engine = self.engine
         state = engine.init()
         widths = self.warmup_widths
@@ -272,12 +273,18 @@ class Scheduler:
                 widths.append(w)
                 w *= 2
             widths.append(engine.capacity)
+        settings = SlotSettings(temperature=0.0, max_new_tokens=1, seed=0)
         for width in sorted(set(int(w) for w in widths)):
             prompt = [0] * max(1, min(width, engine.capacity - 1))
-            state = engine.insert(state, 0, prompt, SlotSettings(temperature=0.0, max_new_tokens=1, seed=0))
+            state = engine.insert(state, 0, prompt, settings)
             state, out = engine.step(state, self.num_cycles)
             jax.block_until_ready(out)
             state = engine.release(state, 0)
+        for rows in engine.row_buckets[1:]:  # the step that runs the first `rows` slots
+            state = engine.insert(state, rows - 1, [0], settings)
+            state, out = engine.step(state, self.num_cycles)
+            jax.block_until_ready(out)
+            state = engine.release(state, rows - 1)
         jax.block_until_ready(state)
         return state
 
@@ -291,14 +298,16 @@ class Scheduler:
                     doomed = [live.request for live in self._live.values()]
                     self._live.clear()
                     break
+            began = time.perf_counter()
+            state = self._release_cancelled(state, free)  # first, so that a waiting request takes the slot now
+            with self._cond:
                 admitted = []
+                free.sort()  # the lowest free slots first: a step runs only up to the highest occupied one
                 while free and self._waiting and not self._paused:
                     request = self._waiting.popleft()
                     if not request.cancelled:
                         admitted.append((free.pop(0), request))
-            began = time.perf_counter()
             state = self._admit(state, admitted, free)
-            state = self._release_cancelled(state, free)
             if self._live:
                 state = self._step(state, free)
             self.counters.busy_seconds += time.perf_counter() - began
