@@ -285,20 +285,22 @@ def test_shutdown_finishes_a_live_stream(setup):
 
 
 def test_a_waiting_request_takes_a_slot_as_soon_as_one_frees(setup, monkeypatch):
-    """Both slots busy and a third request waiting: the steps stop at the first request that
-    finishes (``until_first_finish``) instead of running all their cycles, and every request
-    still gets the text ``decode`` gives it alone."""
+    """Steps stop at the first request that finishes (``until_first_finish``) instead of running
+    all their cycles; while a slot is free and nobody waits they run one cycle, so an arrival
+    waits at most one; every request still gets the text ``decode`` gives it alone."""
     engine, target, pair = setup["engine"], setup["target"], setup["pair"]
-    flags, step = [], engine.step
+    calls, step = [], engine.step
+    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=16, warmup_widths=(16,))
 
     def recording_step(state, num_cycles=1, *, until_first_finish=False):
-        flags.append(until_first_finish)
+        free = engine.num_slots - len(scheduler._live)
+        calls.append((num_cycles, until_first_finish, bool(free and scheduler._waiting)))
         return step(state, num_cycles, until_first_finish=until_first_finish)
 
     monkeypatch.setattr(engine, "step", recording_step)
-    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=16, warmup_widths=(16,)).start()
+    scheduler.start()
     assert scheduler.ready.wait(120)
-    flags.clear()
+    calls.clear()
     prompts = [target.tokenizer.encode(p).ids for p in ("def fib(n):", "class Stack:", "x = [1, 2, 3]\nfor")]
     lengths, events = (3, 40, 6), [[] for _ in prompts]
     with scheduler.paused():
@@ -309,7 +311,10 @@ def test_a_waiting_request_takes_a_slot_as_soon_as_one_frees(setup, monkeypatch)
     while time.monotonic() < deadline and not all(got and isinstance(got[-1], sched.Done) for got in events):
         time.sleep(0.02)
     scheduler.close(drain_seconds=5)
-    assert flags[0] is True and flags[-1] is False  # the third request waited, then nobody did
+    assert calls and all(until_first_finish for _, until_first_finish, _ in calls)
+    assert calls[0][0] == 16  # both slots busy, the third request waiting
+    assert 1 in [n for n, _, _ in calls]  # the long request alone: one cycle per step
+    assert not any(free_and_waiting for _, _, free_and_waiting in calls)  # admitted before each step
     for prompt, n, got in zip(prompts, lengths, events):
         ref = specjax.decode(pair, [prompt], num_draft=K, max_new_tokens=n, temperature=0.0, eos_token_id=(),
                              max_length=CAPACITY + K).to_lists()[0]
