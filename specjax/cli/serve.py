@@ -91,7 +91,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; more are refused with 429 (default 64)")
     p.add_argument("--cycles-per-step", type=int, default=4,
-                   help="the most draft-verify cycles between two admissions / stream flushes; a step ends sooner when a request finishes while others wait (default 4)")
+                   help="the most draft-verify cycles between two admissions / stream flushes; a step ends "
+                        "sooner when a request finishes, and runs one cycle while a slot is free (default 4)")
     p.add_argument("--no-penalties", action="store_true",
                    help="compile the engine without the logits processors: faster cycles, and requests with "
                         "penalties, logit_bias or min_tokens are refused")
