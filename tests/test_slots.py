@@ -271,6 +271,8 @@ def test_until_first_finish_returns_when_a_slot_frees(llama_pair, engine):
     ended, the long one mid-generation; stepping on, the long one gets what it gets alone."""
     short, long_ = SlotSettings(temperature=0.0, max_new_tokens=2), SlotSettings(temperature=0.0, max_new_tokens=20)
     state = engine.insert_many(engine.init(), [0, 1], PROMPTS[:2], [short, long_])
+    with pytest.raises(TypeError, match="until_first_finish must be True or False"):
+        engine.step(state, 30, until_first_finish="yes")  # a string would be truthy, not a flag
     state, out = engine.step(state, 30, until_first_finish=True)
     out = jax.device_get(out)
     assert out.done[0] and not out.done[1] and 0 < out.counts[1] < 20

@@ -276,17 +276,17 @@ class Scheduler:
                 w *= 2
             widths.append(engine.capacity)
         settings = SlotSettings(temperature=0.0, max_new_tokens=1, seed=0)
-        for width in sorted(set(int(w) for w in widths)):
-            prompt = [0] * max(1, min(width, engine.capacity - 1))
-            state = engine.insert(state, 0, prompt, settings)
+
+        def serve_one(state, slot: int, prompt):
+            state = engine.insert(state, slot, prompt, settings)
             state, out = engine.step(state, self.num_cycles)
             jax.block_until_ready(out)
-            state = engine.release(state, 0)
+            return engine.release(state, slot)
+
+        for width in sorted(set(int(w) for w in widths)):  # insert's programs, and step's first row bucket
+            state = serve_one(state, 0, [0] * max(1, min(width, engine.capacity - 1)))
         for rows in engine.row_buckets[1:]:  # the step that runs the first `rows` slots
-            state = engine.insert(state, rows - 1, [0], settings)
-            state, out = engine.step(state, self.num_cycles)
-            jax.block_until_ready(out)
-            state = engine.release(state, rows - 1)
+            state = serve_one(state, rows - 1, [0])
         jax.block_until_ready(state)
         return state
 
