@@ -34,6 +34,7 @@ def run_to_end(engine, state, pending=(), cycles=2):
     requests inserted once that many steps ran. Returns ``{slot: tokens}``."""
     out, steps, pending = {}, 0, list(pending)
     while True:
+        assert steps < 500, "the slots did not finish in 500 steps"
         for item in [p for p in pending if p[0] == steps]:
             state = engine.insert(state, item[1], item[2], item[3])
             pending.remove(item)
