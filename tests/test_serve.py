@@ -21,6 +21,7 @@ import specjax  # noqa: E402
 from specjax._src.serve import scheduler as sched  # noqa: E402
 from specjax._src.serve.api import ServerConfig, create_app  # noqa: E402
 from specjax.engine import Engine, SlotSettings  # noqa: E402
+from test_decode import count_compilations  # noqa: E402
 
 K, CAPACITY, SLOTS, MAX_QUEUE = 4, 128, 2, 2
 MODEL = "embedded"
@@ -63,8 +64,9 @@ def setup():
     target = specjax.load("embedded-target", dtype="float32").replace(chat_template=TEMPLATE)
     draft = specjax.load("embedded-draft", dtype="float32")
     pair = specjax.pair(target, draft)
-    # As `specjax serve` builds it: each step and insert reuses the state's buffers.
-    engine = Engine(pair, num_slots=SLOTS, capacity=CAPACITY, num_draft=K, donate_state=True)
+    # As `specjax serve` builds it: each step and insert reuses the state's buffers, and steps of
+    # greedy requests alone run the greedy program.
+    engine = Engine(pair, num_slots=SLOTS, capacity=CAPACITY, num_draft=K, donate_state=True, greedy_steps=True)
     scheduler = sched.Scheduler(engine, target.tokenizer, max_queue=MAX_QUEUE, num_cycles=2, warmup_widths=(16, 32),
                                 eos_ids=[target.module.config.eos_token_id])
     server = Server(create_app(scheduler, ServerConfig(MODEL, target), drain_seconds=5))
@@ -85,7 +87,10 @@ def metrics(url) -> dict:
 
 def test_greedy_completion_equals_decode(setup):
     client, target = setup["client"], setup["target"]
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    with count_compilations() as compiled:  # the warm-up compiled the greedy and the general step
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+        sampled = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=1)
+    assert compiled["n"] == 0 and sampled.usage.completion_tokens > 0
     ids = target.tokenizer.encode(PROMPT).ids
     ref = specjax.decode(setup["pair"], [ids], num_draft=K, max_new_tokens=24, temperature=0.0,
                          max_length=CAPACITY + K).to_lists()[0]

@@ -326,3 +326,36 @@ def test_row_buckets_run_the_occupied_rows_and_decode_the_same(llama_pair):
     assert got[1] == alone(llama_pair, PROMPTS[3], MIXED[3]) and got[0] == [] and got[2] == []
     with pytest.raises(ValueError, match="row_buckets must be slot counts in 1 .. num_slots"):
         Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, row_buckets=(0, 2))
+
+
+def test_greedy_steps_switch_programs_and_decode_the_same(llama_pair):
+    """With ``greedy_steps=True`` a step whose occupied slots are all greedy without controls runs
+    the greedy program, any other the general one. Greedy requests that cross from one program to
+    the other as a sampled request comes and goes, and a sampled one, each get what they get alone;
+    a greedy request with a penalty keeps the general program."""
+    fast = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, greedy_steps=True)
+    sampled = SlotSettings(temperature=0.7, top_p=0.9, seed=3, max_new_tokens=4)
+    state = fast.insert_many(fast.init(), [0, 1], [PROMPTS[0], PROMPTS[3]], [MIXED[0], MIXED[3]])
+    assert fast.runs_greedy_step(state)
+    got, programs, step = {0: [], 1: [], 2: []}, [], 0
+    while True:
+        if step == 1:
+            state = fast.insert(state, 2, PROMPTS[1], sampled)
+        programs.append(fast.runs_greedy_step(state))
+        state, out = fast.step(state, 2)
+        out, step = jax.device_get(out), step + 1
+        for slot in got:
+            got[slot] += out.tokens[slot, : out.counts[slot]].tolist()
+        if step > 1 and out.done[2] and bool(state.occupied[2]):
+            state = fast.release(state, 2)  # the sampled request leaves: back to the greedy program
+        if out.done[:2].all():
+            break
+    assert programs[0] and not programs[1] and programs[-1], programs
+    assert got[0] == alone(llama_pair, PROMPTS[0], MIXED[0])
+    assert got[1] == alone(llama_pair, PROMPTS[3], MIXED[3])
+    assert got[2] == alone(llama_pair, PROMPTS[1], sampled)
+    penalised = SlotSettings(temperature=0.0, max_new_tokens=12, controls=GenerationControls(repetition_penalty=1.3))
+    state = fast.insert(fast.release(fast.release(state, 0), 1), 0, PROMPTS[2], penalised)
+    assert not fast.runs_greedy_step(state)
+    got, _ = run_to_end(fast, state)
+    assert got[0] == alone(llama_pair, PROMPTS[2], penalised)

@@ -42,7 +42,7 @@ def build(args):
     capacity = args.capacity if args.capacity is not None else default_capacity(target, draft, num_draft)
     engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=capacity, num_draft=num_draft,
                     rule=rule, drafting=drafting, lookup=lookup, controls=not args.no_penalties,
-                    row_buckets="powers", donate_state=True)
+                    row_buckets="powers", donate_state=True, greedy_steps=True)
     eos = getattr(target.module.config, "eos_token_id", None)
     eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,

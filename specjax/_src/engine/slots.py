@@ -359,13 +359,20 @@ class Engine:
         again is an error): no copy of the caches per call, which a serving
         loop that keeps only the newest state wants. False (default): every
         state stays valid.
+      greedy_steps: a step in which every occupied slot decodes greedily
+        and none uses ``controls`` runs a second program, compiled for
+        greedy decoding without the logits processors (what ``decode``
+        compiles for temperature 0): it skips the sampling draws, the
+        sampled verdicts and the processors' checks (one more ``step``
+        program per row bucket). Each request decodes the same tokens in
+        either program. False (default): one program serves every mix.
     """
 
     def __init__(self, params: ModelPair, *, num_slots: int, capacity: int, num_draft: Optional[int] = None,
                  rule=None, drafting=None, lookup=None, controls: bool = True, max_eos: int = 8,
                  max_bias: int = 8, prompt_bucket: int = 16,
                  processors: Sequence = processors_lib.BUILTIN_PROCESSORS, row_buckets=None,
-                 donate_state: bool = False):
+                 donate_state: bool = False, greedy_steps: bool = False):
         rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
         if lookup is not None and not isinstance(lookup, lookup_lib.NgramLookup):
             raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
@@ -398,6 +405,10 @@ class Engine:
                                  controls=bool(controls), processors=processors,
                                  per_slot_rule=per_slot_rule,
                                  row_buckets=_check_row_buckets(row_buckets, int(num_slots)))
+        # Custom processors may change greedy rows' logits whatever the controls say: they always run.
+        self._greedy_cfg = None
+        if greedy_steps and set(processors) <= set(processors_lib.BUILTIN_PROCESSORS):
+            self._greedy_cfg = self.cfg._replace(loop=loop._replace(greedy=True, use_top_p=False), controls=False)
 
     @property
     def num_slots(self) -> int:
@@ -477,8 +488,9 @@ class Engine:
             raise ValueError(f"num_cycles must be a positive integer, got {num_cycles!r}.")
         if not isinstance(until_first_finish, (bool, np.bool_)):
             raise TypeError(f"until_first_finish must be True or False, got {until_first_finish!r}.")
+        cfg, rows_run = self._step_program(state)
         return self._step_fn(self.params, self.rule, self.drafting, state, np.int32(n),
-                             np.bool_(until_first_finish), cfg=self.cfg, rows_run=self.rows_to_run(state))
+                             np.bool_(until_first_finish), cfg=cfg, rows_run=rows_run)
 
     @property
     def row_buckets(self) -> tuple[int, ...]:
@@ -488,12 +500,34 @@ class Engine:
     def rows_to_run(self, state: SlotState) -> int:
         """The smallest row bucket holding every occupied slot (reads
         ``state.occupied``, waiting for the call that made it)."""
-        buckets = self.cfg.row_buckets
-        if len(buckets) == 1:
-            return buckets[0]
-        occupied = np.flatnonzero(np.asarray(state.occupied))
-        used = int(occupied[-1]) + 1 if occupied.size else 1
-        return next(b for b in buckets if b >= used)
+        return self._step_program(state)[1]
+
+    @property
+    def greedy_steps(self) -> bool:
+        """Whether all-greedy steps run their own program (``Engine(greedy_steps=True)``)."""
+        return self._greedy_cfg is not None
+
+    def runs_greedy_step(self, state: SlotState) -> bool:
+        """Whether :meth:`step` on ``state`` runs the greedy program (``greedy_steps=True``
+        and every occupied slot greedy, none with controls)."""
+        return self._step_program(state)[0] is self._greedy_cfg
+
+    def _step_program(self, state: SlotState) -> tuple[_EngineConfig, int]:
+        """The step's static structure for the occupied slots: ``(cfg, rows_run)``."""
+        buckets, greedy_cfg = self.cfg.row_buckets, self._greedy_cfg
+        if len(buckets) == 1 and greedy_cfg is None:
+            return self.cfg, buckets[0]
+        controls = state.controls if greedy_cfg is not None and self.cfg.controls else None
+        occupied, temperature, controls = jax.device_get(
+            (state.occupied, state.temperature if greedy_cfg is not None else None, controls))
+        slots = np.flatnonzero(occupied)
+        used = int(slots[-1]) + 1 if slots.size else 1
+        rows_run = next(b for b in buckets if b >= used)
+        if greedy_cfg is None or not (temperature[slots] == 0.0).all():
+            return self.cfg, rows_run
+        if controls is not None and _uses_controls(controls)[slots].any():
+            return self.cfg, rows_run
+        return greedy_cfg, rows_run
 
     def release(self, state: SlotState, slot: int) -> SlotState:
         """Frees ``slot`` (finished or not): it stops and takes the next :meth:`insert`.
@@ -592,6 +626,13 @@ class Engine:
         return jax.tree_util.tree_map(
             lambda x, ref: np.asarray(x, np.asarray(ref).dtype if np.asarray(ref).dtype != np.float64 else np.float32),
             rule, self.rule)
+
+
+def _uses_controls(c: processors_lib.Controls) -> np.ndarray:
+    """``[S]`` bool: the slot's controls are off their defaults (host arrays). A
+    ``min_new_tokens`` counts while it is set, reached or not."""
+    return ((c.repetition_penalty != 1.0) | (c.presence_penalty != 0.0) | (c.frequency_penalty != 0.0)
+            | (c.min_new_tokens > 0) | (c.bias_ids >= 0).any(-1))
 
 
 def _check_row_buckets(row_buckets, num_slots: int) -> tuple[int, ...]:

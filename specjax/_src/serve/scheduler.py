@@ -264,8 +264,8 @@ class Scheduler:
                 _emit(request, Failed(f"the server's engine failed: {type(e).__name__}: {e}", "engine_error"))
 
     def _warm_up(self):
-        """Compiles init, insert (per prompt width) and step (per row bucket) before any request
-        (release compiles nothing)."""
+        """Compiles init, insert (per prompt width) and step (per row bucket, and for an engine
+        with ``greedy_steps`` its greedy program too) before any request (release compiles nothing)."""
         engine = self.engine
         state = engine.init()
         widths = self.warmup_widths
@@ -275,9 +275,10 @@ class Scheduler:
                 widths.append(w)
                 w *= 2
             widths.append(engine.capacity)
-        settings = SlotSettings(temperature=0.0, max_new_tokens=1, seed=0)
+        greedy = SlotSettings(temperature=0.0, max_new_tokens=1, seed=0)
+        sampled = SlotSettings(temperature=1.0, max_new_tokens=1, seed=0)
 
-        def serve_one(state, slot: int, prompt):
+        def serve_one(state, slot: int, prompt, settings=greedy):
             state = engine.insert(state, slot, prompt, settings)
             state, out = engine.step(state, self.num_cycles)
             jax.block_until_ready(out)
@@ -285,8 +286,11 @@ class Scheduler:
 
         for width in sorted(set(int(w) for w in widths)):  # insert's programs, and step's first row bucket
             state = serve_one(state, 0, [0] * max(1, min(width, engine.capacity - 1)))
-        for rows in engine.row_buckets[1:]:  # the step that runs the first `rows` slots
-            state = serve_one(state, rows - 1, [0])
+        for rows in engine.row_buckets:  # the step that runs the first `rows` slots, in each program
+            if rows > 1:
+                state = serve_one(state, rows - 1, [0])
+            if engine.greedy_steps:
+                state = serve_one(state, rows - 1, [0], sampled)
         jax.block_until_ready(state)
         return state
 
