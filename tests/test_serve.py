@@ -64,10 +64,11 @@ def setup():
     target = specjax.load("embedded-target", dtype="float32").replace(chat_template=TEMPLATE)
     draft = specjax.load("embedded-draft", dtype="float32")
     pair = specjax.pair(target, draft)
-    # As `specjax serve` builds it: each step and insert reuses the state's buffers, and steps of
-    # greedy requests alone run the greedy program.
-    engine = Engine(pair, num_slots=SLOTS, capacity=CAPACITY, num_draft=K, donate_state=True, greedy_steps=True)
-    scheduler = sched.Scheduler(engine, target.tokenizer, max_queue=MAX_QUEUE, num_cycles=2, warmup_widths=(16, 32),
+    # As `specjax serve` builds it: one prompt width, each step and insert reuses the state's buffers,
+    # and steps of greedy requests alone run the greedy program.
+    engine = Engine(pair, num_slots=SLOTS, capacity=CAPACITY, num_draft=K, prompt_bucket=CAPACITY, donate_state=True,
+                    greedy_steps=True)
+    scheduler = sched.Scheduler(engine, target.tokenizer, max_queue=MAX_QUEUE, num_cycles=2,
                                 eos_ids=[target.module.config.eos_token_id])
     server = Server(create_app(scheduler, ServerConfig(MODEL, target), drain_seconds=5))
     try:
@@ -292,9 +293,10 @@ def test_shutdown_finishes_a_live_stream(setup):
 def test_a_waiting_request_takes_a_slot_as_soon_as_one_frees(setup, monkeypatch):
     """Steps stop at the first request that finishes (``until_first_finish``) instead of running
     all their cycles; while a slot is free and nobody waits they run one cycle, so an arrival
-    waits at most one; every request still gets the text ``decode`` gives it alone."""
+    waits at most one; requests admitted together are prefilled together; every request still
+    gets the text ``decode`` gives it alone."""
     engine, target, pair = setup["engine"], setup["target"], setup["pair"]
-    calls, step = [], engine.step
+    calls, inserts, step, insert_many = [], [], engine.step, engine.insert_many
     scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=16, warmup_widths=(16,))
 
     def recording_step(state, num_cycles=1, *, until_first_finish=False):
@@ -302,10 +304,16 @@ def test_a_waiting_request_takes_a_slot_as_soon_as_one_frees(setup, monkeypatch)
         calls.append((num_cycles, until_first_finish, bool(free and scheduler._waiting)))
         return step(state, num_cycles, until_first_finish=until_first_finish)
 
+    def recording_insert_many(state, slots, prompts, settings=None):
+        inserts.append([len(p) for p in prompts])
+        return insert_many(state, slots, prompts, settings)
+
     monkeypatch.setattr(engine, "step", recording_step)
+    monkeypatch.setattr(engine, "insert_many", recording_insert_many)
     scheduler.start()
     assert scheduler.ready.wait(120)
     calls.clear()
+    inserts.clear()
     prompts = [target.tokenizer.encode(p).ids for p in ("def fib(n):", "class Stack:", "x = [1, 2, 3]\nfor")]
     lengths, events = (3, 40, 6), [[] for _ in prompts]
     with scheduler.paused():
@@ -320,11 +328,33 @@ def test_a_waiting_request_takes_a_slot_as_soon_as_one_frees(setup, monkeypatch)
     assert calls[0][0] == 16  # both slots busy, the third request waiting
     assert 1 in [n for n, _, _ in calls]  # the long request alone: one cycle per step
     assert not any(free_and_waiting for _, _, free_and_waiting in calls)  # admitted before each step
+    assert inserts == [sorted(map(len, prompts[:2])), [len(prompts[2])]]  # the first two in one prefill
     for prompt, n, got in zip(prompts, lengths, events):
         ref = specjax.decode(pair, [prompt], num_draft=K, max_new_tokens=n, temperature=0.0, eos_token_id=(),
                              max_length=CAPACITY + K).to_lists()[0]
         assert "".join(e.text for e in got if isinstance(e, sched.Delta)) == target.tokenizer.decode(ref)
         assert got[-1].completion_tokens == n
+
+
+def test_a_bad_request_in_a_prefill_group_fails_alone(setup):
+    """A request the engine refuses (the server checks first; this is the loop's last guard) gets
+    its error, and the request admitted with it is served; a bad ``prefill_groups`` is refused."""
+    engine, target = setup["engine"], setup["target"]
+    with pytest.raises(ValueError, match="prefill_groups must include 1"):
+        sched.Scheduler(engine, target.tokenizer, prefill_groups=(2,))
+    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=2, warmup_widths=(16,)).start()
+    assert scheduler.ready.wait(120)
+    good, bad = [], []
+    with scheduler.paused():
+        for emit, settings in ((good.append, SlotSettings(temperature=0.0, max_new_tokens=4)),
+                               (bad.append, SlotSettings(temperature=-1.0, max_new_tokens=4))):
+            scheduler.submit(sched.Request(prompt=[5, 6, 7], settings=settings, emit=emit))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (good and isinstance(good[-1], sched.Done) and bad):
+        time.sleep(0.02)
+    scheduler.close(drain_seconds=5)
+    assert isinstance(good[-1], sched.Done) and good[-1].completion_tokens == 4
+    assert bad == [sched.Failed(bad[0].message, "invalid_request")] and "temperature" in bad[0].message
 
 
 def test_refusals_that_need_another_server(setup):

@@ -40,9 +40,11 @@ def build(args):
     num_draft = args.num_draft if args.num_draft is not None else (3 if common.pair_name(args).startswith("smollm2")
                                                                    else 4)
     capacity = args.capacity if args.capacity is not None else default_capacity(target, draft, num_draft)
+    # One prompt width up to 512 positions: a prefill runs as many positions as its longest prompt
+    # whatever the width, so more widths would only mean more programs to compile.
     engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=capacity, num_draft=num_draft,
                     rule=rule, drafting=drafting, lookup=lookup, controls=not args.no_penalties,
-                    row_buckets="powers", donate_state=True, greedy_steps=True)
+                    prompt_bucket=min(capacity, 512), row_buckets="powers", donate_state=True, greedy_steps=True)
     eos = getattr(target.module.config, "eos_token_id", None)
     eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,

@@ -148,14 +148,31 @@ class Scheduler:
         lower it where steps are slow and a stream's latency matters.
       warmup_widths: prompt widths to compile ``insert`` for before
         :attr:`ready` (None: every width bucket up to the capacity).
+      prefill_groups: how many requests one prefill may take (None: 1, 2,
+        4, ... up to the slot count). Requests admitted together are
+        prefilled in the fewest such groups (7 as 4 + 2 + 1), the shorter
+        prompts together, since a group's prefill runs as many positions as
+        its longest prompt. One ``insert`` program per group size and
+        width, all compiled before :attr:`ready`. A group of 8 chat prompts
+        took 665 ms on the real pair against 1.1-1.4 s one by one (2-core
+        CPU): a burst of arrivals, or requests that end in the same step,
+        gets its first tokens sooner and leaves more time for decoding.
       eos_ids: the ids that end a request (the target's EOS), to tell
         ``"stop"`` from ``"length"``.
     """
 
     def __init__(self, engine: Engine, tokenizer, *, max_queue: int = 64, num_cycles: int = 4,
-                 warmup_widths: Optional[Sequence[int]] = None, eos_ids: Sequence[int] = ()):
+                 warmup_widths: Optional[Sequence[int]] = None, eos_ids: Sequence[int] = (),
+                 prefill_groups: Optional[Sequence[int]] = None):
         if int(max_queue) < 0 or int(num_cycles) < 1:
             raise ValueError(f"max_queue must be >= 0 and num_cycles >= 1, got {max_queue}, {num_cycles}.")
+        if prefill_groups is None:
+            prefill_groups = [2**i for i in range(engine.num_slots.bit_length()) if 2**i <= engine.num_slots]
+        groups = sorted({int(n) for n in prefill_groups})
+        if not groups or groups[0] != 1 or groups[-1] > engine.num_slots:
+            raise ValueError(f"prefill_groups must include 1 and stay within the {engine.num_slots} slots, got "
+                             f"{list(prefill_groups)}.")
+        self.prefill_groups = tuple(groups)
         self.engine, self.tokenizer = engine, tokenizer
         self.max_queue, self.num_cycles = int(max_queue), int(num_cycles)
         self.eos_ids = frozenset(int(i) for i in eos_ids)
@@ -278,14 +295,18 @@ class Scheduler:
         greedy = SlotSettings(temperature=0.0, max_new_tokens=1, seed=0)
         sampled = SlotSettings(temperature=1.0, max_new_tokens=1, seed=0)
 
-        def serve_one(state, slot: int, prompt, settings=greedy):
-            state = engine.insert(state, slot, prompt, settings)
+        def serve_one(state, slot: int, prompt, settings=greedy, group: int = 1):
+            slots = range(slot, slot + group)
+            state = engine.insert_many(state, slots, [prompt] * group, [settings] * group)
             state, out = engine.step(state, self.num_cycles)
             jax.block_until_ready(out)
-            return engine.release(state, slot)
+            for s in slots:
+                state = engine.release(state, s)
+            return state
 
         for width in sorted(set(int(w) for w in widths)):  # insert's programs, and step's first row bucket
-            state = serve_one(state, 0, [0] * max(1, min(width, engine.capacity - 1)))
+            for group in self.prefill_groups:
+                state = serve_one(state, 0, [0] * max(1, min(width, engine.capacity - 1)), group=group)
         for rows in engine.row_buckets:  # the step that runs the first `rows` slots, in each program
             if rows > 1:
                 state = serve_one(state, rows - 1, [0])
@@ -321,20 +342,34 @@ class Scheduler:
             _emit(request, Failed("the server shut down while this request was being generated.", "shutting_down"))
 
     def _admit(self, state, admitted, free):
-        for slot, request in admitted:
-            t0 = time.perf_counter()
-            try:
-                stream = TextStream(self.tokenizer, stop=request.stop)
-                state = self.engine.insert(state, slot, list(request.prompt), request.settings)
-            except (ValueError, TypeError) as e:  # checked by the server before queuing; here as a last guard
-                free.append(slot)
-                self.counters.requests_failed += 1
-                _emit(request, Failed(str(e), "invalid_request"))
-                continue
-            finally:
-                self.counters.insert_seconds += time.perf_counter() - t0
+        """Prefills ``admitted`` (``(slot, request)`` pairs) in groups of ``prefill_groups`` sizes."""
+        admitted = sorted(admitted, key=lambda item: len(item[1].prompt))
+        while admitted:
+            size = max(n for n in self.prefill_groups if n <= len(admitted))
+            group, admitted = admitted[:size], admitted[size:]
+            state = self._insert(state, group, free)
+        return state
+
+    def _insert(self, state, group, free):
+        t0 = time.perf_counter()
+        try:
+            slots, requests = zip(*group)
+            state = self.engine.insert_many(state, slots, [list(r.prompt) for r in requests],
+                                            [r.settings for r in requests])
+        except (ValueError, TypeError) as e:  # checked by the server before queuing; here as a last guard
+            self.counters.insert_seconds += time.perf_counter() - t0
+            if len(group) > 1:  # find the request at fault: the others are served
+                for item in group:
+                    state = self._insert(state, [item], free)
+                return state
+            free.append(slots[0])
+            self.counters.requests_failed += 1
+            _emit(requests[0], Failed(str(e), "invalid_request"))
+            return state
+        self.counters.insert_seconds += time.perf_counter() - t0
+        for slot, request in group:
             with self._cond:
-                self._live[slot] = _Live(request, stream)
+                self._live[slot] = _Live(request, TextStream(self.tokenizer, stop=request.stop))
             self.counters.prompt_tokens += len(request.prompt)
         return state
 
