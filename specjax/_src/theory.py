@@ -63,6 +63,7 @@ import jax.numpy as jnp
 from jax.scipy.special import xlogy
 
 from specjax._src import sampling
+from specjax._src.jit_keys import pytree_classes
 from specjax._src.rules.base import AcceptanceRule, RuleSpec
 from specjax._src.rules.parse import COMBINATORS, RULES, parse_spec, rule_from_spec
 
@@ -195,12 +196,14 @@ def _rule_fn(fn):
     Jitting here compiles each (rule structure, shape) once instead of
     dispatching dozens of small ops eagerly; inside a caller's jit it inlines.
     """
-    jitted = jax.jit(fn)
+    # The rule's classes ride along as a static: jit alone may mix up rules with the same fields.
+    jitted = jax.jit(lambda rule, *arrays, classes, **named: fn(rule, *arrays, **named), static_argnames="classes")
 
     @functools.wraps(fn)
     def wrapper(rule, *arrays, **named):
         named = {k: jnp.asarray(v) for k, v in named.items()}
-        return jitted(check_certifiable(rule), *map(jnp.asarray, arrays), **named)
+        rule = check_certifiable(rule)
+        return jitted(rule, *map(jnp.asarray, arrays), classes=pytree_classes(rule), **named)
 
     return wrapper
 

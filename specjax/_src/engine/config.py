@@ -50,6 +50,9 @@ class _Config(NamedTuple):
     # (:func:`specjax._src.engine.prepare._verify_widths`), ascending, the last
     # ``num_draft + 1``; ``None``: always the full block.
     verify_widths: Optional[tuple[int, ...]] = None
+    # The rule's and drafting policy's pytree classes (:func:`specjax._src.jit_keys.pytree_classes`):
+    # without them jit may run one rule's program for another rule with the same fields.
+    classes: tuple = ()
 
 
 @struct.dataclass

@@ -124,6 +124,7 @@ from specjax._src.engine.prepare import (
 )
 from specjax._src.engine.streaming import _check_on_tokens, _report, _run_streaming
 from specjax._src.engine.tree import _tree_cycle
+from specjax._src.jit_keys import pytree_classes
 from specjax._src.lm import KVCache, Model
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair, _model_vocab, pair
@@ -396,7 +397,8 @@ def decode(
     if is_feature_head(params.draft.module) and call.cfg.layout is not None:
         raise ValueError("decoding with a feature head on a mesh is not supported yet; decode on one device.")
     cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree, lookup=lookup,
-                            verify_widths=None if tree is not None else _verify_widths(buckets, drafting, num_draft))
+                            verify_widths=None if tree is not None else _verify_widths(buckets, drafting, num_draft),
+                            classes=pytree_classes(rule, drafting))
     if cfg.layout is not None:  # the rule's and policy's traced numbers, replicated on the mesh
         rule, drafting = jax.tree_util.tree_map(
             lambda x: _replicated(cfg.layout, np.asarray(jnp.asarray(x))), (rule, drafting)

@@ -46,6 +46,7 @@ from specjax._src.engine.chain import _decode_cycle, _initial_state
 from specjax._src.engine.config import _Config, _DecodeState
 from specjax._src.engine.cycle import run_cycles
 from specjax._src.engine.prepare import _bucket, _check_common, _check_decode_args, _eos_ids, _prepare_prompts
+from specjax._src.jit_keys import pytree_classes
 from specjax._src.pairing import ModelPair
 
 Array = jax.Array
@@ -399,7 +400,8 @@ class Engine:
         per_slot_rule = bool(leaves) and all(np.ndim(x) == 0 for x in leaves)
         self.vocab_size = params.vocab_size
         loop = _Config(diagnostics=None, num_draft=num_draft, max_new_tokens=capacity - 1,
-                       cache_length=capacity + num_draft, greedy=False, top_k=None, use_top_p=True, lookup=lookup)
+                       cache_length=capacity + num_draft, greedy=False, top_k=None, use_top_p=True, lookup=lookup,
+                       classes=pytree_classes(rule, drafting))
         self.cfg = _EngineConfig(loop=loop, num_slots=int(num_slots), capacity=int(capacity),
                                  prompt_bucket=int(prompt_bucket), num_eos=int(max_eos), num_bias=int(max_bias),
                                  controls=bool(controls), processors=processors,
