@@ -154,9 +154,10 @@ class Scheduler:
         prompts together, since a group's prefill runs as many positions as
         its longest prompt. One ``insert`` program per group size and
         width, all compiled before :attr:`ready`. A group of 8 chat prompts
-        took 665 ms on the real pair against 1.1-1.4 s one by one (2-core
-        CPU): a burst of arrivals, or requests that end in the same step,
-        gets its first tokens sooner and leaves more time for decoding.
+        took 675 ms on the real pair against 1205 ms one by one (2-core
+        CPU, ``benchmarks/serve_programs.py``): a burst of arrivals, or
+        requests that end in the same step, gets its first tokens sooner
+        and leaves more time for decoding.
       eos_ids: the ids that end a request (the target's EOS), to tell
         ``"stop"`` from ``"length"``.
     """

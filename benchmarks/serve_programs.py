@@ -1,0 +1,119 @@
+"""What the programs `specjax serve` picks cost, side by side in one run.
+
+Two comparisons on the real pair (SmolLM2-135M-Instruct + its EAGLE head, float32, the context
+lookup, K=3, 8 slots of 384 positions), each contender compiled first, then the contenders in
+turn for ``--rounds`` rounds (so a load change on a shared machine hits them alike):
+
+* **a step of 8 greedy requests**: ms per cycle of one-cycle steps in the general program (the
+  logits processors compiled in, every request at its defaults) and in the greedy program that
+  ``Engine(greedy_steps=True)`` runs when every occupied slot is greedy without controls; with
+  the tokens each committed (equal: the same requests decode the same tokens in both);
+* **prefilling 8 chat prompts** (the held-out chat prompts with the chat template, 35-51 tokens):
+  one ``insert_many`` of 8, two of 4, and eight single inserts, in an engine with prompt width
+  buckets of 16, 32, 64, ... and in one with a single width (``prompt_bucket=capacity``, as
+  ``specjax serve`` builds it up to 512 positions).
+
+    python benchmarks/serve_programs.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import specjax
+from specjax.drafting import ngram_lookup
+from specjax.engine import Engine, SlotSettings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+SLOTS, CAPACITY, K = 8, 384, 3
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout_chat_64.jsonl"
+
+
+def engine(pair, **kw) -> Engine:
+    return Engine(pair, num_slots=SLOTS, capacity=CAPACITY, num_draft=K, lookup=ngram_lookup(2),
+                  donate_state=True, **kw)
+
+
+def step_contender(eng: Engine, prompts, counted: list):
+    """A ``run()``: one one-cycle step of 8 greedy requests (inserted once, stepped on and on)."""
+    settings = SlotSettings(temperature=0.0, max_new_tokens=CAPACITY - max(map(len, prompts)), eos_token_id=())
+    box = [eng.insert_many(eng.init(), list(range(SLOTS)), prompts, [settings] * SLOTS)]
+
+    def run():
+        box[0], out = eng.step(box[0], 1)
+        counted.append(int(np.asarray(out.counts).sum()))
+    return run
+
+
+def prefill_contender(eng: Engine, prompts, group: int):
+    """A ``run()``: the 8 prompts inserted ``group`` at a time into free slots, then released."""
+    settings = SlotSettings(temperature=0.0, max_new_tokens=16)
+    box = [eng.init()]
+
+    def run():
+        state = box[0]
+        for start in range(0, SLOTS, group):
+            slots = list(range(start, start + group))
+            state = eng.insert_many(state, slots, prompts[start:start + group], [settings] * group)
+        jax.block_until_ready(state)
+        for slot in range(SLOTS):
+            state = eng.release(state, slot)
+        box[0] = state
+    return run
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    print(common.header("serve_programs: the programs specjax serve picks"))
+    target = specjax.load("smollm2-135m-instruct", dtype="float32")
+    draft = specjax.load("smollm2-135m-instruct-eagle", dtype="float32")
+    pair = specjax.pair(target, draft)
+    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()][:SLOTS]
+    prompts = [specjax.encode_chat(target, t) for t in texts]
+    print(f"prompt lengths: {sorted(map(len, prompts))}")
+
+    general, greedy = engine(pair), engine(pair, greedy_steps=True)
+    probe = greedy.insert(greedy.init(), 0, prompts[0], SlotSettings(temperature=0.0, max_new_tokens=4))
+    assert greedy.runs_greedy_step(probe) and not general.runs_greedy_step(general.init())
+    tokens = {"general program": [], "greedy program": []}
+    steps = {"general program": step_contender(general, prompts, tokens["general program"]),
+             "greedy program": step_contender(greedy, prompts, tokens["greedy program"])}
+    step_times = common.alternate(steps, args.rounds, warmup=2)
+
+    bucketed, one_width = engine(pair), engine(pair, prompt_bucket=CAPACITY)
+    prefills = {f"{label}, {'one group of 8' if g == 8 else f'groups of {g}' if g > 1 else 'one by one'}":
+                prefill_contender(eng, prompts, g)
+                for label, eng in (("width buckets", bucketed), ("one width", one_width)) for g in (8, 4, 1)}
+    prefill_times = common.alternate(prefills, args.rounds)
+    print(common.load_average() + " (at end)")
+
+    rows = [[name, f"{1e3 * statistics.median(ts):.0f}", f"{1e3 * min(ts):.0f} .. {1e3 * max(ts):.0f}",
+             sum(tokens[name][2:])] for name, ts in step_times.items()]
+    print("\nA one-cycle step of 8 greedy requests:")
+    print(common.table(["program", f"ms, median of {args.rounds}", "min .. max", "tokens committed"], rows,
+                       markdown=True))
+    ratios = common.pair_ratios(step_times["general program"], step_times["greedy program"])
+    print(f"general / greedy: {common.ratio_cell(ratios)}")
+    rows = [[name, f"{1e3 * statistics.median(ts):.0f}", f"{1e3 * min(ts):.0f} .. {1e3 * max(ts):.0f}"]
+            for name, ts in prefill_times.items()]
+    print("\nPrefilling the 8 prompts:")
+    print(common.table(["engine, inserts", f"ms, median of {args.rounds}", "min .. max"], rows, markdown=True))
+    one = prefill_times["one width, one by one"]
+    for name in ("one width, one group of 8", "one width, groups of 4"):
+        print(f"one by one / {name.split(', ')[1]}: {common.ratio_cell(common.pair_ratios(one, prefill_times[name]))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
