@@ -30,6 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation: the LM protocol, argument checks and the numerics every layer shares", (
         "specjax._src", "specjax._src.lm", "specjax._src.checks", "specjax._src.chat", "specjax._src.multihost",
+        "specjax._src.jit_keys",
         "specjax._src.sampling", "specjax._src.processors", "specjax._src.kernels*",
     )),
     ("models and rules: checkpoints and their formats, model pairs and meshes, acceptance rules, drafting", (
