@@ -404,6 +404,33 @@ def test_cli_parses_serve_and_refuses_trees(setup):
         serve.build(args)
 
 
+def test_serve_keeps_its_programs_in_a_compilation_cache(tmp_path, monkeypatch):
+    """``--compilation-cache``: by default the XDG cache directory (or $JAX_COMPILATION_CACHE_DIR),
+    a directory given, or none; a path that cannot be a directory is a clear error."""
+    from specjax.cli import serve
+    from specjax.cli.app import build_parser
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        default = build_parser().parse_args(["serve"]).compilation_cache
+        expected = tmp_path / "xdg" / "specjax" / "jax"
+        assert serve.use_compilation_cache(default) == str(expected) and expected.is_dir()
+        assert jax.config.jax_compilation_cache_dir == str(expected)
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+        assert serve.use_compilation_cache(None) == str(tmp_path / "env")
+        args = build_parser().parse_args(["serve", "--compilation-cache", str(tmp_path / "mine")])
+        assert serve.use_compilation_cache(args.compilation_cache) == str(tmp_path / "mine")
+        assert serve.use_compilation_cache("none") is None
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")  # "none" set nothing
+        (tmp_path / "file").write_text("not a directory")
+        with pytest.raises(SystemExit, match="give a writable directory"):
+            serve.use_compilation_cache(str(tmp_path / "file" / "cache"))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
 @pytest.mark.slow
 def test_real_pair_greedy_equals_decode():
     """The smollm2-eagle pair (a feature head) through the CLI's build and the openai client."""
