@@ -4,10 +4,11 @@ Two comparisons on the real pair (SmolLM2-135M-Instruct + its EAGLE head, float3
 lookup, K=3, 8 slots of 384 positions), each contender compiled first, then the contenders in
 turn for ``--rounds`` rounds (so a load change on a shared machine hits them alike):
 
-* **a step of 8 greedy requests**: ms per cycle of one-cycle steps in the general program (the
-  logits processors compiled in, every request at its defaults) and in the greedy program that
-  ``Engine(greedy_steps=True)`` runs when every occupied slot is greedy without controls; with
-  the tokens each committed (equal: the same requests decode the same tokens in both);
+* **a step of 8 requests**, greedy and at T=0.7 (a temperature only, each its own seed): ms per
+  cycle of one-cycle steps in the general program (the logits processors and the top-k / top-p
+  filters compiled in, every request at its defaults) and in the program that
+  ``Engine(specialized_steps=True)`` runs for them (``"greedy"``, ``"sampled"``); with the tokens
+  each committed (equal: the same requests decode the same tokens in both);
 * **prefilling 8 chat prompts** (the held-out chat prompts with the chat template, 35-51 tokens):
   one ``insert_many`` of 8, two of 4, and eight single inserts, in an engine with prompt width
   buckets of 16, 32, 64, ... and in one with a single width (``prompt_bucket=capacity``, as
@@ -43,15 +44,22 @@ def engine(pair, **kw) -> Engine:
                   donate_state=True, **kw)
 
 
-def step_contender(eng: Engine, prompts, counted: list):
-    """A ``run()``: one one-cycle step of 8 greedy requests (inserted once, stepped on and on)."""
-    settings = SlotSettings(temperature=0.0, max_new_tokens=CAPACITY - max(map(len, prompts)), eos_token_id=())
-    box = [eng.insert_many(eng.init(), list(range(SLOTS)), prompts, [settings] * SLOTS)]
+def step_contender(eng: Engine, prompts, temperature: float, counted: list):
+    """A ``run()``: one one-cycle step of 8 requests (inserted once, stepped on and on)."""
+    settings = [SlotSettings(temperature=temperature, seed=slot, max_new_tokens=CAPACITY - max(map(len, prompts)),
+                             eos_token_id=()) for slot in range(SLOTS)]
+    box = [eng.insert_many(eng.init(), list(range(SLOTS)), prompts, settings)]
 
     def run():
         box[0], out = eng.step(box[0], 1)
         counted.append(int(np.asarray(out.counts).sum()))
     return run
+
+
+def step_state(eng: Engine, prompts, temperature: float):
+    """A state of 8 requests at ``temperature``, to ask which program a step would run."""
+    return eng.insert_many(eng.init(), list(range(SLOTS)), prompts,
+                           [SlotSettings(temperature=temperature, max_new_tokens=8)] * SLOTS)
 
 
 def prefill_contender(eng: Engine, prompts, group: int):
@@ -83,12 +91,13 @@ def main(argv=None) -> int:
     prompts = [specjax.encode_chat(target, t) for t in texts]
     print(f"prompt lengths: {sorted(map(len, prompts))}")
 
-    general, greedy = engine(pair), engine(pair, greedy_steps=True)
-    probe = greedy.insert(greedy.init(), 0, prompts[0], SlotSettings(temperature=0.0, max_new_tokens=4))
-    assert greedy.runs_greedy_step(probe) and not general.runs_greedy_step(general.init())
-    tokens = {"general program": [], "greedy program": []}
-    steps = {"general program": step_contender(general, prompts, tokens["general program"]),
-             "greedy program": step_contender(greedy, prompts, tokens["greedy program"])}
+    general, specialized = engine(pair), engine(pair, specialized_steps=True)
+    steps, tokens = {}, {}
+    for temperature, program in ((0.0, "greedy"), (0.7, "sampled")):
+        for eng in (general, specialized):
+            name = f"T={temperature}, {eng.step_program(step_state(eng, prompts, temperature))} program"
+            tokens[name] = []
+            steps[name] = step_contender(eng, prompts, temperature, tokens[name])
     step_times = common.alternate(steps, args.rounds, warmup=2)
 
     bucketed, one_width = engine(pair), engine(pair, prompt_bucket=CAPACITY)
@@ -100,11 +109,13 @@ def main(argv=None) -> int:
 
     rows = [[name, f"{1e3 * statistics.median(ts):.0f}", f"{1e3 * min(ts):.0f} .. {1e3 * max(ts):.0f}",
              sum(tokens[name][2:])] for name, ts in step_times.items()]
-    print("\nA one-cycle step of 8 greedy requests:")
-    print(common.table(["program", f"ms, median of {args.rounds}", "min .. max", "tokens committed"], rows,
+    print("\nA one-cycle step of 8 requests:")
+    print(common.table(["requests, program", f"ms, median of {args.rounds}", "min .. max", "tokens committed"], rows,
                        markdown=True))
-    ratios = common.pair_ratios(step_times["general program"], step_times["greedy program"])
-    print(f"general / greedy: {common.ratio_cell(ratios)}")
+    for temperature, program in ((0.0, "greedy"), (0.7, "sampled")):
+        ratios = common.pair_ratios(step_times[f"T={temperature}, general program"],
+                                    step_times[f"T={temperature}, {program} program"])
+        print(f"T={temperature}: general / {program}: {common.ratio_cell(ratios)}")
     rows = [[name, f"{1e3 * statistics.median(ts):.0f}", f"{1e3 * min(ts):.0f} .. {1e3 * max(ts):.0f}"]
             for name, ts in prefill_times.items()]
     print("\nPrefilling the 8 prompts:")

@@ -65,9 +65,9 @@ def setup():
     draft = specjax.load("embedded-draft", dtype="float32")
     pair = specjax.pair(target, draft)
     # As `specjax serve` builds it: one prompt width, each step and insert reuses the state's buffers,
-    # and steps of greedy requests alone run the greedy program.
+    # and each step runs the program for its requests' settings.
     engine = Engine(pair, num_slots=SLOTS, capacity=CAPACITY, num_draft=K, prompt_bucket=CAPACITY, donate_state=True,
-                    greedy_steps=True)
+                    specialized_steps=True)
     scheduler = sched.Scheduler(engine, target.tokenizer, max_queue=MAX_QUEUE, num_cycles=2,
                                 eos_ids=[target.module.config.eos_token_id])
     server = Server(create_app(scheduler, ServerConfig(MODEL, target), drain_seconds=5))
@@ -88,10 +88,13 @@ def metrics(url) -> dict:
 
 def test_greedy_completion_equals_decode(setup):
     client, target = setup["client"], setup["target"]
-    with count_compilations() as compiled:  # the warm-up compiled the greedy and the general step
+    with count_compilations() as compiled:  # the warm-up compiled every step program
         r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
-        sampled = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=1)
-    assert compiled["n"] == 0 and sampled.usage.completion_tokens > 0
+        for top_p in (1.0, 0.9):  # the sampled program, then the general one
+            sampled = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                                top_p=top_p, seed=1)
+            assert sampled.usage.completion_tokens > 0
+    assert compiled["n"] == 0
     ids = target.tokenizer.encode(PROMPT).ids
     ref = specjax.decode(setup["pair"], [ids], num_draft=K, max_new_tokens=24, temperature=0.0,
                          max_length=CAPACITY + K).to_lists()[0]

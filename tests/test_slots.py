@@ -328,34 +328,40 @@ def test_row_buckets_run_the_occupied_rows_and_decode_the_same(llama_pair):
         Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, row_buckets=(0, 2))
 
 
-def test_greedy_steps_switch_programs_and_decode_the_same(llama_pair):
-    """With ``greedy_steps=True`` a step whose occupied slots are all greedy without controls runs
-    the greedy program, any other the general one. Greedy requests that cross from one program to
-    the other as a sampled request comes and goes, and a sampled one, each get what they get alone;
-    a greedy request with a penalty keeps the general program."""
-    fast = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, greedy_steps=True)
-    sampled = SlotSettings(temperature=0.7, top_p=0.9, seed=3, max_new_tokens=4)
-    state = fast.insert_many(fast.init(), [0, 1], [PROMPTS[0], PROMPTS[3]], [MIXED[0], MIXED[3]])
-    assert fast.runs_greedy_step(state)
-    got, programs, step = {0: [], 1: [], 2: []}, [], 0
+def test_specialized_steps_switch_programs_and_decode_the_same(llama_pair):
+    """With ``specialized_steps=True`` each step runs the program for its occupied slots: greedy
+    requests alone the greedy one, a sampled request without filters the sampled one, one with
+    top-p (or a greedy request with a penalty) the general one. Greedy requests that cross between
+    the programs as sampled ones come and go, and each sampled one, get what they get alone."""
+    fast = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, specialized_steps=True)
+    assert fast.specialized_steps and not Engine(llama_pair, num_slots=4, capacity=CAPACITY).specialized_steps
+    long_greedy = SlotSettings(temperature=0.0, max_new_tokens=40)
+    visitors = [SlotSettings(temperature=0.7, seed=3, max_new_tokens=4),  # only a temperature: "sampled"
+                SlotSettings(temperature=0.7, top_p=0.9, seed=5, max_new_tokens=4)]  # top-p: "general"
+    state = fast.insert_many(fast.init(), [0, 1], [PROMPTS[0], PROMPTS[3]], [long_greedy, MIXED[3]])
+    got, programs, visited = {0: [], 1: [], 2: []}, [], []
     while True:
-        if step == 1:
-            state = fast.insert(state, 2, PROMPTS[1], sampled)
-        programs.append(fast.runs_greedy_step(state))
-        state, out = fast.step(state, 2)
-        out, step = jax.device_get(out), step + 1
+        if visitors and not bool(state.occupied[2]) and programs:
+            visited.append((visitors.pop(0), len(got[2])))
+            state = fast.insert(state, 2, PROMPTS[1], visited[-1][0])
+        programs.append(fast.step_program(state))
+        state, out = fast.step(state, 1)
+        out = jax.device_get(out)
         for slot in got:
             got[slot] += out.tokens[slot, : out.counts[slot]].tolist()
-        if step > 1 and out.done[2] and bool(state.occupied[2]):
-            state = fast.release(state, 2)  # the sampled request leaves: back to the greedy program
+        if out.done[2] and bool(state.occupied[2]):
+            state = fast.release(state, 2)  # the visitor leaves; the next one, or none, takes the slot
         if out.done[:2].all():
             break
-    assert programs[0] and not programs[1] and programs[-1], programs
-    assert got[0] == alone(llama_pair, PROMPTS[0], MIXED[0])
+    runs = [p for i, p in enumerate(programs) if i == 0 or p != programs[i - 1]]
+    assert runs == ["greedy", "sampled", "general", "greedy"], programs
+    assert got[0] == alone(llama_pair, PROMPTS[0], long_greedy)
     assert got[1] == alone(llama_pair, PROMPTS[3], MIXED[3])
-    assert got[2] == alone(llama_pair, PROMPTS[1], sampled)
+    (first, _), (second, middle) = visited
+    assert got[2][:middle] == alone(llama_pair, PROMPTS[1], first)
+    assert got[2][middle:] == alone(llama_pair, PROMPTS[1], second)
     penalised = SlotSettings(temperature=0.0, max_new_tokens=12, controls=GenerationControls(repetition_penalty=1.3))
     state = fast.insert(fast.release(fast.release(state, 0), 1), 0, PROMPTS[2], penalised)
-    assert not fast.runs_greedy_step(state)
+    assert fast.step_program(state) == "general"
     got, _ = run_to_end(fast, state)
     assert got[0] == alone(llama_pair, PROMPTS[2], penalised)

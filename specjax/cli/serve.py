@@ -46,7 +46,8 @@ def build(args):
     # whatever the width, so more widths would only mean more programs to compile.
     engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=capacity, num_draft=num_draft,
                     rule=rule, drafting=drafting, lookup=lookup, controls=not args.no_penalties,
-                    prompt_bucket=min(capacity, 512), row_buckets="powers", donate_state=True, greedy_steps=True)
+                    prompt_bucket=min(capacity, 512), row_buckets="powers", donate_state=True,
+                    specialized_steps=True)
     eos = getattr(target.module.config, "eos_token_id", None)
     eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,

@@ -167,6 +167,7 @@ class _EngineConfig(NamedTuple):
     processors: tuple
     per_slot_rule: bool
     row_buckets: tuple = ()  # the leading rows a step may run, ascending, ending at num_slots
+    filters: bool = True  # per-row top-k compiled in (top-p: ``loop.use_top_p``)
 
 
 # ---------------------------------------------------------------------------
@@ -234,7 +235,7 @@ def _insert_impl(params: ModelPair, rule, policy, state: SlotState, slots, promp
 
 def _rows(state: SlotState, cfg: _EngineConfig) -> processors_lib.RowSettings:
     return processors_lib.RowSettings(
-        greedy=state.temperature == 0.0, top_k=state.top_k, draft_cap=state.draft_cap,
+        greedy=state.temperature == 0.0, top_k=state.top_k if cfg.filters else None, draft_cap=state.draft_cap,
         controls=state.controls if cfg.controls else None, rules=state.rules, processors=cfg.processors,
     )
 
@@ -360,20 +361,22 @@ class Engine:
         again is an error): no copy of the caches per call, which a serving
         loop that keeps only the newest state wants. False (default): every
         state stays valid.
-      greedy_steps: a step in which every occupied slot decodes greedily
-        and none uses ``controls`` runs a second program, compiled for
-        greedy decoding without the logits processors (what ``decode``
-        compiles for temperature 0): it skips the sampling draws, the
-        sampled verdicts and the processors' checks (one more ``step``
-        program per row bucket). Each request decodes the same tokens in
-        either program. False (default): one program serves every mix.
+      specialized_steps: each step runs the program compiled for what its
+        occupied slots use (:meth:`step_program`): ``"greedy"`` when every
+        one decodes greedily without ``controls`` (what ``decode`` compiles
+        for temperature 0: no sampling draws, sampled verdicts or processor
+        checks); ``"sampled"`` when none uses ``controls``, top-k or top-p
+        (no filters or processors: a request that sends only a temperature);
+        else ``"general"``. Two more ``step`` programs per row bucket; each
+        request decodes the same tokens in any of them. False (default):
+        the general program serves every mix.
     """
 
     def __init__(self, params: ModelPair, *, num_slots: int, capacity: int, num_draft: Optional[int] = None,
                  rule=None, drafting=None, lookup=None, controls: bool = True, max_eos: int = 8,
                  max_bias: int = 8, prompt_bucket: int = 16,
                  processors: Sequence = processors_lib.BUILTIN_PROCESSORS, row_buckets=None,
-                 donate_state: bool = False, greedy_steps: bool = False):
+                 donate_state: bool = False, specialized_steps: bool = False):
         rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
         if lookup is not None and not isinstance(lookup, lookup_lib.NgramLookup):
             raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
@@ -407,10 +410,13 @@ class Engine:
                                  controls=bool(controls), processors=processors,
                                  per_slot_rule=per_slot_rule,
                                  row_buckets=_check_row_buckets(row_buckets, int(num_slots)))
-        # Custom processors may change greedy rows' logits whatever the controls say: they always run.
-        self._greedy_cfg = None
-        if greedy_steps and set(processors) <= set(processors_lib.BUILTIN_PROCESSORS):
-            self._greedy_cfg = self.cfg._replace(loop=loop._replace(greedy=True, use_top_p=False), controls=False)
+        # The programs by name (:meth:`step_program`). Custom processors may change any row's logits
+        # whatever the controls say: they always run, in the general program.
+        self._programs = {"general": self.cfg}
+        if specialized_steps and set(processors) <= set(processors_lib.BUILTIN_PROCESSORS):
+            plain = self.cfg._replace(controls=False, filters=False)
+            self._programs.update(greedy=plain._replace(loop=loop._replace(greedy=True, use_top_p=False)),
+                                  sampled=plain._replace(loop=loop._replace(use_top_p=False)))
 
     @property
     def num_slots(self) -> int:
@@ -490,9 +496,9 @@ class Engine:
             raise ValueError(f"num_cycles must be a positive integer, got {num_cycles!r}.")
         if not isinstance(until_first_finish, (bool, np.bool_)):
             raise TypeError(f"until_first_finish must be True or False, got {until_first_finish!r}.")
-        cfg, rows_run = self._step_program(state)
+        program, rows_run = self._step_program(state)
         return self._step_fn(self.params, self.rule, self.drafting, state, np.int32(n),
-                             np.bool_(until_first_finish), cfg=cfg, rows_run=rows_run)
+                             np.bool_(until_first_finish), cfg=self._programs[program], rows_run=rows_run)
 
     @property
     def row_buckets(self) -> tuple[int, ...]:
@@ -505,31 +511,37 @@ class Engine:
         return self._step_program(state)[1]
 
     @property
-    def greedy_steps(self) -> bool:
-        """Whether all-greedy steps run their own program (``Engine(greedy_steps=True)``)."""
-        return self._greedy_cfg is not None
+    def specialized_steps(self) -> bool:
+        """Whether steps run the program for their slots' settings (``Engine(specialized_steps=True)``)."""
+        return len(self._programs) > 1
 
-    def runs_greedy_step(self, state: SlotState) -> bool:
-        """Whether :meth:`step` on ``state`` runs the greedy program (``greedy_steps=True``
-        and every occupied slot greedy, none with controls)."""
-        return self._step_program(state)[0] is self._greedy_cfg
+    def step_program(self, state: SlotState) -> str:
+        """The program :meth:`step` runs on ``state``: ``"greedy"``, ``"sampled"`` or
+        ``"general"`` (see ``specialized_steps``; always ``"general"`` without it)."""
+        return self._step_program(state)[0]
 
-    def _step_program(self, state: SlotState) -> tuple[_EngineConfig, int]:
-        """The step's static structure for the occupied slots: ``(cfg, rows_run)``."""
-        buckets, greedy_cfg = self.cfg.row_buckets, self._greedy_cfg
-        if len(buckets) == 1 and greedy_cfg is None:
-            return self.cfg, buckets[0]
-        controls = state.controls if greedy_cfg is not None and self.cfg.controls else None
-        occupied, temperature, controls = jax.device_get(
-            (state.occupied, state.temperature if greedy_cfg is not None else None, controls))
+    def _step_program(self, state: SlotState) -> tuple[str, int]:
+        """``(program, rows_run)`` for the occupied slots (their settings read from the device)."""
+        buckets, specialized = self.cfg.row_buckets, len(self._programs) > 1
+        if len(buckets) == 1 and not specialized:
+            return "general", buckets[0]
+        settings = None
+        if specialized:
+            settings = (state.temperature, state.top_k, state.top_p, state.controls if self.cfg.controls else None)
+        occupied, settings = jax.device_get((state.occupied, settings))
         slots = np.flatnonzero(occupied)
         used = int(slots[-1]) + 1 if slots.size else 1
         rows_run = next(b for b in buckets if b >= used)
-        if greedy_cfg is None or not (temperature[slots] == 0.0).all():
-            return self.cfg, rows_run
+        if not specialized:
+            return "general", rows_run
+        temperature, top_k, top_p, controls = settings
         if controls is not None and _uses_controls(controls)[slots].any():
-            return self.cfg, rows_run
-        return greedy_cfg, rows_run
+            return "general", rows_run
+        greedy = temperature[slots] == 0.0
+        if greedy.all():
+            return "greedy", rows_run
+        filtered = ~greedy & ((top_k[slots] > 0) | (top_p[slots] < 1.0))
+        return ("general" if filtered.any() else "sampled"), rows_run
 
     def release(self, state: SlotState, slot: int) -> SlotState:
         """Frees ``slot`` (finished or not): it stops and takes the next :meth:`insert`.

@@ -283,7 +283,8 @@ class Scheduler:
 
     def _warm_up(self):
         """Compiles init, insert (per prompt width) and step (per row bucket, and for an engine
-        with ``greedy_steps`` its greedy program too) before any request (release compiles nothing)."""
+        with ``specialized_steps`` each of its three programs) before any request (release compiles
+        nothing)."""
         engine = self.engine
         state = engine.init()
         widths = self.warmup_widths
@@ -294,7 +295,9 @@ class Scheduler:
                 w *= 2
             widths.append(engine.capacity)
         greedy = SlotSettings(temperature=0.0, max_new_tokens=1, seed=0)
-        sampled = SlotSettings(temperature=1.0, max_new_tokens=1, seed=0)
+        # One request per step program: greedy, sampled without filters, and (top-p) the general one.
+        programs = [greedy, SlotSettings(temperature=1.0, max_new_tokens=1, seed=0),
+                    SlotSettings(temperature=1.0, top_p=0.5, max_new_tokens=1, seed=0)]
 
         def serve_one(state, slot: int, prompt, settings=greedy, group: int = 1):
             slots = range(slot, slot + group)
@@ -309,10 +312,9 @@ class Scheduler:
             for group in self.prefill_groups:
                 state = serve_one(state, 0, [0] * max(1, min(width, engine.capacity - 1)), group=group)
         for rows in engine.row_buckets:  # the step that runs the first `rows` slots, in each program
-            if rows > 1:
-                state = serve_one(state, rows - 1, [0])
-            if engine.greedy_steps:
-                state = serve_one(state, rows - 1, [0], sampled)
+            for settings in (programs if engine.specialized_steps else [greedy]):
+                if rows > 1 or settings is not greedy:  # (greedy at one row: compiled above)
+                    state = serve_one(state, rows - 1, [0], settings)
         jax.block_until_ready(state)
         return state
 
