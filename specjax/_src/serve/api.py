@@ -490,7 +490,7 @@ _METRICS = (
     ("specjax_cycles_total", "counter", "cycles", "Draft-verify cycles (target forwards) of finished requests."),
     ("specjax_steps_total", "counter", "steps", "engine.step calls."),
     ("specjax_step_seconds_total", "counter", "step_seconds", "Wall time in engine.step, reading its output included."),
-    ("specjax_prefill_seconds_total", "counter", "insert_seconds", "Wall time in engine.insert and release."),
+    ("specjax_prefill_seconds_total", "counter", "insert_seconds", "Wall time in prefills (insert, waited for) and release."),
     ("specjax_busy_seconds_total", "counter", "busy_seconds", "The scheduler loop's wall time while serving."),
     ("specjax_queue_depth", "gauge", "queue_depth", "Requests waiting for a slot."),
     ("specjax_live_slots", "gauge", "live_slots", "Slots holding a request."),

@@ -121,7 +121,7 @@ class Counters:
     accepted: int = 0
     steps: int = 0
     step_seconds: float = 0.0  # engine.step and reading its output back
-    insert_seconds: float = 0.0  # engine.insert (prefill) and release
+    insert_seconds: float = 0.0  # engine.insert (prefill, waited for) and release
     busy_seconds: float = 0.0  # the loop's wall time while a request was waiting or live
 
 
@@ -359,6 +359,9 @@ class Scheduler:
             slots, requests = zip(*group)
             state = self.engine.insert_many(state, slots, [list(r.prompt) for r in requests],
                                             [r.settings for r in requests])
+            # Waits for the prefill, so that insert_seconds holds its time rather than the next step
+            # (the step would wait for it anyway: the device runs one program after the other).
+            jax.block_until_ready(state.occupied)
         except (ValueError, TypeError) as e:  # checked by the server before queuing; here as a last guard
             self.counters.insert_seconds += time.perf_counter() - t0
             if len(group) > 1:  # find the request at fault: the others are served
