@@ -19,7 +19,7 @@ have every request at the start and no gaps), time to first token and
 inter-token latency (a request's time from its first to its last token over its tokens after
 the first) at p50 and p99, requests lost (neither completed nor refused with an error: must be 0);
 per run, the server's peak RSS, its scheduler loop's host share and prefill share (the loop's time
-in ``insert`` and ``release`` over its busy time; both from ``/metrics``), and
+in ``insert`` and ``release`` over its busy time) and requests per prefill (all from ``/metrics``), and
 whether ``/health`` still answers 200 after the load.
 
 Everything runs on 127.0.0.1; the run is bounded by ``--requests-per-client``, ``--max-tokens``
@@ -207,6 +207,8 @@ def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_dra
         itl=[(r["last"] - r["first"]) / (r["tokens"] - 1) for r in timed if r["tokens"] > 1],
         host_share=(busy - engine) / busy if busy > 0 else float("nan"),
         prefill_share=prefill / busy if busy > 0 else float("nan"),
+        per_prefill=((after["specjax_prefilled_requests_total"] - before["specjax_prefilled_requests_total"])
+                     / max(1.0, after["specjax_prefills_total"] - before["specjax_prefills_total"])),
         acceptance=(after["specjax_accepted_tokens_total"] - before["specjax_accepted_tokens_total"])
         / max(1.0, after["specjax_drafted_tokens_total"] - before["specjax_drafted_tokens_total"]),
     )
@@ -267,7 +269,7 @@ def static_decode(args, pair, prompts: list[list[int]], clients: int, compiled: 
     wall = time.perf_counter() - t0
     return dict(requests=len(prompts), completed=len(prompts), errors=0, lost=0, tokens=tokens, wall=wall,
                 tok_s=tokens / wall, ttft=[], itl=[], host_share=float("nan"), prefill_share=float("nan"),
-                acceptance=float("nan"))
+                per_prefill=float("nan"), acceptance=float("nan"))
 
 
 # ---------------------------------------------------------------------------
@@ -329,11 +331,12 @@ def main(argv=None) -> int:
           f"{'cleanly' if clean else f'with status {code}'}")
 
     head = ["mode", "C", "round", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "done/sent",
-            "lost", "host share", "prefill share", "accept"]
+            "lost", "host share", "prefill share", "requests per prefill", "accept"]
     table = [[r["mode"], r["clients"], r["round"], f"{r['tok_s']:.1f}", pct(r["ttft"], 50), pct(r["ttft"], 99),
               pct(r["itl"], 50), pct(r["itl"], 99), f"{r['completed']}/{r['requests']}", r["lost"],
               "-" if r["host_share"] != r["host_share"] else f"{r['host_share']:.3f}",
               "-" if r["prefill_share"] != r["prefill_share"] else f"{r['prefill_share']:.3f}",
+              "-" if r["per_prefill"] != r["per_prefill"] else f"{r['per_prefill']:.2f}",
               "-" if r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.2f}"] for r in rows]
     print(common.table(head, table, markdown=True))
     for clients in args.clients:

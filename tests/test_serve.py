@@ -254,6 +254,7 @@ def test_models_health_and_metrics(setup):
     assert m["specjax_requests_finished_total"] >= 1 and m["specjax_slots"] == SLOTS
     assert 0 <= m["specjax_acceptance_rate"] <= 1 and m["specjax_tau"] >= 1
     assert 0 <= m["specjax_host_share"] < 1 and m["specjax_step_seconds_total"] > 0
+    assert 1 <= m["specjax_prefills_total"] <= m["specjax_prefilled_requests_total"]
 
 
 def test_close_refuses_waiting_requests(setup):
@@ -332,6 +333,7 @@ def test_a_waiting_request_takes_a_slot_as_soon_as_one_frees(setup, monkeypatch)
     assert 1 in [n for n, _, _ in calls]  # the long request alone: one cycle per step
     assert not any(free_and_waiting for _, _, free_and_waiting in calls)  # admitted before each step
     assert inserts == [sorted(map(len, prompts[:2])), [len(prompts[2])]]  # the first two in one prefill
+    assert (scheduler.counters.prefills, scheduler.counters.prefilled_requests) == (2, 3)
     for prompt, n, got in zip(prompts, lengths, events):
         ref = specjax.decode(pair, [prompt], num_draft=K, max_new_tokens=n, temperature=0.0, eos_token_id=(),
                              max_length=CAPACITY + K).to_lists()[0]

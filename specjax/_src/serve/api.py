@@ -489,6 +489,8 @@ _METRICS = (
     ("specjax_accepted_tokens_total", "counter", "accepted", "Draft tokens accepted (finished requests)."),
     ("specjax_cycles_total", "counter", "cycles", "Draft-verify cycles (target forwards) of finished requests."),
     ("specjax_steps_total", "counter", "steps", "engine.step calls."),
+    ("specjax_prefills_total", "counter", "prefills", "Prefill calls (requests admitted together share one)."),
+    ("specjax_prefilled_requests_total", "counter", "prefilled_requests", "Requests prefilled."),
     ("specjax_step_seconds_total", "counter", "step_seconds", "Wall time in engine.step, reading its output included."),
     ("specjax_prefill_seconds_total", "counter", "insert_seconds", "Wall time in prefills (insert, waited for) and release."),
     ("specjax_busy_seconds_total", "counter", "busy_seconds", "The scheduler loop's wall time while serving."),

@@ -120,6 +120,8 @@ class Counters:
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
+    prefills: int = 0  # insert calls that succeeded (a group of requests counts once)
+    prefilled_requests: int = 0
     step_seconds: float = 0.0  # engine.step and reading its output back
     insert_seconds: float = 0.0  # engine.insert (prefill, waited for) and release
     busy_seconds: float = 0.0  # the loop's wall time while a request was waiting or live
@@ -373,6 +375,8 @@ class Scheduler:
             _emit(requests[0], Failed(str(e), "invalid_request"))
             return state
         self.counters.insert_seconds += time.perf_counter() - t0
+        self.counters.prefills += 1
+        self.counters.prefilled_requests += len(group)
         for slot, request in group:
             with self._cond:
                 self._live[slot] = _Live(request, TextStream(self.tokenizer, stop=request.stop))
