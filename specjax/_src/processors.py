@@ -137,10 +137,16 @@ def changes_logits(processors, controls: Controls, num_generated: Array, live: A
     vocabulary-sized counts and scatters of :func:`history` and :func:`process`."""
     if not set(processors) <= set(BUILTIN_PROCESSORS):
         return None
-    c = controls
-    row = ((c.repetition_penalty != 1.0) | (c.presence_penalty != 0.0) | (c.frequency_penalty != 0.0)
-           | (c.min_new_tokens > num_generated) | (c.bias_ids >= 0).any(-1))
-    return (row & live).any()
+    return (rows_with_controls(controls, num_generated) & live).any()
+
+
+def rows_with_controls(c: Controls, num_generated=0):
+    """``[B]`` bool: the rows whose built-in controls change their logits after
+    ``num_generated`` tokens (a control off its default; ``min_new_tokens`` while a
+    row is short of it, so with 0: while it is set). JAX or NumPy arrays alike: the
+    slots engine asks it on the host to choose a step's program."""
+    return ((c.repetition_penalty != 1.0) | (c.presence_penalty != 0.0) | (c.frequency_penalty != 0.0)
+            | (c.min_new_tokens > num_generated) | (c.bias_ids >= 0).any(-1))
 
 
 def history(tokens: Array, prompt_lengths: Array, num_committed: Array, eos_ids: Array, vocab: int,

@@ -535,7 +535,7 @@ class Engine:
         if not specialized:
             return "general", rows_run
         temperature, top_k, top_p, controls = settings
-        if controls is not None and _uses_controls(controls)[slots].any():
+        if controls is not None and processors_lib.rows_with_controls(controls)[slots].any():
             return "general", rows_run
         greedy = temperature[slots] == 0.0
         if greedy.all():
@@ -640,13 +640,6 @@ class Engine:
         return jax.tree_util.tree_map(
             lambda x, ref: np.asarray(x, np.asarray(ref).dtype if np.asarray(ref).dtype != np.float64 else np.float32),
             rule, self.rule)
-
-
-def _uses_controls(c: processors_lib.Controls) -> np.ndarray:
-    """``[S]`` bool: the slot's controls are off their defaults (host arrays). A
-    ``min_new_tokens`` counts while it is set, reached or not."""
-    return ((c.repetition_penalty != 1.0) | (c.presence_penalty != 0.0) | (c.frequency_penalty != 0.0)
-            | (c.min_new_tokens > 0) | (c.bias_ids >= 0).any(-1))
 
 
 def _check_row_buckets(row_buckets, num_slots: int) -> tuple[int, ...]:
