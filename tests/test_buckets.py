@@ -213,6 +213,42 @@ def test_the_prefill_skips_the_buckets_padding_and_changes_nothing_it_keeps(widt
                                   np.asarray(full_cache.keys[0][0, :, : width - 1]))
 
 
+def test_a_prompt_alone_is_prefilled_in_wide_blocks():
+    """One prompt runs in blocks of ``prefill_block(1)`` tokens: a 20-token
+    prompt in a 128 width runs one 64-token block (its rows past the prompt
+    written, then rolled back) and skips the second."""
+    from specjax._src.engine.ops import PREFILL_BLOCK, _prefill, prefill_block
+
+    block = prefill_block(1)
+    assert block > PREFILL_BLOCK == prefill_block(2)
+    target, _ = peaked_target_and_draft(llama_config(max_position_embeddings=256))
+    prompt = jax.numpy.asarray(np.random.default_rng(4).integers(0, VOCAB, size=(1, 2 * block)), jax.numpy.int32)
+    cache = _prefill(target.module, target.params, prompt, jax.numpy.asarray([20], jax.numpy.int32), 160)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [20])
+    keys = np.asarray(cache.keys[0])[0]  # [kv heads, positions, head dim]
+    assert np.abs(keys[:, 20:block]).max(axis=-1).min() > 0, "the first block did not run whole"
+    assert not keys[:, block:].any(), "a block past the prompt ran"
+
+
+@pytest.mark.parametrize("dtype,temperature", [
+    ("bfloat16", 0.0), pytest.param("float32", 1.0, marks=pytest.mark.slow),
+])
+def test_a_prompt_alone_decodes_as_it_does_beside_a_companion(dtype, temperature):
+    """A prompt alone (64-token prefill blocks) gives the tokens it gives in a
+    wider width bucket and beside a companion (16-token blocks)."""
+    pair = cast_pair(dtype)
+    rng = np.random.default_rng(6)
+    kw = dict(max_new_tokens=16, temperature=temperature, num_draft=3)
+    for length in (9, 51):
+        prompt = rng.integers(0, VOCAB, size=length).tolist()
+        key = jax.random.key(length)
+        alone = np.asarray(specjax.decode(pair, [prompt], key=key, **kw).tokens)[0]
+        wide = specjax.decode(pair, [prompt], key=key, buckets=prepare_lib.Buckets(prompt=128), **kw)
+        paired = specjax.decode(pair, [prompt, prompt[:3]], key=key, **kw)
+        np.testing.assert_array_equal(np.asarray(wide.tokens)[0], alone)
+        np.testing.assert_array_equal(np.asarray(paired.tokens)[0], alone)
+
+
 @pytest.mark.parametrize("dtype,temperature", [("float32", 1.0), ("bfloat16", 0.0)])
 def test_a_sequence_ignores_the_verification_width_its_companions_need(dtype, temperature):
     """With a drafting policy that stops early, a cycle verifies only as wide

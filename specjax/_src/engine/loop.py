@@ -10,7 +10,7 @@ Shapes are bucketed (:class:`Buckets`): the batch, the prompt width and the
 ``max_new_tokens`` buffer are padded up to a few sizes so that mixed traffic
 reuses a few compiled programs; each sequence's own ``max_new_tokens`` is a
 traced value, dummy rows are finished from the start, and the output is cut
-back on the host. The prefill runs in blocks of ``PREFILL_BLOCK`` tokens so
+back on the host. The prefill runs in blocks of ``prefill_block(B)`` tokens so
 that no matmul's shape depends on the padded width.
 
 Loop state (per sequence ``b``; ``P`` padded prompt length, ``N`` the

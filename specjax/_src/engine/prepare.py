@@ -344,14 +344,15 @@ class Buckets(NamedTuple):
     (masked, then overwritten before they are read), dummy rows never touch a
     real row, and each sequence keeps its own key (``fold_in(key, b)``). Near a
     model's ``max_position_embeddings`` (or ``max_length=``) the padding
-    shrinks to fit; the request itself is never cut. The prompt is prefilled
-    in blocks of ``PREFILL_BLOCK`` (16) tokens, so even in bfloat16 a
-    sequence's tokens do not depend on the width bucket its batch falls in.
+    shrinks to fit; the request itself is never cut. The prompts are
+    prefilled in blocks of ``PREFILL_BLOCK`` (16) tokens (one prompt alone:
+    64), so even in bfloat16 a sequence's tokens do not depend on the width
+    bucket its batch falls in.
 
     Powers of two keep the count logarithmic (widths 3..90 with
     ``max_new_tokens <= 16``: four programs per batch bucket) for at most twice
     the cache length; the prefill skips the width's padding blocks, so its
-    work follows the batch's longest prompt (rounded up to 16 tokens).
+    work follows the batch's longest prompt (rounded up to a block).
     Measured on the embedded pair against the unbucketed engine in one run
     (CPU, float32, 24-token prompts, K=4, calls of 6-75 ms; before the prefill
     skipped padding): 0-6% slower when ``max_new_tokens`` is a bucket (64);
