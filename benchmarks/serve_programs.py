@@ -12,7 +12,11 @@ turn for ``--rounds`` rounds (so a load change on a shared machine hits them ali
 * **prefilling 8 chat prompts** (the held-out chat prompts with the chat template, 35-51 tokens):
   one ``insert_many`` of 8, two of 4, and eight single inserts, in an engine with prompt width
   buckets of 16, 32, 64, ... and in one with a single width (``prompt_bucket=capacity``, as
-  ``specjax serve`` builds it up to 512 positions).
+  ``specjax serve`` builds it up to 512 positions);
+* **the target's forward by rows** (``--forward-rows``: ``[1, n]`` tokens into a fresh cache of
+  the slots' length, as a prefill block runs it): what one pass over the weights costs and what
+  each more row adds, which bounds what a prefill sharing the step's forward (chunked prefill)
+  could save on this machine.
 
     python benchmarks/serve_programs.py --rounds 5
 """
@@ -79,9 +83,19 @@ def prefill_contender(eng: Engine, prompts, group: int):
     return run
 
 
+def forward_contender(model, tokens: int):
+    """A ``run()``: the model's forward of ``[1, tokens]`` tokens into a fresh cache of the slots'
+    length, keeping the cache alone, as a prefill block runs it."""
+    fn = jax.jit(lambda params, ids: model.module.apply(params, ids, model.module.init_cache(1, CAPACITY)).cache)
+    ids = np.ones((1, tokens), np.int32)
+    return lambda: jax.block_until_ready(fn(model.params, ids))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--forward-rows", type=int, nargs="*", default=[4, 16, 32, 64],
+                    help="token counts of the [1, n] target forwards to time (none: skip them)")
     args = ap.parse_args(argv)
     print(common.header("serve_programs: the programs specjax serve picks"))
     target = specjax.load("smollm2-135m-instruct", dtype="float32")
@@ -105,6 +119,8 @@ def main(argv=None) -> int:
                 prefill_contender(eng, prompts, g)
                 for label, eng in (("width buckets", bucketed), ("one width", one_width)) for g in (8, 4, 1)}
     prefill_times = common.alternate(prefills, args.rounds)
+    forwards = {f"[1, {n}]": forward_contender(target, n) for n in args.forward_rows}
+    forward_times = common.alternate(forwards, args.rounds) if forwards else {}
     print(common.load_average() + " (at end)")
 
     rows = [[name, f"{1e3 * statistics.median(ts):.0f}", f"{1e3 * min(ts):.0f} .. {1e3 * max(ts):.0f}",
@@ -120,6 +136,17 @@ def main(argv=None) -> int:
             for name, ts in prefill_times.items()]
     print("\nPrefilling the 8 prompts:")
     print(common.table(["engine, inserts", f"ms, median of {args.rounds}", "min .. max"], rows, markdown=True))
+    if forward_times:
+        rows = [[name, f"{1e3 * statistics.median(ts):.1f}", f"{1e3 * min(ts):.1f} .. {1e3 * max(ts):.1f}"]
+                for name, ts in forward_times.items()]
+        print("\nThe target's forward as a prefill block runs it:")
+        print(common.table(["tokens", f"ms, median of {args.rounds}", "min .. max"], rows, markdown=True))
+        ones = sorted((n, statistics.median(forward_times[f"[1, {n}]"])) for n in args.forward_rows)
+        if len(ones) > 1:
+            (n0, t0), (n1, t1) = ones[0], ones[-1]
+            per_row = (t1 - t0) / (n1 - n0)
+            print(f"each row from {n0} to {n1}: {1e3 * per_row:.2f} ms; a pass at no rows (extrapolated): "
+                  f"{1e3 * (t0 - n0 * per_row):.1f} ms")
     one = prefill_times["one width, one by one"]
     for name in ("one width, one group of 8", "one width, groups of 4"):
         print(f"one by one / {name.split(', ')[1]}: {common.ratio_cell(common.pair_ratios(one, prefill_times[name]))}")
