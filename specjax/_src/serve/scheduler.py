@@ -156,7 +156,7 @@ class Scheduler:
         prompts together, since a group's prefill runs as many positions as
         its longest prompt. One ``insert`` program per group size and
         width, all compiled before :attr:`ready`. A group of 8 chat prompts
-        took 675 ms on the real pair against 1205 ms one by one (2-core
+        took 668 ms on the real pair against 936 ms one by one (2-core
         CPU, ``benchmarks/serve_programs.py``): a burst of arrivals, or
         requests that end in the same step, gets its first tokens sooner
         and leaves more time for decoding.
