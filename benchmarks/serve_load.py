@@ -11,6 +11,10 @@ client does. The same requests run three ways:
 * ``static decode``: ``specjax.decode`` in this process (the server idle meanwhile), the
   requests in batches of C, each batch running until its longest request ends.
 
+Request ``i`` carries ``seed: i``, and its static row samples with the key that seed gives a
+request (``SlotSettings.seed``), so the speculative server and the static batches sample the same
+text and do the same work: their token counts, printed side by side, agree.
+
 The three take turns: for each round (``--rounds``) and each C, the speculative row, the
 no-drafts row, then the static row, so that a load change on a shared machine hits them alike.
 
@@ -262,18 +266,22 @@ def static_decode(args, pair, prompts: list[list[int]], clients: int, compiled: 
 
     ns = argparse.Namespace(lookup=args.lookup or None)
     kw = dict(num_draft=3 if args.pair.startswith("smollm2") else 4, max_new_tokens=args.max_tokens,
-              temperature=args.temperature, rule=parse_rule(args.rule), lookup=cli_common.lookup(ns),
-              key=jax.random.key(0))
-    batches = [prompts[i:i + clients] for i in range(0, len(prompts), clients)]
-    for batch in batches:  # compile each (batch size, prompt width bucket) before timing
+              temperature=args.temperature, rule=parse_rule(args.rule), lookup=cli_common.lookup(ns))
+    starts = range(0, len(prompts), clients)
+    batches = [prompts[i:i + clients] for i in starts]
+    # Request i carries seed i; the server samples it with decode's key of sequence 0 for that seed
+    # (SlotSettings.seed), so each static row gets that key and both sample the same text.
+    keys = [jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 0))(np.arange(i, i + len(b)))
+            for i, b in zip(starts, batches)]
+    for batch, key in zip(batches, keys):  # compile each (batch size, prompt width bucket) before timing
         shape = (len(batch), width_bucket(max(len(p) for p in batch)))
         if shape not in compiled:
-            specjax.decode(pair, batch, **kw)
+            specjax.decode(pair, batch, key=key, **kw)
             compiled.add(shape)
     t0 = time.perf_counter()
     tokens = 0
-    for batch in batches:
-        out = specjax.decode(pair, batch, **kw)
+    for batch, key in zip(batches, keys):
+        out = specjax.decode(pair, batch, key=key, **kw)
         tokens += sum(len(x) for x in out.to_lists())
     wall = time.perf_counter() - t0
     return dict(requests=len(prompts), completed=len(prompts), errors=0, lost=0, tokens=tokens, wall=wall,
@@ -296,12 +304,12 @@ def main(argv=None) -> int:
     total = max(args.clients) * args.requests_per_client
     if args.pair == "embedded":
         texts = [CODE_PROMPTS[i % len(CODE_PROMPTS)] for i in range(total)]
-        requests = [dict(model="bench", prompt=t, max_tokens=args.max_tokens, temperature=args.temperature)
-                    for t in texts]
+        requests = [dict(model="bench", prompt=t, max_tokens=args.max_tokens, temperature=args.temperature, seed=i)
+                    for i, t in enumerate(texts)]
     else:
         texts = [json.loads(line)["prompt"] for line in CHAT_PROMPTS.read_text().splitlines()][:total]
         requests = [dict(model="bench", messages=[{"role": "user", "content": t}], max_tokens=args.max_tokens,
-                         temperature=args.temperature) for t in texts]
+                         temperature=args.temperature, seed=i) for i, t in enumerate(texts)]
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -323,7 +331,7 @@ def main(argv=None) -> int:
                     else:
                         row = run_load(httpx, base, share, clients, args, num_draft)
                     rows.append(dict(mode=mode, clients=clients, round=rnd, **row))
-                    print(f"  {mode:13s} C={clients} round {rnd}: {row['tok_s']:.1f} tok/s, "
+                    print(f"  {mode:13s} C={clients} round {rnd}: {row['tok_s']:.1f} tok/s, {row['tokens']} tokens, "
                           f"{row['completed']}/{row['requests']} completed, lost {row['lost']}", flush=True)
         health = httpx.get(base + "/health", timeout=10).status_code
         rss = peak_rss_mib(proc.pid)
