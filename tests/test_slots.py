@@ -148,6 +148,21 @@ def test_compiles_per_prompt_bucket_then_none(llama_pair):
     assert second["n"] == 0
 
 
+def test_a_short_prompt_alone_runs_at_its_own_width(llama_pair):
+    """With one prompt width (as ``specjax serve`` builds its engine), a prompt inserted alone that
+    fits one prefill block runs at its own width, 16 or 32 here, rather than the bucket's; a group
+    keeps the bucket. Both decode what the request decodes alone."""
+    engine = Engine(llama_pair, num_slots=2, capacity=CAPACITY, num_draft=K, prompt_bucket=CAPACITY)
+    assert [engine._insert_width(1, n) for n in (3, 16, 17, 40)] == [16, 16, 32, CAPACITY]
+    assert engine._insert_width(2, 3) == CAPACITY
+    assert engine._single_prompt_widths() == (16, 32)
+    settings = SlotSettings(temperature=0.0, max_new_tokens=12)
+    single, _ = run_to_end(engine, engine.insert(engine.init(), 0, PROMPTS[1], settings))
+    grouped, _ = run_to_end(engine, engine.insert_many(engine.init(), [0, 1], PROMPTS[1::-1], [settings] * 2))
+    ref = alone(llama_pair, PROMPTS[1], settings)
+    assert single[0] == ref and grouped[0] == ref
+
+
 def test_release_mid_generation_stops_the_slot_and_keeps_its_tokens(llama_pair, engine):
     """A request released before it finished: the slot is free, later steps report nothing for it,
     its tokens so far stay as they were, and the other slot decodes as alone. The state passed

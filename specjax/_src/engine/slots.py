@@ -45,6 +45,7 @@ from specjax._src.checks import as_integer
 from specjax._src.engine.chain import _decode_cycle, _initial_state
 from specjax._src.engine.config import _Config, _DecodeState
 from specjax._src.engine.cycle import run_cycles
+from specjax._src.engine.ops import PREFILL_BLOCK, prefill_block
 from specjax._src.engine.prepare import _bucket, _check_common, _check_decode_args, _eos_ids, _prepare_prompts
 from specjax._src.jit_keys import pytree_classes
 from specjax._src.pairing import ModelPair
@@ -349,7 +350,10 @@ class Engine:
       max_eos: EOS + stop ids per request (E).
       max_bias: ``logit_bias`` entries per request.
       prompt_bucket: the smallest prompt width bucket (widths ``b * 2**i``,
-        capped at ``capacity``): one ``insert`` program per width.
+        capped at ``capacity``): one ``insert`` program per width. A prompt
+        inserted alone that fits one prefill block (64 tokens) runs at its own
+        width, 16, 32 or 64, whatever the bucket, so that a wide bucket does
+        not make a short request's prefill run a whole block.
       row_buckets: the leading slot counts a step may run, e.g. ``(1, 2, 4)``
         (``num_slots`` is always one): a step runs the smallest that holds
         every occupied slot, so an engine with few requests, packed into its
@@ -468,7 +472,7 @@ class Engine:
         tokens, lengths = _prepare_prompts(list(prompts), None, self.vocab_size)
         tokens = tokens[:, : int(lengths.max())]
         rows = [self._check_settings(s, int(n), i) for i, (s, n) in enumerate(zip(settings, lengths))]
-        width = min(_bucket(tokens.shape[1], self.cfg.prompt_bucket), self.capacity)
+        width = self._insert_width(len(slots), tokens.shape[1])
         padded = np.zeros((len(slots), width), np.int32)
         padded[:, : tokens.shape[1]] = tokens
         row = {name: np.stack([r[name] for r in rows]) for name in rows[0] if name not in ("controls", "rule")}
@@ -479,6 +483,18 @@ class Engine:
                                                  *[r["rule"] for r in rows])
         return self._insert_fn(self.params, self.rule, self.drafting, state, np.asarray(slots, np.int32), padded,
                                lengths, row, cfg=self.cfg)
+
+    def _insert_width(self, num_prompts: int, longest: int) -> int:
+        """The padded width ``insert_many`` runs ``num_prompts`` prompts at."""
+        if num_prompts == 1 and longest <= prefill_block(1):  # one block: its own width (see ops.prefill_block)
+            return min(_bucket(longest, PREFILL_BLOCK), self.capacity)
+        return min(_bucket(longest, self.cfg.prompt_bucket), self.capacity)
+
+    def _single_prompt_widths(self) -> tuple[int, ...]:
+        """The widths below the bucket that a prompt inserted alone may run at (16, 32, 64 up to
+        the smallest bucket): the programs a server compiles beside the buckets'."""
+        return tuple(sorted({self._insert_width(1, n) for n in range(1, prefill_block(1) + 1)}
+                            - {self._insert_width(2, n) for n in range(1, prefill_block(1) + 1)}))
 
     def step(self, state: SlotState, num_cycles: int = 1, *,
              until_first_finish: bool = False) -> tuple[SlotState, StepOutput]:

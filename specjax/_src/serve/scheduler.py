@@ -313,6 +313,8 @@ class Scheduler:
         for width in sorted(set(int(w) for w in widths)):  # insert's programs, and step's first row bucket
             for group in self.prefill_groups:
                 state = serve_one(state, 0, [0] * max(1, min(width, engine.capacity - 1)), group=group)
+        for width in engine._single_prompt_widths():  # a short prompt alone runs at its own width
+            state = serve_one(state, 0, [0] * width)
         for rows in engine.row_buckets:  # the step that runs the first `rows` slots, in each program
             for settings in (programs if engine.specialized_steps else [greedy]):
                 if rows > 1 or settings is not greedy:  # (greedy at one row: compiled above)
