@@ -70,7 +70,7 @@ def use_compilation_cache(directory: Optional[str]) -> Optional[str]:
     directory, or None.
 
     A restart then loads the programs instead of compiling them: on the real pair the server was
-    ready in 71 s instead of 154 s (2-core CPU); tracing them is not cached.
+    ready in 72 s instead of 174 s (2-core CPU); tracing them is not cached.
     """
     import jax
 
