@@ -491,10 +491,11 @@ class Engine:
         return min(_bucket(longest, self.cfg.prompt_bucket), self.capacity)
 
     def _single_prompt_widths(self) -> tuple[int, ...]:
-        """The widths below the bucket that a prompt inserted alone may run at (16, 32, 64 up to
-        the smallest bucket): the programs a server compiles beside the buckets'."""
-        return tuple(sorted({self._insert_width(1, n) for n in range(1, prefill_block(1) + 1)}
-                            - {self._insert_width(2, n) for n in range(1, prefill_block(1) + 1)}))
+        """The widths a short prompt inserted alone runs at that no bucket has: the ``insert``
+        programs a server compiles beside the buckets'."""
+        short = range(1, prefill_block(1) + 1)
+        alone, grouped = ({self._insert_width(n, length) for length in short} for n in (1, 2))
+        return tuple(sorted(alone - grouped))
 
     def step(self, state: SlotState, num_cycles: int = 1, *,
              until_first_finish: bool = False) -> tuple[SlotState, StepOutput]:
