@@ -25,7 +25,9 @@ inter-token latency (a request's time from its first to its last token over its 
 the first) at p50 and p99, requests lost (neither completed nor refused with an error: must be 0);
 per run, the server's peak RSS, its scheduler loop's host share and prefill share (the loop's time
 in ``insert`` and ``release`` over its busy time) and requests per prefill (all from ``/metrics``), and
-whether ``/health`` still answers 200 after the load.
+whether ``/health`` still answers 200 after the load. The CPU seconds per row tell where a 2-core
+machine's time went: the server process's (XLA, the scheduler, the HTTP stack) and the client
+threads' for a server row; the benchmark process's (XLA) for a static row.
 
 Everything runs on 127.0.0.1; the run is bounded by ``--requests-per-client``, ``--max-tokens``
 and ``--max-seconds`` (per row).
@@ -80,6 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-seconds", type=float, default=600.0, help="per row: no new request after this")
     p.add_argument("--skip-decode", action="store_true", help="leave out the static-batch decode rows")
+    p.add_argument("--skip-no-drafts", action="store_true", help="leave out the server rows with num_draft 0")
     p.add_argument("--rounds", type=int, default=1, help="times each row runs, the contenders in turn")
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
@@ -131,6 +134,19 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid``, all its threads, so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """This process's CPU time (the client threads' during a server row)."""
+    t = os.times()
+    return t.user + t.system
+
+
 def scrape(httpx, url: str) -> dict:
     text = httpx.get(url + "/metrics", timeout=10).text
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
@@ -172,7 +188,7 @@ def one_request(httpx, client, url: str, body: dict) -> dict:
     return dict(sent=sent, first=first, last=last, tokens=tokens, error=error, done=done)
 
 
-def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_draft) -> dict:
+def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_draft, server_pid: int) -> dict:
     """``clients`` threads share ``requests`` round-robin; each waits an exponential gap before each one."""
     results, lock = [], threading.Lock()
     deadline = time.monotonic() + args.max_seconds
@@ -199,6 +215,7 @@ def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_dra
                 results.append(r)
 
     before = scrape(httpx, base)
+    cpu0, own0 = cpu_seconds(server_pid), own_cpu_seconds()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     for t in threads:
@@ -206,6 +223,7 @@ def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_dra
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    server_cpu, client_cpu = cpu_seconds(server_pid) - cpu0, own_cpu_seconds() - own0
     after = scrape(httpx, base)
     ok = [r for r in results if not r["error"] and r["done"]]
     timed = [r for r in ok if r["first"] is not None]
@@ -219,6 +237,7 @@ def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_dra
         ttft=[r["first"] - r["sent"] for r in timed],
         itl=[(r["last"] - r["first"]) / (r["tokens"] - 1) for r in timed if r["tokens"] > 1],
         host_share=(busy - engine) / busy if busy > 0 else float("nan"),
+        server_cpu=server_cpu, client_cpu=client_cpu,
         prefill_share=prefill / busy if busy > 0 else float("nan"),
         per_prefill=((after["specjax_prefilled_requests_total"] - before["specjax_prefilled_requests_total"])
                      / max(1.0, after["specjax_prefills_total"] - before["specjax_prefills_total"])),
@@ -278,14 +297,15 @@ def static_decode(args, pair, prompts: list[list[int]], clients: int, compiled: 
         if shape not in compiled:
             specjax.decode(pair, batch, key=key, **kw)
             compiled.add(shape)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), own_cpu_seconds()
     tokens = 0
     for batch, key in zip(batches, keys):
         out = specjax.decode(pair, batch, key=key, **kw)
         tokens += sum(len(x) for x in out.to_lists())
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, own_cpu_seconds() - cpu0
     return dict(requests=len(prompts), completed=len(prompts), errors=0, lost=0, tokens=tokens, wall=wall,
-                tok_s=tokens / wall, ttft=[], itl=[], host_share=float("nan"), prefill_share=float("nan"),
+                tok_s=tokens / wall, ttft=[], itl=[], host_share=float("nan"), server_cpu=cpu, client_cpu=0.0,
+                prefill_share=float("nan"),
                 per_prefill=float("nan"), acceptance=float("nan"))
 
 
@@ -324,12 +344,14 @@ def main(argv=None) -> int:
             for clients in args.clients:
                 share = requests[: clients * args.requests_per_client]
                 for mode, num_draft in (("speculative", None), ("no drafts", 0), ("static decode", None)):
+                    if mode == "no drafts" and args.skip_no_drafts:
+                        continue
                     if mode == "static decode":
                         if static is None:
                             continue
                         row = static(clients)
                     else:
-                        row = run_load(httpx, base, share, clients, args, num_draft)
+                        row = run_load(httpx, base, share, clients, args, num_draft, proc.pid)
                     rows.append(dict(mode=mode, clients=clients, round=rnd, **row))
                     print(f"  {mode:13s} C={clients} round {rnd}: {row['tok_s']:.1f} tok/s, {row['tokens']} tokens, "
                           f"{row['completed']}/{row['requests']} completed, lost {row['lost']}", flush=True)
@@ -348,13 +370,14 @@ def main(argv=None) -> int:
           f"{'cleanly' if clean else f'with status {code}'}")
 
     head = ["mode", "C", "round", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "done/sent",
-            "lost", "host share", "prefill share", "requests per prefill", "accept"]
+            "lost", "host share", "prefill share", "requests per prefill", "accept", "CPU s: model, clients"]
     table = [[r["mode"], r["clients"], r["round"], f"{r['tok_s']:.1f}", pct(r["ttft"], 50), pct(r["ttft"], 99),
               pct(r["itl"], 50), pct(r["itl"], 99), f"{r['completed']}/{r['requests']}", r["lost"],
               "-" if r["host_share"] != r["host_share"] else f"{r['host_share']:.3f}",
               "-" if r["prefill_share"] != r["prefill_share"] else f"{r['prefill_share']:.3f}",
               "-" if r["per_prefill"] != r["per_prefill"] else f"{r['per_prefill']:.2f}",
-              "-" if r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.2f}"] for r in rows]
+              "-" if r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.2f}",
+              f"{r['server_cpu']:.1f}, {r['client_cpu']:.1f}"] for r in rows]
     print(common.table(head, table, markdown=True))
     for clients in args.clients:
         of = lambda mode: [r for r in rows if r["mode"] == mode and r["clients"] == clients]  # noqa: E731
