@@ -150,12 +150,15 @@ def test_compiles_per_prompt_bucket_then_none(llama_pair):
 
 def test_a_short_prompt_alone_runs_at_its_own_width(llama_pair):
     """With one prompt width (as ``specjax serve`` builds its engine), a prompt inserted alone that
-    fits one prefill block runs at its own width, 16 or 32 here, rather than the bucket's; a group
-    keeps the bucket. Both decode what the request decodes alone."""
+    fits one prefill block runs at its own width rounded up to 16 (16 or 32 here), rather than the
+    bucket's; a group keeps the bucket. Both decode what the request decodes alone."""
     engine = Engine(llama_pair, num_slots=2, capacity=CAPACITY, num_draft=K, prompt_bucket=CAPACITY)
-    assert [engine._insert_width(1, n) for n in (3, 16, 17, 40)] == [16, 16, 32, CAPACITY]
+    assert [engine._insert_width(1, n) for n in (3, 16, 17, 33, 40)] == [16, 16, 32, CAPACITY, CAPACITY]
     assert engine._insert_width(2, 3) == CAPACITY
     assert engine._single_prompt_widths() == (16, 32)
+    wide = Engine(llama_pair, num_slots=2, capacity=120, num_draft=K, prompt_bucket=120)
+    assert [wide._insert_width(1, n) for n in (33, 48, 49, 64, 65)] == [48, 48, 64, 64, 120]
+    assert wide._single_prompt_widths() == (16, 32, 48, 64)
     settings = SlotSettings(temperature=0.0, max_new_tokens=12)
     single, _ = run_to_end(engine, engine.insert(engine.init(), 0, PROMPTS[1], settings))
     grouped, _ = run_to_end(engine, engine.insert_many(engine.init(), [0, 1], PROMPTS[1::-1], [settings] * 2))

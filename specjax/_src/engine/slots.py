@@ -352,8 +352,9 @@ class Engine:
       prompt_bucket: the smallest prompt width bucket (widths ``b * 2**i``,
         capped at ``capacity``): one ``insert`` program per width. A prompt
         inserted alone that fits one prefill block (64 tokens) runs at its own
-        width, 16, 32 or 64, whatever the bucket, so that a wide bucket does
-        not make a short request's prefill run a whole block.
+        width, rounded up to 16 (16, 32, 48 or 64), whatever the bucket, so
+        that a short request's prefill runs no more positions than it needs
+        (one block is one forward, its cost about linear in its positions).
       row_buckets: the leading slot counts a step may run, e.g. ``(1, 2, 4)``
         (``num_slots`` is always one): a step runs the smallest that holds
         every occupied slot, so an engine with few requests, packed into its
@@ -487,7 +488,7 @@ class Engine:
     def _insert_width(self, num_prompts: int, longest: int) -> int:
         """The padded width ``insert_many`` runs ``num_prompts`` prompts at."""
         if num_prompts == 1 and longest <= prefill_block(1):  # one block: its own width (see ops.prefill_block)
-            return min(_bucket(longest, PREFILL_BLOCK), self.capacity)
+            return min(-(-longest // PREFILL_BLOCK) * PREFILL_BLOCK, self.capacity)
         return min(_bucket(longest, self.cfg.prompt_bucket), self.capacity)
 
     def _single_prompt_widths(self) -> tuple[int, ...]:
