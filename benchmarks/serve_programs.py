@@ -13,6 +13,12 @@ turn for ``--rounds`` rounds (so a load change on a shared machine hits them ali
   one ``insert_many`` of 8, two of 4, and eight single inserts, in an engine with prompt width
   buckets of 16, 32, 64, ... and in one with a single width (``prompt_bucket=capacity``, as
   ``specjax serve`` builds it up to 512 positions);
+* **a cycle in the slot engine against one in ``decode``** (``--cycles``): the 8 requests at T=0.7,
+  each its own seed, without EOS, to 96 new tokens: ms per cycle of the server's steps (up to 4
+  cycles each, in 384-position slots) against ``decode``'s cycles of the same batch (its cache
+  sized to the batch: 195 positions), prefills left out of both. Both commit the same tokens in
+  the same number of cycles; a ratio above 1 is what the engine's slots cost over a batch's
+  tight cache;
 * **the target's forward by rows** (``--forward-rows``: ``[1, n]`` tokens into a fresh cache of
   the slots' length, as a prefill block runs it): what one pass over the weights costs and what
   each more row adds, which bounds what a prefill sharing the step's forward (chunked prefill)
@@ -91,11 +97,54 @@ def forward_contender(model, tokens: int):
     return lambda: jax.block_until_ready(fn(model.params, ids))
 
 
+def cycle_comparison(eng: Engine, pair, prompts, rounds: int, new_tokens: int = 96):
+    """Per round, ``(engine ms per cycle, decode ms per cycle, cycles, tokens equal)`` for the 8
+    requests at T=0.7 to ``new_tokens`` tokens, without EOS, prefills left out of both."""
+    import time
+
+    settings = [SlotSettings(temperature=0.7, seed=i, max_new_tokens=new_tokens, eos_token_id=()) for i in range(SLOTS)]
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 0))(np.arange(SLOTS))
+    kw = dict(num_draft=K, temperature=0.7, lookup=ngram_lookup(2), eos_token_id=())
+
+    def decode(n):
+        t0 = time.perf_counter()
+        out = specjax.decode(pair, prompts, key=keys, max_new_tokens=n, **kw)
+        jax.block_until_ready(out.tokens)
+        return time.perf_counter() - t0, out
+
+    def slots():
+        state = eng.insert_many(eng.init(), list(range(SLOTS)), prompts, settings)
+        jax.block_until_ready(state)
+        got, elapsed = [[] for _ in range(SLOTS)], 0.0
+        while True:
+            t0 = time.perf_counter()
+            state, out = eng.step(state, 4)
+            out = jax.device_get(out)
+            elapsed += time.perf_counter() - t0
+            for i in range(SLOTS):
+                got[i] += out.tokens[i, : out.counts[i]].tolist()
+            if out.done.all():
+                return elapsed, got, int(np.asarray(state.loop.stats.cycles).max())
+
+    decode(new_tokens), decode(1), slots()  # compile
+    results = []
+    for _ in range(rounds):
+        full, out = decode(new_tokens)
+        first, _ = decode(1)
+        cycles = int(np.asarray(out.stats.cycles).max())
+        elapsed, got, engine_cycles = slots()
+        equal = got == out.to_lists() and engine_cycles == cycles
+        results.append((elapsed / engine_cycles, (full - first) / (cycles - 1), cycles, equal))
+    return results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--forward-rows", type=int, nargs="*", default=[4, 16, 32, 64],
                     help="token counts of the [1, n] target forwards to time (none: skip them)")
+    ap.add_argument("--cycles", action=argparse.BooleanOptionalAction, default=True,
+                    help="compare a cycle in the slot engine with one in decode (default on)")
     args = ap.parse_args(argv)
     print(common.header("serve_programs: the programs specjax serve picks"))
     target = specjax.load("smollm2-135m-instruct", dtype="float32")
@@ -119,6 +168,7 @@ def main(argv=None) -> int:
                 prefill_contender(eng, prompts, g)
                 for label, eng in (("width buckets", bucketed), ("one width", one_width)) for g in (8, 4, 1)}
     prefill_times = common.alternate(prefills, args.rounds)
+    cycles = cycle_comparison(engine(pair, specialized_steps=True), pair, prompts, args.rounds) if args.cycles else []
     forwards = {f"[1, {n}]": forward_contender(target, n) for n in args.forward_rows}
     forward_times = common.alternate(forwards, args.rounds) if forwards else {}
     print(common.load_average() + " (at end)")
@@ -147,6 +197,13 @@ def main(argv=None) -> int:
             per_row = (t1 - t0) / (n1 - n0)
             print(f"each row from {n0} to {n1}: {1e3 * per_row:.2f} ms; a pass at no rows (extrapolated): "
                   f"{1e3 * (t0 - n0 * per_row):.1f} ms")
+    if cycles:
+        print("\nA cycle of the 8 requests at T=0.7 (96 new tokens, no EOS), prefills left out:")
+        rows = [[i, f"{1e3 * e:.1f}", f"{1e3 * d:.1f}", f"{e / d:.2f}x", c, "yes" if eq else "NO"]
+                for i, (e, d, c, eq) in enumerate(cycles)]
+        print(common.table(["round", "slot engine ms/cycle", "decode ms/cycle", "engine / decode", "cycles",
+                            "same tokens"], rows, markdown=True))
+        print(f"slot engine / decode per cycle: {common.ratio_cell([e / d for e, d, _, _ in cycles])}")
     one = prefill_times["one width, one by one"]
     for name in ("one width, one group of 8", "one width, groups of 4"):
         print(f"one by one / {name.split(', ')[1]}: {common.ratio_cell(common.pair_ratios(one, prefill_times[name]))}")

@@ -36,7 +36,7 @@ def test_smoke_run_writes_every_section(tmp_path):
     oracle, small = speed["speculative"]
     assert oracle["draft"] == "oracle" and oracle["acceptance"] > 0.9  # the target drafting for itself
     assert small["draft"] == "small" and small["cycles"] > 0 and small["ideal"] > 0
-    long = speed["long_cache"]  # 128 cached tokens: 192 slots, then 512 of which the CPU reads 256
+    long = speed["long_cache"]  # 128 cached tokens: 192 slots, then 512 of which the CPU reads 192
     assert all(long[row]["ms"] > 0 for row in ("tight", "long", "long, prefix reads"))
     reads = [long[row]["kv_bytes_read"] for row in ("tight", "long", "long, prefix reads")]
-    assert reads[0] * 256 == reads[1] * 192 and reads[1] == reads[2]
+    assert reads[0] == reads[1] == reads[2] < 512 * reads[0] // 192

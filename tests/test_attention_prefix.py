@@ -22,7 +22,7 @@ from specjax._src.models.decoder import Decoder, attention_widths
 from specjax.testing import llama_config, peaked_target_and_draft
 from specjax.trees import static_tree
 
-LONG = 2048  # widths 256, 512, 1024, 2048
+LONG = 2048  # widths 64, 128, 192, 256, 512, 1024, 2048
 VOCAB = 96
 
 
@@ -43,18 +43,19 @@ def prefilled(module, params, batch: int, length: int, **kw):
     return module.apply(params, prompt, module.init_cache(batch, LONG), **kw).cache
 
 
-def test_widths_are_powers_of_two_then_the_capacity():
+def test_widths_step_by_64_then_double_then_the_capacity():
     assert attention_widths(64) == (64,)
     assert attention_widths(341) == (341,)
-    assert attention_widths(384) == (256, 384)
-    assert attention_widths(2048) == (256, 512, 1024, 2048)
-    assert attention_widths(2052) == (256, 512, 1024, 2052)
+    assert attention_widths(342) == (64, 128, 192, 256, 342)
+    assert attention_widths(384) == (64, 128, 192, 256, 384)
+    assert attention_widths(2048) == (64, 128, 192, 256, 512, 1024, 2048)
+    assert attention_widths(2052) == (64, 128, 192, 256, 512, 1024, 2052)
 
 
 @pytest.mark.parametrize("case", ["one token", "verify block", "tree", "sliding window", "rows of unequal length"])
 def test_a_step_reads_no_slot_past_the_width_its_rows_need(case):
-    """Rows of 20 (and 200) cached tokens plus a block fit in 256 slots: NaN from
-    slot 256 on must not reach the logits, which equal the clean cache's."""
+    """Rows of 20 cached tokens plus a block fit in 64 slots (with a row of 200, in 256): NaN
+    from there on must not reach the logits, which equal the clean cache's."""
     cfg = config(sliding_window=8) if case == "sliding window" else config()
     model = Decoder(cfg)
     params = model.init(jax.random.key(0))
@@ -65,7 +66,7 @@ def test_a_step_reads_no_slot_past_the_width_its_rows_need(case):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (2, t)), jnp.int32)
     kw = {"tree_parents": np.asarray([-1, 0, 0, 1], np.int32)} if case == "tree" else {}
     step = jax.jit(lambda c: model.apply(params, tokens, c, **kw).logits)
-    clean, dirty = step(cache), step(poisoned(cache, 256))
+    clean, dirty = step(cache), step(poisoned(cache, 256 if case == "rows of unequal length" else 64))
     assert np.isfinite(np.asarray(dirty)).all(), "attention read cache slots past the width its rows need"
     np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
 

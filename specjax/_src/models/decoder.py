@@ -38,7 +38,7 @@ before attending, ``s <= p`` covers both "cached entries before
 ``lengths[b]``" and "causal within the block", and stale entries beyond the
 block are never read: rollback is a length reset. The prefix is the narrowest
 of a few static widths that holds ``max(lengths) + T`` (:func:`attention_widths`:
-powers of two from 256, then the capacity), so a step over short sequences in
+steps of 64 up to 256, then powers of two, then the capacity), so a step over short sequences in
 a long cache reads only their part of it (:func:`cache_attention`; on CPU and
 TPU, while GPUs read the whole buffer).
 
@@ -268,27 +268,39 @@ def grouped_attention(q: Array, k: Array, v: Array, mask: Array, scale: float) -
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n * d)
 
 
-# Below this many slots a narrower read saves too little to be worth a
-# compiled branch (256 positions of K and V are a few percent of a step's
-# weight bytes for the models specjax runs), and a multiple of 128 keeps the
-# scores' key axis lane-aligned on TPU.
-_MIN_ATTENTION_WIDTH = 256
+# A cache with fewer slots than 4/3 of this is read whole: a narrower read
+# would save too little to be worth compiled branches (256 positions of K and
+# V are a few percent of a one-row step's weight bytes for the models specjax
+# runs; every short-capacity ``decode`` and test program keeps one branch).
+_LADDER_FROM = 256
+# A longer cache (a server's slots) is read in steps of this many slots up to
+# ``_LADDER_FROM``, then in powers of two. Eight rows of a 4-token verify block
+# read 1.5 MB of K and V per layer at 256 slots: on a 2-core CPU the slots
+# engine's cycle on SmolLM2-135M at T=0.7 (384 slots, rows at 40-170
+# positions) cost 1.05x [1.03-1.07] the cycle of ``decode`` with its 195-slot
+# cache when it read 256 slots, 1.00x [0.98-1.13] with these steps
+# (``benchmarks/serve_programs.py``).
+_ATTENTION_STEP = 64
 
 
 def attention_widths(capacity: int) -> tuple[int, ...]:
     """The static key widths :func:`cache_attention` may read from ``capacity`` slots.
 
-    Powers of two from 256 that save at least a quarter of the capacity, then
-    the capacity itself: ``(capacity,)`` below 342 slots, ``(256, 512, 1024,
-    2048)`` for 2048. Below the last, a width depends on the positions needed
-    only, so a short sequence reads the same slots in any long cache.
+    ``(capacity,)`` below 342 slots. From 342 on, multiples of 64 up to 256,
+    then powers of two, each saving at least a quarter of the capacity, then
+    the capacity itself: ``(64, 128, 192, 256, 384)`` for 384, ``(64, 128,
+    192, 256, 512, 1024, 2048)`` for 2048. Below the last, a width depends on
+    the positions needed only, so a short sequence reads the same slots in any
+    long cache.
     """
     capacity = int(capacity)
+    if 4 * _LADDER_FROM > 3 * capacity:
+        return (capacity,)
     widths = []
-    width = _MIN_ATTENTION_WIDTH
+    width = _ATTENTION_STEP
     while 4 * width <= 3 * capacity:
         widths.append(width)
-        width *= 2
+        width = width + _ATTENTION_STEP if width < _LADDER_FROM else 2 * width
     return tuple(widths) + (capacity,)
 
 
