@@ -155,11 +155,12 @@ class Scheduler:
         prefilled in the fewest such groups (7 as 4 + 2 + 1), the shorter
         prompts together, since a group's prefill runs as many positions as
         its longest prompt. One ``insert`` program per group size and
-        width, all compiled before :attr:`ready`. A group of 8 chat prompts
-        took 668 ms on the real pair against 936 ms one by one (2-core
-        CPU, ``benchmarks/serve_programs.py``): a burst of arrivals, or
-        requests that end in the same step, gets its first tokens sooner
-        and leaves more time for decoding.
+        width, all compiled before :attr:`ready`. A group shares one pass
+        over the weights, most of a short prefill's cost on an accelerator.
+        On a 2-core CPU, where a prompt alone runs no wider than it needs
+        (a multiple of 16 positions) and its cost is mostly arithmetic, 8
+        chat prompts took as long one by one as in one group (677 against
+        674 ms on the real pair, ``benchmarks/serve_programs.py``).
       eos_ids: the ids that end a request (the target's EOS), to tell
         ``"stop"`` from ``"length"``.
     """
