@@ -279,7 +279,9 @@ _LADDER_FROM = 256
 # engine's cycle on SmolLM2-135M at T=0.7 (384 slots, rows at 40-170
 # positions) cost 1.05x [1.03-1.07] the cycle of ``decode`` with its 195-slot
 # cache when it read 256 slots, 1.00x [0.98-1.13] with these steps
-# (``benchmarks/serve_programs.py``).
+# (``benchmarks/serve_programs.py``). On TPU, whose lanes hold 128, the widths
+# 64 and 192 are expected to run padded to 128 and 256: a branch that saves
+# nothing there, not a wrong result (unmeasured: no TPU was at hand).
 _ATTENTION_STEP = 64
 
 
