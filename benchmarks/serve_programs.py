@@ -33,6 +33,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -100,8 +101,6 @@ def forward_contender(model, tokens: int):
 def cycle_comparison(eng: Engine, pair, prompts, rounds: int, new_tokens: int = 96):
     """Per round, ``(engine ms per cycle, decode ms per cycle, cycles, tokens equal)`` for the 8
     requests at T=0.7 to ``new_tokens`` tokens, without EOS, prefills left out of both."""
-    import time
-
     settings = [SlotSettings(temperature=0.7, seed=i, max_new_tokens=new_tokens, eos_token_id=()) for i in range(SLOTS)]
     keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 0))(np.arange(SLOTS))
     kw = dict(num_draft=K, temperature=0.7, lookup=ngram_lookup(2), eos_token_id=())

@@ -70,7 +70,8 @@ def use_compilation_cache(directory: Optional[str]) -> Optional[str]:
     directory, or None.
 
     A restart then loads the programs instead of compiling them: on the real pair the server was
-    ready in 72 s instead of 174 s (2-core CPU); tracing them is not cached.
+    ready in 89-97 s after the start that filled the cache took 237 s (2-core CPU); tracing them
+    is not cached.
     """
     import jax
 
