@@ -329,6 +329,9 @@ class RowSettings:
       controls: :class:`Controls`, or None for no processing.
       rules: the acceptance rule with every numeric field ``[B]``-batched (one
         rule's numbers per sequence, of the loop's rule type), or None.
+      logprobs: ``[B]`` int32, the alternatives each row's request asks for
+        (-1: no log-probs, 0: the chosen token's only): the top-N over the
+        vocabulary runs when a live row asks for more than 0.
       processors: the processors (static).
     """
 
@@ -337,4 +340,5 @@ class RowSettings:
     draft_cap: Any = None
     controls: Any = None
     rules: Any = None
+    logprobs: Any = None
     processors: tuple = struct.field(pytree_node=False, default=BUILTIN_PROCESSORS)

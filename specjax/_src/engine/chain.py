@@ -9,6 +9,7 @@ arrays, traced inside the ``while_loop`` of :mod:`specjax._src.engine.loop`::
     verified  = _verify(...)          # one target forward over [last, d_1 .. d_K]
     accepted  = _accept(...)          # the rule's verdict, the accepted run, the emitted token
     committed = _commit(...)          # tokens written, EOS / max_new_tokens, caches rolled back
+    logprobs  = _logprobs(...)        # with state.logprobs (the slots engine's): the tokens' log-probs
     ...       = _record(...)          # rule and policy states, stats, diagnostics
 
 The loop state (:class:`specjax._src.engine.config._DecodeState`, built by
@@ -34,6 +35,8 @@ from specjax._src.engine.config import _Config, _DecodeState
 from specjax._src.engine.cycle import (
     Committed,
     commit_block,
+    commit_logprobs,
+    committed_block,
     draft_keep,
     first_draft_logits,
     first_head_logits,
@@ -145,10 +148,11 @@ def _decode_cycle(
     committed = _commit(
         cfg, state, drafts, accepted, verified.cache, draft_cache, prompt_lengths, max_new, eos_ids
     )
+    logprobs = None if state.logprobs is None else _logprobs(state, drafts, verified, accepted, rows)
     rule_state, policy_state, stats, diag = _record(cfg, rule, policy, state, drafts, verified, accepted, committed,
                                                     rows)
     new_state = next_state(state, committed, bad=accepted.bad, rule_state=rule_state, policy_state=policy_state,
-                           stats=stats, draft_features=verified.features)
+                           stats=stats, draft_features=verified.features, logprobs=logprobs)
     return new_state, diag
 
 
@@ -522,6 +526,18 @@ def _commit(
         target_cache=target_cache.rollback(new_nc - 1),
         draft_cache=draft_cache.rollback(draft_keep(state, new_nc)),
     )
+
+
+def _logprobs(state: _DecodeState, drafts: _Drafts, verified: _Verified, accepted: _Accepted, rows=None):
+    """The committed block's log-probabilities under the target's sampling
+    distribution at each slot (:func:`specjax._src.engine.cycle.commit_logprobs`),
+    written beside its tokens. The top-N alternatives are computed only when a
+    live row asks for them (``rows.logprobs > 0``)."""
+    block = committed_block(drafts.tokens, accepted.num_accepted, accepted.emitted)
+    want_top = jnp.bool_(True)
+    if rows is not None and rows.logprobs is not None:
+        want_top = (~state.done & (rows.logprobs > 0)).any()
+    return commit_logprobs(state.logprobs, state.num_committed, verified.inputs.target_logits, block, want_top)
 
 
 # ---------------------------------------------------------------------------

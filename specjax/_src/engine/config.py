@@ -73,3 +73,17 @@ class _DecodeState:
     # A feature head's pending inputs: the target's features of the last
     # verified block, [B, K + 1, H] (None for a draft model; see cycle.first_head_logits).
     draft_features: Any = None
+    # The committed tokens' log-probabilities beside ``tokens`` (:class:`_Logprobs`; the slots
+    # engine's ``logprobs=``), or None: then no cycle computes them.
+    logprobs: Any = None
+
+
+@struct.dataclass
+class _Logprobs:
+    """Log-probabilities aligned with ``_DecodeState.tokens [B, L]``: entry ``[b, i]`` is
+    that of the token at position ``i`` under the target's sampling distribution there
+    (:func:`specjax._src.engine.cycle.block_logprobs`); prompt positions hold zeros."""
+
+    chosen: Array  # [B, L] float32: the token's own
+    top_ids: Array  # [B, L, N] int32: the N most likely tokens, most likely first
+    top_logprobs: Array  # [B, L, N] float32: theirs

@@ -12,8 +12,10 @@ whatever the drafts' shape, is here, and both cycles import it:
   (:func:`first_head_logits`);
 * accept: which model's non-finite logits stop a sequence (:func:`nonfinite_codes`);
 * commit: the committed block written and cut at EOS and ``max_new_tokens``
-  (:func:`commit_block`), the draft cache's length after it
-  (:func:`draft_keep`), and what a commit hands on (:class:`Committed`);
+  (:func:`commit_block`), its tokens' log-probabilities written beside it
+  (:func:`commit_logprobs`, the slots engine's ``logprobs=``), the draft
+  cache's length after it (:func:`draft_keep`), and what a commit hands on
+  (:class:`Committed`);
 * record: the ``diagnostics`` hook's values on live sequences
   (:func:`live_diagnostics`), and the state the cycle leaves (:func:`next_state`).
 
@@ -28,7 +30,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from specjax._src.engine.config import _Config, _DecodeState
+from specjax._src.engine.config import _Config, _DecodeState, _Logprobs
 from specjax._src.engine.ops import _gather, _is_eos, _row
 from specjax._src.lm import KVCache
 from specjax._src.stats import DecodeStats
@@ -131,10 +133,9 @@ def commit_block(state: _DecodeState, accepted_tokens: Array, n: Array, emitted:
       ``(tokens [B, L], num_new [B], done [B])``: ``done`` for EOS or the budget.
     """
     nc = state.num_committed
-    batch, k = accepted_tokens.shape
+    k = accepted_tokens.shape[1]
     slots = jnp.arange(k + 1)[None, :]
-    block = jnp.concatenate([accepted_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
-    block = jnp.where(slots == n[:, None], emitted[:, None], block)
+    block = committed_block(accepted_tokens, n, emitted)
     is_eos = _is_eos(eos_ids, block) & (slots <= n[:, None])
     first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), k + 1)
     room = max_new - (nc - prompt_lengths)
@@ -145,6 +146,57 @@ def commit_block(state: _DecodeState, accepted_tokens: Array, n: Array, emitted:
         state.tokens, block, nc
     )
     return tokens, n_commit, hit_eos | (nc + n_commit - prompt_lengths >= max_new)
+
+
+def committed_block(accepted_tokens: Array, n: Array, emitted: Array) -> Array:
+    """``[B, K + 1]``: ``accepted_tokens[:, :n]``, then ``emitted`` at slot ``n`` (what
+    :func:`commit_block` writes; the slots past ``n`` are never committed)."""
+    batch, k = accepted_tokens.shape
+    block = jnp.concatenate([accepted_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    return jnp.where(jnp.arange(k + 1)[None, :] == n[:, None], emitted[:, None], block)
+
+
+# A token the target's sampling distribution excludes (top-k, top-p, ``min_new_tokens``'s -inf)
+# has log-probability -inf; it is reported as this floor instead, which JSON can carry.
+LOGPROB_FLOOR = -9999.0
+
+
+def commit_logprobs(buffers: _Logprobs, num_committed: Array, target_logits: Array, block: Array,
+                    want_top: Array) -> _Logprobs:
+    """Writes the log-probabilities of ``block [B, K + 1]`` at ``num_committed``
+    (where :func:`commit_block` writes its tokens).
+
+    Slot ``k``'s token is scored under ``log_softmax(target_logits[:, k])``
+    (``[B, K + 1, V]``: the processed, warped logits that the target's
+    position ``k`` samples from; for a greedy row its processed logits at
+    temperature 1), floored at :data:`LOGPROB_FLOOR`. A lossless rule commits
+    each token distributed as that distribution, so it is the one the token
+    was sampled from; a relaxed rule's token is still scored under it.
+
+    ``want_top``: scalar bool, some live row asks for alternatives: only then
+    does the ``top_k`` over the vocabulary run (else ids -1, log-probs the floor).
+    """
+    logz = jax.nn.logsumexp(target_logits, axis=-1, keepdims=True)
+    chosen = jnp.take_along_axis(target_logits, block[..., None], axis=-1)[..., 0] - logz[..., 0]
+    n = buffers.top_ids.shape[-1]
+
+    def top(logits):
+        values, ids = jax.lax.top_k(logits - logz, n)
+        return ids.astype(jnp.int32), values
+
+    def none(logits):
+        shape = logits.shape[:-1] + (n,)
+        return jnp.full(shape, -1, jnp.int32), jnp.full(shape, LOGPROB_FLOOR, jnp.float32)
+
+    top_ids, top_values = jax.lax.cond(want_top, top, none, target_logits)
+
+    def write(buf, blk):  # buf [B, L, ...] <- blk [B, K + 1, ...] at each row's num_committed
+        return jax.vmap(lambda row, b, at: jax.lax.dynamic_update_slice(row, b, (at,) + (0,) * (b.ndim - 1)))(
+            buf, blk.astype(buf.dtype), num_committed)
+
+    floor = lambda x: jnp.maximum(x, LOGPROB_FLOOR)  # noqa: E731
+    return _Logprobs(chosen=write(buffers.chosen, floor(chosen)), top_ids=write(buffers.top_ids, top_ids),
+                     top_logprobs=write(buffers.top_logprobs, floor(top_values)))
 
 
 def draft_keep(state: _DecodeState, new_nc: Array) -> Array:
@@ -176,9 +228,11 @@ def live_diagnostics(cfg: _Config, live: Array, inputs, verdict, num_accepted: A
 
 
 def next_state(state: _DecodeState, committed: Committed, *, bad: Array, rule_state, policy_state,
-               stats: DecodeStats, draft_features: Optional[Any]) -> _DecodeState:
+               stats: DecodeStats, draft_features: Optional[Any], logprobs: Optional[_Logprobs] = None
+               ) -> _DecodeState:
     """The loop state after one cycle: one more step, the commit, and what the
-    record step and the verification left for the next cycle."""
+    record step and the verification left for the next cycle (``logprobs``:
+    the buffers :func:`commit_logprobs` wrote, or None to keep ``state``'s)."""
     return _DecodeState(
         step=state.step + 1,
         tokens=committed.tokens,
@@ -191,6 +245,7 @@ def next_state(state: _DecodeState, committed: Committed, *, bad: Array, rule_st
         policy_state=policy_state,
         stats=stats,
         draft_features=draft_features,
+        logprobs=state.logprobs if logprobs is None else logprobs,
     )
 
 
