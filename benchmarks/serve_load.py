@@ -17,6 +17,8 @@ text and do the same work: their token counts, printed side by side, agree.
 
 The three take turns: for each round (``--rounds``) and each C, the speculative row, the
 no-drafts row, then the static row, so that a load change on a shared machine hits them alike.
+With ``--baseline DIR`` (a checkout of another revision) a second server runs from it beside the
+first, and its row follows each speculative row: the same requests, one revision against the other.
 
 Reported per row: output tokens per second over the row's wall time (for the server rows that
 includes the clients' gaps, so it measures capacity only where the gaps are short; the static rows
@@ -85,6 +87,10 @@ def parse_args(argv=None):
     p.add_argument("--skip-no-drafts", action="store_true", help="leave out the server rows with num_draft 0")
     p.add_argument("--rounds", type=int, default=1, help="times each row runs, the contenders in turn")
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="also serve from this checkout of another revision (e.g. `git worktree add /tmp/base "
+                        "main`): its server runs beside this one and its rows ('baseline') alternate with the "
+                        "speculative rows, the same requests")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -102,14 +108,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, port: int) -> subprocess.Popen:
+def start_server(args, port: int, checkout: Path = ROOT) -> subprocess.Popen:
+    """``specjax serve`` of ``checkout`` (its own package first on the path) on ``port``."""
     cmd = [sys.executable, "-c", "import sys; from specjax.cli import main; sys.exit(main(sys.argv[1:]))", "serve",
            "--pair", args.pair, "--rule", args.rule, "--slots", str(args.slots), "--capacity", str(args.capacity),
            "--max-queue", str(max(64, max(args.clients) * args.requests_per_client)), "--port", str(port),
            "--log-level", "warning", "--served-model-name", "bench"]
     if args.lookup:
         cmd += ["--lookup", args.lookup]
-    return subprocess.Popen(cmd, cwd=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen(cmd, cwd=checkout, env=env)
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def wait_ready(httpx, url: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
@@ -334,22 +351,33 @@ def main(argv=None) -> int:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = start_server(args, port)
+    other = other_base = None
     rows = []
     try:
         t0 = time.perf_counter()
         wait_ready(httpx, base, proc)
         print(f"server ready after {time.perf_counter() - t0:.0f} s (load and compile)", flush=True)
+        if args.baseline:  # started after the first is ready: the two do not compile at once
+            other_port = free_port()
+            other_base = f"http://127.0.0.1:{other_port}"
+            other = start_server(args, other_port, Path(args.baseline).resolve())
+            t0 = time.perf_counter()
+            wait_ready(httpx, other_base, other)
+            print(f"baseline server ({args.baseline}) ready after {time.perf_counter() - t0:.0f} s", flush=True)
         static = None if args.skip_decode else static_runner(args, texts)
         for rnd in range(args.rounds):
             for clients in args.clients:
                 share = requests[: clients * args.requests_per_client]
-                for mode, num_draft in (("speculative", None), ("no drafts", 0), ("static decode", None)):
-                    if mode == "no drafts" and args.skip_no_drafts:
+                for mode, num_draft in (("speculative", None), ("baseline", None), ("no drafts", 0),
+                                        ("static decode", None)):
+                    if (mode == "no drafts" and args.skip_no_drafts) or (mode == "baseline" and other is None):
                         continue
                     if mode == "static decode":
                         if static is None:
                             continue
                         row = static(clients)
+                    elif mode == "baseline":
+                        row = run_load(httpx, other_base, share, clients, args, num_draft, other.pid)
                     else:
                         row = run_load(httpx, base, share, clients, args, num_draft, proc.pid)
                     rows.append(dict(mode=mode, clients=clients, round=rnd, **row))
@@ -357,17 +385,17 @@ def main(argv=None) -> int:
                           f"{row['completed']}/{row['requests']} completed, lost {row['lost']}", flush=True)
         health = httpx.get(base + "/health", timeout=10).status_code
         rss = peak_rss_mib(proc.pid)
+        other_rss = peak_rss_mib(other.pid) if other is not None else None
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
+        code = stop_server(proc)
+        if other is not None:
+            stop_server(other)
     # uvicorn shuts down gracefully, then re-raises the signal it caught: -SIGTERM is a clean exit.
     clean = code in (0, -signal.SIGTERM)
     print(f"server: peak RSS {rss:.0f} MiB; /health after the load: {health}; after SIGTERM it exited "
           f"{'cleanly' if clean else f'with status {code}'}")
+    if other_rss is not None:
+        print(f"baseline server: peak RSS {other_rss:.0f} MiB")
 
     head = ["mode", "C", "round", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "done/sent",
             "lost", "host share", "prefill share", "requests per prefill", "accept", "CPU s: model, clients"]
@@ -386,6 +414,13 @@ def main(argv=None) -> int:
         if itl(spec) and itl(off):
             print(f"C={clients}: median ITL no drafts / speculative = "
                   f"{statistics.median(itl(off)) / statistics.median(itl(spec)):.2f}x")
+        base_rows = of("baseline")
+        if base_rows:  # this checkout against the baseline's, round by round
+            ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(spec, base_rows)]
+            print(f"C={clients}: tok/s this checkout / baseline = {common.ratio_cell(ratios)}; median TTFT "
+                  f"{statistics.median([x for r in spec for x in r['ttft']]) * 1000:.0f} against "
+                  f"{statistics.median([x for r in base_rows for x in r['ttft']]) * 1000:.0f} ms, median ITL "
+                  f"{statistics.median(itl(spec)) * 1000:.1f} against {statistics.median(itl(base_rows)) * 1000:.1f} ms")
         if static_rows:  # rows of one round ran one after the other: their ratio is the fair one
             ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(spec, static_rows)]
             print(f"C={clients}: tok/s speculative server / static decode = {common.ratio_cell(ratios)} "
