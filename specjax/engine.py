@@ -14,7 +14,7 @@
 See ``docs/engine.md``.
 """
 
-from specjax._src.engine.slots import Engine, SlotSettings, SlotState, StepOutput
+from specjax._src.engine.slots import Engine, FieldError, SlotSettings, SlotState, StepOutput, StepPlan
 from specjax._src.engine.text import TextStream, check_stop_strings, cut_at_stop
 from specjax._src.processors import (
     BUILTIN_PROCESSORS,
@@ -31,6 +31,8 @@ __all__ = [
     "SlotSettings",
     "SlotState",
     "StepOutput",
+    "StepPlan",
+    "FieldError",
     "GenerationControls",
     "TokenContext",
     "BUILTIN_PROCESSORS",

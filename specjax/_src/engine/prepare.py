@@ -289,6 +289,12 @@ MIN_TEMPERATURE = 1e-6
 
 def _check_common(temperature, top_k, top_p, max_new_tokens) -> None:
     sampling.check_sampling_args(temperature, top_k, top_p)
+    _check_min_temperature(temperature)
+    check_positive_int("max_new_tokens", max_new_tokens)
+
+
+def _check_min_temperature(temperature) -> None:
+    """A valid ``temperature`` (see ``check_sampling_args``) that is 0 or large enough to sample with."""
     if 0.0 < float(temperature) < MIN_TEMPERATURE:
         raise ValueError(
             f"temperature={temperature!r} is too small to sample with: below {MIN_TEMPERATURE:g}, "
@@ -296,7 +302,6 @@ def _check_common(temperature, top_k, top_p, max_new_tokens) -> None:
             "equals greedy decoding up to near-ties anyway. Pass temperature=0 for greedy "
             f"decoding, or a temperature >= {MIN_TEMPERATURE:g}."
         )
-    check_positive_int("max_new_tokens", max_new_tokens)
 
 
 def _check_pad_id(pad_token_id) -> int:

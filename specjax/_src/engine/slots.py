@@ -12,7 +12,15 @@ arrays; two jitted pure functions move it on, and a host-side update frees a slo
   slot in one ``lax.while_loop`` (the chain cycle of :mod:`specjax._src.engine.chain`,
   with per-row settings) and returns what each slot committed (one program);
 * :meth:`Engine.release` frees a slot: it sets the slot's ``occupied`` and
-  ``done`` flags from the host (no program of its own, no work added to a step).
+  ``done`` flags from the host (no program of its own, no work added to a step);
+* :meth:`Engine.fork` copies an inserted request into free slots, each with
+  its own key (``n`` choices of one prompt, one prefill).
+
+For a serving loop, :meth:`Engine.validate` returns a request's bad settings
+as data (:class:`FieldError`), and :meth:`Engine.plan` picks a step's program
+from the settings the host already holds (:class:`StepPlan`), so that a step
+need not read them back from the device. ``Engine(logprobs=N)`` also reports
+each committed token's log-probability and its ``N`` most likely alternatives.
 
 Per-request data (traced, so mixed traffic shares one program): temperature
 (0 = greedy), top_p, top_k, the PRNG key, ``max_new_tokens``, EOS and stop
@@ -32,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import secrets
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,12 +49,14 @@ from flax import struct
 
 from specjax._src import lookup as lookup_lib
 from specjax._src import processors as processors_lib
-from specjax._src.checks import as_integer
+from specjax._src import sampling
+from specjax._src.checks import as_integer, check_positive_int
 from specjax._src.engine.chain import _decode_cycle, _initial_state
-from specjax._src.engine.config import _Config, _DecodeState
-from specjax._src.engine.cycle import run_cycles
+from specjax._src.engine.config import _Config, _DecodeState, _Logprobs
+from specjax._src.engine.cycle import LOGPROB_FLOOR, run_cycles
 from specjax._src.engine.ops import PREFILL_BLOCK, prefill_block
-from specjax._src.engine.prepare import _bucket, _check_common, _check_decode_args, _eos_ids, _prepare_prompts
+from specjax._src.engine.prepare import (_bucket, _check_decode_args, _check_min_temperature, _eos_ids,
+                                         _prepare_prompts)
 from specjax._src.jit_keys import pytree_classes
 from specjax._src.pairing import ModelPair
 
@@ -79,6 +89,9 @@ class SlotSettings(NamedTuple):
         own numbers (e.g. ``mars(theta=0.7)`` in an engine built with
         ``mars()``), where the engine holds per-slot rule numbers (every
         numeric field of its rule a scalar); None: the engine's rule.
+      logprobs: None: no log-probabilities; 0: each committed token's own
+        (``StepOutput.logprobs``); ``k`` in ``1 .. Engine(logprobs=N)``'s N:
+        also the ``k`` most likely tokens (``StepOutput.top_ids[..., :k]``).
     """
 
     temperature: float = 1.0
@@ -92,6 +105,33 @@ class SlotSettings(NamedTuple):
     num_draft: Optional[int] = None
     controls: Optional[processors_lib.GenerationControls] = None
     rule: Any = None
+    logprobs: Optional[int] = None
+
+
+class FieldError(NamedTuple):
+    """One problem with a request's settings (:meth:`Engine.validate`).
+
+    Attributes:
+      field: the :class:`SlotSettings` attribute at fault (``"top_p"``,
+        ``"controls.logit_bias"``, ...).
+      message: what is wrong and what would be accepted (the text that
+        :meth:`Engine.insert` raises).
+    """
+
+    field: str
+    message: str
+
+
+class StepPlan(NamedTuple):
+    """Which compiled step a step runs (:meth:`Engine.plan`).
+
+    Attributes:
+      program: ``"greedy"``, ``"sampled"`` or ``"general"`` (:meth:`Engine.step_program`).
+      rows: the row bucket: the leading slots the step runs (:meth:`Engine.rows_to_run`).
+    """
+
+    program: str
+    rows: int
 
 
 # ---------------------------------------------------------------------------
@@ -116,6 +156,8 @@ class SlotState:
       controls: :class:`specjax._src.processors.Controls` ``[S]``, or None.
       rules: the engine's rule with each numeric field ``[S]`` (one set of
         numbers per slot), or None where the numbers are shared.
+      logprobs: ``[S]`` int32 ``SlotSettings.logprobs`` (-1 for None) with
+        ``Engine(logprobs=N)``, N > 0; else None.
     """
 
     loop: _DecodeState
@@ -130,6 +172,7 @@ class SlotState:
     keys: Array
     controls: Any = None
     rules: Any = None
+    logprobs: Any = None
 
 
 @struct.dataclass
@@ -146,6 +189,16 @@ class StepOutput:
       lengths: ``[S]`` int32 tokens generated so far per slot.
       bad: ``[S]`` int32: 0, or 1 / 2 when the target's / draft's logits went
         non-finite (the request stopped before that cycle).
+      logprobs: ``[S, W]`` float32, aligned with ``tokens``: each token's
+        log-probability under the target's sampling distribution at its
+        position (after the logits processors, temperature, top-k and top-p;
+        a greedy row's: the processed logits at temperature 1), floored at
+        -9999.0 (a token those filters excluded); 0 after ``counts``. Only
+        with ``Engine(logprobs=N)``, N > 0; else None.
+      top_ids: ``[S, W, N]`` int32: the N most likely tokens at each position
+        under that distribution, most likely first (-1 after ``counts``, or
+        where no live slot asked for alternatives); None without ``logprobs``.
+      top_logprobs: ``[S, W, N]`` float32: their log-probabilities (floored).
     """
 
     tokens: Array
@@ -153,6 +206,9 @@ class StepOutput:
     done: Array
     lengths: Array
     bad: Array
+    logprobs: Any = None
+    top_ids: Any = None
+    top_logprobs: Any = None
 
 
 class _EngineConfig(NamedTuple):
@@ -169,6 +225,7 @@ class _EngineConfig(NamedTuple):
     per_slot_rule: bool
     row_buckets: tuple = ()  # the leading rows a step may run, ascending, ending at num_slots
     filters: bool = True  # per-row top-k compiled in (top-p: ``loop.use_top_p``)
+    logprobs: int = 0  # N: alternatives per token reported (0: no log-probs, nothing compiled in)
 
 
 # ---------------------------------------------------------------------------
@@ -193,7 +250,7 @@ def _init_impl(params: ModelPair, rule, policy, *, cfg: _EngineConfig) -> SlotSt
         rows = processors_lib.controls_rows([processors_lib.GenerationControls()] * s, cfg.num_bias)
         controls = processors_lib.Controls(**{k: jnp.asarray(v) for k, v in rows.items()})
     return SlotState(
-        loop=loop.replace(step=jnp.zeros((s,), jnp.int32)),
+        loop=loop.replace(step=jnp.zeros((s,), jnp.int32), logprobs=_no_logprobs(loop.tokens.shape, cfg)),
         occupied=jnp.zeros((s,), bool),
         prompt_lengths=ones,
         max_new=jnp.zeros((s,), jnp.int32),
@@ -206,14 +263,25 @@ def _init_impl(params: ModelPair, rule, policy, *, cfg: _EngineConfig) -> SlotSt
         controls=controls,
         rules=(jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (s,) + jnp.shape(x)), rule)
                if cfg.per_slot_rule else None),
+        logprobs=jnp.full((s,), -1, jnp.int32) if cfg.logprobs else None,
     )
+
+
+def _no_logprobs(shape: tuple, cfg: _EngineConfig) -> Optional[_Logprobs]:
+    """Log-prob buffers beside a token buffer of ``shape`` ``[B, L]`` (None without ``cfg.logprobs``)."""
+    if not cfg.logprobs:
+        return None
+    top = shape + (cfg.logprobs,)
+    return _Logprobs(chosen=jnp.zeros(shape, jnp.float32), top_ids=jnp.full(top, -1, jnp.int32),
+                     top_logprobs=jnp.full(top, LOGPROB_FLOOR, jnp.float32))
 
 
 def _insert_impl(params: ModelPair, rule, policy, state: SlotState, slots, prompts, lengths, row: dict, *,
                  cfg: _EngineConfig) -> SlotState:
     loop_cfg = cfg.loop._replace(max_new_tokens=cfg.capacity - prompts.shape[1])
     fresh = _initial_state(loop_cfg, params, rule, policy, prompts, lengths, row["max_new"])
-    loop = _set_rows(state.loop, fresh.replace(step=jnp.zeros_like(lengths)), slots)
+    fresh = fresh.replace(step=jnp.zeros_like(lengths), logprobs=_no_logprobs(fresh.tokens.shape, cfg))
+    loop = _set_rows(state.loop, fresh, slots)
     controls, rules = state.controls, state.rules
     if cfg.per_slot_rule:
         rules = _set_rows(rules, row["rule"], slots)
@@ -231,13 +299,24 @@ def _insert_impl(params: ModelPair, rule, policy, state: SlotState, slots, promp
         temperature=put("temperature"), top_p=put("top_p"), eos=put("eos"), keys=state.keys.at[slots].set(keys),
         controls=controls,
         rules=rules,
+        logprobs=put("logprobs") if cfg.logprobs else None,
     )
+
+
+def _fork_impl(state: SlotState, source, slots, keys) -> SlotState:
+    """Rows ``slots [n]`` become copies of row ``source`` (its caches, tokens,
+    settings and counters), each with its own key data ``keys [n, ...]``."""
+    n = slots.shape[0]
+    copies = jax.tree_util.tree_map(
+        lambda x: x if jnp.ndim(x) == 0 else jnp.broadcast_to(x[source], (n,) + x.shape[1:]), state)
+    return _set_rows(state, copies.replace(keys=keys), slots)
 
 
 def _rows(state: SlotState, cfg: _EngineConfig) -> processors_lib.RowSettings:
     return processors_lib.RowSettings(
         greedy=state.temperature == 0.0, top_k=state.top_k if cfg.filters else None, draft_cap=state.draft_cap,
         controls=state.controls if cfg.controls else None, rules=state.rules, processors=cfg.processors,
+        logprobs=state.logprobs if cfg.logprobs else None,
     )
 
 
@@ -265,14 +344,23 @@ def _step_impl(params: ModelPair, rule, policy, state: SlotState, num_cycles, un
     counts = loop.num_committed - start
     width = loop.tokens.shape[1]
     cols = jnp.arange(width)[None, :]
-    new = jnp.take_along_axis(loop.tokens, jnp.minimum(start[:, None] + cols, width - 1), axis=1)
+    index = jnp.minimum(start[:, None] + cols, width - 1)
+
+    def new(x, fill):  # [S, W, ...]: this step's entries first, ``fill`` after them
+        at = index.reshape(index.shape + (1,) * (x.ndim - 2))
+        got = jnp.take_along_axis(x, jnp.broadcast_to(at, x.shape), axis=1)
+        return jnp.where((cols < counts[:, None]).reshape(at.shape), got, fill)
+
     out = StepOutput(
-        tokens=jnp.where(cols < counts[:, None], new, -1),
+        tokens=new(loop.tokens, -1),
         counts=counts,
         done=loop.done,
         lengths=loop.num_committed - state.prompt_lengths,
         bad=loop.bad,
     )
+    if cfg.logprobs:
+        out = out.replace(logprobs=new(loop.logprobs.chosen, 0.0), top_ids=new(loop.logprobs.top_ids, -1),
+                          top_logprobs=new(loop.logprobs.top_logprobs, 0.0))
     return state.replace(loop=loop), out
 
 
@@ -295,12 +383,14 @@ def _run_rows(params: ModelPair, rule, policy, state: SlotState, num_cycles, unt
 
 _init_jit = jax.jit(_init_impl, static_argnames=("cfg",))
 _insert_jit = jax.jit(_insert_impl, static_argnames=("cfg",))
+_fork_jit = jax.jit(_fork_impl)
 _step_jit = jax.jit(_step_impl, static_argnames=("cfg", "rows_run"))
 # The same programs writing the new state into the old one's buffers: without
 # donation every call copies the whole state, both KV caches of every slot
 # included, to write a few rows of it.
 _insert_donating = jax.jit(_insert_impl, static_argnames=("cfg",), donate_argnames=("state",))
 _step_donating = jax.jit(_step_impl, static_argnames=("cfg", "rows_run"), donate_argnames=("state",))
+_fork_donating = jax.jit(_fork_impl, donate_argnames=("state",))
 
 
 def _with_entry(flags: Array, index: int, value) -> Array:
@@ -375,13 +465,18 @@ class Engine:
         else ``"general"``. Two more ``step`` programs per row bucket; each
         request decodes the same tokens in any of them. False (default):
         the general program serves every mix.
+      logprobs: N, the most alternatives per token a request may ask for
+        (``SlotSettings.logprobs``): steps then also report each committed
+        token's log-probability and the N most likely tokens at its position
+        (:class:`StepOutput`). 0 (default): no log-probabilities, and nothing
+        of them compiled in.
     """
 
     def __init__(self, params: ModelPair, *, num_slots: int, capacity: int, num_draft: Optional[int] = None,
                  rule=None, drafting=None, lookup=None, controls: bool = True, max_eos: int = 8,
                  max_bias: int = 8, prompt_bucket: int = 16,
                  processors: Sequence = processors_lib.BUILTIN_PROCESSORS, row_buckets=None,
-                 donate_state: bool = False, specialized_steps: bool = False):
+                 donate_state: bool = False, specialized_steps: bool = False, logprobs: int = 0):
         rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
         if lookup is not None and not isinstance(lookup, lookup_lib.NgramLookup):
             raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
@@ -390,6 +485,10 @@ class Engine:
             number = as_integer(value)
             if number is None or number < 1:
                 raise ValueError(f"Engine: {name} must be a positive integer, got {value!r}.")
+        num_logprobs = as_integer(logprobs)
+        if num_logprobs is None or not 0 <= num_logprobs <= params.vocab_size:
+            raise ValueError(f"Engine: logprobs must be an integer in 0 .. {params.vocab_size} (the vocabulary), "
+                             f"got {logprobs!r}.")
         for name, model in (("target", params.target), ("draft", params.draft)):
             limit = getattr(getattr(model.module, "config", None), "max_position_embeddings", None)
             if limit is not None and capacity + num_draft > limit:
@@ -402,8 +501,9 @@ class Engine:
             raise ValueError(f"Engine: capacity must hold a prompt token and a generated one (>= 2), got {capacity}.")
         self.params, self.rule, self.drafting = params, rule, drafting
         self.donate_state = bool(donate_state)
-        self._insert_fn, self._step_fn = ((_insert_donating, _step_donating) if self.donate_state
-                                          else (_insert_jit, _step_jit))
+        self._insert_fn, self._step_fn, self._fork_fn = (
+            (_insert_donating, _step_donating, _fork_donating) if self.donate_state
+            else (_insert_jit, _step_jit, _fork_jit))
         leaves = jax.tree_util.tree_leaves(rule)
         per_slot_rule = bool(leaves) and all(np.ndim(x) == 0 for x in leaves)
         self.vocab_size = params.vocab_size
@@ -414,7 +514,8 @@ class Engine:
                                  prompt_bucket=int(prompt_bucket), num_eos=int(max_eos), num_bias=int(max_bias),
                                  controls=bool(controls), processors=processors,
                                  per_slot_rule=per_slot_rule,
-                                 row_buckets=_check_row_buckets(row_buckets, int(num_slots)))
+                                 row_buckets=_check_row_buckets(row_buckets, int(num_slots)),
+                                 logprobs=num_logprobs)
         # The programs by name (:meth:`step_program`). Custom processors may change any row's logits
         # whatever the controls say: they always run, in the general program.
         self._programs = {"general": self.cfg}
@@ -434,6 +535,12 @@ class Engine:
     @property
     def capacity(self) -> int:
         return self.cfg.capacity
+
+    @property
+    def logprobs(self) -> int:
+        """The most alternatives per token a request may ask for (``Engine(logprobs=N)``'s N;
+        0: no log-probabilities)."""
+        return self.cfg.logprobs
 
     def init(self) -> SlotState:
         """A state of ``num_slots`` free slots."""
@@ -476,7 +583,8 @@ class Engine:
         width = self._insert_width(len(slots), tokens.shape[1])
         padded = np.zeros((len(slots), width), np.int32)
         padded[:, : tokens.shape[1]] = tokens
-        row = {name: np.stack([r[name] for r in rows]) for name in rows[0] if name not in ("controls", "rule")}
+        skip = ("controls", "rule") + (() if self.cfg.logprobs else ("logprobs",))
+        row = {name: np.stack([r[name] for r in rows]) for name in rows[0] if name not in skip}
         if self.cfg.controls:
             row["controls"] = processors_lib.controls_rows([r["controls"] for r in rows], self.cfg.num_bias)
         if self.cfg.per_slot_rule:
@@ -498,8 +606,8 @@ class Engine:
         alone, grouped = ({self._insert_width(n, length) for length in short} for n in (1, 2))
         return tuple(sorted(alone - grouped))
 
-    def step(self, state: SlotState, num_cycles: int = 1, *,
-             until_first_finish: bool = False) -> tuple[SlotState, StepOutput]:
+    def step(self, state: SlotState, num_cycles: int = 1, *, until_first_finish: bool = False,
+             plan: Optional[StepPlan] = None) -> tuple[SlotState, StepOutput]:
         """Runs up to ``num_cycles`` draft-verify cycles for every live slot
         (fewer when every slot is done).
 
@@ -507,6 +615,13 @@ class Engine:
         slot's request finishes, so that a waiting request can take the slot
         at once instead of it idling for the rest of the step. Both arguments
         are traced: any values share one program.
+
+        ``plan``: the program and row bucket to run (:meth:`plan`, from the
+        occupied slots' settings the caller holds), so that nothing is read
+        from the device to choose them. The caller vouches for it: a plan
+        whose rows leave out an occupied slot stalls it, and the greedy or
+        sampled program decodes rows that need more (top-k, top-p, controls)
+        without it. None: chosen from the state (:meth:`step_program`).
         """
         self._check_state(state)
         n = as_integer(num_cycles)
@@ -514,7 +629,7 @@ class Engine:
             raise ValueError(f"num_cycles must be a positive integer, got {num_cycles!r}.")
         if not isinstance(until_first_finish, (bool, np.bool_)):
             raise TypeError(f"until_first_finish must be True or False, got {until_first_finish!r}.")
-        program, rows_run = self._step_program(state)
+        program, rows_run = self._step_program(state) if plan is None else self._check_plan(plan)
         return self._step_fn(self.params, self.rule, self.drafting, state, np.int32(n),
                              np.bool_(until_first_finish), cfg=self._programs[program], rows_run=rows_run)
 
@@ -538,28 +653,102 @@ class Engine:
         ``"general"`` (see ``specialized_steps``; always ``"general"`` without it)."""
         return self._step_program(state)[0]
 
-    def _step_program(self, state: SlotState) -> tuple[str, int]:
-        """``(program, rows_run)`` for the occupied slots (their settings read from the device)."""
-        buckets, specialized = self.cfg.row_buckets, len(self._programs) > 1
+    def _step_program(self, state: SlotState) -> StepPlan:
+        """The plan for the occupied slots, their settings read from the device."""
+        buckets, specialized = self.cfg.row_buckets, self.specialized_steps
         if len(buckets) == 1 and not specialized:
-            return "general", buckets[0]
+            return StepPlan("general", buckets[0])
         settings = None
         if specialized:
             settings = (state.temperature, state.top_k, state.top_p, state.controls if self.cfg.controls else None)
         occupied, settings = jax.device_get((state.occupied, settings))
         slots = np.flatnonzero(occupied)
-        used = int(slots[-1]) + 1 if slots.size else 1
-        rows_run = next(b for b in buckets if b >= used)
         if not specialized:
-            return "general", rows_run
+            return self._choose(slots)
         temperature, top_k, top_p, controls = settings
-        if controls is not None and processors_lib.rows_with_controls(controls)[slots].any():
-            return "general", rows_run
-        greedy = temperature[slots] == 0.0
+        with_controls = (np.zeros(slots.shape, bool) if controls is None
+                         else processors_lib.rows_with_controls(controls)[slots])
+        return self._choose(slots, temperature[slots], top_k[slots], top_p[slots], with_controls)
+
+    def plan(self, settings_by_slot: Mapping[int, SlotSettings]) -> StepPlan:
+        """The program and row bucket :meth:`step` would choose, from host values.
+
+        ``settings_by_slot``: every occupied slot (finished ones too, until
+        released) and its request's settings. Decides as :meth:`step_program`
+        and :meth:`rows_to_run` do from the state, without reading the device:
+        controls that change logits, ``"general"``; every slot greedy,
+        ``"greedy"``; a sampled slot with top-k or top-p below 1,
+        ``"general"``; else ``"sampled"`` (``"general"`` always without
+        ``specialized_steps``); rows: the smallest row bucket holding the
+        highest slot (no slots: the smallest bucket). Pass it to ``step(plan=...)``.
+        """
+        slots = sorted(self._check_slot(slot) for slot in settings_by_slot)
+        settings = [settings_by_slot[slot] for slot in slots]
+        for s in settings:
+            if not isinstance(s, SlotSettings):
+                raise TypeError(f"plan: settings must be specjax.engine.SlotSettings(...), got {type(s).__name__}.")
+        if not self.specialized_steps:
+            return self._choose(np.asarray(slots, np.int64))
+        # As the state holds them (float32), so that a top_p that rounds to 1 plans as it steps.
+        temperature = np.array([s.temperature for s in settings], np.float32)
+        top_k = np.array([s.top_k or 0 for s in settings], np.int32)
+        top_p = np.array([1.0 if s.top_p is None else s.top_p for s in settings], np.float32)
+        with_controls = np.array([self.cfg.controls and s.controls is not None
+                                  and not processors_lib.is_default(s.controls) for s in settings], bool)
+        return self._choose(np.asarray(slots, np.int64), temperature, top_k, top_p, with_controls)
+
+    def _choose(self, slots: np.ndarray, temperature=None, top_k=None, top_p=None, with_controls=None) -> StepPlan:
+        """The plan for the occupied ``slots`` (ascending) and their settings
+        (``[n]`` host arrays, None without ``specialized_steps``)."""
+        used = int(slots[-1]) + 1 if slots.size else 1
+        rows = next(b for b in self.cfg.row_buckets if b >= used)
+        if temperature is None or with_controls.any():
+            return StepPlan("general", rows)
+        greedy = temperature == 0.0
         if greedy.all():
-            return "greedy", rows_run
-        filtered = ~greedy & ((top_k[slots] > 0) | (top_p[slots] < 1.0))
-        return ("general" if filtered.any() else "sampled"), rows_run
+            return StepPlan("greedy", rows)
+        filtered = ~greedy & ((top_k > 0) | (top_p < 1.0))
+        return StepPlan("general" if filtered.any() else "sampled", rows)
+
+    def _check_plan(self, plan) -> StepPlan:
+        if not isinstance(plan, StepPlan):
+            raise TypeError(f"plan must be a StepPlan (engine.plan(...)), got {type(plan).__name__}.")
+        if plan.program not in self._programs or plan.rows not in self.cfg.row_buckets:
+            raise ValueError(f"plan {plan} is not one of this engine's: programs {sorted(self._programs)}, "
+                             f"row buckets {self.cfg.row_buckets}.")
+        return plan
+
+    def fork(self, state: SlotState, source: int, slots: Sequence[int], keys) -> SlotState:
+        """Copies the request in slot ``source`` into the free ``slots``, each
+        with its own PRNG key: ``n`` choices of one prompt from one prefill.
+
+        Each copy holds what ``source`` holds (caches, tokens, settings, its
+        cycle count) but its key, ``keys[i]`` for ``slots[i]`` (typed keys of
+        the default kind, ``jax.random.key(...)``, one per slot), so it samples
+        what an insert with ``SlotSettings(key=keys[i])`` would. One program per
+        ``len(slots)``. Raises ``ValueError`` / ``TypeError`` before anything runs
+        (an unoccupied source; an unknown, busy or repeated slot; not one key
+        per slot); with ``donate_state=True`` the state passed in is consumed.
+        """
+        self._check_state(state)
+        source = self._check_slot(source)
+        slots = [self._check_slot(s) for s in slots]
+        if not slots:
+            raise ValueError("fork: give at least one slot to copy the request into.")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"fork: slots {slots} name a slot twice.")
+        occupied = np.asarray(state.occupied)
+        if not occupied[source]:
+            raise ValueError(f"fork: source slot {source} holds no request; insert one into it first.")
+        busy = [s for s in slots if occupied[s]]
+        if busy:
+            raise ValueError(f"fork: slot(s) {busy} are busy (a request holds them): release them first "
+                             f"(engine.release(state, slot)); free slots: {self.free_slots(state)}.")
+        keys = list(keys)
+        if len(keys) != len(slots):
+            raise ValueError(f"fork: {len(slots)} slots and {len(keys)} keys: give one key per slot.")
+        data = np.stack([_key_fields(SlotSettings(key=key))["keys"] for key in keys])
+        return self._fork_fn(state, np.int32(source), np.asarray(slots, np.int32), data)
 
     def release(self, state: SlotState, slot: int) -> SlotState:
         """Frees ``slot`` (finished or not): it stops and takes the next :meth:`insert`.
@@ -599,39 +788,88 @@ class Engine:
                              f"(0 .. {self.num_slots - 1}).")
         return number
 
+    def validate(self, settings: SlotSettings, prompt_length: int) -> tuple[FieldError, ...]:
+        """Every problem with a request's settings, as data: ``()`` when
+        :meth:`insert` would take them with a prompt of ``prompt_length``
+        tokens, else one :class:`FieldError` per problem, naming the
+        :class:`SlotSettings` field (``"controls.presence_penalty"`` for a
+        control), in the order :meth:`insert` checks them (it raises the first).
+        Raises ``TypeError`` only when ``settings`` is not a :class:`SlotSettings`."""
+        self._check_settings_type(settings)
+        length = as_integer(prompt_length)
+        if length is None or length < 1:
+            raise ValueError(f"prompt_length must be a positive integer, got {prompt_length!r}.")
+        problems, _ = self._settings_problems(settings, length, None)
+        return tuple(FieldError(field, str(error)) for field, error in problems)
+
     def _check_settings(self, s: SlotSettings, prompt_length: int, index: int) -> dict:
+        """The device row of one request's settings; raises the first problem :meth:`validate` finds."""
+        self._check_settings_type(s)
+        problems, row = self._settings_problems(s, prompt_length, index)
+        if problems:
+            raise problems[0][1]
+        return row
+
+    @staticmethod
+    def _check_settings_type(s) -> None:
         if not isinstance(s, SlotSettings):
             raise TypeError(f"settings must be specjax.engine.SlotSettings(...), got {type(s).__name__}.")
+
+    def _settings_problems(self, s: SlotSettings, prompt_length: int,
+                           index: Optional[int]) -> tuple[list[tuple[str, Exception]], Optional[dict]]:
+        """``([(field, error), ...], row)``: every problem, each with the
+        exception :meth:`insert` raises for it, and the device row (None when
+        there are problems). A check that depends on a bad field is skipped."""
         vocab, k_max = self.vocab_size, self.num_draft
+        problems: list[tuple[str, Exception]] = []
+
+        def check(field: str, fn):
+            try:
+                return True, fn()
+            except (TypeError, ValueError) as error:
+                problems.append((field, error))
+                return False, None
+
         top_p = 1.0 if s.top_p is None else s.top_p
-        _check_common(s.temperature, s.top_k, top_p, s.max_new_tokens)
-        if s.top_k is not None and s.top_k > vocab:
-            raise ValueError(f"top_k={s.top_k} exceeds the vocabulary ({vocab} tokens); pass at most {vocab} "
-                             "or None.")
-        if prompt_length + s.max_new_tokens > self.capacity:
-            raise ValueError(f"request {index}: the prompt ({prompt_length} tokens) + max_new_tokens "
-                             f"({s.max_new_tokens}) exceed the slot capacity ({self.capacity}); shorten the "
-                             "prompt, lower max_new_tokens, or build the Engine with a larger capacity.")
+        # The order of the checks is the order insert has always raised them in.
+        temperature_ok, _ = check("temperature", lambda: sampling.check_sampling_args(s.temperature, None, None))
+        top_k_ok, _ = check("top_k", lambda: sampling.check_sampling_args(0.0, s.top_k, None))
+        check("top_p", lambda: sampling.check_sampling_args(0.0, None, top_p))
+        if temperature_ok:
+            check("temperature", lambda: _check_min_temperature(s.temperature))
+        max_new_ok, _ = check("max_new_tokens", lambda: check_positive_int("max_new_tokens", s.max_new_tokens))
+        if top_k_ok and s.top_k is not None and s.top_k > vocab:
+            problems.append(("top_k", ValueError(f"top_k={s.top_k} exceeds the vocabulary ({vocab} tokens); pass at "
+                                                 f"most {vocab} or None.")))
+        if max_new_ok and prompt_length + s.max_new_tokens > self.capacity:
+            where = "" if index is None else f"request {index}: "
+            problems.append(("max_new_tokens", ValueError(
+                f"{where}the prompt ({prompt_length} tokens) + max_new_tokens ({s.max_new_tokens}) exceed the slot "
+                f"capacity ({self.capacity}); shorten the prompt, lower max_new_tokens, or build the Engine with a "
+                "larger capacity.")))
         cap = k_max if s.num_draft is None else as_integer(s.num_draft)
         if cap is None or not 0 <= cap <= k_max:
-            raise ValueError(f"num_draft must be an integer in 0 .. {k_max} (the engine's K), got {s.num_draft!r}.")
-        eos = _eos_ids(s.eos_token_id, vocab, self.params.target.module)
-        stops = _eos_ids(tuple(s.stop_token_ids), vocab) if len(tuple(s.stop_token_ids)) else ()
-        ends = tuple(dict.fromkeys(eos + stops))
-        if len(ends) > self.cfg.num_eos:
-            raise ValueError(f"eos_token_id and stop_token_ids name {len(ends)} ids; this engine holds "
-                             f"{self.cfg.num_eos} per request (Engine(max_eos=...)).")
-        controls = processors_lib.check_controls(s.controls, vocab, "controls")
-        if not self.cfg.controls and not processors_lib.is_default(controls):
-            raise ValueError("controls: this Engine was built with controls=False; build it with controls=True "
-                             "to use penalties, logit_bias or min_new_tokens.")
-        if controls.logit_bias and len(controls.logit_bias) > self.cfg.num_bias:
-            raise ValueError(f"controls.logit_bias has {len(controls.logit_bias)} entries; this engine holds "
-                             f"{self.cfg.num_bias} per request (Engine(max_bias=...)).")
-        rule = self._check_rule(s.rule)
+            problems.append(("num_draft", ValueError(
+                f"num_draft must be an integer in 0 .. {k_max} (the engine's K), got {s.num_draft!r}.")))
+        eos_ok, eos = check("eos_token_id", lambda: _eos_ids(s.eos_token_id, vocab, self.params.target.module))
+        stops_ok, stops = check("stop_token_ids", lambda: _eos_ids(tuple(s.stop_token_ids), vocab)
+                                if len(tuple(s.stop_token_ids)) else ())
+        ends = ()
+        if eos_ok and stops_ok:
+            ends = tuple(dict.fromkeys(eos + stops))
+            if len(ends) > self.cfg.num_eos:
+                problems.append(("stop_token_ids" if stops else "eos_token_id", ValueError(
+                    f"eos_token_id and stop_token_ids name {len(ends)} ids; this engine holds {self.cfg.num_eos} per "
+                    "request (Engine(max_eos=...)).")))
+        controls = self._control_problems(s.controls, problems)
+        _, rule = check("rule", lambda: self._check_rule(s.rule))
+        _, keys = check("key" if s.key is not None else "seed", lambda: _key_fields(s))
+        _, logprobs = check("logprobs", lambda: self._check_logprobs(s.logprobs))
+        if problems:
+            return problems, None
         eos_row = np.full((self.cfg.num_eos,), -1, np.int32)
         eos_row[: len(ends)] = ends
-        return dict(
+        return problems, dict(
             max_new=np.int32(s.max_new_tokens),
             draft_cap=np.int32(cap),
             top_k=np.int32(0 if s.top_k is None else s.top_k),
@@ -640,8 +878,53 @@ class Engine:
             eos=eos_row,
             controls=controls,
             rule=rule,
-            **_key_fields(s),
+            logprobs=np.int32(logprobs),
+            **keys,
         )
+
+    def _control_problems(self, controls, problems: list) -> Optional[processors_lib.GenerationControls]:
+        """Appends each bad control to ``problems`` as ``("controls.<field>", error)``; returns the controls
+        (defaults for None), or None when one is bad."""
+        if controls is not None and not isinstance(controls, processors_lib.GenerationControls):
+            try:
+                processors_lib.check_controls(controls, self.vocab_size, "controls")
+            except (TypeError, ValueError) as error:
+                problems.append(("controls", error))
+            return None
+        controls = processors_lib.GenerationControls() if controls is None else controls
+        ok = True
+        # One field at a time (check_controls raises its first problem), in check_controls' order.
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logit_bias"):
+            try:
+                processors_lib.check_controls(
+                    processors_lib.GenerationControls(**{name: getattr(controls, name)}), self.vocab_size, "controls")
+            except (TypeError, ValueError) as error:
+                problems.append((f"controls.{name}", error))
+                ok = False
+        if not ok:
+            return None
+        if not self.cfg.controls and not processors_lib.is_default(controls):
+            problems.append(("controls", ValueError(
+                "controls: this Engine was built with controls=False; build it with controls=True to use penalties, "
+                "logit_bias or min_new_tokens.")))
+        elif controls.logit_bias and len(controls.logit_bias) > self.cfg.num_bias:
+            problems.append(("controls.logit_bias", ValueError(
+                f"controls.logit_bias has {len(controls.logit_bias)} entries; this engine holds {self.cfg.num_bias} "
+                "per request (Engine(max_bias=...)).")))
+        return controls
+
+    def _check_logprobs(self, logprobs) -> int:
+        """``SlotSettings.logprobs`` as the slot's int (-1 for None)."""
+        if logprobs is None:
+            return -1
+        if not self.cfg.logprobs:
+            raise ValueError("logprobs: this Engine was built with logprobs=0 (no log-probabilities); build it with "
+                             "Engine(logprobs=N) to report them, or leave SlotSettings.logprobs None.")
+        number = as_integer(logprobs)
+        if number is None or not 0 <= number <= self.cfg.logprobs:
+            raise ValueError(f"logprobs must be None or an integer in 0 .. {self.cfg.logprobs} (this engine's "
+                             f"Engine(logprobs=...)), got {logprobs!r}.")
+        return number
 
     def _check_rule(self, rule):
         """A request's rule: the engine's type and static fields, its own numbers (float32 scalars)."""
