@@ -138,8 +138,14 @@ def test_stop_strings_cut_the_text_before_the_stop(tokenizer):
         pieces.append(stream.finish())
         assert stream.stopped
         assert "".join(pieces) == stream.text == "def f(x):\n    return x"
+        # The tokens the output counts: the fewest whose text reaches the cut (not those past it).
+        covered = stream.covered_tokens()
+        assert tokenizer.decode(ids[:covered]).startswith(stream.text)
+        assert not tokenizer.decode(ids[: covered - 1]).startswith(stream.text)
+        assert covered < len(stream.tokens) or chunk == 1
     stream = TextStream(tokenizer, stop=["zzz"])
     assert stream.push(ids) + stream.finish() == text and not stream.stopped
+    assert stream.covered_tokens() == len(ids)
     assert cut_at_stop("a STOP b stop", ["stop", "STOP"]) == ("a ", True)
 
 

@@ -90,11 +90,27 @@ class TextStream:
         new, self._sent = text[self._sent:], len(text)
         return new
 
-    def _decode(self) -> str:
+    def covered_tokens(self) -> int:
+        """How many of the tokens the text needs: all of them, or after a stop
+        string the fewest whose decoding reaches the cut (the tokens past it do
+        not count as output)."""
+        if not self.stopped:
+            return len(self.tokens)
+        end, lo, hi = len(self.text), 0, len(self.tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self._decode(self.tokens[:mid])) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _decode(self, tokens=None) -> str:
+        tokens = self.tokens if tokens is None else tokens
         try:
-            return self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special_tokens)
+            return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
         except TypeError:
-            return self.tokenizer.decode(self.tokens)
+            return self.tokenizer.decode(tokens)
 
 
 def _ids(tokenizer, text: str) -> Optional[list]:
