@@ -20,10 +20,12 @@ uvicorn = pytest.importorskip("uvicorn")
 import specjax  # noqa: E402
 from specjax._src.serve import scheduler as sched  # noqa: E402
 from specjax._src.serve.api import ServerConfig, create_app  # noqa: E402
+from specjax._src.serve.server import make_server  # noqa: E402
 from specjax.engine import Engine, SlotSettings  # noqa: E402
 from test_decode import count_compilations  # noqa: E402
 
-K, CAPACITY, SLOTS, MAX_QUEUE = 4, 128, 2, 2
+K, CAPACITY, SLOTS, MAX_QUEUE, LOGPROBS = 4, 128, 2, 2, 5
+MAX_BODY = 64 * 1024
 MODEL = "embedded"
 # The embedded pair has no chat template of its own; the server takes one (--chat-template).
 TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -32,13 +34,14 @@ PROMPT = "def fib(n):"
 
 
 class Server:
-    """uvicorn in a thread on a socket bound to a free port of 127.0.0.1."""
+    """The server `specjax serve` runs (its draining shutdown included), in a thread, on a socket
+    bound to a free port of 127.0.0.1."""
 
-    def __init__(self, app):
+    def __init__(self, app, drain_seconds: float = 5.0):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.server = make_server(app, app.state.scheduler, drain_seconds=drain_seconds, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
 
@@ -67,15 +70,17 @@ def setup():
     # As `specjax serve` builds it: one prompt width, each step and insert reuses the state's buffers,
     # and each step runs the program for its requests' settings.
     engine = Engine(pair, num_slots=SLOTS, capacity=CAPACITY, num_draft=K, prompt_bucket=CAPACITY, donate_state=True,
-                    specialized_steps=True)
+                    specialized_steps=True, max_bias=300, logprobs=LOGPROBS)
     scheduler = sched.Scheduler(engine, target.tokenizer, max_queue=MAX_QUEUE, num_cycles=2,
                                 eos_ids=[target.module.config.eos_token_id])
-    server = Server(create_app(scheduler, ServerConfig(MODEL, target), drain_seconds=5))
+    config = ServerConfig(MODEL, target, max_body_bytes=MAX_BODY)
+    server = Server(create_app(scheduler, config, drain_seconds=5))
     try:
         assert httpx.get(server.url + "/health", timeout=5).status_code in (200, 503)
         server.wait_ready()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        yield dict(url=server.url, client=client, scheduler=scheduler, target=target, pair=pair, engine=engine)
+        yield dict(url=server.url, client=client, scheduler=scheduler, target=target, pair=pair, engine=engine,
+                   config=config)
     finally:
         server.stop()
     assert not scheduler._thread.is_alive(), "the scheduler's loop outlived the server"
@@ -161,19 +166,37 @@ BAD = [
     ("completions", {"max_tokens": 1.5}, "max_tokens", "invalid_value"),
     ("completions", {"max_tokens": CAPACITY}, "max_tokens", "context_length_exceeded"),
     ("completions", {"prompt": [5] * CAPACITY}, "prompt", "context_length_exceeded"),
-    ("completions", {"n": 2}, "n", "unsupported"),
-    ("completions", {"logprobs": 1}, "logprobs", "unsupported"),
+    ("completions", {"prompt": "x = 1\n" * 4000}, "prompt", "context_length_exceeded"),
+    ("completions", {"n": 0}, "n", "invalid_value"),
+    ("completions", {"n": SLOTS + 1}, "n", "invalid_value"),
+    ("completions", {"logprobs": LOGPROBS + 1}, "logprobs", "invalid_value"),
+    ("completions", {"logprobs": 1, "echo": True}, "echo", "unsupported"),
     ("completions", {"prompt": ["a", "b"]}, "prompt", "unsupported"),
     ("completions", {"temperature": 3}, "temperature", "invalid_value"),
     ("completions", {"top_k": 10**6}, "top_k", "invalid_value"),
     ("completions", {"presence_penalty": 5}, "presence_penalty", "invalid_value"),
     ("completions", {"stop": [""]}, "stop", "invalid_value"),
+    ("completions", {"stop": ["x" * 300]}, "stop", "invalid_value"),
     ("completions", {"seed": -1}, "seed", "invalid_value"),
     ("completions", {"num_draft": K + 1}, "num_draft", "invalid_value"),
-    ("completions", {"stream_options": {"include_usage": True}}, "stream_options", None),
-    ("chat", {"logprobs": True}, "logprobs", "unsupported"),
-    ("chat", {"messages": []}, "messages", None),
+    ("completions", {"min_tokens": 9}, "min_tokens", "invalid_value"),
+    ("completions", {"stop_token_ids": [10**7]}, "stop_token_ids", "invalid_value"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+    ("completions", {"prompt": "\ud800"}, "prompt", "invalid_value"),
+    ("completions", {"model": "\udfff"}, "model", "invalid_value"),
+    ("completions", {"suffix": "}"}, "suffix", "unsupported"),
+    ("completions", {"best_of": 2}, "best_of", "unsupported"),
+    ("completions", {"guided_json": {"type": "object"}}, "guided_json", "unsupported"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ("chat", {"logprobs": True, "top_logprobs": LOGPROBS + 1}, "top_logprobs", "invalid_value"),
+    ("chat", {"messages": []}, "messages", "invalid_value"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "invalid_value"),
+    ("chat", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages", "invalid_value"),
     ("chat", {"messages": [{"role": "user"}], "max_tokens": "10"}, "max_tokens", "invalid_value"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "unsupported"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice", "unsupported"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions", "unsupported"),
 ]
 
 
@@ -182,7 +205,9 @@ def test_bad_request_gets_an_openai_error_body(setup, route, change, param, code
     body = ({"model": MODEL, "prompt": PROMPT, "max_tokens": 8} if route == "completions" else
             {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
     path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
-    r = httpx.post(setup["url"] + path, json={**body, **change}, timeout=10)
+    # Sent as written (json= would refuse the lone surrogates): the escapes reach the server as JSON has them.
+    content = json.dumps({**body, **change}).encode()
+    r = httpx.post(setup["url"] + path, content=content, headers={"content-type": "application/json"}, timeout=10)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -227,22 +252,24 @@ def test_full_queue_is_refused_not_hung(setup):
     def ask(seed):
         results.append(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, seed=seed))
 
+    # The free slots take requests beyond the queue: SLOTS + MAX_QUEUE may wait while admission is held.
     with scheduler.paused():
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(MAX_QUEUE)]
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(SLOTS + MAX_QUEUE)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10
-        while scheduler.metrics()["queue_depth"] < MAX_QUEUE and time.monotonic() < deadline:
+        while scheduler.metrics()["queue_depth"] < SLOTS + MAX_QUEUE and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert metrics(url)["specjax_queue_depth"] == MAX_QUEUE
+        assert metrics(url)["specjax_queue_depth"] == SLOTS + MAX_QUEUE
         t0 = time.monotonic()
         with pytest.raises(openai.RateLimitError) as refused:
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
         assert time.monotonic() - t0 < 5
         assert refused.value.status_code == 429 and refused.value.body["code"] == "queue_full"
+        assert refused.value.response.headers["retry-after"] == "1"
     for t in threads:
         t.join(timeout=30)
-    assert len(results) == MAX_QUEUE and all(r.usage.completion_tokens > 0 for r in results)  # none lost
+    assert len(results) == SLOTS + MAX_QUEUE and all(r.usage.completion_tokens > 0 for r in results)  # none lost
     assert httpx.get(url + "/health", timeout=5).status_code == 200
 
 
@@ -268,7 +295,7 @@ def test_close_refuses_waiting_requests(setup):
                                 emit=events.append)
         scheduler.submit(request)
         scheduler.close(drain_seconds=5)
-    assert events == [sched.Failed(events[0].message, "shutting_down")] and "shut down" in events[0].message
+    assert events == [sched.Failed(events[0].message, "shutting_down")] and "shutting down" in events[0].message
     with pytest.raises(sched.Closed):
         scheduler.submit(request)
     assert not scheduler._thread.is_alive()
@@ -303,10 +330,10 @@ def test_a_waiting_request_takes_a_slot_as_soon_as_one_frees(setup, monkeypatch)
     calls, inserts, step, insert_many = [], [], engine.step, engine.insert_many
     scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=16, warmup_widths=(16,))
 
-    def recording_step(state, num_cycles=1, *, until_first_finish=False):
+    def recording_step(state, num_cycles=1, *, until_first_finish=False, plan=None):
         free = engine.num_slots - len(scheduler._live)
         calls.append((num_cycles, until_first_finish, bool(free and scheduler._waiting)))
-        return step(state, num_cycles, until_first_finish=until_first_finish)
+        return step(state, num_cycles, until_first_finish=until_first_finish, plan=plan)
 
     def recording_insert_many(state, slots, prompts, settings=None):
         inserts.append([len(p) for p in prompts])
@@ -369,8 +396,9 @@ def test_refusals_that_need_another_server(setup):
 
     from specjax._src.serve import api
 
+    bare_config = ServerConfig(MODEL, setup["target"].replace(chat_template=None))
     with pytest.raises(api.ApiError) as e:
-        api._chat_prompt([api.Message(role="user", content="hi")], setup["target"].replace(chat_template=None))
+        api._chat_prompt([{"role": "user", "content": "hi"}], bare_config, CAPACITY, True)
     assert (e.value.status, e.value.param, e.value.code) == (400, "messages", "no_chat_template")
     assert "chat template" in e.value.message
     bare = Engine(setup["pair"], num_slots=1, capacity=64, num_draft=K, controls=False)
@@ -378,11 +406,11 @@ def test_refusals_that_need_another_server(setup):
     for field, value in (("presence_penalty", 0.5), ("logit_bias", {"5": 1.0}), ("min_tokens", 3)):
         body = api.CompletionRequest(model=MODEL, prompt=PROMPT, **{field: value})
         with pytest.raises(api.ApiError) as e:
-            api._settings(body, [5, 6], types.SimpleNamespace(engine=bare), config)
+            api._settings(body, [5, 6], None, types.SimpleNamespace(engine=bare), config)
         assert (e.value.status, e.value.param, e.value.code) == (400, field, "unsupported")
         assert "--no-penalties" in e.value.message
     body = api.CompletionRequest(model=MODEL, prompt=PROMPT, temperature=0.5, seed=3)
-    settings, stop = api._settings(body, [5, 6], types.SimpleNamespace(engine=bare), config)
+    settings, stop = api._settings(body, [5, 6], None, types.SimpleNamespace(engine=bare), config)
     assert settings.controls is None and (settings.temperature, settings.seed, stop) == (0.5, 3, ())
 
 
@@ -462,3 +490,349 @@ def test_real_pair_greedy_equals_decode():
     finally:
         server.stop()
     jax.clear_caches()
+
+
+# ---------------------------------------------------------------------------
+# What a hostile or careless client does, and the fields clients send
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def slow_steps(setup, monkeypatch):
+    """Each engine step takes at least 50 ms more: long requests stay live for seconds."""
+    engine, step = setup["engine"], setup["engine"].step
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", slow)
+
+
+def wait_for(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_slot(setup, slow_steps):
+    """A client that times out (as the openai client's timeout does) cancels its request within
+    a step or so, not after the request ran to its end."""
+    url, scheduler = setup["url"], setup["scheduler"]
+    before = scheduler.metrics()
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "min_tokens": 100, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=0.5)
+    assert wait_for(lambda: scheduler.metrics()["requests_cancelled"] == before["requests_cancelled"] + 1, 5)
+    after = scheduler.metrics()
+    assert after["live_slots"] == 0 and after["requests_finished"] == before["requests_finished"]
+
+
+def test_max_queue_zero_serves_while_a_slot_is_free(setup):
+    engine, target = setup["engine"], setup["target"]
+    scheduler = sched.Scheduler(engine, target.tokenizer, max_queue=0, num_cycles=2, warmup_widths=(16,)).start()
+    assert scheduler.ready.wait(120)
+    events = []
+    with scheduler.paused():
+        for _ in range(SLOTS):
+            scheduler.submit(sched.Request(prompt=[5, 6], settings=SlotSettings(temperature=0.0, max_new_tokens=2),
+                                           emit=events.append))
+        with pytest.raises(sched.QueueFull):
+            scheduler.submit(sched.Request(prompt=[5], settings=SlotSettings(max_new_tokens=2), emit=events.append))
+    assert wait_for(lambda: sum(isinstance(e, sched.Done) for e in events) == SLOTS)
+    scheduler.close(drain_seconds=5)
+
+
+def test_tokenizing_runs_off_the_event_loop(setup, monkeypatch):
+    """While a prompt is being tokenized, /health and other requests are answered."""
+    from specjax._src.serve import api
+
+    url, tokenize = setup["url"], api._completion_prompt
+
+    def slow_tokenize(*args):
+        time.sleep(3)
+        return tokenize(*args)
+
+    monkeypatch.setattr(api, "_completion_prompt", slow_tokenize)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=httpx.post(
+        url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, timeout=30)))
+    thread.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+    assert time.monotonic() - t0 < 1.0
+    thread.join(30)
+    assert result["r"].status_code == 200
+
+
+def test_a_body_over_the_limit_gets_413(setup):
+    url = setup["url"]
+    big = {"model": MODEL, "prompt": "x" * (MAX_BODY + 10), "max_tokens": 2}
+    r = httpx.post(url + "/v1/completions", json=big, timeout=10)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: counted while it is read
+        yield b'{"model": "embedded", "prompt": "'
+        for _ in range(MAX_BODY // 1024 + 2):
+            yield b"y" * 1024
+        yield b'"}'
+
+    r = httpx.post(url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=10)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+def test_errors_outside_the_routes_have_openai_bodies(setup):
+    url = setup["url"]
+    cases = [(httpx.get(url + "/v1/nothing", timeout=5), 404, "not_found"),
+             (httpx.get(url + "/v1/completions", timeout=5), 405, "method_not_allowed"),
+             (httpx.post(url + "/v1/completions", content=b'{"model": "\xff\xfe"}', timeout=5), 400, "invalid_json"),
+             (httpx.post(url + "/v1/completions", content=b"[" * 20_000 + b"]" * 20_000, timeout=5), 400,
+              "invalid_json"),
+             (httpx.post(url + "/v1/completions", content=b"[1, 2]", timeout=5), 400, "invalid_json"),
+             (httpx.get(url + "/v1/models/gpt-4", timeout=5), 404, "model_not_found")]
+    for r, status, code in cases:
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
+        assert r.headers["x-request-id"]
+    assert httpx.get(url + "/v1/models/" + MODEL, timeout=5).json()["id"] == MODEL
+
+
+def test_request_ids(setup):
+    url = setup["url"]
+    r = httpx.get(url + "/v1/models", headers={"X-Request-Id": "trace-42"}, timeout=5)
+    assert r.headers["x-request-id"] == "trace-42"
+    a, b = (httpx.get(url + "/health", timeout=5).headers["x-request-id"] for _ in range(2))
+    assert a and b and a != b
+    bad = httpx.get(url + "/health", headers={"X-Request-Id": "has space"}, timeout=5).headers["x-request-id"]
+    assert " " not in bad  # not echoed as given: a fresh id
+
+
+def test_api_key_and_retry_after(setup):
+    """--api-key guards /v1 (not /health); a warming server's 503 says when to retry."""
+    from fastapi.testclient import TestClient
+
+    engine, target = setup["engine"], setup["target"]
+    unstarted = sched.Scheduler(engine, target.tokenizer)  # never started: warming up
+    app = create_app(unstarted, ServerConfig(MODEL, target, api_key="sekret"))
+    client = TestClient(app)  # no `with`: the lifespan (which would start the scheduler) does not run
+    r = client.get("/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+    assert client.get("/health").status_code == 503
+    r = client.post("/v1/completions", headers={"Authorization": "Bearer sekret"},
+                    json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up" and r.headers["retry-after"] == "5"
+
+
+def test_vllm_fields_and_openai_limits_that_are_honoured(setup):
+    client, target, pair = setup["client"], setup["target"], setup["pair"]
+    ids = target.tokenizer.encode(PROMPT).ids
+    ref = specjax.decode(pair, [ids], num_draft=K, max_new_tokens=40, temperature=0.0, eos_token_id=(),
+                         max_length=CAPACITY + K).to_lists()[0]
+    # ignore_eos: the full 40 tokens whatever the model says; stop_token_ids: ends at (and keeps) that token.
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 40 and full.choices[0].text == target.tokenizer.decode(ref)
+    stop_at = ref[12]
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [stop_at]})
+    end = ref.index(stop_at) + 1
+    assert cut.usage.completion_tokens == end and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == target.tokenizer.decode(ref[:end])
+    # top_k -1 is vLLM's "off"; 300 logit_bias entries (OpenAI's limit) are taken.
+    off = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3,
+                                    extra_body={"top_k": -1})
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3)
+    assert off.choices[0].text == plain.choices[0].text
+    bias = {str(t): 0.0 for t in range(300)}
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logit_bias=bias).usage
+    # Harmless values of refused fields pass.
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       response_format={"type": "text"}, tool_choice="none", user="u1")
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_server_seed_makes_unseeded_requests_reproducible(setup):
+    a, b, c = (ServerConfig(MODEL, setup["target"], seed=s) for s in (7, 7, 8))
+    seeds = [[config.request_seed() for _ in range(3)] for config in (a, b, c)]
+    assert seeds[0] == seeds[1] != seeds[2]
+    unseeded = ServerConfig(MODEL, setup["target"])
+    assert len({unseeded.request_seed() for _ in range(4)}) == 4
+
+
+def test_n_choices_share_one_prefill(setup):
+    """n choices: one prefill, choice i samples what decode samples for sequence i of n copies."""
+    client, target, pair, scheduler = setup["client"], setup["target"], setup["pair"], setup["scheduler"]
+    ids = target.tokenizer.encode(PROMPT).ids
+    before = scheduler.metrics()
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=5, n=2)
+    after = scheduler.metrics()
+    assert after["prefills"] == before["prefills"] + 1
+    ref = specjax.decode(pair, [ids] * 2, num_draft=K, max_new_tokens=12, temperature=1.0, key=jax.random.key(5),
+                         max_length=CAPACITY + K).to_lists()
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [target.tokenizer.decode(x) for x in ref]
+    assert r.usage.completion_tokens == sum(map(len, ref))
+    one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=5)
+    assert one.choices[0].text == r.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=5,
+                                            n=2, stream=True))
+    for i in range(2):
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == i) == r.choices[i].text
+
+
+def test_echo(setup):
+    client = setup["client"]
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == echoed.choices[0].text
+
+
+def reference_logprobs(setup, prompt_ids, tokens, temperature=1.0, top_k=None):
+    """log-softmax of the target's logits at each generated position, as target-only decoding's
+    sampling sees them (temperature, then top-k; temperature 0: the raw logits)."""
+    import numpy as np
+
+    seq = [list(prompt_ids) + list(tokens)]
+    logits = np.asarray(specjax.logits(setup["target"], seq)[0], np.float64)
+    rows = logits[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(tokens)]
+    if temperature > 0:
+        rows = rows / temperature
+    if top_k:
+        kth = np.sort(rows, axis=-1)[:, -top_k][:, None]
+        rows = np.where(rows >= kth, rows, -np.inf)
+    rows = rows - rows.max(-1, keepdims=True)
+    return rows - np.log(np.exp(rows).sum(-1, keepdims=True))
+
+
+def test_logprobs_are_the_targets(setup):
+    """Chat and completions, streamed or not: each token's log-probability is target-only
+    log-softmax at its prefix, after the request's temperature and top-k; the alternatives are
+    the most likely tokens."""
+    import numpy as np
+
+    client, target, pair, config = setup["client"], setup["target"], setup["pair"], setup["config"]
+    ids = target.tokenizer.encode(PROMPT).ids
+    for temperature, top_k in ((0.0, None), (0.7, 20)):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=temperature, seed=2,
+                                      logprobs=3, extra_body={"top_k": top_k, "ignore_eos": True})
+        # The tokens: what decode samples with the request's seed (the same text, checked).
+        tokens = specjax.decode(pair, [ids], num_draft=K, max_new_tokens=16, temperature=temperature, top_k=top_k,
+                                eos_token_id=(), key=jax.random.key(2), max_length=CAPACITY + K).to_lists()[0]
+        assert r.choices[0].text == target.tokenizer.decode(tokens)
+        lp = r.choices[0].logprobs
+        assert len(lp.token_logprobs) == r.usage.completion_tokens == 16
+        assert lp.tokens == [config.token_text(t) for t in tokens]
+        ref = reference_logprobs(setup, ids, tokens, temperature, top_k)
+        chosen = ref[np.arange(len(tokens)), tokens]
+        np.testing.assert_allclose(lp.token_logprobs, chosen, atol=2e-4)
+        for row, alternatives in zip(ref, lp.top_logprobs):
+            best = np.argsort(-row)[:3]
+            assert sorted(alternatives.values(), reverse=True) == pytest.approx(row[best], abs=2e-4)
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        if temperature == 0.7:  # a negative control: the raw logits' log-softmax differs
+            raw = reference_logprobs(setup, ids, tokens, 1.0)[np.arange(len(tokens)), tokens]
+            assert np.abs(raw - chosen).max() > 1e-2
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)  # greedy: the best is chosen
+    assert all(bytes(c.bytes) == c.token.encode() for c in content)
+    streamed = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                   logprobs=True, top_logprobs=2, stream=True))
+    streamed_content = [c for ch in streamed if ch.choices and ch.choices[0].logprobs
+                        for c in ch.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 5)) for c in streamed_content] == [(c.token, round(c.logprob, 5))
+                                                                          for c in content]
+
+
+def test_latency_histograms(setup):
+    setup["client"].completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    text = httpx.get(setup["url"] + "/metrics", timeout=5).text
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        buckets = [float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(f"specjax_{name}_bucket")]
+        count = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"specjax_{name}_count"))
+        assert count >= 1 and buckets == sorted(buckets) and buckets[-1] == count
+        assert f'specjax_{name}_bucket{{le="+Inf"}}' in text
+
+
+def test_shutdown_refuses_the_waiting_and_ends_late_streams_with_an_error(setup, slow_steps):
+    """SIGTERM (uvicorn's should_exit): a request still waiting gets 503 at once; a stream that
+    outlives the drain ends with an error event and [DONE], its connection still open."""
+    engine, target = setup["engine"], setup["target"]
+    scheduler = sched.Scheduler(engine, target.tokenizer, max_queue=4, num_cycles=2, warmup_widths=(16,))
+    server = Server(create_app(scheduler, ServerConfig(MODEL, target)), drain_seconds=1.0)
+    server.wait_ready(120)
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "min_tokens": 100, "temperature": 0}
+    streams, waiting = [], {}
+    with httpx.Client(timeout=30) as http:
+        for _ in range(SLOTS):
+            streams.append(http.stream("POST", server.url + "/v1/completions", json={**long, "stream": True}))
+        lines = [s.__enter__().iter_lines() for s in streams]
+        for it in lines:
+            assert next(line for line in it if line.startswith("data: "))
+        thread = threading.Thread(target=lambda: waiting.update(r=httpx.post(
+            server.url + "/v1/completions", json=long, timeout=30)))
+        thread.start()
+        assert wait_for(lambda: scheduler.metrics()["queue_depth"] == 1, 10)
+        t0 = time.monotonic()
+        server.server.should_exit = True
+        thread.join(30)
+        assert waiting["r"].status_code == 503 and waiting["r"].json()["error"]["code"] == "shutting_down"
+        assert time.monotonic() - t0 < 1.0 and waiting["r"].headers["retry-after"]
+        for it, s in zip(lines, streams):
+            rest = [line for line in it if line.startswith("data: ")]
+            s.__exit__(None, None, None)
+            assert rest[-1] == "data: [DONE]"
+            assert json.loads(rest[-2][6:])["error"]["code"] == "shutting_down"
+    server.thread.join(timeout=30)
+    assert not server.thread.is_alive() and not scheduler._thread.is_alive()
+    server.sock.close()
+
+
+def test_serve_refuses_a_busy_or_impossible_port_at_once():
+    from specjax._src.serve.server import bind
+    from specjax.cli import serve
+    from specjax.cli.app import build_parser
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit, match="in use|another process"):
+            serve.run(build_parser().parse_args(["serve", "--port", str(port)]))
+        assert time.monotonic() - t0 < 5  # before any model loads
+    finally:
+        busy.close()
+    with pytest.raises(SystemExit, match="not a TCP port"):
+        bind("127.0.0.1", 99999)
+    with pytest.raises(SystemExit, match="--max-queue must be >= 0"):
+        serve.check_args(build_parser().parse_args(["serve", "--max-queue", "-1"]))
+
+
+def test_docs_list_every_field():
+    """docs/server.md's compatibility table names every field the server honours, refuses or ignores."""
+    from pathlib import Path
+
+    from specjax._src.serve import api, fields
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+    honoured = set(api.CompletionRequest.model_fields) | set(api.ChatRequest.model_fields)
+    missing = [f for f in sorted(honoured | set(fields.REFUSED) | set(fields.IGNORED)) if f"`{f}`" not in doc]
+    assert not missing, f"docs/server.md does not list {missing}"

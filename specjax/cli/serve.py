@@ -44,16 +44,19 @@ def build(args):
     capacity = args.capacity if args.capacity is not None else default_capacity(target, draft, num_draft)
     # One prompt width up to 512 positions: a prefill runs as many positions as its longest prompt
     # whatever the width, so more widths would only mean more programs to compile.
+    # max_bias: OpenAI's limit of logit_bias entries per request.
     engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=capacity, num_draft=num_draft,
                     rule=rule, drafting=drafting, lookup=lookup, controls=not args.no_penalties,
                     prompt_bucket=min(capacity, 512), row_buckets="powers", donate_state=True,
-                    specialized_steps=True)
+                    specialized_steps=True, max_bias=300, logprobs=args.max_logprobs)
     eos = getattr(target.module.config, "eos_token_id", None)
     eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,
                           eos_ids=eos)
     name = args.served_model_name or (args.target or common.pair_name(args))
-    app = create_app(scheduler, ServerConfig(name, target), drain_seconds=args.drain_seconds)
+    api_key = args.api_key or os.environ.get("SPECJAX_API_KEY") or None
+    config = ServerConfig(name, target, api_key=api_key, max_body_bytes=args.max_body_bytes, seed=args.seed)
+    app = create_app(scheduler, config, drain_seconds=args.drain_seconds)
     return app, scheduler
 
 
@@ -89,24 +92,35 @@ def use_compilation_cache(directory: Optional[str]) -> Optional[str]:
     return directory
 
 
-def run(args) -> int:
-    _require_server_packages()
-    import uvicorn
-
+def check_args(args) -> None:
+    """Exits with a one-line message for an option out of range (before anything loads)."""
     for flag, value in (("--slots", args.slots), ("--capacity", args.capacity),
-                        ("--cycles-per-step", args.cycles_per_step)):
+                        ("--cycles-per-step", args.cycles_per_step), ("--max-body-bytes", args.max_body_bytes)):
         if value is not None and value < 1:
             raise SystemExit(f"error: {flag} must be a positive integer, got {value}.")
-    if args.max_queue < 0:
-        raise SystemExit(f"error: --max-queue must be >= 0, got {args.max_queue}.")
-    app, _ = build(args)
+    for flag, value in (("--max-queue", args.max_queue), ("--max-logprobs", args.max_logprobs)):
+        if value < 0:
+            raise SystemExit(f"error: {flag} must be >= 0, got {value}.")
+    if args.drain_seconds < 0:
+        raise SystemExit(f"error: --drain-seconds must be >= 0, got {args.drain_seconds}.")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise SystemExit(f"error: --seed must be a non-negative integer, got {args.seed}.")
+
+
+def run(args) -> int:
+    _require_server_packages()
+    from specjax._src.serve.server import bind, make_server
+
+    check_args(args)
+    sock = bind(args.host, args.port)  # a port in use fails now, not after the models load
+    app, scheduler = build(args)
     cache = use_compilation_cache(args.compilation_cache)
+    host, port = sock.getsockname()[:2]
     print(f"specjax serve: compiling{f' (programs kept in {cache})' if cache else ''}, then serving on "
-          f"http://{args.host}:{args.port} (GET /health answers 200 once ready)", flush=True)
-    # uvicorn handles SIGINT / SIGTERM: it stops accepting, lets open requests finish for
-    # --drain-seconds, then the app's lifespan refuses what still waits and stops the scheduler.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.drain_seconds)
+          f"http://{args.host}:{port} (GET /health answers 200 once ready)", flush=True)
+    # On SIGINT / SIGTERM the server stops accepting, refuses what waits, lets live requests finish
+    # for --drain-seconds and ends the rest with an error event (specjax._src.serve.server).
+    make_server(app, scheduler, drain_seconds=args.drain_seconds, log_level=args.log_level).run(sockets=[sock])
     return 0
 
 
@@ -120,7 +134,15 @@ def add_arguments(p) -> None:
                    help="tokens per slot, prompt and completion together (default 512, or the models' positions "
                         "minus --num-draft where fewer: 252 on the embedded pair)")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait for a slot; more are refused with 429 (default 64)")
+                   help="requests that may wait beyond the free slots; more are refused with 429 (default 64; 0: "
+                        "serve only while a slot is free)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most alternatives per token a request may ask for (logprobs / top_logprobs; "
+                        "default 20, 0: refuse logprobs)")
+    p.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
+                   help="the largest request body; larger ones are refused with 413 (default 2 MiB)")
+    p.add_argument("--api-key", help="requests to /v1 must send `Authorization: Bearer KEY` (default: "
+                                     "$SPECJAX_API_KEY, else no key)")
     p.add_argument("--cycles-per-step", type=int, default=4,
                    help="the most draft-verify cycles between two admissions / stream flushes; a step ends "
                         "sooner when a request finishes, and runs one cycle while a slot is free (default 4)")
@@ -130,7 +152,8 @@ def add_arguments(p) -> None:
     p.add_argument("--chat-template", help="a Jinja chat template file for models without one (the embedded pair)")
     p.add_argument("--served-model-name", help="the model name clients give (default: the pair's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+    p.set_defaults(seed=None)  # the model options' --seed: here it seeds requests that give none
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGINT / SIGTERM, how long live requests may finish before they are cancelled")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -20,9 +20,12 @@ own key (``SlotSettings.seed``) and counts its own cycles (see
 
 from __future__ import annotations
 
+import bisect
 import collections
+import copy
 import dataclasses
 import itertools
+import secrets
 import threading
 import time
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -40,13 +43,28 @@ from specjax._src.engine.text import TextStream
 
 
 class Delta(NamedTuple):
-    """New text of a request (final: never part of a stop string)."""
+    """New text of one of a request's choices (final: never part of a stop string).
+
+    Attributes:
+      text: the text that became final.
+      index: the choice (``0 .. n - 1``).
+      tokens: the ids this step committed for the choice that count in its
+        completion (those after a stop string are left out).
+      logprobs: with ``SlotSettings.logprobs`` set, each of ``tokens``'
+        log-probability (:class:`specjax.engine.StepOutput`'s), else None.
+      top: with ``SlotSettings.logprobs = k > 0``, per token its ``k`` most
+        likely ``(id, logprob)`` pairs, else None.
+    """
 
     text: str
+    index: int = 0
+    tokens: tuple = ()
+    logprobs: Optional[tuple] = None
+    top: Optional[tuple] = None
 
 
 class Done(NamedTuple):
-    """The request ended.
+    """One of the request's choices ended (``index``; a request of ``n`` choices gets ``n``).
 
     Attributes:
       finish_reason: ``"stop"`` (EOS, a stop id or a stop string) or
@@ -62,6 +80,7 @@ class Done(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     stats: dict
+    index: int = 0
 
 
 class Failed(NamedTuple):
@@ -72,7 +91,7 @@ class Failed(NamedTuple):
 
 
 class QueueFull(RuntimeError):
-    """The waiting queue holds ``max_queue`` requests: refuse, retry later."""
+    """More requests wait than the free slots and ``max_queue`` hold: refuse, retry later."""
 
 
 class Closed(RuntimeError):
@@ -87,23 +106,71 @@ class Request:
     """One request: its prompt ids, settings, stop strings and consumer.
 
     ``emit`` is called on the loop's thread with :class:`Delta` events, then
-    one :class:`Done` or :class:`Failed`; it must not block (e.g.
-    ``loop.call_soon_threadsafe(queue.put_nowait, event)``).
+    one :class:`Done` per choice, or one :class:`Failed`; it must not block
+    (e.g. ``loop.call_soon_threadsafe(queue.put_nowait, event)``).
+
+    ``n`` choices share one prefill: the prompt is inserted once and copied
+    into ``n - 1`` more slots (:meth:`specjax.engine.Engine.fork`); choice
+    ``i`` samples with ``fold_in(key(seed), i)``, the key ``decode`` gives
+    sequence ``i`` of a batch of ``n`` copies of the prompt, so choice 0 is
+    what the request with ``n = 1`` samples. The request waits until ``n``
+    slots are free at once.
     """
 
     prompt: Sequence[int]
     settings: SlotSettings
     emit: Callable[[object], None]
     stop: Sequence[str] = ()
+    n: int = 1
+    skip_special_tokens: bool = True
     id: int = dataclasses.field(default_factory=lambda: next(_ids))
     cancelled: bool = False
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
+    remaining: int = 0  # choices not yet done (set at admission)
 
 
 @dataclasses.dataclass
 class _Live:
     request: Request
+    index: int  # the choice this slot generates
     stream: TextStream
+    last: Optional[float] = None  # when its last tokens went out (None: none yet)
+
+
+# Prometheus histogram bounds (seconds), vLLM's with finer steps below 10 ms: a speculative
+# step on a small model delivers a token every few milliseconds.
+TTFT_BOUNDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BOUNDS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+              2.5, 5.0, 10.0)
+E2E_BOUNDS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+              240.0, 480.0, 960.0)
+
+
+@dataclasses.dataclass
+class Histogram:
+    """Counts of observations per bucket (``counts[i]``: at most ``bounds[i]``, not cumulative;
+    the last entry: above every bound), their sum and number."""
+
+    bounds: tuple
+    counts: list = None
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self):
+        if self.counts is None:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.total += value * times
+        self.count += times
+
+
+def _latency_histograms() -> dict:
+    return {"time_to_first_token_seconds": Histogram(TTFT_BOUNDS),
+            "inter_token_latency_seconds": Histogram(ITL_BOUNDS),
+            "e2e_request_latency_seconds": Histogram(E2E_BOUNDS)}
 
 
 @dataclasses.dataclass
@@ -123,18 +190,29 @@ class Counters:
     prefills: int = 0  # insert calls that succeeded (a group of requests counts once)
     prefilled_requests: int = 0
     step_seconds: float = 0.0  # engine.step and reading its output back
-    insert_seconds: float = 0.0  # engine.insert (prefill, waited for) and release
+    insert_seconds: float = 0.0  # engine.insert (prefill, waited for), fork and release
     busy_seconds: float = 0.0  # the loop's wall time while a request was waiting or live
+
+
+class _Stopped(Exception):
+    """The scheduler was closed while it compiled its programs."""
 
 
 class Scheduler:
     """Serves requests on ``engine`` from its own thread.
 
+    The scheduler alone knows which slots hold which request: it admits
+    waiting requests into its free slots, releases them, and picks each
+    step's program and rows from the live requests' settings
+    (:meth:`specjax.engine.Engine.plan`), without reading the device's state.
+
     Args:
       engine: a :class:`specjax.engine.Engine`.
       tokenizer: the target's tokenizer (detokenizes each request's stream).
-      max_queue: requests that may wait for a slot; one more is refused with
-        :class:`QueueFull` (memory stays bounded whatever the load).
+      max_queue: requests that may wait beyond the free slots; one more is
+        refused with :class:`QueueFull` (memory stays bounded whatever the
+        load). A request that a free slot will take is not waiting: with 0,
+        a request is served when a slot is free and refused otherwise.
       num_cycles: the most draft-verify cycles per ``engine.step``. A step
         delivers its tokens at its end and returns as soon as a request
         finishes (``until_first_finish``), so that a finished request's last
@@ -182,13 +260,16 @@ class Scheduler:
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.warmup_widths = warmup_widths
         self.counters = Counters()
+        self.latency = _latency_histograms()
         self.ready = threading.Event()
         self._waiting: collections.deque[Request] = collections.deque()
         self._live: dict[int, _Live] = {}
+        self._free = list(range(engine.num_slots))  # slots no request holds or is about to take
         self._cond = threading.Condition()
         self._closing = False
         self._stop = False
         self._paused = 0
+        self._closer: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="specjax-scheduler", daemon=True)
 
@@ -201,18 +282,22 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         """Queues ``request``; raises :class:`QueueFull` or :class:`Closed` instead of waiting."""
+        if not 1 <= request.n <= self.engine.num_slots:
+            raise ValueError(f"n={request.n}: a request takes 1 .. {self.engine.num_slots} slots (one per choice).")
         with self._cond:
             if self._closing:
                 raise Closed("the server is shutting down and takes no new requests.")
-            if len(self._waiting) >= self.max_queue:
+            demand = sum(r.n for r in self._waiting) + request.n
+            if demand > self.max_queue + len(self._free):
                 self.counters.requests_refused += 1
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting for "
-                                f"{self.engine.num_slots} slots); retry later.")
+                raise QueueFull(f"the server is full: {len(self._live)} of {self.engine.num_slots} slots busy and "
+                                f"{len(self._waiting)} requests waiting (at most {self.max_queue} beyond the free "
+                                "slots); retry later.")
             self._waiting.append(request)
             self._cond.notify()
 
     def cancel(self, request: Request) -> None:
-        """Ends ``request`` (e.g. its client went away): its slot is freed before the next step."""
+        """Ends ``request`` (e.g. its client went away): its slots are freed before the next step."""
         with self._cond:
             request.cancelled = True
             self._cond.notify()
@@ -233,15 +318,31 @@ class Scheduler:
 
         return _Paused()
 
+    def begin_close(self, drain_seconds: float = 30.0) -> None:
+        """Starts :meth:`close` in the background (once) and returns: new and waiting requests
+        are refused from now on. A server calls it as its shutdown begins, so that the drain
+        runs while the HTTP connections are still open to carry the last events."""
+        with self._cond:
+            if self._closer is None:
+                self._closing = True
+                self._closer = threading.Thread(target=self._close, args=(drain_seconds,),
+                                                name="specjax-scheduler-close", daemon=True)
+                self._closer.start()
+
     def close(self, drain_seconds: float = 30.0) -> None:
         """Refuses new and waiting requests, lets live ones finish for up to
-        ``drain_seconds``, cancels the rest, and stops the loop."""
+        ``drain_seconds``, ends the rest with a ``shutting_down`` failure, and
+        stops the loop. Waits for all that (a second call waits for the first)."""
+        self.begin_close(drain_seconds)
+        self._closer.join()
+
+    def _close(self, drain_seconds: float) -> None:
         with self._cond:
-            self._closing = True
             waiting, self._waiting = list(self._waiting), collections.deque()
             self._cond.notify()
         for request in waiting:
-            _emit(request, Failed("the server shut down before this request was admitted; retry.", "shutting_down"))
+            _emit(request, Failed("the server is shutting down and did not admit this request; retry.",
+                                  "shutting_down"))
         deadline = time.monotonic() + drain_seconds
         while self._thread.is_alive() and self._live and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -249,7 +350,12 @@ class Scheduler:
             self._stop = True
             self._cond.notify()
         if self._thread.is_alive():
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=60)
+
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`close` has begun (new requests are refused)."""
+        return self._closing
 
     @property
     def error(self) -> Optional[BaseException]:
@@ -258,11 +364,12 @@ class Scheduler:
 
     def metrics(self) -> dict:
         """A snapshot: the counters, ``queue_depth``, ``live_slots``, ``num_slots``,
-        ``host_share`` (the loop's time outside the engine's calls over its busy time)."""
+        ``host_share`` (the loop's time outside the engine's calls over its busy time) and
+        ``latency`` (the three :class:`Histogram` s, copied)."""
         with self._cond:
             c = dataclasses.asdict(self.counters)
             c.update(queue_depth=len(self._waiting), live_slots=len(self._live), num_slots=self.engine.num_slots,
-                     ready=self.ready.is_set())
+                     ready=self.ready.is_set(), latency=copy.deepcopy(self.latency))
         busy = c["busy_seconds"]
         c["host_share"] = (busy - c["step_seconds"] - c["insert_seconds"]) / busy if busy > 0 else 0.0
         return c
@@ -274,20 +381,22 @@ class Scheduler:
             state = self._warm_up()
             self.ready.set()
             self._serve(state)
+        except _Stopped:
+            pass
         except BaseException as e:  # noqa: BLE001 -- reported to every request, then to the server
             self._error = e
             with self._cond:
                 self._closing = True
-                doomed = list(self._waiting) + [live.request for live in self._live.values()]
+                doomed = list(self._waiting) + list({id(l.request): l.request for l in self._live.values()}.values())
                 self._waiting.clear()
                 self._live.clear()
             for request in doomed:
                 _emit(request, Failed(f"the server's engine failed: {type(e).__name__}: {e}", "engine_error"))
 
     def _warm_up(self):
-        """Compiles init, insert (per prompt width) and step (per row bucket, and for an engine
-        with ``specialized_steps`` each of its three programs) before any request (release compiles
-        nothing)."""
+        """Compiles init, insert (per prompt width), fork (per copy count) and step (per row
+        bucket, and for an engine with ``specialized_steps`` each of its three programs) before
+        any request (release compiles nothing). Stops early when the scheduler is closed."""
         engine = self.engine
         state = engine.init()
         widths = self.warmup_widths
@@ -302,10 +411,17 @@ class Scheduler:
         programs = [greedy, SlotSettings(temperature=1.0, max_new_tokens=1, seed=0),
                     SlotSettings(temperature=1.0, top_p=0.5, max_new_tokens=1, seed=0)]
 
-        def serve_one(state, slot: int, prompt, settings=greedy, group: int = 1):
+        def serve_one(state, slot: int, prompt, settings=greedy, group: int = 1, copies: int = 0):
+            if self._stop:
+                raise _Stopped()
             slots = range(slot, slot + group)
             state = engine.insert_many(state, slots, [prompt] * group, [settings] * group)
-            state, out = engine.step(state, self.num_cycles)
+            if copies:
+                keys = [jax.random.key(i) for i in range(copies)]
+                state = engine.fork(state, slot, range(slot + 1, slot + 1 + copies), keys)
+                slots = range(slot, slot + 1 + copies)
+            plan = engine.plan({s: settings for s in slots})
+            state, out = engine.step(state, self.num_cycles, plan=plan)
             jax.block_until_ready(out)
             for s in slots:
                 state = engine.release(state, s)
@@ -316,6 +432,8 @@ class Scheduler:
                 state = serve_one(state, 0, [0] * max(1, min(width, engine.capacity - 1)), group=group)
         for width in engine._single_prompt_widths():  # a short prompt alone runs at its own width
             state = serve_one(state, 0, [0] * width)
+        for copies in range(1, engine.num_slots):  # a request of n choices: one fork program per n - 1
+            state = serve_one(state, 0, [0], copies=copies)
         for rows in engine.row_buckets:  # the step that runs the first `rows` slots, in each program
             for settings in (programs if engine.specialized_steps else [greedy]):
                 if rows > 1 or settings is not greedy:  # (greedy at one row: compiled above)
@@ -324,46 +442,59 @@ class Scheduler:
         return state
 
     def _serve(self, state) -> None:
-        engine, free = self.engine, list(range(self.engine.num_slots))
         while True:
             with self._cond:
                 while not self._stop and not self._live and (not self._waiting or self._paused):
                     self._cond.wait()
                 if self._stop:
-                    doomed = [live.request for live in self._live.values()]
+                    doomed = list({id(l.request): l.request for l in self._live.values()}.values())
                     self._live.clear()
                     break
             began = time.perf_counter()
-            state = self._release_cancelled(state, free)  # first, so that a waiting request takes the slot now
+            state = self._release_cancelled(state)  # first, so that a waiting request takes the slot now
             with self._cond:
                 admitted = []
-                free.sort()  # the lowest free slots first: a step runs only up to the highest occupied one
-                while free and self._waiting and not self._paused:
+                self._free.sort()  # the lowest free slots first: a step runs only up to the highest occupied one
+                while self._waiting and not self._paused and len(self._free) >= self._waiting[0].n:
                     request = self._waiting.popleft()
                     if not request.cancelled:
-                        admitted.append((free.pop(0), request))
-            state = self._admit(state, admitted, free)
+                        slots = [self._free.pop(0) for _ in range(request.n)]
+                        admitted.append((slots, request))
+            state = self._admit(state, admitted)
             if self._live:
-                state = self._step(state, free)
+                state = self._step(state)
             self.counters.busy_seconds += time.perf_counter() - began
         for request in doomed:
-            _emit(request, Failed("the server shut down while this request was being generated.", "shutting_down"))
+            _emit(request, Failed("the server shut down while this request was being generated; retry.",
+                                  "shutting_down"))
 
-    def _admit(self, state, admitted, free):
-        """Prefills ``admitted`` (``(slot, request)`` pairs) in groups of ``prefill_groups`` sizes."""
-        admitted = sorted(admitted, key=lambda item: len(item[1].prompt))
-        while admitted:
-            size = max(n for n in self.prefill_groups if n <= len(admitted))
-            group, admitted = admitted[:size], admitted[size:]
-            state = self._insert(state, group, free)
+    def _admit(self, state, admitted):
+        """Prefills ``admitted`` (``(slots, request)`` pairs): requests of one choice in groups of
+        ``prefill_groups`` sizes, a request of ``n`` alone, then copied into its other slots."""
+        single = sorted([a for a in admitted if a[1].n == 1], key=lambda item: len(item[1].prompt))
+        while single:
+            size = max(n for n in self.prefill_groups if n <= len(single))
+            group, single = single[:size], single[size:]
+            state = self._insert(state, [(slots[0], request) for slots, request in group])
+        for slots, request in admitted:
+            if request.n > 1:
+                state = self._insert(state, [(slots[0], request)], copies=slots[1:])
         return state
 
-    def _insert(self, state, group, free):
+    def _insert(self, state, group, copies=()):
         t0 = time.perf_counter()
+        slots, requests = zip(*group)
         try:
-            slots, requests = zip(*group)
-            state = self.engine.insert_many(state, slots, [list(r.prompt) for r in requests],
-                                            [r.settings for r in requests])
+            settings = [r.settings for r in requests]
+            if copies:  # choice i samples with fold_in(key(seed), i), as decode's sequence i does
+                first = requests[0].settings
+                base = first.key if first.key is not None else jax.random.key(
+                    secrets.randbits(32) if first.seed is None else first.seed)
+                keys = [jax.random.fold_in(base, i) for i in range(1 + len(copies))]
+                settings = [settings[0]._replace(seed=None, key=keys[0])]
+            state = self.engine.insert_many(state, slots, [list(r.prompt) for r in requests], settings)
+            if copies:
+                state = self.engine.fork(state, slots[0], copies, keys[1:])
             # Waits for the prefill, so that insert_seconds holds its time rather than the next step
             # (the step would wait for it anyway: the device runs one program after the other).
             jax.block_until_ready(state.occupied)
@@ -371,9 +502,10 @@ class Scheduler:
             self.counters.insert_seconds += time.perf_counter() - t0
             if len(group) > 1:  # find the request at fault: the others are served
                 for item in group:
-                    state = self._insert(state, [item], free)
+                    state = self._insert(state, [item])
                 return state
-            free.append(slots[0])
+            with self._cond:
+                self._free.extend((slots[0], *copies))
             self.counters.requests_failed += 1
             _emit(requests[0], Failed(str(e), "invalid_request"))
             return state
@@ -381,76 +513,133 @@ class Scheduler:
         self.counters.prefills += 1
         self.counters.prefilled_requests += len(group)
         for slot, request in group:
+            request.remaining = request.n
             with self._cond:
-                self._live[slot] = _Live(request, TextStream(self.tokenizer, stop=request.stop))
+                for index, s in enumerate((slot, *copies) if request.n > 1 else (slot,)):
+                    stream = TextStream(self.tokenizer, stop=request.stop,
+                                        skip_special_tokens=request.skip_special_tokens)
+                    self._live[s] = _Live(request, index, stream)
             self.counters.prompt_tokens += len(request.prompt)
         return state
 
-    def _release(self, state, slot, free):
+    def _release(self, state, slot):
         t0 = time.perf_counter()
         state = self.engine.release(state, slot)
         self.counters.insert_seconds += time.perf_counter() - t0
         with self._cond:
             del self._live[slot]
-        free.append(slot)
+            self._free.append(slot)
         return state
 
-    def _release_cancelled(self, state, free):
+    def _release_cancelled(self, state):
+        cancelled = {}
         for slot in [s for s, live in self._live.items() if live.request.cancelled]:
             request = self._live[slot].request
-            state = self._release(state, slot, free)
-            self.counters.requests_cancelled += 1
-            _emit(request, Failed("cancelled", "cancelled"))
+            state = self._release(state, slot)
+            cancelled[id(request)] = request
+        for request in cancelled.values():
+            if request.remaining >= 0:  # (a failed request's other choices: its failure was reported)
+                self.counters.requests_cancelled += 1
+                _emit(request, Failed("cancelled", "cancelled"))
         return state
 
-    def _step(self, state, free):
+    def _plan(self):
+        return self.engine.plan({slot: live.request.settings for slot, live in self._live.items()})
+
+    def _step(self, state):
         t0 = time.perf_counter()
         with self._cond:
             waiting = bool(self._waiting) and not self._paused
+            free = bool(self._free)
         # A free slot and nobody waiting: one cycle, so that a request that arrives meanwhile takes
         # the slot after at most one cycle. Otherwise the full step, cut short when a request ends:
         # its last tokens go out at once and its slot is free for the next one.
         cycles = 1 if free and not waiting else self.num_cycles
-        state, out = self.engine.step(state, cycles, until_first_finish=True)
+        state, out = self.engine.step(state, cycles, until_first_finish=True, plan=self._plan())
         stats = state.loop.stats
         out, cycles, drafted, accepted = jax.device_get((out, stats.cycles, stats.drafted, stats.accepted))
-        self.counters.step_seconds += time.perf_counter() - t0
+        now = time.perf_counter()
+        self.counters.step_seconds += now - t0
         self.counters.steps += 1
         for slot in list(self._live):
             live = self._live[slot]
-            request, stream = live.request, live.stream
+            request, stream, index = live.request, live.stream, live.index
+            if request.cancelled:
+                continue  # released before the next step; its client is gone
             new = out.tokens[slot, : out.counts[slot]]
+            before = len(stream.tokens)
             text = stream.push(new)
-            if text:
-                _emit(request, Delta(text))
+            kept = max(stream.covered_tokens(), before)  # after a stop string, the tokens past it do not count
+            if kept > before:
+                self._observe_tokens(live, kept - before, now)
+            if text or kept > before:
+                _emit(request, Delta(text, index, *_token_fields(out, slot, request.settings.logprobs, kept - before)))
             if not (out.done[slot] or stream.stopped):
                 continue
-            state = self._release(state, slot, free)
+            state = self._release(state, slot)
             if out.bad[slot]:
-                self.counters.requests_failed += 1
-                _emit(request, Failed("the model's logits became non-finite (NaN or inf); the request stopped.",
-                                    "non_finite_logits"))
+                self._fail(request, Failed("the model's logits became non-finite (NaN or inf); the "
+                                                  "request stopped.", "non_finite_logits"))
                 continue
             tail = stream.finish()
             if tail:
-                _emit(request, Delta(tail))
-            n = len(stream.tokens)
+                _emit(request, Delta(tail, index))
+            n = kept
             length = (not stream.stopped and n >= request.settings.max_new_tokens
-                      and (n == 0 or stream.tokens[-1] not in self._end_ids(request)))
+                      and (n == 0 or stream.tokens[n - 1] not in self._end_ids(request)))
             c, d, a = int(cycles[slot]), int(drafted[slot]), int(accepted[slot])
-            self.counters.requests_finished += 1
             self.counters.completion_tokens += n
             self.counters.cycles += c
             self.counters.drafted += d
             self.counters.accepted += a
+            request.remaining -= 1
+            if request.remaining == 0:
+                self.counters.requests_finished += 1
+                self.latency["e2e_request_latency_seconds"].observe(now - request.arrived)
             _emit(request, Done("length" if length else "stop", len(request.prompt), n, dict(
-                cycles=c, drafted=d, accepted=a, tau=n / c if c else 0.0, acceptance_rate=a / d if d else 0.0)))
+                cycles=c, drafted=d, accepted=a, tau=n / c if c else 0.0, acceptance_rate=a / d if d else 0.0),
+                index))
         return state
 
+    def _fail(self, request: Request, event: Failed) -> None:
+        """Ends every choice of ``request`` with ``event`` (its other slots freed before the next step)."""
+        self.counters.requests_failed += 1
+        request.cancelled = True  # the other choices' slots: released by _release_cancelled, not counted
+        request.remaining = -1
+        _emit(request, event)
+
+    def _observe_tokens(self, live: _Live, count: int, now: float) -> None:
+        """The time to a choice's first tokens, or the gap since its last ones shared among the
+        ``count`` tokens that arrived together (one observation each)."""
+        with self._cond:
+            if live.last is None:
+                self.latency["time_to_first_token_seconds"].observe(now - live.request.arrived)
+            else:
+                self.latency["inter_token_latency_seconds"].observe((now - live.last) / count, count)
+            live.last = now
+
     def _end_ids(self, request: Request) -> frozenset:
-        eos = request.settings.eos_token_id
-        ends = self.eos_ids if eos is None else frozenset(np.atleast_1d(eos).tolist())
+        if request.settings.eos_token_id == ():
+            ends = frozenset()
+        elif request.settings.eos_token_id is None:
+            ends = self.eos_ids
+        else:
+            ends = frozenset(np.atleast_1d(request.settings.eos_token_id).tolist())
         return ends | frozenset(request.settings.stop_token_ids)
+
+
+def _token_fields(out, slot: int, k: Optional[int], count: int) -> tuple:
+    """``(tokens, logprobs, top)`` of a :class:`Delta`: the first ``count`` tokens slot ``slot``
+    committed in this step, with their log-probabilities where the request asked (``k``)."""
+    tokens = tuple(int(t) for t in out.tokens[slot, :count])
+    if k is None or getattr(out, "logprobs", None) is None:
+        return tokens, None, None
+    logprobs = tuple(float(x) for x in out.logprobs[slot, :count])
+    top = None
+    if k > 0:
+        ids, lps = out.top_ids[slot, :count, :k], out.top_logprobs[slot, :count, :k]
+        top = tuple(tuple((int(i), float(x)) for i, x in zip(row_ids, row_lps)) for row_ids, row_lps in zip(ids, lps))
+    return tokens, logprobs, top
 
 
 def _emit(request: Request, event) -> None:
