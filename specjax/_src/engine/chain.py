@@ -534,10 +534,17 @@ def _logprobs(state: _DecodeState, drafts: _Drafts, verified: _Verified, accepte
     written beside its tokens. The top-N alternatives are computed only when a
     live row asks for them (``rows.logprobs > 0``)."""
     block = committed_block(drafts.tokens, accepted.num_accepted, accepted.emitted)
-    want_top = jnp.bool_(True)
-    if rows is not None and rows.logprobs is not None:
-        want_top = (~state.done & (rows.logprobs > 0)).any()
-    return commit_logprobs(state.logprobs, state.num_committed, verified.inputs.target_logits, block, want_top)
+    if rows is None or rows.logprobs is None:
+        return commit_logprobs(state.logprobs, state.num_committed, verified.inputs.target_logits, block,
+                               jnp.bool_(True))
+    live = ~state.done
+    want_top = (live & (rows.logprobs > 0)).any()
+    # A server compiles log-probs in for the requests that ask; a cycle where none does skips
+    # even the log-sum-exp over the vocabulary (the rows that do not ask never read theirs).
+    return jax.lax.cond((live & (rows.logprobs >= 0)).any(),
+                        lambda: commit_logprobs(state.logprobs, state.num_committed, verified.inputs.target_logits,
+                                                block, want_top),
+                        lambda: state.logprobs)
 
 
 # ---------------------------------------------------------------------------
