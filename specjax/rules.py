@@ -4,7 +4,9 @@ A rule is a hashable value: a frozen pytree dataclass deriving from
 :class:`AcceptanceRule`, with pure ``init`` / ``verify`` / ``update`` methods
 and a ``spec``. Its numeric hyper-parameters (and PAD's head) are traced, so a
 new ``theta`` compiles nothing. Rules are built by lowercase factories and
-combined with :func:`any_of` / :func:`all_of`::
+combined with :func:`any_of` / :func:`all_of`; :func:`one_of` holds several
+rules and a traced index choosing which judges (a rule per request in the
+slots engine)::
 
     from specjax.rules import any_of, mars, speculative_sampling, parse_rule
 
@@ -38,7 +40,7 @@ from specjax._src.rules.base import (
     traced_field,
 )
 from specjax._src.rules.block import BlockVerification, block_verification, stopping_probabilities
-from specjax._src.rules.combinators import AllOf, AnyOf, all_of, any_of
+from specjax._src.rules.combinators import AllOf, AnyOf, OneOf, all_of, any_of, one_of
 from specjax._src.rules.common import entropy, js_distance, paths
 from specjax._src.rules.criteria import Criterion, additive, criterion, multiplicative, top_m, typical
 from specjax._src.rules.ears import Ears, ears
@@ -96,6 +98,8 @@ __all__ = (
     "AnyOf",
     "all_of",
     "AllOf",
+    "one_of",
+    "OneOf",
     "criterion",
     "Criterion",
     "from_functions",

@@ -59,6 +59,8 @@ from specjax._src.engine.prepare import (_bucket, _check_decode_args, _check_min
                                          _prepare_prompts)
 from specjax._src.jit_keys import pytree_classes
 from specjax._src.pairing import ModelPair
+from specjax._src.rules.base import AcceptanceRule
+from specjax._src.rules.combinators import OneOf
 
 Array = jax.Array
 
@@ -87,8 +89,11 @@ class SlotSettings(NamedTuple):
         ``min_new_tokens``), or None.
       rule: this request's acceptance rule: the engine's rule type with its
         own numbers (e.g. ``mars(theta=0.7)`` in an engine built with
-        ``mars()``), where the engine holds per-slot rule numbers (every
-        numeric field of its rule a scalar); None: the engine's rule.
+        ``mars()``), or, in an engine built with ``rule=one_of(...)``, one of
+        its members with numbers of its own (``Engine.rule_for``), where the
+        engine holds per-slot rule numbers (every numeric field of its rule a
+        scalar); None: the engine's rule (a one_of's first member, unless
+        built with another ``index``).
       logprobs: None: no log-probabilities; 0: each committed token's own
         (``StepOutput.logprobs``); ``k`` in ``1 .. Engine(logprobs=N)``'s N:
         also the ``k`` most likely tokens (``StepOutput.top_ids[..., :k]``).
@@ -429,6 +434,9 @@ class Engine:
       rule: the acceptance rule (default ``speculative_sampling()``). When
         every numeric field is a scalar, each slot holds its own numbers
         (``SlotSettings.rule``, default this rule's); otherwise they are shared.
+        ``one_of(r1, r2, ...)``: each request picks one of the rules, with
+        numbers of its own (:meth:`rule_for`; members holding arrays, such as
+        PAD's, make the choice shared: every request gets the default).
       drafting: the drafting policy (default ``fixed()``).
       lookup: ``specjax.drafting.ngram_lookup(...)``: drafts copied from each
         slot's own context.
@@ -926,21 +934,79 @@ class Engine:
                              f"Engine(logprobs=...)), got {logprobs!r}.")
         return number
 
+    @property
+    def served_rules(self) -> tuple:
+        """The rules a request may choose (:meth:`rule_for`): the members of
+        an engine rule built with :func:`specjax.rules.one_of`, else the engine's
+        rule alone. The first is what a request that names none gets."""
+        return tuple(self.rule.rules) if isinstance(self.rule, OneOf) else (self.rule,)
+
+    def rule_for(self, rule) -> AcceptanceRule:
+        """The value of ``SlotSettings.rule`` that has ``rule`` judge a request.
+
+        ``rule``: one of :attr:`served_rules` with the same type and static
+        fields and numbers of its own (``mars(theta=0.7)`` where ``mars()`` is
+        served), or the engine's own rule type with other numbers. In an engine
+        built with ``rule=one_of(...)`` it returns that ``one_of`` with
+        ``index`` pointing at the member and the member's numbers replaced by
+        ``rule``'s (the member whose numbers are ``rule``'s, where several
+        share its type). :meth:`insert` and :meth:`validate` apply it to a
+        ``SlotSettings.rule`` themselves. Raises ``ValueError`` naming the
+        served rules when ``rule`` is none of them."""
+        if not isinstance(rule, AcceptanceRule):
+            raise TypeError(f"rule: expected an AcceptanceRule (e.g. specjax.rules.mars(0.9)), got "
+                            f"{type(rule).__name__}.")
+        if _same_structure(rule, self.rule):
+            return rule
+        if isinstance(self.rule, OneOf):
+            members = self.rule.rules
+            matches = [i for i, member in enumerate(members) if _same_structure(member, rule)]
+            if matches:
+                exact = [i for i in matches if _same_values(members[i], rule)]
+                i = (exact or matches)[0]
+                return self.rule.replace(rules=members[:i] + (rule,) + members[i + 1:], index=i)
+        if not isinstance(self.rule, OneOf):
+            raise ValueError(f"rule: {rule} is not the engine's rule type with other numbers ({self.rule}); a "
+                             "request may change the rule's numbers, not its type or static fields (build the "
+                             "engine with rule=one_of(...) to serve several rules).")
+        served = ", ".join(str(r) for r in self.served_rules)
+        raise ValueError(f"rule: {rule} is not a rule this engine serves ({served}); a request may choose one of "
+                         "these, with numbers of its own, not another type or static setting.")
+
     def _check_rule(self, rule):
-        """A request's rule: the engine's type and static fields, its own numbers (float32 scalars)."""
+        """A request's rule as the slot's row: the engine's rule (its one_of member
+        chosen by :meth:`rule_for`) with the request's numbers (float32 / int32 scalars)."""
         if rule is None:
             rule = self.rule
         elif not self.cfg.per_slot_rule:
-            raise ValueError(f"rule: this engine's rule ({self.rule}) has no per-request numbers (it holds arrays, "
-                             "or none), so every request uses it; leave SlotSettings.rule unset.")
-        elif jax.tree_util.tree_structure(rule) != jax.tree_util.tree_structure(self.rule):
-            raise ValueError(f"rule: {rule} is not the engine's rule type with other numbers ({self.rule}); a "
-                             "request may change the rule's numbers, not its type or static fields.")
+            if not (isinstance(rule, AcceptanceRule) and _same_structure(rule, self.rule)
+                    and _same_values(rule, self.rule)):
+                raise ValueError(f"rule: this engine's rule ({self.rule}) has no per-request numbers (it holds "
+                                 "arrays, such as PAD's pivot head, or no numbers), so every request uses it; leave "
+                                 "SlotSettings.rule unset.")
+        else:
+            rule = self.rule_for(rule)
         if not self.cfg.per_slot_rule:
             return None
-        return jax.tree_util.tree_map(
-            lambda x, ref: np.asarray(x, np.asarray(ref).dtype if np.asarray(ref).dtype != np.float64 else np.float32),
-            rule, self.rule)
+        return jax.tree_util.tree_map(lambda x, ref: np.asarray(x, _slot_dtype(ref)), rule, self.rule)
+
+
+def _slot_dtype(ref) -> np.dtype:
+    """The dtype a rule's number has in the state (JAX's default widths: float32, int32)."""
+    dtype = np.asarray(ref).dtype
+    return {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.int64): np.dtype(np.int32)}.get(dtype, dtype)
+
+
+def _same_structure(a, b) -> bool:
+    """Same pytree classes (``jit_keys``: equal treedefs may hide other classes) and static fields."""
+    return (jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+            and pytree_classes(a) == pytree_classes(b))
+
+
+def _same_values(a, b) -> bool:
+    """Equal numbers leaf for leaf (``a`` and ``b`` of the same structure)."""
+    return all(np.shape(x) == np.shape(y) and np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
 def _check_row_buckets(row_buckets, num_slots: int) -> tuple[int, ...]:

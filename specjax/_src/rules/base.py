@@ -120,10 +120,13 @@ class RuleSpec(NamedTuple):
         # combinators as "any_of(speculative_sampling,mars:theta=0.9)".
         if not self.params:
             return self.name
-        subs = self.params[0][1] if len(self.params) == 1 else None
+        # (one_of's index follows its rules: "one_of(sd,mars:theta=0.9):index=1".)
+        subs = self.params[0][1]
         if (self.params[0][0] == "rules" and isinstance(subs, tuple)
                 and all(isinstance(s, RuleSpec) for s in subs)):
-            return self.name + "(" + ",".join(str(s) for s in subs) + ")"
+            rest = self.params[1:]
+            return (self.name + "(" + ",".join(str(s) for s in subs) + ")"
+                    + (":" + ",".join(f"{k}={v}" for k, v in rest) if rest else ""))
         return self.name + ":" + ",".join(f"{k}={v}" for k, v in self.params)
 
     def get(self, key: str, default: Any = None) -> Any:

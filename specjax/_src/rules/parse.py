@@ -4,6 +4,7 @@ Grammar::
 
     rule    := NAME [":" KEY "=" VALUE ("," KEY "=" VALUE)*]
              | ("any_of" | "all_of") "(" rule ("," rule)* ")"
+             | "one_of" "(" rule ("," rule)* ")" [":index=" INT]
 
 Inside a combinator a comma followed by ``KEY=`` continues the parameter list;
 any other comma starts the next rule, so
@@ -19,7 +20,7 @@ from typing import Any, Callable
 from specjax._src.rules.adasd import adasd
 from specjax._src.rules.base import AcceptanceRule, RuleSpec, speculative_sampling
 from specjax._src.rules.block import block_verification
-from specjax._src.rules.combinators import all_of, any_of
+from specjax._src.rules.combinators import all_of, any_of, one_of
 from specjax._src.rules.criteria import additive, multiplicative, top_m, typical
 from specjax._src.rules.ears import ears
 from specjax._src.rules.mars import mars
@@ -38,7 +39,8 @@ RULES: dict[str, Callable[..., AcceptanceRule]] = {
     "pad": pad_from_spec,  # "pad:head=specjax/assets/pivot,sigma=0.7"
 }
 ALIASES = {"sd": "speculative_sampling", "lossless": "speculative_sampling", "block": "block_verification"}
-COMBINATORS = {"any_of": any_of, "all_of": all_of}
+COMBINATORS = {"any_of": any_of, "all_of": all_of, "one_of": one_of}
+COMBINATOR_PARAMS = {"one_of": ("index",)}  # keys a combinator takes after its rules
 STRING_PARAMS = {"head", "variant"}  # values kept as text (a path, a name), not parsed as numbers
 
 _NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*")
@@ -59,9 +61,11 @@ def rule_from_spec(spec: RuleSpec) -> AcceptanceRule:
     name = ALIASES.get(spec.name, spec.name)
     if name in COMBINATORS:
         keys = [k for k, _ in spec.params]
-        if keys != ["rules"]:
-            raise ValueError(f"{name} takes only 'rules', got {keys}")
-        return COMBINATORS[name](*(rule_from_spec(s) for s in spec.params[0][1]))
+        extra = COMBINATOR_PARAMS.get(name, ())
+        if keys[:1] != ["rules"] or any(k not in extra for k in keys[1:]) or len(set(keys)) != len(keys):
+            allowed = " and ".join(repr(k) for k in ("rules",) + extra)
+            raise ValueError(f"{name} takes only {allowed}, got {keys}")
+        return COMBINATORS[name](*(rule_from_spec(s) for s in spec.params[0][1]), **dict(spec.params[1:]))
     if name not in RULES:
         raise ValueError(f"unknown rule {spec.name!r}; valid rules: {_valid_names()}")
     valid = _params_of(name)
@@ -127,7 +131,10 @@ class _Parser:
                 self.take(",")
                 subs.append(self.rule())
             self.take(")")
-            return RuleSpec(name, (("rules", tuple(subs)),))
+            return RuleSpec(name, (("rules", tuple(subs)),) + tuple(self.params(name)))
+        return RuleSpec(name, tuple(self.params(name)))
+
+    def params(self, name: str) -> list:
         params = []
         if self.peek(":"):
             self.take(":")
@@ -151,7 +158,7 @@ class _Parser:
                 if not (self.peek(",") and _KEY_EQ.match(self.text, self.text.index(",", self.pos) + 1)):
                     break
                 self.take(",")
-        return RuleSpec(name, tuple(params))
+        return params
 
 
 def parse_spec(text: str) -> RuleSpec:
