@@ -22,6 +22,7 @@ from specjax._src.serve import scheduler as sched  # noqa: E402
 from specjax._src.serve.api import ServerConfig, create_app  # noqa: E402
 from specjax._src.serve.server import make_server  # noqa: E402
 from specjax.engine import Engine, SlotSettings  # noqa: E402
+from specjax.rules import ears, mars, one_of, speculative_sampling, typical  # noqa: E402
 from test_decode import count_compilations  # noqa: E402
 
 K, CAPACITY, SLOTS, MAX_QUEUE, LOGPROBS = 4, 128, 2, 2, 5
@@ -31,6 +32,9 @@ MODEL = "embedded"
 TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}# assistant:{% endif %}")
 PROMPT = "def fib(n):"
+# The rules a request may choose (`specjax serve --rules sd,mars:theta=0.5,ears:beta=0.5,typical`);
+# the first, lossless, is what every request that names none gets.
+RULES = (speculative_sampling(), mars(theta=0.5), ears(beta=0.5), typical())
 
 
 class Server:
@@ -68,9 +72,9 @@ def setup():
     draft = specjax.load("embedded-draft", dtype="float32")
     pair = specjax.pair(target, draft)
     # As `specjax serve` builds it: one prompt width, each step and insert reuses the state's buffers,
-    # and each step runs the program for its requests' settings.
+    # and each step runs the program for its requests' settings; a request may pick one of RULES.
     engine = Engine(pair, num_slots=SLOTS, capacity=CAPACITY, num_draft=K, prompt_bucket=CAPACITY, donate_state=True,
-                    specialized_steps=True, max_bias=300, logprobs=LOGPROBS)
+                    specialized_steps=True, max_bias=300, logprobs=LOGPROBS, rule=one_of(*RULES))
     scheduler = sched.Scheduler(engine, target.tokenizer, max_queue=MAX_QUEUE, num_cycles=2,
                                 eos_ids=[target.module.config.eos_token_id])
     config = ServerConfig(MODEL, target, max_body_bytes=MAX_BODY)
@@ -114,6 +118,66 @@ def test_greedy_completion_equals_decode(setup):
                                     extra_body={"num_draft": 0})
     assert off.choices[0].text == r.choices[0].text
     assert off.model_extra["speculative"]["drafted"] == 0
+
+
+def test_a_rule_per_request(setup):
+    """`"speculative": {"rule": ...}` picks one of the served rules for this request: a greedy request
+    gets what decode gives it alone with that rule, the response names it, and no program compiles."""
+    client, target, pair = setup["client"], setup["target"], setup["pair"]
+    ids = target.tokenizer.encode(PROMPT).ids
+    with count_compilations() as compiled:
+        got = {spec: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                               extra_body={"speculative": {"rule": spec}} if spec else None)
+               for spec in (None, "mars:theta=0.5", "mars:theta=0.2", "typical", "sd")}
+        sampled = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=4,
+                                            extra_body={"speculative": {"rule": "ears:beta=0.5"}})
+        off = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                        extra_body={"speculative": {"rule": "mars:theta=0.2", "num_draft": 0}})
+    assert compiled["n"] == 0
+    for spec, rule in ((None, RULES[0]), ("mars:theta=0.5", RULES[1]), ("mars:theta=0.2", mars(theta=0.2)),
+                       ("typical", RULES[3]), ("sd", RULES[0])):
+        ref = specjax.decode(pair, [ids], rule=rule, num_draft=K, max_new_tokens=24, temperature=0.0,
+                             max_length=CAPACITY + K).to_lists()[0]
+        assert got[spec].choices[0].text == target.tokenizer.decode(ref), spec
+        assert got[spec].model_extra["speculative"]["rule"] == str(rule), spec
+    assert got["mars:theta=0.2"].choices[0].text != got[None].choices[0].text  # MARS relaxed a token
+    # No drafts (speculative.num_draft 0), nothing to relax: the target's own greedy text.
+    assert off.model_extra["speculative"]["drafted"] == 0 and off.choices[0].text == got[None].choices[0].text
+    ref = specjax.decode(pair, [ids], rule=ears(beta=0.5), num_draft=K, max_new_tokens=12, temperature=1.0,
+                         key=jax.random.key(4), max_length=CAPACITY + K).to_lists()[0]
+    assert sampled.choices[0].text == target.tokenizer.decode(ref)
+    assert sampled.model_extra["speculative"]["rule"] == "ears:beta=0.5"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, stream=True,
+                                                 extra_body={"speculative": {"rule": "mars:theta=0.5"}}))
+    assert [ch.model_extra["speculative"]["rule"] for ch in chunks if "speculative" in ch.model_extra] == \
+        ["mars:theta=0.5"]
+    # A rule outside the set: 400, naming the rules served.
+    with pytest.raises(openai.BadRequestError, match="ears:beta=0.5, typical:eps=0.09") as refused:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"speculative": {"rule": "block_verification"}})
+    assert refused.value.body["param"] == "speculative.rule"
+    card = httpx.get(setup["url"] + "/v1/models", timeout=5).json()["data"][0]["speculative"]
+    assert card == {"rules": [str(r) for r in RULES], "default_rule": "speculative_sampling", "num_draft": K}
+
+
+def test_cli_rule_sets():
+    """`--rules A,B,...` serves one_of(A, B, ...); a set cannot hold PAD (its head is an array)."""
+    from specjax.cli import serve
+    from specjax.cli.app import build_parser
+
+    def rule(*argv):
+        return serve.served_rule(build_parser().parse_args(["serve", *argv]))
+
+    assert rule() == speculative_sampling() and rule("--rule", "mars:theta=0.9") == mars(0.9)
+    assert rule("--rules", "sd,mars:theta=0.5,ears:beta=0.5,typical") == one_of(*RULES)
+    assert rule("--rules", "typical") == typical()
+    with pytest.raises(SystemExit, match="not both"):
+        rule("--rule", "sd", "--rules", "sd,mars")
+    with pytest.raises(SystemExit, match="--rules 'sd,marz'"):
+        rule("--rules", "sd,marz")
+    with pytest.raises(SystemExit, match="holds arrays"):
+        rule("--rules", "sd,pad:head=specjax/assets/pivot")
 
 
 def test_streaming_and_seed(setup):
@@ -179,6 +243,16 @@ BAD = [
     ("completions", {"stop": ["x" * 300]}, "stop", "invalid_value"),
     ("completions", {"seed": -1}, "seed", "invalid_value"),
     ("completions", {"num_draft": K + 1}, "num_draft", "invalid_value"),
+    ("completions", {"speculative": {"num_draft": K + 1}}, "speculative.num_draft", "invalid_value"),
+    ("completions", {"speculative": {"num_draft": 1}, "num_draft": 2}, "speculative.num_draft", "invalid_value"),
+    ("completions", {"speculative": {"rule": "top_m:m=2"}}, "speculative.rule", "invalid_value"),
+    ("completions", {"speculative": {"rule": "mars:theta=0.5,variant=authors"}}, "speculative.rule", "invalid_value"),
+    ("completions", {"speculative": {"rule": "marz"}}, "speculative.rule", "invalid_value"),
+    ("completions", {"speculative": {"rule": "mars:theta=-1"}}, "speculative.rule", "invalid_value"),
+    ("completions", {"speculative": {"rule": "pad:head=/etc"}}, "speculative.rule", "invalid_value"),
+    ("completions", {"speculative": {"rule": "any_of(" * 5000}}, "speculative.rule", "invalid_value"),
+    ("completions", {"speculative": {"rule": 3}}, "speculative.rule", "invalid_value"),
+    ("chat", {"speculative": {"rules": "sd"}}, "speculative.rules", "invalid_value"),
     ("completions", {"min_tokens": 9}, "min_tokens", "invalid_value"),
     ("completions", {"stop_token_ids": [10**7]}, "stop_token_ids", "invalid_value"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
@@ -276,6 +350,8 @@ def test_full_queue_is_refused_not_hung(setup):
 def test_models_health_and_metrics(setup):
     url = setup["url"]
     assert [m.id for m in setup["client"].models.list()] == [MODEL]
+    assert httpx.get(url + f"/v1/models/{MODEL}", timeout=5).json()["speculative"]["rules"][0] == \
+        "speculative_sampling"
     assert httpx.get(url + "/health", timeout=5).json() == {"status": "ok"}
     m = metrics(url)
     assert m["specjax_requests_finished_total"] >= 1 and m["specjax_slots"] == SLOTS

@@ -30,7 +30,7 @@ def build(args):
     if getattr(args, "tree", None) is not None:
         raise SystemExit("error: --tree: the slots engine drafts chains; token trees are not served yet.")
     lookup, drafting = common.lookup(args), common.drafting_policy(args)
-    rule = parse_rule(args.rule)
+    rule = served_rule(args)
     target, draft = common.load_pair(args)
     if target.tokenizer is None:
         raise SystemExit("error: the target has no tokenizer; the server needs one to read and write text.")
@@ -58,6 +58,33 @@ def build(args):
     config = ServerConfig(name, target, api_key=api_key, max_body_bytes=args.max_body_bytes, seed=args.seed)
     app = create_app(scheduler, config, drain_seconds=args.drain_seconds)
     return app, scheduler
+
+
+def served_rule(args):
+    """The engine's rule: ``--rules A,B,...`` as ``one_of(A,B,...)`` (each request picks one; A is the
+    default), else ``--rule`` (default lossless speculative sampling). Exits with a message for a spec
+    that does not parse, or a set holding a rule whose numbers are arrays (PAD)."""
+    import jax
+
+    from specjax.rules import OneOf, parse_rule
+
+    rules = getattr(args, "rules", None)
+    if rules is not None and getattr(args, "rule", None) is not None:
+        raise SystemExit("error: give --rule (one rule) or --rules (a set requests choose from), not both.")
+    text = rules if rules is not None else (args.rule or "speculative_sampling")
+    flag = "--rules" if rules is not None else "--rule"
+    try:
+        rule = parse_rule(f"one_of({text})" if rules is not None else text)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise SystemExit(f"error: {flag} {text!r}: {e}") from None
+    if isinstance(rule, OneOf):
+        if len(rule.rules) == 1:
+            return rule.rules[0]
+        shared = [str(r) for r in rule.rules if any(jax.numpy.ndim(x) for x in jax.tree_util.tree_leaves(r))]
+        if shared:
+            raise SystemExit(f"error: --rules: {shared[0]} holds arrays (PAD's pivot head), which a per-request set "
+                             "cannot hold per slot; serve it alone with --rule.")
+    return rule
 
 
 def default_capacity(target, draft, num_draft: int, most: int = 512) -> int:
@@ -127,8 +154,11 @@ def run(args) -> int:
 def add_arguments(p) -> None:
     """``specjax serve``'s options (this module imports nothing heavy, so ``--help`` stays fast)."""
     common.add_model_args(p, default_num_draft=None)
-    p.add_argument("--rule", default="speculative_sampling",
+    p.add_argument("--rule",
                    help='acceptance rule spec, e.g. "mars:theta=0.9" (default: lossless speculative sampling)')
+    p.add_argument("--rules", metavar="RULE,RULE,...",
+                   help='the acceptance rules a request may choose ("speculative": {"rule": ...}), e.g. '
+                        '"sd,mars:theta=0.9,ears,typical"; the first is the default (instead of --rule)')
     p.add_argument("--slots", type=int, default=8, help="requests generated at once (default 8)")
     p.add_argument("--capacity", type=int,
                    help="tokens per slot, prompt and completion together (default 512, or the models' positions "

@@ -20,9 +20,12 @@ The scheduler owns the slots.
 Extensions in the bodies: ``top_k``, ``repetition_penalty``, ``min_tokens``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` (vLLM's) and
 ``num_draft`` (the most drafts per cycle for this request; 0 turns
-speculative decoding off) in a request; ``speculative`` (the request's
-cycles, drafted and accepted tokens, tau and acceptance rate) in a response
-and in a stream's last chunk.
+speculative decoding off) and ``speculative`` (``{"rule": "mars:theta=0.8",
+"num_draft": 3}``: the request's acceptance rule, one of those the server
+serves, and its draft cap) in a request; ``speculative`` (the rule used and
+the request's cycles, drafted and accepted tokens, tau and acceptance rate)
+in a response and in a stream's last chunk; ``speculative`` (the served rules)
+in the model card.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specjax._src.engine.slots import SlotSettings
 from specjax._src.engine.text import check_stop_strings
 from specjax._src.processors import GenerationControls
+from specjax._src.rules.base import RuleSpec
+from specjax._src.rules.combinators import OneOf
+from specjax._src.rules.parse import parse_spec, rule_from_spec
 from specjax._src.serve import fields as fields_lib
 from specjax._src.serve import scheduler as sched
 
@@ -63,6 +69,15 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 class StreamOptions(BaseModel):
     include_usage: Optional[StrictBool] = False
+
+
+class Speculative(BaseModel):
+    """A request's ``speculative`` block (specjax's extension)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rule: Optional[StrictStr] = None
+    num_draft: Optional[StrictInt] = None
 
 
 class _Sampling(BaseModel):
@@ -86,6 +101,7 @@ class _Sampling(BaseModel):
     logit_bias: Optional[dict[str, Number]] = None
     min_tokens: Optional[StrictInt] = None
     num_draft: Optional[StrictInt] = None
+    speculative: Optional[Speculative] = None
     n: Optional[StrictInt] = None
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
@@ -318,12 +334,16 @@ async def health(raw: Request):
     return {"status": "ok"}
 
 
-def _model_card(config: ServerConfig) -> dict:
-    return {"id": config.model_name, "object": "model", "created": config.created, "owned_by": "specjax"}
+def _model_card(config: ServerConfig, engine) -> dict:
+    """OpenAI's model object, and ``speculative``: the rules a request may name (the first is the
+    default) and the most drafts per cycle."""
+    return {"id": config.model_name, "object": "model", "created": config.created, "owned_by": "specjax",
+            "speculative": {"rules": [str(r) for r in engine.served_rules], "default_rule": _default_rule(engine),
+                            "num_draft": engine.num_draft}}
 
 
 async def list_models(raw: Request):
-    return {"object": "list", "data": [_model_card(raw.app.state.config)]}
+    return {"object": "list", "data": [_model_card(raw.app.state.config, raw.app.state.scheduler.engine)]}
 
 
 async def retrieve_model(raw: Request, model_id: str):
@@ -331,7 +351,7 @@ async def retrieve_model(raw: Request, model_id: str):
     if model_id != config.model_name:
         raise ApiError(404, f"The model `{model_id}` does not exist; this server serves `{config.model_name}`.",
                        param="model", code="model_not_found")
-    return _model_card(config)
+    return _model_card(config, raw.app.state.scheduler.engine)
 
 
 async def metrics(raw: Request):
@@ -399,8 +419,9 @@ async def _parse(raw: Request, model: type[BaseModel]):
     except ValidationError as e:
         first = e.errors()[0]
         loc = [str(x) for x in first.get("loc", ())]
+        param = (".".join(loc[:2]) if loc[:1] == ["speculative"] else loc[0]) if loc else None
         raise _bad(f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}" if loc else first.get("msg", "invalid"),
-                   loc[0] if loc else None) from None
+                   param) from None
 
 
 def _check_strings(obj) -> None:
@@ -542,7 +563,51 @@ def _chat_prompt(messages: list[dict], config: ServerConfig, capacity: int, add_
 _REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "controls.min_new_tokens": "min_tokens",
                    "controls.logit_bias": "logit_bias", "controls.presence_penalty": "presence_penalty",
                    "controls.frequency_penalty": "frequency_penalty",
-                   "controls.repetition_penalty": "repetition_penalty", "eos_token_id": "stop_token_ids"}
+                   "controls.repetition_penalty": "repetition_penalty", "eos_token_id": "stop_token_ids",
+                   "rule": "speculative.rule"}
+
+
+def _default_rule(engine) -> str:
+    """The rule a request that names none gets."""
+    rule = engine.rule
+    return str(rule.chosen if isinstance(rule, OneOf) else rule)
+
+
+def _request_rule(text: str, engine):
+    """``speculative.rule``'s rule: a 400 naming the served rules for a spec that does not parse or
+    names no served rule (:meth:`specjax.engine.Engine.rule_for`). A request never names a file
+    (PAD's ``head``) for the server to read: a spec naming PAD must be a served rule's own."""
+    served = [str(r) for r in engine.served_rules]
+    where = f"this server serves {', '.join(served)} (GET /v1/models)"
+    try:
+        spec = parse_spec(text)
+    except RecursionError:
+        raise _bad(f"speculative.rule nests too deeply; {where}.", "speculative.rule") from None
+    except ValueError as e:
+        raise _bad(f"speculative.rule: {e}; {where}.", "speculative.rule") from None
+    names, stack = set(), [spec]
+    while stack:
+        node = stack.pop()
+        names.add(node.name)
+        stack.extend(sub for _, value in node.params if isinstance(value, tuple)
+                     for sub in value if isinstance(sub, RuleSpec))
+    if "pad" in names:
+        rule = next((r for r in engine.served_rules if str(r.spec) == str(spec)), None)
+        if rule is None:
+            raise _bad(f"speculative.rule: a request cannot give PAD a pivot head or numbers of its own; {where}.",
+                       "speculative.rule")
+    else:
+        try:
+            rule = rule_from_spec(spec)
+        except RecursionError:
+            raise _bad(f"speculative.rule nests too deeply; {where}.", "speculative.rule") from None
+        except (TypeError, ValueError) as e:
+            raise _bad(f"speculative.rule: {e}; {where}.", "speculative.rule") from None
+    try:
+        engine.rule_for(rule)
+    except (TypeError, ValueError) as e:
+        raise _bad(str(e), "speculative.rule") from None
+    return rule
 
 
 def _settings(body: _Sampling, prompt: list[int], k: Optional[int], scheduler: sched.Scheduler,
@@ -601,15 +666,24 @@ def _settings(body: _Sampling, prompt: list[int], k: Optional[int], scheduler: s
             raise _unsupported(f"{used[0]}: this server was started with --no-penalties (its engine has no logits "
                                "processors); leave the penalties, logit_bias and min_tokens unset.", used[0])
         controls = None
+    num_draft, num_draft_param, rule = body.num_draft, "num_draft", None
+    speculative = body.speculative
+    if speculative is not None and speculative.num_draft is not None:
+        if num_draft is not None and num_draft != speculative.num_draft:
+            raise _bad(f"num_draft={num_draft} and speculative.num_draft={speculative.num_draft} disagree; give "
+                       "one of them.", "speculative.num_draft")
+        num_draft, num_draft_param = speculative.num_draft, "speculative.num_draft"
+    if speculative is not None and speculative.rule is not None:
+        rule = _request_rule(speculative.rule, engine)
     settings = SlotSettings(
         temperature=float(temperature), top_p=1.0 if body.top_p is None else float(body.top_p), top_k=top_k,
         seed=config.request_seed() if body.seed is None else body.seed, max_new_tokens=int(max_tokens),
-        num_draft=body.num_draft, controls=controls, stop_token_ids=tuple(body.stop_token_ids or ()),
-        eos_token_id=() if body.ignore_eos else None, logprobs=k)
+        num_draft=num_draft, controls=controls, stop_token_ids=tuple(body.stop_token_ids or ()),
+        eos_token_id=() if body.ignore_eos else None, logprobs=k, rule=rule)
     errors = engine.validate(settings, len(prompt))
     if errors:
         field = errors[0].field
-        raise _bad(errors[0].message, _REQUEST_FIELDS.get(field, field))
+        raise _bad(errors[0].message, num_draft_param if field == "num_draft" else _REQUEST_FIELDS.get(field, field))
     return settings, stop
 
 
@@ -661,7 +735,8 @@ async def _serve(raw: Request, body: _Sampling, prompt: list[int], k: Optional[i
         scheduler.submit(request)
     except (sched.QueueFull, sched.Closed) as e:
         raise _refusal(e) from None
-    reply = _Reply(config, chat, request.n, k, echo,
+    rule = _default_rule(scheduler.engine) if settings.rule is None else str(settings.rule)
+    reply = _Reply(config, chat, request.n, k, echo, rule,
                    head=dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
                              model=config.model_name))
     if body.stream:
@@ -682,8 +757,9 @@ def _failure(event: sched.Failed) -> ApiError:
 class _Reply:
     """Builds a request's response bodies (OpenAI's shapes) from the scheduler's events."""
 
-    def __init__(self, config: ServerConfig, chat: bool, n: int, k: Optional[int], echo: str, head: dict):
+    def __init__(self, config: ServerConfig, chat: bool, n: int, k: Optional[int], echo: str, rule: str, head: dict):
         self.config, self.chat, self.n, self.k, self.echo, self.head = config, chat, n, k, echo, head
+        self.rule = rule  # the acceptance rule's spec, for the ``speculative`` blocks
         self.kind = ("chat.completion" if chat else "text_completion")
         self.offsets = [len(echo)] * n  # completions' text_offset: where each choice's next token starts
 
@@ -745,14 +821,14 @@ class _Reply:
         completion = sum(d.completion_tokens for d in done)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    @staticmethod
-    def speculative(done: list) -> dict:
-        """The request's counters (summed over its choices)."""
+    def speculative(self, done: list) -> dict:
+        """The rule used and the request's counters (summed over its choices)."""
         if len(done) == 1:
-            return done[0].stats
+            return {"rule": self.rule, **done[0].stats}
         c, d, a = (sum(x.stats[key] for x in done) for key in ("cycles", "drafted", "accepted"))
         tokens = sum(x.completion_tokens for x in done)
-        return dict(cycles=c, drafted=d, accepted=a, tau=tokens / c if c else 0.0, acceptance_rate=a / d if d else 0.0)
+        return dict(rule=self.rule, cycles=c, drafted=d, accepted=a, tau=tokens / c if c else 0.0,
+                    acceptance_rate=a / d if d else 0.0)
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
@@ -826,7 +902,7 @@ async def _sse_events(scheduler, request, events: asyncio.Queue, reply: _Reply, 
             else:
                 done[event.index] = event
                 yield _sse({**reply.chunk(event.index, None, finish=event.finish_reason), **extra,
-                            "speculative": event.stats})
+                            "speculative": {"rule": reply.rule, **event.stats}})
         if include_usage and len(done) == reply.n:
             yield _sse({**reply.head, "object": reply.chunk(0, None)["object"], "choices": [],
                         "usage": reply.usage([done[i] for i in range(reply.n)])})
