@@ -1,5 +1,6 @@
 """The command line and the compare job, on the shipped draft model (small, real tokenizer)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -348,3 +349,46 @@ def test_verdict_claims_only_what_the_sample_shows():
     # With enough questions a loss is shown, and a keep is shown.
     assert compare.keeps_task(_counted("mars:theta=0.9", 0.0, 1.4, 600, 1000), 0.9) is False
     assert compare.keeps_task(_counted("mars:theta=0.9", 0.0, 1.4, 9990, 10000), 0.9) is True
+
+
+def test_the_real_pairs_default_rows_show_every_seed_method():
+    """The main job's rows hold each seed paper's rule (EARS, MARS, AdaSD, PAD, the acceptance
+    theory's typical-set criterion) beside lossless decoding and target-only, each at a
+    temperature where it relaxes something (greedy, EARS, AdaSD and typical are lossless)."""
+    from specjax.rules import parse_rule
+
+    plan = compare.SMOLLM2_PRESETS["default"].plan
+    names = {(parse_rule(c.rule).spec.name if c.rule else None, c.temperature) for c in plan}
+    for name, temperature in (("mars", 0.0), ("pad", 0.0), ("ears", 1.0), ("adasd", 1.0), ("typical", 1.0),
+                              ("speculative_sampling", 0.0), ("speculative_sampling", 1.0), (None, 0.0), (None, 1.0)):
+        assert (name, temperature) in names, (name, temperature)
+
+
+def test_the_plot_labels_every_row(tmp_path, monkeypatch):
+    """A row drawn on one temperature's panel only (the lookup rows, MARS at T=0) is in the legend too."""
+    import matplotlib.figure
+
+    labels = []
+    legend = matplotlib.figure.Figure.legend
+    monkeypatch.setattr(matplotlib.figure.Figure, "legend",
+                        lambda self, handles, names, **kw: labels.extend(names) or legend(self, handles, names, **kw))
+    rows = [_row("target-only", 0.0, 1.0, 1.0), _row("speculative_sampling +lookup", 0.0, 1.6, 1.0),
+            _row("mars:theta=0.9 +lookup", 0.0, 1.9, 0.93), _row("target-only", 1.0, 1.0, 1.0),
+            _row("block_verification", 1.0, 1.4, 1.0)]
+    compare.plot_speedup_vs_recovery(rows, tmp_path / "plot.png")
+    assert sorted(labels) == sorted({r.method for r in rows})
+
+
+def test_untimed_task_questions_score_target_only_and_relaxed_rows(small_model):
+    """Where task questions run untimed (the chat set), a lossless row is not scored (its law is
+    the target's: recovery 1 by construction), target-only and a relaxed row are."""
+    base = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=3, num_code=2)
+    eval_set = dataclasses.replace(base, timed_open_only=True)
+    contenders = (compare.Contender(1.0), compare.Contender(1.0, "speculative_sampling"),
+                  compare.Contender(1.0, "ears:beta=0.5"))
+    rows = compare.run_comparison(small_model, small_model, eval_set, contenders=contenders, max_new_tokens=6,
+                                  progress=False)
+    target_only, lossless, relaxed = rows
+    assert target_only.task_total == relaxed.task_total == 3
+    assert lossless.task_total == 0 and lossless.recovery == 1.0
+    assert "not scored" in compare.quality_notes(rows)
