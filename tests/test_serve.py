@@ -271,6 +271,17 @@ BAD = [
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported"),
     ("chat", {"tool_choice": "auto"}, "tool_choice", "unsupported"),
     ("chat", {"functions": [{"name": "f"}]}, "functions", "unsupported"),
+    ("completions", {"repetition_penalty": 1e-300}, "repetition_penalty", "invalid_value"),
+    ("completions", {"repetition_penalty": 1e-38, "temperature": 1.0}, "repetition_penalty", "invalid_value"),
+    ("completions", {"logit_bias": {" 5": 1}}, "logit_bias", "invalid_value"),
+    ("completions", {"logit_bias": {"05": 1}}, "logit_bias", "invalid_value"),
+    ("completions", {"logit_bias": {"\u0665": 1}}, "logit_bias", "invalid_value"),
+    ("completions", {"min_tokens": -1}, "min_tokens", "invalid_value"),
+    ("completions", {"prompt": [True]}, "prompt", "invalid_value"),
+    ("completions", {"stop_token_ids": list(range(17))}, "stop_token_ids", "invalid_value"),
+    ("chat", {"max_completion_tokens": 0}, "max_completion_tokens", "invalid_value"),
+    ("chat", {"messages": [{"role": "user", "content": ""}] * (CAPACITY + 1)}, "messages",
+     "context_length_exceeded"),
 ]
 
 
@@ -287,6 +298,8 @@ def test_bad_request_gets_an_openai_error_body(setup, route, change, param, code
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] == code
     assert len(error["message"]) > 10
+    # The request's own field names, not the engine's.
+    assert not any(name in error["message"] for name in ("controls.", "max_new_tokens", "min_new_tokens"))
 
 
 def test_bad_requests_through_the_client(setup):
@@ -912,3 +925,78 @@ def test_docs_list_every_field():
     honoured = set(api.CompletionRequest.model_fields) | set(api.ChatRequest.model_fields)
     missing = [f for f in sorted(honoured | set(fields.REFUSED) | set(fields.IGNORED)) if f"`{f}`" not in doc]
     assert not missing, f"docs/server.md does not list {missing}"
+
+
+def test_probe_findings_of_the_second_round(setup, slow_steps, monkeypatch):
+    """What a second hostile probe found, each fixed: a queued client that leaves gives its place
+    back; a body without surrogate escapes is not walked; a stop string across steps counts the
+    same tokens whatever the steps; an empty completion still has a logprobs object; chat
+    logprobs carry a byte-level token's own bytes; no /docs; no trailing-slash redirect."""
+    from specjax._src.serve import api
+
+    url, scheduler, client = setup["url"], setup["scheduler"], setup["client"]
+    # A client that leaves while queued: its place is free at once.
+    before = scheduler.metrics()["requests_cancelled"]
+    with scheduler.paused():
+        threads = [threading.Thread(target=lambda: pytest.raises(httpx.ReadTimeout, httpx.post, url + "/v1/completions",
+                                                                 json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2},
+                                                                 timeout=0.5)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert wait_for(lambda: scheduler.metrics()["queue_depth"] == 0, 3)
+    assert scheduler.metrics()["requests_cancelled"] == before + 2
+    # A body with no \u escape of a surrogate is never walked.
+    monkeypatch.setattr(api, "_check_strings", lambda obj: pytest.fail("walked a body without surrogate escapes"))
+    junk = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "x": [{}] * 5000}
+    assert httpx.post(url + "/v1/completions", json=junk, timeout=30).status_code == 200
+    monkeypatch.undo()
+
+
+def test_stop_strings_and_logprobs_count_the_completions_tokens(setup):
+    client, target = setup["client"], setup["target"]
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[6:30]  # a long stop string: found steps after its first tokens were generated
+    counts = set()
+    for num_draft in (0, K):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop, logprobs=0,
+                                      extra_body={"num_draft": num_draft, "ignore_eos": True})
+        text, lp = r.choices[0].text, r.choices[0].logprobs
+        assert text == full[:6] and r.choices[0].finish_reason == "stop"
+        assert len(lp.tokens) == r.usage.completion_tokens
+        assert "".join(lp.tokens).startswith(text)  # the tokens cover the text...
+        assert not "".join(lp.tokens[:-1]).startswith(text)  # ...and none past what it needs
+        counts.add(r.usage.completion_tokens)
+    assert len(counts) == 1, counts  # the same tokens however the steps fell
+    empty = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=full[:2],
+                                      logprobs=0)
+    assert empty.choices[0].text == "" and empty.choices[0].logprobs.tokens == []
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          temperature=0, logprobs=True, logit_bias={"97": 100})
+    token = chat.choices[0].logprobs.content[0]
+    assert target.tokenizer.id_to_token(97) == "\u00a1" and token.bytes == [0xA1]  # a raw byte, not U+FFFD's three
+
+
+def test_routes_outside_the_api_are_errors(setup):
+    url = setup["url"]
+    for path in ("/docs", "/redoc", "/openapi.json", "/health/"):
+        r = httpx.get(url + path, timeout=5, follow_redirects=False)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (path, r.status_code)
+    big = b'{"model": "embedded", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
+    r = httpx.post(url + "/v1/completions", content=big, timeout=5)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
+
+
+def test_metrics_keep_every_digit():
+    from specjax._src.serve.api import prometheus_text
+    from specjax._src.serve.scheduler import _latency_histograms
+
+    m = {key: 0 for key in ("requests_finished", "requests_failed", "requests_cancelled", "requests_refused",
+                            "completion_tokens", "drafted", "accepted", "cycles", "steps", "prefills",
+                            "prefilled_requests", "queue_depth", "live_slots", "num_slots")}
+    m.update(prompt_tokens=12345678, step_seconds=1234567.25, insert_seconds=0.0, busy_seconds=0.0, host_share=0.0,
+             latency=_latency_histograms())
+    text = prometheus_text(m)
+    assert "specjax_prompt_tokens_total 12345678\n" in text and "specjax_step_seconds_total 1234567.25\n" in text

@@ -38,6 +38,9 @@ Array = jax.Array
 
 # OpenAI's ranges: presence / frequency in [-2, 2], a bias in [-100, 100].
 MAX_PENALTY = 2.0
+# The repetition penalty divides (or multiplies) logits: far from 1, float32 logits overflow to
+# inf and the distribution turns to NaN, so it is kept to a range where any logit stays finite.
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 MAX_BIAS = 100.0
 
 
@@ -221,7 +224,7 @@ class GenerationControls:
     """One request's generation controls (host values, checked by ``check_controls``).
 
     Attributes:
-      repetition_penalty: ``> 0``; 1 (default) is off, above 1 discourages
+      repetition_penalty: in ``[1e-3, 1e3]``; 1 (default) is off, above 1 discourages
         tokens already in the prompt or the output.
       presence_penalty: in [-2, 2], subtracted once from every generated token.
       frequency_penalty: in [-2, 2], subtracted per occurrence.
@@ -243,8 +246,12 @@ def check_controls(controls: Optional[GenerationControls], vocab: int, where: st
     if not isinstance(controls, GenerationControls):
         raise TypeError(f"{where} must be specjax.GenerationControls(...), got {type(controls).__name__}.")
     r = _number(f"{where}.repetition_penalty", controls.repetition_penalty)
+    low, high = REPETITION_PENALTY_RANGE
     if not r > 0:
         raise ValueError(f"{where}.repetition_penalty must be > 0 (1 is off, above 1 penalises repeats), got {r}.")
+    if not low <= r <= high:
+        raise ValueError(f"{where}.repetition_penalty must be in [{low:g}, {high:g}] (1 is off, above 1 penalises "
+                         f"repeats; further from 1, float32 logits overflow), got {r}.")
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(f"{where}.{name}", getattr(controls, name))
         if not -MAX_PENALTY <= value <= MAX_PENALTY:

@@ -22,7 +22,7 @@ def build(args):
     """``(app, scheduler)`` from the parsed options: the pair loaded, the engine built, nothing compiled yet."""
     _require_server_packages()
     import specjax
-    from specjax._src.serve.api import ServerConfig, create_app
+    from specjax._src.serve.api import MAX_STOP_TOKEN_IDS, ServerConfig, create_app
     from specjax._src.serve.scheduler import Scheduler
     from specjax.engine import Engine
     from specjax.rules import parse_rule
@@ -48,7 +48,7 @@ def build(args):
     engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=capacity, num_draft=num_draft,
                     rule=rule, drafting=drafting, lookup=lookup, controls=not args.no_penalties,
                     prompt_bucket=min(capacity, 512), row_buckets="powers", donate_state=True,
-                    specialized_steps=True, max_bias=300, logprobs=args.max_logprobs)
+                    specialized_steps=True, max_bias=300, max_eos=MAX_STOP_TOKEN_IDS + 4, logprobs=args.max_logprobs)
     eos = getattr(target.module.config, "eos_token_id", None)
     eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,

@@ -105,6 +105,18 @@ class TextStream:
                 lo = mid + 1
         return lo
 
+    def final_tokens(self) -> int:
+        """How many of the tokens lie wholly within the text returned so far (the
+        others may still turn out to be part of a stop string)."""
+        lo, hi = 0, len(self.tokens)
+        while lo < hi:  # the largest m whose decoding fits the text sent
+            mid = (lo + hi + 1) // 2
+            if len(self._decode(self.tokens[:mid])) <= self._sent:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def _decode(self, tokens=None) -> str:
         tokens = self.tokens if tokens is None else tokens
         try:

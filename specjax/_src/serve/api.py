@@ -35,6 +35,8 @@ import contextlib
 import functools
 import hmac
 import json
+import logging
+import math
 import random
 import re
 import secrets
@@ -47,6 +49,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Strict, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specjax._src.engine.cycle import LOGPROB_FLOOR
 from specjax._src.engine.slots import SlotSettings
 from specjax._src.engine.text import check_stop_strings
 from specjax._src.processors import GenerationControls
@@ -58,7 +61,10 @@ from specjax._src.serve import scheduler as sched
 
 Number = Annotated[float, Strict()]  # an int or a float; not a string or a bool
 
-MAX_STOP_CHARS = 256  # per stop string: the stream holds back this much text while it may be one
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 16
+MAX_RULE_CHARS = 256  # an engine built for the server holds these beside the model's EOS ids
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # ASCII digits only (str.isdigit takes other scripts')  # per stop string: the stream holds back this much text while it may be one
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -211,6 +217,39 @@ class ServerConfig:
         """A token's own text, as logprobs name it."""
         return self.target.tokenizer.decode([token], skip_special_tokens=False)
 
+    @functools.lru_cache(maxsize=65536)  # noqa: B019
+    def token_bytes(self, token: int) -> list[int]:
+        """A token's own bytes (chat logprobs' ``bytes``): a byte-level BPE token's raw bytes, which
+        may be part of one UTF-8 character, or a ``<0xNN>`` byte-fallback token's byte; else the
+        UTF-8 of its text."""
+        piece = self.target.tokenizer.id_to_token(token)
+        if piece is not None:
+            fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+            if fallback:
+                return [int(fallback.group(1), 16)]
+            if _is_byte_level(self.target.tokenizer) and all(c in _BYTE_OF for c in piece):
+                return [_BYTE_OF[c] for c in piece]
+        return list(self.token_text(token).encode("utf-8"))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: each byte's printable stand-in character."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(keep, map(chr, chars)))
+
+
+_BYTE_OF = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _is_byte_level(tokenizer) -> bool:
+    return type(getattr(tokenizer, "decoder", None)).__name__ == "ByteLevel"
+
 
 def create_app(scheduler: sched.Scheduler, config: ServerConfig, *, drain_seconds: float = 30.0) -> FastAPI:
     """The FastAPI app; its lifespan starts ``scheduler`` (compiling in the background:
@@ -225,7 +264,10 @@ def create_app(scheduler: sched.Scheduler, config: ServerConfig, *, drain_second
         yield
         await asyncio.get_running_loop().run_in_executor(None, scheduler.close, drain_seconds)
 
-    app = FastAPI(title="specjax", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json (undocumented routes outside the API key), and no 307
+    # redirect for a trailing slash (its Location would come from the client's Host header).
+    app = FastAPI(title="specjax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.redirect_slashes = False
     app.state.scheduler, app.state.config = scheduler, config
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
     app.add_exception_handler(ApiError, _api_error)
@@ -290,7 +332,20 @@ class _Guard:
                     raise self._too_large()
             return message
 
-        await self.app(scope, counted_receive, send_with_id)
+        started = False
+
+        async def send_tracked(message):
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send_with_id(message)
+
+        try:
+            await self.app(scope, counted_receive, send_tracked)
+        except Exception:  # noqa: BLE001 -- answered here so that the 500 carries the request id too
+            logging.getLogger("specjax.serve").exception("request %s failed", request_id)
+            if started:
+                raise
+            await _server_error().response()(scope, receive, send_with_id)
 
     def _too_large(self) -> ApiError:
         return ApiError(413, f"The request body exceeds {self.max_body_bytes} bytes (the server's "
@@ -313,9 +368,13 @@ async def _http_error(request, e: StarletteHTTPException):
                         headers=getattr(e, "headers", None))
 
 
+def _server_error() -> ApiError:
+    return ApiError(500, "The server failed while answering this request; see its log for the request id.",
+                    type="server_error", code="internal_error")
+
+
 async def _internal_error(request, e: Exception):
-    return ApiError(500, f"The server failed on this request ({type(e).__name__}); the request was not served.",
-                    type="server_error", code="internal_error").response()
+    return _server_error().response()
 
 
 # ---------------------------------------------------------------------------
@@ -369,7 +428,8 @@ async def completions(raw: Request):
         raise _unsupported("echo with logprobs asks for the prompt's log-probabilities, which this server does "
                            "not compute; send echo or logprobs, not both.", "echo")
     prompt = await asyncio.to_thread(_completion_prompt, body.prompt, config, scheduler.engine.capacity)
-    echo = (body.prompt if isinstance(body.prompt, str) else config.target.tokenizer.decode(prompt)) \
+    echo = (body.prompt if isinstance(body.prompt, str) else
+            config.target.tokenizer.decode(prompt, skip_special_tokens=body.skip_special_tokens is not False)) \
         if body.echo else ""
     return await _serve(raw, body, prompt, k, began, chat=False, echo=echo)
 
@@ -406,10 +466,13 @@ async def _parse(raw: Request, model: type[BaseModel]):
     except RecursionError:
         raise _bad("The body's JSON nests too deeply to read.", None, "invalid_json") from None
     except ValueError as e:
+        if "int_max_str_digits" in str(e) or "integer string conversion" in str(e):
+            raise _bad("The body holds an integer of more than 4300 digits; no field takes one.") from None
         raise _bad(f"The body is not valid JSON: {e}.", None, "invalid_json") from None
     if not isinstance(obj, dict):
         raise _bad(f"The body must be a JSON object, got {type(obj).__name__}.", None, "invalid_json")
-    _check_strings(obj)
+    if _SURROGATE_ESCAPE.search(text):  # (valid UTF-8 holds no surrogate: only a \u escape can)
+        _check_strings(obj)
     for name, value in obj.items():
         message = fields_lib.refusal(name, value)
         if message is not None:
@@ -420,8 +483,20 @@ async def _parse(raw: Request, model: type[BaseModel]):
         first = e.errors()[0]
         loc = [str(x) for x in first.get("loc", ())]
         param = (".".join(loc[:2]) if loc[:1] == ["speculative"] else loc[0]) if loc else None
-        raise _bad(f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}" if loc else first.get("msg", "invalid"),
-                   param) from None
+        message = f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}" if loc else first.get("msg", "invalid")
+        if param in _UNION_FIELDS:  # pydantic names one arm of the union; say what the field takes
+            message = _UNION_FIELDS[param]
+        raise _bad(message, param) from None
+
+
+_UNION_FIELDS = {
+    "prompt": "prompt must be a string, a list of token ids (integers), or a list holding one of those.",
+    "stop": "stop must be a string or a list of strings.",
+    "messages": "messages must be a list of {role, content} objects, content a string or a list of text parts.",
+}
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _check_strings(obj) -> None:
@@ -461,6 +536,9 @@ def _check_common(body: _Sampling, scheduler: sched.Scheduler, config: ServerCon
                    "(each choice takes one).", "n")
     if body.stream_options is not None and not body.stream:
         raise _bad("stream_options is only allowed with stream=true.", "stream_options")
+    if body.stop_token_ids and len(set(body.stop_token_ids)) > MAX_STOP_TOKEN_IDS:
+        raise _bad(f"stop_token_ids holds {len(set(body.stop_token_ids))} ids; at most {MAX_STOP_TOKEN_IDS}.",
+                   "stop_token_ids")
     if body.stop_token_ids and any(not 0 <= t < config.target.vocab_size for t in body.stop_token_ids):
         raise _bad(f"stop_token_ids must be token ids in 0 .. {config.target.vocab_size - 1}.", "stop_token_ids")
 
@@ -549,7 +627,8 @@ def _chat_prompt(messages: list[dict], config: ServerConfig, capacity: int, add_
     if target.chat_template is None:
         raise _bad("The served model has no chat template: send plain prompts to /v1/completions, or start the "
                    "server with --chat-template FILE (a Jinja template).", "messages", "no_chat_template")
-    if sum(len(m["content"].encode("utf-8")) for m in messages) > capacity * config.max_token_bytes:
+    if (len(messages) > capacity  # a template renders each message as one token at least
+            or sum(len(m["content"].encode("utf-8")) for m in messages) > capacity * config.max_token_bytes):
         raise _too_long("conversation", "messages", capacity)
     try:
         return encode_chat(target, messages, add_generation_prompt=add_generation_prompt)
@@ -579,6 +658,8 @@ def _request_rule(text: str, engine):
     (PAD's ``head``) for the server to read: a spec naming PAD must be a served rule's own."""
     served = [str(r) for r in engine.served_rules]
     where = f"this server serves {', '.join(served)} (GET /v1/models)"
+    if len(text) > MAX_RULE_CHARS:  # (a spec is a few dozen characters; the messages below quote it)
+        raise _bad(f"speculative.rule is longer than {MAX_RULE_CHARS} characters; {where}.", "speculative.rule")
     try:
         spec = parse_spec(text)
     except RecursionError:
@@ -621,16 +702,18 @@ def _settings(body: _Sampling, prompt: list[int], k: Optional[int], scheduler: s
                    "together), so it leaves no room for a completion. Shorten the prompt, or start the server "
                    "with a larger --capacity.", "prompt" if isinstance(body, CompletionRequest) else "messages",
                    "context_length_exceeded")
+    max_field = ("max_completion_tokens" if isinstance(body, ChatRequest) and body.max_completion_tokens is not None
+                 else "max_tokens")
     max_tokens = room if body.max_tokens is None else body.max_tokens
     if max_tokens < 1:
-        raise _bad(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        raise _bad(f"{max_field} must be at least 1, got {max_tokens}.", max_field)
     if max_tokens > room:
-        raise _bad(f"max_tokens={max_tokens} with a prompt of {len(prompt)} tokens exceeds the slot capacity "
+        raise _bad(f"{max_field}={max_tokens} with a prompt of {len(prompt)} tokens exceeds the slot capacity "
                    f"({engine.capacity} tokens, prompt and completion together): ask for at most {room}.",
-                   "max_tokens", "context_length_exceeded")
+                   max_field, "context_length_exceeded")
     if body.min_tokens is not None and body.min_tokens > max_tokens:
-        raise _bad(f"min_tokens={body.min_tokens} exceeds max_tokens={max_tokens}: no completion could satisfy "
-                   "both.", "min_tokens")
+        raise _bad(f"min_tokens={body.min_tokens} exceeds {max_field}={max_tokens}: EOS and stop ids are blocked "
+                   "until min_tokens, so the completion would end at the limit first.", "min_tokens")
     temperature = 1.0 if body.temperature is None else body.temperature
     if not 0.0 <= temperature <= 2.0:
         raise _bad(f"temperature must be in [0, 2], got {temperature}.", "temperature")
@@ -648,10 +731,11 @@ def _settings(body: _Sampling, prompt: list[int], k: Optional[int], scheduler: s
         raise _bad(str(e), "stop") from None
     bias = None
     if body.logit_bias:
-        try:
-            bias = {int(key): float(value) for key, value in body.logit_bias.items()}
-        except ValueError:
-            raise _bad("logit_bias keys must be token ids (integers as strings).", "logit_bias") from None
+        bad_keys = [key for key in body.logit_bias if not _TOKEN_ID.fullmatch(key)]
+        if bad_keys:
+            raise _bad(f"logit_bias key {bad_keys[0][:40]!r} is not a token id: keys are token ids written as "
+                       "decimal integers without sign, spaces or leading zeros (\"5\", \"1024\").", "logit_bias")
+        bias = {int(key): float(value) for key, value in body.logit_bias.items()}
     controls = GenerationControls(
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
@@ -682,8 +766,14 @@ def _settings(body: _Sampling, prompt: list[int], k: Optional[int], scheduler: s
         eos_token_id=() if body.ignore_eos else None, logprobs=k, rule=rule)
     errors = engine.validate(settings, len(prompt))
     if errors:
-        field = errors[0].field
-        raise _bad(errors[0].message, num_draft_param if field == "num_draft" else _REQUEST_FIELDS.get(field, field))
+        field, message = errors[0]
+        param = num_draft_param if field == "num_draft" else _REQUEST_FIELDS.get(field, field)
+        if field == "max_new_tokens":
+            param = max_field
+        for engine_name, request_name in (*_REQUEST_FIELDS.items(), ("min_new_tokens", "min_tokens"),
+                                          ("max_new_tokens", max_field)):
+            message = message.replace(engine_name, request_name)  # the request's own names in the message
+        raise _bad(message, param)
     return settings, stop
 
 
@@ -746,6 +836,12 @@ async def _serve(raw: Request, body: _Sampling, prompt: list[int], k: Optional[i
     return await _collect(raw, scheduler, request, events, reply)
 
 
+def _finite(x: float) -> float:
+    """A log-probability JSON can carry (a non-finite one, which checked settings should not
+    produce, reports the floor rather than breaking the body)."""
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
 def _failure(event: sched.Failed) -> ApiError:
     if event.code == "invalid_request":
         return _bad(event.message)
@@ -768,30 +864,38 @@ class _Reply:
         if self.k is None or delta.logprobs is None:
             return None
         text = self.config.token_text
+        # Alternatives that top-k / top-p cut off (the floor) are left out: "up to k" of them.
+        tops = [[(t, lp) for t, lp in row if lp > LOGPROB_FLOOR] for row in delta.top] if delta.top else None
         if self.chat:
             def entry(token, logprob):
-                s = text(token)
-                return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+                return {"token": text(token), "logprob": _finite(logprob), "bytes": self.config.token_bytes(token)}
 
             content = []
             for i, (token, logprob) in enumerate(zip(delta.tokens, delta.logprobs)):
-                top = [entry(t, lp) for t, lp in delta.top[i]] if delta.top else []
+                top = [entry(t, lp) for t, lp in tops[i]] if tops else []
                 content.append({**entry(token, logprob), "top_logprobs": top})
             return {"content": content, "refusal": None}
         tokens = [text(t) for t in delta.tokens]
         offsets = []
-        for s in tokens:
+        for token in tokens:
             offsets.append(self.offsets[delta.index])
-            self.offsets[delta.index] += len(s)
-        top = [{text(t): lp for t, lp in row} for row in delta.top] if delta.top else None
-        return {"tokens": tokens, "token_logprobs": list(delta.logprobs), "top_logprobs": top,
+            self.offsets[delta.index] += len(token)
+        top = [{text(t): _finite(lp) for t, lp in row} for row in tops] if tops is not None else None
+        return {"tokens": tokens, "token_logprobs": [_finite(x) for x in delta.logprobs], "top_logprobs": top,
                 "text_offset": offsets}
 
-    @staticmethod
-    def merge_logprobs(parts: list) -> Optional[dict]:
+    def no_logprobs(self) -> Optional[dict]:
+        """An empty log-probabilities object (a choice with no tokens), or None where none were asked."""
+        if self.k is None:
+            return None
+        if self.chat:
+            return {"content": [], "refusal": None}
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [] if self.k else None, "text_offset": []}
+
+    def merge_logprobs(self, parts: list) -> Optional[dict]:
         parts = [p for p in parts if p is not None]
         if not parts:
-            return None
+            return self.no_logprobs()
         merged = {key: ([] if value is not None else None) for key, value in parts[0].items() if key != "refusal"}
         for p in parts:
             for key in merged:
@@ -957,7 +1061,7 @@ def prometheus_text(m: dict) -> str:
     m["tau"] = m["completion_tokens"] / m["cycles"] if m["cycles"] else 0.0
     lines = []
     for name, kind, key, help_text in _METRICS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {float(m[key]):.6g}"]
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_number(m[key])}"]
     for key, help_text in _HISTOGRAMS:
         h, name = m["latency"][key], f"specjax_{key}"
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
@@ -965,5 +1069,10 @@ def prometheus_text(m: dict) -> str:
         for bound, count in zip((*h.bounds, "+Inf"), h.counts):
             cumulative += count
             lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        lines += [f"{name}_sum {h.total:.6g}", f"{name}_count {h.count}"]
+        lines += [f"{name}_sum {_number(h.total)}", f"{name}_count {h.count}"]
     return "\n".join(lines) + "\n"
+
+
+def _number(value) -> str:
+    """A sample value, exactly: counters grow past a million, where 6 significant digits round."""
+    return str(int(value)) if isinstance(value, int) else repr(float(value))

@@ -131,10 +131,42 @@ class Request:
 
 @dataclasses.dataclass
 class _Live:
+    """A slot's choice: its stream, and where the request asked for them, its tokens'
+    log-probabilities (``logprobs``, ``top``: aligned with ``stream.tokens``) until their text
+    is final (``reported`` of them are out)."""
+
     request: Request
     index: int  # the choice this slot generates
     stream: TextStream
     last: Optional[float] = None  # when its last tokens went out (None: none yet)
+    logprobs: Optional[list] = None
+    top: Optional[list] = None
+    reported: int = 0
+
+    def keep_logprobs(self, out, slot: int) -> None:
+        """Keeps this step's tokens' log-probabilities (their text may still be held back)."""
+        count, k = int(out.counts[slot]), self.request.settings.logprobs
+        self.logprobs.extend(float(x) for x in out.logprobs[slot, :count])
+        if k:
+            ids, lps = out.top_ids[slot, :count, :k], out.top_logprobs[slot, :count, :k]
+            self.top.extend(tuple((int(i), float(x)) for i, x in zip(row_ids, row_lps))
+                            for row_ids, row_lps in zip(ids, lps))
+
+    def delta(self, text: str, finished: bool) -> Optional[Delta]:
+        """The event for ``text``: with log-probabilities, those of the tokens whose text is now
+        final (a token inside a held-back stop-string candidate waits; one past the stop never
+        goes out), so that the tokens reported are the completion's, however steps fell."""
+        if self.logprobs is None:
+            return Delta(text, self.index) if text else None
+        stream = self.stream
+        final = stream.covered_tokens() if finished else stream.final_tokens()
+        final = max(final, self.reported)
+        if not text and final == self.reported:
+            return None
+        span = slice(self.reported, final)
+        self.reported = final
+        return Delta(text, self.index, tuple(stream.tokens[span]), tuple(self.logprobs[span]),
+                     tuple(self.top[span]) if self.top is not None else None)
 
 
 # Prometheus histogram bounds (seconds), vLLM's with finer steps below 10 ms: a speculative
@@ -297,9 +329,15 @@ class Scheduler:
             self._cond.notify()
 
     def cancel(self, request: Request) -> None:
-        """Ends ``request`` (e.g. its client went away): its slots are freed before the next step."""
+        """Ends ``request`` (e.g. its client went away): a waiting one leaves the queue at once
+        (its place goes to the next), a live one's slots are freed before the next step."""
         with self._cond:
+            if request.cancelled:
+                return
             request.cancelled = True
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self.counters.requests_cancelled += 1
             self._cond.notify()
 
     def paused(self):
@@ -518,7 +556,9 @@ class Scheduler:
                 for index, s in enumerate((slot, *copies) if request.n > 1 else (slot,)):
                     stream = TextStream(self.tokenizer, stop=request.stop,
                                         skip_special_tokens=request.skip_special_tokens)
-                    self._live[s] = _Live(request, index, stream)
+                    k = request.settings.logprobs
+                    self._live[s] = _Live(request, index, stream, logprobs=None if k is None else [],
+                                          top=[] if k else None)
             self.counters.prompt_tokens += len(request.prompt)
         return state
 
@@ -569,22 +609,26 @@ class Scheduler:
             new = out.tokens[slot, : out.counts[slot]]
             before = len(stream.tokens)
             text = stream.push(new)
-            kept = max(stream.covered_tokens(), before)  # after a stop string, the tokens past it do not count
-            if kept > before:
-                self._observe_tokens(live, kept - before, now)
-            if text or kept > before:
-                _emit(request, Delta(text, index, *_token_fields(out, slot, request.settings.logprobs, kept - before)))
-            if not (out.done[slot] or stream.stopped):
+            if live.logprobs is not None:
+                live.keep_logprobs(out, slot)
+            counted = stream.covered_tokens() if stream.stopped else len(stream.tokens)  # past a stop: not output
+            if counted > before:
+                self._observe_tokens(live, counted - before, now)
+            finishing = bool(out.done[slot]) or stream.stopped
+            if finishing and out.bad[slot]:
+                state = self._release(state, slot)
+                self._fail(request, Failed("the model's logits became non-finite (NaN or inf); the "
+                                           "request stopped.", "non_finite_logits"))
+                continue
+            if finishing:
+                text += stream.finish()
+            delta = live.delta(text, finishing)
+            if delta is not None:
+                _emit(request, delta)
+            if not finishing:
                 continue
             state = self._release(state, slot)
-            if out.bad[slot]:
-                self._fail(request, Failed("the model's logits became non-finite (NaN or inf); the "
-                                                  "request stopped.", "non_finite_logits"))
-                continue
-            tail = stream.finish()
-            if tail:
-                _emit(request, Delta(tail, index))
-            n = kept
+            n = stream.covered_tokens()
             length = (not stream.stopped and n >= request.settings.max_new_tokens
                       and (n == 0 or stream.tokens[n - 1] not in self._end_ids(request)))
             c, d, a = int(cycles[slot]), int(drafted[slot]), int(accepted[slot])
@@ -626,20 +670,6 @@ class Scheduler:
         else:
             ends = frozenset(np.atleast_1d(request.settings.eos_token_id).tolist())
         return ends | frozenset(request.settings.stop_token_ids)
-
-
-def _token_fields(out, slot: int, k: Optional[int], count: int) -> tuple:
-    """``(tokens, logprobs, top)`` of a :class:`Delta`: the first ``count`` tokens slot ``slot``
-    committed in this step, with their log-probabilities where the request asked (``k``)."""
-    tokens = tuple(int(t) for t in out.tokens[slot, :count])
-    if k is None or getattr(out, "logprobs", None) is None:
-        return tokens, None, None
-    logprobs = tuple(float(x) for x in out.logprobs[slot, :count])
-    top = None
-    if k > 0:
-        ids, lps = out.top_ids[slot, :count, :k], out.top_logprobs[slot, :count, :k]
-        top = tuple(tuple((int(i), float(x)) for i, x in zip(row_ids, row_lps)) for row_ids, row_lps in zip(ids, lps))
-    return tokens, logprobs, top
 
 
 def _emit(request: Request, event) -> None:
