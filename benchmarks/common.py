@@ -96,12 +96,15 @@ def timed_once(fn: Callable[[], object]) -> tuple[object, float]:
 
 def engine_step_timer(engine, prompt: Sequence[int], live: int, settings, cycles: int) -> Callable[[], float]:
     """A ``run()`` that inserts ``prompt`` into slots ``0 .. live - 1`` of a fresh state, then times one
-    ``engine.step`` of ``cycles`` cycles: seconds per cycle (the insert is not timed)."""
+    ``engine.step`` of ``cycles`` cycles: seconds per cycle (the insert is not timed). ``settings``:
+    one ``SlotSettings`` for every slot, or a list of one per slot."""
+    if not isinstance(settings, (list, tuple)) or hasattr(settings, "_fields"):
+        settings = [settings] * live
 
     def run() -> float:
         import jax
 
-        state = engine.insert_many(engine.init(), list(range(live)), [prompt] * live, [settings] * live)
+        state = engine.insert_many(engine.init(), list(range(live)), [prompt] * live, settings)
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         state, out = engine.step(state, num_cycles=cycles)

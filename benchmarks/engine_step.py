@@ -87,15 +87,18 @@ def rules_contender(pair, prompt, k: int, rule, rules, capacity: int, cycles: in
     warp = dict(SAMPLED) if sampled else dict(temperature=0.0)
     settings = [SlotSettings(max_new_tokens=capacity - len(prompt), eos_token_id=(), seed=i,
                              rule=rules[i % len(rules)] if len(rules) > 1 else None, **warp) for i in range(4)]
+    return common.engine_step_timer(engine, prompt, 4, settings, cycles)
 
-    def run() -> float:
-        state = engine.insert_many(engine.init(), list(range(4)), [prompt] * 4, settings)
-        jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        state, out = engine.step(state, num_cycles=cycles)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / cycles
-    return run
+
+def time_contenders(contenders: dict, rounds: int) -> dict:
+    """Each contender compiled, then run ``rounds`` times, taking turns: ``{name: [ms, ...]}``."""
+    for run in contenders.values():  # compile
+        run()
+    times = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, run in contenders.items():
+            times[name].append(run() * 1e3)
+    return times
 
 
 def rule_set_cost(args, names, pair, k: int, capacity: int, prompt) -> None:
@@ -117,12 +120,7 @@ def rule_set_cost(args, names, pair, k: int, capacity: int, prompt) -> None:
     print(f"pair: {names[0]} + {names[1]}, {args.dtype}, K={k}; 4 slots all live, capacity {capacity}, "
           f"{args.cycles} cycles per step, general program (controls=False); rules: {', '.join(map(str, rules))}")
     print(f"load average at start: {tuple(round(x, 2) for x in os.getloadavg())}")
-    for run in contenders.values():  # compile
-        run()
-    times = {name: [] for name in contenders}
-    for _ in range(args.rounds):
-        for name, run in contenders.items():
-            times[name].append(run() * 1e3)
+    times = time_contenders(contenders, args.rounds)
     print(f"load average at end: {tuple(round(x, 2) for x in os.getloadavg())}")
     print(f"\n| contender | ms per cycle, median of {args.rounds} | min .. max |")
     print("|---|---|---|")
@@ -174,12 +172,7 @@ def main() -> None:
     print(f"pair: {names[0]} + {names[1]}, {args.dtype}, K={k}; engine capacity {capacity}, "
           f"{args.cycles} cycles per step; decode max_new_tokens {args.new_tokens}")
     print(f"load average at start: {tuple(round(x, 2) for x in os.getloadavg())}")
-    for run in contenders.values():  # compile
-        run()
-    times = {name: [] for name in contenders}
-    for _ in range(args.rounds):
-        for name, run in contenders.items():
-            times[name].append(run() * 1e3)
+    times = time_contenders(contenders, args.rounds)
     print(f"load average at end: {tuple(round(x, 2) for x in os.getloadavg())}")
     print(f"\n| contender | ms per cycle, median of {args.rounds} | min .. max |")
     print("|---|---|---|")

@@ -29,6 +29,14 @@ def _check_rules(name: str, rules) -> tuple[AcceptanceRule, ...]:
     return tuple(rules)
 
 
+def _union_hidden_layers(rules) -> tuple[int, ...]:
+    """Every member's ``hidden_layers``, each once, in the members' order."""
+    layers: list[int] = []
+    for r in rules:
+        layers += [layer for layer in r.hidden_layers if layer not in layers]
+    return tuple(layers)
+
+
 def _any_exact(verdicts) -> Array:
     return functools.reduce(jnp.logical_or, [v.path == Path.EXACT for v in verdicts])
 
@@ -51,10 +59,7 @@ class _Combination(AcceptanceRule):
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
-        layers: list[int] = []
-        for r in self.rules:
-            layers += [layer for layer in r.hidden_layers if layer not in layers]
-        return tuple(layers)
+        return _union_hidden_layers(self.rules)
 
     @property
     def spec(self) -> RuleSpec:
@@ -178,10 +183,7 @@ class OneOf(AcceptanceRule):
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
-        layers: list[int] = []
-        for r in self.rules:
-            layers += [layer for layer in r.hidden_layers if layer not in layers]
-        return tuple(layers)
+        return _union_hidden_layers(self.rules)
 
     @property
     def spec(self) -> RuleSpec:
