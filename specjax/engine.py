@@ -14,7 +14,7 @@
 See ``docs/engine.md``.
 """
 
-from specjax._src.engine.slots import Engine, FieldError, SlotSettings, SlotState, StepOutput, StepPlan
+from specjax._src.engine.slots import Engine, FieldError, PrefillJob, SlotSettings, SlotState, StepOutput, StepPlan
 from specjax._src.engine.text import TextStream, check_stop_strings, cut_at_stop
 from specjax._src.processors import (
     BUILTIN_PROCESSORS,
@@ -32,6 +32,7 @@ __all__ = [
     "SlotState",
     "StepOutput",
     "StepPlan",
+    "PrefillJob",
     "FieldError",
     "GenerationControls",
     "TokenContext",

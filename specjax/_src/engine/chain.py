@@ -44,7 +44,7 @@ from specjax._src.engine.cycle import (
     next_state,
     nonfinite_codes,
 )
-from specjax._src.engine.ops import _batched_init, _gather, _prefill, _row, _warp, _where_b
+from specjax._src.engine.ops import _batched_init, _gather, _prefill, _prefill_chunk, _row, _warp, _where_b
 from specjax._src.lm import KVCache, LMOutput
 from specjax._src.lookup import lookup_drafts
 from specjax._src.models.feature_head import is_feature_head
@@ -65,22 +65,34 @@ def _initial_state(
     prompt_lengths, max_new,
 ) -> _DecodeState:
     """Both prefills (each cache to its invariant) and the state before the first cycle."""
-    batch, width = prompts.shape
-    k_max, n_max = cfg.num_draft, cfg.max_new_tokens
     target, draft = pair_params.target, pair_params.draft
     draft_features = None
     if is_feature_head(draft.module):
-        target_cache, hidden = _prefill(
+        target_cache, features = _prefill(
             target.module, target.params, prompts, prompt_lengths - 1, cfg.cache_length,
-            hidden_layers=draft.module.feature_layers,
+            hidden_layers=draft.module.feature_layers, hidden_fn=_features_fn(draft),
         )
-        features = draft.module.target_features(draft.params, hidden)
         draft_cache, draft_features = _prefill_head(cfg, draft, prompts, prompt_lengths, features)
     else:
         target_cache = _prefill(target.module, target.params, prompts, prompt_lengths - 1, cfg.cache_length)
         draft_cache = _prefill(
             draft.module, draft.params, prompts, jnp.maximum(prompt_lengths - 2, 0), cfg.cache_length
         )
+    return _state_after_prefill(cfg, rule, policy, prompts, prompt_lengths, max_new, target_cache, draft_cache,
+                                draft_features)
+
+
+def _features_fn(head):
+    """The target's hidden states to a feature head's input, as a prefill applies it to each block."""
+    return functools.partial(head.module.target_features, head.params)
+
+
+def _state_after_prefill(cfg: _Config, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, prompts,
+                         prompt_lengths, max_new, target_cache: KVCache, draft_cache: KVCache,
+                         draft_features) -> _DecodeState:
+    """The state before the first cycle, from the prefilled caches (and a feature head's pending features)."""
+    batch, width = prompts.shape
+    k_max, n_max = cfg.num_draft, cfg.max_new_tokens
     tokens = jnp.zeros((batch, width + n_max + k_max + 1), jnp.int32).at[:, :width].set(prompts)
     return _DecodeState(
         step=jnp.int32(0),
@@ -107,9 +119,72 @@ def _prefill_head(cfg: _Config, head, prompts, prompt_lengths, features) -> tupl
     shifted = jnp.concatenate([prompts[:, 1:], jnp.zeros((batch, 1), prompts.dtype)], axis=1)
     keep = jnp.maximum(prompt_lengths - 2, 0)
     cache = _prefill(head.module, head.params, shifted, keep, cfg.cache_length, features=features)
-    last = jnp.where((prompt_lengths >= 2)[:, None], _row(features, keep), 0.0)
-    pending = jnp.zeros((batch, cfg.num_draft + 1, features.shape[-1]), features.dtype).at[:, 0].set(last)
-    return cache, pending
+    return cache, _pending_features(cfg, prompt_lengths, _row(features, keep))
+
+
+def _pending_features(cfg: _Config, prompt_lengths, last) -> Array:
+    """``[B, K + 1, H]``: ``last [B, H]`` (the target's ``f_{n-2}``) first, zeros for a one-token prompt."""
+    last = jnp.where((prompt_lengths >= 2)[:, None], last, 0.0)
+    batch, hidden = last.shape
+    return jnp.zeros((batch, cfg.num_draft + 1, hidden), last.dtype).at[:, 0].set(last)
+
+
+# ---------------------------------------------------------------------------
+# The same prefill, one chunk at a time (the slots engine's chunked insert)
+# ---------------------------------------------------------------------------
+
+
+def _empty_prefill_caches(cfg: _Config, pair_params: ModelPair) -> tuple[KVCache, KVCache]:
+    """The target's and the draft's caches of one prompt before its first chunk."""
+    return tuple(m.module.init_cache(1, cfg.cache_length) for m in (pair_params.target, pair_params.draft))
+
+
+def _prefill_chunk_pair(cfg: _Config, pair_params: ModelPair, caches, prompt, length, width, start, chunk: int,
+                        tail: int):
+    """The prompt positions ``[start, start + chunk)`` of :func:`_initial_state`'s prefills of one prompt.
+
+    ``prompt [1, P]``: the prompt padded with zeros (``P >= start + chunk + 1``:
+    a feature head reads the token after each position); ``length``: its
+    tokens; ``width``: the width :func:`_initial_state` would be called with
+    (traced); ``tail``: that call's tail block's width where ``width`` is cut
+    to the capacity (see :func:`specjax._src.engine.ops._prefill_chunk`).
+    ``caches``: both caches after the chunks before ``start``. Returns the
+    caches after this chunk, not yet rolled back, and a feature head's
+    features at these positions (None for a draft model).
+    """
+    target, draft = pair_params.target, pair_params.draft
+    target_cache, draft_cache = caches
+    tokens = jax.lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)
+    keep_target, keep_draft = length - 1, jnp.maximum(length - 2, 0)
+    common = dict(tail=tail)
+    if is_feature_head(draft.module):
+        target_cache, features = _prefill_chunk(
+            target.module, target.params, target_cache, tokens, keep_target, start, width,
+            hidden_layers=draft.module.feature_layers, hidden_fn=_features_fn(draft), **common)
+        # _prefill_head's shifted prompt (its zero at the width's last position: the padding's).
+        shifted = jax.lax.dynamic_slice_in_dim(prompt, start + 1, chunk, axis=1)
+        draft_cache, _ = _prefill_chunk(draft.module, draft.params, draft_cache, shifted, keep_draft, start, width,
+                                        features=features, **common)
+        return (target_cache, draft_cache), features
+    target_cache, _ = _prefill_chunk(target.module, target.params, target_cache, tokens, keep_target, start, width,
+                                     **common)
+    draft_cache, _ = _prefill_chunk(draft.module, draft.params, draft_cache, tokens, keep_draft, start, width,
+                                    **common)
+    return (target_cache, draft_cache), None
+
+
+def _state_after_chunks(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule,
+                        policy: drafting_lib.DraftingPolicy, caches, features, prompt, length, start, max_new):
+    """The state :func:`_initial_state` builds for one prompt, from its caches after the last chunk
+    (``features``: that chunk's, for a feature head; ``start``: where it began). ``prompt [1, W]``."""
+    target_cache, draft_cache = caches
+    lengths = jnp.reshape(length, (1,))
+    keep_draft = jnp.maximum(lengths - 2, 0)
+    target_cache, draft_cache = target_cache.rollback(lengths - 1), draft_cache.rollback(keep_draft)
+    pending = None
+    if features is not None:
+        pending = _pending_features(cfg, lengths, _row(features, jnp.clip(keep_draft - start, 0, features.shape[1] - 1)))
+    return _state_after_prefill(cfg, rule, policy, prompt, lengths, max_new, target_cache, draft_cache, pending)
 
 
 # ---------------------------------------------------------------------------

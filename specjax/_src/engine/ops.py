@@ -117,7 +117,7 @@ def prefill_block(batch: int) -> int:
 
 
 def _prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, hidden_layers=(),
-             features: Array | None = None) -> KVCache | tuple[KVCache, Array]:
+             features: Array | None = None, hidden_fn: Callable | None = None) -> KVCache | tuple[KVCache, Array]:
     """Runs ``prompts[B, P]`` into a fresh cache, then keeps ``keep[B]`` entries.
 
     Blocks of :func:`prefill_block` tokens run one at a time through one compiled
@@ -129,26 +129,20 @@ def _prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, 
     and every block that runs has the same shape, so skipping changes no
     sequence's numbers.
 
-    Returns the cache, or ``(cache, hidden [B, P, n * H])`` with n
+    Returns the cache, or ``(cache, hidden [B, P, ...])`` with n
     ``hidden_layers`` (those blocks' outputs at every prompt position,
-    concatenated: a feature head's input; zeros where a block was skipped).
+    concatenated, then ``hidden_fn`` of them, applied block by block: a
+    feature head's input; zeros where a block was skipped). Applying
+    ``hidden_fn`` per block keeps its products the shape they have in
+    :func:`_prefill_chunk`, so that a prompt prefilled in chunks gets the
+    same numbers.
     A feature head reads ``features [B, P, H]`` alongside the tokens.
     """
     batch, width = prompts.shape
     block_size = prefill_block(batch)
     cache = module.init_cache(batch, cache_length)
+    run, skip = _block_forward(module, params, hidden_layers, hidden_fn)
     layers = tuple(hidden_layers)
-
-    def run(c, block, feats):
-        extra = {} if feats is None else {"features": feats}
-        out = module.apply(params, block, c, hidden_layers=layers, **extra)
-        return out.cache, (jnp.concatenate(out.hidden, axis=-1) if layers else None)
-
-    def skip(c, block, feats):  # what ``run`` returns, without running: the cache as it was, zero features
-        if not layers:
-            return c, None
-        shape = jax.eval_shape(run, c, block, feats)[1]
-        return c, jnp.zeros(shape.shape, shape.dtype)
 
     def split(x, full):  # [B, full * PB, ...] -> [full, B, PB, ...]
         x = x[:, : full * block_size]
@@ -186,6 +180,89 @@ def _prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, 
     if not layers:
         return cache
     return cache, jnp.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
+
+
+def _block_forward(module, params, hidden_layers, hidden_fn):
+    """``(run, skip)``: one prefill block's forward ``(cache, tokens, features) -> (cache, hidden or
+    None)``, and what it returns without running (the cache as it was, zero hidden)."""
+    layers = tuple(hidden_layers)
+
+    def run(c, block, feats):
+        extra = {} if feats is None else {"features": feats}
+        out = module.apply(params, block, c, hidden_layers=layers, **extra)
+        if not layers:
+            return out.cache, None
+        h = jnp.concatenate(out.hidden, axis=-1)
+        return out.cache, (h if hidden_fn is None else hidden_fn(h))
+
+    def skip(c, block, feats):
+        if not layers:
+            return c, None
+        shape = jax.eval_shape(run, c, block, feats)[1]
+        return c, jnp.zeros(shape.shape, shape.dtype)
+
+    return run, skip
+
+
+def _prefill_chunk(module, params, cache: KVCache, chunk: Array, keep: Array, start: Array, width: Array, *,
+                   tail: int, hidden_layers=(), features: Array | None = None,
+                   hidden_fn: Callable | None = None) -> tuple[KVCache, Array | None]:
+    """The part of :func:`_prefill` that lies in one chunk of a prompt: for
+    one prompt padded to ``width`` (traced) and prefilled alone (blocks of
+    :func:`prefill_block` ``(1)``), the blocks ``_prefill`` runs whose
+    positions lie in ``[start, start + N)``, run into ``cache`` (which holds
+    the blocks before ``start``: a fresh cache for ``start = 0``).
+
+    ``chunk [1, N]``: the padded prompt's tokens at those positions (N a
+    multiple of the block); ``start`` a multiple of N; ``keep``: the entries
+    the whole prefill keeps; ``tail``: the width of ``_prefill``'s tail block
+    when ``width`` is not a multiple of the block (the engine's capacity
+    modulo the block: only a width cut to the capacity is one), else unused.
+    Each block runs the forward ``_prefill`` runs for it, with the same
+    tokens and cache entries before it, so chunk after chunk leaves the
+    cache ``_prefill`` leaves (before its rollback to ``keep``, which the
+    caller does after the last chunk). Returns ``(cache, hidden [1, N, ...] or
+    None)`` as ``_prefill`` does for those positions.
+    """
+    batch, n = chunk.shape
+    block_size = prefill_block(batch)
+    blocks = n // block_size
+    run, skip = _block_forward(module, params, hidden_layers, hidden_fn)
+    layers = tuple(hidden_layers)
+    first = start // block_size
+    full = width // block_size
+
+    def split(x):  # [B, N, ...] -> [blocks, B, PB, ...]
+        return x.reshape((batch, blocks, block_size) + x.shape[2:]).swapaxes(0, 1)
+
+    xs = (split(chunk), None if features is None else split(features))
+
+    def block(i):
+        return tuple(None if x is None else x[i] for x in xs)
+
+    _, h = skip(cache, *block(0))
+    h_all = None if h is None else jnp.zeros((blocks,) + h.shape, h.dtype)
+
+    def body(i, carry):
+        c, h_all = carry
+        c, h = run(c, *block(i))
+        return c, (None if h_all is None else h_all.at[i].set(h))
+
+    needed = jnp.minimum((jnp.max(keep) + block_size - 1) // block_size, full)
+    count = jnp.clip(needed - first, 0, blocks)
+    cache, h_all = jax.lax.fori_loop(0, count, body, (cache, h_all))
+    hidden = h_all.swapaxes(0, 1).reshape(batch, n, -1) if layers else None
+    if tail:
+        offset = (full - first) * block_size
+        runs = (width % block_size != 0) & (jnp.max(keep) > full * block_size) & (offset >= 0) & (offset < n)
+        at = jnp.clip(offset, 0, n - tail)
+        args = (cache, jax.lax.dynamic_slice_in_dim(chunk, at, tail, axis=1),
+                None if features is None else jax.lax.dynamic_slice_in_dim(features, at, tail, axis=1))
+        cache, h = jax.lax.cond(runs, run, skip, *args)
+        if layers:
+            hidden = jnp.where(runs, jax.lax.dynamic_update_slice_in_dim(hidden, h.astype(hidden.dtype), at, axis=1),
+                               hidden)
+    return cache, hidden
 
 
 def _constrain(cfg: _Config, state, batch: int, caches: Sequence[tuple[str, str]]):

@@ -51,10 +51,11 @@ from specjax._src import lookup as lookup_lib
 from specjax._src import processors as processors_lib
 from specjax._src import sampling
 from specjax._src.checks import as_integer, check_positive_int
-from specjax._src.engine.chain import _decode_cycle, _initial_state
+from specjax._src.engine.chain import (_decode_cycle, _empty_prefill_caches, _initial_state, _prefill_chunk_pair,
+                                       _state_after_chunks)
 from specjax._src.engine.config import _Config, _DecodeState, _Logprobs
 from specjax._src.engine.cycle import LOGPROB_FLOOR, run_cycles
-from specjax._src.engine.ops import PREFILL_BLOCK, prefill_block
+from specjax._src.engine.ops import PREFILL_BLOCK, SINGLE_PREFILL_BLOCK, prefill_block
 from specjax._src.engine.prepare import (_bucket, _check_decode_args, _check_min_temperature, _eos_ids,
                                          _prepare_prompts)
 from specjax._src.jit_keys import pytree_classes
@@ -137,6 +138,40 @@ class StepPlan(NamedTuple):
 
     program: str
     rows: int
+
+
+class PrefillJob(NamedTuple):
+    """A request whose prompt is being prefilled chunk by chunk (:meth:`Engine.begin_insert`).
+
+    A host value holding the prompt's two caches so far (device arrays,
+    apart from the :class:`SlotState`: steps never see them); pass it to
+    :meth:`Engine.continue_insert` until :attr:`finished`.
+
+    Attributes:
+      slot: the slot the request goes into when its last chunk is in.
+      length: the prompt's tokens.
+      chunk: prompt positions per call.
+      position: positions prefilled so far (a multiple of ``chunk``).
+      chunks: the calls the whole prefill takes.
+      finished: the request is in its slot (the caches went into the state).
+    """
+
+    slot: int
+    length: int
+    chunk: int
+    position: int
+    chunks: int
+    finished: bool
+    prompt: Any  # [1, P] int32 host array, zeros past the prompt
+    width: int  # the width a whole insert would prefill the prompt at
+    settings: SlotSettings
+    row: dict
+    caches: Any  # (target cache, draft cache) of batch 1, or None once finished
+
+    @property
+    def chunks_left(self) -> int:
+        """Calls of :meth:`Engine.continue_insert` still to make."""
+        return 0 if self.finished else self.chunks - self.position // self.chunk
 
 
 # ---------------------------------------------------------------------------
@@ -285,6 +320,35 @@ def _insert_impl(params: ModelPair, rule, policy, state: SlotState, slots, promp
                  cfg: _EngineConfig) -> SlotState:
     loop_cfg = cfg.loop._replace(max_new_tokens=cfg.capacity - prompts.shape[1])
     fresh = _initial_state(loop_cfg, params, rule, policy, prompts, lengths, row["max_new"])
+    return _write_requests(state, slots, fresh, lengths, row, cfg)
+
+
+def _prefill_start_impl(params: ModelPair, *, cfg: _EngineConfig):
+    """Both caches of one prompt before its first chunk (:meth:`Engine.begin_insert`)."""
+    return _empty_prefill_caches(cfg.loop, params)
+
+
+def _prefill_chunk_impl(params: ModelPair, caches, prompt, length, width, start, *, cfg: _EngineConfig,
+                        chunk: int):
+    """One chunk that is not the prompt's last: the caches after it (:meth:`Engine.continue_insert`)."""
+    caches, _ = _prefill_chunk_pair(cfg.loop, params, caches, prompt, length, width, start, chunk,
+                                    cfg.capacity % SINGLE_PREFILL_BLOCK)
+    return caches
+
+
+def _prefill_finish_impl(params: ModelPair, rule, policy, state: SlotState, caches, prompt, length, width, start,
+                         slots, row: dict, *, cfg: _EngineConfig, chunk: int) -> SlotState:
+    """The prompt's last chunk, then the request written into its slot as :func:`_insert_impl` writes it."""
+    caches, features = _prefill_chunk_pair(cfg.loop, params, caches, prompt, length, width, start, chunk,
+                                           cfg.capacity % SINGLE_PREFILL_BLOCK)
+    loop_cfg = cfg.loop._replace(max_new_tokens=0)
+    fresh = _state_after_chunks(loop_cfg, params, rule, policy, caches, features, prompt[:, : cfg.capacity],
+                                length, start, row["max_new"])
+    return _write_requests(state, slots, fresh, jnp.reshape(length, (1,)), row, cfg)
+
+
+def _write_requests(state: SlotState, slots, fresh, lengths, row: dict, cfg: _EngineConfig) -> SlotState:
+    """``state`` with the requests of ``fresh`` (their prefilled loop rows) and ``row`` (their settings) in ``slots``."""
     fresh = fresh.replace(step=jnp.zeros_like(lengths), logprobs=_no_logprobs(fresh.tokens.shape, cfg))
     loop = _set_rows(state.loop, fresh, slots)
     controls, rules = state.controls, state.rules
@@ -387,6 +451,12 @@ def _run_rows(params: ModelPair, rule, policy, state: SlotState, num_cycles, unt
 
 
 _init_jit = jax.jit(_init_impl, static_argnames=("cfg",))
+_prefill_start_jit = jax.jit(_prefill_start_impl, static_argnames=("cfg",))
+_prefill_chunk_jit = jax.jit(_prefill_chunk_impl, static_argnames=("cfg", "chunk"))
+_prefill_finish_jit = jax.jit(_prefill_finish_impl, static_argnames=("cfg", "chunk"))
+_prefill_chunk_donating = jax.jit(_prefill_chunk_impl, static_argnames=("cfg", "chunk"), donate_argnames=("caches",))
+# (The last chunk's caches go into the state's rows: no output of its shape could reuse them.)
+_prefill_finish_donating = jax.jit(_prefill_finish_impl, static_argnames=("cfg", "chunk"), donate_argnames=("state",))
 _insert_jit = jax.jit(_insert_impl, static_argnames=("cfg",))
 _fork_jit = jax.jit(_fork_impl)
 _step_jit = jax.jit(_step_impl, static_argnames=("cfg", "rows_run"))
@@ -512,6 +582,8 @@ class Engine:
         self._insert_fn, self._step_fn, self._fork_fn = (
             (_insert_donating, _step_donating, _fork_donating) if self.donate_state
             else (_insert_jit, _step_jit, _fork_jit))
+        self._chunk_fn, self._finish_fn = ((_prefill_chunk_donating, _prefill_finish_donating) if self.donate_state
+                                           else (_prefill_chunk_jit, _prefill_finish_jit))
         leaves = jax.tree_util.tree_leaves(rule)
         per_slot_rule = bool(leaves) and all(np.ndim(x) == 0 for x in leaves)
         self.vocab_size = params.vocab_size
@@ -591,6 +663,88 @@ class Engine:
         width = self._insert_width(len(slots), tokens.shape[1])
         padded = np.zeros((len(slots), width), np.int32)
         padded[:, : tokens.shape[1]] = tokens
+        row = self._device_rows(rows)
+        return self._insert_fn(self.params, self.rule, self.drafting, state, np.asarray(slots, np.int32), padded,
+                               lengths, row, cfg=self.cfg)
+
+    def begin_insert(self, state: SlotState, slot: int, prompt, settings: Optional[SlotSettings] = None, *,
+                     chunk: int) -> PrefillJob:
+        """Starts an insert whose prompt is prefilled ``chunk`` positions per call.
+
+        A long prompt inserted whole holds up every running slot for its
+        whole prefill; a serving loop instead calls :meth:`continue_insert`
+        once between steps, each call prefilling ``chunk`` more positions,
+        so that a running slot waits at most one chunk's prefill per step.
+        The request decodes exactly what :meth:`insert` would give it: each
+        chunk runs the prefill blocks (:data:`SINGLE_PREFILL_BLOCK` tokens)
+        that a whole insert of the prompt alone runs at those positions, with
+        the same shapes and cache entries, and the last one builds the same
+        first-cycle state (both caches, a feature head's pending features,
+        the token buffer the n-gram lookup reads).
+
+        The prompt's caches live in the returned :class:`PrefillJob`, not in
+        ``state``, until the last chunk: the slot stays free on the device, so
+        no step drafts, verifies, commits or reports anything for it, nor runs
+        its row (plan and row buckets leave it out). The caller keeps the slot
+        for the request (a scheduler holds it out of its free slots);
+        :meth:`continue_insert`'s last call refuses a slot that was taken
+        meanwhile. ``state`` is only read (the slot must be free) and stays valid.
+
+        ``chunk``: a positive multiple of :data:`SINGLE_PREFILL_BLOCK` (64).
+        One program per chunk width for the middle chunks and one for the last
+        (plus one that makes the empty caches). Raises as :meth:`insert` does
+        before anything runs.
+        """
+        self._check_state(state)
+        slot = self._check_slot(slot)
+        size = as_integer(chunk)
+        if size is None or size < 1 or size % SINGLE_PREFILL_BLOCK:
+            raise ValueError(f"chunk must be a positive multiple of {SINGLE_PREFILL_BLOCK} (the prefill block), "
+                             f"got {chunk!r}.")
+        if bool(np.asarray(state.occupied)[slot]):
+            raise ValueError(f"slot {slot} is busy (a request holds it): release it first "
+                             f"(engine.release(state, slot)); free slots: {self.free_slots(state)}.")
+        settings = SlotSettings() if settings is None else settings
+        tokens, lengths = _prepare_prompts([prompt], None, self.vocab_size)
+        length = int(lengths[0])
+        row = self._device_rows([self._check_settings(settings, length, 0)])
+        padded = np.zeros((1, self.capacity + size + 1), np.int32)
+        padded[0, :length] = tokens[0, :length]
+        caches = _prefill_start_jit(self.params, cfg=self.cfg)
+        chunks = max(1, -(-(length - 1) // size))
+        return PrefillJob(slot=slot, length=length, chunk=size, position=0, chunks=chunks, finished=False,
+                          prompt=padded, width=self._insert_width(1, length), settings=settings, row=row,
+                          caches=caches)
+
+    def continue_insert(self, state: SlotState, job: PrefillJob) -> tuple[SlotState, PrefillJob]:
+        """Prefills the next chunk of ``job`` (:meth:`begin_insert`); returns ``(state, job)``.
+
+        Before the last chunk the state is returned as it was (not consumed)
+        and the job holds the caches so far (the job passed in is consumed
+        with ``donate_state=True``). The last call writes the request into
+        its slot as :meth:`insert` does (consuming ``state`` with
+        ``donate_state=True``) and returns a job with ``finished`` set; the
+        next :meth:`step` generates for it. Raises ``ValueError`` if the job is
+        finished or the slot was taken meanwhile, leaving both as they were.
+        """
+        self._check_state(state)
+        if not isinstance(job, PrefillJob):
+            raise TypeError(f"job must be a PrefillJob (engine.begin_insert(...)), got {type(job).__name__}.")
+        if job.finished:
+            raise ValueError(f"this prefill is finished: its request is in slot {job.slot}.")
+        args = (job.prompt, np.int32(job.length), np.int32(job.width), np.int32(job.position))
+        if job.chunks_left > 1:
+            caches = self._chunk_fn(self.params, job.caches, *args, cfg=self.cfg, chunk=job.chunk)
+            return state, job._replace(position=job.position + job.chunk, caches=caches)
+        if bool(np.asarray(state.occupied)[job.slot]):
+            raise ValueError(f"slot {job.slot} was taken while its prompt was prefilled: release it, or begin "
+                             f"the insert again in a free slot ({self.free_slots(state)}).")
+        state = self._finish_fn(self.params, self.rule, self.drafting, state, job.caches, *args,
+                                np.asarray([job.slot], np.int32), job.row, cfg=self.cfg, chunk=job.chunk)
+        return state, job._replace(position=job.chunks * job.chunk, finished=True, caches=None)
+
+    def _device_rows(self, rows: list) -> dict:
+        """The checked settings of ``n`` requests stacked as the insert programs read them."""
         skip = ("controls", "rule") + (() if self.cfg.logprobs else ("logprobs",))
         row = {name: np.stack([r[name] for r in rows]) for name in rows[0] if name not in skip}
         if self.cfg.controls:
@@ -598,8 +752,7 @@ class Engine:
         if self.cfg.per_slot_rule:
             row["rule"] = jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
                                                  *[r["rule"] for r in rows])
-        return self._insert_fn(self.params, self.rule, self.drafting, state, np.asarray(slots, np.int32), padded,
-                               lengths, row, cfg=self.cfg)
+        return row
 
     def _insert_width(self, num_prompts: int, longest: int) -> int:
         """The padded width ``insert_many`` runs ``num_prompts`` prompts at."""

@@ -1,0 +1,174 @@
+"""Chunked prefill: a prompt prefilled over several calls, interleaved with steps, decodes
+exactly what a whole insert decodes (``Engine.begin_insert`` / ``continue_insert``)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax.engine import Engine, PrefillJob, SlotSettings
+from specjax.testing import llama_config, peaked_target_and_draft
+from specjax._src.models import feature_head as fh
+from test_decode import count_compilations
+
+# A capacity that is no multiple of the 64-token prefill block: a prompt cut to it ends in a
+# tail block (positions 192 .. 247), which a chunk must run as a whole insert does.
+K, CAPACITY = 3, 248
+GREEDY = SlotSettings(temperature=0.0, max_new_tokens=20)
+SAMPLED = SlotSettings(temperature=0.8, seed=7, max_new_tokens=20)
+SHORT = ([5, 9, 3, 7], SlotSettings(temperature=0.7, top_p=0.9, seed=3, max_new_tokens=40))
+
+
+def long_prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 96, n).tolist()
+
+
+@pytest.fixture(scope="module")
+def draft_pair():
+    return specjax.pair(*peaked_target_and_draft(llama_config(max_position_embeddings=320)))
+
+
+@pytest.fixture(scope="module")
+def head_pair(draft_pair):
+    target = draft_pair.target
+    return specjax.pair(target, fh.init_from_target(target, jax.random.key(1), np.arange(80)[::-1]))
+
+
+def collect(engine, state, tokens, cycles=2, steps=None):
+    """Steps (``steps`` times, or until every slot is done), appending each slot's tokens to
+    ``tokens``; returns the state and the step outputs."""
+    outs = []
+    for _ in range(500 if steps is None else steps):
+        state, out = engine.step(state, cycles)
+        out = jax.device_get(out)
+        outs.append(out)
+        for s in range(engine.num_slots):
+            tokens.setdefault(s, []).extend(out.tokens[s, : out.counts[s]].tolist())
+        if steps is None and out.done.all():
+            break
+    return state, outs
+
+
+def whole(engine, prompt, settings):
+    """The long request inserted whole into slot 1 beside the short one in slot 0, both to the end."""
+    tokens = {}
+    state = engine.insert(engine.init(), 0, *SHORT)
+    state, _ = collect(engine, state, tokens, steps=1)
+    state = engine.insert(state, 1, prompt, settings)
+    collect(engine, state, tokens)
+    return tokens
+
+
+def chunked(engine, prompt, settings, chunk):
+    """The same, the long prompt prefilled ``chunk`` positions a call with a step of slot 0 between
+    calls. Checks that the pending slot stays free and reports nothing meanwhile."""
+    tokens = {}
+    state = engine.insert(engine.init(), 0, *SHORT)
+    state, _ = collect(engine, state, tokens, steps=1)
+    job = engine.begin_insert(state, 1, prompt, settings, chunk=chunk)
+    assert job.chunks == -(-(len(prompt) - 1) // chunk) and job.chunks_left == job.chunks
+    calls = 0
+    while not job.finished:
+        state, job = engine.continue_insert(state, job)
+        calls += 1
+        if not job.finished:
+            assert not bool(np.asarray(state.occupied)[1])
+            before = len(tokens.get(0, []))
+            state, (out,) = collect(engine, state, tokens, steps=1)
+            assert out.counts[1] == 0 and len(tokens[0]) > before  # the neighbour streams on
+    assert calls == job.chunks and job.chunks_left == 0
+    collect(engine, state, tokens)
+    return tokens, calls
+
+
+CASES = [(200, GREEDY, 64), (200, SAMPLED, 128), (130, SAMPLED, 64), (140, GREEDY, 128)]
+
+
+@pytest.mark.parametrize("which", ["draft", "head"])
+def test_a_chunked_insert_decodes_what_a_whole_insert_decodes(which, draft_pair, head_pair):
+    """Greedy and seeded sampling, a draft model and a feature head, prompts with and without the
+    tail block, chunks of 64 and 128: the long request's tokens equal a whole insert's, and the
+    short one streaming beside it (a step between every two chunks) gets the tokens it gets when
+    the long prompt is inserted whole."""
+    pair = draft_pair if which == "draft" else head_pair
+    engine = Engine(pair, num_slots=2, capacity=CAPACITY, num_draft=K, controls=False)
+    for n, settings, chunk in CASES:
+        ref = whole(engine, long_prompt(n), settings)
+        got, calls = chunked(engine, long_prompt(n), settings, chunk)
+        assert calls > 1
+        assert len(ref[1]) == settings.max_new_tokens
+        assert got[1] == ref[1], (n, settings, chunk)
+        assert got[0] == ref[0], (n, settings, chunk)
+
+
+def test_the_state_a_chunked_insert_leaves_is_a_whole_inserts(draft_pair, head_pair):
+    """Every leaf of the slot's row (both caches, a head's pending features, the token buffer the
+    n-gram lookup reads, counters, settings) equals a whole insert's, bit for bit."""
+    for pair in (draft_pair, head_pair):
+        engine = Engine(pair, num_slots=2, capacity=CAPACITY, num_draft=K, controls=False)
+        for n, settings, chunk in CASES[:2]:
+            prompt, settings = long_prompt(n, seed=1), settings._replace(seed=11)
+            ref = jax.device_get(engine.insert(engine.init(), 1, prompt, settings))
+            state = engine.init()
+            job = engine.begin_insert(state, 1, prompt, settings, chunk=chunk)
+            while not job.finished:
+                state, job = engine.continue_insert(state, job)
+            got = jax.device_get(state)
+            paths = jax.tree_util.tree_flatten_with_path(ref)[0]
+            for (path, a), b in zip(paths, jax.tree_util.tree_leaves(got)):
+                if np.ndim(a) and np.shape(a)[0] == 2:
+                    np.testing.assert_array_equal(a[1], b[1], err_msg=jax.tree_util.keystr(path))
+
+
+def test_chunked_insert_checks_and_a_donating_engine(draft_pair):
+    """Bad chunks, busy slots and a slot taken meanwhile are refused before anything runs; with
+    ``donate_state=True`` the chunks reuse the job's buffers and the tokens are the same."""
+    engine = Engine(draft_pair, num_slots=2, capacity=CAPACITY, num_draft=K, controls=False, donate_state=True)
+    prompt = long_prompt(200)
+    state = engine.init()
+    for bad in (0, 32, 100, "64"):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            engine.begin_insert(state, 1, prompt, GREEDY, chunk=bad)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.begin_insert(state, 1, prompt, GREEDY._replace(max_new_tokens=60), chunk=64)
+    job = engine.begin_insert(state, 1, prompt, GREEDY, chunk=64)
+    assert isinstance(job, PrefillJob)
+    while job.chunks_left > 1:
+        state, job = engine.continue_insert(state, job)
+    taken = engine.insert(state, 1, [1, 2], GREEDY)
+    with pytest.raises(ValueError, match="was taken"):
+        engine.continue_insert(taken, job)
+    state = engine.release(taken, 1)
+    state, job = engine.continue_insert(state, job)
+    with pytest.raises(ValueError, match="finished"):
+        engine.continue_insert(state, job)
+    with pytest.raises(ValueError, match="busy"):
+        engine.begin_insert(state, 1, prompt, GREEDY, chunk=64)
+    tokens = {}
+    collect(engine, state, tokens)
+    plain = Engine(draft_pair, num_slots=2, capacity=CAPACITY, num_draft=K, controls=False)
+    ref = {}
+    collect(plain, plain.insert(plain.init(), 1, prompt, GREEDY), ref)
+    assert tokens[1] == ref[1]
+
+
+def test_one_program_per_chunk_width_then_none(draft_pair):
+    """A second chunked insert of another length compiles nothing: the chunk programs are one per
+    chunk width, whatever the prompt's length or width bucket."""
+    engine = Engine(draft_pair, num_slots=2, capacity=CAPACITY, num_draft=K, controls=False, max_eos=5)
+
+    def insert(n):
+        state = engine.init()
+        job = engine.begin_insert(state, 0, long_prompt(n), GREEDY, chunk=64)
+        while not job.finished:
+            state, job = engine.continue_insert(state, job)
+        return jax.block_until_ready(state)
+
+    insert(200)
+    with count_compilations() as compiled:
+        for n in (70, 130, 190, 220):
+            insert(n)
+    assert compiled["n"] == 0
+
