@@ -3,6 +3,9 @@ exactly what a whole insert decodes (``Engine.begin_insert`` / ``continue_insert
 
 from __future__ import annotations
 
+import threading
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ import specjax
 from specjax.engine import Engine, PrefillJob, SlotSettings
 from specjax.testing import llama_config, peaked_target_and_draft
 from specjax._src.models import feature_head as fh
+from specjax._src.serve import scheduler as sched
 from test_decode import count_compilations
 
 # A capacity that is no multiple of the 64-token prefill block: a prompt cut to it ends in a
@@ -172,3 +176,76 @@ def test_one_program_per_chunk_width_then_none(draft_pair):
             insert(n)
     assert compiled["n"] == 0
 
+
+# ---------------------------------------------------------------------------
+# The scheduler: a long prompt admitted chunk by chunk while another request streams
+# ---------------------------------------------------------------------------
+
+
+class Collector:
+    """A request's consumer: its text, and the scheduler's counters at each of its deltas."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.text, self.seen, self.events = scheduler, "", [], []
+        self.done = threading.Event()
+
+    def __call__(self, event):
+        self.events.append(event)
+        c = self.scheduler.counters
+        if isinstance(event, sched.Delta):
+            self.text += event.text
+            self.seen.append((c.steps, c.prefill_chunks))
+        else:
+            self.done.set()
+
+
+def test_the_scheduler_streams_on_while_a_long_prompt_is_prefilled():
+    """The embedded pair as `specjax serve` builds its engine, chunks of 64: a 230-token prompt
+    admitted while a sampled request streams. The stream's text is what it gets alone, the long
+    request's is what ``specjax.decode`` gives it alone, the stream's tokens keep coming between
+    the long prompt's chunks (steps run between them, and it gets deltas meanwhile), and serving
+    compiles nothing the warm-up did not."""
+    target = specjax.load("embedded-target", dtype="float32")
+    pair = specjax.pair(target, specjax.load("embedded-draft", dtype="float32"))
+    k, capacity = 4, 252
+    engine = Engine(pair, num_slots=2, capacity=capacity, num_draft=k, prompt_bucket=capacity, row_buckets="powers",
+                    donate_state=True, specialized_steps=True)
+    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=2, prefill_chunk=64,
+                                eos_ids=[target.module.config.eos_token_id]).start()
+    tok = target.tokenizer
+    short_ids = tok.encode("def fib(n):").ids
+    short = SlotSettings(temperature=0.8, seed=3, max_new_tokens=120, eos_token_id=())
+    long_ids = (tok.encode("x = [1, 2, 3]\nfor i in range(10):\n    print(i * x[i % 3])\n" * 12).ids)[:230]
+    long = SlotSettings(temperature=0.0, max_new_tokens=16)
+
+    def submit(ids, settings):
+        consumer = Collector(scheduler)
+        scheduler.submit(sched.Request(prompt=ids, settings=settings, emit=consumer))
+        return consumer
+
+    try:
+        assert scheduler.ready.wait(300) and scheduler.error is None
+        with count_compilations() as compiled:
+            alone = submit(short_ids, short)
+            assert alone.done.wait(120)
+            chunks_before = scheduler.counters.prefill_chunks
+            streaming = submit(short_ids, short)
+            while not streaming.seen:
+                time.sleep(0.01)
+            late = submit(long_ids, long)
+            assert late.done.wait(120) and streaming.done.wait(120)
+        assert compiled["n"] == 0
+    finally:
+        scheduler.close(drain_seconds=5)
+    assert scheduler.error is None
+    assert streaming.text == alone.text and isinstance(streaming.events[-1], sched.Done)
+    ref = specjax.decode(pair, [long_ids], num_draft=k, max_new_tokens=16, temperature=0.0,
+                         max_length=capacity + k).to_lists()[0]
+    assert late.text == tok.decode(ref)
+    chunks = -(-(len(long_ids) - 1) // 64)
+    assert scheduler.counters.prefill_chunks - chunks_before == chunks
+    first_chunk = chunks_before + 1
+    # Steps between the long prompt's first chunk and its first token, and the stream's deltas then.
+    during = [steps for steps, done in streaming.seen if first_chunk <= done < chunks_before + chunks]
+    assert len(during) > 1, streaming.seen
+    assert late.seen[0][0] - during[0] > 1

@@ -52,7 +52,7 @@ def build(args):
     eos = getattr(target.module.config, "eos_token_id", None)
     eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,
-                          eos_ids=eos)
+                          eos_ids=eos, prefill_chunk=args.prefill_chunk)
     name = args.served_model_name or (args.target or common.pair_name(args))
     api_key = args.api_key or os.environ.get("SPECJAX_API_KEY") or None
     config = ServerConfig(name, target, api_key=api_key, max_body_bytes=args.max_body_bytes, seed=args.seed)
@@ -128,6 +128,9 @@ def check_args(args) -> None:
     for flag, value in (("--max-queue", args.max_queue), ("--max-logprobs", args.max_logprobs)):
         if value < 0:
             raise SystemExit(f"error: {flag} must be >= 0, got {value}.")
+    if args.prefill_chunk < 0 or args.prefill_chunk % 64:
+        raise SystemExit(f"error: --prefill-chunk must be 0 (off) or a positive multiple of 64, got "
+                         f"{args.prefill_chunk}.")
     if args.drain_seconds < 0:
         raise SystemExit(f"error: --drain-seconds must be >= 0, got {args.drain_seconds}.")
     if args.seed is not None and not 0 <= args.seed < 2**63:
@@ -176,6 +179,10 @@ def add_arguments(p) -> None:
     p.add_argument("--cycles-per-step", type=int, default=4,
                    help="the most draft-verify cycles between two admissions / stream flushes; a step ends "
                         "sooner when a request finishes, and runs one cycle while a slot is free (default 4)")
+    p.add_argument("--prefill-chunk", type=int, default=128,
+                   help="prefill a prompt longer than this many tokens this many at a time, between steps, so "
+                        "that running streams keep going while it is prefilled (a multiple of 64; default 128; "
+                        "0: prefill every prompt whole)")
     p.add_argument("--no-penalties", action="store_true",
                    help="compile the engine without the logits processors: faster cycles, and requests with "
                         "penalties, logit_bias or min_tokens are refused")

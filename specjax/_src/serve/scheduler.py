@@ -33,7 +33,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import jax
 import numpy as np
 
-from specjax._src.engine.slots import Engine, SlotSettings
+from specjax._src.engine.ops import SINGLE_PREFILL_BLOCK
+from specjax._src.engine.slots import Engine, PrefillJob, SlotSettings
 from specjax._src.engine.text import TextStream
 
 
@@ -221,9 +222,21 @@ class Counters:
     steps: int = 0
     prefills: int = 0  # insert calls that succeeded (a group of requests counts once)
     prefilled_requests: int = 0
+    prefill_chunks: int = 0  # chunks of long prompts prefilled (Scheduler(prefill_chunk=...))
     step_seconds: float = 0.0  # engine.step and reading its output back
     insert_seconds: float = 0.0  # engine.insert (prefill, waited for), fork and release
     busy_seconds: float = 0.0  # the loop's wall time while a request was waiting or live
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A request whose prompt is prefilled chunk by chunk (:meth:`specjax.engine.Engine.begin_insert`):
+    it holds ``slots`` (its first, and the copies' of a request of ``n`` choices) until its last chunk."""
+
+    request: Request
+    job: PrefillJob
+    slots: tuple
+    keys: Optional[list] = None  # a request of n choices: the copies' keys
 
 
 class _Stopped(Exception):
@@ -273,13 +286,26 @@ class Scheduler:
         674 ms on the real pair, ``benchmarks/serve_programs.py``).
       eos_ids: the ids that end a request (the target's EOS), to tell
         ``"stop"`` from ``"length"``.
+      prefill_chunk: a prompt longer than this many tokens (a positive
+        multiple of 64) is prefilled this many positions at a time
+        (:meth:`specjax.engine.Engine.begin_insert`), one chunk between two
+        steps, so that the running requests keep streaming while it is
+        prefilled: a stream's gap between tokens grows by one chunk's
+        prefill at most, not by the whole prompt's. The request decodes
+        what a whole insert gives it. Its slots are held for it meanwhile;
+        steps neither run nor plan them. Shorter prompts are prefilled whole,
+        in groups, as before. 0: every prompt is prefilled whole.
     """
 
     def __init__(self, engine: Engine, tokenizer, *, max_queue: int = 64, num_cycles: int = 4,
                  warmup_widths: Optional[Sequence[int]] = None, eos_ids: Sequence[int] = (),
-                 prefill_groups: Optional[Sequence[int]] = None):
+                 prefill_groups: Optional[Sequence[int]] = None, prefill_chunk: int = 128):
         if int(max_queue) < 0 or int(num_cycles) < 1:
             raise ValueError(f"max_queue must be >= 0 and num_cycles >= 1, got {max_queue}, {num_cycles}.")
+        if int(prefill_chunk) < 0 or int(prefill_chunk) % SINGLE_PREFILL_BLOCK:
+            raise ValueError(f"prefill_chunk must be 0 (off) or a positive multiple of {SINGLE_PREFILL_BLOCK}, got "
+                             f"{prefill_chunk}.")
+        self.prefill_chunk = int(prefill_chunk)
         if prefill_groups is None:
             prefill_groups = [2**i for i in range(engine.num_slots.bit_length()) if 2**i <= engine.num_slots]
         groups = sorted({int(n) for n in prefill_groups})
@@ -296,6 +322,7 @@ class Scheduler:
         self.ready = threading.Event()
         self._waiting: collections.deque[Request] = collections.deque()
         self._live: dict[int, _Live] = {}
+        self._pending: dict[int, _Pending] = {}  # by first slot, oldest first
         self._free = list(range(engine.num_slots))  # slots no request holds or is about to take
         self._cond = threading.Condition()
         self._closing = False
@@ -382,7 +409,7 @@ class Scheduler:
             _emit(request, Failed("the server is shutting down and did not admit this request; retry.",
                                   "shutting_down"))
         deadline = time.monotonic() + drain_seconds
-        while self._thread.is_alive() and self._live and time.monotonic() < deadline:
+        while self._thread.is_alive() and (self._live or self._pending) and time.monotonic() < deadline:
             time.sleep(0.01)
         with self._cond:
             self._stop = True
@@ -425,14 +452,15 @@ class Scheduler:
             self._error = e
             with self._cond:
                 self._closing = True
-                doomed = list(self._waiting) + list({id(l.request): l.request for l in self._live.values()}.values())
+                doomed = list(self._waiting) + self._held_requests()
                 self._waiting.clear()
                 self._live.clear()
+                self._pending.clear()
             for request in doomed:
                 _emit(request, Failed(f"the server's engine failed: {type(e).__name__}: {e}", "engine_error"))
 
     def _warm_up(self):
-        """Compiles init, insert (per prompt width), fork (per copy count) and step (per row
+        """Compiles init, insert (per prompt width), the chunked prefill's programs, fork (per copy count) and step (per row
         bucket, and for an engine with ``specialized_steps`` each of its three programs) before
         any request (release compiles nothing). Stops early when the scheduler is closed."""
         engine = self.engine
@@ -470,6 +498,17 @@ class Scheduler:
                 state = serve_one(state, 0, [0] * max(1, min(width, engine.capacity - 1)), group=group)
         for width in engine._single_prompt_widths():  # a short prompt alone runs at its own width
             state = serve_one(state, 0, [0] * width)
+        chunk = self.prefill_chunk
+        if chunk and engine.capacity - 1 > chunk:  # a long prompt's chunks: the middle ones' program, the last's
+            if self._stop:
+                raise _Stopped()
+            length = min(engine.capacity - 1, 2 * chunk + 1)
+            job = engine.begin_insert(state, 0, [0] * length, greedy, chunk=chunk)
+            while not job.finished:
+                state, job = engine.continue_insert(state, job)
+            state, out = engine.step(state, self.num_cycles, plan=engine.plan({0: greedy}))
+            jax.block_until_ready(out)
+            state = engine.release(state, 0)
         for copies in range(1, engine.num_slots):  # a request of n choices: one fork program per n - 1
             state = serve_one(state, 0, [0], copies=copies)
         for rows in engine.row_buckets:  # the step that runs the first `rows` slots, in each program
@@ -482,11 +521,13 @@ class Scheduler:
     def _serve(self, state) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._live and (not self._waiting or self._paused):
+                while (not self._stop and not self._live and not self._pending
+                       and (not self._waiting or self._paused)):
                     self._cond.wait()
                 if self._stop:
-                    doomed = list({id(l.request): l.request for l in self._live.values()}.values())
+                    doomed = self._held_requests()
                     self._live.clear()
+                    self._pending.clear()
                     break
             began = time.perf_counter()
             state = self._release_cancelled(state)  # first, so that a waiting request takes the slot now
@@ -499,6 +540,7 @@ class Scheduler:
                         slots = [self._free.pop(0) for _ in range(request.n)]
                         admitted.append((slots, request))
             state = self._admit(state, admitted)
+            state = self._prefill_chunk(state)
             if self._live:
                 state = self._step(state)
             self.counters.busy_seconds += time.perf_counter() - began
@@ -506,9 +548,20 @@ class Scheduler:
             _emit(request, Failed("the server shut down while this request was being generated; retry.",
                                   "shutting_down"))
 
+    def _held_requests(self) -> list:
+        """The requests that hold slots, live or pending, each once."""
+        held = [l.request for l in self._live.values()] + [p.request for p in self._pending.values()]
+        return list({id(r): r for r in held}.values())
+
     def _admit(self, state, admitted):
         """Prefills ``admitted`` (``(slots, request)`` pairs): requests of one choice in groups of
-        ``prefill_groups`` sizes, a request of ``n`` alone, then copied into its other slots."""
+        ``prefill_groups`` sizes, a request of ``n`` alone, then copied into its other slots. A
+        prompt longer than ``prefill_chunk`` begins a chunked prefill instead (:meth:`_prefill_chunk`)."""
+        if self.prefill_chunk:
+            long = [a for a in admitted if len(a[1].prompt) > self.prefill_chunk]
+            admitted = [a for a in admitted if len(a[1].prompt) <= self.prefill_chunk]
+            for slots, request in long:
+                self._begin(state, slots, request)
         single = sorted([a for a in admitted if a[1].n == 1], key=lambda item: len(item[1].prompt))
         while single:
             size = max(n for n in self.prefill_groups if n <= len(single))
@@ -519,16 +572,83 @@ class Scheduler:
                 state = self._insert(state, [(slots[0], request)], copies=slots[1:])
         return state
 
+    def _begin(self, state, slots, request) -> None:
+        """Starts the chunked prefill of ``request`` into ``slots`` (its chunks run between steps)."""
+        t0 = time.perf_counter()
+        settings, keys = request.settings, None
+        if request.n > 1:
+            keys = _choice_keys(settings, request.n)
+            settings = settings._replace(seed=None, key=keys[0])
+        try:
+            job = self.engine.begin_insert(state, slots[0], list(request.prompt), settings, chunk=self.prefill_chunk)
+        except (ValueError, TypeError) as e:  # checked by the server before queuing; here as a last guard
+            self.counters.insert_seconds += time.perf_counter() - t0
+            self._refuse(request, slots, e)
+            return
+        self.counters.insert_seconds += time.perf_counter() - t0
+        self._pending[slots[0]] = _Pending(request, job, tuple(slots), keys)
+
+    def _prefill_chunk(self, state):
+        """Prefills the next chunk of the oldest chunked prefill; at its last chunk the request
+        goes live (its copies forked) and its first tokens come with the next step. A cancelled
+        one's slots are freed instead."""
+        if not self._pending:
+            return state
+        first = next(iter(self._pending))
+        pending = self._pending[first]
+        request = pending.request
+        if request.cancelled:
+            del self._pending[first]
+            with self._cond:
+                self._free.extend(pending.slots)
+            self.counters.requests_cancelled += 1
+            _emit(request, Failed("cancelled", "cancelled"))
+            return state
+        t0 = time.perf_counter()
+        try:
+            state, job = self.engine.continue_insert(state, pending.job)
+            if job.finished and pending.keys is not None:
+                state = self.engine.fork(state, first, pending.slots[1:], pending.keys[1:])
+            jax.block_until_ready(state.occupied if job.finished else job.caches)
+        except (ValueError, TypeError) as e:
+            self.counters.insert_seconds += time.perf_counter() - t0
+            del self._pending[first]
+            self._refuse(request, pending.slots, e)
+            return state
+        self.counters.insert_seconds += time.perf_counter() - t0
+        self.counters.prefill_chunks += 1
+        pending.job = job
+        if job.finished:
+            del self._pending[first]
+            self.counters.prefills += 1
+            self.counters.prefilled_requests += 1
+            self._start(first, request, pending.slots[1:])
+        return state
+
+    def _refuse(self, request, slots, error) -> None:
+        with self._cond:
+            self._free.extend(slots)
+        self.counters.requests_failed += 1
+        _emit(request, Failed(str(error), "invalid_request"))
+
+    def _start(self, slot, request, copies=()) -> None:
+        """``request`` is in ``slot`` (and its copies): each choice's stream goes live."""
+        request.remaining = request.n
+        with self._cond:
+            for index, s in enumerate((slot, *copies) if request.n > 1 else (slot,)):
+                stream = TextStream(self.tokenizer, stop=request.stop, skip_special_tokens=request.skip_special_tokens)
+                k = request.settings.logprobs
+                self._live[s] = _Live(request, index, stream, logprobs=None if k is None else [],
+                                      top=[] if k else None)
+        self.counters.prompt_tokens += len(request.prompt)
+
     def _insert(self, state, group, copies=()):
         t0 = time.perf_counter()
         slots, requests = zip(*group)
         try:
             settings = [r.settings for r in requests]
             if copies:  # choice i samples with fold_in(key(seed), i), as decode's sequence i does
-                first = requests[0].settings
-                base = first.key if first.key is not None else jax.random.key(
-                    secrets.randbits(32) if first.seed is None else first.seed)
-                keys = [jax.random.fold_in(base, i) for i in range(1 + len(copies))]
+                keys = _choice_keys(requests[0].settings, 1 + len(copies))
                 settings = [settings[0]._replace(seed=None, key=keys[0])]
             state = self.engine.insert_many(state, slots, [list(r.prompt) for r in requests], settings)
             if copies:
@@ -542,24 +662,13 @@ class Scheduler:
                 for item in group:
                     state = self._insert(state, [item])
                 return state
-            with self._cond:
-                self._free.extend((slots[0], *copies))
-            self.counters.requests_failed += 1
-            _emit(requests[0], Failed(str(e), "invalid_request"))
+            self._refuse(requests[0], (slots[0], *copies), e)
             return state
         self.counters.insert_seconds += time.perf_counter() - t0
         self.counters.prefills += 1
         self.counters.prefilled_requests += len(group)
         for slot, request in group:
-            request.remaining = request.n
-            with self._cond:
-                for index, s in enumerate((slot, *copies) if request.n > 1 else (slot,)):
-                    stream = TextStream(self.tokenizer, stop=request.stop,
-                                        skip_special_tokens=request.skip_special_tokens)
-                    k = request.settings.logprobs
-                    self._live[s] = _Live(request, index, stream, logprobs=None if k is None else [],
-                                          top=[] if k else None)
-            self.counters.prompt_tokens += len(request.prompt)
+            self._start(slot, request, copies)
         return state
 
     def _release(self, state, slot):
@@ -670,6 +779,14 @@ class Scheduler:
         else:
             ends = frozenset(np.atleast_1d(request.settings.eos_token_id).tolist())
         return ends | frozenset(request.settings.stop_token_ids)
+
+
+def _choice_keys(settings: SlotSettings, n: int) -> list:
+    """The keys of a request's ``n`` choices: choice i samples with fold_in(key(seed), i), as
+    decode's sequence i does."""
+    base = settings.key if settings.key is not None else jax.random.key(
+        secrets.randbits(32) if settings.seed is None else settings.seed)
+    return [jax.random.fold_in(base, i) for i in range(n)]
 
 
 def _emit(request: Request, event) -> None:
