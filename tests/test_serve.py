@@ -995,7 +995,7 @@ def test_metrics_keep_every_digit():
 
     m = {key: 0 for key in ("requests_finished", "requests_failed", "requests_cancelled", "requests_refused",
                             "completion_tokens", "drafted", "accepted", "cycles", "steps", "prefills",
-                            "prefilled_requests", "queue_depth", "live_slots", "num_slots")}
+                            "prefilled_requests", "prefill_chunks", "queue_depth", "live_slots", "num_slots")}
     m.update(prompt_tokens=12345678, step_seconds=1234567.25, insert_seconds=0.0, busy_seconds=0.0, host_share=0.0,
              latency=_latency_histograms())
     text = prometheus_text(m)

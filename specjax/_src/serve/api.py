@@ -1033,6 +1033,8 @@ _METRICS = (
     ("specjax_steps_total", "counter", "steps", "engine.step calls."),
     ("specjax_prefills_total", "counter", "prefills", "Prefill calls (requests admitted together share one)."),
     ("specjax_prefilled_requests_total", "counter", "prefilled_requests", "Requests prefilled."),
+    ("specjax_prefill_chunks_total", "counter", "prefill_chunks",
+     "Chunks of long prompts prefilled between steps (--prefill-chunk)."),
     ("specjax_step_seconds_total", "counter", "step_seconds", "Wall time in engine.step, reading its output included."),
     ("specjax_prefill_seconds_total", "counter", "insert_seconds",
      "Wall time in prefills (insert, waited for), forks and releases."),
