@@ -362,6 +362,7 @@ def test_full_queue_is_refused_not_hung(setup):
 
 def test_models_health_and_metrics(setup):
     url = setup["url"]
+    setup["client"].completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)  # one at least
     assert [m.id for m in setup["client"].models.list()] == [MODEL]
     assert httpx.get(url + f"/v1/models/{MODEL}", timeout=5).json()["speculative"]["rules"][0] == \
         "speculative_sampling"
