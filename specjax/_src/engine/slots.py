@@ -676,7 +676,7 @@ class Engine:
         once between steps, each call prefilling ``chunk`` more positions,
         so that a running slot waits at most one chunk's prefill per step.
         The request decodes exactly what :meth:`insert` would give it: each
-        chunk runs the prefill blocks (:data:`SINGLE_PREFILL_BLOCK` tokens)
+        chunk runs the prefill blocks (``SINGLE_PREFILL_BLOCK`` tokens)
         that a whole insert of the prompt alone runs at those positions, with
         the same shapes and cache entries, and the last one builds the same
         first-cycle state (both caches, a feature head's pending features,
@@ -690,7 +690,7 @@ class Engine:
         :meth:`continue_insert`'s last call refuses a slot that was taken
         meanwhile. ``state`` is only read (the slot must be free) and stays valid.
 
-        ``chunk``: a positive multiple of :data:`SINGLE_PREFILL_BLOCK` (64).
+        ``chunk``: a positive multiple of ``SINGLE_PREFILL_BLOCK`` (64).
         One program per chunk width for the middle chunks and one for the last
         (plus one that makes the empty caches). Raises as :meth:`insert` does
         before anything runs.
