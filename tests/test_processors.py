@@ -146,6 +146,14 @@ def test_stop_strings_cut_the_text_before_the_stop(tokenizer):
     stream = TextStream(tokenizer, stop=["zzz"])
     assert stream.push(ids) + stream.finish() == text and not stream.stopped
     assert stream.covered_tokens() == len(ids)
+    # min_tokens: a stop string within the first tokens' text does not end it (vLLM's min_tokens).
+    first = tokenizer.decode(ids[:3])
+    early = first[-2:]
+    assert early.strip() and early in first
+    held = TextStream(tokenizer, stop=[early], min_tokens=len(ids))
+    assert held.push(ids) + held.finish() == text and not held.stopped
+    plain = TextStream(tokenizer, stop=[early])
+    assert plain.push(ids) + plain.finish() == text[: text.find(early)] and plain.stopped
     assert cut_at_stop("a STOP b stop", ["stop", "STOP"]) == ("a ", True)
 
 

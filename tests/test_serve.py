@@ -974,6 +974,10 @@ def test_stop_strings_and_logprobs_count_the_completions_tokens(setup):
     empty = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=full[:2],
                                       logprobs=0)
     assert empty.choices[0].text == "" and empty.choices[0].logprobs.tokens == []
+    # min_tokens holds stop strings back too (vLLM's): the same stop string does not end it at once.
+    held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=full[:2],
+                                     extra_body={"min_tokens": 8, "ignore_eos": True})
+    assert held.usage.completion_tokens >= 8 and held.choices[0].text.startswith(full[:2])
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                           temperature=0, logprobs=True, logit_bias={"97": 100})
     token = chat.choices[0].logprobs.content[0]

@@ -31,9 +31,10 @@ def check_stop_strings(stop: Sequence[str], tokenizer=None) -> tuple[str, ...]:
     return tuple(out)
 
 
-def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    """``(text before the earliest stop string, whether one occurred)``."""
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+def cut_at_stop(text: str, stop: Sequence[str], after: int = 0) -> tuple[str, bool]:
+    """``(text before the earliest stop string, whether one occurred)``; only an occurrence that
+    ends past character ``after`` counts."""
+    hits = [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in stop) if i >= 0]
     if not hits:
         return text, False
     return text[: min(hits)], True
@@ -56,12 +57,16 @@ class TextStream:
         object with ``decode(ids) -> str``.
       stop: stop strings (each non-empty and encodable).
       skip_special_tokens: passed to ``tokenizer.decode``.
+      min_tokens: no stop string ends the text within the first ``min_tokens``
+        tokens' text (vLLM's ``min_tokens``, which holds back every stop check).
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = check_stop_strings(stop, tokenizer)
         self.skip_special_tokens = skip_special_tokens
+        self.min_tokens = int(min_tokens)
+        self._after: Optional[int] = 0 if self.min_tokens == 0 else None  # where a stop may end, once known
         self.tokens: list[int] = []
         self.stopped = False
         self._sent = 0
@@ -70,14 +75,14 @@ class TextStream:
     @property
     def text(self) -> str:
         """The text so far, cut before a stop string if one occurred."""
-        return cut_at_stop(self._decode(), self.stop)[0]
+        return self._cut(self._decode())[0]
 
     def push(self, tokens) -> str:
         """Adds tokens; returns the text that is now final (never part of a stop string)."""
         if self.stopped:
             return ""
         self.tokens.extend(int(t) for t in tokens)
-        text, self.stopped = cut_at_stop(self._decode(), self.stop)
+        text, self.stopped = self._cut(self._decode())
         end = len(text) if self.stopped else max(len(text) - self._hold, self._sent)
         while end > self._sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence: wait for more
             end -= 1
@@ -89,6 +94,13 @@ class TextStream:
         text = self.text
         new, self._sent = text[self._sent:], len(text)
         return new
+
+    def _cut(self, text: str) -> tuple[str, bool]:
+        if self._after is None:
+            if len(self.tokens) < self.min_tokens:
+                return text, False
+            self._after = len(self._decode(self.tokens[: self.min_tokens]))
+        return cut_at_stop(text, self.stop, self._after)
 
     def covered_tokens(self) -> int:
         """How many of the tokens the text needs: all of them, or after a stop

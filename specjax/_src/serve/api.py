@@ -712,8 +712,8 @@ def _settings(body: _Sampling, prompt: list[int], k: Optional[int], scheduler: s
                    f"({engine.capacity} tokens, prompt and completion together): ask for at most {room}.",
                    max_field, "context_length_exceeded")
     if body.min_tokens is not None and body.min_tokens > max_tokens:
-        raise _bad(f"min_tokens={body.min_tokens} exceeds {max_field}={max_tokens}: EOS and stop ids are blocked "
-                   "until min_tokens, so the completion would end at the limit first.", "min_tokens")
+        raise _bad(f"min_tokens={body.min_tokens} exceeds {max_field}={max_tokens}: EOS, stop ids and stop strings "
+                   "are held back until min_tokens, so the completion would end at the limit first.", "min_tokens")
     temperature = 1.0 if body.temperature is None else body.temperature
     if not 0.0 <= temperature <= 2.0:
         raise _bad(f"temperature must be in [0, 2], got {temperature}.", "temperature")

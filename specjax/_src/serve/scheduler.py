@@ -636,7 +636,9 @@ class Scheduler:
         request.remaining = request.n
         with self._cond:
             for index, s in enumerate((slot, *copies) if request.n > 1 else (slot,)):
-                stream = TextStream(self.tokenizer, stop=request.stop, skip_special_tokens=request.skip_special_tokens)
+                controls = request.settings.controls
+                stream = TextStream(self.tokenizer, stop=request.stop, skip_special_tokens=request.skip_special_tokens,
+                                    min_tokens=controls.min_new_tokens if controls is not None else 0)
                 k = request.settings.logprobs
                 self._live[s] = _Live(request, index, stream, logprobs=None if k is None else [],
                                       top=[] if k else None)
