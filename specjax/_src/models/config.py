@@ -1,4 +1,4 @@
-"""Static configuration of the decoder family (Llama, Mistral, Qwen2, Qwen3, GPT-2).
+"""Static configuration of the decoder family (Llama, Mistral, Qwen2, Qwen3, GPT-2, Gemma 1/2/3).
 
 A frozen, hashable dataclass: it is closed over by jitted functions as a
 static, so two models with equal configs share compiled programs.
@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text")
+GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
+# Per-layer attention kinds (``ModelConfig.layer_types``), named as in Hugging Face configs.
+LAYER_TYPES = ("sliding_attention", "full_attention")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # "gelu_new" / "gelu_pytorch_tanh" are the tanh approximation GPT-2 uses; "gelu" is exact.
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
@@ -63,6 +66,19 @@ class ModelConfig:
         ``vocab_size`` with ``-inf`` for every other token, so the model pairs
         with a full-vocabulary target and speculative sampling stays lossless
         (the residual ``max(0, p - q)`` covers the tokens the draft never proposes).
+      query_pre_attn_scalar: attention scores are scaled by its ``** -0.5``
+        (Gemma 2/3); None: ``head_dim ** -0.5``.
+      attn_logit_softcapping / final_logit_softcapping: ``c * tanh(x / c)`` on
+        the attention scores / the logits (Gemma 2), or None.
+      layer_types: one of ``LAYER_TYPES`` per layer (Gemma 2/3): only
+        ``"sliding_attention"`` layers use ``sliding_window``. ``()``: every
+        layer does (Mistral's layout).
+      rope_local_theta: RoPE base of the sliding layers (Gemma 3's
+        ``rope_local_base_freq``; never scaled); None: ``rope_theta``.
+
+    The Gemma layouts (``GEMMA_MODEL_TYPES``) also scale the embeddings by
+    ``sqrt(hidden_size)``, use ``(1 + weight)`` RMSNorms and a GeGLU MLP;
+    Gemma 2/3 add post-attention and post-MLP norms (``sandwich_norms``).
     """
 
     model_type: str
@@ -90,6 +106,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
     head_vocab_size: Optional[int] = None
+    query_pre_attn_scalar: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: Optional[float] = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -117,6 +138,20 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}.")
+        if not isinstance(self.layer_types, tuple):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types:
+            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+            if bad:
+                raise ValueError(
+                    f"layer_types has unknown entry {bad[0]!r}; each layer must be one of "
+                    f"{', '.join(LAYER_TYPES)}."
+                )
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries but the model has "
+                    f"{self.num_layers} layers (num_hidden_layers)."
+                )
 
     @property
     def has_reduced_head(self) -> bool:
@@ -125,6 +160,25 @@ class ModelConfig:
     @property
     def is_gpt2(self) -> bool:
         return self.model_type == "gpt2"
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.model_type in GEMMA_MODEL_TYPES
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Norms after attention and after the MLP as well as before (Gemma 2/3)."""
+        return self.model_type in ("gemma2", "gemma3_text")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends through ``sliding_window`` (False without one)."""
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The sliding window of ``layer``, or None for full attention."""
+        return self.sliding_window if self.is_sliding(layer) else None
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -140,4 +194,5 @@ class ModelConfig:
         if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids") or ())
+        fields["layer_types"] = tuple(fields.get("layer_types") or ())
         return cls(**fields)

@@ -1,4 +1,4 @@
-"""One Flax decoder family for the Llama, Mistral, Qwen2, Qwen3 and GPT-2 layouts.
+"""One Flax decoder family for the Llama, Mistral, Qwen2, Qwen3, GPT-2 and Gemma layouts.
 
 The layout follows from :class:`~specjax._src.models.config.ModelConfig`:
 
@@ -8,7 +8,15 @@ mistral    llama + ``sliding_window`` attention
 qwen2      llama + q/k/v biases
 qwen3      llama + per-head RMSNorm on q and k, explicit ``head_dim``
 gpt2       LayerNorm, learned positions, fused q/k/v, gelu MLP, all biases
+gemma      embeddings x sqrt(H), (1 + weight) RMSNorms, GeGLU MLP, tied head
+gemma2     gemma + post-attention/MLP norms, ``query_pre_attn_scalar``,
+           attention and logit soft-capping, sliding/full ``layer_types``
+gemma3*    gemma2's norms and scaling + q/k norms, no soft-capping,
+           sliding layers with their own RoPE base (``rope_local_theta``)
 =========  ==========================================================
+
+(``gemma3*``: ``model_type`` ``"gemma3_text"``.) A sliding layer's mask
+(``attention_mask``) hides keys ``sliding_window`` or more positions back.
 
 All of them support GQA (``num_kv_heads < num_heads``), tied or untied
 embeddings, and float32 or bfloat16 params and compute (``config.dtype``).
@@ -73,16 +81,21 @@ _INIT_STD = 0.02  # Hugging Face's initializer_range default for all five famili
 # --------------------------------------------------------------------------- #
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+def rope_inv_freq(config: ModelConfig, layer: Optional[int] = None) -> np.ndarray:
     """Inverse RoPE frequencies ``[head_dim // 2]`` float32, Llama 3 scaling applied.
 
     Computed on the host with NumPy (a compile-time constant), in float32 like
     Hugging Face's reference so that angles agree to the last bit or two.
+    With ``layer``, that layer's: a sliding layer of a config with
+    ``rope_local_theta`` (Gemma 3) uses that base, unscaled.
     """
     dim = config.head_dim
+    theta, scaling = config.rope_theta, config.rope_scaling
+    if (layer is not None and config.rope_local_theta is not None and config.layer_types
+            and config.layer_types[layer] == "sliding_attention"):
+        theta, scaling = config.rope_local_theta, None
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
-    scaling = config.rope_scaling
+    inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
     if scaling is None:
         return inv_freq
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, and blend
@@ -237,7 +250,8 @@ def tree_attention_mask(
     return mask, positions
 
 
-def grouped_attention(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
+def grouped_attention(q: Array, k: Array, v: Array, mask: Array, scale: float,
+                      softcap: Optional[float] = None) -> Array:
     """Multi-head attention with grouped key/value heads.
 
     Args:
@@ -246,6 +260,8 @@ def grouped_attention(q: Array, k: Array, v: Array, mask: Array, scale: float) -
         ``N % K == 0``.
       mask: ``[B, T, S]`` bool.
       scale: multiplies the scores.
+      softcap: if set, scores become ``softcap * tanh(scores / softcap)``
+        after scaling, before masking (Gemma 2).
 
     Returns:
       ``[B, T, N * D]`` in ``v.dtype``. Scores and softmax run in float32.
@@ -262,6 +278,8 @@ def grouped_attention(q: Array, k: Array, v: Array, mask: Array, scale: float) -
     q = q.reshape(b, t, kv_heads, n // kv_heads, d).transpose(0, 2, 3, 1, 4)
     scores = jnp.einsum("bkgtd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * scale
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
@@ -334,7 +352,8 @@ def check_attention_reads(mode: str) -> None:
 
 
 def cache_attention(q: Array, keys: Array, values: Array, mask_at, scale: float,
-                    width_index: Optional[Array], reads: str = "auto") -> Array:
+                    width_index: Optional[Array], reads: str = "auto",
+                    softcap: Optional[float] = None) -> Array:
     """:func:`grouped_attention` over the first ``attention_widths(S)[width_index]``
     slots of ``keys, values`` ``[B, K, S, D]``; ``mask_at(width)`` gives the
     ``[B, T, width]`` mask. Every slot past that width is masked for every
@@ -363,7 +382,7 @@ def cache_attention(q: Array, keys: Array, values: Array, mask_at, scale: float,
         def run(q, keys, values):
             if width < capacity:
                 keys, values = keys[:, :, :width], values[:, :, :width]
-            return grouped_attention(q, keys, values, mask_at(width), scale)
+            return grouped_attention(q, keys, values, mask_at(width), scale, softcap)
         return run
 
     if width_index is None or len(widths) == 1 or reads == "whole":
@@ -401,16 +420,24 @@ def _activation(name: str):
 
 
 class RMSNorm(nn.Module):
-    """HF-style RMSNorm: normalise in float32, cast back, then scale."""
+    """HF-style RMSNorm: normalise in float32, cast back, then scale.
+
+    ``gemma``: Gemma's form, ``y * (1 + scale)`` all in float32, then cast
+    back (the stored weight is the offset from 1).
+    """
 
     eps: float
     dtype: Any
+    gemma: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.gemma else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.gemma:
+            return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
         return scale * y.astype(x.dtype)
 
 
@@ -433,8 +460,9 @@ class LayerNorm(nn.Module):
 
 
 def _norm(config: ModelConfig, name: str) -> nn.Module:
-    cls = LayerNorm if config.is_gpt2 else RMSNorm
-    return cls(eps=config.norm_eps, dtype=jnp.dtype(config.dtype), name=name)
+    if config.is_gpt2:
+        return LayerNorm(eps=config.norm_eps, dtype=jnp.dtype(config.dtype), name=name)
+    return RMSNorm(eps=config.norm_eps, dtype=jnp.dtype(config.dtype), gemma=config.is_gemma, name=name)
 
 
 def _dense(config: ModelConfig, features: int, use_bias: bool, name: str, matmul: str = "auto") -> nn.Dense:
@@ -462,6 +490,7 @@ class Attention(nn.Module):
     config: ModelConfig
     matmul: str = "auto"
     attention_reads: str = "auto"
+    layer: int = 0
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, lengths, mask=None, width_index=None):
@@ -484,7 +513,7 @@ class Attention(nn.Module):
         if not cfg.is_gpt2:
             # Every position indexes the cache (or the block, without one).
             bound = t if kv_cache is None else kv_cache[0].shape[2]
-            cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg), bound)
+            cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg, self.layer), bound)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
 
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # heads-major [B, K, T, D]
@@ -495,11 +524,13 @@ class Attention(nn.Module):
             values = write_cache(kv_cache[1], v, lengths)
             new_cache = (keys, values)
         if mask is None:  # a chain: causal by position
-            mask_at = functools.partial(attention_mask, positions, sliding_window=cfg.sliding_window)
+            mask_at = functools.partial(attention_mask, positions, sliding_window=cfg.layer_window(self.layer))
         else:
             mask_at = lambda width: mask[:, :, :width]  # noqa: E731
-        out = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask_at, d**-0.5,
-                              None if kv_cache is None else width_index, self.attention_reads)
+        scale = d**-0.5 if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
+        out = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask_at, scale,
+                              None if kv_cache is None else width_index, self.attention_reads,
+                              cfg.attn_logit_softcapping)
         out = _dense(cfg, cfg.hidden_size, cfg.is_gpt2 or cfg.attention_out_bias, "o", self.matmul)(out)
         return out, new_cache
 
@@ -521,19 +552,27 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP (Gemma 2/3: each output
+    normed again, ``post_attn_norm`` / ``post_mlp_norm``, before the residual add)."""
 
     config: ModelConfig
     matmul: str = "auto"
     attention_reads: str = "auto"
+    layer: int = 0
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, lengths, mask=None, width_index=None):
-        attn, new_cache = Attention(self.config, self.matmul, self.attention_reads, name="attn")(
-            _norm(self.config, "attn_norm")(x), positions, kv_cache, lengths, mask, width_index
+        cfg = self.config
+        attn, new_cache = Attention(cfg, self.matmul, self.attention_reads, self.layer, name="attn")(
+            _norm(cfg, "attn_norm")(x), positions, kv_cache, lengths, mask, width_index
         )
+        if cfg.sandwich_norms:
+            attn = _norm(cfg, "post_attn_norm")(attn)
         x = x + attn
-        x = x + MLP(self.config, self.matmul, name="mlp")(_norm(self.config, "mlp_norm")(x))
+        mlp = MLP(cfg, self.matmul, name="mlp")(_norm(cfg, "mlp_norm")(x))
+        if cfg.sandwich_norms:
+            mlp = _norm(cfg, "post_mlp_norm")(mlp)
+        x = x + mlp
         return x, new_cache
 
 
@@ -562,6 +601,8 @@ class Transformer(nn.Module):
             name="embed",
         )
         x = embed(tokens)
+        if cfg.is_gemma:  # scaled by sqrt(H) rounded to the model's dtype, as transformers does
+            x = x * jnp.asarray(math.sqrt(cfg.hidden_size), dtype)
         if cfg.is_gpt2:
             x = x + nn.Embed(
                 cfg.max_position_embeddings,
@@ -574,8 +615,9 @@ class Transformer(nn.Module):
         block_outputs, new_caches = [], []
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
-            x, c = Block(cfg, self.matmul, self.attention_reads, name=f"layer_{i}")(
-                x, positions, layer_cache, lengths, mask, width_index)
+            layer_mask = mask[i] if isinstance(mask, (tuple, list)) else mask  # one per layer, or shared
+            x, c = Block(cfg, self.matmul, self.attention_reads, i, name=f"layer_{i}")(
+                x, positions, layer_cache, lengths, layer_mask, width_index)
             block_outputs.append(x)
             new_caches.append(c)
         if logits_at is not None:
@@ -588,7 +630,7 @@ class Transformer(nn.Module):
                 "lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.head_vocab_size), dtype
             )
             ids = self.param("head_vocab_ids", _identity_ids, (cfg.head_vocab_size,))
-            logits = _head_logits(x, head, self.matmul)
+            logits = _softcap_logits(cfg, _head_logits(x, head, self.matmul))
             if not reduced_logits:
                 logits = scatter_to_vocab(logits, ids, cfg.vocab_size)
         elif cfg.tie_word_embeddings:
@@ -598,13 +640,19 @@ class Transformer(nn.Module):
             # token for a 2048 x 64 table), and with the table on the right a
             # 4-token verification of SmolLM2's 49152 x 576 table took 1.3 ms
             # more (a 20.9 ms forward against 19.6 ms; 1 token: the same).
-            logits = _head_logits(x, embed.embedding, self.matmul, table=True)
+            logits = _softcap_logits(cfg, _head_logits(x, embed.embedding, self.matmul, table=True))
         else:
             head = self.param(
                 "lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.vocab_size), dtype
             )
-            logits = _head_logits(x, head, self.matmul)
+            logits = _softcap_logits(cfg, _head_logits(x, head, self.matmul))
         return logits, tuple(block_outputs), tuple(new_caches)
+
+
+def _softcap_logits(cfg: ModelConfig, logits: Array) -> Array:
+    """``c * tanh(logits / c)`` with ``c = final_logit_softcapping`` (Gemma 2), else as is."""
+    cap = cfg.final_logit_softcapping
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
 def _head_logits(x: Array, head: Array, matmul: str, table: bool = False) -> Array:
@@ -653,8 +701,8 @@ def _init_params(config: ModelConfig, key: Array) -> Params:
         name = str(getattr(path[-1], "key", path[-1]))
         if name == "head_vocab_ids":
             value = jnp.arange(leaf.shape[0], dtype=leaf.dtype)
-        elif name == "scale":
-            value = jnp.ones(leaf.shape, leaf.dtype)
+        elif name == "scale":  # Gemma's norms store the offset from 1
+            value = (jnp.zeros if config.is_gemma else jnp.ones)(leaf.shape, leaf.dtype)
         elif name == "bias":
             value = jnp.zeros(leaf.shape, leaf.dtype)
         else:  # kernels, embeddings, lm_head
@@ -858,8 +906,14 @@ class Decoder:
                 raise ValueError("tree_offset needs a cache holding the tree's earlier nodes.")
             start = jnp.zeros((b,), jnp.int32) if lengths is None else lengths - tree_offset
             kv_len = t if cache is None else cache.max_length
-            mask, positions = tree_attention_mask(tree_parents, start, kv_len, cfg.sliding_window,
-                                                  offset=tree_offset, num=t)
+            windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}
+            masks = {}
+            for window in windows:
+                masks[window], positions = tree_attention_mask(tree_parents, start, kv_len, window,
+                                                               offset=tree_offset, num=t)
+            # One mask for all layers, or one per layer where sliding and full layers mix (Gemma 2/3).
+            mask = masks.popitem()[1] if len(masks) == 1 else tuple(
+                masks[cfg.layer_window(i)] for i in range(cfg.num_layers))
         logits, block_outputs, new_caches = Transformer(cfg, self.matmul, self.attention_reads).apply(
             {"params": params}, tokens, positions, kv_caches, lengths, logits_at, False, mask, width_index
         )

@@ -15,7 +15,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
+from specjax._src.models.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -41,11 +41,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 # --------------------------------------------------------------------------- #
 
 
-def _rope(hf: dict) -> tuple[float, Optional[RopeScaling]]:
+def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, Optional[RopeScaling]]:
     """(rope_theta, scaling) from either the transformers 5 ``rope_parameters``
     or the 4.x ``rope_theta`` + ``rope_scaling`` layout."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
@@ -166,6 +166,8 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
             **common,
         )
 
+    if model_type in GEMMA_MODEL_TYPES:
+        return _from_gemma_config(hf, model_type, common)
     if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         if "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]):
             raise ValueError(
@@ -205,8 +207,80 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
     )
 
 
+def _from_gemma_config(hf: dict, model_type: str, common: dict) -> ModelConfig:
+    """Gemma 1 (``gemma``), Gemma 2 (``gemma2``) and Gemma 3 text (``gemma3_text``) configs."""
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{model_type} with use_bidirectional_attention=True is not supported by specjax.")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported by specjax.")
+    h, heads, layers = int(hf["hidden_size"]), int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
+    attention_bias = bool(hf.get("attention_bias", False))
+    fields: dict[str, Any] = {}
+    if model_type == "gemma":
+        theta, scaling = _rope(hf)
+        activation = hf.get("hidden_act") or "gelu_pytorch_tanh"  # what transformers' GemmaMLP reads
+    else:
+        activation = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+        layer_types = hf.get("layer_types")
+        if layer_types is None:  # older configs: every `pattern`-th layer is global
+            pattern = int(hf.get("sliding_window_pattern", 6)) if model_type == "gemma3_text" else 2
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        if not isinstance(layer_types, (list, tuple)):
+            raise ValueError(f"config.json field 'layer_types' must be a list, got {layer_types!r}.")
+        fields.update(
+            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+            sliding_window=hf.get("sliding_window"),
+            layer_types=tuple(layer_types),
+        )
+        rope = hf.get("rope_parameters")
+        if model_type == "gemma3_text":
+            fields["final_logit_softcapping"] = hf.get("final_logit_softcapping")
+            fields["attn_logit_softcapping"] = hf.get("attn_logit_softcapping")
+            if isinstance(rope, dict) and "full_attention" in rope:  # transformers 5: one entry per layer type
+                theta, scaling = _rope({"rope_parameters": rope["full_attention"]}, 1_000_000.0)
+                local = rope.get("sliding_attention") or {}
+            else:  # 4.x: rope_theta (+ rope_scaling) global, rope_local_base_freq local
+                theta, scaling = _rope(hf, 1_000_000.0)
+                local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+            local_theta, local_scaling = _rope({"rope_parameters": local}, 10000.0)
+            if local_scaling is not None:
+                raise ValueError("gemma3_text with a scaled rope on its sliding layers is not supported by specjax.")
+            fields["rope_local_theta"] = local_theta
+        else:
+            fields["final_logit_softcapping"] = hf.get("final_logit_softcapping", 30.0)
+            fields["attn_logit_softcapping"] = hf.get("attn_logit_softcapping", 50.0)
+            theta, scaling = _rope(hf)
+        for key in ("final_logit_softcapping", "attn_logit_softcapping", "sliding_window"):
+            if fields[key] is not None:
+                fields[key] = (int if key == "sliding_window" else float)(fields[key])
+    return ModelConfig(
+        hidden_size=h,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or h // heads),
+        intermediate_size=int(hf["intermediate_size"]),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        attention_bias=attention_bias,
+        attention_out_bias=attention_bias,
+        qk_norm=model_type == "gemma3_text",
+        activation=activation,
+        **fields,
+        **common,
+    )
+
+
 def _check_expressible(cfg: ModelConfig) -> None:
     """Raises if ``cfg`` has a feature its HF family cannot represent."""
+    if cfg.is_gemma:
+        raise ValueError(
+            f"Exporting a {cfg.model_type} model to Hugging Face's format is not supported yet; "
+            "save it with specjax.save_orbax."
+        )
     problems = []
     if cfg.model_type != "mistral" and cfg.sliding_window is not None:
         problems.append("sliding_window (only mistral has it)")
@@ -345,7 +419,12 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         for i in range(cfg.num_layers):
             h, l = f"model.layers.{i}.", f"layer_{i}/"
             add(l + "attn_norm/scale", h + "input_layernorm.weight")
-            add(l + "mlp_norm/scale", h + "post_attention_layernorm.weight")
+            if cfg.sandwich_norms:  # Gemma 2/3
+                add(l + "post_attn_norm/scale", h + "post_attention_layernorm.weight")
+                add(l + "mlp_norm/scale", h + "pre_feedforward_layernorm.weight")
+                add(l + "post_mlp_norm/scale", h + "post_feedforward_layernorm.weight")
+            else:
+                add(l + "mlp_norm/scale", h + "post_attention_layernorm.weight")
             for proj in "qkvo":
                 add(f"{l}attn/{proj}/kernel", f"{h}self_attn.{proj}_proj.weight", True)
                 if cfg.attention_out_bias if proj == "o" else cfg.attention_bias:

@@ -1,0 +1,142 @@
+"""Gemma 1/2/3 layouts against transformers on tiny random checkpoints.
+
+Each model is saved with ``save_pretrained`` and read back with
+``specjax.load``; logits, ``generate`` and lossless ``decode`` (the model as
+its own draft) are compared with transformers' eager forward and greedy
+``generate``. The sliding window is 4 and sequences run past 12 tokens, so a
+local layer that saw too much (or too little) would change the outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import specjax  # noqa: E402
+from tests._hf_models import rel_err, torch_logits  # noqa: E402
+
+_COMMON = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, vocab_size=128, max_position_embeddings=256, bos_token_id=1, eos_token_id=None,
+               pad_token_id=0)
+
+CONFIGS = {
+    "gemma": ("GemmaConfig", dict(num_hidden_layers=2, hidden_act="gelu_pytorch_tanh")),
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=2, sliding_window=4, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+}
+_CAUSAL_LM = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def _make(model_type: str, tmp_path, **overrides):
+    """A random tiny transformers model of ``model_type`` saved to ``tmp_path``."""
+    config_name, fields = CONFIGS[model_type]
+    config_cls = getattr(transformers, config_name, None)
+    model_cls = getattr(transformers, _CAUSAL_LM[model_type], None)
+    if config_cls is None or model_cls is None:
+        pytest.skip(f"this transformers has no {config_name} / {_CAUSAL_LM[model_type]}")
+    config = config_cls(**{**_COMMON, **fields, **overrides})
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.float32)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Gemma's norms store the offset from 1: small random offsets.
+            p.copy_((0.1 if "norm" in name else 0.2) * torch.randn_like(p))
+    model.eval()
+    directory = os.path.join(str(tmp_path), model_type)
+    model.save_pretrained(directory)
+    return directory, model
+
+
+def _hf_greedy(model, prompt: np.ndarray, n: int) -> np.ndarray:
+    with torch.no_grad():
+        out = model.generate(torch.as_tensor(prompt, dtype=torch.long), max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[:, prompt.shape[1]:].numpy()
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text"])
+def test_logits_and_greedy_match_transformers(model_type, tmp_path):
+    directory, hf_model = _make(model_type, tmp_path)
+    model = specjax.load(directory, dtype="float32")
+    cfg = model.module.config
+    assert cfg.model_type == model_type and cfg.head_dim == 16 and cfg.tie_word_embeddings
+    if model_type != "gemma":
+        assert cfg.sliding_window == 4 and any(cfg.is_sliding(i) for i in range(cfg.num_layers))
+        assert not all(cfg.is_sliding(i) for i in range(cfg.num_layers))
+
+    ids = np.random.default_rng(0).integers(3, 128, (2, 12)).astype(np.int32)  # 12 tokens > window 4
+    err = rel_err(specjax.logits(model, ids), torch_logits(hf_model, ids))
+    assert err < 1e-4, err
+
+    prompt = ids[:1, :5]  # 5 + 12 tokens: the generated part crosses the window
+    want = _hf_greedy(hf_model, prompt, 12)
+    got = specjax.generate(model, prompt, max_new_tokens=12, temperature=0.0, eos_token_id=())
+    np.testing.assert_array_equal(np.asarray(got.tokens), want)
+    spec = specjax.decode(specjax.pair(model, model), prompt, num_draft=3, max_new_tokens=12,
+                          temperature=0.0, eos_token_id=())
+    np.testing.assert_array_equal(np.asarray(spec.tokens), want)
+
+
+def test_window_matters(tmp_path):
+    """The same weights with a window wider than the sequence give other logits:
+    the comparison above checks the window, not a full-attention model."""
+    directory, _ = _make("gemma3_text", tmp_path)
+    narrow = specjax.load(directory, dtype="float32")
+    wide = specjax.Model(params=narrow.params, module=specjax.Decoder(
+        narrow.module.config.replace(sliding_window=64)), tokenizer=None)
+    ids = np.arange(3, 15, dtype=np.int32)[None]
+    a, b = np.asarray(specjax.logits(narrow, ids)), np.asarray(specjax.logits(wide, ids))
+    np.testing.assert_allclose(a[:, :4], b[:, :4], rtol=1e-5, atol=1e-5)  # inside the window: equal
+    assert rel_err(a[:, 4:], b[:, 4:]) > 1e-3
+
+
+def test_tree_decode_matches_chain(tmp_path):
+    """Token trees on mixed sliding/full layers: one mask per layer kind."""
+    directory, hf_model = _make("gemma2", tmp_path)
+    model = specjax.load(directory, dtype="float32")
+    prompt = np.arange(3, 10, dtype=np.int32)[None]
+    want = _hf_greedy(hf_model, prompt, 10)
+    out = specjax.decode(specjax.pair(model, model), prompt, tree=specjax.trees.static_tree((2, 2)), max_new_tokens=10, temperature=0.0,
+                         eos_token_id=())
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
+
+
+def test_bad_layer_types_named(tmp_path):
+    directory, _ = _make("gemma2", tmp_path)
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["layer_types"] = ["sliding_attention", "chunked_attention"]
+    with open(path, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="layer_types.*chunked_attention"):
+        specjax.load(directory)
+    config["layer_types"] = ["sliding_attention"]
+    with open(path, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="layer_types has 1 entries"):
+        specjax.load(directory)
+
+
+def test_gemma_export_refused_and_orbax_round_trip(tmp_path):
+    directory, _ = _make("gemma3_text", tmp_path)
+    model = specjax.load(directory, dtype="float32")
+    with pytest.raises(ValueError, match="gemma3_text.*not supported"):
+        specjax.export_hf(model, str(tmp_path / "out"))
+    specjax.save_orbax(model, str(tmp_path / "orbax"))
+    again = specjax.load(str(tmp_path / "orbax"))
+    assert again.module.config == model.module.config
+    ids = np.arange(3, 15, dtype=np.int32)[None]
+    np.testing.assert_array_equal(np.asarray(specjax.logits(again, ids)), np.asarray(specjax.logits(model, ids)))
