@@ -90,6 +90,24 @@ def rules_contender(pair, prompt, k: int, rule, rules, capacity: int, cycles: in
     return common.engine_step_timer(engine, prompt, 4, settings, cycles)
 
 
+def print_machine() -> None:
+    print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}; "
+          f"jax {jax.__version__} on {jax.default_backend()}")
+
+
+def time_and_print(contenders: dict, rounds: int, fmt: str) -> dict:
+    """:func:`time_contenders` between two load readings, then the table of ms per cycle."""
+    print(f"load average at start: {tuple(round(x, 2) for x in os.getloadavg())}")
+    times = time_contenders(contenders, rounds)
+    print(f"load average at end: {tuple(round(x, 2) for x in os.getloadavg())}")
+    print(f"\n| contender | ms per cycle, median of {rounds} | min .. max |")
+    print("|---|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {fmt.format(statistics.median(ts))} | {fmt.format(min(ts))} .. {fmt.format(max(ts))} |")
+    return times
+
+
 def time_contenders(contenders: dict, rounds: int) -> dict:
     """Each contender compiled, then run ``rounds`` times, taking turns: ``{name: [ms, ...]}``."""
     for run in contenders.values():  # compile
@@ -113,19 +131,11 @@ def rule_set_cost(args, names, pair, k: int, capacity: int, prompt) -> None:
             pair, prompt, k, rules[0], rules[:1], capacity, args.cycles, sampled)
         contenders[f"one_of({len(rules)} rules), a rule per slot, {mode}"] = rules_contender(
             pair, prompt, k, one_of(*rules), rules, capacity, args.cycles, sampled)
-    print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}; "
-          f"jax {jax.__version__} on {jax.default_backend()}")
+    print_machine()
     print(f"command: {' '.join(sys.argv)}")
     print(f"pair: {names[0]} + {names[1]}, {args.dtype}, K={k}; 4 slots all live, capacity {capacity}, "
           f"{args.cycles} cycles per step, general program (controls=False); rules: {', '.join(map(str, rules))}")
-    print(f"load average at start: {tuple(round(x, 2) for x in os.getloadavg())}")
-    times = time_contenders(contenders, args.rounds)
-    print(f"load average at end: {tuple(round(x, 2) for x in os.getloadavg())}")
-    print(f"\n| contender | ms per cycle, median of {args.rounds} | min .. max |")
-    print("|---|---|---|")
-    for name, ts in times.items():
-        print(f"| {name} | {statistics.median(ts):.2f} | {min(ts):.2f} .. {max(ts):.2f} |")
+    times = time_and_print(contenders, args.rounds, "{:.2f}")
     names_ = list(times)
     print("\n| mode | one_of / one rule, per-round ratio: median [min-max] |")
     print("|---|---|")
@@ -166,18 +176,10 @@ def main() -> None:
     small = max(len(prompt) + args.cycles * (k + 1) + 1, capacity // 4)
     contenders[f"engine, 1 slot, processors off, capacity {small}"] = engine_contender(
         pair, prompt, k, 1, 1, False, small, args.cycles)
-    print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}; "
-          f"jax {jax.__version__} on {jax.default_backend()}")
+    print_machine()
     print(f"pair: {names[0]} + {names[1]}, {args.dtype}, K={k}; engine capacity {capacity}, "
           f"{args.cycles} cycles per step; decode max_new_tokens {args.new_tokens}")
-    print(f"load average at start: {tuple(round(x, 2) for x in os.getloadavg())}")
-    times = time_contenders(contenders, args.rounds)
-    print(f"load average at end: {tuple(round(x, 2) for x in os.getloadavg())}")
-    print(f"\n| contender | ms per cycle, median of {args.rounds} | min .. max |")
-    print("|---|---|---|")
-    for name, ts in times.items():
-        print(f"| {name} | {statistics.median(ts):.0f} | {min(ts):.0f} .. {max(ts):.0f} |")
+    time_and_print(contenders, args.rounds, "{:.0f}")
 
 
 if __name__ == "__main__":

@@ -177,7 +177,6 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
     theta, scaling = _rope(hf)
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported by specjax.")
-    h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     attention_bias = bool(hf.get("attention_bias", False))
     layout = {
         "llama": dict(attention_bias=attention_bias, attention_out_bias=attention_bias,
@@ -190,20 +189,29 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
     if hf.get(HEAD_VOCAB_KEY) is not None:
         common["head_vocab_size"] = int(hf[HEAD_VOCAB_KEY])
     return ModelConfig(
+        **_decoder_shape(hf, max_positions=2048, tied=False),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        activation=hf.get("hidden_act", "silu"),
+        **layout,
+        **common,
+    )
+
+
+def _decoder_shape(hf: dict, *, max_positions: int, tied: bool) -> dict:
+    """The ``ModelConfig`` fields every Llama-like ``config.json`` gives the same way (the
+    defaults where a field is missing differ by family: ``max_positions``, ``tied``)."""
+    h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    return dict(
         hidden_size=h,
         num_layers=int(hf["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or h // heads),
         intermediate_size=int(hf["intermediate_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        rope_theta=theta,
-        rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", max_positions)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        activation=hf.get("hidden_act", "silu"),
-        **layout,
-        **common,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", tied)),
     )
 
 
@@ -213,7 +221,7 @@ def _from_gemma_config(hf: dict, model_type: str, common: dict) -> ModelConfig:
         raise ValueError(f"{model_type} with use_bidirectional_attention=True is not supported by specjax.")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported by specjax.")
-    h, heads, layers = int(hf["hidden_size"]), int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
+    layers = int(hf["num_hidden_layers"])
     attention_bias = bool(hf.get("attention_bias", False))
     fields: dict[str, Any] = {}
     if model_type == "gemma":
@@ -254,17 +262,9 @@ def _from_gemma_config(hf: dict, model_type: str, common: dict) -> ModelConfig:
             if fields[key] is not None:
                 fields[key] = (int if key == "sliding_window" else float)(fields[key])
     return ModelConfig(
-        hidden_size=h,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or h // heads),
-        intermediate_size=int(hf["intermediate_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        **_decoder_shape(hf, max_positions=8192, tied=True),
         rope_theta=theta,
         rope_scaling=scaling,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         attention_bias=attention_bias,
         attention_out_bias=attention_bias,
         qk_norm=model_type == "gemma3_text",
