@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 from specjax._src.lm import KVCache, LanguageModel, LMOutput, Model
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
-from specjax._src.models.loading import export_hf, load, logits, save_orbax
+from specjax._src.models.loading import dequantize, export_hf, load, logits, quantize, save_orbax
 from specjax._src.models.manifest import checkpoint_manifest, verify_manifest
 from specjax._src.models.registry import describe as known_models
 from specjax._src.chat import encode_chat, render_chat
@@ -44,6 +44,8 @@ __all__ = [
     "save_orbax",
     "export_hf",
     "logits",
+    "quantize",
+    "dequantize",
     "checkpoint_manifest",
     "verify_manifest",
     "known_models",

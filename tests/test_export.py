@@ -192,6 +192,23 @@ def test_a_feature_head_lowers_for_accelerators(llama):
     assert_portable(stablehlo_for(lambda: specjax.decode(pair, PROMPTS, **KW, **SAMPLE)))
 
 
+@pytest.mark.parametrize("spec", ["int8", "q4,embedding=int8/32"])
+def test_quantized_weights_lower_for_accelerators(llama, spec):
+    """Quantized target, draft and feature head: the same programs, with the
+    quantized CPU kernels behind ``lax.platform_dependent`` like the float ones."""
+    if not cpu_matmul.is_available():
+        pytest.skip("quantizing on the CPU needs the kernels")
+    target, draft = specjax.quantize(llama[0], spec), specjax.quantize(llama[1], "int8")
+    head = specjax.quantize(fh.init_from_target(llama[0], jax.random.key(1), np.arange(64)), "int8")
+    head = fh.attach_embedding(head, target)
+    for pair in (specjax.pair(target, draft), specjax.pair(target, head)):
+        call = lambda: specjax.decode(pair, PROMPTS, **KW, **SAMPLE)  # noqa: E731
+        assert custom_call_targets(stablehlo_for(call, platforms=("cpu",))) & {"specjax_qmatmul_q4",
+                                                                             "specjax_qmatmul_int8"}
+        assert_portable(stablehlo_for(call))
+    assert_portable(stablehlo_for(lambda: specjax.generate(target, PROMPTS, max_new_tokens=8, **SAMPLE)))
+
+
 def test_target_only_generation_lowers_for_accelerators(llama):
     assert_portable(stablehlo_for(lambda: specjax.generate(llama[0], PROMPTS, max_new_tokens=8, **SAMPLE)))
 

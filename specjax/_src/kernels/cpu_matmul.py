@@ -50,8 +50,17 @@ MIN_ROWS, MAX_ROWS = 2, 16
 
 MATMUL_MODES = ("auto", "xla", "kernel")
 
-_SOURCE = Path(__file__).with_name("cpu_matmul.cc")
-_TARGETS = {"nn": ("specjax_matmul", "SpecjaxMatmul"), "nt": ("specjax_matmul_nt", "SpecjaxMatmulNt")}
+# cpu_qmatmul.cc: the same products with int8 and 4-bit weights
+# (specjax._src.quant); both are built into one library.
+_HERE = Path(__file__).parent
+_SOURCES = (_HERE / "cpu_matmul.cc", _HERE / "cpu_qmatmul.cc")
+_HEADERS = (_HERE / "parallel_columns.h", _HERE / "cpu_qmatmul_body.inc")
+_TARGETS = {
+    "nn": ("specjax_matmul", "SpecjaxMatmul"),
+    "nt": ("specjax_matmul_nt", "SpecjaxMatmulNt"),
+    "int8": ("specjax_qmatmul_int8", "SpecjaxQMatmulInt8"),
+    "q4": ("specjax_qmatmul_q4", "SpecjaxQMatmulQ4"),
+}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -86,7 +95,8 @@ def _compiler() -> list[str]:
 
 def _library_path(cxx: list[str]) -> Path:
     digest = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), jaxlib.__version__.encode(), " ".join(cxx + list(_FLAGS)).encode()):
+    parts = [f.read_bytes() for f in (*_SOURCES, *_HEADERS)]
+    for part in (*parts, jaxlib.__version__.encode(), " ".join(cxx + list(_FLAGS)).encode()):
         digest.update(part)
         digest.update(b"\0")
     return cache_dir() / "kernels" / f"cpu_matmul-{digest.hexdigest()[:16]}.so"
@@ -100,7 +110,7 @@ def _build(cxx: list[str], out: Path) -> None:
     # cache shared between users stays readable by the next one).
     with tempfile.TemporaryDirectory(prefix=out.stem + ".", dir=out.parent) as tmp_dir:
         tmp = os.path.join(tmp_dir, out.name)
-        cmd = [*cxx, *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", tmp]
+        cmd = [*cxx, *_FLAGS, "-I", jax.ffi.include_dir(), *map(str, _SOURCES), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise KernelUnavailableError(

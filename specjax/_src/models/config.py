@@ -58,6 +58,7 @@ class ModelConfig:
       eos_token_ids: every end-of-sequence id (Llama 3 lists several); ``()``
         when none is set.
       dtype: parameter and compute dtype name: "float32" or "bfloat16"
+        (with ``quantization``: the dtype of the norms, biases and activations)
         ("float16" is accepted for checkpoints stored that way).
       head_vocab_size: if set, the LM head scores only this many tokens (a
         draft's reduced, frequency-ranked vocabulary): an untied ``lm_head
@@ -75,6 +76,8 @@ class ModelConfig:
         layer does (Mistral's layout).
       rope_local_theta: RoPE base of the sliding layers (Gemma 3's
         ``rope_local_base_freq``; never scaled); None: ``rope_theta``.
+      quantization: how the matrices are stored (``specjax._src.quant``):
+        ``"int8"``, ``"q4"``, ``"q4,embedding=int8/32"``, ...; None: in ``dtype``.
 
     The Gemma layouts (``GEMMA_MODEL_TYPES``) also scale the embeddings by
     ``sqrt(hidden_size)``, use ``(1 + weight)`` RMSNorms and a GeGLU MLP;
@@ -111,8 +114,13 @@ class ModelConfig:
     final_logit_softcapping: Optional[float] = None
     layer_types: tuple[str, ...] = ()
     rope_local_theta: Optional[float] = None
+    quantization: Optional[str] = None
 
     def __post_init__(self):
+        if self.quantization is not None:
+            from specjax._src import quant
+
+            object.__setattr__(self, "quantization", str(quant.parse_quantization(self.quantization)))
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"Unsupported model_type {self.model_type!r}; specjax supports "
@@ -152,6 +160,15 @@ class ModelConfig:
                     f"layer_types has {len(self.layer_types)} entries but the model has "
                     f"{self.num_layers} layers (num_hidden_layers)."
                 )
+
+    @property
+    def quant(self):
+        """The parsed ``quantization`` (a ``specjax._src.quant.Quantization``), or None."""
+        if self.quantization is None:
+            return None
+        from specjax._src import quant
+
+        return quant.parse_quantization(self.quantization)
 
     @property
     def has_reduced_head(self) -> bool:

@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax._src import quant
 from specjax._src.kernels import cpu_matmul
 from specjax._src.lm import Array, KVCache, LMOutput, Params
 from specjax._src.models.config import ModelConfig
@@ -465,8 +466,10 @@ def _norm(config: ModelConfig, name: str) -> nn.Module:
     return RMSNorm(eps=config.norm_eps, dtype=jnp.dtype(config.dtype), gemma=config.is_gemma, name=name)
 
 
-def _dense(config: ModelConfig, features: int, use_bias: bool, name: str, matmul: str = "auto") -> nn.Dense:
+def _dense(config: ModelConfig, features: int, use_bias: bool, name: str, matmul: str = "auto") -> nn.Module:
     dtype = jnp.dtype(config.dtype)
+    if config.quantization is not None:
+        return quant.QuantDense(features, config.quant.weights, use_bias, dtype, matmul, name=name)
     return nn.Dense(
         features,
         use_bias=use_bias,
@@ -592,14 +595,18 @@ class Transformer(nn.Module):
                  width_index=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        embed = nn.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype=dtype,
-            param_dtype=dtype,
-            embedding_init=nn.initializers.normal(_INIT_STD),
-            name="embed",
-        )
+        if cfg.quantization is not None:
+            embed = quant.QuantEmbed(cfg.vocab_size, cfg.hidden_size, cfg.quant.embedding, dtype, self.matmul,
+                                     name="embed")
+        else:
+            embed = nn.Embed(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                dtype=dtype,
+                param_dtype=dtype,
+                embedding_init=nn.initializers.normal(_INIT_STD),
+                name="embed",
+            )
         x = embed(tokens)
         if cfg.is_gemma:  # scaled by sqrt(H) rounded to the model's dtype, as transformers does
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), dtype)
@@ -626,9 +633,7 @@ class Transformer(nn.Module):
         # Accumulate the head in float32: bf16 logits would round away the
         # small differences acceptance rules compare.
         if cfg.has_reduced_head:
-            head = self.param(
-                "lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.head_vocab_size), dtype
-            )
+            head = self._head(cfg.head_vocab_size)
             ids = self.param("head_vocab_ids", _identity_ids, (cfg.head_vocab_size,))
             logits = _softcap_logits(cfg, _head_logits(x, head, self.matmul))
             if not reduced_logits:
@@ -642,11 +647,15 @@ class Transformer(nn.Module):
             # more (a 20.9 ms forward against 19.6 ms; 1 token: the same).
             logits = _softcap_logits(cfg, _head_logits(x, embed.embedding, self.matmul, table=True))
         else:
-            head = self.param(
-                "lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.vocab_size), dtype
-            )
-            logits = _softcap_logits(cfg, _head_logits(x, head, self.matmul))
+            logits = _softcap_logits(cfg, _head_logits(x, self._head(cfg.vocab_size), self.matmul))
         return logits, tuple(block_outputs), tuple(new_caches)
+
+    def _head(self, vocab: int):
+        """The untied LM head: ``[H, vocab]``, or its quantized arrays (``[vocab, H]``)."""
+        cfg = self.config
+        if cfg.quantization is not None:
+            return quant.quant_head(self, "lm_head", cfg.quant.embedding, cfg.hidden_size, vocab)
+        return self.param("lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, vocab), jnp.dtype(cfg.dtype))
 
 
 def _softcap_logits(cfg: ModelConfig, logits: Array) -> Array:
@@ -656,7 +665,10 @@ def _softcap_logits(cfg: ModelConfig, logits: Array) -> Array:
 
 
 def _head_logits(x: Array, head: Array, matmul: str, table: bool = False) -> Array:
-    """``x[B, T, H] @ head[H, V]`` (``table``: ``@ head[V, H].T``), accumulated in float32."""
+    """``x[B, T, H] @ head[H, V]`` (``table``: ``@ head[V, H].T``; quantized:
+    always ``[V, H]``), accumulated in float32."""
+    if quant.is_quantized(head):
+        return quant.qdot(x, head, matmul)
     if cpu_matmul.applies(x, head, matmul):
         return cpu_matmul.matmul(x, head, transpose_w=table)
     if table:
@@ -786,8 +798,12 @@ class Decoder:
         Draws all weights with one ``jax.random.normal`` call and slices it:
         Flax's per-parameter initialisers emit one PRNG computation per tensor,
         which XLA's CPU backend took ~10 s to compile for a 2-layer model.
+        A quantized model's are the float model's, quantized.
         """
-        return _init_params(self.config, key)
+        cfg = self.config
+        if cfg.quantization is not None:
+            return quant.quantize_params(_init_params(cfg.replace(quantization=None), key), cfg.quant)
+        return _init_params(cfg, key)
 
     def attention_widths(self, capacity: int) -> tuple[int, ...]:
         """The key widths this model's attention may read from a cache of

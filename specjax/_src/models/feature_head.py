@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from specjax._src import quant
 from specjax._src.checks import check_positive_int
 from specjax._src.lm import Array, KVCache, LMOutput, Model, Params
 from specjax._src.models.config import ModelConfig
@@ -71,6 +72,24 @@ WEIGHTS_FILE = "head.safetensors"
 EMBED_PATH = ("embed", "embedding")
 
 
+class BorrowedEmbed(nn.Module):
+    """The target's embedding table, float or quantized (the head only reads rows of it)."""
+
+    num_embeddings: int
+    features: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, tokens: Array) -> Array:
+        if self.has_variable("params", "embedding"):  # as attached: its own shape and dtypes
+            table = self.get_variable("params", "embedding")
+        else:
+            table = self.param("embedding", nn.initializers.zeros, (self.num_embeddings, self.features), self.dtype)
+        if quant.is_quantized(table):
+            return quant.embed_rows(table, tokens, self.dtype)
+        return jnp.take(table, tokens, axis=0).astype(self.dtype)
+
+
 class FeatureHeadModule(nn.Module):
     """The Flax module behind :class:`FeatureHead`: fuse, ``config.num_layers``
     blocks, final norm, reduced LM head.
@@ -84,8 +103,7 @@ class FeatureHeadModule(nn.Module):
     def __call__(self, tokens, features, positions, kv_caches, lengths, logits_at=None, mask=None, width_index=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        embedded = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
-                            embedding_init=nn.initializers.zeros, name="embed")(tokens)
+        embedded = BorrowedEmbed(cfg.vocab_size, cfg.hidden_size, dtype, name="embed")(tokens)
         feature = _norm(cfg, "feature_norm")(features.astype(dtype))
         x = _dense(cfg, cfg.hidden_size, False, "fuse")(jnp.concatenate([embedded, feature], axis=-1))
         new_caches = []
@@ -97,9 +115,14 @@ class FeatureHeadModule(nn.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
         x = _norm(cfg, "final_norm")(x)
-        head = self.param("lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.head_vocab_size), dtype)
+        if cfg.quantization is not None:
+            head = quant.quant_head(self, "lm_head", cfg.quant.embedding, cfg.hidden_size, cfg.head_vocab_size)
+            logits = quant.qdot(x, head)
+        else:
+            head = self.param("lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.head_vocab_size),
+                              dtype)
+            logits = jnp.einsum("bth,hv->btv", x, head, preferred_element_type=jnp.float32)
         ids = self.param("head_vocab_ids", lambda k, s: jnp.arange(s[0], dtype=jnp.int32), (cfg.head_vocab_size,))
-        logits = jnp.einsum("bth,hv->btv", x, head, preferred_element_type=jnp.float32)
         return scatter_to_vocab(logits, ids, cfg.vocab_size), f_hat, tuple(new_caches)
 
 
@@ -295,7 +318,7 @@ def head_config(target_config: ModelConfig, *, head_vocab_size: int, num_layers:
     if target_config.is_gpt2:
         raise ValueError("A FeatureHead needs a rotary (Llama-family) target; GPT-2 layouts are not supported.")
     return target_config.replace(
-        num_layers=num_layers, head_vocab_size=int(head_vocab_size), tie_word_embeddings=False
+        num_layers=num_layers, head_vocab_size=int(head_vocab_size), tie_word_embeddings=False, quantization=None
     )
 
 
@@ -308,8 +331,8 @@ def attach_embedding(head: Model, target: Model) -> Model:
     """
     table = target.params.get(EMBED_PATH[0], {}).get(EMBED_PATH[1]) if isinstance(target.params, dict) else None
     want = (head.module.config.vocab_size, head.module.config.hidden_size)
-    if table is None or tuple(table.shape) != want:
-        got = None if table is None else tuple(table.shape)
+    if table is None or quant.matrix_shape(table) != want:
+        got = None if table is None else quant.matrix_shape(table)
         raise ValueError(
             f"The feature head needs its target's embedding table of shape {want}; the target has {got}. "
             "Pair a head with the target it was trained on."
@@ -341,6 +364,8 @@ def init_from_target(target: Model, key: Array, head_vocab_ids, *, num_layers: i
     for i in range(num_layers):
         params[f"layer_{i}"] = jax.tree_util.tree_map(jnp.asarray, tp[f"layer_{tcfg.num_layers - num_layers + i}"])
     params["final_norm"] = jax.tree_util.tree_map(jnp.asarray, tp["final_norm"])
+    if tcfg.quantization is not None:  # the head starts from (and trains) float weights
+        tp = quant.dequantize_params(tp, dtype)
     table = tp["embed"]["embedding"] if tcfg.tie_word_embeddings else tp["lm_head"].T
     params["lm_head"] = jnp.asarray(table)[ids].T.astype(dtype)
     params["head_vocab_ids"] = jnp.asarray(ids)

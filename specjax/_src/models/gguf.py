@@ -229,14 +229,23 @@ def _tensor_iter(reader, cfg: dict, path: str):
                 yield tensor.name, (lambda: None), tuple(int(d) for d in reversed(tensor.shape))
                 continue
 
-            def read(tensor=tensor, name=name):
-                w = _dequantize(gguf, tensor, path)
+            def rows_in_hf_order(w, name=name):
                 if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-                    w = unpermute_rotary(w, heads)
-                elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-                    w = unpermute_rotary(w, kv_heads)
+                    return unpermute_rotary(w, heads)
+                if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+                    return unpermute_rotary(w, kv_heads)
                 return w
 
+            def read(tensor=tensor, rows_in_hf_order=rows_in_hf_order):
+                return rows_in_hf_order(_dequantize(gguf, tensor, path))
+
+            def blocks(tensor=tensor, rows_in_hf_order=rows_in_hf_order):
+                # The stored bytes, one row of blocks per output ([N, row_bytes]).
+                raw = np.asarray(tensor.data)
+                return tensor.tensor_type.name, rows_in_hf_order(raw.reshape(raw.shape[0], -1).view(np.uint8))
+
+            if len(tensor.shape) == 2:
+                read.blocks = blocks
             yield name, read, tuple(int(d) for d in reversed(tensor.shape))
 
     return iterate
@@ -303,6 +312,29 @@ def _tokenizer(reader, path: str):
         raise ValueError(f"GGUF file {path} names a {kind!r} tokenizer but lacks its token list "
                          "(the metadata key tokenizer.ggml.tokens).")
     return _byte_level_tokenizer(reader, path)
+
+
+def file_quantization(path: str) -> Optional[str]:
+    """The quantization nearest a GGUF file's own (``specjax._src.quant``):
+    the format of its most common matrix type for the attention and MLP
+    matrices, the token embedding's (or the output head's) for the vocabulary
+    ones; None for a float file."""
+    from collections import Counter
+
+    from specjax._src import quant
+
+    gguf = _require_gguf()
+    reader = gguf.GGUFReader(path)
+    matrices = Counter(t.tensor_type.name for t in reader.tensors
+                       if t.name.startswith("blk.") and len(t.shape) == 2)
+    vocab = {t.name: t.tensor_type.name for t in reader.tensors}
+    weights = quant.gguf_format(matrices.most_common(1)[0][0]) if matrices else None
+    embedding_type = vocab.get("output.weight") or vocab.get("token_embd.weight")
+    embedding = quant.gguf_format(embedding_type) if embedding_type else None
+    if weights is None and embedding is None:
+        return None
+    weights = weights or quant.Format("int8", 32)
+    return str(quant.Quantization(weights, embedding or weights))
 
 
 def read_gguf(path: str) -> GGUFCheckpoint:

@@ -20,6 +20,7 @@ Pickle weights are refused (see :func:`specjax._src.models.hf.find_weight_files`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax._src import quant
 from specjax._src import sharding as sharding_lib
 from specjax._src.lm import Model
 from specjax._src.models import feature_head, hf
@@ -117,7 +119,7 @@ def _put(array: np.ndarray, sharding) -> jax.Array:
 
 
 def load_hf(
-    path: str, dtype: Any = None, *, progress: Progress = None, mesh=None, shardings=None
+    path: str, dtype: Any = None, *, quantize=None, progress: Progress = None, mesh=None, shardings=None
 ) -> Model:
     """Loads a Hugging Face safetensors directory.
 
@@ -125,6 +127,8 @@ def load_hf(
       path: directory with ``config.json`` and safetensors weights.
       dtype: params and compute dtype (``"float32"``, ``"bfloat16"``); ``None``
         keeps the checkpoint's.
+      quantize: store the matrices quantized (``"int8"``, ``"q4"``, ...; see
+        :func:`specjax.quantize`), each as it streams in.
       progress: optional wrapper over the tensor iterator (a tqdm factory).
       mesh: a ``('data', 'model')`` mesh: place each tensor as it streams in,
         with ``specjax.sharding.param_shardings``.
@@ -136,20 +140,42 @@ def load_hf(
         weights, or a missing / misshaped / unexpected tensor (named).
     """
     cfg = hf.from_hf_config(read_hf_config(path), _dtype_name(dtype))
+    quantization = _check_quantize(quantize, mesh, shardings)
     files = hf.find_weight_files(path)
     params = _params_from_tensors(
         cfg, path, hf.iter_tensors(files, cfg), hf.count_tensors(files), progress,
-        _target_shardings(cfg, mesh, shardings),
+        _target_shardings(cfg, mesh, shardings), quantization,
     )
     return Model(
-        params=params, module=Decoder(cfg), tokenizer=load_tokenizer(path),
+        params=params, module=Decoder(_quantized_config(cfg, quantization)), tokenizer=load_tokenizer(path),
         chat_template=load_chat_template(path),
     )
 
 
-def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progress, placement) -> dict:
+def _check_quantize(spec, mesh, shardings) -> Optional[quant.Quantization]:
+    """The parsed ``quantize=`` argument, checked against the platform."""
+    if spec is None:
+        return None
+    if mesh is not None or shardings is not None:
+        raise ValueError(
+            "Quantized weights load onto one device; sharding them over a mesh is not supported. Load "
+            "without quantize= to shard the model, or without mesh= / shardings= to quantize it."
+        )
+    quantization = quant.parse_quantization(spec)
+    quant.check_kernels_for(_platform())
+    return quantization
+
+
+def _quantized_config(cfg: ModelConfig, quantization: Optional[quant.Quantization]) -> ModelConfig:
+    return cfg if quantization is None else cfg.replace(quantization=str(quantization))
+
+
+def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progress, placement,
+                         quantization: Optional[quant.Quantization] = None) -> dict:
     """Builds ``Decoder(cfg)``'s params from ``(hf_name, read, shape)`` triples,
-    checking every name and shape against the config."""
+    checking every name and shape against the config; with ``quantization``,
+    each matrix is quantized as it arrives (a GGUF block type that the format
+    holds exactly is copied as it is: ``read.blocks``)."""
     expected = Decoder(cfg).param_shapes()
     specs = {s.hf_name: s for s in hf.tensor_specs(cfg)}
     target = jnp.dtype(cfg.dtype)
@@ -177,6 +203,9 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
                 f"Tensor {name!r} in {path} has shape {_shape_str(shape)}, but its config "
                 f"implies {_shape_str(want_hf)}."
             )
+        if quantization is not None:
+            _set(params, spec.path, _quantized_tensor(spec, read, want, quantization))
+            continue
         # One tensor at a time, cast and transposed on the host with NumPy (a
         # jnp op would compile once per distinct shape); the temporary copy is
         # freed before the next tensor is read.
@@ -206,7 +235,28 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
     return params
 
 
-def load_gguf(path: str, dtype: Any = None, *, progress: Progress = None, mesh=None, shardings=None) -> Model:
+def _quantized_tensor(spec, read, float_shape, quantization: quant.Quantization):
+    """One checkpoint tensor as a quantized model stores it (a dict of arrays
+    for a matrix; the float tensor, cast, otherwise)."""
+    names = tuple(spec.path)
+    role = quant.quantized_role(names, len(float_shape))
+    blocks = getattr(read, "blocks", None)
+    if role is not None and blocks is not None:
+        type_name, raw = blocks()
+        exact = quant.from_gguf_blocks(type_name, raw, getattr(quantization, role))
+        if exact is not None:
+            return {k: jnp.asarray(v) for k, v in exact.items()}
+    tensor = read()
+    if spec.transpose:
+        tensor = tensor.T
+    if role is None:
+        return jnp.asarray(np.asarray(tensor, dtype=np.int32 if spec.integer else np.float32))
+    out = quant.quantize_leaf(names, tensor, quantization)
+    return {k: jnp.asarray(v) for k, v in out.items()}
+
+
+def load_gguf(path: str, dtype: Any = None, *, quantize=None, progress: Progress = None, mesh=None,
+              shardings=None) -> Model:
     """Loads a GGUF file (llama.cpp's format): dequantized weights, config and
     tokenizer (with its chat template) from the file's metadata.
 
@@ -214,18 +264,28 @@ def load_gguf(path: str, dtype: Any = None, *, progress: Progress = None, mesh=N
     the CPU (the dtype the weights are dequantized to) and to bfloat16 on a GPU
     or TPU (on the mesh's devices when ``mesh`` is given), where bf16 halves
     the bytes every decoding step reads. Logits are float32 either way.
+
+    ``quantize="gguf"`` keeps the file's own quantization: each matrix in the
+    format nearest its block type (:func:`specjax._src.quant.gguf_format`),
+    Q4_0, Q4_1 and Q8_0 blocks copied bit for bit. Any other ``quantize``
+    value as for :func:`load_hf` (exact copies where the blocks match it).
     """
     from specjax._src.models import gguf
 
     if dtype is None:
         dtype = "float32" if _platform(mesh) == "cpu" else "bfloat16"
     ckpt = gguf.read_gguf(path)
+    if quantize == "gguf":
+        quantize = gguf.file_quantization(path)
+    quantization = _check_quantize(quantize, mesh, shardings)
     cfg = hf.from_hf_config(ckpt.hf_config, _dtype_name(dtype))
     params = _params_from_tensors(
-        cfg, path, ckpt.tensors(), ckpt.num_tensors, progress, _target_shardings(cfg, mesh, shardings)
+        cfg, path, ckpt.tensors(), ckpt.num_tensors, progress, _target_shardings(cfg, mesh, shardings),
+        quantization,
     )
     return Model(
-        params=params, module=Decoder(cfg), tokenizer=ckpt.tokenizer, chat_template=ckpt.chat_template
+        params=params, module=Decoder(_quantized_config(cfg, quantization)), tokenizer=ckpt.tokenizer,
+        chat_template=ckpt.chat_template,
     )
 
 
@@ -303,7 +363,7 @@ def _write_orbax(model: Model, path: str) -> None:
         json.dump(meta, f, indent=1)
 
 
-def load_orbax(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
+def load_orbax(path: str, dtype: Any = None, *, quantize=None, mesh=None, shardings=None) -> Model:
     """Loads a directory written by :func:`save_orbax`.
 
     ``mesh`` / ``shardings`` as for :func:`load_hf`: Orbax restores each param
@@ -355,18 +415,24 @@ def load_orbax(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Mo
                 f"Orbax checkpoint {path} is corrupted: param(s) {', '.join(bad[:5])} do not "
                 f"match the checksums in {ORBAX_CONFIG}. Convert the source checkpoint again."
             )
-    if dtype is not None and jnp.dtype(dtype).name != cfg.dtype:
-        # Checksums are of the stored dtype, so cast only after verifying;
-        # drop the tree so each original is freed as its copy is made.
-        leaves, treedef = jax.tree.flatten(params)
-        del params
-        _cast_in_place(leaves, dtype)
-        params = jax.tree.unflatten(treedef, leaves)
-        module = Decoder(cfg.replace(dtype=jnp.dtype(dtype).name))
-    return Model(
+    model = Model(
         params=params, module=module, tokenizer=load_tokenizer(path),
         chat_template=load_chat_template(path),
     )
+    del params
+    if dtype is not None and jnp.dtype(dtype).name != cfg.dtype:
+        # Checksums are of the stored dtype, so cast only after verifying.
+        model = astype(model, dtype)
+    if quantize is not None:
+        if cfg.quantization is not None:
+            if str(quant.parse_quantization(quantize)) == cfg.quantization:
+                return model
+            raise ValueError(
+                f"Orbax checkpoint {path} is stored quantized as {cfg.quantization}; load it without "
+                f"quantize=, or quantize the float checkpoint as {quantize!r}."
+            )
+        model = _quantize_model(model, quantize)
+    return model
 
 
 def _first_line(e: Exception) -> str:
@@ -403,7 +469,8 @@ def _checksums(params, *, gather: bool = False) -> tuple[dict, set]:
 
 
 def astype(model: Model, dtype: Any) -> Model:
-    """The same model with params and compute in ``dtype``."""
+    """The same model with params and compute in ``dtype`` (a quantized
+    model's matrices stay as they are stored)."""
     cfg = model.module.config.replace(dtype=jnp.dtype(dtype).name)
     return Model(
         params=_cast(model.params, dtype), module=Decoder(cfg), tokenizer=model.tokenizer,
@@ -412,19 +479,64 @@ def astype(model: Model, dtype: Any) -> Model:
 
 
 def _cast(params, dtype):
-    """Casts a params tree leaf by leaf."""
-    leaves, treedef = jax.tree.flatten(params)
-    del params
-    _cast_in_place(leaves, dtype)
-    return jax.tree.unflatten(treedef, leaves)
+    """Casts a params tree leaf by leaf (a reduced head's ids stay ints, a
+    quantized matrix as stored)."""
+
+    def cast(path, leaf):
+        if quant.is_quantized(leaf) or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf
+        return leaf.astype(dtype)
+
+    return quant._map_with_path(cast, params)
 
 
-def _cast_in_place(leaves: list, dtype) -> None:
-    """Replaces each leaf by its cast copy; with no other reference to the
-    originals, at most one tensor exists in both dtypes at any time."""
-    for i in range(len(leaves)):
-        if jnp.issubdtype(leaves[i].dtype, jnp.floating):  # a reduced head's ids stay ints
-            leaves[i] = leaves[i].astype(dtype)
+def quantize(model: Model, spec) -> Model:
+    """``model`` with its matrices stored quantized: ``spec`` is ``"int8"``
+    (int8, a scale per output channel), ``"int8/32"`` (a scale per 32 inputs,
+    GGUF's Q8_0), ``"q4"`` (4 bits with a float16 scale and minimum per 32
+    inputs, GGUF's Q4_1), ``"q4/64"``, ... or ``"q4,embedding=int8/32"``
+    (another format for the vocabulary matrices). Works for a
+    :class:`Decoder` and for a feature head (whose borrowed embedding table
+    stays the target's). Norms, biases and activations stay in the model's
+    dtype. See ``docs/models.md`` for the formats and what is exact.
+
+    Raises:
+      ValueError: an unknown format; a matrix whose inputs the group does not
+        divide (named); a model already quantized; on the CPU, kernels that
+        cannot be built here.
+    """
+    from specjax._src.models.feature_head import EMBED_PATH, FeatureHead
+
+    module = model.module
+    if not isinstance(module, (Decoder, FeatureHead)):
+        raise TypeError(f"quantize needs a specjax Decoder or feature head, got {type(module).__name__}.")
+    quantization = quant.parse_quantization(spec)
+    if quantization is None:
+        return model
+    if module.config.quantization is not None:
+        raise ValueError(
+            f"This model is already quantized ({module.config.quantization}); quantize its float version."
+        )
+    quant.check_kernels_for(_platform())
+    keep = (tuple(EMBED_PATH),) if isinstance(module, FeatureHead) else ()
+    params = quant.quantize_params(model.params, quantization, keep=keep)
+    config = module.config.replace(quantization=str(quantization))
+    return model.replace(params=params, module=dataclasses.replace(module, config=config))
+
+
+_quantize_model = quantize  # the loaders' argument of the same name hides it there
+
+
+def dequantize(model: Model, dtype: Any = None) -> Model:
+    """The float model a quantized one stands for (its matrices dequantized
+    exactly to float32, then cast to ``dtype``, default the model's)."""
+    cfg = model.module.config
+    if cfg.quantization is None:
+        return model if dtype is None else astype(model, dtype)
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    params = quant.dequantize_params(model.params, dtype)
+    module = dataclasses.replace(model.module, config=cfg.replace(quantization=None, dtype=dtype.name))
+    return model.replace(params=params, module=module)
 
 
 # --------------------------------------------------------------------------- #
@@ -453,6 +565,8 @@ def export_hf(model: Model, path: str, *, progress: Progress = None, overwrite: 
     if not isinstance(module, Decoder):
         raise TypeError(f"export_hf needs a specjax Decoder model, got {type(module).__name__}.")
     hf.to_hf_config(module.config)  # validates before anything is written
+    if module.config.quantization is not None:  # Hugging Face directories hold float weights
+        model = dequantize(model)
     write_directory(path, overwrite, functools.partial(_write_hf, model, progress=progress))
 
 
@@ -485,7 +599,7 @@ def _hf_tensor(leaf, transpose: bool) -> np.ndarray:
 # --------------------------------------------------------------------------- #
 
 
-def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
+def load(path: str, dtype: Any = None, *, quantize=None, mesh=None, shardings=None) -> Model:
     """Loads a model from a checkpoint directory, a GGUF file, or a known name.
 
     Args:
@@ -502,6 +616,10 @@ def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
       dtype: ``"float32"`` or ``"bfloat16"`` (or a jnp dtype); ``None`` keeps
         the checkpoint's dtype (for GGUF files, float32 on the CPU and
         bfloat16 on a GPU or TPU; logits are float32 either way).
+      quantize: store the matrices quantized, e.g. ``"int8"`` or ``"q4"``
+        (see :func:`specjax.quantize`); ``"gguf"`` for a GGUF file: its own formats,
+        copied where they map exactly. A quantized Orbax checkpoint loads
+        quantized without it.
       mesh: a ``('data', 'model')`` mesh (``specjax.sharding.make_mesh``): the
         params are read straight into ``specjax.sharding.param_shardings``
         (tensor parallel over ``'model'``), never whole on one device.
@@ -514,12 +632,16 @@ def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
     """
     from specjax._src.models import packed, registry
 
+    if quantize not in (None, "gguf"):
+        quant.parse_quantization(quantize)
+    if quantize is not None and (mesh is not None or shardings is not None):
+        _check_quantize(quantize, mesh, shardings)
     path = os.fspath(path)
     if not os.path.exists(path) and registry.is_known(path):
         path = registry.resolve(path)
     if os.path.isfile(path):
         if path.endswith(".gguf") or _has_gguf_magic(path):
-            return load_gguf(path, dtype, mesh=mesh, shardings=shardings)
+            return load_gguf(path, dtype, quantize=quantize, mesh=mesh, shardings=shardings)
         raise ValueError(
             f"{path} is a file; specjax.load takes a checkpoint directory (Hugging Face or "
             f"Orbax), a .gguf file, or a known model name ({', '.join(registry.names())})."
@@ -530,13 +652,17 @@ def load(path: str, dtype: Any = None, *, mesh=None, shardings=None) -> Model:
             f"a known model name ({', '.join(registry.names())})."
         )
     path = packed.unpacked(path)  # a shipped directory with xz-compressed files: its unpacked copy
+    if quantize == "gguf":
+        raise ValueError(f"quantize='gguf' keeps a GGUF file's own formats; {path} is a directory. "
+                         "Pass a format such as 'int8' or 'q4'.")
     if is_orbax_dir(path):
-        return load_orbax(path, dtype, mesh=mesh, shardings=shardings)
+        return load_orbax(path, dtype, quantize=quantize, mesh=mesh, shardings=shardings)
     if feature_head.is_head_dir(path):
         if mesh is not None or shardings is not None:
             raise ValueError("A feature head loads onto one device (it is a few MB); place it after specjax.pair.")
-        return feature_head.load_feature_head(path, dtype)
-    return load_hf(path, dtype, mesh=mesh, shardings=shardings)
+        head = feature_head.load_feature_head(path, dtype)
+        return head if quantize is None else _quantize_model(head, quantize)
+    return load_hf(path, dtype, quantize=quantize, mesh=mesh, shardings=shardings)
 
 
 def _has_gguf_magic(path: str) -> bool:

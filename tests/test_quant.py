@@ -1,0 +1,326 @@
+"""Quantized weights (``specjax.quantize``, ``load(..., quantize=)``): the formats,
+the CPU kernels against a float reference, GGUF blocks copied bit for bit,
+Orbax round trips, and speculative decoding that stays exact for the
+quantized target."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import specjax
+from specjax._src import quant
+from specjax._src.kernels import cpu_matmul
+from specjax.testing import llama_config, peaked_target_and_draft
+
+from test_gguf import write_gguf
+
+FORMATS = ["int8", "int8/32", "q4", "q4/64"]
+needs_kernels = pytest.mark.skipif(not cpu_matmul.is_available(), reason="the CPU kernels cannot be built here")
+
+
+def _matrix(n: int, k: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    # Rows of different scales and an outlier per row: per-group scales matter.
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 0.2, size=(n, 1)).astype(np.float32)
+    w[np.arange(n), rng.integers(0, k, n)] *= 8.0
+    return w
+
+
+def _leaves(w: np.ndarray, fmt: str) -> dict:
+    return {name: jnp.asarray(v) for name, v in quant.quantize_matrix(w, quant.parse_format(fmt)).items()}
+
+
+def _error_bound(x: np.ndarray, w_hat: np.ndarray) -> np.ndarray:
+    """What the kernel may differ from ``x @ w_hat.T`` in float64: float32
+    rounding, and, where it rounds activations to int8 per 32 inputs
+    (``quant.activation_bits() == 8``), half a step of each block's
+    activation grid times the weights."""
+    m, k = x.shape
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(w_hat.astype(np.float64)).T
+    if quant.activation_bits() == 32:
+        return 1e-5 * magnitude + 1e-6
+    blocks = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(axis=-1)
+    step = np.repeat(blocks / 127.0, 32, axis=1)  # [m, k]
+    return 0.5 * step @ np.abs(w_hat.astype(np.float64)).T + 1e-5 * magnitude + 1e-6
+
+
+# --------------------------------------------------------------------------- #
+# formats
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_rounds_each_weight_to_its_grid(fmt):
+    w = _matrix(24, 128)
+    leaves = quant.quantize_matrix(w, quant.parse_format(fmt))
+    w_hat = np.asarray(quant.dequantize_matrix(leaves))
+    group = quant.parse_format(fmt).group_of(128)
+    d = np.repeat(leaves["qscale"].astype(np.float32), group, axis=1)
+    # Round to nearest: within half a step (and the float16 scale's rounding of the range).
+    assert np.all(np.abs(w_hat - w) <= 0.5 * d * (1 + 1e-3) + 1e-6)
+    # Negative control: the same bound fails for a quarter step, so the check has teeth.
+    assert not np.all(np.abs(w_hat - w) <= 0.25 * d)
+
+
+def test_format_names_round_trip_and_bad_ones_are_named():
+    for text in ["int8", "int8/32", "q4", "q4/64", "q4,embedding=int8/32"]:
+        assert str(quant.parse_quantization(text)) == text
+    assert str(quant.parse_quantization("q4/32")) == "q4"
+    with pytest.raises(ValueError, match="Unknown weight format 'q5'"):
+        quant.parse_quantization("q5")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.parse_quantization("q4/48")
+    with pytest.raises(ValueError, match="embedding=FORMAT"):
+        quant.parse_quantization("q4,head=int8")
+
+
+def test_a_group_that_does_not_divide_the_inputs_is_named():
+    with pytest.raises(ValueError, match=r"mlp/down.*not a whole number of groups of 64"):
+        quant.quantize_matrix(np.ones((8, 96), np.float32), quant.Format("q4", 64), "layer_0/mlp/down")
+    with pytest.raises(ValueError, match="NaN"):
+        quant.quantize_matrix(np.full((8, 32), np.nan, np.float32), quant.Format("int8"))
+
+
+# --------------------------------------------------------------------------- #
+# the products
+# --------------------------------------------------------------------------- #
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+def test_the_cpu_kernel_matches_the_float_product_of_the_dequantized_weights(fmt, rows):
+    n, k = 67, 128  # outputs not a multiple of any tile
+    w = _matrix(n, k, seed=rows)
+    leaves = _leaves(w, fmt)
+    w_hat = np.asarray(quant.dequantize_matrix(leaves))
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+    got = np.asarray(jax.jit(quant.qdot)(jnp.asarray(x), leaves))
+    want = x.astype(np.float64) @ w_hat.T.astype(np.float64)
+    bound = _error_bound(x, w_hat)
+    assert np.all(np.abs(got - want) <= bound)
+    # Negative control: a product that reads each row's scales from the next row is outside the bound.
+    wrong = dict(leaves, qscale=jnp.roll(leaves["qscale"], 1, axis=0))
+    off = x.astype(np.float64) @ np.asarray(quant.dequantize_matrix(wrong)).T.astype(np.float64)
+    assert not np.all(np.abs(off - want) <= bound)
+    # XLA's dequantize-and-dot (GPU, TPU) computes the same product.
+    xla = np.asarray(quant._xla(leaves, jnp.asarray(x)))
+    assert np.all(np.abs(xla - want) <= bound)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt):
+    leaves = _leaves(_matrix(200, 256), fmt)
+    x = np.random.default_rng(3).standard_normal((16, 256)).astype(np.float32)
+    product = jax.jit(quant.qdot)
+    together = np.asarray(product(jnp.asarray(x), leaves))
+    for i in (0, 5, 15):
+        alone = np.asarray(product(jnp.asarray(x[i:i + 1]), leaves))
+        np.testing.assert_array_equal(alone[0], together[i])
+
+
+def test_quantized_products_lower_without_the_cpu_kernel_for_accelerators():
+    leaves = _leaves(_matrix(64, 64), "q4")
+    x = jnp.ones((4, 64), jnp.float32)
+    exported = jax.export.export(jax.jit(quant.qdot), platforms=("cuda", "tpu"))(x, leaves)
+    text = exported.mlir_module()
+    assert "specjax_qmatmul" not in text
+    if cpu_matmul.is_available():  # the premise: for the CPU the same function calls the kernel
+        cpu = jax.export.export(
+            jax.jit(quant.qdot), platforms=("cpu",),
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("specjax_qmatmul_q4")],
+        )(x, leaves).mlir_module()
+        assert "specjax_qmatmul_q4" in cpu
+
+
+# --------------------------------------------------------------------------- #
+# models
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return peaked_target_and_draft(llama_config())
+
+
+@needs_kernels
+@pytest.mark.parametrize("spec", ["int8", "q4", "q4,embedding=int8/32"])
+def test_a_quantized_model_is_its_dequantized_model(pair, spec):
+    target, _ = pair
+    q = specjax.quantize(target, spec)
+    assert q.module.config.quantization == spec
+    assert quant.nbytes(q.params) < 0.4 * quant.nbytes(target.params)
+    ids = np.arange(1, 20)[None]
+    got = np.asarray(specjax.logits(q, ids))
+    ref = np.asarray(specjax.logits(specjax.dequantize(q), ids))
+    np.testing.assert_allclose(got, ref, atol=0.05 * np.abs(ref).max())
+    # and close to the float model it came from
+    full = np.asarray(specjax.logits(target, ids))
+    assert np.linalg.norm(got - full) / np.linalg.norm(full) < (0.3 if spec.startswith("q4") else 0.05)
+
+
+@needs_kernels
+def test_greedy_speculative_decoding_is_the_quantized_targets_own_greedy_output(pair):
+    target, draft = pair
+    qt, qd = specjax.quantize(target, "q4"), specjax.quantize(draft, "int8")
+    prompts = [[5, 17, 3], [40, 2, 9, 11, 60], [7]]
+    kw = dict(max_new_tokens=24, temperature=0.0, eos_token_id=())
+    alone = np.asarray(specjax.generate(qt, prompts, **kw).tokens)
+    spec = specjax.decode(specjax.pair(qt, qd), prompts, num_draft=4, **kw)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), alone)
+    assert spec.stats.tau > 1.0  # the draft is accepted at times: the comparison exercises verification
+    # Negative control: the float target's greedy text differs from the quantized one's.
+    assert not np.array_equal(np.asarray(specjax.generate(target, prompts, **kw).tokens), alone)
+
+
+def _two_token_law(model, prompt):
+    """p(t0, t1 | prompt) of ``model`` at temperature 1, ``[V, V]``."""
+    v = model.vocab_size
+    first = jax.nn.softmax(np.asarray(specjax.logits(model, [prompt]))[0, -1].astype(np.float64))
+    seqs = np.asarray([prompt + [t] for t in range(v)])
+    second = jax.nn.softmax(np.asarray(specjax.logits(model, seqs))[:, -1].astype(np.float64), axis=-1)
+    return np.asarray(first)[:, None] * np.asarray(second)
+
+
+def _chi_square(counts, probs):
+    n = counts.sum()
+    exp, obs = probs.ravel() * n, counts.ravel()
+    big = exp >= 5
+    f_obs, f_exp = obs[big], exp[big]
+    if (~big).any():  # cells expected fewer than 5 times, pooled
+        f_obs, f_exp = np.append(f_obs, obs[~big].sum()), np.append(f_exp, exp[~big].sum())
+    return scipy_stats.chisquare(f_obs, f_exp * f_obs.sum() / f_exp.sum()).pvalue
+
+
+@needs_kernels
+def test_sampled_speculative_decoding_follows_the_quantized_targets_law():
+    cfg = llama_config(vocab_size=16, hidden_size=32, intermediate_size=64)
+    target, draft = peaked_target_and_draft(cfg)
+    # A head peaked enough that 4 bits move the law (total variation 0.04 from the float one).
+    target = target.replace(params={**target.params, "lm_head": target.params["lm_head"] / 5.0})
+    qt = specjax.quantize(target, "q4")
+    prompt = [3, 1, 4]
+    n = 20_000
+    out = specjax.decode(specjax.pair(qt, specjax.quantize(draft, "int8")), [prompt] * n, num_draft=3,
+                         max_new_tokens=2, temperature=1.0, eos_token_id=(), key=jax.random.key(7))
+    toks = np.asarray(out.tokens)[:, :2]
+    counts = np.zeros((16, 16))
+    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    assert _chi_square(counts, _two_token_law(qt, prompt)) > 1e-4
+    # Negative control: the float target's law is rejected at this sample size.
+    assert _chi_square(counts, _two_token_law(target, prompt)) < 1e-4
+
+
+@needs_kernels
+def test_a_quantized_feature_head_drafts_for_a_quantized_target(pair):
+    from specjax._src.models import feature_head as fh
+
+    target, _ = pair
+    head = fh.init_from_target(target, jax.random.key(3), np.arange(48), num_layers=1)
+    qt = specjax.quantize(target, "q4")
+    qh = specjax.quantize(fh.attach_embedding(head, qt), "int8")
+    assert qh.params["embed"]["embedding"] is qt.params["embed"]["embedding"]  # borrowed, not copied
+    prompts = [[5, 17, 3], [40, 2, 9, 11, 60]]
+    kw = dict(max_new_tokens=16, temperature=0.0, eos_token_id=())
+    alone = np.asarray(specjax.generate(qt, prompts, **kw).tokens)
+    out = specjax.decode(specjax.pair(qt, qh), prompts, num_draft=3, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), alone)
+
+
+# --------------------------------------------------------------------------- #
+# checkpoints
+# --------------------------------------------------------------------------- #
+
+
+@needs_kernels
+def test_orbax_round_trip_keeps_the_quantized_arrays(pair, tmp_path):
+    q = specjax.quantize(pair[0], "q4,embedding=int8/32")
+    specjax.save_orbax(q, tmp_path / "q")
+    back = specjax.load(tmp_path / "q")
+    assert back.module.config.quantization == "q4,embedding=int8/32"
+    a, b = jax.tree_util.tree_leaves_with_path(q.params), dict(jax.tree_util.tree_leaves_with_path(back.params))
+    assert len(a) == len(b)
+    for path, leaf in a:
+        assert b[path].dtype == leaf.dtype
+        np.testing.assert_array_equal(np.asarray(b[path]), np.asarray(leaf), err_msg=str(path))
+    with pytest.raises(ValueError, match="stored quantized as q4,embedding=int8/32"):
+        specjax.load(tmp_path / "q", quantize="int8")
+    # A Hugging Face export holds the dequantized float weights.
+    specjax.export_hf(q, tmp_path / "hf")
+    hf = specjax.load(tmp_path / "hf")
+    assert hf.module.config.quantization is None
+    ids = np.arange(1, 10)[None]
+    np.testing.assert_allclose(np.asarray(specjax.logits(hf, ids)),
+                               np.asarray(specjax.logits(specjax.dequantize(q), ids)), rtol=1e-5, atol=1e-5)
+
+
+def _gguf_model(vocab: int = 96):
+    cfg = llama_config(vocab_size=vocab, hidden_size=64, head_dim=16, intermediate_size=128, rope_theta=10000.0,
+                       tie_word_embeddings=True)
+    return cfg, specjax.Decoder(cfg).init(jax.random.key(2))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype,spec", [("Q4_1", "q4"), ("Q4_0", "q4"), ("Q8_0", "int8/32")])
+def test_gguf_blocks_load_bit_for_bit(tmp_path, qtype, spec):
+    cfg, params = _gguf_model()
+    path = tmp_path / "q.gguf"
+    write_gguf(path, cfg, params, qtype=gguf.GGMLQuantizationType[qtype])
+    model = specjax.load(path, quantize="gguf")
+    assert model.module.config.quantization == spec
+    # Each matrix dequantizes to exactly what gguf's reference dequantizer gives.
+    floats = specjax.load(path)
+    np.testing.assert_array_equal(
+        np.asarray(quant.dequantize_matrix(model.params["layer_0"]["mlp"]["down"]["kernel"])),
+        np.asarray(floats.params["layer_0"]["mlp"]["down"]["kernel"]).T,
+    )
+    np.testing.assert_array_equal(
+        np.asarray(quant.dequantize_matrix(model.params["layer_1"]["attn"]["q"]["kernel"])),  # rows unpermuted
+        np.asarray(floats.params["layer_1"]["attn"]["q"]["kernel"]).T,
+    )
+    np.testing.assert_array_equal(np.asarray(quant.dequantize_matrix(model.params["embed"]["embedding"])),
+                                  np.asarray(floats.params["embed"]["embedding"]))
+    ids = np.arange(1, 17)[None]
+    np.testing.assert_allclose(np.asarray(specjax.logits(model, ids)), np.asarray(specjax.logits(floats, ids)),
+                               atol=0.05)
+
+
+@needs_kernels
+def test_gguf_blocks_of_another_format_are_requantized(tmp_path):
+    cfg, params = _gguf_model()
+    path = tmp_path / "q.gguf"
+    write_gguf(path, cfg, params, qtype=gguf.GGMLQuantizationType.Q8_0)
+    model = specjax.load(path, quantize="q4")
+    floats = specjax.load(path)
+    want = quant.quantize_matrix(np.asarray(floats.params["layer_0"]["mlp"]["up"]["kernel"]).T, quant.Format("q4"))
+    for name, value in want.items():
+        np.testing.assert_array_equal(np.asarray(model.params["layer_0"]["mlp"]["up"]["kernel"][name]), value)
+
+
+def test_bad_requests_get_clear_errors(pair, monkeypatch, tmp_path):
+    target, _ = pair
+    with pytest.raises(ValueError, match="Unknown weight format"):
+        specjax.quantize(target, "int4")
+    odd = peaked_target_and_draft(llama_config(hidden_size=48, head_dim=12))[0]
+    with pytest.raises(ValueError, match=r"\(96 x 48 inputs\) as q4.*groups of 32"):
+        specjax.quantize(odd, "q4")
+    with pytest.raises(ValueError, match="Quantized weights load onto one device"):
+        specjax.load(tmp_path, quantize="int8", mesh=specjax.sharding.make_mesh(1))
+    with pytest.raises(ValueError, match="keeps a GGUF file's own formats"):
+        specjax.load(tmp_path, quantize="gguf")
+    if cpu_matmul.is_available():
+        with pytest.raises(ValueError, match="already quantized"):
+            specjax.quantize(specjax.quantize(target, "int8"), "q4")
+    # On a CPU without the kernels: a clear error, not a slow float fallback.
+    monkeypatch.setattr(cpu_matmul, "ensure_loaded", lambda: (_ for _ in ()).throw(
+        cpu_matmul.KernelUnavailableError("no C++ compiler found")))
+    quant.check_kernels_for.cache_clear()
+    with pytest.raises(ValueError, match="need specjax's kernels.*no C\\+\\+ compiler"):
+        specjax.quantize(target, "int8")
+    quant.check_kernels_for.cache_clear()
