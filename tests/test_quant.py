@@ -35,14 +35,14 @@ def _leaves(w: np.ndarray, fmt: str) -> dict:
     return {name: jnp.asarray(v) for name, v in quant.quantize_matrix(w, quant.parse_format(fmt)).items()}
 
 
-def _error_bound(x: np.ndarray, w_hat: np.ndarray) -> np.ndarray:
+def _error_bound(x: np.ndarray, w_hat: np.ndarray, fmt: str) -> np.ndarray:
     """What the kernel may differ from ``x @ w_hat.T`` in float64: float32
     rounding, and, where it rounds activations to int8 per 32 inputs
-    (``quant.activation_bits() == 8``), half a step of each block's
+    (``quant.activation_bits == 8``), half a step of each block's
     activation grid times the weights."""
     m, k = x.shape
     magnitude = np.abs(x).astype(np.float64) @ np.abs(w_hat.astype(np.float64)).T
-    if quant.activation_bits() == 32:
+    if quant.activation_bits(quant.parse_format(fmt), k) == 32:
         return 1e-5 * magnitude + 1e-6
     blocks = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(axis=-1)
     step = np.repeat(blocks / 127.0, 32, axis=1)  # [m, k]
@@ -94,15 +94,17 @@ def test_a_group_that_does_not_divide_the_inputs_is_named():
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
-def test_the_cpu_kernel_matches_the_float_product_of_the_dequantized_weights(fmt, rows):
-    n, k = 67, 128  # outputs not a multiple of any tile
+@pytest.mark.parametrize("n,k", [(67, 128), (37, 96)])  # outputs not a multiple of any tile; an odd block count
+def test_the_cpu_kernel_matches_the_float_product_of_the_dequantized_weights(fmt, rows, n, k):
+    if k % quant.parse_format(fmt).group_of(k):
+        pytest.skip(f"{fmt} does not divide {k} inputs")
     w = _matrix(n, k, seed=rows)
     leaves = _leaves(w, fmt)
     w_hat = np.asarray(quant.dequantize_matrix(leaves))
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
     got = np.asarray(jax.jit(quant.qdot)(jnp.asarray(x), leaves))
     want = x.astype(np.float64) @ w_hat.T.astype(np.float64)
-    bound = _error_bound(x, w_hat)
+    bound = _error_bound(x, w_hat, fmt)
     assert np.all(np.abs(got - want) <= bound)
     # Negative control: a product that reads each row's scales from the next row is outside the bound.
     wrong = dict(leaves, qscale=jnp.roll(leaves["qscale"], 1, axis=0))

@@ -362,9 +362,15 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, fmt: Format) -> Optiona
 # --------------------------------------------------------------------------- #
 
 
-def activation_bits() -> int:
-    """How the CPU kernels on this machine read the activations: 32 (float32)."""
-    return 32
+def activation_bits(fmt: Format, inputs: int) -> int:
+    """How this machine's CPU kernels read the activations of an ``[N,
+    inputs]`` matrix in ``fmt``: 8 where they round them to int8 per 32 inputs
+    (AVX-512 VNNI, for blocks of 32 and int8 per channel), else 32."""
+    if not cpu_matmul.is_available() or inputs % Q4_BLOCK:
+        return 32
+    if fmt.group not in (None, Q4_BLOCK) or (fmt.kind == "q4" and fmt.group != Q4_BLOCK):
+        return 32
+    return int(cpu_matmul._registered[0].specjax_qmatmul_activation_bits())
 
 
 def kernel_applies(leaves: dict, x: Array, matmul: str) -> bool:
