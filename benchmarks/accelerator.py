@@ -12,8 +12,9 @@ tables; paste into BENCHMARKS.md), ``OUT`` = ``--out`` (default
    measured copy bandwidth (a jitted ``x + 1`` over ``--copy-mib``, bytes read
    plus bytes written over the median time).
 2. **Correctness on the device** (float32, full-precision products): greedy speculative decoding equals
-   the target's own greedy output on the embedded pair and on a random-weight
-   Llama pair (``specjax.testing``); lossless sampling follows the target's law
+   the target's own greedy output on the embedded pair, on a random-weight
+   Llama pair (``specjax.testing``) and on that pair quantized (q4 target,
+   int8 draft); lossless sampling follows the target's law
    on a bigram pair (the first two tokens of 16384 sequences against the exact
    joint distribution: chi-square p-value and total variation).
 3. **Speed** in bfloat16 of random-weight models built from the configs of
@@ -33,6 +34,11 @@ tables; paste into BENCHMARKS.md), ``OUT`` = ``--out`` (default
      (a ``lax.switch`` per layer over the prefix widths, on every platform),
      with the bytes of K and V each reads: what reading only the needed part
      of a long cache gives on this device;
+   * the same target-only figures with **quantized weights** (``--quantize``,
+     default int8 and q4; random quantized arrays drawn on the device): XLA
+     dequantizes in the dot, so the bytes a step reads fall to 1 (int8) or
+     0.625 (q4) per weight; the roofline uses those bytes, and
+     ``c_verify / c_1`` is measured for each format;
    * speculative decoding at batch 1, K = ``--num-draft``, greedy, with an
      *oracle* draft (the target itself: every draft accepted) and a *small*
      draft (the target's first ``L/8`` blocks with its embedding and head).
@@ -177,6 +183,35 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> specjax.Model:
     return specjax.Model(jax.tree_util.tree_unflatten(treedef, leaves), module)
 
 
+def random_quantized_model(cfg: ModelConfig, fmt: str, seed: int = 0) -> specjax.Model:
+    """Random quantized matrices in ``fmt`` (values about std 0.02, as :func:`random_model`'s),
+    drawn on the device; norms, biases as there."""
+    cfg = cfg.replace(quantization=fmt)
+    module = Decoder(cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(module.param_shapes())
+    key, leaves = jax.random.key(seed), []
+    for i, (path, shape) in enumerate(flat):
+        name = str(getattr(path[-1], "key", path[-1]))
+        top = str(getattr(path[0], "key", path[0]))
+        k = jax.random.fold_in(key, i)
+        if name == "qweight" and shape.dtype == jnp.int8:
+            leaves.append(jax.random.randint(k, shape.shape, -127, 128, jnp.int32).astype(jnp.int8))
+        elif name == "qweight":  # two 4-bit values a byte
+            leaves.append(jax.random.randint(k, shape.shape, 0, 256, jnp.int32).astype(jnp.uint8))
+        elif name == "qscale":
+            step = 0.02 / (73.0 if "int8" in str(cfg.quant.weights) else 4.6)
+            leaves.append(jnp.full(shape.shape, step, shape.dtype))
+        elif name == "qmin":
+            leaves.append(jnp.full(shape.shape, -7.5 * 0.02 / 4.6, shape.dtype))
+        elif name == "scale":
+            leaves.append(jnp.full(shape.shape, PEAK if top == "final_norm" else 1.0, shape.dtype))
+        elif name == "bias":
+            leaves.append(jnp.zeros(shape.shape, shape.dtype))
+        else:
+            leaves.append(0.02 * jax.random.normal(k, shape.shape, shape.dtype))
+    return specjax.Model(jax.tree_util.tree_unflatten(treedef, leaves), module)
+
+
 def first_blocks(target: specjax.Model, num_layers: int) -> specjax.Model:
     """The target's first ``num_layers`` blocks with its embedding, final norm and head."""
     params = {k: v for k, v in target.params.items() if not k.startswith("layer_") or int(k[6:]) < num_layers}
@@ -245,8 +280,10 @@ def correctness(smoke: bool) -> dict:
         draft = specjax.load("embedded-draft", dtype="float32")
         rows = prompts(4, 8, target.module.config.vocab_size, seed=1)
         out["embedded_pair_greedy"] = greedy_equal(specjax.pair(target, draft), rows, new, 4)
-    llama = specjax.pair(*testing.peaked_target_and_draft(testing.llama_config()))
-    out["random_llama_greedy"] = greedy_equal(llama, prompts(4, 8, 96, seed=2), new, 4)
+    target, draft = testing.peaked_target_and_draft(testing.llama_config())
+    out["random_llama_greedy"] = greedy_equal(specjax.pair(target, draft), prompts(4, 8, 96, seed=2), new, 4)
+    quantized = specjax.pair(specjax.quantize(target, "q4"), specjax.quantize(draft, "int8"))
+    out["quantized_llama_greedy"] = greedy_equal(quantized, prompts(4, 8, 96, seed=2), new, 4)
     out["bigram_lossless_law"] = lossless_law(samples=2048 if smoke else 16384)
     return out
 
@@ -366,11 +403,23 @@ def speed(shape: str, cfg: ModelConfig, args, bandwidth: float, budget: Budget, 
             out["speculative"].append(
                 speculative(target, d, name, k, args.prompt, args.new_tokens, args.repeats, out["forward_ms"]))
 
+    def quantized(fmt):
+        model = random_quantized_model(cfg.replace(dtype="bfloat16"), fmt)
+        row = {"format": fmt, "param_bytes": param_bytes(model),
+               "target_only": [target_only(model, b, args.prompt, args.new_tokens, args.repeats, bandwidth)
+                               for b in (1, 8) if b in args.batches],
+               "c_1": forward_ms(model, 1, 1, 128, args.repeats),
+               "c_verify": forward_ms(model, 1, k + 1, 128, args.repeats)}
+        row["verify_over_one"] = row["c_verify"] / row["c_1"]
+        out.setdefault("quantized", []).append(row)
+
     batches = list(args.batches)
     if 1 in batches:
         section("target-only batch 1", lambda: target_only_at(1))
         batches.remove(1)
     section("verification cost", costs)
+    for fmt in args.quantize:
+        section(f"quantized {fmt}", lambda f=fmt: quantized(f))
     section("long cache", lambda: out.update(long_cache=long_cache(target, 8, 128, args.repeats, args.smoke)))
     section("speculative oracle", lambda: speculative_with("oracle", target))
     section("speculative small", lambda: speculative_with("small", draft))
@@ -414,6 +463,22 @@ def markdown(report: dict) -> str:
                 f"(K={r['num_draft']}{', ' + str(s['draft_layers']) + ' blocks' if r['draft'] == 'small' else ''}) | "
                 f"{r['tau']:.2f} | {r['realized']:.2f} | {r['ideal']:.2f} | {r['realized_over_ideal']:.2f} | "
                 f"{r['cycle_ms']:.2f} | {r['overhead_of_cycle']:.0%} |")
+    quantized = [s for s in report["speed"] if s.get("quantized")]
+    if quantized:
+        lines += ["", "| shape, weights | MB | batch | tok/s | roofline tok/s | of roofline | vs bf16 tok/s | "
+                  "c_1 ms | c_verify(K+1) / c_1 |", "|---|---|---|---|---|---|---|---|---|"]
+        for s in quantized:
+            base = {r["batch"]: r["tok_s"] for r in s["target_only"]}
+            for q in [{"format": "bf16", "param_bytes": s["param_bytes"], "target_only": s["target_only"],
+                       "c_1": s.get("forward_ms", {}).get("c_1", float("nan")),
+                       "verify_over_one": s.get("verify_over_one", float("nan"))}] + s["quantized"]:
+                for r in q["target_only"]:
+                    if r["batch"] not in (1, 8):
+                        continue
+                    vs = r["tok_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
+                    lines.append(f"| {s['shape']}, {q['format']} | {q['param_bytes'] / 1e6:.0f} | {r['batch']} | "
+                                 f"{r['tok_s']:.0f} | {r['roofline_tok_s']:.0f} | {r['of_roofline']:.2f} | "
+                                 f"{vs:.2f}x | {q['c_1']:.2f} | {q['verify_over_one']:.2f} |")
     longs = [s for s in report["speed"] if "long_cache" in s]
     if longs:
         lines += ["", "| shape (bf16), 1 token at batch 8 after 128 cached | cache | ms | K/V MB read |",
@@ -441,6 +506,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 128)")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per figure (default 5)")
     ap.add_argument("--copy-mib", type=int, default=None, help="size of the bandwidth pass (default 2048)")
+    ap.add_argument("--quantize", nargs="*", default=None,
+                    help="weight formats timed beside bf16 (default: int8 q4; none: leave out)")
     ap.add_argument("--budget-s", type=float, default=330.0, help="start no section after this many seconds")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -451,6 +518,7 @@ def main(argv=None) -> dict:
             ap.error(f"unknown shape(s) {unknown}; choose from {list(shapes)}")
         shapes = {s: shapes[s] for s in args.shapes}
     args.batches = args.batches or ([1] if args.smoke else [1, 8, 32])
+    args.quantize = ["int8", "q4"] if args.quantize is None else args.quantize
     args.new_tokens = args.new_tokens or (8 if args.smoke else 128)
     args.repeats = args.repeats or (1 if args.smoke else 5)
     args.copy_mib = args.copy_mib or (16 if args.smoke else 2048)
