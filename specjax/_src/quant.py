@@ -362,17 +362,6 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, fmt: Format) -> Optiona
 # --------------------------------------------------------------------------- #
 
 
-def activation_bits(fmt: Format, inputs: int) -> int:
-    """How this machine's CPU kernels read the activations of an ``[N,
-    inputs]`` matrix in ``fmt``: 8 where they round them to int8 per 32 inputs
-    (AVX-512 VNNI, for blocks of 32 and int8 per channel), else 32."""
-    if not cpu_matmul.is_available() or inputs % Q4_BLOCK:
-        return 32
-    if fmt.group not in (None, Q4_BLOCK) or (fmt.kind == "q4" and fmt.group != Q4_BLOCK):
-        return 32
-    return int(cpu_matmul._registered[0].specjax_qmatmul_activation_bits())
-
-
 def kernel_applies(leaves: dict, x: Array, matmul: str) -> bool:
     """Whether ``x @ W^T`` goes to the CPU kernel (float32 activations and
     ``matmul`` not ``"xla"``); elsewhere XLA dequantizes."""
@@ -392,8 +381,15 @@ def _ffi(leaves: dict, x: Array) -> Array:
 
 
 def _xla(leaves: dict, x: Array) -> Array:
+    dims = (((1,), (1,)), ((), ()))
+    if "qmin" not in leaves and leaves["qscale"].shape[1] == 1:
+        # Per channel, the scale factors out of the dot: the dot's operand is
+        # then the int8 weights converted, which XLA fuses into the product.
+        w = leaves["qweight"].astype(x.dtype)
+        y = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+        return y * leaves["qscale"][:, 0].astype(jnp.float32)
     w = dequantize_matrix(leaves, x.dtype)
-    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
 
 def qdot(x: Array, leaves: dict, matmul: str = "auto") -> Array:
