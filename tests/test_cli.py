@@ -280,6 +280,13 @@ def test_compare_defaults_to_the_real_pair_with_the_head_and_a_plan_that_shows_i
             (1.0, "target-only"), (1.0, "block_verification")} <= rows
     assert any(not c.lossless for c in plan.contenders)  # one relaxed rule beside the lossless ones
     assert plan.lookup is not None and plan.preset.batch_size == 1
+    # The GGUF's own 4-bit weights: target-only and lossless with the lookup, scored against the float target.
+    assert {(0.0, "target-only [gguf weights]"), (0.0, "speculative_sampling +lookup [gguf weights]")} <= rows
+    assert all(not c.lossless for c in plan.contenders if c.weights)
+    assert not any(c.weights for c in compare.settings(parse(["compare", "--quantize", "none"])).contenders)
+    assert {c.weights for c in compare.settings(parse(["compare", "--quantize", "int8"])).contenders} == {None, "int8"}
+    with pytest.raises(SystemExit, match="--quantize: Unknown weight format 'q3'"):
+        compare.settings(parse(["compare", "--quantize", "q3"]))
     # An option that reshapes the rows runs the rules' grid instead of the plan.
     assert {c.method for c in compare.settings(parse(["compare", "--rules", "mars:theta=0.9"])).contenders} == {
         "target-only", "mars:theta=0.9"}
@@ -392,3 +399,26 @@ def test_untimed_task_questions_score_target_only_and_relaxed_rows(small_model):
     assert target_only.task_total == relaxed.task_total == 3
     assert lossless.task_total == 0 and lossless.recovery == 1.0
     assert "not scored" in compare.quality_notes(rows)
+
+
+def test_compare_runs_quantized_rows_against_the_float_target(small_model):
+    """Quantized rows share the float target-only row as their baseline; a quantized
+    lossless row reproduces its own (quantized) target-only greedy text."""
+    from specjax._src.kernels import cpu_matmul
+
+    if not cpu_matmul.is_available():
+        pytest.skip("quantizing on the CPU needs the kernels")
+    eval_set = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=4, num_code=2)
+    q = specjax.quantize(small_model, "q4")
+    contenders = (compare.Contender(0.0), compare.Contender(0.0, weights="q4"),
+                  compare.Contender(0.0, "speculative_sampling", weights="q4"))
+    rows = compare.run_comparison(small_model, small_model, eval_set, contenders=contenders, max_new_tokens=8,
+                                  progress=False, quantized={"q4": (q, specjax.quantize(small_model, "int8"))})
+    base, q_only, q_sd = rows
+    assert q_only.method == "target-only [q4 weights]" and q_only.weights == "q4" and not q_sd.lossless
+    assert q_only.task_total == 4 and base.task_total == 4  # scored against the float target's answers
+    assert q_sd.task_correct == q_only.task_correct  # lossless on the quantized target: its answers
+    assert q_sd.agreement == q_only.agreement  # the same greedy text, measured against the float target's
+    with pytest.raises(ValueError, match="no quantized models were given"):
+        compare.run_comparison(small_model, small_model, eval_set, contenders=contenders, max_new_tokens=8,
+                               progress=False)

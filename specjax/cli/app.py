@@ -41,8 +41,9 @@ def _add_compare(sub) -> None:
                     "(default: SmolLM2-135M-Instruct with its EAGLE-style head, about 5 minutes on 2 CPU cores), "
                     "alternating the rows on each prompt over rounds, and scores their output. Without --rules, "
                     "--tree, --lookup or --drafting the smollm2 pairs run target-only, lossless speculative "
-                    "sampling alone and with context lookup, and MARS at T=0, and target-only, speculative "
-                    "sampling and block verification at T=1.")
+                    "sampling alone and with context lookup, MARS and PAD at T=0, the same target-only and lookup rows "
+                    "on the GGUF's own 4-bit weights, and target-only, speculative sampling, block verification, "
+                    "EARS, AdaSD and the typical-set criterion at T=1.")
     common.add_model_args(p, default_pair="smollm2-eagle", default_num_draft=None)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="few prompts and rules (smoke run)")
@@ -58,6 +59,10 @@ def _add_compare(sub) -> None:
     p.add_argument("--eval-dir", help="evaluation directory: task.jsonl + heldout_prompts.jsonl (chat pairs) or "
                    "arith_heldout.jsonl + code_prompts.jsonl (embedded pair)")
     p.add_argument("--chat-eval", action="store_true", help="with --target/--draft: evaluate on chat prompts")
+    p.add_argument("--quantize", default=None, metavar="FORMAT",
+                   help="weights of the quantized rows: gguf (a GGUF target's own formats; the smollm2 pairs' "
+                        "default rows), int8, q4, ...; none: leave them out. With --rules, adds every row again "
+                        "with the target quantized so and the draft in int8")
     p.add_argument("--out", default="compare_out", help="where compare.csv/.json/.png go (default compare_out/)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_command("compare"))

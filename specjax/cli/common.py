@@ -68,13 +68,11 @@ def pair_name(args) -> str:
     return args.pair or getattr(args, "default_pair", "embedded")
 
 
-def load_pair(args):
-    """``(target, draft)`` Models from --pair or --target/--draft, in --dtype.
+def pair_paths(args) -> tuple[str, str]:
+    """The target's and the draft's checkpoints from --pair or --target/--draft.
 
     Exits with a one-line message when both forms are given or a path is missing.
     """
-    import specjax
-
     if args.pair and (args.target or args.draft):
         raise SystemExit("error: pass either --pair or --target/--draft, not both.")
     if args.target or args.draft:
@@ -88,13 +86,35 @@ def load_pair(args):
                     f"error: {name} checkpoint {path} does not exist; pass --{name} with a checkpoint "
                     "directory, a .gguf file or a model name (see `specjax models`)."
                 )
-    elif pair_name(args) == "smollm2":
-        target, draft = SMOLLM2_TARGET, SMOLLM2_DRAFT
-    elif pair_name(args) == "smollm2-eagle":
-        target, draft = SMOLLM2_TARGET, SMOLLM2_EAGLE
-    else:
-        target, draft = str(DEFAULT_TARGET), str(DEFAULT_DRAFT)
+        return target, draft
+    if pair_name(args) == "smollm2":
+        return SMOLLM2_TARGET, SMOLLM2_DRAFT
+    if pair_name(args) == "smollm2-eagle":
+        return SMOLLM2_TARGET, SMOLLM2_EAGLE
+    return str(DEFAULT_TARGET), str(DEFAULT_DRAFT)
+
+
+def load_pair(args):
+    """``(target, draft)`` Models from --pair or --target/--draft, in --dtype."""
+    import specjax
+
+    target, draft = pair_paths(args)
     return specjax.load(target, dtype=args.dtype), specjax.load(draft, dtype=args.dtype)
+
+
+def load_quantized_pair(args, weights: str, draft):
+    """The target loaded with ``quantize=weights`` and ``draft`` (loaded) quantized to int8.
+
+    Exits with a one-line message where the target cannot be quantized so.
+    """
+    import specjax
+
+    target_path, _ = pair_paths(args)
+    try:
+        target = specjax.load(target_path, dtype=args.dtype, quantize=weights)
+        return target, specjax.quantize(draft, "int8")
+    except ValueError as e:
+        raise SystemExit(f"error: --quantize {weights}: {e}") from None
 
 
 def _given(args, name: str) -> bool:

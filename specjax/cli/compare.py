@@ -122,14 +122,17 @@ class Contender:
     temperature: float
     rule: Optional[str] = None
     lookup: bool = False
+    weights: Optional[str] = None  # the target (and draft) quantized: specjax.load(..., quantize=weights)
 
     @property
     def method(self) -> str:
-        return (self.rule or "target-only") + (" +lookup" if self.lookup else "")
+        return ((self.rule or "target-only") + (" +lookup" if self.lookup else "")
+                + (f" [{self.weights} weights]" if self.weights else ""))
 
     @property
     def lossless(self) -> bool:
-        return self.rule is None or is_lossless(self.rule)
+        """The float target's law: quantized weights are another model, scored like a relaxed rule."""
+        return self.weights is None and (self.rule is None or is_lossless(self.rule))
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,10 +143,14 @@ def is_lossless(rule_spec: str) -> bool:
     return parse_rule(rule_spec).spec.name in LOSSLESS_RULES
 
 
-def grid(rules: Sequence[str], temperatures: Sequence[float], lookup: bool = False) -> tuple[Contender, ...]:
-    """Target-only and every rule at each temperature (every rule with the lookup when ``lookup``)."""
-    return tuple(c for t in temperatures
-                 for c in (Contender(t), *(Contender(t, r, lookup) for r in rules)))
+def grid(rules: Sequence[str], temperatures: Sequence[float], lookup: bool = False,
+         weights: Optional[str] = None) -> tuple[Contender, ...]:
+    """Target-only and every rule at each temperature (every rule with the lookup when ``lookup``);
+    with ``weights``, each of those rows again with the models quantized."""
+    rows = tuple(c for t in temperatures for c in (Contender(t), *(Contender(t, r, lookup) for r in rules)))
+    if weights is None:
+        return rows
+    return rows + tuple(dataclasses.replace(c, weights=weights) for c in rows)
 
 
 # The real pair's default rows, chosen to show in about 6 minutes on 2 CPU cores what a
@@ -154,10 +161,16 @@ def grid(rules: Sequence[str], temperatures: Sequence[float], lookup: bool = Fal
 # where it relaxes anything: MARS and PAD (its pivot head trained for this target) at T=0,
 # EARS, AdaSD and the typical-set criterion of the acceptance theory at T=1 (greedy, the
 # three accept exactly what the lossless rule accepts).
+#
+# Two rows run the GGUF's own 4-bit weights (target-only, and lossless with the
+# head and the lookup): what a user of the shipped file gets, scored against
+# the float32 target like a relaxed rule.
 SMOLLM2_PLAN = (
     Contender(0.0),
     Contender(0.0, "speculative_sampling"),
     Contender(0.0, "speculative_sampling", lookup=True),
+    Contender(0.0, weights="gguf"),
+    Contender(0.0, "speculative_sampling", lookup=True, weights="gguf"),
     Contender(0.0, "mars:theta=0.9", lookup=True),
     Contender(0.0, "pad:head=smollm2-135m-instruct,sigma=0.5"),
     Contender(1.0),
@@ -407,11 +420,13 @@ class Row:
     task_high: float = math.nan
     unit_speedups: list = dataclasses.field(default_factory=list)
     round_speedups: list = dataclasses.field(default_factory=list)
+    weights: str = ""  # the row's models quantized (Contender.weights), else ""
 
     @property
     def lossless(self) -> bool:
-        """A lossless rule's row (target-only's is not a rule's)."""
-        return self.method != "target-only" and is_lossless(self.method.removesuffix(" +lookup"))
+        """A lossless rule's row on the float target (target-only's is not a rule's)."""
+        rule = self.method.split(" [", 1)[0].removesuffix(" +lookup")
+        return not self.weights and rule != "target-only" and is_lossless(rule)
 
 
 def _merged_summary(stats_list) -> dict:
@@ -475,6 +490,7 @@ def run_comparison(
     rounds: int = 1,
     batch_size: Optional[int] = None,
     progress: bool = True,
+    quantized: Optional[dict] = None,
 ) -> list[Row]:
     """Measures target-only decoding and every rule; returns one Row per contender.
 
@@ -495,6 +511,8 @@ def run_comparison(
     ``batch_size``: decode the prompts in groups of this many (None: all in one
     batch). Speculative decoding pays where a (K+1)-token verification costs
     about one token's forward: batch 1 on a CPU, larger batches on accelerators.
+    ``quantized``: ``{weights: (target, draft)}`` for the contenders with
+    ``weights``; their speed and quality are measured against the float target.
     """
     import specjax
     from specjax.rules import parse_rule
@@ -504,14 +522,20 @@ def run_comparison(
     contenders = tuple(contenders)
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}.")
-    missing = sorted({c.temperature for c in contenders} - {c.temperature for c in contenders if c.rule is None})
+    missing = sorted({c.temperature for c in contenders}
+                     - {c.temperature for c in contenders if c.rule is None and c.weights is None})
     if missing:
         raise ValueError(f"every temperature needs a target-only contender to compare with; none at T={missing}.")
     if any(c.lookup for c in contenders) and lookup is None:
         raise ValueError("a contender drafts with the lookup, but no lookup was given (pass lookup=ngram_lookup(...)).")
     tokenizer = target.tokenizer
     eos = tuple(target.module.config.eos_token_ids) or None if hasattr(target.module, "config") else None
-    params = specjax.pair(target, draft)
+    absent = sorted({c.weights for c in contenders if c.weights} - set(quantized or {}))
+    if absent:
+        raise ValueError(f"contenders run quantized weights {absent}, but no quantized models were given for them.")
+    models = {None: (target, specjax.pair(target, draft))}
+    for weights, (q_target, q_draft) in (quantized or {}).items():
+        models[weights] = (q_target, specjax.pair(q_target, q_draft))
     key = jax.random.key(seed)
     parsed = {c.rule: parse_rule(c.rule) for c in contenders if c.rule is not None}
     timed = [i for i, t in enumerate(eval_set.timed_mask) if t]
@@ -527,8 +551,9 @@ def run_comparison(
         prompts = [eval_set.prompts[i] for i in group]
         common = dict(max_new_tokens=max_new_tokens, temperature=c.temperature, eos_token_id=eos,
                       key=jax.random.fold_in(key, group[0]), buckets=buckets)
+        row_target, params = models[c.weights]
         if c.rule is None:
-            out = specjax.generate(target, prompts, **common)
+            out = specjax.generate(row_target, prompts, **common)
         else:
             policy, k = row_drafting(c.rule, num_draft, drafting)
             shape = (dict(tree=tree) if tree is not None
@@ -571,7 +596,7 @@ def run_comparison(
     bar.close()
 
     width = max(len(p) for p in eval_set.prompts) + max_new_tokens
-    baselines = {c.temperature: c for c in contenders if c.rule is None}
+    baselines = {c.temperature: c for c in contenders if c.rule is None and c.weights is None}
     rows = []
     for c in contenders:
         base = baselines[c.temperature]
@@ -622,6 +647,7 @@ def _row(c: Contender, out: _Outputs, secs: np.ndarray, base: _Outputs, base_sec
         summary = _merged_summary(out.stats)
     return Row(
         method=c.method,
+        weights=c.weights or "",
         temperature=c.temperature,
         batch=batch,
         tokens_per_s=float(tok_s),
@@ -835,7 +861,8 @@ def quality_notes(rows: Sequence[Row]) -> str:
                     None: f"this sample cannot tell whether it keeps {MIN_RECOVERY:.0%} of target-only's score"}
             agree = f"; {r.agreement:.1%} of its tokens agree with target-only's greedy" if temperature == 0 else ""
             versus = f" vs target-only {_task_cell(base)}" if base is not None and base.task_total else ""
-            lines.append(f"T={temperature:g}: {r.method} (relaxed) {r.speedup:.2f}x{agree}; task right "
+            kind = "quantized" if r.weights else "relaxed"
+            lines.append(f"T={temperature:g}: {r.method} ({kind}) {r.speedup:.2f}x{agree}; task right "
                          f"{_task_cell(r)}{versus}: {what[verdict]}.")
     return "\n".join(lines)
 
@@ -847,7 +874,7 @@ def cost_notes(rows: Sequence[Row]) -> str:
     work), so speculative decoding pays exactly where tau exceeds that cost."""
     lines = []
     for r in rows:
-        if r.method == "target-only" or not (r.speedup > 0) or math.isnan(r.tau):
+        if r.method.split(" [", 1)[0] == "target-only" or not (r.speedup > 0) or math.isnan(r.tau):
             continue
         cost = r.tau / r.speedup
         lines.append(f"  {r.method} at T={r.temperature:g}: {r.tau:.2f} tokens per cycle for the cost of "
@@ -985,6 +1012,31 @@ class Settings:
     lookup: Any = None
     drafting: Any = None
 
+    @property
+    def weights(self) -> tuple[str, ...]:
+        """The quantized weights some rows run (``--quantize``), each loaded once."""
+        return tuple(dict.fromkeys(c.weights for c in self.contenders if c.weights))
+
+
+def _with_weights(contenders, quantize: Optional[str]) -> tuple[Contender, ...]:
+    """The plan's quantized rows in ``quantize``'s format (``"none"``: without them)."""
+    if quantize is None:
+        return tuple(contenders)
+    if quantize == "none":
+        return tuple(c for c in contenders if not c.weights)
+    return tuple(dataclasses.replace(c, weights=quantize) if c.weights else c for c in contenders)
+
+
+def _check_quantize(spec: Optional[str]) -> Optional[str]:
+    if spec is None or spec in ("none", "gguf"):
+        return spec
+    from specjax._src import quant
+
+    try:
+        return str(quant.parse_quantization(spec))
+    except ValueError as e:
+        raise SystemExit(f"error: --quantize: {e}") from None
+
 
 def settings(args) -> Settings:
     """Resolves and checks every option of ``specjax compare``: a mistake
@@ -1004,6 +1056,7 @@ def settings(args) -> Settings:
         raise SystemExit("error: --chat-eval is for a custom chat pair (--target/--draft); the smollm2 pairs "
                          "always use the chat evaluation and the embedded pair has none.")
     out_dir = _check_out(args.out)
+    quantize = _check_quantize(getattr(args, "quantize", None))
     tree, lookup, drafting = common.tree(args), common.lookup(args), common.drafting_policy(args)
     # The preset's plan shows the product; an option that reshapes the rows runs the rules' grid instead.
     plan = preset.plan if (args.rules is None and tree is None and lookup is None and drafting is None) else None
@@ -1011,9 +1064,14 @@ def settings(args) -> Settings:
         lookup = ngram_lookup(*DEFAULT_LOOKUP)
     if pair != "custom":
         _check_pair_installed(pair)
+    if plan is not None:
+        contenders = _with_weights(plan, quantize)
+    else:
+        weights = None if quantize in (None, "none") else quantize
+        contenders = grid(rules, preset.temperatures, lookup=lookup is not None, weights=weights)
     return Settings(
         pair=pair, chat=chat, preset=preset,
-        contenders=plan or grid(rules, preset.temperatures, lookup=lookup is not None),
+        contenders=contenders,
         num_draft=args.num_draft or preset.num_draft, rounds=getattr(args, "rounds", None) or preset.rounds,
         max_new_tokens=args.max_new_tokens or preset.max_new_tokens, out_dir=out_dir,
         tree=tree, lookup=lookup, drafting=drafting,
@@ -1026,6 +1084,7 @@ def run(args) -> int:
     if plan.pair != "custom":
         args.pair = plan.pair  # load_pair loads the named pair
     target, draft = common.load_pair(args)
+    quantized = {w: common.load_quantized_pair(args, w, draft) for w in plan.weights}
     if target.tokenizer is None:
         raise SystemExit("error: the target has no tokenizer; compare needs one to score text.")
     preset = plan.preset
@@ -1062,6 +1121,7 @@ def run(args) -> int:
         rounds=plan.rounds,
         batch_size=batch,
         progress=not args.no_progress,
+        quantized=quantized,
     )
     print(format_table(rows))
     print(f"(speedup: tok/s against target-only at the same T over the timed prompts, each prompt's median time of "
