@@ -281,7 +281,7 @@ def test_compare_defaults_to_the_real_pair_with_the_head_and_a_plan_that_shows_i
     assert any(not c.lossless for c in plan.contenders)  # one relaxed rule beside the lossless ones
     assert plan.lookup is not None and plan.preset.batch_size == 1
     # The GGUF's own 4-bit weights: target-only and lossless with the lookup, scored against the float target.
-    assert {(0.0, "target-only [gguf weights]"), (0.0, "speculative_sampling +lookup [gguf weights]")} <= rows
+    assert {(0.0, "target-only [gguf weights]"), (0.0, "speculative_sampling +lookup K=2 [gguf weights]")} <= rows
     assert all(not c.lossless for c in plan.contenders if c.weights)
     assert not any(c.weights for c in compare.settings(parse(["compare", "--quantize", "none"])).contenders)
     assert {c.weights for c in compare.settings(parse(["compare", "--quantize", "int8"])).contenders} == {None, "int8"}
