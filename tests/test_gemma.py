@@ -140,3 +140,20 @@ def test_gemma_export_refused_and_orbax_round_trip(tmp_path):
     assert again.module.config == model.module.config
     ids = np.arange(3, 15, dtype=np.int32)[None]
     np.testing.assert_array_equal(np.asarray(specjax.logits(again, ids)), np.asarray(specjax.logits(model, ids)))
+
+
+def test_gemma3_linear_rope_scaling_on_global_layers(tmp_path):
+    """Gemma 3's larger models interpolate positions on their full-attention
+    layers (``rope_type: linear``); the sliding layers keep their own base."""
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 8.0}}
+    directory, hf_model = _make("gemma3_text", tmp_path, rope_parameters=rope)
+    model = specjax.load(directory, dtype="float32")
+    scaling = model.module.config.rope_scaling
+    assert scaling.rope_type == "linear" and scaling.factor == 8.0
+    ids = np.random.default_rng(1).integers(3, 128, (2, 14)).astype(np.int32)
+    want = torch_logits(hf_model, ids)
+    assert rel_err(specjax.logits(model, ids), want) < 1e-4
+    # Negative control: without the scaling the logits part from transformers'.
+    unscaled = specjax.Model(model.params, specjax.Decoder(model.module.config.replace(rope_scaling=None)))
+    assert rel_err(specjax.logits(unscaled, ids), want) > 1e-3

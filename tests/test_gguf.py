@@ -58,7 +58,7 @@ def hf_tensors(cfg, params) -> dict[str, np.ndarray]:
 
 
 def write_gguf(path, cfg, params, *, qtype=gguf.GGMLQuantizationType.F32, tokenizer=True,
-               arch="llama", pre="smollm", rope_freqs=None, vocab_size=True, token_list=True):
+               arch="llama", pre="smollm", rope_freqs=None, vocab_size=True, token_list=True, linear_rope=None):
     """Writes ``params`` as llama.cpp would: q/k rows permuted, 2-D weights in ``qtype``;
     ``rope_freqs`` ``[head_dim / 2]``: llama.cpp's per-dimension frequency divisors."""
     writer = gguf.GGUFWriter(str(path), arch)
@@ -70,6 +70,9 @@ def write_gguf(path, cfg, params, *, qtype=gguf.GGMLQuantizationType.F32, tokeni
     writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    if linear_rope is not None:  # llama.cpp's metadata for linear position interpolation
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(linear_rope)
     if vocab_size:
         writer.add_vocab_size(cfg.vocab_size)
     if tokenizer:
@@ -353,3 +356,16 @@ def test_real_pair_greedy_speculative_decoding_is_the_target_greedy_output(draft
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     assert (np.asarray(ref.lengths) < 64).any()  # some answers end at <|im_end|>
     assert out.stats.tau > 1.2
+
+
+def test_linear_rope_scaling_is_read(tmp_path):
+    cfg, params = _model(tie=True)
+    write_gguf(tmp_path / "linear.gguf", cfg, params, linear_rope=4.0)
+    model = specjax.load(tmp_path / "linear.gguf")
+    assert model.module.config.rope_scaling.rope_type == "linear" and model.module.config.rope_scaling.factor == 4.0
+    scaled = specjax.Model(params, specjax.Decoder(cfg.replace(rope_scaling=model.module.config.rope_scaling)))
+    ids = np.arange(1, 20)[None]
+    np.testing.assert_allclose(np.asarray(specjax.logits(model, ids)), np.asarray(specjax.logits(scaled, ids)),
+                               rtol=1e-6, atol=1e-6)
+    assert not np.allclose(np.asarray(specjax.logits(model, ids)),
+                           np.asarray(specjax.logits(specjax.Model(params, specjax.Decoder(cfg)), ids)), atol=1e-4)

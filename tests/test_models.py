@@ -19,6 +19,7 @@ BF16_BOUND = 5e-2
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+LINEAR_ROPE = {"rope_type": "linear", "factor": 4.0}
 
 # name -> (model_type, config overrides). Together they cover GQA, tied and
 # untied heads, Qwen3's head_dim != hidden/heads, Llama 3 rope scaling and a
@@ -27,6 +28,7 @@ PARITY_CASES = {
     "llama-gqa-untied": ("llama", {}),
     "llama3-rope-tied": ("llama", dict(rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True,
                                        rope_theta=500000.0, max_position_embeddings=128)),
+    "llama-linear-rope": ("llama", dict(rope_scaling=LINEAR_ROPE)),
     "mistral-window4": ("mistral", {}),
     "qwen2-bias": ("qwen2", {}),
     "qwen3-headdim16-tied": ("qwen3", dict(tie_word_embeddings=True)),
@@ -62,12 +64,15 @@ def test_fp32_logits_match_pytorch(hf_models, case):
         assert cfg.head_dim * cfg.num_heads != cfg.hidden_size
     if case.startswith("llama3"):
         assert cfg.rope_scaling is not None
+    if case == "llama-linear-rope":
+        assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_scaling.factor == 4.0
     if case.startswith("mistral"):
         assert cfg.sliding_window < SEQ_LEN
 
 
 @pytest.mark.parametrize("case,feature", [
     ("llama3-rope-tied", dict(rope_scaling=None)),
+    ("llama-linear-rope", dict(rope_scaling=None)),
     ("mistral-window4", dict(sliding_window=None)),
     ("qwen3-headdim16-tied", dict(qk_norm=False)),
 ])

@@ -20,12 +20,26 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 style rope scaling (``rope_type == "llama3"``)."""
+    """Rope scaling: ``rope_type`` ``"llama3"`` (Llama 3.1: low frequencies
+    divided by ``factor``, high ones kept, a blend between) or ``"linear"``
+    (every frequency divided by ``factor``: positions interpolated, as Gemma 3's
+    larger models do on their global layers; the other fields unused)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: Optional[float] = None
+    high_freq_factor: Optional[float] = None
+    original_max_position_embeddings: Optional[int] = None
+    rope_type: str = "llama3"
+
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"Unsupported rope scaling type {self.rope_type!r}; use 'llama3' or 'linear'.")
+        if not self.factor > 0:
+            raise ValueError(f"rope scaling factor must be positive, got {self.factor}.")
+        if self.rope_type == "llama3" and None in (self.low_freq_factor, self.high_freq_factor,
+                                                    self.original_max_position_embeddings):
+            raise ValueError("llama3 rope scaling needs low_freq_factor, high_freq_factor and "
+                             "original_max_position_embeddings.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,7 +83,7 @@ _INIT_STD = 0.02  # Hugging Face's initializer_range default for all five famili
 
 
 def rope_inv_freq(config: ModelConfig, layer: Optional[int] = None) -> np.ndarray:
-    """Inverse RoPE frequencies ``[head_dim // 2]`` float32, Llama 3 scaling applied.
+    """Inverse RoPE frequencies ``[head_dim // 2]`` float32, Llama 3 or linear scaling applied.
 
     Computed on the host with NumPy (a compile-time constant), in float32 like
     Hugging Face's reference so that angles agree to the last bit or two.
@@ -99,6 +99,8 @@ def rope_inv_freq(config: ModelConfig, layer: Optional[int] = None) -> np.ndarra
     inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "linear":  # positions interpolated: every angle divided by `factor`
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, and blend
     # linearly in between (the reference's `_compute_llama3_parameters`).
     old_len = scaling.original_max_position_embeddings

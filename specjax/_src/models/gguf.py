@@ -126,7 +126,9 @@ def _config(reader, path: str) -> dict:
     if head_dim is not None:
         cfg["head_dim"] = int(head_dim)
     scaling = get("rope.scaling.type", None, required=False)
-    if scaling not in (None, "none"):
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
         raise ValueError(
             f"GGUF file {path} uses rope scaling {scaling!r}, which specjax's GGUF reader does "
             "not map; convert the original Hugging Face checkpoint instead."

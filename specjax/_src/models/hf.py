@@ -17,7 +17,7 @@ import numpy as np
 
 from specjax._src.models.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 # A draft with a reduced-vocabulary head (``ModelConfig.head_vocab_size``)
 # stores it under these names; transformers cannot load such a checkpoint.
@@ -49,11 +49,13 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, Optional[Rop
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type != "llama3":
+    if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"Unsupported rope scaling type {rope_type!r}; specjax supports "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}."
         )
+    if rope_type == "linear":
+        return theta, RopeScaling(factor=float(params["factor"]), rope_type="linear")
     return theta, RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),
@@ -336,7 +338,9 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         )
         return out
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "linear":
+        rope.update(rope_type="linear", factor=cfg.rope_scaling.factor)
+    elif cfg.rope_scaling is not None:
         s = cfg.rope_scaling
         rope.update(
             rope_type="llama3",
