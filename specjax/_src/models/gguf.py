@@ -20,7 +20,12 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import numpy as np
 
 # Architectures whose GGUF tensor names and metadata map onto ours.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# Hugging Face model_type of each GGUF architecture where the two differ.
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# What llama.cpp hard-codes for Gemma 3 rather than storing it in the file:
+# every 6th layer attends globally, the local layers rotate with base 10000.
+_GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_BASE = 6, 10000.0
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -106,7 +111,7 @@ def _config(reader, path: str) -> dict:
                              "tokenizer.ggml.tokens) and holds no token_embd.weight tensor.")
         vocab = int(embedding[0].shape[-1])  # GGUF lists dimensions innermost first
     cfg = {
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "num_hidden_layers": int(get("block_count")),
@@ -139,10 +144,26 @@ def _config(reader, path: str) -> dict:
     elif arch == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in names
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    elif arch == "gemma3":
+        cfg.update(_gemma3_config(get, cfg))
     return cfg
 
 
-def _hf_name(gguf_name: str) -> Optional[str]:
+def _gemma3_config(get, cfg: dict) -> dict:
+    """Gemma 3's config fields from its GGUF metadata and llama.cpp's fixed choices."""
+    layers, head_dim = cfg["num_hidden_layers"], cfg.get("head_dim", 256)
+    window = get("attention.sliding_window", None, required=False)
+    return {
+        "sliding_window": None if window is None else int(window),
+        "sliding_window_pattern": _GEMMA3_GLOBAL_EVERY,
+        "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_BASE,
+        # llama.cpp scales scores by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 27B (62 layers).
+        "query_pre_attn_scalar": float(cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62 else head_dim),
+        "head_dim": head_dim,
+    }
+
+
+def _hf_name(gguf_name: str, arch: str = "llama") -> Optional[str]:
     """The Hugging Face name of a GGUF tensor name (None: not a weight we use)."""
     top = {
         "token_embd.weight": "model.embed_tokens.weight",
@@ -155,6 +176,11 @@ def _hf_name(gguf_name: str) -> Optional[str]:
     if parts[0] != "blk" or len(parts) != 4:
         return None
     layer, kind, suffix = parts[1], parts[2], parts[3]
+    if arch == "gemma3":  # norms before and after attention and the MLP
+        inner = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}.get(kind)
+        if inner is not None:
+            return f"model.layers.{layer}.{inner}.{suffix}"
     inner = {
         "attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
@@ -220,11 +246,13 @@ def _check_rope_freqs(reader, path: str) -> None:
 def _tensor_iter(reader, cfg: dict, path: str):
     gguf = _require_gguf()
     arch = cfg["model_type"]
+    reader_arch = _field(reader, "general.architecture")
+    norm_shift = 1.0 if reader_arch == "gemma3" else 0.0
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     def iterate():
         for tensor in reader.tensors:
-            name = _hf_name(tensor.name)
+            name = _hf_name(tensor.name, reader_arch)
             if name is None:
                 if tensor.name == "rope_freqs.weight":  # all ones: no scaling (checked in read_gguf)
                     continue
@@ -238,8 +266,13 @@ def _tensor_iter(reader, cfg: dict, path: str):
                     return unpermute_rotary(w, kv_heads)
                 return w
 
-            def read(tensor=tensor, rows_in_hf_order=rows_in_hf_order):
-                return rows_in_hf_order(_dequantize(gguf, tensor, path))
+            def read(tensor=tensor, rows_in_hf_order=rows_in_hf_order, name=name):
+                w = rows_in_hf_order(_dequantize(gguf, tensor, path))
+                if norm_shift and name.endswith("norm.weight"):
+                    # llama.cpp stores Gemma's norm weights as 1 + w, the factor
+                    # its plain RMSNorm multiplies by; specjax's Gemma norms add the 1.
+                    w = w - norm_shift
+                return w
 
             def blocks(tensor=tensor, rows_in_hf_order=rows_in_hf_order):
                 # The stored bytes, one row of blocks per output ([N, row_bytes]).
@@ -301,14 +334,71 @@ def _byte_level_tokenizer(reader, path: str):
     return tokenizer
 
 
+def _merges_in_order(tokens: list[str], rank: dict) -> list[tuple[str, str]]:
+    """A SentencePiece BPE vocabulary's merges, which GGUF files do not store:
+    every split of a token into two tokens of the vocabulary, best first by
+    the merged token's ``rank`` (then the longer left piece)."""
+    index = {token: i for i, token in enumerate(tokens)}
+    found = []
+    for token in tokens:
+        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in index and token[k:] in index]
+        pairs.sort(key=lambda pair: (index[pair[0]], index[pair[1]]))
+        found.extend((rank[token], len(left), len(right), left, right) for left, right in pairs)
+    found.sort(key=lambda m: m[:3], reverse=True)
+    return [(left, right) for *_, left, right in found]
+
+
+def _gemma_tokenizer(reader, path: str):
+    """Gemma's SentencePiece BPE (byte fallback, spaces as "▁", no prefix
+    space) from the token list alone: the file stores no merges, and Gemma's
+    scores do not follow its merge order, which is the order of the tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    # A token of spaces only is stored with real spaces; the model sees "▁"s.
+    tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens")]
+    tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    unk = _field(reader, "tokenizer.ggml.unknown_token_id")
+    try:
+        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                         merges=_merges_in_order(tokens, {t: -i for i, t in enumerate(tokens)}),
+                         unk_token=None if unk is None else tokens[int(unk)], fuse_unk=True, byte_fallback=True)
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise ValueError(f"GGUF file {path} has an inconsistent SentencePiece vocabulary: {e}") from e
+    tokenizer = Tokenizer(bpe)
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    types = _field(reader, "tokenizer.ggml.token_type") or [0] * len(tokens)
+    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL]
+    added = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    if special:
+        tokenizer.add_special_tokens(special)
+    if added:
+        tokenizer.add_tokens(added)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        token = tokens[int(bos)]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{token} $A", pair=f"{token} $A {token} $B", special_tokens=[(token, int(bos))]
+        )
+    return tokenizer
+
+
 def _tokenizer(reader, path: str):
     kind = _field(reader, "tokenizer.ggml.model")
     if kind is None:
         return None
+    if kind == "llama" and _field(reader, "general.architecture") == "gemma3":
+        if _field(reader, "tokenizer.ggml.tokens") is None:
+            raise ValueError(f"GGUF file {path} names a SentencePiece tokenizer but lacks its token list "
+                             "(the metadata key tokenizer.ggml.tokens).")
+        return _gemma_tokenizer(reader, path)
     if kind != "gpt2":
         raise ValueError(
             f"GGUF file {path} has a {kind!r} tokenizer; specjax builds byte-level BPE ('gpt2') "
-            "tokenizers from GGUF metadata. Load the model from its Hugging Face directory instead."
+            "tokenizers, and Gemma 3's SentencePiece one, from GGUF metadata. Load the model from its "
+            "Hugging Face directory instead."
         )
     if _field(reader, "tokenizer.ggml.tokens") is None:
         raise ValueError(f"GGUF file {path} names a {kind!r} tokenizer but lacks its token list "

