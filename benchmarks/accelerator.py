@@ -164,31 +164,12 @@ def copy_bandwidth(mib: int, repeats: int) -> float:
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> specjax.Model:
-    """Random bf16 (``cfg.dtype``) params drawn leaf by leaf on the device (no float32
-    copy of the whole model), std 0.02, unit norms scaled by :data:`PEAK` at the end."""
+    """Random params drawn leaf by leaf on the device (no float32 copy of the whole
+    model): ``cfg.dtype`` weights of std 0.02, unit norms with the final one scaled by
+    :data:`PEAK`; with ``cfg.quantization``, random quantized arrays of about that std."""
     module = Decoder(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(module.param_shapes())
-    key, leaves = jax.random.key(seed), []
-    for i, (path, shape) in enumerate(flat):
-        name = str(getattr(path[-1], "key", path[-1]))
-        top = str(getattr(path[0], "key", path[0]))
-        if name == "scale":
-            leaves.append(jnp.full(shape.shape, PEAK if top == "final_norm" else 1.0, shape.dtype))
-        elif name == "bias":
-            leaves.append(jnp.zeros(shape.shape, shape.dtype))
-        elif name == "head_vocab_ids":
-            leaves.append(jnp.arange(shape.shape[0], dtype=shape.dtype))
-        else:
-            leaves.append(0.02 * jax.random.normal(jax.random.fold_in(key, i), shape.shape, shape.dtype))
-    return specjax.Model(jax.tree_util.tree_unflatten(treedef, leaves), module)
-
-
-def random_quantized_model(cfg: ModelConfig, fmt: str, seed: int = 0) -> specjax.Model:
-    """Random quantized matrices in ``fmt`` (values about std 0.02, as :func:`random_model`'s),
-    drawn on the device; norms, biases as there."""
-    cfg = cfg.replace(quantization=fmt)
-    module = Decoder(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(module.param_shapes())
+    four_bit = cfg.quantization is not None and cfg.quant.weights.kind == "q4"
     key, leaves = jax.random.key(seed), []
     for i, (path, shape) in enumerate(flat):
         name = str(getattr(path[-1], "key", path[-1]))
@@ -198,15 +179,15 @@ def random_quantized_model(cfg: ModelConfig, fmt: str, seed: int = 0) -> specjax
             leaves.append(jax.random.randint(k, shape.shape, -127, 128, jnp.int32).astype(jnp.int8))
         elif name == "qweight":  # two 4-bit values a byte
             leaves.append(jax.random.randint(k, shape.shape, 0, 256, jnp.int32).astype(jnp.uint8))
-        elif name == "qscale":
-            step = 0.02 / (73.0 if "int8" in str(cfg.quant.weights) else 4.6)
-            leaves.append(jnp.full(shape.shape, step, shape.dtype))
-        elif name == "qmin":
-            leaves.append(jnp.full(shape.shape, -7.5 * 0.02 / 4.6, shape.dtype))
+        elif name in ("qscale", "qmin"):  # q * d (+ m) of std about 0.02
+            step = 0.02 / (4.6 if four_bit else 73.0)
+            leaves.append(jnp.full(shape.shape, step if name == "qscale" else -7.5 * step, shape.dtype))
         elif name == "scale":
             leaves.append(jnp.full(shape.shape, PEAK if top == "final_norm" else 1.0, shape.dtype))
         elif name == "bias":
             leaves.append(jnp.zeros(shape.shape, shape.dtype))
+        elif name == "head_vocab_ids":
+            leaves.append(jnp.arange(shape.shape[0], dtype=shape.dtype))
         else:
             leaves.append(0.02 * jax.random.normal(k, shape.shape, shape.dtype))
     return specjax.Model(jax.tree_util.tree_unflatten(treedef, leaves), module)
@@ -404,7 +385,7 @@ def speed(shape: str, cfg: ModelConfig, args, bandwidth: float, budget: Budget, 
                 speculative(target, d, name, k, args.prompt, args.new_tokens, args.repeats, out["forward_ms"]))
 
     def quantized(fmt):
-        model = random_quantized_model(cfg.replace(dtype="bfloat16"), fmt)
+        model = random_model(cfg.replace(dtype="bfloat16", quantization=fmt))
         row = {"format": fmt, "param_bytes": param_bytes(model),
                "target_only": [target_only(model, b, args.prompt, args.new_tokens, args.repeats, bandwidth)
                                for b in (1, 8) if b in args.batches],

@@ -151,6 +151,26 @@ def percentile_cell(spread: dict) -> str:
 # ---------------------------------------------------------------------------
 
 
+def read_prompt_file(path: Path, ap) -> list[dict]:
+    """The ``{"prompt": str[, "kind": str]}`` rows of a JSONL file; a bad file is an argparse error."""
+    if not path.is_file():
+        ap.error(f"--prompt-file {path} does not exist")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            ap.error(f"--prompt-file {path}, line {number}: not JSON ({e})")
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            ap.error(f'--prompt-file {path}, line {number}: want {{"prompt": str}}')
+        rows.append(row)
+    if not rows:
+        ap.error(f"--prompt-file {path} has no prompts")
+    return rows
+
+
 def read_jsonl(path: Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

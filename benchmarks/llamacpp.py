@@ -364,23 +364,6 @@ def _proc_ticks(pid: int) -> int:
 # ---------------------------------------------------------------------------
 
 
-def read_prompts(path: Path, ap: argparse.ArgumentParser) -> list[str]:
-    if not path.is_file():
-        ap.error(f"--prompt-file {path} does not exist")
-    texts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            ap.error(f"--prompt-file {path}, line {number}: not JSON ({e})")
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            ap.error(f'--prompt-file {path}, line {number}: want {{"prompt": str}}')
-        texts.append(row["prompt"])
-    return texts
-
-
 def agreement(a: list[int], b: list[int], n: int) -> float:
     """Share of ``n`` tokens before the first position where ``a`` and ``b`` differ."""
     k = 0
@@ -443,7 +426,7 @@ def main(argv=None):
             raise SystemExit(INSTALL) from None
     import specjax
 
-    texts = read_prompts(args.prompt_file, ap)
+    texts = [row["prompt"] for row in common.read_prompt_file(args.prompt_file, ap)]
     if args.prompts > len(texts):
         ap.error(f"--prompts {args.prompts}: {args.prompt_file} has {len(texts)} prompts")
     texts = texts[:args.prompts]

@@ -86,26 +86,6 @@ TARGET = "smollm2-135m-instruct"
 DRAFTERS = {"draft": "smollm2-135m-instruct-draft", "eagle": "smollm2-135m-instruct-eagle"}
 
 
-def read_prompts(path: Path, ap: argparse.ArgumentParser) -> list[dict]:
-    """The ``{"prompt": str[, "kind": str]}`` rows of a JSONL file; a bad file is an argparse error."""
-    if not path.is_file():
-        ap.error(f"--prompt-file {path} does not exist")
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            ap.error(f"--prompt-file {path}, line {number}: not JSON ({e})")
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            ap.error(f'--prompt-file {path}, line {number}: want {{"prompt": str}}')
-        rows.append(row)
-    if not rows:
-        ap.error(f"--prompt-file {path} has no prompts")
-    return rows
-
-
 def runs_at(contender: str, temperature: float, pairs, lookups, rule_specs, lookup_temperatures) -> bool:
     """Whether a ``[drafter:]rule`` contender runs at ``temperature``: +lookup
     drafters only at ``lookup_temperatures``, and block verification not at
@@ -248,7 +228,7 @@ def main(argv=None):
     if args.lookup_temperatures is not None and lookup is None:
         ap.error("--lookup-temperatures says where the +lookup drafters run: add --lookup")
     lookup_temperatures = set(args.temperatures if args.lookup_temperatures is None else args.lookup_temperatures)
-    prompt_rows = read_prompts(args.prompt_file, ap)
+    prompt_rows = common.read_prompt_file(args.prompt_file, ap)
 
     drafters = dict(args.drafters)
     if len(drafters) < len(args.drafters):

@@ -286,8 +286,30 @@ def _tensor_iter(reader, cfg: dict, path: str):
     return iterate
 
 
+def _with_special_tokens(tokenizer, reader, tokens: list[str]):
+    """``tokenizer`` with the file's control tokens special, its user-defined
+    ones added (both matched whole in text), and BOS prepended where the file
+    says so."""
+    from tokenizers import AddedToken, processors
+
+    types = _field(reader, "tokenizer.ggml.token_type") or [0] * len(tokens)
+    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL]
+    added = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    if special:
+        tokenizer.add_special_tokens(special)
+    if added:
+        tokenizer.add_tokens(added)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        token = tokens[int(bos)]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{token} $A", pair=f"{token} $A {token} $B", special_tokens=[(token, int(bos))]
+        )
+    return tokenizer
+
+
 def _byte_level_tokenizer(reader, path: str):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens")]
     merges = _field(reader, "tokenizer.ggml.merges") or []  # none: a bytes-only vocabulary
@@ -318,20 +340,7 @@ def _byte_level_tokenizer(reader, path: str):
     else:
         tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
-    types = _field(reader, "tokenizer.ggml.token_type") or [0] * len(tokens)
-    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL]
-    added = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
-    if special:
-        tokenizer.add_special_tokens(special)
-    if added:
-        tokenizer.add_tokens(added)
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-        token = tokens[int(bos)]
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{token} $A", pair=f"{token} $A {token} $B", special_tokens=[(token, int(bos))]
-        )
-    return tokenizer
+    return _with_special_tokens(tokenizer, reader, tokens)
 
 
 def _merges_in_order(tokens: list[str], rank: dict) -> list[tuple[str, str]]:
@@ -352,7 +361,7 @@ def _gemma_tokenizer(reader, path: str):
     """Gemma's SentencePiece BPE (byte fallback, spaces as "▁", no prefix
     space) from the token list alone: the file stores no merges, and Gemma's
     scores do not follow its merge order, which is the order of the tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    from tokenizers import Tokenizer, decoders, models, normalizers
 
     # A token of spaces only is stored with real spaces; the model sees "▁"s.
     tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens")]
@@ -369,20 +378,7 @@ def _gemma_tokenizer(reader, path: str):
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
-    types = _field(reader, "tokenizer.ggml.token_type") or [0] * len(tokens)
-    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL]
-    added = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
-    if special:
-        tokenizer.add_special_tokens(special)
-    if added:
-        tokenizer.add_tokens(added)
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-        token = tokens[int(bos)]
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{token} $A", pair=f"{token} $A {token} $B", special_tokens=[(token, int(bos))]
-        )
-    return tokenizer
+    return _with_special_tokens(tokenizer, reader, tokens)
 
 
 def _tokenizer(reader, path: str):
