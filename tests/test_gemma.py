@@ -130,16 +130,22 @@ def test_bad_layer_types_named(tmp_path):
         specjax.load(directory)
 
 
-def test_gemma_export_refused_and_orbax_round_trip(tmp_path):
-    directory, _ = _make("gemma3_text", tmp_path)
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text"])
+def test_gemma_exports_to_transformers_and_round_trips_through_orbax(model_type, tmp_path):
+    directory, hf_model = _make(model_type, tmp_path)
     model = specjax.load(directory, dtype="float32")
-    with pytest.raises(ValueError, match="gemma3_text.*not supported"):
-        specjax.export_hf(model, str(tmp_path / "out"))
-    specjax.save_orbax(model, str(tmp_path / "orbax"))
-    again = specjax.load(str(tmp_path / "orbax"))
+    ids = np.random.default_rng(2).integers(3, 128, (2, 12)).astype(np.int32)
+    specjax.export_hf(model, str(tmp_path / "out"))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    exported.config._attn_implementation = "eager"
+    assert type(exported).__name__ == _CAUSAL_LM[model_type]
+    assert rel_err(torch_logits(exported.eval(), ids), torch_logits(hf_model, ids)) < 1e-5
+    again = specjax.load(str(tmp_path / "out"), dtype="float32")
     assert again.module.config == model.module.config
-    ids = np.arange(3, 15, dtype=np.int32)[None]
-    np.testing.assert_array_equal(np.asarray(specjax.logits(again, ids)), np.asarray(specjax.logits(model, ids)))
+    specjax.save_orbax(model, str(tmp_path / "orbax"))
+    restored = specjax.load(str(tmp_path / "orbax"))
+    assert restored.module.config == model.module.config
+    np.testing.assert_array_equal(np.asarray(specjax.logits(restored, ids)), np.asarray(specjax.logits(model, ids)))
 
 
 def test_gemma3_linear_rope_scaling_on_global_layers(tmp_path):

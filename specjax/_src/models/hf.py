@@ -30,6 +30,9 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 # Buffers some checkpoints carry that are recomputed, not learned.
@@ -278,12 +281,19 @@ def _from_gemma_config(hf: dict, model_type: str, common: dict) -> ModelConfig:
 
 def _check_expressible(cfg: ModelConfig) -> None:
     """Raises if ``cfg`` has a feature its HF family cannot represent."""
-    if cfg.is_gemma:
-        raise ValueError(
-            f"Exporting a {cfg.model_type} model to Hugging Face's format is not supported yet; "
-            "save it with specjax.save_orbax."
-        )
     problems = []
+    if cfg.is_gemma:
+        if cfg.attention_bias or cfg.attention_out_bias or cfg.mlp_bias:
+            problems.append("Gemma has no biases")
+        if cfg.qk_norm != (cfg.model_type == "gemma3_text"):
+            problems.append("qk_norm is on exactly for gemma3_text")
+        if cfg.model_type == "gemma" and (cfg.sliding_window is not None or cfg.attn_logit_softcapping is not None
+                                          or cfg.final_logit_softcapping is not None):
+            problems.append("Gemma 1 has no sliding window and no softcapping")
+        if problems:
+            raise ValueError(f"This config cannot be written as a Hugging Face {_ARCHITECTURES[cfg.model_type]}: "
+                             + "; ".join(problems) + ".")
+        return
     if cfg.model_type != "mistral" and cfg.sliding_window is not None:
         problems.append("sliding_window (only mistral has it)")
     if cfg.model_type == "qwen2" and (not cfg.attention_bias or cfg.attention_out_bias):
@@ -374,6 +384,29 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         out["sliding_window"] = cfg.sliding_window
     if cfg.model_type in ("qwen2", "qwen3"):
         out.update(use_sliding_window=False, sliding_window=None)
+    if cfg.is_gemma:
+        out.update(_gemma_fields(cfg, rope))
+    return out
+
+
+def _gemma_fields(cfg: ModelConfig, rope: dict) -> dict:
+    """The Gemma keys of ``config.json`` (what :func:`_from_gemma_config` reads back)."""
+    out: dict[str, Any] = {"hidden_activation": cfg.activation, "attention_bias": False}
+    if cfg.model_type == "gemma":
+        return out
+    out.update(
+        # transformers types it an int; Gemma's are whole numbers (head_dim, or hidden / heads)
+        query_pre_attn_scalar=(int(cfg.query_pre_attn_scalar) if float(cfg.query_pre_attn_scalar).is_integer()
+                               else cfg.query_pre_attn_scalar),
+        sliding_window=cfg.sliding_window,
+        layer_types=list(cfg.layer_types),
+        attn_logit_softcapping=cfg.attn_logit_softcapping,
+        final_logit_softcapping=cfg.final_logit_softcapping,
+    )
+    if cfg.model_type == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+        out.update(rope_parameters={"full_attention": rope, "sliding_attention": local},
+                   rope_local_base_freq=local["rope_theta"])
     return out
 
 
