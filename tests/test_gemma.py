@@ -191,3 +191,88 @@ def test_real_gemma3_gguf_matches_transformers_gguf_loader():
     quantized = specjax.load("gemma-3-270m", quantize="gguf")
     assert quantized.module.config.quantization == "int8/32"  # Q5_0 the most common; Q8_0 held exactly
     assert rel_err(specjax.logits(quantized, ids), specjax.logits(model, ids)) < 0.05
+
+
+# llama.cpp's fixed choices that the tiny models must share to be written as GGUF:
+# scores by 1/sqrt(head_dim), every 2nd (Gemma 2) or 6th (Gemma 3) layer global,
+# Gemma 3's local rope base 10000.
+_GGUF_OVERRIDES = {
+    "gemma": {},
+    "gemma2": dict(query_pre_attn_scalar=16),
+    "gemma3_text": dict(
+        query_pre_attn_scalar=16, num_hidden_layers=6,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+}
+
+
+def _write_gemma_gguf(path, hf_model, model_type: str) -> None:
+    """A transformers Gemma written as llama.cpp's converter writes it: its names,
+    norm weights stored as 1 + w, the fixed choices left out of the metadata."""
+    import gguf
+
+    arch = {"gemma3_text": "gemma3"}.get(model_type, model_type)
+    c = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    full_rope = (c.rope_parameters.get("full_attention") or c.rope_parameters) if c.rope_parameters else {}
+    writer.add_rope_freq_base(float(full_rope.get("rope_theta", 10000.0)))
+    if model_type != "gemma":
+        writer.add_sliding_window(c.sliding_window)
+    if model_type == "gemma2":
+        writer.add_float32("gemma2.attn_logit_softcapping", c.attn_logit_softcapping)
+        writer.add_float32("gemma2.final_logit_softcapping", c.final_logit_softcapping)
+    layer_names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                   "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                   "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                   "mlp.down_proj": "ffn_down"}
+    if model_type == "gemma":
+        layer_names["post_attention_layernorm"] = "ffn_norm"
+    else:
+        layer_names.update(post_attention_layernorm="post_attention_norm", pre_feedforward_layernorm="ffn_norm",
+                           post_feedforward_layernorm="post_ffw_norm")
+    for name, tensor in hf_model.state_dict().items():
+        w = tensor.detach().numpy().astype(np.float32)
+        if name.endswith("norm.weight"):
+            w = w + 1.0
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name.startswith("model.layers."):
+            _, _, layer, *inner, suffix = name.split(".")
+            gguf_name = f"blk.{layer}.{layer_names['.'.join(inner)]}.{suffix}"
+        else:
+            continue  # the tied lm_head
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text"])
+def test_gemma_gguf_as_llama_cpp_writes_it(model_type, tmp_path, monkeypatch):
+    from specjax._src.models import gguf as gguf_lib
+
+    _, hf_model = _make(model_type, tmp_path, **_GGUF_OVERRIDES[model_type])
+    _write_gemma_gguf(tmp_path / "m.gguf", hf_model, model_type)
+    model = specjax.load(str(tmp_path / "m.gguf"), dtype="float32")
+    assert model.module.config.model_type == model_type
+    ids = np.random.default_rng(3).integers(3, 128, (2, 12)).astype(np.int32)  # 12 tokens > window 4
+    want = torch_logits(hf_model, ids)
+    assert rel_err(specjax.logits(model, ids), want) < 1e-4
+    # Negative control: norms read as stored (1 + w) part the logits from transformers'.
+    monkeypatch.setattr(gguf_lib, "_NORM_SHIFT", {})
+    unshifted = specjax.load(str(tmp_path / "m.gguf"), dtype="float32")
+    assert rel_err(specjax.logits(unshifted, ids), want) > 1e-3

@@ -20,12 +20,19 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import numpy as np
 
 # Architectures whose GGUF tensor names and metadata map onto ours.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # Hugging Face model_type of each GGUF architecture where the two differ.
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
-# What llama.cpp hard-codes for Gemma 3 rather than storing it in the file:
-# every 6th layer attends globally, the local layers rotate with base 10000.
-_GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_BASE = 6, 10000.0
+# What llama.cpp hard-codes for Gemma 2 and 3 rather than storing it in the
+# file: which layers attend globally (every 2nd, every 6th), Gemma 3's local
+# rope base, and the 27B models' score scale (they have 46 and 62 layers).
+_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# llama.cpp stores Gemma's norm weights as 1 + w, the factor its plain RMSNorm
+# multiplies by; specjax's Gemma norms add the 1 themselves.
+_NORM_SHIFT = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -144,23 +151,34 @@ def _config(reader, path: str) -> dict:
     elif arch == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in names
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
-    elif arch == "gemma3":
-        cfg.update(_gemma3_config(get, cfg))
+    elif arch in _GEMMA_ARCHITECTURES:
+        cfg.update(_gemma_config(arch, get, cfg))
     return cfg
 
 
-def _gemma3_config(get, cfg: dict) -> dict:
-    """Gemma 3's config fields from its GGUF metadata and llama.cpp's fixed choices."""
-    layers, head_dim = cfg["num_hidden_layers"], cfg.get("head_dim", 256)
+def _gemma_config(arch: str, get, cfg: dict) -> dict:
+    """Gemma's config fields from its GGUF metadata and llama.cpp's fixed choices."""
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    out = {"head_dim": head_dim, "hidden_act": "gelu_pytorch_tanh"}
+    if arch == "gemma":
+        return out
     window = get("attention.sliding_window", None, required=False)
-    return {
-        "sliding_window": None if window is None else int(window),
-        "sliding_window_pattern": _GEMMA3_GLOBAL_EVERY,
-        "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_BASE,
-        # llama.cpp scales scores by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 27B (62 layers).
-        "query_pre_attn_scalar": float(cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62 else head_dim),
-        "head_dim": head_dim,
-    }
+    layers = cfg["num_hidden_layers"]
+    out.update(
+        sliding_window=None if window is None else int(window),
+        layer_types=["full_attention" if (i + 1) % _GLOBAL_EVERY[arch] == 0 else "sliding_attention"
+                     for i in range(layers)],
+        # llama.cpp scales scores by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 27B models.
+        query_pre_attn_scalar=float(cfg["hidden_size"] // cfg["num_attention_heads"]
+                                    if layers == _GEMMA_27B_LAYERS[arch] else head_dim),
+    )
+    if arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = get(key, None, required=False)
+            out[key] = None if value is None else float(value)
+    else:
+        out["rope_local_base_freq"] = _GEMMA3_LOCAL_ROPE_BASE
+    return out
 
 
 def _hf_name(gguf_name: str, arch: str = "llama") -> Optional[str]:
@@ -176,7 +194,7 @@ def _hf_name(gguf_name: str, arch: str = "llama") -> Optional[str]:
     if parts[0] != "blk" or len(parts) != 4:
         return None
     layer, kind, suffix = parts[1], parts[2], parts[3]
-    if arch == "gemma3":  # norms before and after attention and the MLP
+    if arch in ("gemma2", "gemma3"):  # norms before and after attention and the MLP
         inner = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}.get(kind)
         if inner is not None:
@@ -247,7 +265,7 @@ def _tensor_iter(reader, cfg: dict, path: str):
     gguf = _require_gguf()
     arch = cfg["model_type"]
     reader_arch = _field(reader, "general.architecture")
-    norm_shift = 1.0 if reader_arch == "gemma3" else 0.0
+    norm_shift = _NORM_SHIFT.get(reader_arch, 0.0)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     def iterate():
@@ -269,8 +287,6 @@ def _tensor_iter(reader, cfg: dict, path: str):
             def read(tensor=tensor, rows_in_hf_order=rows_in_hf_order, name=name):
                 w = rows_in_hf_order(_dequantize(gguf, tensor, path))
                 if norm_shift and name.endswith("norm.weight"):
-                    # llama.cpp stores Gemma's norm weights as 1 + w, the factor
-                    # its plain RMSNorm multiplies by; specjax's Gemma norms add the 1.
                     w = w - norm_shift
                 return w
 
@@ -385,7 +401,7 @@ def _tokenizer(reader, path: str):
     kind = _field(reader, "tokenizer.ggml.model")
     if kind is None:
         return None
-    if kind == "llama" and _field(reader, "general.architecture") == "gemma3":
+    if kind == "llama" and _field(reader, "general.architecture") in _GEMMA_ARCHITECTURES:
         if _field(reader, "tokenizer.ggml.tokens") is None:
             raise ValueError(f"GGUF file {path} names a SentencePiece tokenizer but lacks its token list "
                              "(the metadata key tokenizer.ggml.tokens).")
@@ -393,7 +409,7 @@ def _tokenizer(reader, path: str):
     if kind != "gpt2":
         raise ValueError(
             f"GGUF file {path} has a {kind!r} tokenizer; specjax builds byte-level BPE ('gpt2') "
-            "tokenizers, and Gemma 3's SentencePiece one, from GGUF metadata. Load the model from its "
+            "tokenizers, and Gemma's SentencePiece one, from GGUF metadata. Load the model from its "
             "Hugging Face directory instead."
         )
     if _field(reader, "tokenizer.ggml.tokens") is None:
