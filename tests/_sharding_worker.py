@@ -257,6 +257,7 @@ def main(path: str) -> None:
     report["lookup"] = lookup_on_mesh(pair, prompts, key, spy_decode, weights, caches)
     report["narrow"] = narrow_verification_on_mesh(pair, prompts, key, spy_decode, weights, caches)
     report["bigram"] = bigram_on_mesh()
+    report["experts"] = experts_on_mesh(prompts, kw)
     report["loading"] = loading(pair.target, mesh)
     report["seconds"] = round(time.time() - t0, 1)
     with open(path, "w") as f:
@@ -309,6 +310,23 @@ def narrow_verification_on_mesh(pair, prompts, key, spy, weights, caches) -> dic
     got = specjax.decode(pair.replace(target=target), prompts, mesh=mesh, **kw)
     return {"match": got.to_lists() == ref.to_lists(), "verified": int(np.sum(got.stats.verified)),
             "full": (NUM_DRAFT + 1) * int(np.sum(got.stats.cycles)), "hlo": check_hlo(spy, weights, caches)}
+
+
+def experts_on_mesh(prompts, kw) -> dict:
+    """A mixture of experts with its experts split over 'model' (2 of 4 per device)
+    decodes what it decodes on one device."""
+    from specjax.testing import peaked_target_and_draft
+
+    cfg = CFG.replace(model_type="mixtral", num_experts=4, num_experts_per_tok=2)
+    target, draft = peaked_target_and_draft(cfg)
+    pair = specjax.pair(target, draft)
+    ref = specjax.decode(pair, prompts, temperature=0.0, **kw)
+    mesh = sharding.make_mesh(2, 4)
+    sharded = sharding.shard_params(pair, mesh)
+    out = specjax.decode(sharded, prompts, temperature=0.0, **kw)
+    gate = sharded.target.params["layer_0"]["mlp"]["experts_gate"]
+    return {"match": ref.to_lists() == out.to_lists(), "expert_shard": list(gate.addressable_shards[0].data.shape),
+            "experts": cfg.num_experts}
 
 
 def bigram_on_mesh() -> dict:

@@ -117,6 +117,12 @@ def test_second_call_on_a_mesh_compiles_nothing(report, mesh):
     assert report["meshes"][mesh]["recompiles"] == 0
 
 
+def test_experts_split_over_the_model_axis_decode_as_on_one_device(report):
+    experts = report["experts"]
+    assert experts["match"]
+    assert experts["expert_shard"][0] == experts["experts"] // 4  # each of 4 'model' devices holds 1 expert
+
+
 def test_mesh_errors_are_clear_and_raised_before_tracing(report):
     e = report["errors"]
     assert e["traced_or_compiled"] == 0

@@ -18,6 +18,7 @@ tensor                         shape               spec
 ``attn/o/kernel``              ``[heads*D, H]``    ``('model', None)``
 ``mlp/{gate,up,fc}/kernel``    ``[H, I]``          ``(None, 'model')``
 ``mlp/{down,proj}/kernel``     ``[I, H]``          ``('model', None)``
+``mlp/experts_*`` (MoE)        ``[E, ..]``         ``('model', None, None)``
 norms, biases, ``pos_embed``   any                 replicated
 KV cache (per layer)           ``[B, KVH, S, D]``  ``('data', 'model', None, None)``
 tokens, lengths, loop state    ``[B, ...]``        ``('data', ...)``
@@ -179,6 +180,8 @@ def _leaf_spec(names: tuple[str, ...], ndim: int, config: ModelConfig, m: int) -
         return _vocab_spec(config, m, 0)
     if names == ("lm_head",):
         return _vocab_spec(config, m, 1)
+    if names[-1].startswith("experts_") and ndim == 3:  # experts over 'model': expert parallelism
+        return P(MODEL, None, None) if config.num_experts % m == 0 else P()
     if len(names) >= 2 and names[-1] == "kernel":
         if names[-2] in _COLUMN:
             return P(None, MODEL)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text", "mixtral",
+                         "qwen3_moe")
+# Layouts whose MLP is a mixture of experts (num_experts > 0).
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Per-layer attention kinds (``ModelConfig.layer_types``), named as in Hugging Face configs.
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -90,6 +93,11 @@ class ModelConfig:
         layer does (Mistral's layout).
       rope_local_theta: RoPE base of the sliding layers (Gemma 3's
         ``rope_local_base_freq``; never scaled); None: ``rope_theta``.
+      num_experts / num_experts_per_tok: a mixture-of-experts MLP (Mixtral,
+        Qwen3-MoE): the router's softmax picks the top ``num_experts_per_tok``
+        of ``num_experts`` gated MLPs of width ``moe_intermediate_size``
+        (default ``intermediate_size``), their weights renormalised to sum to 1
+        when ``norm_topk_prob``. 0: a dense MLP.
       quantization: how the matrices are stored (``specjax._src.quant``):
         ``"int8"``, ``"q4"``, ``"q4,embedding=int8/32"``, ...; None: in ``dtype``.
 
@@ -129,6 +137,10 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     rope_local_theta: Optional[float] = None
     quantization: Optional[str] = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: Optional[int] = None
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         if self.quantization is not None:
@@ -158,6 +170,12 @@ class ModelConfig:
             raise ValueError(
                 f"head_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.head_vocab_size}."
             )
+        if (self.num_experts > 0) != (self.model_type in MOE_MODEL_TYPES):
+            raise ValueError(f"{self.model_type} {'needs' if self.model_type in MOE_MODEL_TYPES else 'has no'} "
+                             f"experts (num_experts={self.num_experts}).")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}.")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}.")
         if not isinstance(self.layer_types, tuple):

@@ -556,6 +556,43 @@ class MLP(nn.Module):
         return _dense(cfg, cfg.hidden_size, cfg.mlp_bias, "down", self.matmul)(act(gate) * up)
 
 
+class MoE(nn.Module):
+    """A mixture of gated-MLP experts (Mixtral, Qwen3-MoE).
+
+    The router's softmax over ``num_experts`` picks the top
+    ``num_experts_per_tok`` (their weights renormalised when
+    ``norm_topk_prob``), and the token's output is their weighted sum. Every
+    expert is computed for every token and the unpicked ones weighted 0: one
+    static program for any routing, and an expert axis that shards over the
+    mesh's ``'model'`` axis (``specjax.sharding``), at the cost of reading all
+    experts' weights each step. Params: ``router/kernel [H, E]``,
+    ``experts_gate`` / ``experts_up`` ``[E, H, I]``, ``experts_down [E, I, H]``.
+    """
+
+    config: ModelConfig
+    matmul: str = "auto"
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        e, k = cfg.num_experts, cfg.num_experts_per_tok
+        inner = cfg.moe_intermediate_size or cfg.intermediate_size
+        dtype = jnp.dtype(cfg.dtype)
+        probs = jax.nn.softmax(_dense(cfg, e, False, "router", self.matmul)(x).astype(jnp.float32), axis=-1)
+        top, picked = jax.lax.top_k(probs, k)
+        if cfg.norm_topk_prob:
+            top = top / jnp.sum(top, axis=-1, keepdims=True)
+        weights = jnp.einsum("...k,...ke->...e", top, jax.nn.one_hot(picked, e, dtype=jnp.float32))
+        init = nn.initializers.normal(_INIT_STD)
+        gate = self.param("experts_gate", init, (e, cfg.hidden_size, inner), dtype)
+        up = self.param("experts_up", init, (e, cfg.hidden_size, inner), dtype)
+        down = self.param("experts_down", init, (e, inner, cfg.hidden_size), dtype)
+        act = _activation(cfg.activation)
+        h = act(jnp.einsum("...h,ehi->...ei", x, gate)) * jnp.einsum("...h,ehi->...ei", x, up)
+        y = jnp.einsum("...ei,eih->...eh", h, down, preferred_element_type=jnp.float32)
+        return jnp.einsum("...eh,...e->...h", y, weights).astype(dtype)
+
+
 class Block(nn.Module):
     """Pre-norm residual block: attention then MLP (Gemma 2/3: each output
     normed again, ``post_attn_norm`` / ``post_mlp_norm``, before the residual add)."""
@@ -574,7 +611,7 @@ class Block(nn.Module):
         if cfg.sandwich_norms:
             attn = _norm(cfg, "post_attn_norm")(attn)
         x = x + attn
-        mlp = MLP(cfg, self.matmul, name="mlp")(_norm(cfg, "mlp_norm")(x))
+        mlp = (MoE if cfg.num_experts else MLP)(cfg, self.matmul, name="mlp")(_norm(cfg, "mlp_norm")(x))
         if cfg.sandwich_norms:
             mlp = _norm(cfg, "post_mlp_norm")(mlp)
         x = x + mlp

@@ -33,6 +33,8 @@ _ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 # Buffers some checkpoints carry that are recomputed, not learned.
@@ -190,7 +192,12 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
         "qwen2": dict(attention_bias=True),
         "qwen3": dict(attention_bias=attention_bias, attention_out_bias=attention_bias,
                       qk_norm=True),
+        "mixtral": lambda: dict(sliding_window=hf.get("sliding_window"), **_experts(hf, "num_local_experts", True)),
+        "qwen3_moe": lambda: dict(attention_bias=attention_bias, attention_out_bias=attention_bias, qk_norm=True,
+                                  moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                                  **_experts(hf, "num_experts", bool(hf.get("norm_topk_prob", False)))),
     }[model_type]
+    layout = layout() if callable(layout) else layout
     if hf.get(HEAD_VOCAB_KEY) is not None:
         common["head_vocab_size"] = int(hf[HEAD_VOCAB_KEY])
     return ModelConfig(
@@ -201,6 +208,19 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
         **layout,
         **common,
     )
+
+
+def _experts(hf: dict, count_key: str, renormalise: bool) -> dict:
+    """A mixture-of-experts config's expert fields; layouts specjax does not run are refused by name."""
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(f"{hf['model_type']} with dense layers among the expert ones (mlp_only_layers, "
+                         "decoder_sparse_step) is not supported by specjax.")
+    if hf.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{hf['model_type']} with a shared expert is not supported by specjax.")
+    # transformers 5 writes num_local_experts for every family; 4.x Qwen3-MoE wrote num_experts
+    count = hf.get(count_key) if hf.get(count_key) is not None else hf["num_local_experts"]
+    return dict(num_experts=int(count), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                norm_topk_prob=renormalise)
 
 
 def _decoder_shape(hf: dict, *, max_positions: int, tied: bool) -> dict:
@@ -294,18 +314,20 @@ def _check_expressible(cfg: ModelConfig) -> None:
             raise ValueError(f"This config cannot be written as a Hugging Face {_ARCHITECTURES[cfg.model_type]}: "
                              + "; ".join(problems) + ".")
         return
-    if cfg.model_type != "mistral" and cfg.sliding_window is not None:
-        problems.append("sliding_window (only mistral has it)")
+    if cfg.model_type not in ("mistral", "mixtral") and cfg.sliding_window is not None:
+        problems.append("sliding_window (only mistral and mixtral have it)")
+    if cfg.model_type == "mixtral" and not cfg.norm_topk_prob:
+        problems.append("mixtral always renormalises its top-k weights")
     if cfg.model_type == "qwen2" and (not cfg.attention_bias or cfg.attention_out_bias):
         problems.append("qwen2 needs attention_bias=True, attention_out_bias=False")
-    if cfg.model_type in ("llama", "qwen3") and cfg.attention_bias != cfg.attention_out_bias:
+    if cfg.model_type in ("llama", "qwen3", "qwen3_moe") and cfg.attention_bias != cfg.attention_out_bias:
         problems.append(f"{cfg.model_type} biases q/k/v/o together")
-    if cfg.model_type == "mistral" and (cfg.attention_bias or cfg.attention_out_bias):
-        problems.append("mistral has no attention biases")
+    if cfg.model_type in ("mistral", "mixtral") and (cfg.attention_bias or cfg.attention_out_bias):
+        problems.append(f"{cfg.model_type} has no attention biases")
     if cfg.mlp_bias and cfg.model_type != "llama":
         problems.append("mlp_bias (only llama has it)")
-    if cfg.qk_norm != (cfg.model_type == "qwen3"):
-        problems.append("qk_norm is on exactly for qwen3")
+    if cfg.qk_norm != (cfg.model_type in ("qwen3", "qwen3_moe")):
+        problems.append("qk_norm is on exactly for qwen3 and qwen3_moe")
     if cfg.rope_scaling is not None and cfg.model_type == "gpt2":
         problems.append("gpt2 has no rope")
     if cfg.model_type == "gpt2" and (cfg.num_kv_heads != cfg.num_heads
@@ -386,6 +408,16 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         out.update(use_sliding_window=False, sliding_window=None)
     if cfg.is_gemma:
         out.update(_gemma_fields(cfg, rope))
+    if cfg.model_type in ("qwen3", "qwen3_moe"):
+        out["attention_bias"] = cfg.attention_bias
+    if cfg.model_type == "mixtral":
+        out.update(sliding_window=cfg.sliding_window, num_local_experts=cfg.num_experts,
+                   num_experts_per_tok=cfg.num_experts_per_tok)
+    if cfg.model_type == "qwen3_moe":
+        out.update(num_experts=cfg.num_experts, num_local_experts=cfg.num_experts,
+                   num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size or cfg.intermediate_size,
+                   norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                   use_sliding_window=False, sliding_window=None)
     return out
 
 
@@ -421,12 +453,15 @@ class TensorSpec(NamedTuple):
     ``transpose``: the HF tensor is a ``torch.nn.Linear`` weight ``[out, in]``;
     specjax stores ``[in, out]``. (GPT-2's ``Conv1D`` is already ``[in, out]``.)
     ``integer``: token ids (a reduced head's), kept int32 whatever the dtype.
+    ``expert``: the HF tensor is this expert's slice of a stacked ``[E, ...]``
+    param (a mixture of experts stores one tensor per expert).
     """
 
     path: tuple[str, ...]
     hf_name: str
     transpose: bool
     integer: bool = False
+    expert: Optional[int] = None
 
 
 def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
@@ -469,6 +504,9 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
             if cfg.qk_norm:
                 add(l + "attn/q_norm/scale", h + "self_attn.q_norm.weight")
                 add(l + "attn/k_norm/scale", h + "self_attn.k_norm.weight")
+            if cfg.num_experts:
+                specs.extend(_expert_specs(cfg, h, l))
+                continue
             for proj in ("gate", "up", "down"):
                 add(f"{l}mlp/{proj}/kernel", f"{h}mlp.{proj}_proj.weight", True)
                 if cfg.mlp_bias:
@@ -479,6 +517,20 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         specs.append(TensorSpec(("head_vocab_ids",), HEAD_VOCAB_IDS, False, integer=True))
     elif not cfg.tie_word_embeddings:
         specs.append(TensorSpec(("lm_head",), "lm_head.weight", True))
+    return specs
+
+
+def _expert_specs(cfg: ModelConfig, h: str, l: str) -> list[TensorSpec]:
+    """A mixture of experts' tensors: the router, and each expert's three projections
+    (Mixtral names them w1 / w3 / w2 under ``block_sparse_moe``)."""
+    mixtral = cfg.model_type == "mixtral"
+    moe = f"{h}block_sparse_moe." if mixtral else f"{h}mlp."
+    names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {p: f"{p}_proj" for p in ("gate", "up", "down")}
+    specs = [TensorSpec((*l.rstrip("/").split("/"), "mlp", "router", "kernel"), moe + "gate.weight", True)]
+    for j in range(cfg.num_experts):
+        for ours, theirs in names.items():
+            specs.append(TensorSpec((*l.rstrip("/").split("/"), "mlp", f"experts_{ours}"),
+                                    f"{moe}experts.{j}.{theirs}.weight", True, expert=j))
     return specs
 
 

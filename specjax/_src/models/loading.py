@@ -180,6 +180,7 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
     specs = {s.hf_name: s for s in hf.tensor_specs(cfg)}
     target = jnp.dtype(cfg.dtype)
     params: dict = {}
+    stacks: dict = {}  # a mixture of experts' stacked params, filled one expert at a time
     unexpected, seen = [], set()
     if progress is not None:
         tensors = progress(tensors, total=count)
@@ -197,12 +198,20 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
             continue
         want = _get(expected, spec.path).shape
         want_dtype = _get(expected, spec.path).dtype
+        if spec.expert is not None:
+            want = want[1:]
         want_hf = tuple(reversed(want)) if spec.transpose else tuple(want)
         if shape != want_hf:
             raise ValueError(
                 f"Tensor {name!r} in {path} has shape {_shape_str(shape)}, but its config "
                 f"implies {_shape_str(want_hf)}."
             )
+        if spec.expert is not None:
+            stack = stacks.setdefault(spec.path, np.empty(_get(expected, spec.path).shape, target))
+            tensor = read()
+            stack[spec.expert] = tensor.T if spec.transpose else tensor
+            del tensor
+            continue
         if quantization is not None:
             _set(params, spec.path, _quantized_tensor(spec, read, want, quantization))
             continue
@@ -218,6 +227,9 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
         else:
             _set(params, spec.path, _put(host, _get(placement, spec.path)))
         del tensor, host
+    for path, stack in stacks.items():  # every expert's slice read: the stack goes where a param goes
+        _set(params, path, jnp.asarray(stack) if placement is None else _put(stack, _get(placement, path)))
+    stacks.clear()
     missing = [n for n, s in specs.items() if not _has(params, s.path)]
     if missing:
         raise ValueError(
@@ -576,6 +588,8 @@ def _write_hf(model: Model, path: str, *, progress: Progress = None) -> None:
     entries = []
     for spec in hf.tensor_specs(cfg):
         leaf = _get(model.params, spec.path)
+        if spec.expert is not None:  # one expert's slice of a stacked param
+            leaf = leaf[spec.expert]
         shape = tuple(reversed(leaf.shape)) if spec.transpose else tuple(leaf.shape)
         make = functools.partial(_hf_tensor, leaf, spec.transpose)
         entries.append((spec.hf_name, shape, leaf.dtype, make))

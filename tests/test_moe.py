@@ -1,0 +1,94 @@
+"""Mixtures of experts (Mixtral, Qwen3-MoE) against transformers on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import specjax  # noqa: E402
+from tests._hf_models import rel_err, torch_logits  # noqa: E402
+
+_COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=96, max_position_embeddings=128, num_experts_per_tok=2,
+               bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+CONFIGS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=16, head_dim=8, norm_topk_prob=True)),
+    "qwen3_moe_unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                               dict(num_experts=4, moe_intermediate_size=16, head_dim=8, norm_topk_prob=False)),
+}
+
+
+def _make(case: str, tmp_path):
+    config_name, model_name, fields = CONFIGS[case]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**_COMMON, **fields))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((0.1 if "norm" in name else 0.3) * torch.randn_like(p))
+    model = model.to(torch.float32).eval()
+    model.config._attn_implementation = "eager"
+    directory = str(tmp_path / case)
+    model.save_pretrained(directory)
+    return directory, model
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_moe_logits_decoding_and_export_match_transformers(case, tmp_path):
+    directory, hf_model = _make(case, tmp_path)
+    model = specjax.load(directory, dtype="float32")
+    cfg = model.module.config
+    assert cfg.num_experts == 4 and cfg.num_experts_per_tok == 2
+    assert cfg.norm_topk_prob == (case != "qwen3_moe_unnormalised")
+    ids = np.random.default_rng(0).integers(3, 96, (2, 12)).astype(np.int32)
+    want = torch_logits(hf_model, ids)
+    assert rel_err(specjax.logits(model, ids), want) < 1e-4
+    # Negative control: routing to the top 1 instead of the top 2 parts the logits from transformers'.
+    top1 = specjax.Model(model.params, specjax.Decoder(cfg.replace(num_experts_per_tok=1)))
+    assert rel_err(specjax.logits(top1, ids), want) > 1e-3
+    # Lossless speculative decoding reproduces the model's greedy output (the model as its own draft's
+    # first layer: a draft that is sometimes wrong).
+    draft = specjax.Model({k: v for k, v in model.params.items() if k != "layer_1"},
+                          specjax.Decoder(cfg.replace(num_layers=1)))
+    kw = dict(max_new_tokens=10, temperature=0.0, eos_token_id=())
+    alone = specjax.generate(model, ids[:, :5], **kw)
+    spec = specjax.decode(specjax.pair(model, draft), ids[:, :5], num_draft=3, **kw)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(alone.tokens))
+    with torch.no_grad():
+        hf_greedy = hf_model.generate(torch.as_tensor(ids[:1, :5], dtype=torch.long), max_new_tokens=10,
+                                      do_sample=False, pad_token_id=0)[:, 5:].numpy()
+    np.testing.assert_array_equal(np.asarray(alone.tokens)[:1], hf_greedy)
+    # Export: transformers reads the experts back, one tensor per expert.
+    specjax.export_hf(model, str(tmp_path / "out"))
+    exported = getattr(transformers, CONFIGS[case][1]).from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    exported.config._attn_implementation = "eager"
+    assert rel_err(torch_logits(exported.eval(), ids), want) < 1e-5
+
+
+def test_experts_shard_over_the_model_axis():
+    from jax.sharding import PartitionSpec as P
+
+    from specjax import sharding
+
+    cfg = specjax.ModelConfig(model_type="mixtral", vocab_size=96, hidden_size=32, num_layers=1, num_heads=4,
+                              num_kv_heads=2, head_dim=8, intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+    specs = sharding.param_specs(cfg, model_axis_size=2)
+    assert specs["layer_0"]["mlp"]["experts_gate"] == P("model", None, None)
+    assert sharding.param_specs(cfg.replace(num_experts=3, num_experts_per_tok=2), 2)["layer_0"]["mlp"][
+        "experts_down"] == P()  # 3 experts do not split over 2 devices: replicated
+
+
+def test_moe_layouts_specjax_does_not_run_are_named(tmp_path):
+    import json
+
+    directory, _ = _make("qwen3_moe", tmp_path)
+    path = tmp_path / "qwen3_moe" / "config.json"
+    config = json.loads(path.read_text())
+    config["mlp_only_layers"] = [0]
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        specjax.load(directory)
