@@ -325,8 +325,10 @@ def experts_on_mesh(prompts, kw) -> dict:
     sharded = sharding.shard_params(pair, mesh)
     out = specjax.decode(sharded, prompts, temperature=0.0, **kw)
     gate = sharded.target.params["layer_0"]["mlp"]["experts_gate"]
+    odd = cfg.replace(num_experts=3)
     return {"match": ref.to_lists() == out.to_lists(), "expert_shard": list(gate.addressable_shards[0].data.shape),
-            "experts": cfg.num_experts}
+            "experts": cfg.num_experts,
+            "indivisible": error_of(lambda: sharding.check_divisible(odd, sharding.make_mesh(4, 2)))}
 
 
 def bigram_on_mesh() -> dict:

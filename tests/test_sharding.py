@@ -121,6 +121,7 @@ def test_experts_split_over_the_model_axis_decode_as_on_one_device(report):
     experts = report["experts"]
     assert experts["match"]
     assert experts["expert_shard"][0] == experts["experts"] // 4  # each of 4 'model' devices holds 1 expert
+    assert "num_experts=3 is not divisible by it (3 % 2 = 1)" in experts["indivisible"]
 
 
 def test_mesh_errors_are_clear_and_raised_before_tracing(report):

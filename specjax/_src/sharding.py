@@ -129,14 +129,15 @@ def _axis(mesh: Mesh, name: str) -> int:
 def check_divisible(config: ModelConfig, mesh: Mesh, *, batch: Optional[int] = None, name: str = "model") -> None:
     """Raises ``ValueError`` unless ``mesh`` can shard ``config`` (and ``batch``).
 
-    The ``'model'`` axis must divide ``num_heads``, ``num_kv_heads`` and
-    ``intermediate_size``; the ``'data'`` axis must divide ``batch``. The
-    message names the model (``name``), the quantity and the axis size.
+    The ``'model'`` axis must divide ``num_heads``, ``num_kv_heads``,
+    ``intermediate_size`` and a mixture's ``num_experts``; the ``'data'``
+    axis must divide ``batch``. The message names the model (``name``), the
+    quantity and the axis size.
     """
     mesh = _check_mesh(mesh)
     m = _axis(mesh, MODEL)
     problems = []
-    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
+    for field in ("num_heads", "num_kv_heads", "intermediate_size") + (("num_experts",) if config.num_experts else ()):
         value = getattr(config, field)
         if value % m:
             problems.append(f"{field}={value} is not divisible by it ({value} % {m} = {value % m})")
@@ -181,7 +182,7 @@ def _leaf_spec(names: tuple[str, ...], ndim: int, config: ModelConfig, m: int) -
     if names == ("lm_head",):
         return _vocab_spec(config, m, 1)
     if names[-1].startswith("experts_") and ndim == 3:  # experts over 'model': expert parallelism
-        return P(MODEL, None, None) if config.num_experts % m == 0 else P()
+        return P(MODEL, None, None)
     if len(names) >= 2 and names[-1] == "kernel":
         if names[-2] in _COLUMN:
             return P(None, MODEL)
