@@ -115,11 +115,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _read(src: str, dtype: Optional[str]):
+    """What ``specjax.load`` reads (a known name, a GGUF file, a shipped packed
+    directory, ...), a Hugging Face directory with a progress bar."""
     import specjax
-    from specjax.models import is_orbax_dir, load_hf
+    from specjax.models import is_orbax_dir, load_hf, unpacked_dir
 
-    if os.path.isdir(src) and not is_orbax_dir(src):
-        return load_hf(src, dtype, progress=_progress("reading"))
+    if os.path.isdir(src):
+        src = unpacked_dir(src)  # a shipped directory with xz-compressed files: its unpacked copy
+        if not is_orbax_dir(src) and os.path.exists(os.path.join(src, "model.safetensors")):
+            return load_hf(src, dtype, progress=_progress("reading"))
     return specjax.load(src, dtype)
 
 

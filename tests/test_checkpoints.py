@@ -139,6 +139,21 @@ def test_cli_to_hf_from_orbax_in_bfloat16(root, hf_dirs):
         assert torch.equal(tensor, want[name]), name
 
 
+@pytest.mark.parametrize("src", ["specjax/assets/models/target", "embedded-target"])
+def test_cli_converts_whatever_load_reads(tmp_path, src):
+    """A shipped directory whose files are xz-packed, or a known name, converts like any checkpoint."""
+    import numpy as np
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, src) if "/" in src else src
+    assert convert(["to-hf", path, str(tmp_path / "hf")]) == 0
+    assert convert(["to-orbax", path, str(tmp_path / "orbax")]) == 0
+    ids = [[5, 17, 3, 40, 2]]
+    want = np.asarray(logits(load("embedded-target"), ids))
+    for out in ("hf", "orbax"):
+        np.testing.assert_array_equal(np.asarray(logits(load(str(tmp_path / out)), ids)), want)
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_config_round_trips_through_hf(hf_dirs, model_type):
     cfg = from_hf_config(json.load(open(os.path.join(hf_dirs[model_type][0], "config.json"))))
