@@ -422,3 +422,15 @@ def test_compare_runs_quantized_rows_against_the_float_target(small_model):
     with pytest.raises(ValueError, match="no quantized models were given"):
         compare.run_comparison(small_model, small_model, eval_set, contenders=contenders, max_new_tokens=8,
                                progress=False)
+
+
+def test_generate_with_quantized_weights_and_a_bad_format(capsys):
+    from specjax._src.kernels import cpu_matmul
+
+    if not cpu_matmul.is_available():
+        pytest.skip("quantizing on the CPU needs the kernels")
+    assert main(["generate", "--pair", "embedded", "--quantize", "int8", "--prompt", "def add(a, b):",
+                 "--max-new-tokens", "12"]) == 0
+    assert "tau=" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--quantize q3: Unknown weight format 'q3'"):
+        main(["generate", "--pair", "embedded", "--quantize", "q3", "--prompt", "x"])

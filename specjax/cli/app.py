@@ -76,6 +76,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", help="a user message, rendered with the target's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--quantize", metavar="FORMAT", help=common.QUANTIZE_HELP)
     p.set_defaults(func=_command("generate"))
 
 

@@ -94,12 +94,21 @@ def pair_paths(args) -> tuple[str, str]:
     return str(DEFAULT_TARGET), str(DEFAULT_DRAFT)
 
 
-def load_pair(args):
-    """``(target, draft)`` Models from --pair or --target/--draft, in --dtype."""
+QUANTIZE_HELP = ("store the target's matrices quantized: gguf (a GGUF target's own blocks), int8, int8/32, q4, "
+                 "q4/64, 'q4,embedding=int8/32' (docs/models.md); the draft then in int8. Quantized weights pay on "
+                 "CPUs (they read 4-6x fewer bytes a token)")
+
+
+def load_pair(args, quantize=None):
+    """``(target, draft)`` Models from --pair or --target/--draft, in --dtype; with
+    ``quantize``, the target loaded quantized so and the draft in int8."""
     import specjax
 
     target, draft = pair_paths(args)
-    return specjax.load(target, dtype=args.dtype), specjax.load(draft, dtype=args.dtype)
+    draft_model = specjax.load(draft, dtype=args.dtype)
+    if quantize:
+        return load_quantized_pair(args, quantize, draft_model)
+    return specjax.load(target, dtype=args.dtype), draft_model
 
 
 def load_quantized_pair(args, weights: str, draft):

@@ -17,7 +17,7 @@ def run(args) -> int:
     # Checked before anything loads or prints: --lookup / --drafting with --tree are refused here.
     tree, lookup = common.tree(args), common.lookup(args)
     chain = dict(drafting=common.drafting_policy(args), num_draft=args.num_draft, lookup=lookup) if tree is None else {}
-    target, draft = common.load_pair(args)
+    target, draft = common.load_pair(args, quantize=args.quantize)
     if target.tokenizer is None:
         raise SystemExit("error: the target has no tokenizer; pass token ids from Python instead.")
     if args.chat is not None:

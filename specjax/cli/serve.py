@@ -31,7 +31,7 @@ def build(args):
         raise SystemExit("error: --tree: the slots engine drafts chains; token trees are not served yet.")
     lookup, drafting = common.lookup(args), common.drafting_policy(args)
     rule = served_rule(args)
-    target, draft = common.load_pair(args)
+    target, draft = common.load_pair(args, quantize=args.quantize)
     if target.tokenizer is None:
         raise SystemExit("error: the target has no tokenizer; the server needs one to read and write text.")
     if args.chat_template:
@@ -162,6 +162,7 @@ def add_arguments(p) -> None:
     p.add_argument("--rules", metavar="RULE,RULE,...",
                    help='the acceptance rules a request may choose ("speculative": {"rule": ...}), e.g. '
                         '"sd,mars:theta=0.9,ears,typical"; the first is the default (instead of --rule)')
+    p.add_argument("--quantize", metavar="FORMAT", help=common.QUANTIZE_HELP)
     p.add_argument("--slots", type=int, default=8, help="requests generated at once (default 8)")
     p.add_argument("--capacity", type=int,
                    help="tokens per slot, prompt and completion together (default 512, or the models' positions "
