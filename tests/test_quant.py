@@ -363,3 +363,19 @@ def test_the_narrower_instruction_sets_compute_the_same_products(isa, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     # The variable did pick another kernel: its sums are not bit for bit this process's.
     assert done.stdout.strip().splitlines()[-1] != _fingerprint()
+
+
+@needs_kernels
+def test_a_bfloat16_load_keeps_its_norms_in_bfloat16_and_its_scales_as_stored(tmp_path, pair):
+    cfg, params = _gguf_model()
+    write_gguf(tmp_path / "q.gguf", cfg, params, qtype=gguf.GGMLQuantizationType.Q4_1)
+    model = specjax.load(tmp_path / "q.gguf", dtype="bfloat16", quantize="gguf")
+    assert model.params["final_norm"]["scale"].dtype == jnp.bfloat16  # the float path: the model's dtype
+    assert model.params["layer_0"]["mlp"]["down"]["kernel"]["qscale"].dtype == jnp.float16
+    # An Orbax checkpoint loaded in another dtype casts the floats, never a quantized matrix's arrays.
+    specjax.save_orbax(specjax.quantize(pair[0], "q4"), tmp_path / "o")
+    cast = specjax.load(tmp_path / "o", dtype="bfloat16")
+    assert cast.params["final_norm"]["scale"].dtype == jnp.bfloat16
+    kernel = cast.params["layer_0"]["mlp"]["down"]["kernel"]
+    assert kernel["qscale"].dtype == kernel["qmin"].dtype == jnp.float16 and kernel["qweight"].dtype == jnp.uint8
+    assert np.isfinite(np.asarray(specjax.logits(cast, [[1, 2, 3]]))).all()

@@ -238,6 +238,14 @@ def matrix_shape(leaf) -> tuple[int, ...]:
     return (n, k * 2 if "qmin" in leaf else k)
 
 
+_PARTS = ("qweight", "qscale", "qmin")
+
+
+def is_quantized_part(path) -> bool:
+    """Whether a flattened params path ends in one of a quantized matrix's arrays."""
+    return str(getattr(path[-1], "key", path[-1])) in _PARTS
+
+
 def is_quantized(leaf) -> bool:
     """Whether ``leaf`` is a quantized matrix's arrays (a mapping with ``qweight``)."""
     return isinstance(leaf, Mapping) and "qweight" in leaf
@@ -362,7 +370,7 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, fmt: Format) -> Optiona
 # --------------------------------------------------------------------------- #
 
 
-def kernel_applies(leaves: dict, x: Array, matmul: str) -> bool:
+def kernel_applies(x: Array, matmul: str) -> bool:
     """Whether ``x @ W^T`` goes to the CPU kernel (float32 activations and
     ``matmul`` not ``"xla"``); elsewhere XLA dequantizes."""
     if x.dtype != jnp.float32:
@@ -396,7 +404,7 @@ def qdot(x: Array, leaves: dict, matmul: str = "auto") -> Array:
     """``x[..., K] @ W[N, K]^T`` in float32, ``W`` a quantized matrix's arrays."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     flat = x.reshape(rows, x.shape[-1])
-    if rows and kernel_applies(leaves, x, matmul):
+    if rows and kernel_applies(x, matmul):
         out = jax.lax.platform_dependent(
             flat, leaves, cpu=lambda a, w: _ffi(w, a), default=lambda a, w: _xla(w, a)
         )

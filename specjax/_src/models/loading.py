@@ -212,8 +212,8 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
             stack[spec.expert] = tensor.T if spec.transpose else tensor
             del tensor
             continue
-        if quantization is not None:
-            _set(params, spec.path, _quantized_tensor(spec, read, want, quantization))
+        if quantization is not None and quant.quantized_role(spec.path, len(want)) is not None:
+            _set(params, spec.path, _quantized_matrix(spec, read, quantization))
             continue
         # One tensor at a time, cast and transposed on the host with NumPy (a
         # jnp op would compile once per distinct shape); the temporary copy is
@@ -247,23 +247,20 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
     return params
 
 
-def _quantized_tensor(spec, read, float_shape, quantization: quant.Quantization):
-    """One checkpoint tensor as a quantized model stores it (a dict of arrays
-    for a matrix; the float tensor, cast, otherwise)."""
+def _quantized_matrix(spec, read, quantization: quant.Quantization) -> dict:
+    """One checkpoint matrix as a quantized model stores it: a GGUF block type
+    that the format holds exactly copied as it is (``read.blocks``), anything
+    else quantized from its float values."""
     names = tuple(spec.path)
-    role = quant.quantized_role(names, len(float_shape))
     blocks = getattr(read, "blocks", None)
-    if role is not None and blocks is not None:
+    if blocks is not None:
         type_name, raw = blocks()
-        exact = quant.from_gguf_blocks(type_name, raw, getattr(quantization, role))
+        fmt = getattr(quantization, quant.quantized_role(names, 2))
+        exact = quant.from_gguf_blocks(type_name, raw, fmt)
         if exact is not None:
             return {k: jnp.asarray(v) for k, v in exact.items()}
     tensor = read()
-    if spec.transpose:
-        tensor = tensor.T
-    if role is None:
-        return jnp.asarray(np.asarray(tensor, dtype=np.int32 if spec.integer else np.float32))
-    out = quant.quantize_leaf(names, tensor, quantization)
+    out = quant.quantize_leaf(names, tensor.T if spec.transpose else tensor, quantization)
     return {k: jnp.asarray(v) for k, v in out.items()}
 
 
@@ -427,14 +424,20 @@ def load_orbax(path: str, dtype: Any = None, *, quantize=None, mesh=None, shardi
                 f"Orbax checkpoint {path} is corrupted: param(s) {', '.join(bad[:5])} do not "
                 f"match the checksums in {ORBAX_CONFIG}. Convert the source checkpoint again."
             )
+    if dtype is not None and jnp.dtype(dtype).name != cfg.dtype:
+        # Checksums are of the stored dtype, so cast only after verifying;
+        # drop the tree so each original is freed as its copy is made.
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+        del params
+        _cast_in_place(leaves, dtype)
+        params = jax.tree.unflatten(treedef, [leaf for _, leaf in leaves])
+        del leaves
+        module = Decoder(cfg.replace(dtype=jnp.dtype(dtype).name))
     model = Model(
         params=params, module=module, tokenizer=load_tokenizer(path),
         chat_template=load_chat_template(path),
     )
     del params
-    if dtype is not None and jnp.dtype(dtype).name != cfg.dtype:
-        # Checksums are of the stored dtype, so cast only after verifying.
-        model = astype(model, dtype)
     if quantize is not None:
         if cfg.quantization is not None:
             if str(quant.parse_quantization(quantize)) == cfg.quantization:
@@ -491,15 +494,20 @@ def astype(model: Model, dtype: Any) -> Model:
 
 
 def _cast(params, dtype):
-    """Casts a params tree leaf by leaf (a reduced head's ids stay ints, a
-    quantized matrix as stored)."""
+    """Casts a params tree leaf by leaf."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    del params
+    _cast_in_place(leaves, dtype)
+    return jax.tree.unflatten(treedef, [leaf for _, leaf in leaves])
 
-    def cast(path, leaf):
-        if quant.is_quantized(leaf) or not jnp.issubdtype(leaf.dtype, jnp.floating):
-            return leaf
-        return leaf.astype(dtype)
 
-    return quant._map_with_path(cast, params)
+def _cast_in_place(leaves: list, dtype) -> None:
+    """Replaces each ``(path, leaf)``'s leaf by its cast copy; with no other
+    reference to the originals, at most one tensor exists in both dtypes at any
+    time. A reduced head's ids stay ints, a quantized matrix's arrays as stored."""
+    for i, (path, leaf) in enumerate(leaves):
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and not quant.is_quantized_part(path):
+            leaves[i] = (path, leaf.astype(dtype))
 
 
 def quantize(model: Model, spec) -> Model:
