@@ -56,9 +56,12 @@ from specjax._src.lm import Array, KVCache, LMOutput, Model, Params
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import (
     _INIT_STD,
+    MLP,
+    Attention,
     Block,
     Decoder,
     _dense,
+    _head_logits,
     _norm,
     attention_width_index,
     scatter_to_vocab,
@@ -70,6 +73,22 @@ from specjax._src.models.hf import write_safetensors
 CONFIG_KEY = "specjax_feature_head"
 WEIGHTS_FILE = "head.safetensors"
 EMBED_PATH = ("embed", "embedding")
+
+# The block layouts a FeatureHead computes (``FeatureHead.variant``):
+#   "specjax": this module's own head (feature_norm, fuse, Llama blocks, final_norm, reduced LM head);
+#   "eagle":   EAGLE-1/2's (SafeAILab/EAGLE cnets1.py): fuse with a bias over [embedding, feature], the
+#              first block without its input norm, no final norm, the target's own final norm on the
+#              features it reads and the target's LM head on its predictions;
+#   "eagle3":  EAGLE-3's (cnets.py, SpecForge llama3_eagle.py): features fused by ``reduce`` from the
+#              raw outputs of three target blocks, one block whose attention reads
+#              cat(input_norm(embedding), hidden_norm(feature)) [2H] with the feature as residual, a
+#              final norm and a reduced LM head; the block's pre-norm output is fed back;
+#   "eagle3_norm_before_residual": the same, its residual the normed feature (vLLM's
+#              ``norm_before_residual`` checkpoints).
+VARIANTS = ("specjax", "eagle", "eagle3", "eagle3_norm_before_residual")
+# The params an "eagle" head borrows from its target at pairing (never saved with the head).
+TARGET_NORM = "target_norm"
+BORROWED_HEAD = ("lm_head", "lm_head_table")
 
 
 class BorrowedEmbed(nn.Module):
@@ -90,30 +109,78 @@ class BorrowedEmbed(nn.Module):
         return jnp.take(table, tokens, axis=0).astype(self.dtype)
 
 
+class _EagleFirstBlock(nn.Module):
+    """EAGLE-1/2's first block: a Llama block without its input norm (cnets1.py's
+    ``LlamaDecoderLayer(index=0)``): the fused input is already on the target's scale."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, kv_cache, lengths, mask=None, width_index=None):
+        cfg = self.config
+        attn, new_cache = Attention(cfg, name="attn")(x, positions, kv_cache, lengths, mask, width_index)
+        x = x + attn
+        return x + MLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x)), new_cache
+
+
+class _Eagle3Block(nn.Module):
+    """EAGLE-3's one block (cnets.py ``LlamaDecoderLayeremb``): attention over
+    ``cat(attn_norm(embedded), hidden_norm(hidden))`` ``[2H]``, added to the
+    residual ``hidden`` (or, ``norm_before_residual``, to its normed form), then
+    the usual MLP. Returns ``(f_hat [B, T, H] pre-norm, cache)``."""
+
+    config: ModelConfig
+    norm_before_residual: bool = False
+
+    @nn.compact
+    def __call__(self, embedded, hidden, positions, kv_cache, lengths, mask=None, width_index=None):
+        cfg = self.config
+        normed = _norm(cfg, "hidden_norm")(hidden)
+        x = jnp.concatenate([_norm(cfg, "attn_norm")(embedded), normed], axis=-1)
+        attn, new_cache = Attention(cfg, name="attn")(x, positions, kv_cache, lengths, mask, width_index)
+        x = (normed if self.norm_before_residual else hidden) + attn
+        return x + MLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x)), new_cache
+
+
 class FeatureHeadModule(nn.Module):
     """The Flax module behind :class:`FeatureHead`: fuse, ``config.num_layers``
-    blocks, final norm, reduced LM head.
+    blocks, final norm, reduced LM head (``variant``: the published layouts, see ``VARIANTS``).
 
     Returns ``(logits [B, T, V] float32, f_hat [B, T, H], caches)``.
     """
 
     config: ModelConfig
+    variant: str = "specjax"
 
     @nn.compact
     def __call__(self, tokens, features, positions, kv_caches, lengths, logits_at=None, mask=None, width_index=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         embedded = BorrowedEmbed(cfg.vocab_size, cfg.hidden_size, dtype, name="embed")(tokens)
-        feature = _norm(cfg, "feature_norm")(features.astype(dtype))
-        x = _dense(cfg, cfg.hidden_size, False, "fuse")(jnp.concatenate([embedded, feature], axis=-1))
+        eagle3 = self.variant.startswith("eagle3")
+        if eagle3:
+            x = features.astype(dtype)  # already fused by ``reduce`` (target_features)
+        elif self.variant == "eagle":  # cnets1.py: fc(cat(embeds, hidden)) with a bias, the feature as read
+            x = _dense(cfg, cfg.hidden_size, True, "fuse")(jnp.concatenate([embedded, features.astype(dtype)], -1))
+        else:
+            feature = _norm(cfg, "feature_norm")(features.astype(dtype))
+            x = _dense(cfg, cfg.hidden_size, False, "fuse")(jnp.concatenate([embedded, feature], axis=-1))
         new_caches = []
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
-            x, c = Block(cfg, name=f"layer_{i}")(x, positions, layer_cache, lengths, mask, width_index)
+            if eagle3:
+                x, c = _Eagle3Block(cfg, self.variant.endswith("norm_before_residual"), name=f"layer_{i}")(
+                    embedded, x, positions, layer_cache, lengths, mask, width_index)
+            elif self.variant == "eagle" and i == 0:
+                x, c = _EagleFirstBlock(cfg, name="layer_0")(x, positions, layer_cache, lengths, mask, width_index)
+            else:
+                x, c = Block(cfg, name=f"layer_{i}")(x, positions, layer_cache, lengths, mask, width_index)
             new_caches.append(c)
         f_hat = x
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
+        if self.variant == "eagle":  # the target's LM head on the prediction itself (no norm: cnets1.py)
+            return self._target_head(x), f_hat, tuple(new_caches)
         x = _norm(cfg, "final_norm")(x)
         if cfg.quantization is not None:
             head = quant.quant_head(self, "lm_head", cfg.quant.embedding, cfg.hidden_size, cfg.head_vocab_size)
@@ -124,6 +191,18 @@ class FeatureHeadModule(nn.Module):
             logits = jnp.einsum("bth,hv->btv", x, head, preferred_element_type=jnp.float32)
         ids = self.param("head_vocab_ids", lambda k, s: jnp.arange(s[0], dtype=jnp.int32), (cfg.head_vocab_size,))
         return scatter_to_vocab(logits, ids, cfg.vocab_size), f_hat, tuple(new_caches)
+
+    def _target_head(self, x):
+        """The borrowed full-vocabulary LM head: ``lm_head [H, V]`` (an untied
+        target's) or ``lm_head_table [V, H]`` (a tied one's embedding table)."""
+        cfg = self.config
+        if self.has_variable("params", "lm_head_table"):
+            return _head_logits(x, self.get_variable("params", "lm_head_table"), "auto", table=True)
+        if self.has_variable("params", "lm_head"):
+            return _head_logits(x, self.get_variable("params", "lm_head"), "auto")
+        head = self.param("lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.vocab_size),
+                          jnp.dtype(cfg.dtype))
+        return _head_logits(x, head, "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,19 +221,31 @@ class FeatureHead:
         target's; ``head_vocab_size`` is the reduced LM head's size.
       feature_layers: the target blocks whose outputs the head reads (``-1``:
         the last, before the final norm). One block is read as it is; several
-        are mixed by the learned ``reduce`` kernel.
+        are mixed by the learned ``reduce`` kernel. An ``"eagle3"`` head may
+        leave it empty: EAGLE-3's default blocks, fixed by :func:`specjax.pair`
+        from the target's depth.
+      variant: the block layout (``VARIANTS``): ``"specjax"`` (this module's
+        own), ``"eagle"`` (EAGLE-1/2) or ``"eagle3"``, the layouts of
+        published heads (:mod:`specjax._src.models.published_heads` loads them).
+      borrows_embedding: the embedding table comes from the target at pairing
+        (False: the checkpoint shipped its own, which is kept).
     """
 
     config: ModelConfig
     feature_layers: tuple[int, ...] = (-1,)
+    variant: str = "specjax"
+    borrows_embedding: bool = True
 
     reads_target_features = True
     supports_logits_at = True
     supports_trees = True
 
     def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"FeatureHead: unknown variant {self.variant!r}; one of {', '.join(VARIANTS)}.")
         layers = tuple(int(x) for x in self.feature_layers)
-        if not layers or len(set(layers)) != len(layers):
+        empty_ok = self.variant.startswith("eagle3")  # resolved by pairing
+        if (not layers and not empty_ok) or len(set(layers)) != len(layers):
             raise ValueError(f"FeatureHead: feature_layers must name distinct target blocks; got {self.feature_layers}.")
         object.__setattr__(self, "feature_layers", layers)
         if not self.config.has_reduced_head:
@@ -185,11 +276,22 @@ class FeatureHead:
           ``[B, T, H]`` float32: the block's output itself for one layer, else
           ``reduce`` applied to the RMS-normalised outputs.
         """
+        if not self.feature_layers:
+            raise ValueError("This EAGLE-3 head reads the target's default blocks, known once it is paired: "
+                             "specjax.pair(target, head).")
+        if self.variant == "eagle":  # EAGLE-1/2 read the target's last hidden state after its final norm
+            return _rms_norm(hidden, params[TARGET_NORM]["scale"], self.config.norm_eps)
+        if self.variant.startswith("eagle3"):  # fc over the raw outputs, no norm (cnets.py)
+            hidden = jnp.asarray(hidden, jnp.float32)
+            if len(self.feature_layers) == 1:
+                return hidden
+            kernel = params["reduce"]["kernel"]
+            return jnp.einsum("btk,kh->bth", hidden.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
         return reduce_features(params, hidden, len(self.feature_layers), self.config.norm_eps)
 
     def init(self, key: Array) -> Params:
         """Random params (normal(0.02) kernels, unit norm scales, zero embedding)."""
-        return _init_params(self.config, key, len(self.feature_layers))
+        return _init_params(self.config, key, _num_feature_layers(self), self.variant)
 
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
         return Decoder(self.config).init_cache(batch_size, max_length, dtype)
@@ -247,7 +349,7 @@ class FeatureHead:
             mask, positions = tree_attention_mask(
                 tree_parents, start, kv_len, cfg.sliding_window, offset=tree_offset, num=t
             )
-        logits, f_hat, new_caches = FeatureHeadModule(cfg).apply(
+        logits, f_hat, new_caches = FeatureHeadModule(cfg, self.variant).apply(
             {"params": params}, tokens, features, positions, kv_caches, lengths, logits_at, mask, width_index
         )
         new_cache = None
@@ -258,9 +360,22 @@ class FeatureHead:
         return LMOutput(logits=logits, hidden=(f_hat.astype(jnp.float32),), cache=new_cache)
 
 
+def _num_feature_layers(module) -> int:
+    """How many target blocks a head mixes (an EAGLE-3 head before pairing: its default three)."""
+    if module.feature_layers:
+        return len(module.feature_layers)
+    return 3 if module.variant.startswith("eagle3") else 1
+
+
 def is_feature_head(module) -> bool:
     """Whether a draft module reads the target's features (the engine's test)."""
     return bool(getattr(module, "reads_target_features", False))
+
+
+def _rms_norm(x: Array, scale: Array, eps: float) -> Array:
+    """HF's RMSNorm in float32: ``scale * x / rms(x)``."""
+    x = jnp.asarray(x, jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * jnp.asarray(scale, jnp.float32)
 
 
 def reduce_features(params: Params, hidden: Array, num_feature_layers: int, eps: float) -> Array:
@@ -282,22 +397,25 @@ def reduce_features(params: Params, hidden: Array, num_feature_layers: int, eps:
 
 
 @functools.lru_cache(maxsize=16)
-def _param_shapes(config: ModelConfig, num_feature_layers: int = 1) -> Params:
+def _param_shapes(config: ModelConfig, num_feature_layers: int = 1, variant: str = "specjax") -> Params:
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     feats = jax.ShapeDtypeStruct((1, 1, config.hidden_size), jnp.float32)
     variables = jax.eval_shape(
-        lambda k, t, f: FeatureHeadModule(config).init(k, t, f, t, None, None), jax.random.key(0), tokens, feats
+        lambda k, t, f: FeatureHeadModule(config, variant).init(k, t, f, t, None, None), jax.random.key(0), tokens,
+        feats
     )
     params = dict(variables["params"])
     if num_feature_layers > 1:
         h = config.hidden_size
         params["reduce"] = {"kernel": jax.ShapeDtypeStruct((num_feature_layers * h, h), jnp.dtype(config.dtype))}
+    if variant == "eagle":
+        params[TARGET_NORM] = {"scale": jax.ShapeDtypeStruct((config.hidden_size,), jnp.dtype(config.dtype))}
     return params
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _init_params(config: ModelConfig, key: Array, num_feature_layers: int = 1) -> Params:
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(_param_shapes(config, num_feature_layers))
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _init_params(config: ModelConfig, key: Array, num_feature_layers: int = 1, variant: str = "specjax") -> Params:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(_param_shapes(config, num_feature_layers, variant))
     keys = jax.random.split(key, len(leaves))
     out = []
     for k, (path, leaf) in zip(keys, leaves):
@@ -325,10 +443,20 @@ def head_config(target_config: ModelConfig, *, head_vocab_size: int, num_layers:
 def attach_embedding(head: Model, target: Model) -> Model:
     """The head with its target's embedding table in its params (the same array).
 
+    A head that shipped its own table (``borrows_embedding=False``) keeps it.
+    An ``"eagle"`` head also borrows the target's final norm (its features
+    are the target's normed last hidden state) and LM head; an ``"eagle3"``
+    head without ``feature_layers`` gets EAGLE-3's default blocks for this
+    target (:func:`eagle3_default_layers`). A module with its own
+    ``borrow_from_target(head, target)`` (a Medusa head) is handed to it.
+
     Raises:
       ValueError: the target is not a Decoder with an ``embed`` table of the
-        head's shape.
+        head's shape, or lacks what the head's variant borrows.
     """
+    borrow = getattr(head.module, "borrow_from_target", None)
+    if borrow is not None:
+        return borrow(head, target)
     table = target.params.get(EMBED_PATH[0], {}).get(EMBED_PATH[1]) if isinstance(target.params, dict) else None
     want = (head.module.config.vocab_size, head.module.config.hidden_size)
     if table is None or quant.matrix_shape(table) != want:
@@ -338,8 +466,49 @@ def attach_embedding(head: Model, target: Model) -> Model:
             "Pair a head with the target it was trained on."
         )
     params = dict(head.params)
-    params[EMBED_PATH[0]] = {EMBED_PATH[1]: table}
-    return head.replace(params=params)
+    module = head.module
+    if getattr(module, "borrows_embedding", True):
+        params[EMBED_PATH[0]] = {EMBED_PATH[1]: table}
+    variant = getattr(module, "variant", "specjax")
+    if variant == "eagle":
+        for name in BORROWED_HEAD:  # a head paired before: its last target's head goes
+            params.pop(name, None)
+        params.update(_borrowed_from_target(target))
+    if variant.startswith("eagle3") and not module.feature_layers:
+        module = dataclasses.replace(module, feature_layers=eagle3_default_layers(target.module.num_layers))
+    return head.replace(params=params, module=module)
+
+
+def eagle3_default_layers(num_layers: int) -> tuple[int, ...]:
+    """The target blocks whose outputs EAGLE-3 reads by default, as specjax indexes them.
+
+    The published code captures the hidden state *entering* layers
+    ``(2, L // 2, L - 3)`` (SafeAILab/EAGLE modeling_llama_kv.py, vLLM's and
+    SGLang's defaults), i.e. the outputs of blocks ``(1, L // 2 - 1, L - 4)``.
+
+    Raises:
+      ValueError: a target too shallow for three distinct blocks.
+    """
+    layers = (1, num_layers // 2 - 1, num_layers - 4)
+    if num_layers < 7 or len(set(layers)) != 3:
+        raise ValueError(f"EAGLE-3's default feature layers need a target of at least 7 blocks; this one has "
+                         f"{num_layers}. Give the head eagle_config.eagle_aux_hidden_state_layer_ids.")
+    return layers
+
+
+def _borrowed_from_target(target: Model) -> Params:
+    """An EAGLE-1/2 head's borrowed params: the target's final norm and LM head."""
+    tcfg = target.module.config
+    if tcfg.is_gemma or tcfg.is_gpt2 or tcfg.has_reduced_head or tcfg.final_logit_softcapping is not None:
+        raise ValueError("An EAGLE-1/2 head reads a Llama-family target's final norm and full LM head; this "
+                         f"target ({tcfg.model_type}) has another kind.")
+    tp = target.params
+    out = {TARGET_NORM: {"scale": tp["final_norm"]["scale"]}}
+    if tcfg.tie_word_embeddings:
+        out["lm_head_table"] = tp[EMBED_PATH[0]][EMBED_PATH[1]]
+    else:
+        out["lm_head"] = tp["lm_head"]
+    return out
 
 
 def init_from_target(target: Model, key: Array, head_vocab_ids, *, num_layers: int = 1,
@@ -394,6 +563,7 @@ def with_feature_layers(head: Model, feature_layers) -> Model:
     module = head.module
     if layers == module.feature_layers:
         return head
+    _check_own_variant(module, "with_feature_layers")
     if len(module.feature_layers) != 1 or module.feature_layers[0] not in layers:
         raise ValueError(
             f"with_feature_layers: a head reading blocks {module.feature_layers} cannot be grown into one "
@@ -423,6 +593,7 @@ def with_num_layers(head: Model, num_layers: int) -> Model:
     """
     cfg = head.module.config
     num_layers = check_positive_int("with_num_layers: num_layers", num_layers)
+    _check_own_variant(head.module, "with_num_layers")
     if num_layers < cfg.num_layers:
         raise ValueError(f"with_num_layers: the head has {cfg.num_layers} blocks; it can grow, not shrink to "
                          f"{num_layers}.")
@@ -471,16 +642,33 @@ def with_head_vocab(head: Model, ids) -> Model:
                          f"{missing[:5].tolist()}); the head can only drop tokens it has.")
     params = {**head.params, "lm_head": head.params["lm_head"][:, cols],
               "head_vocab_ids": jnp.asarray(ids, jnp.int32)}
+    if getattr(head.module, "variant", "specjax") == "eagle":
+        raise ValueError("with_head_vocab: an EAGLE-1/2 head scores with its target's full LM head; it has no "
+                         "reduced vocabulary to narrow.")
     cfg = head.module.config.replace(head_vocab_size=int(ids.size))
-    return head.replace(params=params, module=FeatureHead(cfg, feature_layers=head.module.feature_layers))
+    return head.replace(params=params, module=dataclasses.replace(head.module, config=cfg))
 
 
-def _flat(params: Params) -> dict[str, np.ndarray]:
+def _check_own_variant(module, what: str) -> None:
+    if getattr(module, "variant", "specjax") != "specjax":
+        raise ValueError(f"{what}: only specjax's own heads grow; this is a published {module.variant!r} head.")
+
+
+def _borrowed_names(module) -> set[str]:
+    """The params a head takes from its target at pairing: not part of its checkpoint."""
+    names = {".".join(EMBED_PATH)} if getattr(module, "borrows_embedding", True) else set()
+    if getattr(module, "variant", "specjax") == "eagle":
+        names |= {f"{TARGET_NORM}.scale", *BORROWED_HEAD}
+    return names
+
+
+def _flat(params: Params, module=None) -> dict[str, np.ndarray]:
     out = {}
+    skip = _borrowed_names(module)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = ".".join(str(getattr(p, "key", p)) for p in path)
-        if name == ".".join(EMBED_PATH):
-            continue  # the target's table: not part of the head's checkpoint
+        if name in skip or name.split(".")[0] in skip:
+            continue  # the target's: not part of the head's checkpoint
         out[name] = np.asarray(jax.device_get(leaf))
     return out
 
@@ -492,15 +680,19 @@ def save_head(head: Model, path: str, *, overwrite: bool = False, extra: Optiona
     target it was trained for). An existing non-empty ``path`` is replaced only
     with ``overwrite=True``, and then whole (written aside, swapped in).
     """
-    meta = {CONFIG_KEY: {"config": head.module.config.to_dict(),
-                         "feature_layers": list(head.module.feature_layers), **(extra or {})}}
+    module = head.module
+    own = {} if module.variant == "specjax" else {"variant": module.variant}
+    if not module.borrows_embedding:
+        own["borrows_embedding"] = False
+    meta = {CONFIG_KEY: {"config": module.config.to_dict(),
+                         "feature_layers": list(module.feature_layers), **own, **(extra or {})}}
 
     def write(tmp: str) -> None:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(meta, f, indent=1)
         # Not safetensors' save_file, which writes mode 0600 whatever the umask:
         # a head shared between users must stay readable.
-        tensors = [(name, x.shape, x.dtype, lambda x=x: x) for name, x in _flat(head.params).items()]
+        tensors = [(name, x.shape, x.dtype, lambda x=x: x) for name, x in _flat(head.params, module).items()]
         for _ in write_safetensors(os.path.join(tmp, WEIGHTS_FILE), tensors):
             pass
 
@@ -533,14 +725,20 @@ def load_feature_head(path: str, dtype: Any = None) -> Model:
         cfg = cfg.replace(dtype=jnp.dtype(dtype).name)
     # "feature_layer": one block, as heads saved before feature_layers were written
     layers = meta.get("feature_layers", [meta.get("feature_layer", -1)])
-    module = FeatureHead(cfg, feature_layers=tuple(int(x) for x in layers))
+    module = FeatureHead(cfg, feature_layers=tuple(int(x) for x in layers), variant=meta.get("variant", "specjax"),
+                         borrows_embedding=bool(meta.get("borrows_embedding", True)))
     weights_file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_file):
         raise ValueError(f"{path} has no {WEIGHTS_FILE}; a feature head directory holds config.json and it.")
     tensors = load_file(weights_file)
     flat = {}
-    for key, leaf in traverse_util.flatten_dict(_param_shapes(cfg, len(module.feature_layers))).items():
-        if key == EMBED_PATH:
+    skip = _borrowed_names(module)
+    shapes = _param_shapes(cfg, _num_feature_layers(module), module.variant)
+    if not module.borrows_embedding:
+        shapes = {**shapes, EMBED_PATH[0]: {EMBED_PATH[1]: jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size),
+                                                                              jnp.dtype(cfg.dtype))}}
+    for key, leaf in traverse_util.flatten_dict(shapes).items():
+        if ".".join(key) in skip or key[0] in skip:
             continue
         name = ".".join(key)
         if name not in tensors:
