@@ -10,20 +10,38 @@ Weights are dequantized to float32 with the ``gguf`` package, one tensor at a
 time. llama.cpp's converter permutes the rows of Llama's q/k projections (its
 rotary layout interleaves the two halves of each head); they are permuted back
 here, as transformers' GGUF loader does.
+
+Mixtures of experts: llama.cpp writes Mixtral as a ``llama`` file with
+``llama.expert_count`` and Qwen3-MoE as ``qwen3moe``; each block's experts are
+three stacked tensors ``blk.N.ffn_{gate,up,down}_exps.weight`` (``[E, out, in]``
+in NumPy order) and its router ``blk.N.ffn_gate_inp.weight``. Each stack is
+read back one expert at a time under the Hugging Face per-expert names, so the
+one tensor loop fills specjax's stacked expert params. Both of llama.cpp's graphs
+renormalise the top-k routing weights (``build_moe_ffn(..., norm_w=true)``),
+which the file does not record: ``norm_topk_prob`` is always on.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
 # Architectures whose GGUF tensor names and metadata map onto ours.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3")
 _GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # Hugging Face model_type of each GGUF architecture where the two differ.
-_MODEL_TYPES = {"gemma3": "gemma3_text"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+# The Hugging Face model_type of an architecture whose blocks hold experts
+# (llama.cpp writes Mixtral as ``llama`` with an expert count).
+_MOE_MODEL_TYPES = {"llama": "mixtral", "qwen3moe": "qwen3_moe"}
+# A block's stacked experts, one tensor per projection: [E, out, in] in NumPy order.
+_EXPERT_STACK = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_MIXTRAL_EXPERT_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
+_log = logging.getLogger(__name__)
 # What llama.cpp hard-codes for Gemma 2 and 3 rather than storing it in the
 # file: which layers attend globally (every 2nd, every 6th), Gemma 3's local
 # rope base, and the 27B models' score scale (they have 46 and 62 layers).
@@ -153,7 +171,39 @@ def _config(reader, path: str) -> dict:
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
     elif arch in _GEMMA_ARCHITECTURES:
         cfg.update(_gemma_config(arch, get, cfg))
+    if arch in _MOE_MODEL_TYPES and (arch != "llama" or get("expert_count", 0, required=False)):
+        cfg.update(_moe_config(arch, get, names, path, cfg["num_hidden_layers"]))
     return cfg
+
+
+def _moe_config(arch: str, get, names: set, path: str, layers: int) -> dict:
+    """A mixture of experts' config fields (Mixtral from ``llama``, Qwen3-MoE from
+    ``qwen3moe``); the variants specjax's ``MoE`` does not run are refused by name."""
+    experts = int(get("expert_count"))
+    used = int(get("expert_used_count"))
+    shared = [f"{arch}.{key}" for key in ("expert_shared_count", "expert_shared_feed_forward_length")
+              if get(key, None, required=False)]
+    shared += sorted(n for n in names if "_shexp" in n)[:1]
+    if shared:
+        raise ValueError(f"GGUF file {path} has shared experts ({shared[0]}), which specjax's mixture of "
+                         "experts does not run (it reads Mixtral and Qwen3-MoE layouts).")
+    scale = get("expert_weights_scale", None, required=False)
+    if scale not in (None, 0.0, 1.0):  # llama.cpp scales the routing weights unless 0 or 1
+        raise ValueError(f"GGUF file {path} scales its routing weights ({arch}.expert_weights_scale = "
+                         f"{scale}), which specjax's mixture of experts does not do.")
+    if get("leading_dense_block_count", 0, required=False):
+        raise ValueError(f"GGUF file {path} has dense blocks before its expert ones "
+                         f"({arch}.leading_dense_block_count), which specjax does not run.")
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    if dense:
+        raise ValueError(f"GGUF file {path} has {experts} experts per block but block {dense[0]} has no "
+                         f"router (blk.{dense[0]}.ffn_gate_inp.weight): dense blocks among expert ones "
+                         "are not run by specjax.")
+    if arch == "llama":  # Mixtral: the expert width is the file's feed_forward_length
+        return {"model_type": "mixtral", "num_local_experts": experts, "num_experts_per_tok": used,
+                "sliding_window": None}
+    return {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": True,
+            "moe_intermediate_size": int(get("expert_feed_forward_length"))}
 
 
 def _gemma_config(arch: str, get, cfg: dict) -> dict:
@@ -181,8 +231,20 @@ def _gemma_config(arch: str, get, cfg: dict) -> dict:
     return out
 
 
-def _hf_name(gguf_name: str, arch: str = "llama") -> Optional[str]:
-    """The Hugging Face name of a GGUF tensor name (None: not a weight we use)."""
+def _expert_name(model_type: str, layer: str, proj: str, expert: int) -> str:
+    """The Hugging Face name of one expert's ``proj`` ("gate", "up", "down") matrix."""
+    if model_type == "mixtral":
+        return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_MIXTRAL_EXPERT_NAMES[proj]}.weight"
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
+
+
+def _hf_name(gguf_name: str, arch: str = "llama", model_type: str = "") -> Optional[str]:
+    """The Hugging Face name of a GGUF tensor name (None: not a weight we use).
+
+    ``model_type`` "mixtral" or "qwen3_moe": the router, and the per-expert
+    matrices of files written before llama.cpp stacked them
+    (``blk.N.ffn_gate.J.weight``); stacked experts are split in :func:`_tensor_iter`.
+    """
     top = {
         "token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",
@@ -191,9 +253,16 @@ def _hf_name(gguf_name: str, arch: str = "llama") -> Optional[str]:
     if gguf_name in top:
         return top[gguf_name]
     parts = gguf_name.split(".")
+    moe = model_type in _MOE_MODEL_TYPES.values()
+    if (moe and len(parts) == 5 and parts[0] == "blk" and parts[2] in ("ffn_gate", "ffn_up", "ffn_down")
+            and parts[3].isdigit()):
+        return _expert_name(model_type, parts[1], parts[2][4:], int(parts[3]))
     if parts[0] != "blk" or len(parts) != 4:
         return None
     layer, kind, suffix = parts[1], parts[2], parts[3]
+    if moe and kind == "ffn_gate_inp":
+        router = "block_sparse_moe.gate" if model_type == "mixtral" else "mlp.gate"
+        return f"model.layers.{layer}.{router}.{suffix}"
     if arch in ("gemma2", "gemma3"):  # norms before and after attention and the MLP
         inner = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}.get(kind)
@@ -270,7 +339,11 @@ def _tensor_iter(reader, cfg: dict, path: str):
 
     def iterate():
         for tensor in reader.tensors:
-            name = _hf_name(tensor.name, reader_arch)
+            stack = _EXPERT_STACK.fullmatch(tensor.name) if arch in _MOE_MODEL_TYPES.values() else None
+            if stack is not None:
+                yield from _experts_of(gguf, tensor, arch, stack.group(1), stack.group(2), path)
+                continue
+            name = _hf_name(tensor.name, reader_arch, arch)
             if name is None:
                 if tensor.name == "rope_freqs.weight":  # all ones: no scaling (checked in read_gguf)
                     continue
@@ -278,9 +351,10 @@ def _tensor_iter(reader, cfg: dict, path: str):
                 continue
 
             def rows_in_hf_order(w, name=name):
-                if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+                # Mixtral too: its file is a `llama` one, permuted as Llama's
+                if reader_arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
                     return unpermute_rotary(w, heads)
-                if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+                if reader_arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
                     return unpermute_rotary(w, kv_heads)
                 return w
 
@@ -300,6 +374,37 @@ def _tensor_iter(reader, cfg: dict, path: str):
             yield name, read, tuple(int(d) for d in reversed(tensor.shape))
 
     return iterate
+
+
+def _experts_of(gguf, tensor, model_type: str, layer: str, proj: str, path: str):
+    """One stacked expert tensor as ``(hf_name, read, hf_shape)`` triples, one per
+    expert: ``read()`` dequantizes that expert's rows only. No ``read.blocks``:
+    specjax's experts are float params, whatever ``quantize`` says."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # [E, out, in]
+    for j in range(shape[0]):
+        def read(j=j):
+            return _dequantize(gguf, _Slice(tensor, j), path)
+
+        yield _expert_name(model_type, layer, proj, j), read, shape[1:]
+
+
+class _Slice(NamedTuple):
+    """Expert ``j`` of a stacked GGUF tensor, as :func:`_dequantize` reads a tensor."""
+
+    whole: Any
+    j: int
+
+    @property
+    def data(self):
+        return self.whole.data[self.j]
+
+    @property
+    def tensor_type(self):
+        return self.whole.tensor_type
+
+    @property
+    def name(self):
+        return self.whole.name
 
 
 def _with_special_tokens(tokenizer, reader, tokens: list[str]):
@@ -458,7 +563,8 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     return GGUFCheckpoint(
         hf_config=cfg,
         tensors=_tensor_iter(reader, cfg, path),
-        num_tensors=len(reader.tensors),
+        # a stacked expert tensor is read as one tensor per expert
+        num_tensors=sum(int(t.shape[-1]) if _EXPERT_STACK.fullmatch(t.name) else 1 for t in reader.tensors),
         tokenizer=_tokenizer(reader, path),
         chat_template=_field(reader, "tokenizer.chat_template"),
     )
