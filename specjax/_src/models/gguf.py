@@ -112,8 +112,10 @@ def _field(reader, key: str, default: Any = None) -> Any:
 def _config(reader, path: str) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
+        shared = " (a mixture of experts with shared experts, which specjax does not run)" if arch in (
+            "qwen2moe", "deepseek", "deepseek2") else ""
         raise ValueError(
-            f"GGUF file {path} holds a {arch!r} model; specjax reads GGUF architectures "
+            f"GGUF file {path} holds a {arch!r} model{shared}; specjax reads GGUF architectures "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}."
         )
 
@@ -560,11 +562,44 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError, ...
         raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}).") from e
     cfg = _config(reader, path)
+    end_of_turn = _gemma_end_of_turn(reader)
+    if end_of_turn is not None:
+        # llama.cpp ends generation at <end_of_turn> too (an end-of-generation token by
+        # its text), as google/gemma-3-*-it's generation_config.json does: [<eos>, <end_of_turn>]
+        eos = cfg["eos_token_id"]
+        cfg["eos_token_id"] = [eos, end_of_turn] if eos not in (None, end_of_turn) else end_of_turn
     return GGUFCheckpoint(
         hf_config=cfg,
         tensors=_tensor_iter(reader, cfg, path),
         # a stacked expert tensor is read as one tensor per expert
         num_tensors=sum(int(t.shape[-1]) if _EXPERT_STACK.fullmatch(t.name) else 1 for t in reader.tensors),
         tokenizer=_tokenizer(reader, path),
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        chat_template=_chat_template(reader, path, end_of_turn is not None),
     )
+
+
+def _gemma_end_of_turn(reader) -> Optional[int]:
+    """The id of ``<end_of_turn>`` in a Gemma file whose vocabulary has Gemma's two
+    turn tokens (``<start_of_turn>``, ``<end_of_turn>``); else None."""
+    if _field(reader, "general.architecture") not in _GEMMA_ARCHITECTURES:
+        return None
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    if "<start_of_turn>" not in tokens or "<end_of_turn>" not in tokens:
+        return None
+    return tokens.index("<end_of_turn>")
+
+
+def _chat_template(reader, path: str, gemma_turns: bool) -> Optional[str]:
+    """The file's own chat template; for a Gemma file without one whose vocabulary
+    has Gemma's turn tokens, Gemma's (:data:`specjax._src.chat.GEMMA_CHAT_TEMPLATE`),
+    marked as specjax's at its start and logged. Any other file without one: None."""
+    from specjax._src import chat
+
+    template = _field(reader, "tokenizer.chat_template")
+    if template is not None or not gemma_turns:
+        return template
+    # Released Gemma GGUFs without a template are often the pretrained (not -it) models:
+    # the template gives them Gemma's turn format, not instruction following.
+    _log.info("%s carries no chat template; using specjax's built-in Gemma template "
+              "(google/gemma-3-*-it's).", path)
+    return chat.builtin_gemma_template(os.path.basename(path))
