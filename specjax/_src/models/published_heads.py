@@ -1,0 +1,572 @@
+"""Published draft heads from local directories: EAGLE-1/2, EAGLE-3 and Medusa.
+
+``specjax.load(dir)`` comes here (:func:`detect`) when ``dir`` holds a head
+in one of these layouts, as the authors' code writes them:
+
+* **EAGLE-1/2** ("EAGLE: Speculative Sampling Requires Rethinking Feature
+  Uncertainty", arXiv:2401.15077; "EAGLE-2: Faster Inference of Language
+  Models with Dynamic Draft Trees", arXiv:2406.16858; SafeAILab/EAGLE
+  ``eagle/model/cnets1.py``): ``config.json`` (a LlamaConfig) and
+  ``pytorch_model.bin`` or ``model.safetensors`` holding ``fc.weight [H, 2H]``
+  (and ``fc.bias``) over ``cat(embedding, feature)``, ``layers.{i}.*`` (layer
+  0 without ``input_layernorm``), maybe ``embed_tokens.weight``. It reads the
+  target's last hidden state after its final norm and scores its prediction
+  with the target's own LM head: a :class:`FeatureHead` of variant ``"eagle"``.
+* **EAGLE-3** ("EAGLE-3: Scaling up Inference Acceleration of Large Language
+  Models via Training-Time Test", arXiv:2503.01840; SafeAILab/EAGLE
+  ``eagle/model/cnets.py``, SpecForge ``llama3_eagle.py``, vLLM
+  ``llama_eagle3.py``): ``fc.weight [H, 3H]`` over three target blocks'
+  outputs, ``midlayer.*`` (attention over ``[2H]``), ``norm.weight``,
+  ``lm_head.weight [draft_vocab, H]``, ``d2t`` (draft id ``i`` is target id
+  ``i + d2t[i]``) and ``t2d``: a :class:`FeatureHead` of variant ``"eagle3"``
+  whose reduced LM head scatters to the target's ids, ``-inf`` elsewhere.
+* **Medusa** ("Medusa: Simple LLM Inference Acceleration Framework with
+  Multiple Decoding Heads", arXiv:2401.10774; FasterDecoding/Medusa
+  ``medusa_model.py``): heads ``{i}.{j}.linear`` (ResBlocks ``x + SiLU(W x +
+  b)``) then ``{i}.{n}.weight`` (an LM head), in ``medusa_lm_head.safetensors``
+  / ``medusa_lm_head.pt`` or a whole model's weights under ``medusa_head.``:
+  a :class:`MedusaHead`.
+
+Pickled ``.bin`` / ``.pt`` weights are read with ``torch.load(...,
+weights_only=True)``, PyTorch's restricted unpickler that builds tensors and
+plain containers only and refuses any other object (so no code from the file
+runs); torch is imported only then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax._src.lm import Array, KVCache, LMOutput, Model, Params
+from specjax._src.models import hf
+from specjax._src.models.config import ModelConfig
+from specjax._src.models.feature_head import EMBED_PATH, FeatureHead, TARGET_NORM, _rms_norm
+from specjax._src.models.files import load_tokenizer
+
+EAGLE = "eagle"
+EAGLE3 = "eagle3"
+MEDUSA = "medusa"
+UNKNOWN = "unknown"
+# ``architectures`` names the serving stacks give these heads (vLLM, SGLang, EAGLE's own configs).
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
+MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+_PICKLES = ("pytorch_model.bin", "model.bin", "pytorch_model.pt")
+_IGNORED = ("rotary_emb.inv_freq",)
+
+
+# --------------------------------------------------------------------------- #
+# Files
+# --------------------------------------------------------------------------- #
+
+
+def _read_config(path: str) -> dict:
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file} cannot be read as JSON ({e}).") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object.")
+    return config
+
+
+def _weight_files(path: str, names=None) -> list[str]:
+    """The head's weight files: ``names`` if given and present, else safetensors, else a pickle."""
+    for name in names or ():
+        if os.path.isfile(os.path.join(path, name)):
+            return [os.path.join(path, name)]
+    try:
+        return hf.find_weight_files(path)
+    except ValueError:
+        pickles = [os.path.join(path, f) for f in _PICKLES if os.path.isfile(os.path.join(path, f))]
+        index = os.path.join(path, "pytorch_model.bin.index.json")
+        if not pickles and os.path.isfile(index):
+            with open(index) as f:
+                pickles = [os.path.join(path, x) for x in sorted(set(json.load(f)["weight_map"].values()))]
+        if pickles:
+            return pickles
+        raise ValueError(f"{path} has no head weights: expected model.safetensors or pytorch_model.bin"
+                         + (f" or one of {', '.join(names)}" if names else "") + ".") from None
+
+
+def read_tensors(files: list[str]) -> dict[str, np.ndarray]:
+    """Every tensor of ``files`` as NumPy (bfloat16 as float32), by its name in the file.
+
+    Raises:
+      ValueError: a damaged file, or a pickle holding anything but tensors.
+    """
+    out = {}
+    for file in files:
+        if file.endswith(".safetensors"):
+            with hf._safe_open(file, "flax") as f:
+                for name in f.keys():
+                    out[name] = np.asarray(hf._reader(file, f.get_tensor)(name))
+            continue
+        import torch  # only for pickled weights
+
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # UnpicklingError for a non-tensor object, RuntimeError for a damaged zip
+            raise ValueError(f"{file} cannot be read as a PyTorch state dict of tensors ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}).") from e
+        if not isinstance(state, dict):
+            raise ValueError(f"{file} holds a {type(state).__name__}, not a state dict of tensors.")
+        for name, t in state.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{file}: entry {name!r} is a {type(t).__name__}, not a tensor.")
+            t = t.detach()
+            out[name] = (t.float() if t.is_floating_point() else t).numpy()
+    return out
+
+
+def _tensor_names(files: list[str]) -> set[str]:
+    names = set()
+    for file in files:
+        if file.endswith(".safetensors"):
+            with hf._safe_open(file, "np") as f:
+                names |= set(f.keys())
+        else:
+            names |= set(read_tensors([file]))
+    return names
+
+
+def detect(path: str) -> Optional[str]:
+    """``"eagle"``, ``"eagle3"``, ``"medusa"``, or None for a directory that holds none of them.
+
+    By ``config.json`` first (``architectures``, ``medusa_num_heads``,
+    ``draft_vocab_size``), then, for a plain LlamaConfig, by the weights'
+    names (``midlayer.*``: EAGLE-3; ``fc.weight`` without ``model.layers.*``: EAGLE-1/2).
+    """
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    if any(os.path.isfile(os.path.join(path, f)) for f in MEDUSA_FILES):
+        return MEDUSA
+    try:
+        config = _read_config(path)
+    except ValueError:
+        return None
+    if "medusa_num_heads" in config:
+        return MEDUSA
+    archs = [str(a) for a in config.get("architectures") or ()]
+    if any(a in EAGLE3_ARCHITECTURES for a in archs):
+        return EAGLE3
+    if any(a in EAGLE_ARCHITECTURES for a in archs):
+        return EAGLE
+    if any(word in a.lower() for a in archs for word in ("eagle", "medusa", "speculator")):
+        return UNKNOWN  # a draft head's name, but not a layout loaded here: refused by name
+    if "draft_vocab_size" in config:  # EAGLE-3's own configs say LlamaForCausalLM
+        return EAGLE3
+    if int(config.get("num_hidden_layers", 99) or 99) > 2:  # a whole model, not a head
+        return None
+    try:
+        names = _tensor_names(_weight_files(path))
+    except ValueError:
+        return None
+    names = {_strip(n) for n in names}
+    if any(n.startswith("midlayer.") for n in names):
+        return EAGLE3
+    if "fc.weight" in names and not any(n.startswith("model.layers.") for n in names):
+        return EAGLE
+    return None
+
+
+def _strip(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") and not name.startswith("model.layers.") else name
+
+
+def load_published_head(path: str, dtype: Any = None, kind: Optional[str] = None) -> Model:
+    """Loads the EAGLE-1/2, EAGLE-3 or Medusa head in ``path`` (``kind``: ``"eagle"``, ``"eagle3"``,
+    ``"medusa"``; by default read from the directory).
+
+    Pair it with its target (:func:`specjax.pair`), which lends it what the
+    published code takes from the target (the embedding table, and for
+    EAGLE-1/2 and Medusa the final norm and LM head).
+
+    Raises:
+      ValueError: not a published head, or a config or tensor that does not
+        fit its layout (named).
+    """
+    kind = kind or detect(path)
+    if kind is None:
+        raise ValueError(f"{path} is not a published draft head layout specjax knows (EAGLE-1/2, EAGLE-3, Medusa).")
+    config = _read_config(path)
+    if kind == UNKNOWN:
+        raise ValueError(
+            f"{path}: config.json names architecture(s) {config.get('architectures')}, a draft head layout specjax "
+            f"does not load; it loads EAGLE-1/2 ({', '.join(EAGLE_ARCHITECTURES)} or a LlamaConfig with fc.weight), "
+            f"EAGLE-3 ({', '.join(EAGLE3_ARCHITECTURES)}, or draft_vocab_size) and Medusa (medusa_num_heads).")
+    load = {EAGLE: _load_eagle, EAGLE3: _load_eagle3, MEDUSA: _load_medusa}[kind]
+    model = load(path, config, dtype)
+    return model.replace(tokenizer=load_tokenizer(path))
+
+
+# --------------------------------------------------------------------------- #
+# EAGLE-1/2 and EAGLE-3
+# --------------------------------------------------------------------------- #
+
+
+def _head_config(config: dict, dtype, *, head_vocab_size: int, what: str) -> ModelConfig:
+    """The head block's :class:`ModelConfig` from its LlamaConfig."""
+    hfc = dict(config)
+    # the head's block is a Llama block whatever family its config names (EAGLE's Qwen2 heads say
+    # qkv_bias: biases on q, k, v, not o)
+    if hfc.get("model_type") not in ("llama", "qwen2", "mistral") or "qkv_bias" in config:
+        hfc["model_type"] = "llama"
+    cfg = hf.from_hf_config(hfc, jnp.dtype(dtype).name if dtype is not None else None)
+    if "qkv_bias" in config:
+        cfg = cfg.replace(attention_bias=bool(config["qkv_bias"]), attention_out_bias=False)
+    if config.get("target_hidden_size") not in (None, cfg.hidden_size):
+        raise ValueError(f"{what}: config.json has target_hidden_size {config['target_hidden_size']} != hidden_size "
+                         f"{cfg.hidden_size}; heads narrower than their target are not supported.")
+    return cfg.replace(head_vocab_size=int(head_vocab_size), tie_word_embeddings=False, quantization=None,
+                       dtype=cfg.dtype)
+
+
+def _take(tensors: dict, name: str, shape, what: str, transpose: bool = False) -> np.ndarray:
+    if name not in tensors:
+        raise ValueError(f"{what}: the checkpoint lacks tensor {name!r}.")
+    x = tensors.pop(name)
+    x = x.T if transpose else x
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{what}: tensor {name!r} has shape {tuple(x.T.shape if transpose else x.shape)}, expected "
+                         f"{tuple(reversed(shape)) if transpose else tuple(shape)}.")
+    return x
+
+
+def _block_params(tensors: dict, prefix: str, cfg: ModelConfig, what: str, *, in_width: int,
+                  norms: dict[str, str]) -> Params:
+    """A Llama block's params from HF names under ``prefix`` (``norms``: HF norm name -> specjax name)."""
+    h, n, kv, d, inner = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+
+    def dense(name, fan_in, fan_out, bias):
+        out = {"kernel": _take(tensors, f"{prefix}{name}.weight", (fan_in, fan_out), what, transpose=True)}
+        if bias:
+            out["bias"] = _take(tensors, f"{prefix}{name}.bias", (fan_out,), what)
+        return out
+
+    attn = {"q": dense("self_attn.q_proj", in_width, n * d, cfg.attention_bias),
+            "k": dense("self_attn.k_proj", in_width, kv * d, cfg.attention_bias),
+            "v": dense("self_attn.v_proj", in_width, kv * d, cfg.attention_bias),
+            "o": dense("self_attn.o_proj", n * d, h, cfg.attention_out_bias)}
+    mlp = {"gate": dense("mlp.gate_proj", h, inner, cfg.mlp_bias), "up": dense("mlp.up_proj", h, inner, cfg.mlp_bias),
+           "down": dense("mlp.down_proj", inner, h, cfg.mlp_bias)}
+    block = {"attn": attn, "mlp": mlp}
+    for hf_name, name in norms.items():
+        block[name] = {"scale": _take(tensors, f"{prefix}{hf_name}.weight", (h,), what)}
+    return block
+
+
+def _check_consumed(tensors: dict, what: str) -> None:
+    left = sorted(n for n in tensors if not n.endswith(_IGNORED))
+    if left:
+        raise ValueError(f"{what}: the checkpoint has tensors this layout does not use: {', '.join(left[:8])}"
+                         + (" ..." if len(left) > 8 else "") + ".")
+
+
+def _cast(params: Params, cfg: ModelConfig) -> Params:
+    dtype = jnp.dtype(cfg.dtype)
+    return jax.tree_util.tree_map(
+        lambda x: jnp.asarray(x, jnp.int32) if np.issubdtype(np.asarray(x).dtype, np.integer) else
+        jnp.asarray(x, dtype), params)
+
+
+def _own_embedding(tensors: dict, cfg: ModelConfig, params: Params, what: str) -> bool:
+    """Keeps a shipped ``embed_tokens.weight`` (the published code loads it over the target's)."""
+    if "embed_tokens.weight" not in tensors:
+        return False
+    params[EMBED_PATH[0]] = {EMBED_PATH[1]: _take(tensors, "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size),
+                                                  what)}
+    return True
+
+
+def _load_eagle(path: str, config: dict, dtype) -> Model:
+    what = f"EAGLE-1/2 head {path}"
+    tensors = {_strip(k): v for k, v in read_tensors(_weight_files(path)).items()}
+    cfg = _head_config(config, dtype or _file_dtype(config), head_vocab_size=int(config["vocab_size"]), what=what)
+    h = cfg.hidden_size
+    params: Params = {"fuse": {"kernel": _take(tensors, "fc.weight", (2 * h, h), what, transpose=True)}}
+    bias = tensors.pop("fc.bias", None)
+    if bias is None and config.get("bias", True) is not False:
+        raise ValueError(f"{what}: the checkpoint lacks tensor 'fc.bias' (its config does not say bias: false).")
+    params["fuse"]["bias"] = np.zeros((h,), np.float32) if bias is None else _take({"fc.bias": bias}, "fc.bias",
+                                                                                    (h,), what)
+    for i in range(cfg.num_layers):
+        norms = {"post_attention_layernorm": "mlp_norm"}
+        if i > 0:
+            norms["input_layernorm"] = "attn_norm"
+        params[f"layer_{i}"] = _block_params(tensors, f"layers.{i}.", cfg, what, in_width=h, norms=norms)
+    own = _own_embedding(tensors, cfg, params, what)
+    _check_consumed(tensors, what)
+    module = FeatureHead(cfg, feature_layers=(-1,), variant="eagle", borrows_embedding=not own)
+    return Model(params=_cast(params, cfg), module=module, tokenizer=None, chat_template=None)
+
+
+def eagle3_feature_layers(config: dict) -> tuple[int, ...]:
+    """The target blocks an EAGLE-3 head's ``config.json`` names, or ``()`` for EAGLE-3's defaults.
+
+    ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SpecForge's heads)
+    names block *outputs*, 0-based: SGLang captures the state entering layer
+    ``id + 1`` for them (``set_eagle3_layers_to_capture``), which is specjax's
+    block ``id``. The defaults (:func:`~specjax._src.models.feature_head.eagle3_default_layers`)
+    are fixed by pairing, from the target's depth.
+    """
+    eagle_config = config.get("eagle_config") or {}
+    if not isinstance(eagle_config, dict):
+        raise ValueError("config.json: eagle_config must be an object.")
+    if eagle_config.get("use_aux_hidden_state") is False:
+        raise ValueError("config.json: an EAGLE-3 head without auxiliary hidden states (use_aux_hidden_state: "
+                         "false) is not supported; specjax loads the three-block fusion.")
+    ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return ()
+    if (not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and i >= 0 for i in ids)
+            or len(set(ids)) != 3):
+        raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids must be three distinct block indices >= 0; "
+                         f"got {ids!r}.")
+    return tuple(ids)
+
+
+def _load_eagle3(path: str, config: dict, dtype) -> Model:
+    what = f"EAGLE-3 head {path}"
+    if int(config.get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"{what}: config.json has num_hidden_layers {config.get('num_hidden_layers')}; the "
+                         "EAGLE-3 layout loads with its one midlayer only.")
+    tensors = {_strip(k): v for k, v in read_tensors(_weight_files(path)).items()}
+    tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    vocab = int(config["vocab_size"])
+    lm_head = tensors.get("lm_head.weight")
+    if lm_head is None or lm_head.ndim != 2:
+        raise ValueError(f"{what}: the checkpoint lacks a 2-D tensor 'lm_head.weight' [draft_vocab, H].")
+    draft_vocab = lm_head.shape[0]
+    if int(config.get("draft_vocab_size", draft_vocab)) != draft_vocab:
+        raise ValueError(f"{what}: lm_head.weight has {draft_vocab} rows but config.json says draft_vocab_size "
+                         f"{config['draft_vocab_size']}.")
+    cfg = _head_config(config, dtype or _file_dtype(config), head_vocab_size=draft_vocab, what=what)
+    layers = eagle3_feature_layers(config)
+    h = cfg.hidden_size
+    params: Params = {"reduce": {"kernel": _take(tensors, "fc.weight", (3 * h, h), what, transpose=True)}}
+    params["layer_0"] = _block_params(
+        tensors, "midlayer.", cfg, what, in_width=2 * h,
+        norms={"input_layernorm": "attn_norm", "hidden_norm": "hidden_norm", "post_attention_layernorm": "mlp_norm"})
+    params["final_norm"] = {"scale": _take(tensors, "norm.weight", (h,), what)}
+    params["lm_head"] = _take(tensors, "lm_head.weight", (h, draft_vocab), what, transpose=True)
+    params["head_vocab_ids"] = draft_to_target_ids(tensors.pop("d2t", None), tensors.pop("t2d", None), draft_vocab,
+                                                   vocab, what)
+    own = _own_embedding(tensors, cfg, params, what)
+    _check_consumed(tensors, what)
+    variant = "eagle3_norm_before_residual" if config.get("norm_before_residual") else "eagle3"
+    module = FeatureHead(cfg, feature_layers=layers, variant=variant, borrows_embedding=not own)
+    return Model(params=_cast(params, cfg), module=module, tokenizer=None, chat_template=None)
+
+
+def draft_to_target_ids(d2t, t2d, draft_vocab: int, vocab: int, what: str = "EAGLE-3 head") -> np.ndarray:
+    """``[draft_vocab]`` int32: the target id of each draft id, ``i + d2t[i]`` (cnets.py).
+
+    Without ``d2t`` the draft vocabulary must be the target's. ``t2d`` (a
+    mask over the target vocabulary), when given, must mark exactly these ids.
+
+    Raises:
+      ValueError: a ``d2t`` whose length is not the LM head's, ids outside the
+        target vocabulary or repeated, or a ``t2d`` that disagrees.
+    """
+    if d2t is None:
+        if draft_vocab != vocab:
+            raise ValueError(f"{what}: the draft vocabulary ({draft_vocab}) is not the target's ({vocab}) and "
+                             "there is no d2t to map it.")
+        ids = np.arange(vocab)
+    else:
+        d2t = np.asarray(d2t).reshape(-1)
+        if d2t.shape[0] != draft_vocab:
+            raise ValueError(f"{what}: d2t has {d2t.shape[0]} entries but lm_head.weight scores {draft_vocab} draft "
+                             "tokens; they must agree.")
+        ids = np.arange(draft_vocab) + d2t.astype(np.int64)
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"{what}: d2t maps draft ids outside the target vocabulary [0, {vocab}).")
+    if np.unique(ids).size != ids.size:
+        raise ValueError(f"{what}: d2t maps two draft ids to one target id.")
+    if t2d is not None:
+        t2d = np.asarray(t2d).reshape(-1).astype(bool)
+        if t2d.shape[0] != vocab or t2d.sum() != ids.size or not t2d[ids].all():
+            raise ValueError(f"{what}: t2d (a mask over the target vocabulary) does not mark exactly the ids d2t "
+                             "maps to.")
+    return ids.astype(np.int32)
+
+
+def _file_dtype(config: dict) -> str:
+    """A head's compute dtype: its ``torch_dtype``, float32 where NumPy or the CPU would round it."""
+    name = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    return {"float16": "float32", "bfloat16": "bfloat16"}.get(name, "float32")
+
+
+# --------------------------------------------------------------------------- #
+# Medusa
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaHead:
+    """Medusa's heads as a feature-reading draft (the static half; hashable).
+
+    Head ``k`` reads the target's last hidden state after its final norm at
+    position ``i`` and predicts the token ``k + 2`` positions ahead: through
+    ``num_res_layers`` ResBlocks ``x + SiLU(W x + b)`` and its own LM head
+    (FasterDecoding/Medusa ``medusa_model.py``). It follows the feature-head
+    protocol the engine drives (:class:`FeatureHead`): the feature it is
+    handed carries, in one extra channel, how many draft steps led to it,
+    so draft step ``k`` (a chain's ``k``-th token, a tree's depth ``k``) uses
+    head ``k``; the feature itself is handed back unchanged, since every
+    Medusa head reads the same target state. Steps past the last head reuse
+    the last head (lossless all the same; such drafts are rarely accepted).
+
+    Its params are ``res_kernel [N, L, H, H]`` (``x @ W``), ``res_bias [N, L, H]``,
+    ``lm_head [N, H, V]``, and from pairing ``target_norm.scale [H]``.
+    """
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_res_layers: int = 1
+    norm_eps: float = 1e-6
+    dtype: str = "float32"
+
+    feature_layers = (-1,)
+    reads_target_features = True
+    supports_logits_at = True
+    supports_trees = True
+    num_layers = 0
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
+        """No attention, so no buffers: only the lengths the engine rolls back."""
+        del max_length, dtype
+        return KVCache(keys=(), values=(), lengths=jnp.zeros((batch_size,), jnp.int32))
+
+    def target_features(self, params: Params, hidden: Array) -> Array:
+        """``[B, T, H]`` target last-block outputs -> ``[B, T, H + 1]``: normed by the
+        target's final norm, step channel 0."""
+        if TARGET_NORM not in params:
+            raise ValueError("This Medusa head reads its target's final norm: pair it, specjax.pair(target, head).")
+        x = _rms_norm(hidden, params[TARGET_NORM]["scale"], self.norm_eps)
+        return jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (1,), x.dtype)], axis=-1)
+
+    def apply(self, params: Params, tokens: Array, cache: Optional[KVCache] = None, *, features: Array,
+              hidden_layers=(), logits_at: Optional[Array] = None, tree_parents=None, tree_offset: int = 0) -> LMOutput:
+        """Logits of head ``step`` (the features' last channel; one step per call) on each position's feature.
+
+        ``tokens`` only set the shape (Medusa's drafts do not read the
+        tokens drafted before them). Returns ``hidden = (features with step + 1,)``.
+        """
+        del hidden_layers, tree_parents, tree_offset
+        tokens, features = jnp.asarray(tokens), jnp.asarray(features, jnp.float32)
+        h = self.hidden_size
+        if tokens.ndim != 2 or features.shape != tokens.shape + (h + 1,):
+            raise ValueError(f"MedusaHead.apply: tokens must be [B, T] and features [B, T, {h + 1}] (the target's "
+                             f"normed feature and a step channel); got {tokens.shape} and {features.shape}.")
+        x, step = features[..., :h], features[..., h]
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)
+        k = jnp.clip(jnp.max(step).astype(jnp.int32), 0, self.num_heads - 1)  # the engine's calls share one step
+        logits = _medusa_one(params, x, k, self.num_res_layers)
+        new_cache = None if cache is None else cache.replace(lengths=cache.lengths + tokens.shape[1])
+        hidden = jnp.concatenate([features[..., :h], step[..., None] + 1.0], axis=-1)
+        return LMOutput(logits=logits, hidden=(hidden,), cache=new_cache)
+
+    def borrow_from_target(self, head: Model, target: Model) -> Model:
+        """At pairing: the target's final norm (Medusa reads the normed state) and its eps."""
+        tcfg = getattr(target.module, "config", None)
+        if tcfg is None or tcfg.is_gemma or tcfg.is_gpt2:
+            raise ValueError("A Medusa head reads a Llama-family target's final norm; this target has none.")
+        if tcfg.vocab_size != self.vocab_size:
+            raise ValueError(f"This Medusa head scores {self.vocab_size} tokens but the target's vocabulary has "
+                             f"{tcfg.vocab_size}; pair a head with the target it was trained on.")
+        params = {**head.params, TARGET_NORM: {"scale": target.params["final_norm"]["scale"]}}
+        return head.replace(params=params, module=dataclasses.replace(self, norm_eps=tcfg.norm_eps))
+
+
+def _medusa_one(params: Params, x: Array, k: Array, num_res_layers: int) -> Array:
+    """Head ``k`` (traced) on ``x [..., H]`` -> float32 logits ``[..., V]``."""
+    take = lambda a: jax.lax.dynamic_index_in_dim(a, k, axis=0, keepdims=False)  # noqa: E731
+    kernel, bias, head = take(params["res_kernel"]), take(params["res_bias"]), take(params["lm_head"])
+    x = x.astype(kernel.dtype)
+    for j in range(num_res_layers):
+        x = x + jax.nn.silu(x @ kernel[j] + bias[j])
+    return jnp.einsum("...h,hv->...v", x, head, preferred_element_type=jnp.float32)
+
+
+def medusa_logits(params: Params, feature: Array) -> Array:
+    """Every Medusa head on the target's normed last hidden state: ``[..., H] -> [..., N, V]`` float32.
+
+    Row ``k`` scores the token ``k + 2`` positions after the feature's own
+    (the target's LM head scores the one after it).
+    """
+    n, layers = params["res_kernel"].shape[:2]
+    return jnp.stack([_medusa_one(params, jnp.asarray(feature), jnp.int32(k), layers) for k in range(n)], axis=-2)
+
+
+_MEDUSA_NAME = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
+
+
+def _load_medusa(path: str, config: dict, dtype) -> Model:
+    what = f"Medusa head {path}"
+    files = _weight_files(path, MEDUSA_FILES)
+    tensors = read_tensors(files)
+    if not any(os.path.basename(f) in MEDUSA_FILES for f in files):  # a whole Medusa-2 model: its heads only
+        tensors = {k: v for k, v in tensors.items() if k.startswith("medusa_head.")}
+    entries: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+    for name, value in tensors.items():
+        m = _MEDUSA_NAME.match(name)
+        if m is None:
+            raise ValueError(f"{what}: tensor {name!r} is not a Medusa head tensor ({{i}}.{{j}}.linear.weight/bias "
+                             "or {i}.{n}.weight).")
+        entries.setdefault((int(m.group(1)), int(m.group(2))), {})[m.group(3)] = value
+    if not entries:
+        raise ValueError(f"{what}: no Medusa head tensors found.")
+    num_heads = max(i for i, _ in entries) + 1
+    lm_index = max(j for _, j in entries)  # each head's last module is its LM head
+    num_res = int(config.get("medusa_num_layers", lm_index))
+    if num_res != lm_index:
+        raise ValueError(f"{what}: config.json says medusa_num_layers {num_res} but the heads hold {lm_index} "
+                         "ResBlocks before their LM head.")
+    lm0 = entries.get((0, lm_index), {}).get("weight")
+    if lm0 is None or lm0.ndim != 2:
+        raise ValueError(f"{what}: head 0 has no LM head tensor '0.{lm_index}.weight'.")
+    vocab, h = lm0.shape
+    kernels, biases, heads = [], [], []
+    for i in range(num_heads):
+        ks, bs = [], []
+        for j in range(num_res):
+            e = entries.get((i, j), {})
+            if "weight" not in e or "bias" not in e:
+                raise ValueError(f"{what}: head {i} lacks '{i}.{j}.linear.weight' or its bias.")
+            if e["weight"].shape != (h, h) or e["bias"].shape != (h,):
+                raise ValueError(f"{what}: '{i}.{j}.linear' has shape {e['weight'].shape}, expected {(h, h)}.")
+            ks.append(e["weight"].T)
+            bs.append(e["bias"])
+        lm = entries.get((i, num_res), {}).get("weight")
+        if lm is None or lm.shape != (vocab, h):
+            raise ValueError(f"{what}: head {i}'s LM head '{i}.{num_res}.weight' is "
+                             f"{None if lm is None else lm.shape}, expected {(vocab, h)}.")
+        kernels.append(np.stack(ks) if ks else np.zeros((0, h, h), np.float32))
+        biases.append(np.stack(bs) if bs else np.zeros((0, h), np.float32))
+        heads.append(lm.T)
+    if config.get("hidden_size") not in (None, h) or config.get("vocab_size") not in (None, vocab):
+        raise ValueError(f"{what}: config.json's hidden_size/vocab_size ({config.get('hidden_size')}, "
+                         f"{config.get('vocab_size')}) disagree with the heads' ({h}, {vocab}).")
+    dt = jnp.dtype(dtype or _file_dtype(config))
+    params = {"res_kernel": jnp.asarray(np.stack(kernels), dt), "res_bias": jnp.asarray(np.stack(biases), dt),
+              "lm_head": jnp.asarray(np.stack(heads), dt)}
+    module = MedusaHead(hidden_size=h, vocab_size=vocab, num_heads=num_heads, num_res_layers=num_res, dtype=dt.name)
+    return Model(params=params, module=module, tokenizer=None, chat_template=None)
+
+
+def is_medusa_head(module) -> bool:
+    return isinstance(module, MedusaHead)

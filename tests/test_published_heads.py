@@ -1,0 +1,492 @@
+"""Published draft heads (EAGLE-1/2, EAGLE-3, Medusa) load from their authors' layouts.
+
+No weights can be downloaded, so each test writes a tiny random checkpoint in
+the published layout (tensor names, shapes, ``config.json`` fields, ``.bin`` or
+safetensors) for a tiny Llama target, then checks:
+
+* the loaded head's logits equal an independent PyTorch reimplementation of
+  the published forward (SafeAILab/EAGLE ``cnets1.py`` / ``cnets.py``,
+  FasterDecoding/Medusa ``medusa_model.py``) on the same weights, with the
+  target's features taken from ``transformers``' own forward of the target
+  (``output_hidden_states``: entry ``i`` enters layer ``i``, the last is after
+  the final norm), so the layer indexing is checked too;
+* greedy speculative decoding with the head returns the target's greedy tokens;
+* with a reduced draft vocabulary (``d2t`` / ``t2d``) the lossless rule
+  samples the target's law (chi-square), and a rule that accepts every draft
+  (the draft's own law) is rejected by the same test, drafting only mapped ids;
+* bad input is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import specjax  # noqa: E402
+from specjax._src.models import published_heads as ph  # noqa: E402
+from specjax.rules import Path, Verdict, from_functions, lossless_decision, speculative_sampling  # noqa: E402
+from specjax.testing import llama_config, peaked_target_and_draft  # noqa: E402
+from test_decode import goodness_of_fit, random_prompts  # noqa: E402
+
+H, INNER, HEADS, KV, HEAD_DIM, LAYERS = 32, 64, 4, 2, 8, 7
+EPS, THETA = 1e-6, 10000.0
+
+
+# --------------------------------------------------------------------------- #
+# the target and its features from transformers
+# --------------------------------------------------------------------------- #
+
+
+def _target(vocab, scale=1.0):
+    cfg = llama_config(num_layers=LAYERS, vocab_size=vocab, norm_eps=EPS, rope_theta=THETA)
+    target = peaked_target_and_draft(cfg)[0]
+    if scale != 1.0:
+        target = target.replace(params={**target.params, "lm_head": target.params["lm_head"] * scale})
+    return target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _target(96)
+
+
+@pytest.fixture(scope="module")
+def hf_target(target, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("hf_target") / "t")
+    specjax.export_hf(target, path)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _hf_hidden(hf_model, tokens):
+    """``transformers``' hidden states of ``tokens [T]``: entry ``i`` enters layer ``i``; the last is normed."""
+    with torch.no_grad():
+        out = hf_model(torch.tensor([tokens]), output_hidden_states=True)
+    return [h[0] for h in out.hidden_states]
+
+
+# --------------------------------------------------------------------------- #
+# checkpoints in the published layouts
+# --------------------------------------------------------------------------- #
+
+
+def _rand(rng, *shape, std=0.2):
+    return (std * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _norm_w(rng):
+    return (1.0 + 0.1 * rng.standard_normal(H)).astype(np.float32)
+
+
+def _llama_block(rng, prefix, in_width, norms):
+    t = {f"{prefix}self_attn.q_proj.weight": _rand(rng, HEADS * HEAD_DIM, in_width),
+         f"{prefix}self_attn.k_proj.weight": _rand(rng, KV * HEAD_DIM, in_width),
+         f"{prefix}self_attn.v_proj.weight": _rand(rng, KV * HEAD_DIM, in_width),
+         f"{prefix}self_attn.o_proj.weight": _rand(rng, H, HEADS * HEAD_DIM),
+         f"{prefix}mlp.gate_proj.weight": _rand(rng, INNER, H),
+         f"{prefix}mlp.up_proj.weight": _rand(rng, INNER, H),
+         f"{prefix}mlp.down_proj.weight": _rand(rng, H, INNER)}
+    for name in norms:
+        t[f"{prefix}{name}.weight"] = _norm_w(rng)
+    return t
+
+
+def _llama_config(vocab, layers=1, **extra):
+    return dict(model_type="llama", hidden_size=H, intermediate_size=INNER, num_attention_heads=HEADS,
+                num_key_value_heads=KV, num_hidden_layers=layers, vocab_size=vocab, rms_norm_eps=EPS,
+                rope_theta=THETA, max_position_embeddings=128, torch_dtype="float32", **extra)
+
+
+def _write(path, config, tensors, fmt, file=None):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    if fmt == "bin":
+        torch.save({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()},
+                   os.path.join(path, file or "pytorch_model.bin"))
+    else:
+        from safetensors.numpy import save_file
+
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                  os.path.join(path, file or "model.safetensors"))
+    return path
+
+
+def eagle1_checkpoint(path, vocab, *, seed=0, layers=2, fmt="bin", embed=None, bias=True):
+    """EAGLE-1/2 (cnets1.py): fc [H, 2H] (+ bias), layers.{i} (layer 0 without input_layernorm)."""
+    rng = np.random.default_rng(seed)
+    t = {"fc.weight": _rand(rng, H, 2 * H)}
+    if bias:
+        t["fc.bias"] = _rand(rng, H)
+    for i in range(layers):
+        norms = ["post_attention_layernorm"] + (["input_layernorm"] if i else [])
+        t.update(_llama_block(rng, f"layers.{i}.", H, norms))
+    if embed is not None:
+        t["embed_tokens.weight"] = embed
+    return _write(path, _llama_config(vocab, layers, architectures=["LlamaForCausalLM"], bias=bias), t, fmt), t
+
+
+def eagle3_checkpoint(path, vocab, *, seed=0, draft_ids=None, fmt="bin", extra_config=None, arch=True):
+    """EAGLE-3 (cnets.py): fc [H, 3H], midlayer (q/k/v over 2H), norm, lm_head [Vd, H], d2t, t2d."""
+    rng = np.random.default_rng(seed)
+    ids = np.arange(vocab) if draft_ids is None else np.sort(np.asarray(draft_ids))
+    t = {"fc.weight": _rand(rng, H, 3 * H), "norm.weight": _norm_w(rng), "lm_head.weight": _rand(rng, len(ids), H, std=1.0)}
+    t.update(_llama_block(rng, "midlayer.", 2 * H, ["input_layernorm", "hidden_norm", "post_attention_layernorm"]))
+    t["d2t"] = (ids - np.arange(len(ids))).astype(np.int64)
+    t2d = np.zeros(vocab, bool)
+    t2d[ids] = True
+    t["t2d"] = t2d
+    config = _llama_config(vocab, 1, draft_vocab_size=len(ids), **(extra_config or {}))
+    if arch:
+        config["architectures"] = ["LlamaForCausalLMEagle3"]
+    return _write(path, config, t, fmt), t
+
+
+def medusa_checkpoint(path, vocab, *, seed=0, heads=3, res_layers=1, fmt="safetensors"):
+    """Medusa (medusa_model.py): medusa_lm_head.* with {i}.{j}.linear.weight/bias and {i}.{n}.weight."""
+    rng = np.random.default_rng(seed)
+    t = {}
+    for i in range(heads):
+        for j in range(res_layers):
+            t[f"{i}.{j}.linear.weight"] = _rand(rng, H, H)
+            t[f"{i}.{j}.linear.bias"] = _rand(rng, H)
+        t[f"{i}.{res_layers}.weight"] = _rand(rng, vocab, H, std=1.0)
+    config = {"medusa_num_heads": heads, "medusa_num_layers": res_layers, "base_model_name_or_path": "tiny"}
+    file = "medusa_lm_head.pt" if fmt == "bin" else "medusa_lm_head.safetensors"
+    return _write(path, config, t, fmt, file=file), t
+
+
+# --------------------------------------------------------------------------- #
+# the reference: the published forwards, in PyTorch
+# --------------------------------------------------------------------------- #
+
+
+def _t(x):
+    return torch.as_tensor(np.array(x), dtype=torch.float32)
+
+
+def _rms(x, w):
+    return _t(w) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS))
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _attention(x, w, prefix):
+    """LlamaAttention of EAGLE's cnets: causal, GQA, rotary positions 0 .. T-1."""
+    t = x.shape[0]
+    q = (x @ _t(w[f"{prefix}q_proj.weight"]).T).view(t, HEADS, HEAD_DIM).transpose(0, 1)
+    k = (x @ _t(w[f"{prefix}k_proj.weight"]).T).view(t, KV, HEAD_DIM).transpose(0, 1)
+    v = (x @ _t(w[f"{prefix}v_proj.weight"]).T).view(t, KV, HEAD_DIM).transpose(0, 1)
+    inv = 1.0 / (THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    freqs = torch.outer(torch.arange(t, dtype=torch.float32), inv)
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos(), emb.sin()
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    k, v = k.repeat_interleave(HEADS // KV, 0), v.repeat_interleave(HEADS // KV, 0)
+    scores = q @ k.transpose(1, 2) / HEAD_DIM**0.5
+    scores = scores + torch.triu(torch.full((t, t), float("-inf")), 1)
+    out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, HEADS * HEAD_DIM)
+    return out @ _t(w[f"{prefix}o_proj.weight"]).T
+
+
+def _mlp(x, w, prefix):
+    silu = torch.nn.functional.silu
+    gate, up = x @ _t(w[f"{prefix}gate_proj.weight"]).T, x @ _t(w[f"{prefix}up_proj.weight"]).T
+    return (silu(gate) * up) @ _t(w[f"{prefix}down_proj.weight"]).T
+
+
+def eagle1_reference(w, embed, tokens, feature, lm_head, layers):
+    """cnets1.py Model.forward, then the base model's lm_head on the output (no norm)."""
+    x = torch.cat((_t(embed)[tokens], feature), -1) @ _t(w["fc.weight"]).T
+    if "fc.bias" in w:
+        x = x + _t(w["fc.bias"])
+    for i in range(layers):
+        p = f"layers.{i}."
+        residual = x
+        h = _rms(x, w[p + "input_layernorm.weight"]) if i else x  # index 0: no input_layernorm
+        x = residual + _attention(h, w, p + "self_attn.")
+        x = x + _mlp(_rms(x, w[p + "post_attention_layernorm.weight"]), w, p + "mlp.")
+    return x @ _t(lm_head).T, x
+
+
+def eagle3_reference(w, embed, tokens, aux, vocab):
+    """cnets.py: fc over the concatenated aux states, LlamaDecoderLayeremb, lm_head(norm(.)), d2t to target ids."""
+    hidden = torch.cat(aux, -1) @ _t(w["fc.weight"]).T
+    p = "midlayer."
+    residual = hidden
+    h = _rms(hidden, w[p + "hidden_norm.weight"])
+    e = _rms(_t(embed)[tokens], w[p + "input_layernorm.weight"])
+    x = residual + _attention(torch.cat((e, h), -1), w, p + "self_attn.")
+    x = x + _mlp(_rms(x, w[p + "post_attention_layernorm.weight"]), w, p + "mlp.")
+    draft = _rms(x, w["norm.weight"]) @ _t(w["lm_head.weight"]).T
+    ids = torch.arange(draft.shape[-1]) + torch.as_tensor(w["d2t"])
+    full = torch.full((draft.shape[0], vocab), float("-inf"))
+    full[:, ids] = draft
+    return full, x
+
+
+def medusa_reference(w, feature, heads, res_layers):
+    """medusa_model.py: head i = Sequential(ResBlock * n, Linear(H, V)) on the normed last hidden state."""
+    out = []
+    for i in range(heads):
+        x = feature
+        for j in range(res_layers):
+            x = x + torch.nn.functional.silu(x @ _t(w[f"{i}.{j}.linear.weight"]).T + _t(w[f"{i}.{j}.linear.bias"]))
+        out.append(x @ _t(w[f"{i}.{res_layers}.weight"]).T)
+    return torch.stack(out, -2)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    finite = np.isfinite(b)
+    assert np.array_equal(np.isfinite(a), finite), "the -inf pattern differs"
+    return float(np.max(np.abs(a[finite] - b[finite])) / np.max(np.abs(b[finite])))
+
+
+def _head_forward(pair, seq):
+    """The paired head's cache-free forward over ``seq``: position i reads the target's f_i and x_{i+1}."""
+    head, target = pair.draft, pair.target
+    tokens = jnp.asarray([seq], jnp.int32)
+    out = target.module.apply(target.params, tokens, hidden_layers=head.module.feature_layers)
+    feats = head.module.target_features(head.params, jnp.concatenate(out.hidden, -1))
+    res = head.module.apply(head.params, tokens[:, 1:], features=feats[:, :-1])
+    return np.asarray(res.logits[0]), np.asarray(res.hidden[0][0])
+
+
+SEQ = [3, 17, 5, 60, 2, 41, 9, 33, 70, 12]
+
+
+# --------------------------------------------------------------------------- #
+# logits against the references
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("fmt, embedded", [("bin", False), ("safetensors", True)])
+def test_eagle1_logits_equal_the_published_forward(tmp_path, target, hf_target, fmt, embedded):
+    table = np.asarray(target.params["embed"]["embedding"])
+    ship = _rand(np.random.default_rng(9), *table.shape, std=1.0) if embedded else None
+    path, w = eagle1_checkpoint(str(tmp_path / "e1"), 96, fmt=fmt, embed=ship)
+    head = specjax.load(path)
+    assert head.module.variant == "eagle" and head.module.borrows_embedding == (not embedded)
+    pair = specjax.pair(target, head)
+    logits, f_hat = _head_forward(pair, SEQ)
+    hidden = _hf_hidden(hf_target, SEQ)
+    lm_head = np.asarray(target.params["lm_head"]).T
+    ref, ref_hat = eagle1_reference(w, ship if embedded else table, torch.tensor(SEQ[1:]), hidden[-1][:-1],
+                                    lm_head, layers=2)
+    assert rel_err(logits, ref.numpy()) < 1e-5
+    assert rel_err(f_hat, ref_hat.numpy()) < 1e-5
+
+
+@pytest.mark.parametrize("fmt, explicit", [("bin", False), ("safetensors", True)])
+def test_eagle3_logits_equal_the_published_forward(tmp_path, target, hf_target, fmt, explicit):
+    ids = np.random.default_rng(4).choice(96, 40, replace=False)
+    extra = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 5]}} if explicit else None
+    path, w = eagle3_checkpoint(str(tmp_path / "e3"), 96, draft_ids=ids, fmt=fmt, extra_config=extra)
+    head = specjax.load(path)
+    assert head.module.variant == "eagle3"
+    pair = specjax.pair(target, head)
+    # defaults: the states entering layers (2, L // 2, L - 3); explicit ids name block outputs (SGLang's + 1)
+    enter = [1, 4, 6] if explicit else [2, LAYERS // 2, LAYERS - 3]
+    logits, f_hat = _head_forward(pair, SEQ)
+    hidden = _hf_hidden(hf_target, SEQ)
+    table = np.asarray(target.params["embed"]["embedding"])
+    ref, ref_hat = eagle3_reference(w, table, torch.tensor(SEQ[1:]), [hidden[i][:-1] for i in enter], 96)
+    assert rel_err(logits, ref.numpy()) < 1e-5
+    assert rel_err(f_hat, ref_hat.numpy()) < 1e-5
+    assert np.isfinite(logits).sum(-1).tolist() == [40] * (len(SEQ) - 1)  # only the draft vocabulary
+
+
+@pytest.mark.parametrize("fmt", ["bin", "safetensors"])
+def test_medusa_logits_equal_the_published_forward(tmp_path, target, hf_target, fmt):
+    path, w = medusa_checkpoint(str(tmp_path / "m"), 96, heads=3, res_layers=2, fmt=fmt)
+    head = specjax.load(path)
+    assert isinstance(head.module, ph.MedusaHead) and head.module.num_heads == 3
+    pair = specjax.pair(target, head)
+    hidden = _hf_hidden(hf_target, SEQ)[-1]  # the target's normed last hidden state
+    tokens = jnp.asarray([SEQ], jnp.int32)
+    out = target.module.apply(target.params, tokens, hidden_layers=(-1,))
+    feats = pair.draft.module.target_features(pair.draft.params, out.hidden[0])
+    ref = medusa_reference(w, hidden, 3, 2).numpy()
+    allheads = ph.medusa_logits(pair.draft.params, feats[0, :, :H])
+    assert rel_err(allheads, ref) < 1e-5
+    # through the draft protocol: step k (carried in the feature) scores with head k
+    step = feats
+    for k in range(3):
+        res = pair.draft.module.apply(pair.draft.params, tokens, features=step)
+        assert rel_err(res.logits[0], ref[:, k]) < 1e-5
+        step = res.hidden[0]
+
+
+# --------------------------------------------------------------------------- #
+# decoding
+# --------------------------------------------------------------------------- #
+
+
+def test_greedy_with_each_published_head_is_target_greedy(tmp_path, target):
+    heads = {
+        "eagle1": eagle1_checkpoint(str(tmp_path / "e1"), 96)[0],
+        "eagle3": eagle3_checkpoint(str(tmp_path / "e3"), 96, draft_ids=np.arange(0, 96, 2))[0],
+        "medusa": medusa_checkpoint(str(tmp_path / "m"), 96)[0],
+    }
+    prompts = random_prompts(3, 6, 96, 9, min_len=1)
+    ref = specjax.generate(target, prompts, max_new_tokens=12, temperature=0.0, eos_token_id=())
+    for name, path in heads.items():
+        out = specjax.decode(specjax.pair(target, specjax.load(path)), prompts, num_draft=3, max_new_tokens=12,
+                             temperature=0.0, eos_token_id=())
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens), err_msg=name)
+        assert int(np.sum(out.stats.drafted)) > 0, name
+
+
+# --------------------------------------------------------------------------- #
+# the lossless law with a reduced draft vocabulary
+# --------------------------------------------------------------------------- #
+
+
+def _accept_all():
+    """Deliberately wrong: accepts every draft, so the output follows the draft's own law."""
+
+    def verify(inputs, state, *, greedy):
+        del state, greedy
+        k = inputs.draft_tokens.shape[0]
+        return Verdict(accept=jnp.ones((k,), bool), path=jnp.full((k,), Path.EXACT, jnp.int32),
+                       correction=inputs.target_probs[:k])
+
+    base = speculative_sampling()
+    return from_functions(verify, init=base.init, update=base.update, name="accept_all")
+
+
+def test_lossless_sampling_with_a_reduced_draft_vocabulary_follows_the_target(tmp_path):
+    from test_feature_head import _exact_two_tokens, _sampled_two_tokens
+
+    vocab, prompt, samples = 16, [5, 3], 20000
+    target = _target(vocab, scale=0.1)  # flatter laws: many cells are tested
+    ids = np.asarray([0, 2, 3, 5, 8, 11, 12, 15])
+    path, _ = eagle3_checkpoint(str(tmp_path / "e3"), vocab, draft_ids=ids, seed=3)
+    pair = specjax.pair(target, specjax.load(path))
+    exact = _exact_two_tokens(target, prompt, vocab)
+    counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, num_draft=3, key=jax.random.key(7),
+                                        rule=speculative_sampling())
+    pvalue, tv = goodness_of_fit(counts, exact)
+    # (256 cells of a flat law: 20,000 samples leave a TV of about 0.05 by chance alone)
+    assert pvalue > 1e-3 and tv < 0.07, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
+    assert int(np.sum(stats.accepted)) > samples // 10  # the head's drafts took part
+    assert counts[np.setdiff1d(np.arange(vocab), ids)].sum() > 0  # tokens outside the draft vocabulary too
+    # negative control: every draft accepted is the draft's law, which the same test rejects; and the
+    # drafts are target ids of the draft vocabulary only (d2t applied before sampling)
+    wrong, _ = _sampled_two_tokens(pair, prompt, vocab, samples, num_draft=3, key=jax.random.key(7),
+                                   rule=_accept_all())
+    outside = np.setdiff1d(np.arange(vocab), ids)
+    assert wrong[outside].sum() == 0 and wrong[:, outside].sum() == 0
+    pvalue, tv = goodness_of_fit(wrong, exact)
+    assert pvalue < 1e-6 and tv > 0.2
+
+
+# --------------------------------------------------------------------------- #
+# bad input
+# --------------------------------------------------------------------------- #
+
+
+def test_bad_published_heads_are_refused_by_name(tmp_path, target):
+    # a head of another width than its target
+    path, _ = eagle3_checkpoint(str(tmp_path / "ok"), 96)
+    wide = peaked_target_and_draft(llama_config(num_layers=LAYERS, hidden_size=48, head_dim=12))[0]
+    with pytest.raises(ValueError, match="32-wide features but the target's hidden size is 48"):
+        specjax.pair(wide, specjax.load(path))
+    # EAGLE-3's default blocks need a deep enough target
+    shallow = peaked_target_and_draft(llama_config(num_layers=4))[0]
+    with pytest.raises(ValueError, match="at least 7 blocks"):
+        specjax.pair(shallow, specjax.load(path))
+    # an unpaired EAGLE-3 head does not know its blocks yet
+    head = specjax.load(path)
+    with pytest.raises(ValueError, match="known once it is paired"):
+        head.module.target_features(head.params, jnp.zeros((1, 2, 3 * H)))
+
+    def edit(name, config=None, drop=(), **tensors):
+        src, t = eagle3_checkpoint(str(tmp_path / name), 96, draft_ids=np.arange(40))
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = {**json.load(f), **(config or {})}
+        t = {k: v for k, v in {**t, **tensors}.items() if k not in drop}
+        return _write(src, cfg, t, "bin")
+
+    with pytest.raises(ValueError, match="d2t has 5 entries but lm_head.weight scores 40"):
+        specjax.load(edit("d2t", d2t=np.zeros(5, np.int64)))
+    with pytest.raises(ValueError, match="d2t maps draft ids outside the target vocabulary"):
+        specjax.load(edit("range", d2t=np.full(40, 90, np.int64)))
+    with pytest.raises(ValueError, match="two draft ids to one target id"):
+        specjax.load(edit("dup", d2t=-np.arange(40, dtype=np.int64)))
+    with pytest.raises(ValueError, match="t2d .* does not mark exactly"):
+        specjax.load(edit("t2d", t2d=np.ones(96, bool)))
+    with pytest.raises(ValueError, match="lacks tensor 'midlayer.hidden_norm.weight'"):
+        specjax.load(edit("missing", drop=("midlayer.hidden_norm.weight",)))
+    with pytest.raises(ValueError, match="draft_vocab_size 41"):
+        specjax.load(edit("dvocab", config={"draft_vocab_size": 41}))
+    with pytest.raises(ValueError, match="does not load.*EAGLE-3"):
+        specjax.load(edit("arch", config={"architectures": ["Eagle3DeepseekV2ForCausalLM"]}))
+    with pytest.raises(ValueError, match="num_hidden_layers 2"):
+        specjax.load(edit("layers", config={"num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="tensors this layout does not use: extra.weight"):
+        specjax.load(edit("extra", **{"extra.weight": np.zeros(3, np.float32)}))
+    # a pickle holding anything but tensors is refused (torch's weights_only unpickler), not run
+    evil = str(tmp_path / "evil")
+    eagle1_checkpoint(evil, 96)
+    torch.save({"fc.weight": torch.zeros(H, 2 * H), "x": _Pickled()}, os.path.join(evil, "pytorch_model.bin"))
+    with pytest.raises(ValueError, match="cannot be read as a PyTorch state dict"):
+        ph.read_tensors([os.path.join(evil, "pytorch_model.bin")])
+    assert not _Pickled.ran
+    # EAGLE-1/2: fc.bias missing although the config does not say bias: false
+    e1, t = eagle1_checkpoint(str(tmp_path / "e1"), 96)
+    _write(e1, json.load(open(os.path.join(e1, "config.json"))) | {"bias": True},
+           {k: v for k, v in t.items() if k != "fc.bias"}, "bin")
+    with pytest.raises(ValueError, match="lacks tensor 'fc.bias'"):
+        specjax.load(e1)
+    # Medusa: a head for another vocabulary
+    m, _ = medusa_checkpoint(str(tmp_path / "m"), 80)
+    with pytest.raises(ValueError, match="vocab_size 96 and the draft 80"):
+        specjax.pair(target, specjax.load(m))
+    with pytest.raises(ValueError, match="scores 80 tokens but the target's vocabulary has 96"):
+        specjax.pair(target, specjax.load(m), vocab_size=80)
+    m2, t = medusa_checkpoint(str(tmp_path / "m2"), 96, heads=2)
+    _write(m2, {"medusa_num_heads": 2, "medusa_num_layers": 2}, t, "safetensors",
+           file="medusa_lm_head.safetensors")
+    with pytest.raises(ValueError, match="medusa_num_layers 2 but the heads hold 1"):
+        specjax.load(m2)
+
+
+class _Pickled:
+    """An object a full unpickler would rebuild by running code (``__reduce__``)."""
+
+    ran = False
+
+    def __reduce__(self):
+        return (_mark_ran, ())
+
+
+def _mark_ran():
+    _Pickled.ran = True
+    return None
+
+
+def test_a_loaded_eagle3_head_saves_as_a_specjax_head_and_loads_back(tmp_path, target):
+    from specjax import heads
+
+    path, _ = eagle3_checkpoint(str(tmp_path / "e3"), 96, draft_ids=np.arange(0, 96, 3),
+                                extra_config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}})
+    head = specjax.load(path)
+    heads.save_head(head, str(tmp_path / "saved"))
+    again = specjax.load(str(tmp_path / "saved"))
+    assert (again.module.variant, again.module.feature_layers) == ("eagle3", (1, 3, 5))
+    a, _ = _head_forward(specjax.pair(target, head), SEQ)
+    b, _ = _head_forward(specjax.pair(target, again), SEQ)
+    np.testing.assert_array_equal(a, b)
+
