@@ -31,13 +31,15 @@ _ATTENTION = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
 _EXPERTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
-def write_moe_gguf(path, directory: str, *, qtype=F32, stacked: bool = True, metadata=None, drop=()) -> None:
+def write_moe_gguf(path, directory: str, *, qtype=F32, stacked: bool = True, metadata=None, drop=(),
+                   extra=None) -> None:
     """The Hugging Face checkpoint in ``directory`` as llama.cpp's converter writes it.
 
     ``qtype``: the type of every matrix whose rows hold whole 32-value blocks (the
     others F32, as the converter falls back); ``stacked=False``: one tensor per
     expert (``blk.N.ffn_gate.J.weight``), as files written before April 2024;
-    ``metadata``: extra ``{key: value}`` pairs; ``drop``: GGUF tensor names left out.
+    ``metadata``: extra ``{key: value}`` pairs; ``drop``: GGUF tensor names left out;
+    ``extra``: more ``{gguf_name: array}`` tensors.
     """
     from safetensors.numpy import load_file
 
@@ -87,7 +89,7 @@ def write_moe_gguf(path, directory: str, *, qtype=F32, stacked: bool = True, met
             out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack([experts[j] for j in sorted(experts)])
         else:
             out.update({f"blk.{layer}.ffn_{proj}.{j}.weight": experts[j] for j in sorted(experts)})
-    for name, w in out.items():
+    for name, w in {**out, **(extra or {})}.items():
         if name in drop:
             continue
         w = np.ascontiguousarray(w)
@@ -129,6 +131,12 @@ def test_moe_gguf_gives_the_transformers_logits(case, tmp_path, monkeypatch):
     got = np.asarray(specjax.logits(model, ids))
     print(f"{case}: max |specjax - transformers| = {np.max(np.abs(got - want)):.2e}, rel {rel_err(got, want):.2e}")
     assert rel_err(got, want) < 1e-4
+    # GGUF -> Hugging Face: transformers reads the export back with the same logits.
+    specjax.export_hf(model, str(tmp_path / "hf"))
+    exported = getattr(transformers, hf_model.__class__.__name__).from_pretrained(str(tmp_path / "hf"),
+                                                                                 dtype=torch.float32)
+    exported.config._attn_implementation = "eager"
+    assert rel_err(torch_logits(exported.eval(), ids), want) < 1e-6
     # Negative controls: routing to the top 1, and (Mixtral) q/k rows left in llama.cpp's order.
     top1 = specjax.Model(model.params, specjax.Decoder(cfg.replace(num_experts_per_tok=1)))
     assert rel_err(specjax.logits(top1, ids), want) > 1e-3
@@ -191,6 +199,8 @@ def test_quantized_mixtral_gguf_keeps_its_experts_float(tmp_path):
 
 @pytest.mark.parametrize("change, match", [
     (dict(metadata={"expert_shared_count": 1}), r"shared experts \(llama.expert_shared_count\)"),
+    (dict(extra={"blk.0.ffn_up_shexp.weight": np.zeros((64, 32), np.float32)}),
+     r"shared experts \(blk.0.ffn_up_shexp.weight\)"),
     (dict(metadata={"expert_weights_scale": 2.5}), r"llama.expert_weights_scale = 2.5"),
     (dict(drop=("blk.1.ffn_gate_inp.weight",)), r"block 1 has no router \(blk.1.ffn_gate_inp.weight\)"),
 ])
