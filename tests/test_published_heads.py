@@ -34,6 +34,7 @@ import specjax  # noqa: E402
 from specjax._src.models import published_heads as ph  # noqa: E402
 from specjax.rules import Path, Verdict, from_functions, lossless_decision, speculative_sampling  # noqa: E402
 from specjax.testing import llama_config, peaked_target_and_draft  # noqa: E402
+from specjax.trees import static_tree  # noqa: E402
 from test_decode import goodness_of_fit, random_prompts  # noqa: E402
 
 H, INNER, HEADS, KV, HEAD_DIM, LAYERS = 32, 64, 4, 2, 8, 7
@@ -288,6 +289,19 @@ def test_eagle1_logits_equal_the_published_forward(tmp_path, target, hf_target, 
     assert rel_err(f_hat, ref_hat.numpy()) < 1e-5
 
 
+def test_eagle1_with_a_tied_target_scores_with_its_embedding_table(tmp_path, target, hf_target):
+    cfg = target.module.config.replace(tie_word_embeddings=True)
+    tied = target.replace(params={k: v for k, v in target.params.items() if k != "lm_head"},
+                          module=specjax.Decoder(cfg))  # the same blocks and norm: the same features
+    path, w = eagle1_checkpoint(str(tmp_path / "e1"), 96, bias=False)
+    pair = specjax.pair(tied, specjax.load(path))
+    assert "lm_head_table" in pair.draft.params and "lm_head" not in pair.draft.params
+    logits, _ = _head_forward(pair, SEQ)
+    table = np.asarray(target.params["embed"]["embedding"])
+    ref, _ = eagle1_reference(w, table, torch.tensor(SEQ[1:]), _hf_hidden(hf_target, SEQ)[-1][:-1], table, layers=2)
+    assert rel_err(logits, ref.numpy()) < 1e-5
+
+
 @pytest.mark.parametrize("fmt, explicit", [("bin", False), ("safetensors", True)])
 def test_eagle3_logits_equal_the_published_forward(tmp_path, target, hf_target, fmt, explicit):
     ids = np.random.default_rng(4).choice(96, 40, replace=False)
@@ -346,6 +360,10 @@ def test_greedy_with_each_published_head_is_target_greedy(tmp_path, target):
                              temperature=0.0, eos_token_id=())
         np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens), err_msg=name)
         assert int(np.sum(out.stats.drafted)) > 0, name
+    # a tree: Medusa's depth-d nodes score with head d (the step channel counts the depth)
+    out = specjax.decode(specjax.pair(target, specjax.load(heads["medusa"])), prompts, tree=static_tree((2, 2)),
+                         max_new_tokens=12, temperature=0.0, eos_token_id=())
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
 
 
 # --------------------------------------------------------------------------- #
@@ -384,7 +402,7 @@ def test_lossless_sampling_with_a_reduced_draft_vocabulary_follows_the_target(tm
     assert counts[np.setdiff1d(np.arange(vocab), ids)].sum() > 0  # tokens outside the draft vocabulary too
     # negative control: every draft accepted is the draft's law, which the same test rejects; and the
     # drafts are target ids of the draft vocabulary only (d2t applied before sampling)
-    wrong, _ = _sampled_two_tokens(pair, prompt, vocab, samples, num_draft=3, key=jax.random.key(7),
+    wrong, _ = _sampled_two_tokens(pair, prompt, vocab, 4000, num_draft=3, key=jax.random.key(7),
                                    rule=_accept_all())
     outside = np.setdiff1d(np.arange(vocab), ids)
     assert wrong[outside].sum() == 0 and wrong[:, outside].sum() == 0
@@ -433,6 +451,8 @@ def test_bad_published_heads_are_refused_by_name(tmp_path, target):
         specjax.load(edit("dvocab", config={"draft_vocab_size": 41}))
     with pytest.raises(ValueError, match="does not load.*EAGLE-3"):
         specjax.load(edit("arch", config={"architectures": ["Eagle3DeepseekV2ForCausalLM"]}))
+    with pytest.raises(ValueError, match="top-level eagle_aux_hidden_state_layer_ids"):
+        specjax.load(edit("toplevel", config={"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}))
     with pytest.raises(ValueError, match="num_hidden_layers 2"):
         specjax.load(edit("layers", config={"num_hidden_layers": 2}))
     with pytest.raises(ValueError, match="tensors this layout does not use: extra.weight"):

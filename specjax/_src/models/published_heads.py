@@ -320,6 +320,10 @@ def eagle3_feature_layers(config: dict) -> tuple[int, ...]:
     block ``id``. The defaults (:func:`~specjax._src.models.feature_head.eagle3_default_layers`)
     are fixed by pairing, from the target's depth.
     """
+    if "eagle_aux_hidden_state_layer_ids" in config:
+        raise ValueError("config.json: a top-level eagle_aux_hidden_state_layer_ids (the speculators/vLLM "
+                         "convention, ids of the states entering layers) is not read; specjax reads "
+                         "eagle_config.eagle_aux_hidden_state_layer_ids, block outputs as SpecForge writes them.")
     eagle_config = config.get("eagle_config") or {}
     if not isinstance(eagle_config, dict):
         raise ValueError("config.json: eagle_config must be an object.")
