@@ -303,6 +303,7 @@ def verify_tree(
     node_correction: Array | None = None,
     judge=None,
     judge_data=None,
+    limit=None,
 ) -> TreeVerdict:
     """Verifies one sequence's drafted tree (see the module docstring).
 
@@ -325,13 +326,17 @@ def verify_tree(
       judge: sampling only, optional: a relaxed rule's verdict on each child
         in turn (see :func:`_walk`), in place of the lossless test; ``judge_data``
         its per-sequence inputs.
+      limit: optional int32 scalar (traced): the walk accepts at most this
+        many nodes, the node it reaches at that depth counting as a leaf (its
+        target row gives the emitted token: exact, as at any leaf). The slots
+        engine's per-request draft cap; None: the tree's depth.
 
     Returns:
       :class:`TreeVerdict`.
     """
     return _walk(jnp.asarray(tree.children_table()), tree.max_depth, tokens, target_logits, target_probs,
                  draft_probs, uniforms, emit_uniform, greedy=greedy, node_accept=node_accept,
-                 node_correction=node_correction, judge=judge, judge_data=judge_data)
+                 node_correction=node_correction, judge=judge, judge_data=judge_data, limit=limit)
 
 
 def verify_dynamic_tree(
@@ -350,6 +355,7 @@ def verify_dynamic_tree(
     node_correction: Array | None = None,
     judge=None,
     judge_data=None,
+    limit=None,
 ) -> TreeVerdict:
     """Verifies one sequence's dynamic tree (:func:`dynamic_tree`).
 
@@ -378,6 +384,7 @@ def verify_dynamic_tree(
         as for :func:`verify_tree` (a judge sees each child as a point-mass draft
         without ``draft_probs``, and what the earlier siblings left of ``q``
         with them).
+      limit: as for :func:`verify_tree`.
       depth: static, the tree's largest possible depth.
       width: static, the most children a node has (``top_k``).
       greedy: static; True at temperature 0.
@@ -387,11 +394,11 @@ def verify_dynamic_tree(
     """
     return _walk(children_table(parents, width), depth, tokens, target_logits, target_probs,
                  None if greedy else draft_probs, uniforms, emit_uniform, greedy=greedy, node_accept=node_accept,
-                 node_correction=node_correction, judge=judge, judge_data=judge_data)
+                 node_correction=node_correction, judge=judge, judge_data=judge_data, limit=limit)
 
 
 def _walk(table, depth, tokens, target_logits, target_probs, draft_probs, uniforms, emit_uniform, *, greedy,
-          node_accept, node_correction, judge=None, judge_data=None) -> TreeVerdict:
+          node_accept, node_correction, judge=None, judge_data=None, limit=None) -> TreeVerdict:
     """The walk down a tree given its children ``table [N, C]`` (static or
     traced). ``draft_probs=None``: the children are point masses (a
     ``sampled=False`` dynamic tree's), else drawn from ``draft_probs``
@@ -410,8 +417,10 @@ def _walk(table, depth, tokens, target_logits, target_probs, draft_probs, unifor
         draft_probs = jnp.zeros((1, 1), jnp.float32)  # unused: q stays a placeholder
     vocab = target_probs.shape[-1]
 
-    def step(_, carry):
+    def step(level, carry):
         cur, n, p, q, done, path, fix, codes = carry
+        if limit is not None:  # the node at depth ``limit`` is a leaf for this walk
+            done = done | (level >= limit)
         moved = jnp.bool_(False)
         next_node = cur
         for i in range(table.shape[1]):
@@ -688,3 +697,11 @@ def parse_tree(spec: str) -> TokenTree | DynamicTree:
         return dynamic_tree(*numbers, sampled=kinds[prefix])
     return static_tree(numbers)
 
+
+
+def tree_spec(tree: TokenTree | DynamicTree) -> str:
+    """The text form :func:`parse_tree` reads back (``"3,1,1"``, ``"dynamic:3,3,8"``)."""
+    if isinstance(tree, DynamicTree):
+        prefix = {None: "dynamic", False: "dynamic-topk", True: "dynamic-sampled"}[tree.sampled]
+        return f"{prefix}:{tree.depth},{tree.top_k},{tree.num_kept}"
+    return ",".join(str(b) for b in uniform_branching(tree))

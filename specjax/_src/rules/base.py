@@ -156,7 +156,8 @@ class AcceptanceRule:
       change the program (a variant name, a rank ``m``, a user function).
 
     The engine reads what a rule needs from the value itself
-    (:attr:`hidden_layers`); it never inspects closures or parses specs.
+    (:attr:`hidden_layers`, and the capability :attr:`lossless`); it never
+    inspects closures, parses specs or asks for a rule's class.
 
     Methods (per sequence; the engine vmaps them over the batch):
 
@@ -188,6 +189,12 @@ class AcceptanceRule:
 
     name = "rule"  # a class attribute, not a field: subclasses override it
     level_set = False  # True: accepted_set() is an upper level set of p (certifiable)
+    # True: a one-draft block is judged by the lossless test alone (accept iff
+    # U q(x) <= p(x), correction the residual), so the engine may walk a token
+    # tree by recursive rejection sampling without asking the rule per child,
+    # and draw a dynamic tree's children (exact). The engine reads this
+    # capability, never the rule's class.
+    lossless = False
 
     def init(self) -> RuleState:
         return ()
@@ -352,6 +359,7 @@ class SpeculativeSampling(AcceptanceRule):
 
     name = "speculative_sampling"
     level_set = True  # in its greedy form: the accepted set is {argmax p}
+    lossless = True
 
     def verify(self, inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
         del state

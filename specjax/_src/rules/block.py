@@ -99,6 +99,7 @@ class BlockVerification(AcceptanceRule):
     """
 
     name = "block_verification"
+    lossless = True  # a tree's children are one-draft blocks: the lossless test (module doc)
 
     def verify(self, inputs: VerifyInputs, state, *, greedy: bool) -> Verdict:
         del state

@@ -197,6 +197,11 @@ class OneOf(AcceptanceRule):
     def level_set(self) -> bool:
         return all(getattr(r, "level_set", False) for r in self.rules)
 
+    @property
+    def lossless(self) -> bool:
+        """Every member is: whichever a row picks, the lossless test judges it."""
+        return all(r.lossless for r in self.rules)
+
     def accepted_set(self, logits: Array, probs: Array) -> Array:
         """The chosen member's set (level-set members only)."""
         branches = [functools.partial(lambda r, lg, pr: r.accepted_set(lg, pr), r) for r in self.rules]
