@@ -11,9 +11,12 @@
     state, out = engine.step(state, num_cycles=8)   # out.tokens[s, :out.counts[s]]: slot s's new tokens
     state = engine.release(state, 0)
 
-See ``docs/engine.md``.
+The cycle both ``decode`` and ``step`` run is a value of one signature
+(:class:`Cycle`: ``CHAIN``, ``TREE``). See ``docs/engine.md``.
 """
 
+from specjax._src.engine.cycle import Cycle, CycleInputs, run_cycles
+from specjax._src.engine.cycles import CHAIN, TREE, cycle_for
 from specjax._src.engine.slots import Engine, FieldError, PrefillJob, SlotSettings, SlotState, StepOutput, StepPlan
 from specjax._src.engine.text import TextStream, check_stop_strings, cut_at_stop
 from specjax._src.processors import (
@@ -34,6 +37,12 @@ __all__ = [
     "StepPlan",
     "PrefillJob",
     "FieldError",
+    "Cycle",
+    "CycleInputs",
+    "CHAIN",
+    "TREE",
+    "cycle_for",
+    "run_cycles",
     "GenerationControls",
     "TokenContext",
     "BUILTIN_PROCESSORS",

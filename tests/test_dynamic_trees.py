@@ -25,6 +25,7 @@ from specjax._src.drafting import fixed
 from specjax._src.engine import tree as tree_cycle
 from specjax._src.engine.chain import _initial_state
 from specjax._src.engine.config import _Config
+from specjax._src.engine.cycle import CycleInputs
 from specjax._src.engine.tree import _draft_dynamic, _tree_cycle
 from specjax.rules import mars, speculative_sampling
 from specjax.testing import bigram_model, random_table
@@ -180,8 +181,9 @@ def test_transformer_draft_expands_from_its_cache_after_each_commit(llama_pair):
     # one program: this state's tree, and the cycle that drafts, verifies and commits it
     step = jax.jit(lambda s: (
         _draft_dynamic(cfg, tree, pair, s, need_logits=False)[0],
-        _tree_cycle(cfg, pair, speculative_sampling(), lengths, jnp.full((batch,), 16), jnp.asarray([-1]),
-                    jax.random.split(jax.random.key(0), batch), 1.0, 1.0, s)[0],
+        _tree_cycle(cfg, pair, speculative_sampling(), None,
+                    CycleInputs(lengths, jnp.full((batch,), 16), jnp.asarray([-1]),
+                                jax.random.split(jax.random.key(0), batch), 1.0, 1.0), s)[0],
     ))
     accepted = set()
     for _ in range(3):

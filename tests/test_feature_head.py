@@ -18,6 +18,7 @@ import pytest
 
 import specjax
 from specjax._src.engine.chain import _decode_cycle, _draft, _initial_state
+from specjax._src.engine.cycle import CycleInputs
 from specjax._src.engine.config import _Config
 from specjax._src.drafting import fixed
 from specjax._src.models import feature_head as fh
@@ -142,8 +143,8 @@ def test_engine_drafts_equal_cache_free_drafts_after_ragged_acceptance(target, h
     max_new = jnp.full((4,), 24, jnp.int32)
     state = _initial_state(cfg, head_pair, rule, policy, jnp.asarray(arr), lengths, max_new)
     draft = jax.jit(lambda pair, s: _draft(cfg, pair, policy, s, None, 1.0, 1.0)[0].logits)
-    cycle = jax.jit(lambda pair, s: _decode_cycle(cfg, pair, rule, policy, lengths, max_new, jnp.asarray([-1]),
-                                                  jax.random.split(jax.random.key(0), 4), 1.0, 1.0, s)[0])
+    inputs = CycleInputs(lengths, max_new, jnp.asarray([-1]), jax.random.split(jax.random.key(0), 4), 1.0, 1.0)
+    cycle = jax.jit(lambda pair, s: _decode_cycle(cfg, pair, rule, policy, inputs, s)[0])
     hd = head_pair.draft
     accepted = set()
     for _ in range(5):

@@ -12,7 +12,7 @@ import pytest
 
 from specjax._src import processors as P
 from specjax._src import sampling
-from specjax._src.engine.chain import _live_settings
+from specjax._src.engine.cycle import live_settings as _live_settings
 from specjax._src.engine.config import _Config
 from specjax._src.engine.ops import _warp
 

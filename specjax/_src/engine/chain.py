@@ -1,6 +1,7 @@
 """One draft-verify cycle of ``decode``, as five small pure functions.
 
-:func:`_decode_cycle` is the whole cycle; each step is one function of
+:func:`_decode_cycle` is the whole cycle (:data:`CHAIN`, a
+:class:`specjax._src.engine.cycle.Cycle`); each step is one function of
 arrays, traced inside the ``while_loop`` of :mod:`specjax._src.engine.loop`::
 
     uniforms  = _cycle_uniforms(...)  # the cycle's randomness, one draw per sequence
@@ -34,15 +35,19 @@ from specjax._src import sampling
 from specjax._src.engine.config import _Config, _DecodeState
 from specjax._src.engine.cycle import (
     Committed,
+    Cycle,
+    CycleInputs,
     commit_block,
-    commit_logprobs,
     committed_block,
+    cycle_logprobs,
     draft_keep,
     first_draft_logits,
     first_head_logits,
     live_diagnostics,
+    live_settings,
     next_state,
     nonfinite_codes,
+    per_row_rule,
 )
 from specjax._src.engine.ops import _batched_init, _gather, _prefill, _prefill_chunk, _row, _warp, _where_b
 from specjax._src.lm import KVCache, LMOutput
@@ -194,23 +199,25 @@ def _state_after_chunks(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRu
 
 def _decode_cycle(
     cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy,
-    prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, state: _DecodeState, rows=None,
+    inputs: CycleInputs, state: _DecodeState,
 ):
-    """One draft-verify cycle. Returns ``(state, diagnostics or None)``.
+    """One draft-verify cycle over a chain (:data:`CHAIN`'s ``run``). Returns
+    ``(state, diagnostics or None)``.
 
-    ``max_new[B]``: each sequence's ``max_new_tokens`` (traced, so it does not
-    shape the program; ``cfg.max_new_tokens`` is only the buffer's bucket).
+    ``inputs.max_new[B]``: each sequence's ``max_new_tokens`` (traced, so it
+    does not shape the program; ``cfg.max_new_tokens`` is only the buffer's bucket).
 
-    ``rows``: per-sequence settings (:class:`specjax._src.processors.RowSettings`,
+    ``inputs.rows``: per-sequence settings (:class:`specjax._src.processors.RowSettings`,
     the slots engine's): then ``temperature`` and ``top_p`` are ``[B]``,
     ``eos_ids`` may be ``[B, E]`` and ``state.step`` ``[B]``; greedy rows, top-k,
     the draft cap and the logits processors are per sequence. ``None``: the
     settings are the call's, one for every sequence.
     """
+    prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows = inputs
     batch = state.num_committed.shape[0]
     hist = None
     if rows is not None:
-        rows, top_p = _live_settings(rows, top_p, ~state.done)
+        rows, top_p = live_settings(rows, top_p, ~state.done)
     if rows is not None and rows.controls is not None:
         active = processors_lib.changes_logits(rows.processors, rows.controls,
                                                state.num_committed - prompt_lengths, ~state.done)
@@ -229,17 +236,6 @@ def _decode_cycle(
     new_state = next_state(state, committed, bad=accepted.bad, rule_state=rule_state, policy_state=policy_state,
                            stats=stats, draft_features=verified.features, logprobs=logprobs)
     return new_state, diag
-
-
-def _live_settings(rows, top_p, live: Array):
-    """Per-row settings with finished rows' top-k and top-p filters off: such
-    a row commits nothing, so its filters need not keep a batch of unfiltered
-    live rows sorting the vocabulary (:func:`specjax._src.engine.ops._warp`)."""
-    if rows.top_k is not None:
-        rows = rows.replace(top_k=jnp.where(live, rows.top_k, 0))
-    if top_p is not None and jnp.ndim(top_p) == 1:
-        top_p = jnp.where(live, top_p, 1.0)
-    return rows, top_p
 
 
 def _cycle_uniforms(cfg: _Config, seq_keys, step, batch: int):
@@ -532,9 +528,9 @@ def _accept(
     verdict and the argmax tokens, as a greedy loop would."""
     k_max, inputs = cfg.num_draft, verified.inputs
     greedy_rows = None if rows is None or cfg.greedy else rows.greedy
-    verdict = _per_row_rule(rule, rows, "verify", cfg.greedy, inputs, state.rule_state)
+    verdict = per_row_rule(rule, rows, "verify", cfg.greedy, inputs, state.rule_state)
     if greedy_rows is not None:
-        greedy_verdict = _per_row_rule(rule, rows, "verify", True, inputs, state.rule_state)
+        greedy_verdict = per_row_rule(rule, rows, "verify", True, inputs, state.rule_state)
         verdict = _where_b(greedy_rows, greedy_verdict, verdict)
     accept = jnp.asarray(verdict.accept, bool) & drafts.valid
     n = jnp.cumprod(accept.astype(jnp.int32), axis=1).sum(1)
@@ -569,14 +565,6 @@ def _accept(
     )
 
 
-def _per_row_rule(rule: AcceptanceRule, rows, method: str, greedy: bool, *args):
-    """``rule.verify`` / ``rule.update`` per sequence: with ``rows.rules``, each
-    sequence's own numbers (vmapped over the rule's leaves too)."""
-    if rows is None or rows.rules is None:
-        return jax.vmap(functools.partial(getattr(rule, method), greedy=greedy))(*args)
-    return jax.vmap(lambda r, *a: getattr(r, method)(*a, greedy=greedy))(rows.rules, *args)
-
-
 # ---------------------------------------------------------------------------
 # 4. commit
 # ---------------------------------------------------------------------------
@@ -605,21 +593,9 @@ def _commit(
 
 def _logprobs(state: _DecodeState, drafts: _Drafts, verified: _Verified, accepted: _Accepted, rows=None):
     """The committed block's log-probabilities under the target's sampling
-    distribution at each slot (:func:`specjax._src.engine.cycle.commit_logprobs`),
-    written beside its tokens. The top-N alternatives are computed only when a
-    live row asks for them (``rows.logprobs > 0``)."""
+    distribution at each slot (:func:`specjax._src.engine.cycle.cycle_logprobs`)."""
     block = committed_block(drafts.tokens, accepted.num_accepted, accepted.emitted)
-    if rows is None or rows.logprobs is None:
-        return commit_logprobs(state.logprobs, state.num_committed, verified.inputs.target_logits, block,
-                               jnp.bool_(True))
-    live = ~state.done
-    want_top = (live & (rows.logprobs > 0)).any()
-    # A server compiles log-probs in for the requests that ask; a cycle where none does skips
-    # even the log-sum-exp over the vocabulary (the rows that do not ask never read theirs).
-    return jax.lax.cond((live & (rows.logprobs >= 0)).any(),
-                        lambda: commit_logprobs(state.logprobs, state.num_committed, verified.inputs.target_logits,
-                                                block, want_top),
-                        lambda: state.logprobs)
+    return cycle_logprobs(state, verified.inputs.target_logits, block, rows)
 
 
 # ---------------------------------------------------------------------------
@@ -637,9 +613,9 @@ def _record(
     values. Returns ``(rule_state, policy_state, stats, diagnostics or None)``."""
     live, n = accepted.live, accepted.num_accepted
     args = (state.rule_state, verified.inputs, accepted.verdict, n)
-    rule_state = _per_row_rule(rule, rows, "update", cfg.greedy, *args)
+    rule_state = per_row_rule(rule, rows, "update", cfg.greedy, *args)
     if rows is not None and rows.greedy is not None and not cfg.greedy:
-        rule_state = _where_b(rows.greedy, _per_row_rule(rule, rows, "update", True, *args), rule_state)
+        rule_state = _where_b(rows.greedy, per_row_rule(rule, rows, "update", True, *args), rule_state)
     rule_state = _where_b(live, rule_state, state.rule_state)
     outcome = drafting_lib.DraftOutcome(
         num_drafted=accepted.num_drafted,
@@ -655,3 +631,7 @@ def _record(
                          draft_forwards=drafts.forwards, copied=drafts.copied, verified=verified.width)
     diag = live_diagnostics(cfg, live, verified.inputs, accepted.verdict, n)
     return rule_state, policy_state, stats, diag
+
+
+CHAIN = Cycle("chain", _decode_cycle)
+"""The chain cycle: up to ``K`` drafts, one verification of ``K + 1`` positions."""

@@ -1,4 +1,18 @@
-"""What every draft-verify cycle is built from, whether it drafts a chain or a tree.
+"""The cycle interface, and what every draft-verify cycle is built from.
+
+A cycle is a value (:class:`Cycle`) with one signature::
+
+    cycle.run(cfg, pair_params, rule, policy, inputs, state) -> (state, diagnostics or None)
+
+:data:`CHAIN` drafts a chain of up to ``K`` tokens
+(:mod:`specjax._src.engine.chain`), :data:`TREE` a static or dynamic token
+tree (:mod:`specjax._src.engine.tree`); :func:`cycle_for` picks the one a
+loop's config asks for. ``decode``'s loop and the slots engine's ``step``
+both call a cycle through this signature and :func:`run_cycles`, and a new
+drafter plugs in as a third value. What a cycle reads of each sequence
+besides the loop state is one :class:`CycleInputs`; a rule tells a cycle
+what it can do through capabilities (``rule.lossless``, ``rule.hidden_layers``),
+never through its class.
 
 The chain cycle (:mod:`specjax._src.engine.chain`) and the tree cycle
 (:mod:`specjax._src.engine.tree`) run the same five steps (draft, verify,
@@ -25,17 +39,109 @@ every sequence is done, the slots engine's ``step`` for a number of cycles.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from specjax._src.engine.config import _Config, _DecodeState, _Logprobs
-from specjax._src.engine.ops import _gather, _is_eos, _row
+from specjax._src.engine.ops import _gather, _is_eos, _row, _where_b
 from specjax._src.lm import KVCache
 from specjax._src.stats import DecodeStats
 
 Array = jax.Array
+
+# ---------------------------------------------------------------------------
+# The interface
+# ---------------------------------------------------------------------------
+
+
+class CycleInputs(NamedTuple):
+    """What a cycle reads of each sequence besides the loop state.
+
+    Attributes:
+      prompt_lengths: ``[B]`` int32.
+      max_new: ``[B]`` int32, each sequence's ``max_new_tokens``.
+      eos_ids: ``[E]`` int32 shared, or ``[B, E]`` per sequence (``-1``: none).
+      keys: ``[B]`` typed PRNG keys, one per sequence (a cycle folds in ``state.step``).
+      temperature: a scalar, or ``[B]`` with ``rows``.
+      top_p: a scalar, or ``[B]`` with ``rows``.
+      rows: per-sequence settings (:class:`specjax._src.processors.RowSettings`:
+        greedy rows, top-k, the draft cap, rule numbers, log-probs; the slots
+        engine's), or None: the call's settings hold for every sequence.
+    """
+
+    prompt_lengths: Array
+    max_new: Array
+    eos_ids: Array
+    keys: Array
+    temperature: Any
+    top_p: Any
+    rows: Any = None
+
+
+class Cycle(NamedTuple):
+    """One draft-verify cycle as a value.
+
+    Attributes:
+      name: ``"chain"`` or ``"tree"`` (a new drafter: its own).
+      run: ``(cfg, pair_params, rule, policy, inputs, state) -> (state,
+        diagnostics or None)``: ``cfg`` the loop's static
+        :class:`~specjax._src.engine.config._Config`, ``pair_params`` the
+        :class:`~specjax.ModelPair`, ``rule`` and ``policy`` the acceptance
+        rule and drafting policy (pytrees), ``inputs`` a :class:`CycleInputs`,
+        ``state`` the loop state (:class:`~specjax._src.engine.config._DecodeState`),
+        which the cycle returns advanced by one draft, one verification and
+        one commit per live sequence. Pure and traceable: it runs inside
+        :func:`run_cycles`'s ``while_loop``.
+    """
+
+    name: str
+    run: Callable
+
+    def bind(self, cfg: _Config, pair_params, rule, policy, inputs: CycleInputs
+             ) -> Callable[[_DecodeState], tuple[_DecodeState, Any]]:
+        """``state -> (state, diagnostics)``, the form :func:`run_cycles` calls."""
+        return lambda state: self.run(cfg, pair_params, rule, policy, inputs, state)
+
+
+# ---------------------------------------------------------------------------
+# Per-row settings (the slots engine's)
+# ---------------------------------------------------------------------------
+
+
+def live_settings(rows, top_p, live: Array):
+    """Per-row settings with finished rows' top-k and top-p filters off: such
+    a row commits nothing, so its filters need not keep a batch of unfiltered
+    live rows sorting the vocabulary (:func:`specjax._src.engine.ops._warp`)."""
+    if rows.top_k is not None:
+        rows = rows.replace(top_k=jnp.where(live, rows.top_k, 0))
+    if top_p is not None and jnp.ndim(top_p) == 1:
+        top_p = jnp.where(live, top_p, 1.0)
+    return rows, top_p
+
+
+def per_row_rule(rule, rows, method: str, greedy: bool, *args):
+    """``rule.verify`` / ``rule.update`` per sequence: with ``rows.rules``, each
+    sequence's own numbers (vmapped over the rule's leaves too)."""
+    if rows is None or rows.rules is None:
+        return jax.vmap(functools.partial(getattr(rule, method), greedy=greedy))(*args)
+    return jax.vmap(lambda r, *a: getattr(r, method)(*a, greedy=greedy))(rows.rules, *args)
+
+
+def greedy_rows(cfg: _Config, rows) -> Optional[Array]:
+    """``[B]`` the rows that decode greedily in a sampled program, or None
+    where there are none to tell apart (a greedy program, or no per-row settings)."""
+    return None if rows is None or cfg.greedy else rows.greedy
+
+
+def with_greedy_rows(cfg: _Config, rows, sampled, greedy_fn):
+    """``sampled`` with the greedy rows' values taken from ``greedy_fn()``
+    (computed only where a sampled program holds greedy rows)."""
+    which = greedy_rows(cfg, rows)
+    return sampled if which is None else _where_b(which, greedy_fn(), sampled)
+
 
 # ---------------------------------------------------------------------------
 # draft: the first step
@@ -197,6 +303,21 @@ def commit_logprobs(buffers: _Logprobs, num_committed: Array, target_logits: Arr
     floor = lambda x: jnp.maximum(x, LOGPROB_FLOOR)  # noqa: E731
     return _Logprobs(chosen=write(buffers.chosen, floor(chosen)), top_ids=write(buffers.top_ids, top_ids),
                      top_logprobs=write(buffers.top_logprobs, floor(top_values)))
+
+
+def cycle_logprobs(state: _DecodeState, target_logits: Array, block: Array, rows=None) -> _Logprobs:
+    """The log-prob buffers after a cycle that commits ``block [B, K + 1]``,
+    each slot scored under its own row of ``target_logits [B, K + 1, V]``
+    (:func:`commit_logprobs`). With per-row settings, the top-N alternatives
+    run only when a live row asks for them, and nothing runs when no live row
+    asks for log-probabilities at all (the rows that do not ask never read theirs)."""
+    if rows is None or rows.logprobs is None:
+        return commit_logprobs(state.logprobs, state.num_committed, target_logits, block, jnp.bool_(True))
+    live = ~state.done
+    want_top = (live & (rows.logprobs > 0)).any()
+    return jax.lax.cond((live & (rows.logprobs >= 0)).any(),
+                        lambda: commit_logprobs(state.logprobs, state.num_committed, target_logits, block, want_top),
+                        lambda: state.logprobs)
 
 
 def draft_keep(state: _DecodeState, new_nc: Array) -> Array:

@@ -84,7 +84,6 @@ jitted loops):
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import jax
@@ -96,9 +95,10 @@ from specjax._src import drafting as drafting_lib
 from specjax._src import lookup as lookup_lib
 from specjax._src import processors as processors_lib
 from specjax._src import sampling
-from specjax._src.engine.chain import _decode_cycle, _initial_state
+from specjax._src.engine.chain import _initial_state
 from specjax._src.engine.config import _Config, _DecodeState
-from specjax._src.engine.cycle import run_cycles
+from specjax._src.engine.cycle import CycleInputs, run_cycles
+from specjax._src.engine.cycles import cycle_for
 from specjax._src.engine.ops import (
     _constrain,
     _extract,
@@ -123,7 +123,6 @@ from specjax._src.engine.prepare import (
     _verify_widths,
 )
 from specjax._src.engine.streaming import _check_on_tokens, _report, _run_streaming
-from specjax._src.engine.tree import _tree_cycle
 from specjax._src.jit_keys import pytree_classes
 from specjax._src.lm import KVCache, Model
 from specjax._src.models.feature_head import is_feature_head
@@ -154,7 +153,7 @@ def _decode_impl(
     pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, prompts, prompt_lengths,
     max_new, eos_ids, pad_id, key, temperature, top_p, stream_id=None, *, cfg: _Config, rows=None,
 ):
-    """The jitted body of ``decode``: prefill, then cycles (:func:`_decode_cycle`)
+    """The jitted body of ``decode``: prefill, then cycles (:func:`cycle_for`'s)
     in one ``while_loop`` until every sequence is done; returns ``(output, bad)``.
     ``rows``: the logits processors' per-sequence settings, or None."""
     batch = prompts.shape[0]
@@ -163,15 +162,8 @@ def _decode_impl(
     state = _initial_state(cfg, pair_params, rule, policy, prompts, prompt_lengths, max_new)
     caches = (("target_cache", "target"), ("draft_cache", "draft"))
     state = _constrain(cfg, state, batch, caches)
-    if cfg.tree is None:
-        cycle = functools.partial(
-            _decode_cycle, cfg, pair_params, rule, policy, prompt_lengths, max_new, eos_ids, seq_keys, temperature,
-            top_p, rows=rows,
-        )
-    else:
-        cycle = functools.partial(
-            _tree_cycle, cfg, pair_params, rule, prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p
-        )
+    inputs = CycleInputs(prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows)
+    cycle = cycle_for(cfg).bind(cfg, pair_params, rule, policy, inputs)
     if cfg.diagnostics is not None:
         shapes = jax.eval_shape(lambda s: cycle(s)[1], state)
         extra = jax.tree_util.tree_map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)

@@ -38,7 +38,6 @@ is per slot, so a request's draws do not depend on when it was inserted.
 
 from __future__ import annotations
 
-import functools
 import secrets
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
@@ -51,12 +50,12 @@ from specjax._src import lookup as lookup_lib
 from specjax._src import processors as processors_lib
 from specjax._src import sampling
 from specjax._src.checks import as_integer, check_positive_int
-from specjax._src.engine.chain import (_decode_cycle, _empty_prefill_caches, _initial_state, _prefill_chunk_pair,
-                                       _state_after_chunks)
+from specjax._src.engine.chain import _empty_prefill_caches, _initial_state, _prefill_chunk_pair, _state_after_chunks
 from specjax._src.engine.config import _Config, _DecodeState, _Logprobs
-from specjax._src.engine.cycle import LOGPROB_FLOOR, run_cycles
+from specjax._src.engine.cycle import LOGPROB_FLOOR, CycleInputs, run_cycles
+from specjax._src.engine.cycles import cycle_for
 from specjax._src.engine.ops import PREFILL_BLOCK, SINGLE_PREFILL_BLOCK, prefill_block
-from specjax._src.engine.prepare import (_bucket, _check_decode_args, _check_min_temperature, _eos_ids,
+from specjax._src.engine.prepare import (_bucket, _check_decode_args, _check_min_temperature, _check_tree, _eos_ids,
                                          _prepare_prompts)
 from specjax._src.jit_keys import pytree_classes
 from specjax._src.pairing import ModelPair
@@ -437,10 +436,9 @@ def _run_rows(params: ModelPair, rule, policy, state: SlotState, num_cycles, unt
               cfg: _EngineConfig) -> _DecodeState:
     """Up to ``num_cycles`` cycles of ``state``'s rows; returns the loop state after them."""
     keys = jax.random.wrap_key_data(state.keys)
-    cycle = functools.partial(
-        _decode_cycle, cfg.loop, params, rule, policy, state.prompt_lengths, state.max_new, state.eos, keys,
-        state.temperature, state.top_p, rows=_rows(state, cfg),
-    )
+    inputs = CycleInputs(state.prompt_lengths, state.max_new, state.eos, keys, state.temperature, state.top_p,
+                         _rows(state, cfg))
+    cycle = cycle_for(cfg.loop).bind(cfg.loop, params, rule, policy, inputs)
     done_before = state.loop.done
 
     def keep_going(loop: _DecodeState, cycles_run):
@@ -510,8 +508,17 @@ class Engine:
       drafting: the drafting policy (default ``fixed()``).
       lookup: ``specjax.drafting.ngram_lookup(...)``: drafts copied from each
         slot's own context.
+      tree: a :class:`specjax.trees.TokenTree` (``static_tree((4, 2, 1))``) or
+        :class:`specjax.trees.DynamicTree` (``dynamic_tree(4, 4, 12)``): every
+        slot drafts a token tree per cycle and the target verifies all its
+        nodes in one forward, as ``decode(tree=...)`` does, with each slot's own
+        temperature, top-p, top-k, rule numbers and log-probs. ``K`` is the
+        tree's depth; a request's ``num_draft`` caps the depth its path may
+        accept (0: one target token per cycle). Not with ``lookup`` or
+        ``controls``; the drafting policy is the tree's shape.
       controls: compile the logits processors in (``SlotSettings.controls``);
-        False saves their work when no request uses them.
+        False saves their work when no request uses them. Default: True for
+        chains, False with ``tree`` (which does not take them yet).
       processors: the processors, in order (static; default the built-ins:
         bias, repetition, presence / frequency, ``min_new_tokens``). Each is a
         pure function ``(logits [V], TokenContext) -> logits [V]``.
@@ -551,13 +558,25 @@ class Engine:
     """
 
     def __init__(self, params: ModelPair, *, num_slots: int, capacity: int, num_draft: Optional[int] = None,
-                 rule=None, drafting=None, lookup=None, controls: bool = True, max_eos: int = 8,
+                 rule=None, drafting=None, lookup=None, tree=None, controls: Optional[bool] = None, max_eos: int = 8,
                  max_bias: int = 8, prompt_bucket: int = 16,
                  processors: Sequence = processors_lib.BUILTIN_PROCESSORS, row_buckets=None,
                  donate_state: bool = False, specialized_steps: bool = False, logprobs: int = 0):
-        rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
         if lookup is not None and not isinstance(lookup, lookup_lib.NgramLookup):
             raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
+        if tree is None:
+            rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
+            cache_room = num_draft
+            controls = True if controls is None else controls
+        else:
+            if lookup is not None:
+                raise ValueError("Engine: lookup= drafts chains; it cannot be combined with tree=. Drop one of them.")
+            if controls:
+                raise ValueError("Engine: controls (logits processors) work with chains; they cannot be combined "
+                                 "with tree= yet (leave controls unset).")
+            rule, drafting, _ = _check_decode_args(params, rule, drafting, None)
+            # The tree's depth is its K; the target cache holds every node for a moment.
+            num_draft, cache_room, controls = _check_tree(tree, params, rule, drafting, num_draft), tree.num_nodes, False
         for name, value in (("num_slots", num_slots), ("capacity", capacity), ("max_eos", max_eos),
                             ("max_bias", max_bias), ("prompt_bucket", prompt_bucket)):
             number = as_integer(value)
@@ -569,8 +588,9 @@ class Engine:
                              f"got {logprobs!r}.")
         for name, model in (("target", params.target), ("draft", params.draft)):
             limit = getattr(getattr(model.module, "config", None), "max_position_embeddings", None)
-            if limit is not None and capacity + num_draft > limit:
-                raise ValueError(f"Engine: capacity {capacity} + num_draft {num_draft} exceeds the {name} model's "
+            if limit is not None and capacity + cache_room > limit:
+                room = f"the tree's {cache_room} nodes" if tree is not None else f"num_draft {num_draft}"
+                raise ValueError(f"Engine: capacity {capacity} + {room} exceeds the {name} model's "
                                  f"{limit} positions (max_position_embeddings); lower capacity.")
         processors = tuple(processors)
         if not all(callable(p) for p in processors):
@@ -588,8 +608,8 @@ class Engine:
         per_slot_rule = bool(leaves) and all(np.ndim(x) == 0 for x in leaves)
         self.vocab_size = params.vocab_size
         loop = _Config(diagnostics=None, num_draft=num_draft, max_new_tokens=capacity - 1,
-                       cache_length=capacity + num_draft, greedy=False, top_k=None, use_top_p=True, lookup=lookup,
-                       classes=pytree_classes(rule, drafting))
+                       cache_length=capacity + cache_room, greedy=False, top_k=None, use_top_p=True, lookup=lookup,
+                       tree=tree, classes=pytree_classes(rule, drafting))
         self.cfg = _EngineConfig(loop=loop, num_slots=int(num_slots), capacity=int(capacity),
                                  prompt_bucket=int(prompt_bucket), num_eos=int(max_eos), num_bias=int(max_bias),
                                  controls=bool(controls), processors=processors,
@@ -610,7 +630,13 @@ class Engine:
 
     @property
     def num_draft(self) -> int:
+        """The most drafts a cycle accepts, ``K`` (with a tree, its depth)."""
         return self.cfg.loop.num_draft
+
+    @property
+    def tree(self):
+        """The token tree every slot drafts, or None (chains)."""
+        return self.cfg.loop.tree
 
     @property
     def capacity(self) -> int:

@@ -2,7 +2,8 @@
 
 The same five steps as the chain cycle (:mod:`specjax._src.engine.chain`), as
 the same five functions, with a tree of draft tokens in place of a chain.
-:func:`_tree_cycle` is the whole cycle::
+:func:`_tree_cycle` is the whole cycle (:data:`TREE`, a
+:class:`specjax._src.engine.cycle.Cycle` of the chain's signature)::
 
     keys, uniforms = _tree_uniforms(...)  # the cycle's randomness, from one key per sequence
     drafted   = _draft(...)      # the tree: a static one level by level, a dynamic one expanded and reranked
@@ -69,19 +70,27 @@ from specjax._src import sampling
 from specjax._src.engine.config import _Config, _DecodeState
 from specjax._src.engine.cycle import (
     Committed,
+    Cycle,
+    CycleInputs,
     commit_block,
+    committed_block,
+    cycle_logprobs,
     draft_keep,
     first_draft_logits,
     first_head_logits,
+    greedy_rows,
     live_diagnostics,
+    live_settings,
     next_state,
     nonfinite_codes,
+    per_row_rule,
+    with_greedy_rows,
 )
 from specjax._src.engine.ops import _gather, _warp, _where_b
 from specjax._src.lm import KVCache
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
-from specjax._src.rules.base import AcceptanceRule, Path, SpeculativeSampling, Verdict, VerifyInputs
+from specjax._src.rules.base import AcceptanceRule, Path, Verdict, VerifyInputs
 from specjax._src.stats import record_cycle
 from specjax._src.trees import (DynamicTree, TokenTree, TreeVerdict, children_table, levels, rerank,
                                 sample_children, slot_scores, top_ranked, uniform_branching, verify_dynamic_tree,
@@ -91,24 +100,41 @@ Array = jax.Array
 
 
 def _tree_cycle(
-    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, prompt_lengths, max_new, eos_ids, seq_keys,
-    temperature, top_p, state: _DecodeState,
+    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, policy, inputs: CycleInputs, state: _DecodeState,
 ):
     """One tree cycle (a static :class:`TokenTree` or a :class:`DynamicTree`)
-    with any rule, as the chain cycle's five steps. Returns ``(state,
-    diagnostics or None)``."""
+    with any rule, as the chain cycle's five steps (:data:`TREE`'s ``run``).
+    Returns ``(state, diagnostics or None)``.
+
+    ``policy`` is not read: the tree's shape is the drafting policy.
+    ``inputs.rows`` (the slots engine's): per-row temperature, top-p and
+    top-k, greedy rows among sampled ones, rule numbers, log-probabilities,
+    and the draft cap, which limits the accepted path's depth
+    (:func:`specjax._src.trees.verify_tree`'s ``limit``)."""
+    del policy
+    prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows = inputs
+    if rows is not None:
+        rows, top_p = live_settings(rows, top_p, ~state.done)
     batch = state.num_committed.shape[0]
     need_view = _needs_chain_view(cfg, state)
     draft_keys, uniforms, emit_uniform = _tree_uniforms(cfg, seq_keys, state.step, batch)
-    drafted, draft_cache = _draft(cfg, pair_params, rule, state, draft_keys, temperature, top_p, need_view)
-    verified = _verify(cfg, pair_params, rule, state, drafted, temperature, top_p)
-    accepted = _accept(cfg, rule, state, drafted, verified, uniforms, emit_uniform)
+    drafted, draft_cache = _draft(cfg, pair_params, rule, state, draft_keys, temperature, top_p, need_view, rows)
+    verified = _verify(cfg, pair_params, rule, state, drafted, temperature, top_p, rows)
+    accepted = _accept(cfg, rule, state, drafted, verified, uniforms, emit_uniform, rows)
     committed, draft_features = _commit(pair_params, state, drafted, verified, accepted, draft_cache, prompt_lengths,
                                         max_new, eos_ids)
-    rule_state, stats, diag = _record(cfg, rule, state, drafted, verified, accepted, committed, uniforms, need_view)
+    logprobs = None if state.logprobs is None else _logprobs(state, drafted, verified, accepted, rows)
+    rule_state, stats, diag = _record(cfg, rule, state, drafted, verified, accepted, committed, uniforms, need_view,
+                                      rows)
     new_state = next_state(state, committed, bad=accepted.bad, rule_state=rule_state,
-                           policy_state=state.policy_state, stats=stats, draft_features=draft_features)
+                           policy_state=state.policy_state, stats=stats, draft_features=draft_features,
+                           logprobs=logprobs)
     return new_state, diag
+
+
+def _draft_limit(rows):
+    """``[B]`` each row's draft cap (the deepest node its walk may accept), or None."""
+    return None if rows is None else rows.draft_cap
 
 
 def _needs_chain_view(cfg: _Config, state: _DecodeState) -> bool:
@@ -132,11 +158,12 @@ def _tree_uniforms(cfg: _Config, seq_keys, step, batch: int):
     ``(draft_keys [B], uniforms [B, N], emit_uniform [B])``: the keys the
     children are drawn with (each level folds in its own index), one
     acceptance uniform per node and one for the emitted token. Greedy draws
-    nothing (``draft_keys`` is None)."""
+    nothing (``draft_keys`` is None). ``step``: a scalar, or ``[B]``."""
     n_nodes = _verified_nodes(cfg.tree)
     if cfg.greedy:
         return None, jnp.zeros((batch, n_nodes), jnp.float32), jnp.zeros((batch,), jnp.float32)
-    cycle_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(seq_keys)
+    steps = jnp.broadcast_to(step, (batch,))  # the slots engine counts cycles per row
+    cycle_keys = jax.vmap(jax.random.fold_in)(seq_keys, steps)
     draft_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(cycle_keys)
     u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, 2), (n_nodes + 1,)))(cycle_keys)
     return draft_keys, u[:, :n_nodes], u[:, n_nodes]
@@ -177,27 +204,28 @@ class _DraftedTree(NamedTuple):
 
 
 def _draft(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _DecodeState, draft_keys,
-           temperature, top_p, need_view: bool) -> tuple[_DraftedTree, KVCache]:
+           temperature, top_p, need_view: bool, rows=None) -> tuple[_DraftedTree, KVCache]:
     """Drafts the cycle's tree: a static tree level by level
     (:func:`_draft_tree`), a dynamic one by EAGLE-2's expansion and rerank
     (:func:`_draft_dynamic`). Returns the tree and the draft cache after it,
-    whose accepted path :func:`_commit` keeps."""
+    whose accepted path :func:`_commit` keeps. Greedy rows among sampled
+    ones (``rows.greedy``) take the draft's best tokens as a greedy loop does."""
     tree = cfg.tree
     batch = state.num_committed.shape[0]
-    lossless = isinstance(rule, SpeculativeSampling)
+    lossless = rule.lossless
     need_logits = not lossless or need_view
     if isinstance(tree, DynamicTree):
         # Drawn children keep the lossless walk exact and accept more; relaxed
         # rules judge by the target's ranks and accept more of the draft's best.
         sampled = lossless if tree.sampled is None else bool(tree.sampled)
         drafts, cache = _draft_dynamic(cfg, tree, pair_params, state, need_logits=need_logits, draft_keys=draft_keys,
-                                       temperature=temperature, top_p=top_p, sampled=sampled)
-        parent_logits = _warp(cfg, drafts.parent_logits, temperature, top_p) if need_logits else None
+                                       temperature=temperature, top_p=top_p, sampled=sampled, rows=rows)
+        parent_logits = _warp(cfg, drafts.parent_logits, temperature, top_p, rows) if need_logits else None
         table = jax.vmap(lambda p: children_table(p, tree.top_k))(drafts.parents)
         return _DraftedTree(tokens=drafts.tokens, parents=drafts.parents, table=table, probs=drafts.probs,
                             parent_logits=parent_logits, fed=drafts.fed, bad=drafts.bad,
                             forwards=drafts.forwards), cache
-    drafts, cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p)
+    drafts, cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p, rows)
     parents = np.asarray(tree.parents, np.int32)  # static: the mask is built on the host
     static_table = tree.children_table()
     table = jnp.broadcast_to(jnp.asarray(static_table), (batch,) + static_table.shape)
@@ -216,21 +244,22 @@ class _StaticDrafts(NamedTuple):
     forwards: Array  # scalar int32
 
 
-def _children(cfg: _Config, raw: Array, keys: Array, num: int, temperature, top_p):
+def _children(cfg: _Config, raw: Array, keys: Array, num: int, temperature, top_p, rows=None):
     """``(children [B, M, num], logits [B, M, V], probs [B, M, V])`` for ``M``
     nodes' raw draft logits ``[B, M, V]``."""
-    logits = _warp(cfg, raw, temperature, top_p)
+    logits = _warp(cfg, raw, temperature, top_p, rows)
     probs = jax.nn.softmax(logits, axis=-1)
     if cfg.greedy:
         return sampling.top_indices(raw, num), logits, probs
     m = raw.shape[1]
     pick = jax.vmap(jax.vmap(sample_children, in_axes=(0, 0, None)), in_axes=(0, 0, None))
     node_keys = jax.vmap(lambda k: jax.random.split(k, m))(keys)
-    return pick(node_keys, probs, num), logits, probs
+    kids = with_greedy_rows(cfg, rows, pick(node_keys, probs, num), lambda: sampling.top_indices(raw, num))
+    return kids, logits, probs
 
 
 def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _DecodeState, draft_keys,
-                temperature, top_p) -> tuple[_StaticDrafts, KVCache]:
+                temperature, top_p, rows=None) -> tuple[_StaticDrafts, KVCache]:
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab = pair_params.vocab_size
     batch = state.num_committed.shape[0]
@@ -253,7 +282,7 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
     forwards = 1
     for d, (lo, hi) in enumerate(spans[:-1]):
         keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(draft_keys) if draft_keys is not None else None
-        kids, level_logits, level_probs = _children(cfg, raw, keys, branching[d], temperature, top_p)
+        kids, level_logits, level_probs = _children(cfg, raw, keys, branching[d], temperature, top_p, rows)
         probs = probs.at[:, lo:hi].set(level_probs)
         logits = logits.at[:, lo:hi].set(level_logits)
         nlo, nhi = spans[d + 1]
@@ -285,7 +314,7 @@ class _DynamicDrafts(NamedTuple):
 
 def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, state: _DecodeState,
                    need_logits: bool, draft_keys=None, temperature=1.0, top_p=1.0,
-                   sampled: bool = False) -> tuple[_DynamicDrafts, KVCache]:
+                   sampled: bool = False, rows=None) -> tuple[_DynamicDrafts, KVCache]:
     """EAGLE-2's expansion and rerank (:func:`specjax._src.trees.dynamic_tree`).
 
     The draft sees a *fed tree*: node 0 the root, then each level's frontier
@@ -297,7 +326,8 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     top_k ...``, in draw order). Scores add :func:`slot_scores` of the
     ``T = 1`` draft log-probabilities of the raw logits. ``sampled`` (when
     not greedy): the children are drawn without replacement from the warped
-    draft distribution with ``draft_keys [B]`` (level ``d``'s folded with ``d``).
+    draft distribution with ``draft_keys [B]`` (level ``d``'s folded with ``d``);
+    greedy rows among them (``rows.greedy``) take the top-k, as a greedy loop does.
     """
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab, k, depth = pair_params.vocab_size, tree.top_k, tree.depth
@@ -317,14 +347,17 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     fed_probs = []  # sampled: [B, M, V] per draft forward, the warped distributions children are drawn from
 
     def children(raw, d):  # [B, M, V] -> ([B, M, k] tokens in draw order, [B, M, k] slot scores)
-        if sampled:
-            level_keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, d), raw.shape[1]))(draft_keys)
-            probs = jax.nn.softmax(_warp(cfg, raw, temperature, top_p), axis=-1)
-            kids = jax.vmap(jax.vmap(sample_children, in_axes=(0, 0, None)), in_axes=(0, 0, None))(level_keys, probs, k)
-            fed_probs.append(probs)
-            return kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids, probs)
-        kids = sampling.top_indices(raw, k)
-        return kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids)
+        def best():
+            kids = sampling.top_indices(raw, k)
+            return kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids)
+
+        if not sampled:
+            return best()
+        level_keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, d), raw.shape[1]))(draft_keys)
+        probs = jax.nn.softmax(_warp(cfg, raw, temperature, top_p, rows), axis=-1)
+        kids = jax.vmap(jax.vmap(sample_children, in_axes=(0, 0, None)), in_axes=(0, 0, None))(level_keys, probs, k)
+        fed_probs.append(probs)
+        return with_greedy_rows(cfg, rows, (kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids, probs)), best)
 
     kids, scores = children(raw0[:, None], 0)  # level 1, all of it the first frontier
     kids, scores = kids[:, 0], scores[:, 0]
@@ -396,7 +429,7 @@ class _TreeVerified(NamedTuple):
 
 
 def _verify(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _DecodeState,
-            drafted: _DraftedTree, temperature, top_p) -> _TreeVerified:
+            drafted: _DraftedTree, temperature, top_p, rows=None) -> _TreeVerified:
     """One target forward over all ``N`` nodes with tree attention: row ``j``
     of its logits judges node ``j``'s children."""
     head = pair_params.draft.module
@@ -405,7 +438,7 @@ def _verify(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _
                                           tree_parents=drafted.parents,
                                           hidden_layers=tuple(rule.hidden_layers) + head_layers)
     raw = out.logits[..., : pair_params.vocab_size]
-    target_logits = _warp(cfg, raw, temperature, top_p)
+    target_logits = _warp(cfg, raw, temperature, top_p, rows)
     head_hidden = None
     if head_layers:
         head_hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)
@@ -429,30 +462,18 @@ class _TreeAccepted(NamedTuple):
 
 
 def _accept(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _DraftedTree,
-            verified: _TreeVerified, uniforms, emit_uniform) -> _TreeAccepted:
+            verified: _TreeVerified, uniforms, emit_uniform, rows=None) -> _TreeAccepted:
     """The walk down each sequence's tree (:func:`_walk`) keeps the accepted
-    path and emits one more token. Greedy, a relaxed rule judges every node
-    at once as a child of its parent (:func:`_rule_on_nodes`); sampling, the
-    walk asks it about each child in turn (:func:`_judge_child`). A sequence
-    whose path read non-finite logits stops and emits nothing."""
-    walk = functools.partial(_walk, cfg.tree)
-    shape = _walk_shape(cfg.tree, drafted)
-    inputs = (drafted.tokens, verified.target_logits, verified.target_probs, uniforms, emit_uniform)
-    relaxed = not isinstance(rule, SpeculativeSampling)
-    node_codes = None
-    if relaxed and cfg.greedy:
-        node_accept, node_fix, node_codes = _rule_on_nodes(
-            rule, drafted.tokens, drafted.node_parents, drafted.parent_logits, verified.target_logits,
-            verified.target_probs, verified.hidden, state.rule_state)
-        verdict = jax.vmap(lambda s, a, fix, *xs: walk(s, *xs, greedy=True, node_accept=a, node_correction=fix))(
-            shape, node_accept, node_fix, *inputs)
-    elif relaxed:
-        judge_data = (verified.target_logits, drafted.child_draft_logits, verified.hidden, state.rule_state)
-        verdict = jax.vmap(lambda s, data, *xs: walk(s, *xs, greedy=False, judge=functools.partial(_judge_child, rule),
-                                                     judge_data=data))(shape, judge_data, *inputs)
-        node_codes = verdict.path_codes
-    else:
-        verdict = jax.vmap(lambda s, *xs: walk(s, *xs, greedy=cfg.greedy))(shape, *inputs)
+    path and emits one more token. A lossless rule (``rule.lossless``) is the
+    walk's own test; greedy, a relaxed rule judges every node at once as a
+    child of its parent (:func:`_rule_on_nodes`); sampling, the walk asks it
+    about each child in turn (:func:`_judge_child`). Greedy rows among sampled
+    ones walk greedily, as a greedy loop does; ``rows.draft_cap`` limits a
+    row's path. A sequence whose path read non-finite logits stops and emits nothing."""
+    verdict, node_codes = _walk_all(cfg, rule, state, drafted, verified, uniforms, emit_uniform, rows, cfg.greedy)
+    if greedy_rows(cfg, rows) is not None:
+        greedy = _walk_all(cfg, rule, state, drafted, verified, uniforms, emit_uniform, rows, True)
+        verdict, node_codes = with_greedy_rows(cfg, rows, (verdict, node_codes), lambda: greedy)
     n = verdict.num_accepted
     # Only the nodes the walk visited (the root and the n accepted ones) were
     # read, as a chain reads only its rows up to n: a NaN row at a sibling the
@@ -464,6 +485,38 @@ def _accept(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _D
                          new_bad=new_bad, bad=bad)
 
 
+def _walk_all(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _DraftedTree,
+              verified: _TreeVerified, uniforms, emit_uniform, rows, greedy: bool):
+    """Every sequence's walk, greedy or sampling (static ``greedy``):
+    ``(TreeVerdict [B]-batched without path codes, node codes [B, N] or None)``."""
+    walk = functools.partial(_walk, cfg.tree)
+    shape = _walk_shape(cfg.tree, drafted)
+    limit = _draft_limit(rows)
+    limits = jnp.full(drafted.tokens.shape[:1], cfg.tree.max_depth, jnp.int32) if limit is None else limit
+    inputs = (drafted.tokens, verified.target_logits, verified.target_probs, uniforms, emit_uniform, limits)
+    node_codes = None
+    if not rule.lossless and greedy:
+        node_accept, node_fix, node_codes = _rule_on_nodes(
+            rule, drafted.tokens, drafted.node_parents, drafted.parent_logits, verified.target_logits,
+            verified.target_probs, verified.hidden, state.rule_state, rows)
+        verdict = jax.vmap(lambda s, a, fix, *xs: walk(s, *xs, greedy=True, node_accept=a, node_correction=fix))(
+            shape, node_accept, node_fix, *inputs)
+    elif not rule.lossless:
+        judge_data = (verified.target_logits, drafted.child_draft_logits, verified.hidden, state.rule_state)
+        if rows is not None and rows.rules is not None:  # each row judges with its own numbers
+            verdict = jax.vmap(lambda r, s, data, *xs: walk(s, *xs, greedy=False,
+                                                            judge=functools.partial(_judge_child, r),
+                                                            judge_data=data))(rows.rules, shape, judge_data, *inputs)
+        else:
+            verdict = jax.vmap(lambda s, data, *xs: walk(s, *xs, greedy=False,
+                                                         judge=functools.partial(_judge_child, rule),
+                                                         judge_data=data))(shape, judge_data, *inputs)
+        node_codes = verdict.path_codes
+    else:
+        verdict = jax.vmap(lambda s, *xs: walk(s, *xs, greedy=greedy))(shape, *inputs)
+    return verdict._replace(path_codes=None), node_codes
+
+
 def _walk_shape(tree, drafted: _DraftedTree) -> tuple:
     """What :func:`_walk` reads of a sequence's tree besides the models' rows
     (``[B]``-batched): a static tree's ``(draft_probs,)``, a dynamic tree's
@@ -473,20 +526,24 @@ def _walk_shape(tree, drafted: _DraftedTree) -> tuple:
     return (drafted.probs,)
 
 
-def _walk(tree, shape: tuple, tokens, target_logits, target_probs, uniforms, emit_uniform, **kwargs) -> TreeVerdict:
+def _walk(tree, shape: tuple, tokens, target_logits, target_probs, uniforms, emit_uniform, limit,
+          **kwargs) -> TreeVerdict:
     """One sequence's walk down its tree: :func:`specjax._src.trees.verify_tree`
     for a static tree, :func:`specjax._src.trees.verify_dynamic_tree` for a
-    dynamic one (``shape``: :func:`_walk_shape`'s, one sequence's)."""
+    dynamic one (``shape``: :func:`_walk_shape`'s, one sequence's; ``limit``:
+    the deepest node it may accept)."""
     if isinstance(tree, DynamicTree):
         parents, draft_probs = shape
         return verify_dynamic_tree(parents, tokens, target_logits, target_probs, uniforms, emit_uniform,
-                                   depth=tree.max_depth, width=tree.top_k, draft_probs=draft_probs, **kwargs)
+                                   depth=tree.max_depth, width=tree.top_k, draft_probs=draft_probs, limit=limit,
+                                   **kwargs)
     (draft_probs,) = shape
-    return verify_tree(tree, tokens, target_logits, target_probs, draft_probs, uniforms, emit_uniform, **kwargs)
+    return verify_tree(tree, tokens, target_logits, target_probs, draft_probs, uniforms, emit_uniform, limit=limit,
+                       **kwargs)
 
 
 def _rule_on_nodes(rule: AcceptanceRule, tokens: Array, parents, parent_logits: Array, target_logits,
-                   target_probs, hidden: dict, rule_state) -> tuple[Array, Array, Array]:
+                   target_probs, hidden: dict, rule_state, rows=None) -> tuple[Array, Array, Array]:
     """A greedy rule's verdict on every node as a child of its parent:
     ``(accept [B, N], correction token [B, N], path code [B, N])`` (node 0: none).
 
@@ -511,7 +568,7 @@ def _rule_on_nodes(rule: AcceptanceRule, tokens: Array, parents, parent_logits: 
         uniforms=jnp.zeros((batch, n - 1), jnp.float32),
         valid=jnp.ones((batch, n - 1), bool), features=features,
     )
-    verdict = jax.vmap(lambda i, s: rule.verify(i, s, greedy=True))(inputs, rule_state)
+    verdict = per_row_rule(rule, rows, "verify", True, inputs, rule_state)
     pad = lambda x, v: jnp.concatenate([jnp.full((batch, 1), v, x.dtype), x], axis=1)  # noqa: E731
     return (pad(jnp.asarray(verdict.accept, bool), False), pad(sampling.argmax(verdict.correction), 0),
             pad(jnp.asarray(verdict.path, jnp.int32), Path.REJECTED))
@@ -582,13 +639,25 @@ def _commit(pair_params: ModelPair, state: _DecodeState, drafted: _DraftedTree, 
     return committed, draft_features
 
 
+def _logprobs(state: _DecodeState, drafted: _DraftedTree, verified: _TreeVerified, accepted: _TreeAccepted,
+              rows=None):
+    """The committed path's log-probabilities: slot ``k`` scored under the
+    target's distribution at path node ``k``, which judged node ``k + 1``
+    and, at the end of the path, gave the emitted token
+    (:func:`specjax._src.engine.cycle.cycle_logprobs`)."""
+    path, n = accepted.verdict.path, accepted.num_accepted
+    path_tokens = jnp.take_along_axis(drafted.tokens, path[:, 1:], axis=1)
+    block = committed_block(path_tokens, n, accepted.verdict.token)
+    return cycle_logprobs(state, jnp.take_along_axis(verified.target_logits, path[:, :, None], axis=1), block, rows)
+
+
 # ---------------------------------------------------------------------------
 # 5. record
 # ---------------------------------------------------------------------------
 
 
 def _record(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _DraftedTree, verified: _TreeVerified,
-            accepted: _TreeAccepted, committed: Committed, uniforms, need_view: bool):
+            accepted: _TreeAccepted, committed: Committed, uniforms, need_view: bool, rows=None):
     """What the cycle leaves for later, for live sequences only: the stats
     with ``K`` = the tree's depth (each cycle judges one path), and, from the
     decided path as a chain block (:func:`_path_as_chain`), a stateful rule's
@@ -603,6 +672,9 @@ def _record(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _D
     # emitted there is a bonus, not a correction.
     stop = jnp.take_along_axis(verdict.path, n[:, None], axis=1)[:, 0]
     stop_has_child = jax.vmap(lambda t, j: t[j, 0] >= 0)(drafted.table, stop)
+    limit = _draft_limit(rows)
+    if limit is not None:  # a path cut at the row's draft cap ends at a leaf for that row
+        stop_has_child = stop_has_child & (n < limit)
     judged = jnp.where(jnp.arange(depth)[None, :] == n[:, None], stop_has_child[:, None], True)
     if accepted.node_codes is not None:  # each accepted node's own path code (exact / relaxed / pardon)
         paths = jnp.take_along_axis(accepted.node_codes, verdict.path[:, 1:], axis=1)
@@ -614,7 +686,9 @@ def _record(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _D
         view = jax.vmap(_path_as_chain)(drafted.table, verdict.path, n, paths, drafted.tokens,
                                         drafted.child_draft_logits, verified.target_logits, uniforms, verified.hidden)
         if _stateful(state):  # e.g. AdaSD's running means: the rule updates from the decided path, as from a chain
-            rule_state = jax.vmap(functools.partial(rule.update, greedy=cfg.greedy))(rule_state, *view, n)
+            args = (rule_state,) + tuple(view) + (n,)
+            rule_state = with_greedy_rows(cfg, rows, per_row_rule(rule, rows, "update", cfg.greedy, *args),
+                                          lambda: per_row_rule(rule, rows, "update", True, *args))
             rule_state = _where_b(live, rule_state, state.rule_state)
         diag = live_diagnostics(cfg, live, *view, n)
     stats = record_cycle(state.stats, live=live, valid=judged, num_accepted=n, num_committed=committed.num_new,
@@ -645,3 +719,7 @@ def _path_as_chain(table, path, n, codes, tokens, child_draft_logits, target_log
         valid=valid, features=features,
     )
     return inputs, Verdict(accept=slot < n, path=codes, correction=inputs.target_probs[:depth])
+
+
+TREE = Cycle("tree", _tree_cycle)
+"""The tree cycle: a static or dynamic token tree, one verification of all its nodes."""

@@ -1,0 +1,166 @@
+"""Token trees in the slots engine: every slot drafts a tree per cycle, with its own settings, and
+each request decodes what ``decode(tree=...)`` gives it alone."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax.drafting import ngram_lookup
+from specjax.engine import Engine, SlotSettings
+from specjax.rules import ears, mars, one_of, speculative_sampling, typical
+from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
+from specjax.trees import dynamic_tree, static_tree
+from test_decode import count_compilations, exact_two_token_distribution, goodness_of_fit
+from test_slots import run_to_end
+from test_slots_serving import reference_logprobs
+from test_slots_serving import run_to_end as run_with_logprobs
+
+CAPACITY = 48
+RULES = (speculative_sampling(), mars(theta=0.5), ears(beta=0.5), typical(eps=0.3, delta=0.3))
+PROMPTS = [[5, 9, 3], [7] * 12, [1, 2, 3, 4, 5, 6], [11, 12]]
+REQUESTS = [
+    SlotSettings(temperature=0.0, max_new_tokens=20),  # the lossless member, greedy
+    SlotSettings(temperature=0.0, max_new_tokens=20, rule=mars(theta=0.3)),  # relaxed, greedy, its own number
+    SlotSettings(temperature=1.0, seed=3, max_new_tokens=18, rule=ears(beta=0.5)),
+    SlotSettings(temperature=0.8, top_p=0.9, top_k=20, seed=5, max_new_tokens=20, rule=typical(eps=0.3, delta=0.3)),
+]
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    return specjax.pair(*peaked_target_and_draft(llama_config()))
+
+
+@pytest.fixture(scope="module")
+def head_pair(llama_pair):
+    target = llama_pair.target
+    return specjax.pair(target, specjax.heads.init_from_target(target, jax.random.key(1), np.arange(80)[::-1]))
+
+
+def alone(pair, tree, prompt, s: SlotSettings, rule=None):
+    key = None if s.seed is None else jax.random.key(s.seed)
+    out = specjax.decode(pair, [prompt], tree=tree, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                         top_k=s.top_k, top_p=None if s.top_p >= 1 else s.top_p, key=key,
+                         rule=rule or s.rule or RULES[0], max_length=CAPACITY + tree.num_nodes)
+    return out.to_lists()[0]
+
+
+@pytest.mark.parametrize("drafter, tree", [
+    ("draft model", static_tree((2, 2, 1))),
+    ("feature head", dynamic_tree(3, 2, 5)),
+], ids=["static-draft-model", "dynamic-feature-head"])
+def test_each_request_decodes_as_decode_alone_on_its_tree(llama_pair, head_pair, drafter, tree):
+    """Four slots, four rules, greedy and sampled (top-p and top-k on one), one inserted mid-run:
+    each request gets exactly the tokens decode(tree=...) gives it alone with its rule; a request
+    with other numbers later compiles nothing."""
+    pair = llama_pair if drafter == "draft model" else head_pair
+    engine = Engine(pair, num_slots=4, capacity=CAPACITY, rule=one_of(*RULES), tree=tree)
+    assert engine.tree == tree and engine.num_draft == tree.max_depth and not engine.cfg.controls
+    state = engine.insert_many(engine.init(), [0, 1, 2], PROMPTS[:3], REQUESTS[:3])
+    got, state = run_to_end(engine, state, pending=[(2, 3, PROMPTS[3], REQUESTS[3])])
+    for slot, s in enumerate(REQUESTS):
+        assert got[slot] == alone(pair, tree, PROMPTS[slot], s), (slot, str(s.rule))
+    # MARS at theta 0.3 relaxed something on the tree: the slot did not run the lossless default.
+    assert got[1] != alone(pair, tree, PROMPTS[1], REQUESTS[0])
+    state = engine.release(state, 0)
+    with count_compilations() as compiled:
+        state = engine.insert(state, 0, PROMPTS[0], SlotSettings(temperature=0.6, seed=1, max_new_tokens=4,
+                                                                 top_k=5, rule=mars(theta=0.8)))
+        state, _ = engine.step(state, 2)
+        jax.block_until_ready(state.loop.tokens)
+    assert compiled["n"] == 0
+
+
+def test_draft_cap_limits_the_path_depth(llama_pair):
+    """A request's num_draft caps the depth its path accepts: greedy, the output is the target's
+    own (cap 0, 1 or the full depth); cap 1 accepts at most one draft per cycle (tau <= 2, as
+    decode on the tree's first level), cap 0 none; beyond the tree's depth it is refused by name."""
+    tree = static_tree((2, 2, 1))
+    engine = Engine(llama_pair, num_slots=3, capacity=CAPACITY, tree=tree)
+    requests = [SlotSettings(temperature=0.0, max_new_tokens=20, num_draft=cap) for cap in (0, 1, None)]
+    state = engine.insert_many(engine.init(), [0, 1, 2], [PROMPTS[2]] * 3, requests)
+    got, state = run_to_end(engine, state)
+    target_only = specjax.generate(llama_pair.target, [PROMPTS[2]], max_new_tokens=20, temperature=0.0,
+                                   max_length=CAPACITY).to_lists()[0]
+    assert got[0] == got[1] == got[2] == target_only
+    one_level = alone(llama_pair, static_tree((2,)), PROMPTS[2], requests[1])
+    assert got[1] == one_level
+    stats = jax.device_get(state.loop.stats)
+    accepted, cycles = np.asarray(stats.accepted), np.asarray(stats.cycles)  # [S]
+    assert accepted[0] == 0 and 0 < accepted[1] <= cycles[1] and accepted[2] > accepted[1], (accepted, cycles)
+    errors = engine.validate(SlotSettings(num_draft=4, max_new_tokens=4), 3)
+    assert [e.field for e in errors] == ["num_draft"] and "0 .. 3" in errors[0].message
+
+
+def test_logprobs_on_trees_are_the_targets_sampling_distribution(llama_pair):
+    """Log-probabilities of a tree's committed path: each token's under the target's warped
+    distribution at its position (numpy reference), greedy and at T=0.7 with top-k; a raw-logits
+    negative control differs."""
+    engine = Engine(llama_pair, num_slots=2, capacity=CAPACITY, tree=dynamic_tree(3, 2, 5), logprobs=4)
+    requests = [SlotSettings(temperature=0.0, max_new_tokens=12, logprobs=4),
+                SlotSettings(temperature=0.7, top_k=6, seed=3, max_new_tokens=12, logprobs=2)]
+    state = engine.insert_many(engine.init(), [0, 1], PROMPTS[:2], requests)
+    got, _ = run_with_logprobs(engine, state)
+    for slot, s in enumerate(requests):
+        tokens = [int(t) for t in got[slot]["tokens"]]
+        ref = reference_logprobs(llama_pair, PROMPTS[slot], tokens, s)
+        np.testing.assert_allclose(got[slot]["logprobs"], ref[np.arange(len(tokens)), tokens], atol=1e-4)
+        top = np.stack(got[slot]["top_logprobs"])[:, : s.logprobs]
+        np.testing.assert_allclose(top, -np.sort(-ref, axis=1)[:, : s.logprobs], atol=1e-4)
+    tokens = [int(t) for t in got[1]["tokens"]]
+    raw = reference_logprobs(llama_pair, PROMPTS[1], tokens, requests[1], raw=True)[np.arange(len(tokens)), tokens]
+    assert np.abs(np.asarray(got[1]["logprobs"]) - raw).max() > 0.05
+
+
+VOCAB = 8
+
+
+@pytest.mark.parametrize("tree", [static_tree((3, 2)), dynamic_tree(2, 3, 4, sampled=False)],
+                         ids=["static", "dynamic-point-mass"])
+def test_lossless_slots_in_a_mixed_state_sample_the_targets_law(tree):
+    """Slots judged by the lossless rule and by typical in one state, at T=1, on trees: the
+    lossless slots' first two tokens follow the target's law exactly (chi-square); typical's with
+    a high floor do not, so the test can tell the rules apart."""
+    pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
+    rules = (speculative_sampling(), typical(eps=0.3, delta=0.3))
+    n = 5000 * len(rules)
+    engine = Engine(pair, num_slots=n, capacity=8, rule=one_of(*rules), tree=tree)
+    settings = [SlotSettings(temperature=1.0, max_new_tokens=2, eos_token_id=(), seed=i, rule=rules[i % 2])
+                for i in range(n)]
+    state = engine.insert_many(engine.init(), list(range(n)), [[3]] * n, settings)
+    state, out = engine.step(state, 4)
+    out = jax.device_get(out)
+    assert (out.counts == 2).all()
+    law = exact_two_token_distribution(np.asarray(pair.target.params["table"]), 3, 1.0, None, None)
+
+    def fit(member):
+        toks = out.tokens[member::2, :2]
+        counts = np.zeros((VOCAB, VOCAB))
+        np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+        return goodness_of_fit(counts, law)
+
+    pvalue, tv = fit(0)
+    assert pvalue > 1e-3 and tv < 0.05, (pvalue, tv)
+    pvalue, tv = fit(1)  # negative control
+    assert pvalue < 1e-6 and tv > 0.05, (pvalue, tv)
+
+
+def test_tree_engine_refuses_what_trees_do_not_take(llama_pair):
+    tree = static_tree((2, 1))
+    with pytest.raises(ValueError, match="lookup= drafts chains"):
+        Engine(llama_pair, num_slots=1, capacity=16, tree=tree, lookup=ngram_lookup(2))
+    with pytest.raises(ValueError, match="controls .* cannot be combined with tree="):
+        Engine(llama_pair, num_slots=1, capacity=16, tree=tree, controls=True)
+    with pytest.raises(ValueError, match="num_draft=2 but the tree's depth is 3"):
+        Engine(llama_pair, num_slots=1, capacity=16, tree=static_tree((2, 1, 1)), num_draft=2)
+    with pytest.raises(TypeError, match="tree must be a TokenTree"):
+        Engine(llama_pair, num_slots=1, capacity=16, tree=(2, 1))
+    with pytest.raises(ValueError, match="the tree's 5 nodes exceeds the target model's 128 positions"):
+        Engine(llama_pair, num_slots=1, capacity=126, tree=tree)
+    engine = Engine(llama_pair, num_slots=1, capacity=16, tree=tree)
+    errors = engine.validate(SlotSettings(controls=specjax.GenerationControls(repetition_penalty=1.2),
+                                          max_new_tokens=4), 3)
+    assert [e.field for e in errors] == ["controls"] and "controls=False" in errors[0].message
