@@ -19,6 +19,8 @@ The three take turns: for each round (``--rounds``) and each C, the speculative 
 no-drafts row, then the static row, so that a load change on a shared machine hits them alike.
 With ``--baseline DIR`` (a checkout of another revision) a second server runs from it beside the
 first, and its row follows each speculative row: the same requests, one revision against the other.
+With ``--tree SPEC`` the second server is this checkout's with ``--tree SPEC`` (a token tree per
+cycle in every slot, no lookup), and its rows ('tree') follow each speculative (chain) row.
 
 Reported per row: output tokens per second over the row's wall time (for the server rows that
 includes the clients' gaps, so it measures capacity only where the gaps are short; the static rows
@@ -91,7 +93,12 @@ def parse_args(argv=None):
                    help="also serve from this checkout of another revision (e.g. `git worktree add /tmp/base "
                         "main`): its server runs beside this one and its rows ('baseline') alternate with the "
                         "speculative rows, the same requests")
+    p.add_argument("--tree", metavar="SPEC",
+                   help='also serve the pair with --tree SPEC (e.g. "dynamic:3,3,8"; no lookup) beside the chain '
+                        "server: its rows ('tree') alternate with the speculative rows, the same requests")
     args = p.parse_args(argv)
+    if args.tree and args.baseline:
+        p.error("give --baseline or --tree, not both (each runs the second server)")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     return args
@@ -108,13 +115,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, port: int, checkout: Path = ROOT) -> subprocess.Popen:
-    """``specjax serve`` of ``checkout`` (its own package first on the path) on ``port``."""
+def start_server(args, port: int, checkout: Path = ROOT, tree: str | None = None) -> subprocess.Popen:
+    """``specjax serve`` of ``checkout`` (its own package first on the path) on ``port``; with
+    ``tree``, drafting that token tree (``--tree``) instead of chains with the lookup."""
     cmd = [sys.executable, "-c", "import sys; from specjax.cli import main; sys.exit(main(sys.argv[1:]))", "serve",
            "--pair", args.pair, "--rule", args.rule, "--slots", str(args.slots), "--capacity", str(args.capacity),
            "--max-queue", str(max(64, max(args.clients) * args.requests_per_client)), "--port", str(port),
            "--log-level", "warning", "--served-model-name", "bench"]
-    if args.lookup:
+    if tree:
+        cmd += ["--tree", tree]
+    elif args.lookup:
         cmd += ["--lookup", args.lookup]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen(cmd, cwd=checkout, env=env)
@@ -357,26 +367,29 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         wait_ready(httpx, base, proc)
         print(f"server ready after {time.perf_counter() - t0:.0f} s (load and compile)", flush=True)
-        if args.baseline:  # started after the first is ready: the two do not compile at once
+        second = "baseline" if args.baseline else "tree" if args.tree else None
+        if second:  # started after the first is ready: the two do not compile at once
             other_port = free_port()
             other_base = f"http://127.0.0.1:{other_port}"
-            other = start_server(args, other_port, Path(args.baseline).resolve())
+            other = (start_server(args, other_port, Path(args.baseline).resolve()) if args.baseline
+                     else start_server(args, other_port, tree=args.tree))
             t0 = time.perf_counter()
             wait_ready(httpx, other_base, other)
-            print(f"baseline server ({args.baseline}) ready after {time.perf_counter() - t0:.0f} s", flush=True)
+            print(f"{second} server ({args.baseline or args.tree}) ready after {time.perf_counter() - t0:.0f} s",
+                  flush=True)
         static = None if args.skip_decode else static_runner(args, texts)
         for rnd in range(args.rounds):
             for clients in args.clients:
                 share = requests[: clients * args.requests_per_client]
-                for mode, num_draft in (("speculative", None), ("baseline", None), ("no drafts", 0),
+                for mode, num_draft in (("speculative", None), (second, None), ("no drafts", 0),
                                         ("static decode", None)):
-                    if (mode == "no drafts" and args.skip_no_drafts) or (mode == "baseline" and other is None):
+                    if mode is None or (mode == "no drafts" and args.skip_no_drafts):
                         continue
                     if mode == "static decode":
                         if static is None:
                             continue
                         row = static(clients)
-                    elif mode == "baseline":
+                    elif mode == second:
                         row = run_load(httpx, other_base, share, clients, args, num_draft, other.pid)
                     else:
                         row = run_load(httpx, base, share, clients, args, num_draft, proc.pid)
@@ -395,7 +408,7 @@ def main(argv=None) -> int:
     print(f"server: peak RSS {rss:.0f} MiB; /health after the load: {health}; after SIGTERM it exited "
           f"{'cleanly' if clean else f'with status {code}'}")
     if other_rss is not None:
-        print(f"baseline server: peak RSS {other_rss:.0f} MiB")
+        print(f"{second} server: peak RSS {other_rss:.0f} MiB")
 
     head = ["mode", "C", "round", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "done/sent",
             "lost", "host share", "prefill share", "requests per prefill", "accept", "CPU s: model, clients"]
@@ -414,13 +427,16 @@ def main(argv=None) -> int:
         if itl(spec) and itl(off):
             print(f"C={clients}: median ITL no drafts / speculative = "
                   f"{statistics.median(itl(off)) / statistics.median(itl(spec)):.2f}x")
-        base_rows = of("baseline")
-        if base_rows:  # this checkout against the baseline's, round by round
-            ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(spec, base_rows)]
-            print(f"C={clients}: tok/s this checkout / baseline = {common.ratio_cell(ratios)}; median TTFT "
+        base_rows = of(second) if second else []
+        if base_rows:  # the two servers, round by round: this checkout / baseline, or tree / chain
+            ratios = [(a["tok_s"] / b["tok_s"]) if second == "baseline" else (b["tok_s"] / a["tok_s"])
+                      for a, b in zip(spec, base_rows)]
+            label = "this checkout / baseline" if second == "baseline" else "tree / chain (speculative)"
+            print(f"C={clients}: tok/s {label} = {common.ratio_cell(ratios)}; median TTFT "
                   f"{statistics.median([x for r in spec for x in r['ttft']]) * 1000:.0f} against "
-                  f"{statistics.median([x for r in base_rows for x in r['ttft']]) * 1000:.0f} ms, median ITL "
-                  f"{statistics.median(itl(spec)) * 1000:.1f} against {statistics.median(itl(base_rows)) * 1000:.1f} ms")
+                  f"{statistics.median([x for r in base_rows for x in r['ttft']]) * 1000:.0f} ms (speculative "
+                  f"against {second}), median ITL {statistics.median(itl(spec)) * 1000:.1f} against "
+                  f"{statistics.median(itl(base_rows)) * 1000:.1f} ms")
         if static_rows:  # rows of one round ran one after the other: their ratio is the fair one
             ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(spec, static_rows)]
             print(f"C={clients}: tok/s speculative server / static decode = {common.ratio_cell(ratios)} "

@@ -514,7 +514,7 @@ def test_serve_names_the_extra_when_fastapi_is_missing(monkeypatch):
         serve._require_server_packages()
 
 
-def test_cli_parses_serve_and_refuses_trees(setup):
+def test_cli_parses_serve(setup):
     from specjax.cli import serve
     from specjax.cli.app import build_parser
 
@@ -522,9 +522,47 @@ def test_cli_parses_serve_and_refuses_trees(setup):
     assert (args.slots, args.capacity, args.rule, args.host) == (2, None, "mars:theta=0.9", "127.0.0.1")
     # The default capacity fits the models' positions: the embedded pair's 256, less K.
     assert serve.default_capacity(setup["target"], setup["pair"].draft, K) == 256 - K
-    args = build_parser().parse_args(["serve", "--tree", "2,1"])
-    with pytest.raises(SystemExit, match="token trees are not served"):
-        serve.build(args)
+    for flags, message in ((["--tree", "2,1", "--num-draft", "3"], "the tree's depth \\(2\\) is its K"),
+                           (["--tree", "2,1", "--lookup", "2"], "--lookup applies to chains"),
+                           (["--tree", "2,x"], "--tree: tree '2,x'")):
+        with pytest.raises(SystemExit, match=message):
+            serve.build(build_parser().parse_args(["serve"] + flags))
+
+
+def test_serve_with_a_token_tree():
+    """`specjax serve --tree`: each request drafts a token tree in its slot; greedy requests get what
+    decode(tree=...) gives them alone with the rule they pick, the model card names the tree, and
+    penalties, which trees do not take, are refused by name."""
+    from specjax.cli import serve
+    from specjax.cli.app import build_parser
+    from specjax.trees import static_tree
+
+    args = build_parser().parse_args(["serve", "--tree", "2,2,1", "--slots", "2", "--capacity", "64",
+                                      "--rules", "sd,mars:theta=0.5", "--cycles-per-step", "2"])
+    app, scheduler = serve.build(args)
+    server = Server(app)
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        target, tree = scheduler.engine.params.target, static_tree((2, 2, 1))
+        assert scheduler.engine.tree == tree
+        ids = target.tokenizer.encode(PROMPT).ids
+        for rule, extra in ((speculative_sampling(), {}), (mars(theta=0.3), {"speculative": {"rule": "mars:theta=0.3"}})):
+            r = client.completions.create(model="embedded", prompt=PROMPT, max_tokens=20, temperature=0,
+                                          extra_body=extra)
+            ref = specjax.decode(scheduler.engine.params, [ids], tree=tree, max_new_tokens=20, temperature=0.0,
+                                 rule=rule, max_length=64 + tree.num_nodes).to_lists()[0]
+            assert r.choices[0].text == target.tokenizer.decode(ref), str(rule)
+            assert r.model_extra["speculative"]["cycles"] < len(ref)  # the tree accepted drafts
+        card = httpx.get(server.url + "/v1/models", timeout=5).json()["data"][0]["speculative"]
+        assert card["tree"] == "2,2,1" and card["num_draft"] == 3
+        bad = httpx.post(server.url + "/v1/completions", timeout=30,
+                         json={"model": "embedded", "prompt": PROMPT, "max_tokens": 4, "presence_penalty": 0.5})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "presence_penalty"
+        assert "--tree" in bad.json()["error"]["message"]
+    finally:
+        server.stop()
+    jax.clear_caches()
 
 
 def test_serve_keeps_its_programs_in_a_compilation_cache(tmp_path, monkeypatch):

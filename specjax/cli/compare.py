@@ -846,8 +846,8 @@ def quality_notes(rows: Sequence[Row]) -> str:
         lossless = [r for r in group if r.lossless]
         if lossless and temperature == 0:
             differs = [r.method for r in lossless if not math.isnan(r.agreement) and r.agreement < 1.0]
-            lines.append(f"T=0: lossless rows reproduce target-only's greedy text: "
-                         + (f"identical on every prompt." if not differs else
+            lines.append("T=0: lossless rows reproduce target-only's greedy text: "
+                         + ("identical on every prompt." if not differs else
                             f"DIFFERS for {', '.join(differs)} (near-tie logits rounding differently?)."))
         elif lossless:
             lines.append(f"T={temperature:g}: lossless rows sample the target's own distribution: their NLL differs "

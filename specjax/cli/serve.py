@@ -25,11 +25,11 @@ def build(args):
     from specjax._src.serve.api import MAX_STOP_TOKEN_IDS, ServerConfig, create_app
     from specjax._src.serve.scheduler import Scheduler
     from specjax.engine import Engine
-    from specjax.rules import parse_rule
 
-    if getattr(args, "tree", None) is not None:
-        raise SystemExit("error: --tree: the slots engine drafts chains; token trees are not served yet.")
-    lookup, drafting = common.lookup(args), common.drafting_policy(args)
+    tree, lookup, drafting = common.tree(args), common.lookup(args), common.drafting_policy(args)
+    if tree is not None and args.num_draft is not None and args.num_draft != tree.max_depth:
+        raise SystemExit(f"error: --num-draft {args.num_draft} with --tree {args.tree!r}: the tree's depth "
+                         f"({tree.max_depth}) is its K; drop --num-draft.")
     rule = served_rule(args)
     target, draft = common.load_pair(args, quantize=args.quantize)
     if target.tokenizer is None:
@@ -39,17 +39,29 @@ def build(args):
         if not path.is_file():
             raise SystemExit(f"error: --chat-template {path} is not a file; give a Jinja template file.")
         target = target.replace(chat_template=path.read_text())
-    num_draft = args.num_draft if args.num_draft is not None else (3 if common.pair_name(args).startswith("smollm2")
-                                                                   else 4)
-    capacity = args.capacity if args.capacity is not None else default_capacity(target, draft, num_draft)
+    if tree is not None:
+        num_draft, room = None, tree.num_nodes  # a slot's caches hold the tree's nodes past the capacity
+    else:
+        num_draft = args.num_draft if args.num_draft is not None else (
+            3 if common.pair_name(args).startswith("smollm2") else 4)
+        room = num_draft
+    capacity = args.capacity if args.capacity is not None else default_capacity(target, draft, room)
     # One prompt width up to 512 positions: a prefill runs as many positions as its longest prompt
     # whatever the width, so more widths would only mean more programs to compile.
     # max_bias: OpenAI's limit of logit_bias entries per request.
-    engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=capacity, num_draft=num_draft,
-                    rule=rule, drafting=drafting, lookup=lookup, controls=not args.no_penalties,
-                    prompt_bucket=min(capacity, 512), row_buckets="powers", donate_state=True,
-                    specialized_steps=True, max_bias=300, max_eos=MAX_STOP_TOKEN_IDS + 4, logprobs=args.max_logprobs)
-    eos = getattr(target.module.config, "eos_token_id", None)
+    # Token trees take no logits processors yet: a --tree server refuses penalties by name (docs/server.md).
+    try:
+        engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=capacity, num_draft=num_draft,
+                        rule=rule, drafting=drafting, lookup=lookup, tree=tree,
+                        controls=False if tree is not None else not args.no_penalties,
+                        prompt_bucket=min(capacity, 512), row_buckets="powers", donate_state=True,
+                        specialized_steps=True, max_bias=300, max_eos=MAX_STOP_TOKEN_IDS + 4,
+                        logprobs=args.max_logprobs)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    # Every end id the model declares (Gemma's chat turns end at <end_of_turn>, beside its EOS).
+    model_config = target.module.config
+    eos = getattr(model_config, "eos_token_ids", None) or getattr(model_config, "eos_token_id", None)
     eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,
                           eos_ids=eos, prefill_chunk=args.prefill_chunk)
@@ -87,11 +99,11 @@ def served_rule(args):
     return rule
 
 
-def default_capacity(target, draft, num_draft: int, most: int = 512) -> int:
+def default_capacity(target, draft, room: int, most: int = 512) -> int:
     """``most`` tokens per slot, or fewer where the models' positions end sooner (a slot's caches hold
-    ``capacity + num_draft`` positions)."""
+    ``capacity + room`` positions: ``num_draft``, or a tree's nodes)."""
     limits = [getattr(getattr(m.module, "config", None), "max_position_embeddings", None) for m in (target, draft)]
-    return min([most] + [limit - num_draft for limit in limits if limit is not None])
+    return min([most] + [limit - room for limit in limits if limit is not None])
 
 
 def use_compilation_cache(directory: Optional[str]) -> Optional[str]:

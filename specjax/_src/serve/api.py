@@ -42,7 +42,7 @@ import re
 import secrets
 import time
 import uuid
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -58,6 +58,7 @@ from specjax._src.rules.combinators import OneOf
 from specjax._src.rules.parse import parse_spec, rule_from_spec
 from specjax._src.serve import fields as fields_lib
 from specjax._src.serve import scheduler as sched
+from specjax._src.trees import tree_spec
 
 Number = Annotated[float, Strict()]  # an int or a float; not a string or a bool
 
@@ -395,10 +396,10 @@ async def health(raw: Request):
 
 def _model_card(config: ServerConfig, engine) -> dict:
     """OpenAI's model object, and ``speculative``: the rules a request may name (the first is the
-    default) and the most drafts per cycle."""
+    default), the most drafts per cycle, and the token tree each cycle drafts (None: chains)."""
     return {"id": config.model_name, "object": "model", "created": config.created, "owned_by": "specjax",
             "speculative": {"rules": [str(r) for r in engine.served_rules], "default_rule": _default_rule(engine),
-                            "num_draft": engine.num_draft}}
+                            "num_draft": engine.num_draft, "tree": None if engine.tree is None else tree_spec(engine.tree)}}
 
 
 async def list_models(raw: Request):
@@ -747,8 +748,10 @@ def _settings(body: _Sampling, prompt: list[int], k: Optional[int], scheduler: s
                                          ("logit_bias", body.logit_bias), ("min_tokens", body.min_tokens))
                 if value not in (None, 0, 0.0, {}) and not (name == "repetition_penalty" and value == 1)]
         if used:
-            raise _unsupported(f"{used[0]}: this server was started with --no-penalties (its engine has no logits "
-                               "processors); leave the penalties, logit_bias and min_tokens unset.", used[0])
+            why = ("--tree (token trees take no logits processors yet)" if engine.tree is not None
+                   else "--no-penalties (its engine has no logits processors)")
+            raise _unsupported(f"{used[0]}: this server was started with {why}; leave the penalties, logit_bias and "
+                               "min_tokens unset.", used[0])
         controls = None
     num_draft, num_draft_param, rule = body.num_draft, "num_draft", None
     speculative = body.speculative
