@@ -100,7 +100,7 @@ def _weight_files(path: str, names=None) -> list[str]:
 
 
 def read_tensors(files: list[str]) -> dict[str, np.ndarray]:
-    """Every tensor of ``files`` as NumPy (bfloat16 as float32), by its name in the file.
+    """Every tensor of ``files`` as NumPy (a pickle's bfloat16 as float32), by its name in the file.
 
     Raises:
       ValueError: a damaged file, or a pickle holding anything but tensors.
@@ -112,21 +112,36 @@ def read_tensors(files: list[str]) -> dict[str, np.ndarray]:
                 for name in f.keys():
                     out[name] = np.asarray(hf._reader(file, f.get_tensor)(name))
             continue
-        import torch  # only for pickled weights
-
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as e:  # UnpicklingError for a non-tensor object, RuntimeError for a damaged zip
-            raise ValueError(f"{file} cannot be read as a PyTorch state dict of tensors ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}).") from e
-        if not isinstance(state, dict):
-            raise ValueError(f"{file} holds a {type(state).__name__}, not a state dict of tensors.")
-        for name, t in state.items():
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{file}: entry {name!r} is a {type(t).__name__}, not a tensor.")
+        for name, t in _load_pickle(file).items():
             t = t.detach()
             out[name] = (t.float() if t.is_floating_point() else t).numpy()
     return out
+
+
+def _load_pickle(file: str) -> dict:
+    """A pickled state dict through torch's restricted unpickler (``weights_only=True``): tensors only."""
+    import torch  # only for pickled weights
+
+    if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (2, 6):
+        raise ValueError(f"{file}: reading pickled weights needs torch >= 2.6, whose weights_only unpickler "
+                         f"has no known bypass (CVE-2025-32434); this is torch {torch.__version__}. Upgrade "
+                         "torch or convert the head to safetensors.")
+    try:
+        try:  # zip-format files (torch.save's since 1.6) are mapped, not read whole
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError for a non-tensor object, RuntimeError for a damaged zip
+        raise ValueError(f"{file} cannot be read as a PyTorch state dict of tensors ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}).") from e
+    if not isinstance(state, dict):
+        raise ValueError(f"{file} holds a {type(state).__name__}, not a state dict of tensors.")
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{file}: entry {name!r} is a {type(t).__name__}, not a tensor.")
+    return state
 
 
 def _tensor_names(files: list[str]) -> set[str]:
@@ -136,7 +151,7 @@ def _tensor_names(files: list[str]) -> set[str]:
             with hf._safe_open(file, "np") as f:
                 names |= set(f.keys())
         else:
-            names |= set(read_tensors([file]))
+            names |= set(_load_pickle(file))
     return names
 
 
@@ -169,8 +184,15 @@ def detect(path: str) -> Optional[str]:
     if int(config.get("num_hidden_layers", 99) or 99) > 2:  # a whole model, not a head
         return None
     try:
-        names = _tensor_names(_weight_files(path))
-    except ValueError:
+        files = _weight_files(path)
+        # a pickle is opened (by torch's restricted unpickler) only for what looks like an EAGLE head's
+        # config (one layer, or EAGLE's own "bias" field); a plain model's pickles are left to the
+        # Hugging Face loader, which refuses them unopened
+        if not all(f.endswith(".safetensors") for f in files) and not (
+                int(config.get("num_hidden_layers", 0) or 0) == 1 or "bias" in config):
+            return None
+        names = _tensor_names(files)
+    except Exception:  # unreadable weights: not recognised here; the Hugging Face loader names the problem
         return None
     names = {_strip(n) for n in names}
     if any(n.startswith("midlayer.") for n in names):
