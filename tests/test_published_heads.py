@@ -510,3 +510,48 @@ def test_a_loaded_eagle3_head_saves_as_a_specjax_head_and_loads_back(tmp_path, t
     b, _ = _head_forward(specjax.pair(target, again), SEQ)
     np.testing.assert_array_equal(a, b)
 
+
+
+def test_published_configs_are_recognised_and_parsed(tmp_path):
+    """The fields of real published configs (SpecForge's Qwen3-4B and Llama-3-70B EAGLE-3 configs,
+    EAGLE's LLaMA3-Instruct-8B EAGLE-1 config): detected by kind, parsed to the head's block shape."""
+    qwen3 = dict(architectures=["LlamaForCausalLMEagle3"], attention_bias=False, head_dim=80, hidden_act="silu",
+                 hidden_size=2560, intermediate_size=9728, max_position_embeddings=40960, model_type="llama",
+                 num_attention_heads=32, num_hidden_layers=1, num_key_value_heads=8, rms_norm_eps=1e-06,
+                 rope_scaling=None, rope_theta=1000000, sliding_window=None, tie_word_embeddings=True,
+                 torch_dtype="bfloat16", use_sliding_window=False, vocab_size=151936, draft_vocab_size=32000)
+    llama70 = dict(architectures=["LlamaForCausalLMEagle3"], eos_token_id=[128001, 128008, 128009], head_dim=128,
+                   hidden_act="silu", hidden_size=8192, intermediate_size=28672, max_position_embeddings=4096,
+                   model_type="llama", num_attention_heads=64, num_key_value_heads=8, num_hidden_layers=1,
+                   rms_norm_eps=1e-05, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="float16",
+                   vocab_size=128256, draft_vocab_size=32000,
+                   rope_scaling=dict(factor=8.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                                     original_max_position_embeddings=4096, rope_type="llama3"))
+    eagle8b = dict(architectures=["LlamaForCausalLM"], hidden_act="silu", hidden_size=4096, intermediate_size=14336,
+                   max_position_embeddings=2048, model_type="llama", num_attention_heads=32, num_key_value_heads=8,
+                   num_hidden_layers=1, rms_norm_eps=1e-05, tie_word_embeddings=False, torch_dtype="float16",
+                   vocab_size=128256, rope_theta=500000.0, bias=False)
+    for name, config, kind in (("qwen3", qwen3, "eagle3"), ("llama70", llama70, "eagle3"), ("e8b", eagle8b, "eagle")):
+        path = _write(str(tmp_path / name), config, {"fc.weight": np.zeros((1,), np.float32)}, "bin")
+        assert ph.detect(path) == kind, name
+    cfg = ph._head_config(qwen3, "float32", head_vocab_size=32000, what="qwen3")
+    assert (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings) == (2560, 80, 32,
+                                                                                                         8, False)
+    cfg = ph._head_config(llama70, "float32", head_vocab_size=32000, what="llama70")
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 8.0 and cfg.rope_theta == 500000.0
+    # a plain model's pickles are not opened to look for a head (2 layers, no EAGLE field)
+    plain = _write(str(tmp_path / "plain"), _llama_config(96, 2), {"fc.weight": np.zeros((1,), np.float32)}, "bin")
+    assert ph.detect(plain) is None
+
+
+def test_an_eagle3_head_over_the_whole_vocabulary_needs_no_d2t(tmp_path, target):
+    path, t = eagle3_checkpoint(str(tmp_path / "full"), 96)
+    _write(path, json.load(open(os.path.join(path, "config.json"))),
+           {k: v for k, v in t.items() if k not in ("d2t", "t2d")}, "bin")
+    head = specjax.load(path)
+    np.testing.assert_array_equal(np.asarray(head.params["head_vocab_ids"]), np.arange(96))
+    path, t = eagle3_checkpoint(str(tmp_path / "part"), 96, draft_ids=np.arange(40))
+    _write(path, json.load(open(os.path.join(path, "config.json"))),
+           {k: v for k, v in t.items() if k not in ("d2t", "t2d")}, "bin")
+    with pytest.raises(ValueError, match="no d2t to map it"):
+        specjax.load(path)
