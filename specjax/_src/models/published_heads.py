@@ -172,7 +172,8 @@ def detect(path: str) -> Optional[str]:
         return None
     if "medusa_num_heads" in config:
         return MEDUSA
-    archs = [str(a) for a in config.get("architectures") or ()]
+    archs = config.get("architectures") or ()
+    archs = [str(a) for a in archs] if isinstance(archs, (list, tuple)) else [str(archs)]
     if any(a in EAGLE3_ARCHITECTURES for a in archs):
         return EAGLE3
     if any(a in EAGLE_ARCHITECTURES for a in archs):
@@ -181,15 +182,15 @@ def detect(path: str) -> Optional[str]:
         return UNKNOWN  # a draft head's name, but not a layout loaded here: refused by name
     if "draft_vocab_size" in config:  # EAGLE-3's own configs say LlamaForCausalLM
         return EAGLE3
-    if int(config.get("num_hidden_layers", 99) or 99) > 2:  # a whole model, not a head
+    layers = config.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers > 2:  # a whole model (or a config the HF loader will name), not a head
         return None
     try:
         files = _weight_files(path)
         # a pickle is opened (by torch's restricted unpickler) only for what looks like an EAGLE head's
         # config (one layer, or EAGLE's own "bias" field); a plain model's pickles are left to the
         # Hugging Face loader, which refuses them unopened
-        if not all(f.endswith(".safetensors") for f in files) and not (
-                int(config.get("num_hidden_layers", 0) or 0) == 1 or "bias" in config):
+        if not all(f.endswith(".safetensors") for f in files) and not (layers == 1 or "bias" in config):
             return None
         names = _tensor_names(files)
     except Exception:  # unreadable weights: not recognised here; the Hugging Face loader names the problem
