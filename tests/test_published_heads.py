@@ -364,6 +364,22 @@ def test_greedy_with_each_published_head_is_target_greedy(tmp_path, target):
     out = specjax.decode(specjax.pair(target, specjax.load(heads["medusa"])), prompts, tree=static_tree((2, 2)),
                          max_new_tokens=12, temperature=0.0, eos_token_id=())
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    # the slots engine (a server's loop): its chunked prefill hands Medusa the same features
+    from specjax.engine import Engine, SlotSettings
+
+    engine = Engine(specjax.pair(target, specjax.load(heads["medusa"])), num_slots=2, capacity=64, num_draft=3)
+    state, got = engine.init(), {0: [], 1: []}
+    for slot in got:
+        state = engine.insert(state, slot, prompts[slot], SlotSettings(temperature=0.0, max_new_tokens=12))
+    for _ in range(12):  # at least one token per cycle: 12 steps of 4 cycles are plenty
+        if all(len(g) >= 12 for g in got.values()):
+            break
+        state, step = engine.step(state, num_cycles=4)
+        step = jax.device_get(step)
+        for slot in got:
+            got[slot] += step.tokens[slot, : step.counts[slot]].tolist()
+    for slot in got:
+        assert got[slot][:12] == np.asarray(ref.tokens)[slot, :12].tolist()
 
 
 # --------------------------------------------------------------------------- #
