@@ -112,24 +112,32 @@ def test_lossless_request_in_a_mixed_state_samples_the_targets_law():
     the target's law exactly; the slots of a relaxed member (typical with a high floor) do not, so
     the test can tell the rules apart."""
     pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
-    per_rule = 5000
-    n = per_rule * len(RULES)
-    engine = Engine(pair, num_slots=n, capacity=8, num_draft=K, rule=one_of(*RULES), controls=False)
-    settings = [SlotSettings(temperature=1.0, max_new_tokens=2, eos_token_id=(), seed=i,
-                             rule=RULES[i % len(RULES)]) for i in range(n)]
-    state = engine.insert_many(engine.init(), list(range(n)), [[3]] * n, settings)
-    state, out = engine.step(state, 4)
-    out = jax.device_get(out)
-    assert (out.counts == 2).all()
-    law = exact_two_token_distribution(np.asarray(pair.target.params["table"]), 3, 1.0, None, None)
-
-    def fit(member):
-        toks = out.tokens[member::len(RULES), :2]
-        counts = np.zeros((VOCAB, VOCAB))
-        np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
-        return goodness_of_fit(counts, law)
-
+    engine = Engine(pair, num_slots=5000 * len(RULES), capacity=8, num_draft=K, rule=one_of(*RULES), controls=False)
+    fit = first_two_tokens_by_member(engine, pair, RULES)
     pvalue, tv = fit(0)
     assert pvalue > 1e-3 and tv < 0.05, (pvalue, tv)
     pvalue, tv = fit(3)  # negative control: typical's law is not the target's
     assert pvalue < 1e-6 and tv > 0.05, (pvalue, tv)
+
+
+def first_two_tokens_by_member(engine, pair, rules):
+    """Fills every slot with the prompt ``[3]`` at T=1, slot ``i`` judged by ``rules[i % len(rules)]``
+    (seed ``i``), steps until each slot has 2 tokens, and returns ``fit(member) -> (p-value, TV)``
+    of that member's slots' first two tokens against the target's exact law."""
+    n = engine.num_slots
+    settings = [SlotSettings(temperature=1.0, max_new_tokens=2, eos_token_id=(), seed=i, rule=rules[i % len(rules)])
+                for i in range(n)]
+    state = engine.insert_many(engine.init(), list(range(n)), [[3]] * n, settings)
+    _, out = engine.step(state, 4)
+    out = jax.device_get(out)
+    assert (out.counts == 2).all()
+    vocab = engine.vocab_size
+    law = exact_two_token_distribution(np.asarray(pair.target.params["table"]), 3, 1.0, None, None)
+
+    def fit(member):
+        toks = out.tokens[member::len(rules), :2]
+        counts = np.zeros((vocab, vocab))
+        np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+        return goodness_of_fit(counts, law)
+
+    return fit

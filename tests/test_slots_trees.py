@@ -13,7 +13,8 @@ from specjax.engine import Engine, SlotSettings
 from specjax.rules import ears, mars, one_of, speculative_sampling, typical
 from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
 from specjax.trees import dynamic_tree, static_tree
-from test_decode import count_compilations, exact_two_token_distribution, goodness_of_fit
+from test_decode import count_compilations
+from test_rule_per_request import first_two_tokens_by_member
 from test_slots import run_to_end
 from test_slots_serving import reference_logprobs
 from test_slots_serving import run_to_end as run_with_logprobs
@@ -126,22 +127,8 @@ def test_lossless_slots_in_a_mixed_state_sample_the_targets_law(tree):
     a high floor do not, so the test can tell the rules apart."""
     pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
     rules = (speculative_sampling(), typical(eps=0.3, delta=0.3))
-    n = 5000 * len(rules)
-    engine = Engine(pair, num_slots=n, capacity=8, rule=one_of(*rules), tree=tree)
-    settings = [SlotSettings(temperature=1.0, max_new_tokens=2, eos_token_id=(), seed=i, rule=rules[i % 2])
-                for i in range(n)]
-    state = engine.insert_many(engine.init(), list(range(n)), [[3]] * n, settings)
-    state, out = engine.step(state, 4)
-    out = jax.device_get(out)
-    assert (out.counts == 2).all()
-    law = exact_two_token_distribution(np.asarray(pair.target.params["table"]), 3, 1.0, None, None)
-
-    def fit(member):
-        toks = out.tokens[member::2, :2]
-        counts = np.zeros((VOCAB, VOCAB))
-        np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
-        return goodness_of_fit(counts, law)
-
+    engine = Engine(pair, num_slots=5000 * len(rules), capacity=8, rule=one_of(*rules), tree=tree)
+    fit = first_two_tokens_by_member(engine, pair, rules)
     pvalue, tv = fit(0)
     assert pvalue > 1e-3 and tv < 0.05, (pvalue, tv)
     pvalue, tv = fit(1)  # negative control
