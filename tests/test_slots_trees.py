@@ -151,3 +151,24 @@ def test_tree_engine_refuses_what_trees_do_not_take(llama_pair):
     errors = engine.validate(SlotSettings(controls=specjax.GenerationControls(repetition_penalty=1.2),
                                           max_new_tokens=4), 3)
     assert [e.field for e in errors] == ["controls"] and "controls=False" in errors[0].message
+
+
+def test_a_prompt_prefilled_in_chunks_decodes_as_a_whole_insert_on_a_tree(head_pair):
+    """Chunked prefill into a tree engine (a feature head, whose pending features the last chunk
+    builds): the request decodes what decode(tree=...) gives it alone, greedy and sampled, while a
+    neighbour steps between the chunks."""
+    tree = dynamic_tree(3, 2, 5)
+    engine = Engine(head_pair, num_slots=2, capacity=120, tree=tree)
+    prompt = [(7 * i) % 90 + 1 for i in range(100)]
+    for s in (SlotSettings(temperature=0.0, max_new_tokens=12), SlotSettings(temperature=0.9, seed=4,
+                                                                              max_new_tokens=12)):
+        state = engine.insert(engine.init(), 0, PROMPTS[0], SlotSettings(temperature=0.0, max_new_tokens=40))
+        job = engine.begin_insert(state, 1, prompt, s, chunk=64)
+        while not job.finished:
+            state, _ = engine.step(state, 1)
+            state, job = engine.continue_insert(state, job)
+        got, _ = run_to_end(engine, state)
+        key = None if s.seed is None else jax.random.key(s.seed)
+        ref = specjax.decode(head_pair, [prompt], tree=tree, max_new_tokens=12, temperature=s.temperature, key=key,
+                             max_length=120 + tree.num_nodes).to_lists()[0]
+        assert got[1] == ref, s
