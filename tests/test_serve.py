@@ -158,7 +158,8 @@ def test_a_rule_per_request(setup):
                                   extra_body={"speculative": {"rule": "block_verification"}})
     assert refused.value.body["param"] == "speculative.rule"
     card = httpx.get(setup["url"] + "/v1/models", timeout=5).json()["data"][0]["speculative"]
-    assert card == {"rules": [str(r) for r in RULES], "default_rule": "speculative_sampling", "num_draft": K}
+    assert card == {"rules": [str(r) for r in RULES], "default_rule": "speculative_sampling", "num_draft": K,
+                    "tree": None}
 
 
 def test_cli_rule_sets():
