@@ -10,6 +10,7 @@ import json
 import os
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -171,10 +172,11 @@ def test_qwen3_moe_gguf_against_transformers_gguf_loader(tmp_path, monkeypatch):
     assert rel_err(got, want) < 1e-4
 
 
-def test_quantized_mixtral_gguf_keeps_its_experts_float(tmp_path):
-    """``quantize="gguf"`` on a Q8_0 Mixtral: attention matrices and routers keep their
-    Q8_0 blocks; the stacked experts are dequantized into float params (specjax's
-    ``MoE`` has no quantized experts). Files with one tensor per expert load the same."""
+def test_quantized_mixtral_gguf_keeps_every_block_with_its_experts(tmp_path):
+    """``quantize="gguf"`` on a Q8_0 Mixtral: attention matrices, routers and each expert
+    keep their Q8_0 blocks bit for bit (the experts as ``[E, out, in]`` stacks, one
+    product per expert), in about a quarter of float32's bytes, and give the logits of the
+    same values loaded as floats. Files with one tensor per expert load the same."""
     directory, hf_model = _make("mixtral", tmp_path)
     q8 = gguf.GGMLQuantizationType.Q8_0
     write_moe_gguf(tmp_path / "q8.gguf", directory, qtype=q8)
@@ -182,19 +184,63 @@ def test_quantized_mixtral_gguf_keeps_its_experts_float(tmp_path):
     floats = specjax.load(str(tmp_path / "q8.gguf"), dtype="float32")
     _assert_same_params(floats.params, specjax.load(str(tmp_path / "q8_per_expert.gguf"), dtype="float32").params)
     model = specjax.load(str(tmp_path / "q8.gguf"), quantize="gguf")
+    _assert_same_params(model.params, specjax.load(str(tmp_path / "q8_per_expert.gguf"), quantize="gguf").params)
     assert model.module.config.quantization == "int8/32"
-    layer = model.params["layer_0"]
-    assert quant.is_quantized(layer["attn"]["q"]["kernel"]) and quant.is_quantized(layer["mlp"]["router"]["kernel"])
+    mlp = model.params["layer_0"]["mlp"]
+    assert quant.is_quantized(mlp["router"]["kernel"]) and quant.is_quantized(mlp["experts_gate"])
     from safetensors.numpy import load_file
 
     w1 = load_file(os.path.join(directory, "model.safetensors"))["model.layers.0.block_sparse_moe.experts.2.w1.weight"]
-    round_trip = gguf.quants.dequantize(gguf.quants.quantize(w1, q8), q8)
-    np.testing.assert_array_equal(np.asarray(layer["mlp"]["experts_gate"][2]), round_trip.T)
+    blocks = gguf.quants.quantize(w1, q8).reshape(w1.shape[0], -1, 34)  # [out, blocks, 2 + 32] bytes
+    np.testing.assert_array_equal(np.asarray(mlp["experts_gate"]["qweight"][2]),
+                                  blocks[..., 2:].view(np.int8).reshape(w1.shape))
+    np.testing.assert_array_equal(np.asarray(mlp["experts_gate"]["qscale"][2]),
+                                  np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0])
+    experts = lambda m: sum(quant.nbytes(m.params[f"layer_{i}"]["mlp"][f"experts_{p}"])  # noqa: E731
+                            for i in range(2) for p in ("gate", "up", "down"))
+    assert experts(model) / experts(floats) < 0.3, experts(model) / experts(floats)
     ids = _ids()
     got = np.asarray(specjax.logits(model, ids))
-    assert rel_err(got, np.asarray(specjax.logits(floats, ids))) < 1e-4  # the same Q8_0 values, kept as blocks
-    # and still the model: Q8_0 rounding of these random weights moves the logits by 5.1e-2 (max relative)
-    assert rel_err(got, torch_logits(hf_model, ids)) < 0.1
+    want = np.asarray(specjax.logits(floats, ids))
+    print(f"Q8_0 Mixtral, experts as blocks vs as floats: rel {rel_err(got, want):.2e}")
+    assert rel_err(got, want) < 1e-5  # the same Q8_0 values, kept as blocks
+    assert rel_err(got, torch_logits(hf_model, ids)) < 0.1  # and still the model (Q8_0 rounding: 5.1e-2)
+    # Negative control: experts 0 and 1 swapped in every stack.
+    swap = lambda x: x.at[jnp.array([0, 1])].set(x[jnp.array([1, 0])])  # noqa: E731
+    params = {k: ({**v, "mlp": {**v["mlp"], **{f"experts_{p}": {n: swap(a) for n, a in v["mlp"][f"experts_{p}"].items()}
+                                               for p in ("gate", "up", "down")}}} if k.startswith("layer_") else v)
+              for k, v in model.params.items()}
+    assert rel_err(specjax.logits(model.replace(params=params), ids), want) > 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_quantize_a_mixture_of_experts(fmt, tmp_path, monkeypatch):
+    """``specjax.quantize`` stores each expert of a Qwen3-MoE (experts 32 wide, a q4
+    block) in ``fmt``: logits equal the dequantized model's (the same values as floats),
+    greedy speculative decoding equals the quantized target's own greedy output, and
+    Orbax keeps it."""
+    from tests import test_moe
+
+    name, hf_class, fields = test_moe.CONFIGS["qwen3_moe"]
+    monkeypatch.setitem(test_moe.CONFIGS, "qwen3_moe_32", (name, hf_class, {**fields, "moe_intermediate_size": 32}))
+    directory, _ = _make("qwen3_moe_32", tmp_path)
+    model = specjax.quantize(specjax.load(directory, dtype="float32"), fmt)
+    assert quant.is_quantized(model.params["layer_0"]["mlp"]["experts_down"])
+    ids = _ids()
+    got = np.asarray(specjax.logits(model, ids))
+    floats = specjax.dequantize(model)
+    assert floats.params["layer_0"]["mlp"]["experts_down"].shape == (4, 32, 32)
+    want = np.asarray(specjax.logits(floats, ids))
+    print(f"{fmt} Qwen3-MoE vs its dequantized floats: rel {rel_err(got, want):.2e}")
+    assert rel_err(got, want) < 1e-5
+    prompt = [[5, 9, 3, 17]]
+    greedy = specjax.generate(model, prompt, max_new_tokens=12, temperature=0.0, max_length=32).to_lists()
+    out = specjax.decode(specjax.pair(model, floats), prompt, num_draft=3, max_new_tokens=12, temperature=0.0,
+                         max_length=32)
+    assert out.to_lists() == greedy
+    specjax.save_orbax(model, str(tmp_path / "orbax"))
+    back = specjax.load(str(tmp_path / "orbax"))
+    np.testing.assert_array_equal(np.asarray(specjax.logits(back, ids)), got)
 
 
 @pytest.mark.parametrize("change, match", [

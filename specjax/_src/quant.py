@@ -208,34 +208,35 @@ def pack_nibbles(q: np.ndarray) -> np.ndarray:
 
 
 def dequantize_matrix(leaves: dict, dtype: Any = jnp.float32) -> Array:
-    """The ``[N, K]`` matrix that ``leaves`` (one format's arrays) hold, in ``dtype``.
+    """The ``[..., N, K]`` matrix (or stack of matrices: a mixture of experts'
+    ``[E, N, K]``) that ``leaves`` (one format's arrays) hold, in ``dtype``.
 
     Works on NumPy and JAX arrays alike (jnp ops), inside or outside jit."""
     q, d = jnp.asarray(leaves["qweight"]), jnp.asarray(leaves["qscale"]).astype(jnp.float32)
-    n, groups = d.shape
+    *lead, n, groups = d.shape
     if "qmin" in leaves:
-        b = q.reshape(n, -1, Q4_BLOCK // 2)
-        values = jnp.concatenate([b & 0xF, b >> 4], axis=-1).reshape(n, groups, -1).astype(jnp.float32)
+        b = q.reshape(*lead, n, -1, Q4_BLOCK // 2)
+        values = jnp.concatenate([b & 0xF, b >> 4], axis=-1).reshape(*lead, n, groups, -1).astype(jnp.float32)
         w = values * d[..., None] + jnp.asarray(leaves["qmin"]).astype(jnp.float32)[..., None]
     else:
-        w = q.reshape(n, groups, -1).astype(jnp.float32) * d[..., None]
-    return w.reshape(n, -1).astype(dtype)
+        w = q.reshape(*lead, n, groups, -1).astype(jnp.float32) * d[..., None]
+    return w.reshape(*lead, n, -1).astype(dtype)
 
 
 def format_of(leaves: dict) -> Format:
-    """The format that a quantized matrix's arrays are stored in."""
-    n, groups = leaves["qscale"].shape
-    k = leaves["qweight"].shape[1] * (2 if "qmin" in leaves else 1)
+    """The format that a quantized matrix's (or stack's) arrays are stored in."""
+    n, groups = leaves["qscale"].shape[-2:]
+    k = leaves["qweight"].shape[-1] * (2 if "qmin" in leaves else 1)
     kind = "q4" if "qmin" in leaves else "int8"
     return Format(kind, None if groups == 1 and kind == "int8" else k // groups)
 
 
 def matrix_shape(leaf) -> tuple[int, ...]:
-    """``[N, K]`` of a quantized matrix's arrays (else the array's shape)."""
+    """``[..., N, K]`` of a quantized matrix's arrays (else the array's shape)."""
     if not is_quantized(leaf):
         return tuple(leaf.shape)
-    n, k = leaf["qweight"].shape
-    return (n, k * 2 if "qmin" in leaf else k)
+    *lead, n, k = leaf["qweight"].shape
+    return (*lead, n, k * 2 if "qmin" in leaf else k)
 
 
 _PARTS = ("qweight", "qscale", "qmin")
@@ -261,10 +262,17 @@ def nbytes(tree) -> int:
 # --------------------------------------------------------------------------- #
 
 
+#: A mixture of experts' stacked matrices (``[E, in, out]``), stored as ``[E, out, in]`` stacks.
+EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_down")
+
+
 def quantized_role(names: tuple[str, ...], ndim: int) -> Optional[str]:
     """``"weights"`` or ``"embedding"`` for a float param that a quantized
     model stores quantized (with ``transpose``d into ``[N, K]`` where it is
-    ``[K, N]``), else None."""
+    ``[K, N]``; a mixture of experts' ``[E, K, N]`` stacks into ``[E, N, K]``),
+    else None."""
+    if ndim == 3 and names[-1] in EXPERT_PARAMS:
+        return "weights"
     if ndim != 2 or names[0] == "reduce":  # a feature head's feature mixing runs outside its module
         return None
     if names[-1] == "kernel":
@@ -275,8 +283,14 @@ def quantized_role(names: tuple[str, ...], ndim: int) -> Optional[str]:
 
 
 def stored_transposed(names: tuple[str, ...]) -> bool:
-    """Dense kernels and an untied head are ``[in, out]``; stored ``[out, in]``."""
-    return names[-1] in ("kernel", "lm_head")
+    """Dense kernels, an untied head and each expert are ``[in, out]``; stored ``[out, in]``."""
+    return names[-1] in ("kernel", "lm_head") + EXPERT_PARAMS
+
+
+def _out_in(w, names: tuple[str, ...]):
+    """A float param in the stored ``[..., out, in]`` order (its last two axes swapped where
+    :func:`stored_transposed`); also the way back, the swap being its own inverse."""
+    return jnp.swapaxes(w, -1, -2) if stored_transposed(names) else w
 
 
 def _names(path) -> tuple[str, ...]:
@@ -290,8 +304,16 @@ def quantize_leaf(names: tuple[str, ...], value: np.ndarray, quantization: Quant
         return value
     w = np.asarray(value, np.float32)
     if stored_transposed(names):
-        w = w.T
-    return quantize_matrix(w, getattr(quantization, role), "/".join(names))
+        w = np.swapaxes(w, -1, -2)
+    fmt, name = getattr(quantization, role), "/".join(names)
+    if w.ndim == 3:  # a mixture of experts: each expert's matrix in the format, stacked
+        return stack_matrices([quantize_matrix(m, fmt, f"{name} (expert {e})") for e, m in enumerate(w)])
+    return quantize_matrix(w, fmt, name)
+
+
+def stack_matrices(matrices: list) -> dict:
+    """Quantized matrices of one format (dicts of arrays) as one ``[E, ...]`` stack."""
+    return {k: np.stack([np.asarray(m[k]) for m in matrices]) for k in matrices[0]}
 
 
 def quantize_params(params, quantization: Quantization, keep=()):
@@ -314,8 +336,7 @@ def dequantize_params(params, dtype: Any):
     def leaf(path, value):
         if not is_quantized(value):
             return value
-        w = dequantize_matrix(value, jnp.float32)
-        return (w.T if stored_transposed(_names(path)) else w).astype(dtype)
+        return _out_in(dequantize_matrix(value, jnp.float32), _names(path)).astype(dtype)
 
     return _map_with_path(leaf, params)
 
@@ -413,6 +434,17 @@ def qdot(x: Array, leaves: dict, matmul: str = "auto") -> Array:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def qdot_experts(x: Array, leaves: dict, matmul: str = "auto", *, per_expert: bool = False) -> Array:
+    """Every expert's product with the stack ``W[E, N, K]``: ``[E, ..., N]`` in float32,
+    from ``x[..., K]`` (one input for every expert) or, with ``per_expert``, ``x[E, ..., K]``.
+
+    One expert at a time (``lax.map``): each is the product :func:`qdot` computes,
+    with the CPU kernel where it applies, so a stack costs what its matrices cost."""
+    if per_expert:
+        return jax.lax.map(lambda args: qdot(args[0], args[1], matmul), (x, leaves))
+    return jax.lax.map(lambda w: qdot(x, w, matmul), leaves)
+
+
 def embed_rows(leaves: dict, ids: Array, dtype: Any) -> Array:
     """Rows ``ids`` of a quantized ``[V, H]`` table, dequantized: ``[..., H]``."""
     flat = ids.reshape(-1)
@@ -420,12 +452,20 @@ def embed_rows(leaves: dict, ids: Array, dtype: Any) -> Array:
     return dequantize_matrix(picked, dtype).reshape(*ids.shape, -1)
 
 
-def _zeros(fmt: Format, n: int, k: int):
+def _zeros(fmt: Format, n: int, k: int, experts: Optional[int] = None):
+    lead = () if experts is None else (experts,)
+
     def init(key):
         del key
-        return {name: jnp.zeros(s.shape, s.dtype) for name, s in fmt.leaf_shapes(n, k).items()}
+        return {name: jnp.zeros(lead + s.shape, s.dtype) for name, s in fmt.leaf_shapes(n, k).items()}
 
     return init
+
+
+def quant_experts(module: nn.Module, name: str, fmt: Format, experts: int, inputs: int, outputs: int) -> dict:
+    """A mixture of experts' stacked matrices stored in ``fmt`` (``[E, outputs, inputs]``)."""
+    fmt.check((outputs, inputs), f"{name} (each expert)")
+    return module.param(name, _zeros(fmt, outputs, inputs, experts))
 
 
 class QuantDense(nn.Module):

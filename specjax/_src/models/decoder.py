@@ -583,14 +583,29 @@ class MoE(nn.Module):
         if cfg.norm_topk_prob:
             top = top / jnp.sum(top, axis=-1, keepdims=True)
         weights = jnp.einsum("...k,...ke->...e", top, jax.nn.one_hot(picked, e, dtype=jnp.float32))
-        init = nn.initializers.normal(_INIT_STD)
-        gate = self.param("experts_gate", init, (e, cfg.hidden_size, inner), dtype)
-        up = self.param("experts_up", init, (e, cfg.hidden_size, inner), dtype)
-        down = self.param("experts_down", init, (e, inner, cfg.hidden_size), dtype)
         act = _activation(cfg.activation)
-        h = act(jnp.einsum("...h,ehi->...ei", x, gate)) * jnp.einsum("...h,ehi->...ei", x, up)
-        y = jnp.einsum("...ei,eih->...eh", h, down, preferred_element_type=jnp.float32)
+        if cfg.quantization is not None:
+            y = self._quantized_experts(x, e, inner, act)
+        else:
+            init = nn.initializers.normal(_INIT_STD)
+            gate = self.param("experts_gate", init, (e, cfg.hidden_size, inner), dtype)
+            up = self.param("experts_up", init, (e, cfg.hidden_size, inner), dtype)
+            down = self.param("experts_down", init, (e, inner, cfg.hidden_size), dtype)
+            h = act(jnp.einsum("...h,ehi->...ei", x, gate)) * jnp.einsum("...h,ehi->...ei", x, up)
+            y = jnp.einsum("...ei,eih->...eh", h, down, preferred_element_type=jnp.float32)
         return jnp.einsum("...eh,...e->...h", y, weights).astype(dtype)
+
+    def _quantized_experts(self, x, e: int, inner: int, act):
+        """``[..., E, H]`` float32: each expert's MLP with its matrices in the model's weight
+        format (stacks ``[E, out, in]``), one expert at a time (:func:`quant.qdot_experts`)."""
+        cfg, fmt, hidden = self.config, self.config.quant.weights, self.config.hidden_size
+        gate = quant.quant_experts(self, "experts_gate", fmt, e, hidden, inner)
+        up = quant.quant_experts(self, "experts_up", fmt, e, hidden, inner)
+        down = quant.quant_experts(self, "experts_down", fmt, e, inner, hidden)
+        xin = x.astype(jnp.dtype(cfg.dtype))
+        h = act(quant.qdot_experts(xin, gate, self.matmul)) * quant.qdot_experts(xin, up, self.matmul)  # [E, ..., I]
+        y = quant.qdot_experts(h.astype(xin.dtype), down, self.matmul, per_expert=True)  # [E, ..., H]
+        return jnp.moveaxis(y, 0, -2)
 
 
 class Block(nn.Module):

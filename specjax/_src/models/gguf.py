@@ -380,13 +380,19 @@ def _tensor_iter(reader, cfg: dict, path: str):
 
 def _experts_of(gguf, tensor, model_type: str, layer: str, proj: str, path: str):
     """One stacked expert tensor as ``(hf_name, read, hf_shape)`` triples, one per
-    expert: ``read()`` dequantizes that expert's rows only. No ``read.blocks``:
-    specjax's experts are float params, whatever ``quantize`` says."""
+    expert: ``read()`` dequantizes that expert's rows only, and ``read.blocks()``
+    gives its stored bytes (``[out, row_bytes]``), which a quantized load copies
+    where its format holds the block type exactly."""
     shape = tuple(int(d) for d in reversed(tensor.shape))  # [E, out, in]
     for j in range(shape[0]):
         def read(j=j):
             return _dequantize(gguf, _Slice(tensor, j), path)
 
+        def blocks(j=j):
+            raw = np.asarray(tensor.data[j])
+            return tensor.tensor_type.name, raw.reshape(raw.shape[0], -1).view(np.uint8)
+
+        read.blocks = blocks
         yield _expert_name(model_type, layer, proj, j), read, shape[1:]
 
 

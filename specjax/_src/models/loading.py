@@ -181,6 +181,7 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
     target = jnp.dtype(cfg.dtype)
     params: dict = {}
     stacks: dict = {}  # a mixture of experts' stacked params, filled one expert at a time
+    quantized_stacks: dict = {}  # the same quantized: {path: {expert: that expert's arrays}}
     unexpected, seen = [], set()
     if progress is not None:
         tensors = progress(tensors, total=count)
@@ -206,6 +207,9 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
                 f"Tensor {name!r} in {path} has shape {_shape_str(shape)}, but its config "
                 f"implies {_shape_str(want_hf)}."
             )
+        if spec.expert is not None and quantization is not None:  # a quantized stack, one expert at a time
+            quantized_stacks.setdefault(spec.path, {})[spec.expert] = _quantized_expert(spec, read, quantization)
+            continue
         if spec.expert is not None:
             stack = stacks.setdefault(spec.path, np.empty(_get(expected, spec.path).shape, target))
             tensor = read()
@@ -230,6 +234,10 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
     for path, stack in stacks.items():  # every expert's slice read: the stack goes where a param goes
         _set(params, path, jnp.asarray(stack) if placement is None else _put(stack, _get(placement, path)))
     stacks.clear()
+    for path, experts in quantized_stacks.items():
+        _set(params, path, {k: jnp.asarray(v) for k, v in
+                            quant.stack_matrices([experts[j] for j in sorted(experts)]).items()})
+    quantized_stacks.clear()
     missing = [n for n, s in specs.items() if not _has(params, s.path)]
     if missing:
         raise ValueError(
@@ -245,6 +253,22 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
             + ". Is config.json from the same model?"
         )
     return params
+
+
+def _quantized_expert(spec, read, quantization: quant.Quantization) -> dict:
+    """One expert's matrix (an ``[out, in]`` checkpoint tensor of a stacked param) in the
+    model's weight format, as NumPy arrays: a GGUF block type the format holds
+    exactly copied as it is, anything else quantized from its float values."""
+    fmt = quantization.weights
+    blocks = getattr(read, "blocks", None)
+    if blocks is not None:
+        type_name, raw = blocks()
+        exact = quant.from_gguf_blocks(type_name, raw, fmt)
+        if exact is not None:
+            return exact
+    tensor = read()
+    name = f"{'/'.join(spec.path)} (expert {spec.expert})"
+    return quant.quantize_matrix(tensor if spec.transpose else tensor.T, fmt, name)
 
 
 def _quantized_matrix(spec, read, quantization: quant.Quantization) -> dict:
