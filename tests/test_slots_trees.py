@@ -172,3 +172,19 @@ def test_a_prompt_prefilled_in_chunks_decodes_as_a_whole_insert_on_a_tree(head_p
         ref = specjax.decode(head_pair, [prompt], tree=tree, max_new_tokens=12, temperature=s.temperature, key=key,
                              max_length=120 + tree.num_nodes).to_lists()[0]
         assert got[1] == ref, s
+
+
+def test_fork_on_a_tree_samples_what_decode_samples_per_row(llama_pair):
+    """``n`` choices of one prompt on a tree: a request forked into two slots with decode's keys
+    of rows 1 and 2 decodes, per slot, what ``decode([prompt] * 3, tree=..., key=key(5))`` gives."""
+    tree = static_tree((2, 2, 1))
+    engine = Engine(llama_pair, num_slots=4, capacity=CAPACITY, tree=tree)
+    prompt, base = [4, 5, 6, 7], jax.random.key(5)
+    state = engine.insert(engine.init(), 0, prompt, SlotSettings(temperature=1.0, max_new_tokens=16,
+                                                                 key=jax.random.fold_in(base, 0)))
+    state = engine.fork(state, 0, [2, 3], [jax.random.fold_in(base, 1), jax.random.fold_in(base, 2)])
+    got, _ = run_to_end(engine, state)
+    ref = specjax.decode(llama_pair, [prompt] * 3, tree=tree, max_new_tokens=16, temperature=1.0, key=base,
+                         max_length=CAPACITY + tree.num_nodes).to_lists()
+    rows = [got[slot] for slot in (0, 2, 3)]
+    assert rows == ref and len({tuple(r) for r in rows}) > 1
