@@ -20,7 +20,12 @@ no-drafts row, then the static row, so that a load change on a shared machine hi
 With ``--baseline DIR`` (a checkout of another revision) a second server runs from it beside the
 first, and its row follows each speculative row: the same requests, one revision against the other.
 With ``--tree SPEC`` the second server is this checkout's with ``--tree SPEC`` (a token tree per
-cycle in every slot, no lookup), and its rows ('tree') follow each speculative (chain) row.
+cycle in every slot, no lookup), and its rows ('tree') follow each speculative (chain) row; with
+``--second-flags FLAGS`` it is this checkout's with those flags added (``--prefill-chunk 0``:
+long prompts prefilled whole). ``--long-every N`` gives every N-th request a long prompt
+(``--long-words`` words of the other prompts' text before its own); the "short gap" columns are
+then the gaps between the text deltas of the other requests' streams, what a long prompt's
+prefill holds up.
 
 Reported per row: output tokens per second over the row's wall time (for the server rows that
 includes the clients' gaps, so it measures capacity only where the gaps are short; the static rows
@@ -96,9 +101,17 @@ def parse_args(argv=None):
     p.add_argument("--tree", metavar="SPEC",
                    help='also serve the pair with --tree SPEC (e.g. "dynamic:3,3,8"; no lookup) beside the chain '
                         "server: its rows ('tree') alternate with the speculative rows, the same requests")
+    p.add_argument("--second-flags", metavar="FLAGS",
+                   help='also serve the pair with these `specjax serve` flags added (e.g. "--prefill-chunk 0"): '
+                        "its rows alternate with the speculative rows, the same requests")
+    p.add_argument("--second-label", default="second", help="the rows' name for --second-flags' server")
+    p.add_argument("--long-every", type=int, default=0, metavar="N",
+                   help="every N-th request gets a long prompt (--long-words words of held-out text); the "
+                        "'short gap' columns are the gaps between the text deltas of the other requests")
+    p.add_argument("--long-words", type=int, default=300)
     args = p.parse_args(argv)
-    if args.tree and args.baseline:
-        p.error("give --baseline or --tree, not both (each runs the second server)")
+    if sum(bool(x) for x in (args.tree, args.baseline, args.second_flags)) > 1:
+        p.error("give one of --baseline, --tree and --second-flags (each runs the second server)")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     return args
@@ -115,19 +128,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, port: int, checkout: Path = ROOT, tree: str | None = None) -> subprocess.Popen:
-    """``specjax serve`` of ``checkout`` (its own package first on the path) on ``port``; with
-    ``tree``, drafting that token tree (``--tree``) instead of chains with the lookup."""
+def start_server(args, port: int, checkout: Path = ROOT, extra: list | tuple = ()) -> subprocess.Popen:
+    """``specjax serve`` of ``checkout`` (its own package first on the path) on ``port``, with
+    ``extra`` flags; a ``--tree`` among them drafts that tree instead of chains with the lookup."""
     cmd = [sys.executable, "-c", "import sys; from specjax.cli import main; sys.exit(main(sys.argv[1:]))", "serve",
            "--pair", args.pair, "--rule", args.rule, "--slots", str(args.slots), "--capacity", str(args.capacity),
            "--max-queue", str(max(64, max(args.clients) * args.requests_per_client)), "--port", str(port),
            "--log-level", "warning", "--served-model-name", "bench"]
-    if tree:
-        cmd += ["--tree", tree]
-    elif args.lookup:
+    if args.lookup and "--tree" not in extra:
         cmd += ["--lookup", args.lookup]
+    cmd += list(extra)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen(cmd, cwd=checkout, env=env)
+
+
+def second_server(args) -> tuple:
+    """``(label, checkout, extra flags)`` of the server whose rows alternate with the first's, or
+    ``(None, None, ())``: another checkout (``--baseline``), a tree (``--tree``), or these flags
+    (``--second-flags``)."""
+    if args.baseline:
+        return "baseline", Path(args.baseline).resolve(), ()
+    if args.tree:
+        return "tree", ROOT, ("--tree", args.tree)
+    if args.second_flags:
+        return args.second_label, ROOT, tuple(args.second_flags.split())
+    return None, None, ()
 
 
 def stop_server(proc: subprocess.Popen) -> int:
@@ -186,9 +211,10 @@ def scrape(httpx, url: str) -> dict:
 
 def one_request(httpx, client, url: str, body: dict) -> dict:
     """Streams one request on ``client`` (an ``httpx.Client``); returns its send, first-token and
-    last-token times and its token count."""
+    last-token times, the gaps between its text deltas and its token count."""
     sent = time.perf_counter()
     first = last = None
+    arrivals = []
     tokens, error, done = 0, None, False
     try:
         with client.stream("POST", url, json=body, timeout=600) as r:
@@ -210,9 +236,11 @@ def one_request(httpx, client, url: str, body: dict) -> dict:
                 if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
                     last = time.perf_counter()
                     first = first or last
+                    arrivals.append(last)
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
-    return dict(sent=sent, first=first, last=last, tokens=tokens, error=error, done=done)
+    return dict(sent=sent, first=first, last=last, tokens=tokens, error=error, done=done,
+                gaps=list(np.diff(arrivals)))
 
 
 def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_draft, server_pid: int) -> dict:
@@ -233,11 +261,14 @@ def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_dra
             time.sleep(rng.exponential(args.mean_gap))
             if time.monotonic() > deadline:
                 break
+            long = body.get("_long", False)
+            body = {k: v for k, v in body.items() if k != "_long"}
             body = dict(body, stream=True, stream_options={"include_usage": True})
             if num_draft is not None:
                 body["num_draft"] = num_draft
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
             r = one_request(httpx, http, base + path, body)
+            r["long"] = long
             with lock:
                 results.append(r)
 
@@ -263,6 +294,8 @@ def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_dra
         tokens=sum(r["tokens"] for r in ok), wall=wall, tok_s=sum(r["tokens"] for r in ok) / wall,
         ttft=[r["first"] - r["sent"] for r in timed],
         itl=[(r["last"] - r["first"]) / (r["tokens"] - 1) for r in timed if r["tokens"] > 1],
+        # the gaps between text deltas of the requests with short prompts (all of them without --long-every)
+        short_gaps=[g for r in timed if not r["long"] for g in r["gaps"]],
         host_share=(busy - engine) / busy if busy > 0 else float("nan"),
         server_cpu=server_cpu, client_cpu=client_cpu,
         prefill_share=prefill / busy if busy > 0 else float("nan"),
@@ -331,7 +364,8 @@ def static_decode(args, pair, prompts: list[list[int]], clients: int, compiled: 
         tokens += sum(len(x) for x in out.to_lists())
     wall, cpu = time.perf_counter() - t0, own_cpu_seconds() - cpu0
     return dict(requests=len(prompts), completed=len(prompts), errors=0, lost=0, tokens=tokens, wall=wall,
-                tok_s=tokens / wall, ttft=[], itl=[], host_share=float("nan"), server_cpu=cpu, client_cpu=0.0,
+                tok_s=tokens / wall, ttft=[], itl=[], short_gaps=[], host_share=float("nan"), server_cpu=cpu,
+                client_cpu=0.0,
                 prefill_share=float("nan"),
                 per_prefill=float("nan"), acceptance=float("nan"))
 
@@ -357,6 +391,14 @@ def main(argv=None) -> int:
         texts = [json.loads(line)["prompt"] for line in CHAT_PROMPTS.read_text().splitlines()][:total]
         requests = [dict(model="bench", messages=[{"role": "user", "content": t}], max_tokens=args.max_tokens,
                          temperature=args.temperature, seed=i) for i, t in enumerate(texts)]
+    if args.long_every:  # every N-th request: its text after a long passage of the other prompts' texts
+        passage = " ".join(texts * (1 + args.long_words // max(1, sum(len(t.split()) for t in texts))))
+        passage = " ".join(passage.split()[: args.long_words])
+        for i in range(args.long_every - 1, total, args.long_every):
+            long = f"Read this, then answer the question after it.\n\n{passage}\n\n{texts[i]}"
+            key = "messages" if "messages" in requests[i] else "prompt"
+            requests[i] = dict(requests[i], _long=True,
+                               **{key: [{"role": "user", "content": long}] if key == "messages" else long})
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -367,15 +409,14 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         wait_ready(httpx, base, proc)
         print(f"server ready after {time.perf_counter() - t0:.0f} s (load and compile)", flush=True)
-        second = "baseline" if args.baseline else "tree" if args.tree else None
+        second, checkout, extra = second_server(args)
         if second:  # started after the first is ready: the two do not compile at once
             other_port = free_port()
             other_base = f"http://127.0.0.1:{other_port}"
-            other = (start_server(args, other_port, Path(args.baseline).resolve()) if args.baseline
-                     else start_server(args, other_port, tree=args.tree))
+            other = start_server(args, other_port, checkout, extra)
             t0 = time.perf_counter()
             wait_ready(httpx, other_base, other)
-            print(f"{second} server ({args.baseline or args.tree}) ready after {time.perf_counter() - t0:.0f} s",
+            print(f"{second} server ({args.baseline or ' '.join(extra)}) ready after {time.perf_counter() - t0:.0f} s",
                   flush=True)
         static = None if args.skip_decode else static_runner(args, texts)
         for rnd in range(args.rounds):
@@ -410,10 +451,13 @@ def main(argv=None) -> int:
     if other_rss is not None:
         print(f"{second} server: peak RSS {other_rss:.0f} MiB")
 
-    head = ["mode", "C", "round", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "done/sent",
+    head = ["mode", "C", "round", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+            "short gap p99 ms", "short gap max ms", "done/sent",
             "lost", "host share", "prefill share", "requests per prefill", "accept", "CPU s: model, clients"]
     table = [[r["mode"], r["clients"], r["round"], f"{r['tok_s']:.1f}", pct(r["ttft"], 50), pct(r["ttft"], 99),
-              pct(r["itl"], 50), pct(r["itl"], 99), f"{r['completed']}/{r['requests']}", r["lost"],
+              pct(r["itl"], 50), pct(r["itl"], 99), pct(r["short_gaps"], 99),
+              f"{max(r['short_gaps']) * 1000:.0f}" if r["short_gaps"] else "-",
+              f"{r['completed']}/{r['requests']}", r["lost"],
               "-" if r["host_share"] != r["host_share"] else f"{r['host_share']:.3f}",
               "-" if r["prefill_share"] != r["prefill_share"] else f"{r['prefill_share']:.3f}",
               "-" if r["per_prefill"] != r["per_prefill"] else f"{r['per_prefill']:.2f}",
@@ -431,12 +475,18 @@ def main(argv=None) -> int:
         if base_rows:  # the two servers, round by round: this checkout / baseline, or tree / chain
             ratios = [(a["tok_s"] / b["tok_s"]) if second == "baseline" else (b["tok_s"] / a["tok_s"])
                       for a, b in zip(spec, base_rows)]
-            label = "this checkout / baseline" if second == "baseline" else "tree / chain (speculative)"
+            label = ("this checkout / baseline" if second == "baseline"
+                     else f"{second} / speculative")
             print(f"C={clients}: tok/s {label} = {common.ratio_cell(ratios)}; median TTFT "
                   f"{statistics.median([x for r in spec for x in r['ttft']]) * 1000:.0f} against "
                   f"{statistics.median([x for r in base_rows for x in r['ttft']]) * 1000:.0f} ms (speculative "
                   f"against {second}), median ITL {statistics.median(itl(spec)) * 1000:.1f} against "
                   f"{statistics.median(itl(base_rows)) * 1000:.1f} ms")
+            gaps = lambda rs: [g for r in rs for g in r["short_gaps"]]  # noqa: E731
+            if args.long_every and gaps(spec) and gaps(base_rows):
+                print(f"C={clients}: short requests' gaps between text deltas, p99 / max: "
+                      f"{pct(gaps(spec), 99)} / {max(gaps(spec)) * 1000:.0f} ms (speculative) against "
+                      f"{pct(gaps(base_rows), 99)} / {max(gaps(base_rows)) * 1000:.0f} ms ({second})")
         if static_rows:  # rows of one round ran one after the other: their ratio is the fair one
             ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(spec, static_rows)]
             print(f"C={clients}: tok/s speculative server / static decode = {common.ratio_cell(ratios)} "
