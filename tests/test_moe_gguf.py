@@ -241,6 +241,10 @@ def test_quantize_a_mixture_of_experts(fmt, tmp_path, monkeypatch):
     specjax.save_orbax(model, str(tmp_path / "orbax"))
     back = specjax.load(str(tmp_path / "orbax"))
     np.testing.assert_array_equal(np.asarray(specjax.logits(back, ids)), got)
+    # Experts 16 wide cannot take q4's 32-input blocks: refused naming the matrix and the expert.
+    narrow, _ = _make("qwen3_moe", tmp_path / "narrow")
+    with pytest.raises(ValueError, match=r"layer_0/mlp/experts_down \(expert 0\) \(32 x 16 inputs\) as q4"):
+        specjax.quantize(specjax.load(narrow, dtype="float32"), "q4")
 
 
 @pytest.mark.parametrize("change, match", [

@@ -43,11 +43,13 @@ from specjax._src.engine.cycle import (
     draft_keep,
     first_draft_logits,
     first_head_logits,
+    greedy_rows,
     live_diagnostics,
     live_settings,
     next_state,
     nonfinite_codes,
     per_row_rule,
+    with_greedy_rows,
 )
 from specjax._src.engine.ops import _batched_init, _gather, _prefill, _prefill_chunk, _row, _warp, _where_b
 from specjax._src.lm import KVCache, LMOutput
@@ -527,11 +529,9 @@ def _accept(
     Greedy rows among sampled ones (``rows.greedy``) take the rule's greedy
     verdict and the argmax tokens, as a greedy loop would."""
     k_max, inputs = cfg.num_draft, verified.inputs
-    greedy_rows = None if rows is None or cfg.greedy else rows.greedy
-    verdict = per_row_rule(rule, rows, "verify", cfg.greedy, inputs, state.rule_state)
-    if greedy_rows is not None:
-        greedy_verdict = per_row_rule(rule, rows, "verify", True, inputs, state.rule_state)
-        verdict = _where_b(greedy_rows, greedy_verdict, verdict)
+    greedy = greedy_rows(cfg, rows)
+    verdict = with_greedy_rows(cfg, rows, per_row_rule(rule, rows, "verify", cfg.greedy, inputs, state.rule_state),
+                               lambda: per_row_rule(rule, rows, "verify", True, inputs, state.rule_state))
     accept = jnp.asarray(verdict.accept, bool) & drafts.valid
     n = jnp.cumprod(accept.astype(jnp.int32), axis=1).sum(1)
     v = drafts.valid.sum(1).astype(jnp.int32)
@@ -543,9 +543,9 @@ def _accept(
         # One uniform serves both: only one of the two tokens is used.
         corr_tok = sampling.sample_categorical(correction, emit_uniform)
         bonus_tok = sampling.sample_categorical(_row(inputs.target_probs, n), emit_uniform)
-        if greedy_rows is not None:
-            corr_tok = jnp.where(greedy_rows, sampling.argmax(correction), corr_tok)
-            bonus_tok = jnp.where(greedy_rows, sampling.argmax(_row(inputs.target_logits, n)), bonus_tok)
+        if greedy is not None:
+            corr_tok = jnp.where(greedy, sampling.argmax(correction), corr_tok)
+            bonus_tok = jnp.where(greedy, sampling.argmax(_row(inputs.target_logits, n)), bonus_tok)
     emitted = jnp.where(n < v, corr_tok, bonus_tok)
 
     # Non-finite logits: only rows the outcome depends on count: target rows
@@ -613,9 +613,8 @@ def _record(
     values. Returns ``(rule_state, policy_state, stats, diagnostics or None)``."""
     live, n = accepted.live, accepted.num_accepted
     args = (state.rule_state, verified.inputs, accepted.verdict, n)
-    rule_state = per_row_rule(rule, rows, "update", cfg.greedy, *args)
-    if rows is not None and rows.greedy is not None and not cfg.greedy:
-        rule_state = _where_b(rows.greedy, per_row_rule(rule, rows, "update", True, *args), rule_state)
+    rule_state = with_greedy_rows(cfg, rows, per_row_rule(rule, rows, "update", cfg.greedy, *args),
+                                  lambda: per_row_rule(rule, rows, "update", True, *args))
     rule_state = _where_b(live, rule_state, state.rule_state)
     outcome = drafting_lib.DraftOutcome(
         num_drafted=accepted.num_drafted,

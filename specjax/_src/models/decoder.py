@@ -468,6 +468,12 @@ def _norm(config: ModelConfig, name: str) -> nn.Module:
     return RMSNorm(eps=config.norm_eps, dtype=jnp.dtype(config.dtype), gemma=config.is_gemma, name=name)
 
 
+def _float_embed(rows: int, features: int, dtype, name: str) -> nn.Embed:
+    """A float ``[rows, features]`` table in ``dtype`` (token or GPT-2 position embeddings)."""
+    return nn.Embed(rows, features, dtype=dtype, param_dtype=dtype, embedding_init=nn.initializers.normal(_INIT_STD),
+                    name=name)
+
+
 def _dense(config: ModelConfig, features: int, use_bias: bool, name: str, matmul: str = "auto") -> nn.Module:
     dtype = jnp.dtype(config.dtype)
     if config.quantization is not None:
@@ -653,26 +659,12 @@ class Transformer(nn.Module):
             embed = quant.QuantEmbed(cfg.vocab_size, cfg.hidden_size, cfg.quant.embedding, dtype, self.matmul,
                                      name="embed")
         else:
-            embed = nn.Embed(
-                cfg.vocab_size,
-                cfg.hidden_size,
-                dtype=dtype,
-                param_dtype=dtype,
-                embedding_init=nn.initializers.normal(_INIT_STD),
-                name="embed",
-            )
+            embed = _float_embed(cfg.vocab_size, cfg.hidden_size, dtype, "embed")
         x = embed(tokens)
         if cfg.is_gemma:  # scaled by sqrt(H) rounded to the model's dtype, as transformers does
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), dtype)
         if cfg.is_gpt2:
-            x = x + nn.Embed(
-                cfg.max_position_embeddings,
-                cfg.hidden_size,
-                dtype=dtype,
-                param_dtype=dtype,
-                embedding_init=nn.initializers.normal(_INIT_STD),
-                name="pos_embed",
-            )(positions)
+            x = x + _float_embed(cfg.max_position_embeddings, cfg.hidden_size, dtype, "pos_embed")(positions)
         block_outputs, new_caches = [], []
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
