@@ -29,8 +29,17 @@ def test_the_recipe_rebuilds_the_data_then_trains_into_the_cache(monkeypatch, tm
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
     monkeypatch.setattr(draft, "main", lambda argv: calls.append(("draft", argv)) or 0)
-    monkeypatch.setattr(eagle, "main", lambda argv: calls.append(("eagle", argv)) or 0)
+    def fake_eagle(argv):
+        calls.append(("eagle", argv))
+        export = registry.built_path(registry.GEMMA3_EAGLE)
+        export.mkdir(parents=True, exist_ok=True)
+        (export / "MODEL_CARD.md").write_text("# card\n")
+        return 0
+
+    monkeypatch.setattr(eagle, "main", fake_eagle)
     assert gemma3_head.main(["--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    card = (registry.built_path(registry.GEMMA3_EAGLE) / "MODEL_CARD.md").read_text()
+    assert card.startswith("# card") and "## Measured with the engine" in card and "tau 2.65" in card
     (_, d), (_, e) = calls
     assert d[d.index("--answers-from") + 1] == str(gemma3_head.ANSWERS) and "--gather-only" in d
     assert d[d.index("--target") + 1] == e[e.index("--target") + 1] == registry.GEMMA3_TARGET
