@@ -36,7 +36,7 @@ from specjax._src.models.hf import tensor_specs as hf_tensor_specs, to_hf_config
 from specjax._src.models import manifest as _manifest
 from specjax._src.models.loading import astype, is_orbax_dir, load_hf
 from specjax._src.models.packed import unpacked as unpacked_dir
-from specjax._src.models.registry import resolve as known_model_path
+from specjax._src.models.registry import built_path as built_model_path, resolve as known_model_path
 
 #: The file :func:`specjax.checkpoint_manifest` writes into a checkpoint directory.
 MANIFEST_FILE = _manifest.MANIFEST
@@ -82,6 +82,7 @@ __all__ = (
     "to_hf_config",
     "hf_tensor_specs",
     "known_model_path",
+    "built_model_path",
     "cpu_matmul",
     "CPU_MATMUL_MAX_ROWS",
     "build_cpu_kernels",

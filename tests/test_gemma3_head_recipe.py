@@ -48,3 +48,13 @@ def test_the_recipe_rebuilds_the_data_then_trains_into_the_cache(monkeypatch, tm
     assert str(registry.built_path(registry.GEMMA3_EAGLE)).startswith(str(tmp_path / "cache"))
     args = eagle.build_parser().parse_args(e)  # every setting is one training.eagle takes
     assert args.head_vocab == 8192 and not args.head_vocab_from and args.unroll >= 2
+
+
+def test_only_models_specjax_builds_have_a_build_path():
+    import pytest
+
+    from specjax.models import built_model_path
+
+    assert built_model_path(registry.GEMMA3_EAGLE).name == "gemma-3-270m-eagle"
+    with pytest.raises(ValueError, match="not a model specjax builds.*gemma-3-270m-eagle"):
+        built_model_path("gemma-3-270m")  # shipped by a package, not built

@@ -26,7 +26,7 @@ import sys
 
 from training import draft, eagle
 
-TARGET = "gemma-3-270m"
+TARGET, HEAD = "gemma-3-270m", "gemma-3-270m-eagle"  # specjax.load's names for the pair
 ANSWERS = pathlib.Path(__file__).resolve().parent / "answers" / "gemma3-270m-passes-0-1.npz"
 # The recipe of the head BENCHMARKS.md measures (its MODEL_CARD.md repeats it).
 HEAD_SETTINGS = ("--head-vocab-from", "", "--head-vocab", "8192", "--seq-len", "160", "--steps", "1200", "--batch", "8",
@@ -58,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from specjax._src.models import registry
+    from specjax.models import built_model_path
 
-    export = pathlib.Path(args.export) if args.export else registry.built_path(registry.GEMMA3_EAGLE)
+    export = pathlib.Path(args.export) if args.export else built_model_path(HEAD)
     out = pathlib.Path(args.out)
     progress = ["--no-progress"] if args.no_progress else []
     rc = draft.main(["--target", TARGET, "--out", str(out), "--gather-only", "--answers-from", str(ANSWERS)]

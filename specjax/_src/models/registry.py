@@ -116,7 +116,15 @@ def resolve(name: str) -> str:
 
 
 def built_path(name: str) -> Path:
-    """Where a ``built`` model lives: ``<cache>/models/<name>`` (``$SPECJAX_CACHE_DIR``)."""
+    """Where a known model that a specjax command builds on this machine is kept, built or not:
+    ``<cache>/models/<name>`` (``$SPECJAX_CACHE_DIR``, else ``~/.cache/specjax``).
+
+    Raises:
+      ValueError: ``name`` is not a model specjax builds.
+    """
+    if name not in _MODELS or not _MODELS[name].built:
+        built = [n for n, m in _MODELS.items() if m.built]
+        raise ValueError(f"{name!r} is not a model specjax builds on this machine; those are: {', '.join(built)}.")
     from specjax._src.kernels.cpu_matmul import cache_dir
 
     return cache_dir() / "models" / _MODELS[name].relative_path
