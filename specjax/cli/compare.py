@@ -989,11 +989,6 @@ def _check_out(out: str) -> Path:
     return path
 
 
-def _check_pair_installed(pair: str) -> None:
-    """Say how to get what a named pair lacks, or how to run without it, before anything loads."""
-    common.check_pair_available(pair)
-
-
 def _positive(flag: str, value: Optional[int]) -> None:
     # 0 would read as "unset" below; refuse it instead of falling back to the preset.
     if value is not None and value < 1:
@@ -1067,7 +1062,7 @@ def settings(args) -> Settings:
     if plan is not None and any(c.lookup for c in plan):
         lookup = ngram_lookup(*DEFAULT_LOOKUP)
     if pair != "custom":
-        _check_pair_installed(pair)
+        common.check_pair_available(pair)
     if plan is not None:
         contenders = _with_weights(plan, quantize)
     else:

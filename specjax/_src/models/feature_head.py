@@ -435,16 +435,19 @@ def head_config(target_config: ModelConfig, *, head_vocab_size: int, num_layers:
     """A head's block config in its target's width (same attention shape, MLP and RoPE)."""
     if target_config.is_gpt2:
         raise ValueError("A FeatureHead needs a rotary (Llama-family) target; GPT-2 layouts are not supported.")
-    # A head's blocks start as copies of the target's last ones (init_from_target), so they keep
-    # those blocks' attention kinds: window and rope base (Gemma 2/3's interleaved layers).
-    layer_types = target_config.layer_types[len(target_config.layer_types) - num_layers:] if (
-        target_config.layer_types and num_layers <= len(target_config.layer_types)) else ()
-    if target_config.layer_types and not layer_types:
-        layer_types = (target_config.layer_types[-1],) * num_layers
     return target_config.replace(
         num_layers=num_layers, head_vocab_size=int(head_vocab_size), tie_word_embeddings=False, quantization=None,
-        layer_types=layer_types,
+        layer_types=_last_layer_kinds(target_config.layer_types, num_layers),
     )
+
+
+def _last_layer_kinds(layer_types: tuple[str, ...], num_layers: int) -> tuple[str, ...]:
+    """The attention kinds of ``num_layers`` head blocks copied from the last of blocks of
+    ``layer_types`` (window and rope base: Gemma 2/3 interleave them); blocks beyond those
+    copy the top one, so they repeat its kind. ``()`` (every block alike) stays ``()``."""
+    if not layer_types:
+        return ()
+    return layer_types[-num_layers:] + layer_types[-1:] * (num_layers - len(layer_types))
 
 
 def attach_embedding(head: Model, target: Model) -> Model:
@@ -613,8 +616,7 @@ def with_num_layers(head: Model, num_layers: int) -> Model:
         block["attn"]["o"] = {"kernel": jnp.zeros_like(top["attn"]["o"]["kernel"])}
         block["mlp"]["down"] = {"kernel": jnp.zeros_like(top["mlp"]["down"]["kernel"])}
         params[f"layer_{i}"] = block
-    layer_types = cfg.layer_types + cfg.layer_types[-1:] * (num_layers - cfg.num_layers)  # the copied block's kind
-    module = FeatureHead(cfg.replace(num_layers=num_layers, layer_types=layer_types),
+    module = FeatureHead(cfg.replace(num_layers=num_layers, layer_types=_last_layer_kinds(cfg.layer_types, num_layers)),
                          feature_layers=head.module.feature_layers)
     return head.replace(params=params, module=module)
 
