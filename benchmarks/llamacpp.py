@@ -4,6 +4,7 @@
     python benchmarks/llamacpp.py --contenders llamacpp-q4,specjax-q4   # two of them
     python benchmarks/llamacpp.py --markdown out.md --json out.json     # also write the tables / every figure
     python benchmarks/llamacpp.py --prompts 2 --rounds 1 --max-new-tokens 16   # a smoke run (a few minutes)
+    python benchmarks/llamacpp.py --target gemma-3-270m --head gemma-3-270m-eagle   # the gemma3 pair's GGUF
 
 Needs ``llama-cpp-python`` (``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
 llama-cpp-python==0.3.36``, a source build of about 15 minutes on 2 cores) and
@@ -101,10 +102,10 @@ INSTALL = ('llama-cpp-python is not installed: CMAKE_ARGS="-DGGML_NATIVE=ON" pip
            "(a source build, about 15 minutes on 2 cores; cmake and a C++ compiler needed)")
 
 
-def gguf_path() -> str:
+def gguf_path(target: str) -> str:
     from specjax.models import known_model_path
 
-    return known_model_path(TARGET)
+    return known_model_path(target)
 
 
 # ---------------------------------------------------------------------------
@@ -150,7 +151,7 @@ class LlamaCppRunner:
             import llama_cpp
         except ImportError:
             raise SystemExit(INSTALL) from None
-        path = gguf_path()
+        path = gguf_path(args.target)
         if not args.extra_bufts:
             # Weight repacking ("extra buffer types") off: on x86 no repacked kernel exists for Q4_1 / Q8_0 /
             # F32, and on AMX machines a native build's AMX Q4_1 matmul crashes (shared/notes/llama-cpp-peer.md).
@@ -188,7 +189,7 @@ class SpecjaxRunner:
 
         self.specjax = specjax
         self.N, self.K = args.max_new_tokens, args.num_draft
-        self.target = specjax.load(TARGET, dtype="float32", quantize=LOAD_QUANTIZE[name])
+        self.target = specjax.load(args.target, dtype="float32", quantize=LOAD_QUANTIZE[name])
         cfg = self.target.module.config
         embed = self.target.params.get("embed", {}) if isinstance(self.target.params, dict) else {}
         target_bytes = _nbytes(self.target.params)
@@ -199,7 +200,7 @@ class SpecjaxRunner:
         if name in SPECULATIVE:
             from specjax.rules import parse_rule
 
-            head = specjax.load(str(HEAD), dtype="float32")
+            head = specjax.load(args.head, dtype="float32")
             if args.head_quantize != "none":
                 head = specjax.quantize(head, args.head_quantize)
             self.pair = specjax.pair(self.target, head)
@@ -208,7 +209,7 @@ class SpecjaxRunner:
             # What one head forward reads: its own matrices; of the target's embedding (borrowed), one row.
             head_bytes = _nbytes({k: v for k, v in draft_params.items() if k != "embed"})
             target_bytes = _nbytes(self.target.params, draft_params)
-            detail += (f"; head {HEAD.name} ({args.head_quantize if args.head_quantize != 'none' else 'float32'}), "
+            detail += (f"; head {Path(args.head).name} ({args.head_quantize if args.head_quantize != 'none' else 'float32'}), "
                        f"K={self.K}")
             if name.endswith("-lookup"):
                 self.lookup = specjax.drafting.ngram_lookup(*(int(x) for x in args.lookup.split(",")))
@@ -378,6 +379,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contenders", default=",".join(CONTENDERS),
                     help=f"comma-separated, of {', '.join(CONTENDERS)} (default: all)")
+    ap.add_argument("--target", default=TARGET, help="a known GGUF model (default %(default)s; gemma-3-270m with "
+                    "--head gemma-3-270m-eagle: the gemma3 pair)")
+    ap.add_argument("--head", default=str(HEAD), help="the speculative contenders' head (default: SmolLM2's)")
     ap.add_argument("--prompt-file", type=Path, default=HELDOUT_64)
     ap.add_argument("--prompts", type=int, default=8, help="the first N prompts of --prompt-file")
     ap.add_argument("--rounds", type=int, default=3)
@@ -432,20 +436,20 @@ def main(argv=None):
     texts = texts[:args.prompts]
     names = args.contender_list
     N, K = args.max_new_tokens, args.num_draft
-    report = common.Report("specjax vs llama.cpp: SmolLM2-135M-Instruct, the same GGUF, batch 1, greedy")
+    report = common.Report(f"specjax vs llama.cpp: {args.target}, the same GGUF, batch 1, greedy")
 
     bw = bandwidth(args.bandwidth_mb, args.threads)
     bw1 = bandwidth(args.bandwidth_mb, 1) if args.threads > 1 else bw
     bw_text = (f"memory bandwidth {bw / 1e9:.1f} GB/s (numpy add.reduce over a {args.bandwidth_mb} MB float32 array "
                f"in {args.threads} threads, best of 3; 1 thread {bw1 / 1e9:.1f} GB/s)")
 
-    tok_model = specjax.load(TARGET, quantize="gguf")  # for its tokenizer and chat template
+    tok_model = specjax.load(args.target, quantize="gguf")  # for its tokenizer and chat template
     prompts = [specjax.encode_chat(tok_model, t) for t in texts]
     del tok_model
     longest = max(len(p) for p in prompts)
     if longest + N > N_CTX:
         ap.error(f"the longest prompt ({longest} tokens) + --max-new-tokens {N} exceeds llama.cpp's n_ctx {N_CTX}")
-    report.text(f"GGUF {gguf_path()}; {len(prompts)} prompts of {args.prompt_file.name} in the chat template "
+    report.text(f"GGUF {gguf_path(args.target)}; {len(prompts)} prompts of {args.prompt_file.name} in the chat template "
                 f"({min(len(p) for p in prompts)}-{longest} tokens), {N} new tokens each (EOS ignored), "
                 f"{args.rounds} round{'s' * (args.rounds > 1)}; one process per contender; jax uses its own thread "
                 f"pool ({os.cpu_count()} cores here), llama.cpp {args.threads} threads\n{bw_text}")
@@ -599,7 +603,7 @@ def main(argv=None):
     if args.json:
         record = {"header": report.header, "argv": sys.argv[1:],
                   "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                  "gguf": gguf_path(), "bandwidth_bytes_per_s": bw, "bandwidth_1_thread": bw1,
+                  "gguf": gguf_path(args.target), "bandwidth_bytes_per_s": bw, "bandwidth_1_thread": bw1,
                   "bandwidth_method": bw_text, "prompts": texts, "prompt_ids": prompts, "results": results,
                   "aims": aim_record, "load_at_end": common.load_average()}
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
