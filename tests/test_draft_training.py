@@ -333,3 +333,51 @@ def test_a_forced_export_keeps_the_files_it_does_not_write(tiny_chat_target, tmp
     assert not (dest / "model.safetensors.index.json").exists()
     assert specjax.load(dest).module.config.head_vocab_size == 48
     assert "kept from the replaced" in (tmp_path / "run" / "log.txt").read_text()
+
+
+def test_self_written_prompts_keep_finished_new_requests_of_enough_words(tiny_chat_target, monkeypatch):
+    target = specjax.load(tiny_chat_target)
+    tok = target.tokenizer
+    words = lambda text: tok.encode(text).ids  # noqa: E731
+    eos = 2
+    a, b, short, excluded, e = (words(t) for t in ("x = 1 + 2", "y = 3 * 4", "1", "z = 5 - 6", "w = 7 + 8"))
+    batches = iter([
+        [a + [eos], a + [eos], b, short + [eos], excluded + [eos]],  # a twice; b cut off; short; excluded
+        [e + [eos], [eos]],                                            # e; an empty request
+    ])
+    calls = []
+
+    def fake_generate(model, prompts, *, max_new_tokens, temperature, eos_token_id, key):
+        calls.append(prompts[0])
+        rows = next(batches)
+        width = max(map(len, rows))
+        tokens = np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):
+            tokens[i, :len(r)] = r
+        return type("Out", (), {"tokens": tokens, "lengths": np.asarray([len(r) for r in rows])})
+
+    monkeypatch.setattr(distill_data, "generate", fake_generate)
+    got = distill_data.self_written_prompts(target, 2, exclude=[tok.decode(excluded).strip()], log=lambda m: None)
+    assert got == [tok.decode(a).strip(), tok.decode(e).strip()]
+    prefix = specjax.render_chat(target, [{"role": "user", "content": "Q"}]).split("Q")[0]
+    assert calls[0] == tok.encode(prefix).ids  # the template up to the user's message
+
+
+def test_self_written_prompts_say_when_the_target_cannot_write_them(tiny_chat_target, monkeypatch):
+    target = specjax.load(tiny_chat_target)
+    cut_off = type("Out", (), {"tokens": np.full((4, 8), 7, np.int32), "lengths": np.full((4,), 8)})
+    monkeypatch.setattr(distill_data, "generate", lambda *a, **k: cut_off)
+    with pytest.raises(ValueError, match="no new usable request in 20 batches"):
+        distill_data.self_written_prompts(target, 3, log=lambda m: None)
+    monkeypatch.setattr(distill_data, "render_chat", lambda model, messages: "<assistant>")
+    with pytest.raises(ValueError, match="does not show the user's message"):
+        distill_data.self_written_prompts(target, 3, log=lambda m: None)
+
+
+def test_first_shard_numbers_a_gather_apart(tiny_chat_target, tmp_path):
+    target = specjax.load(tiny_chat_target)
+    distill_data.gather(target, ["Say hi.", "Count to 3.", "Hello!"], tmp_path, batch_size=2, new_tokens=4,
+                        first_shard=distill_data.SELF_WRITTEN_SHARDS, log=lambda m: None)
+    names = sorted(p.name for p in tmp_path.glob("shard_*.npz"))
+    assert names == [f"shard_{distill_data.SELF_WRITTEN_SHARDS + i:05d}.npz" for i in range(2)]
+    assert distill_data.load_shards(tmp_path)["tokens"].shape[0] == 3

@@ -235,6 +235,34 @@ def test_feature_layers_on_the_command_line(tiny, tmp_path):
         eagle.build_parser().parse_args(["--feature-layers", "0,1"])  # no -1
 
 
+def test_minutes_sets_the_step_count_once_from_a_measured_step(tiny, tmp_path, monkeypatch):
+    """--minutes M trains for M * 60 / (a step's seconds) steps; the count is recorded, so a
+    resumed run keeps the schedule even if the machine has become faster or slower."""
+    target_path, data = tiny
+    target, head, ids = _tiny_head(target_path, data)
+    files = sorted(data.glob("shard_*.npz"))
+    eagle.extract_features(target, files, tmp_path / "f", ids, seq_len=SEQ, batch=2, log=lambda m: None)
+    rows = eagle.load_rows(files, tmp_path / "f", ids, SEQ, target.vocab_size)
+    trainable, frozen = eagle.split_params(head.params)
+    loss_fn = eagle.make_loss(head.module.config, unroll=2, reg_weight=1.0)
+    batch = {**{k: jnp.asarray(v) for k, v in rows.items()}, "frozen": frozen}
+    secs = eagle.step_seconds(loss_fn, trainable, lambda step: batch, probe_steps=2)
+    assert 0 < secs < 60
+
+    monkeypatch.setattr(eagle, "step_seconds", lambda *a, **k: 0.25)
+    dest, run = tmp_path / "head", tmp_path / "run"
+    argv = _args(target_path, data, run, "--minutes", "0.05", "--eval-every", "0", "--export", str(dest))
+    assert eagle.main(argv + ["--stop-after", "3", "--checkpoint-seconds", "0"]) == 0
+    assert json.loads((run / "run.json").read_text())["steps_for_minutes"] == 12  # 3 s / 0.25 s
+    assert "12 steps fit 0.05 minutes" in (run / "log.txt").read_text()
+    monkeypatch.setattr(eagle, "step_seconds", lambda *a, **k: 1.0)  # not asked again
+    assert eagle.main(argv) == 0
+    assert json.loads((dest / "train_log.json").read_text())["summary"]["steps"] == 12
+    for bad in ("0", "-1", "soon", "inf"):
+        with pytest.raises(SystemExit):
+            eagle.build_parser().parse_args(["--minutes", bad])
+
+
 def test_a_draft_temperature_divides_the_logits_and_the_fit_finds_it(tiny, tmp_path):
     target_path, data = tiny
     target, head, ids = _tiny_head(target_path, data)

@@ -8,6 +8,12 @@ writes and how it spreads its probability: the two things acceptance depends
 on. Rows are written in shards (``shard_00000.npz`` ...) so an interrupted
 gather continues where it stopped.
 
+More varied prompts: :func:`self_written_prompts` lets the target write user
+turns itself (its chat template up to the user's message, sampled), and
+``gather(..., first_shard=SELF_WRITTEN_SHARDS)`` answers them in shards
+numbered apart from the training prompts'. A head trained on the template
+prompts alone agrees with its target far less on such free-form requests.
+
 More data from the same prompts: gather pass ``p`` gives prompt ``i`` the
 temperature ``TEMPERATURE_CYCLE[(i + p) % 3]`` and writes its shards after
 those of the earlier passes, with their own keys; passes 0, 1 and 2 together
@@ -37,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import encode_chat
+from specjax import encode_chat, generate, render_chat
 
 # Greedy rows teach the T=0 path, sampled rows the T=1 one and variety.
 TEMPERATURE_CYCLE = (0.0, 0.7, 1.0)
@@ -86,6 +92,48 @@ def encode_prompts(target, prompts: Sequence[str]) -> list[list[int]]:
     return [encode_chat(target, p) for p in prompts]
 
 
+# Shards of answers to self-written prompts start here: past any pass of the training prompts.
+SELF_WRITTEN_SHARDS = 100_000
+_SENTINEL = "\u2063SPECJAX_USER\u2063"
+
+
+def self_written_prompts(target, n: int, *, seed: int = 0, batch_size: int = 64, max_tokens: int = 64,
+                         temperature: float = 1.0, min_words: int = 3, exclude: Sequence[str] = (),
+                         log=print) -> list[str]:
+    """``n`` distinct user requests that ``target`` writes itself: its chat template
+    rendered up to the user's message, then sampled until the end of the turn.
+
+    Requests cut off at ``max_tokens``, shorter than ``min_words`` words, repeated,
+    or in ``exclude`` are dropped, and sampling goes on until ``n`` are kept (a pure
+    function of ``seed``). Raises ``ValueError`` if the template has no user message
+    to cut at, or if 20 batches in a row add nothing.
+    """
+    chat = render_chat(target, [{"role": "user", "content": _SENTINEL}])
+    if _SENTINEL not in chat:
+        raise ValueError("the target's chat template does not show the user's message; it cannot write prompts")
+    prefix = target.tokenizer.encode(chat.split(_SENTINEL)[0]).ids
+    eos = tuple(target.module.config.eos_token_ids or (target.module.config.eos_token_id,))
+    kept, seen, barren, key = [], set(exclude), 0, jax.random.key(seed)
+    while len(kept) < n:
+        key, sub = jax.random.split(key)
+        out = generate(target, [prefix] * batch_size, max_new_tokens=max_tokens, temperature=temperature,
+                       eos_token_id=eos, key=sub)
+        before = len(kept)
+        for row, length in zip(np.asarray(out.tokens), np.asarray(out.lengths)):
+            row = row[:length].tolist()
+            if not row or row[-1] not in eos:  # no end of turn: cut off
+                continue
+            text = target.tokenizer.decode(row[:-1]).strip()
+            if len(text.split()) >= min_words and text not in seen:
+                seen.add(text)
+                kept.append(text)
+        barren = 0 if len(kept) > before else barren + 1
+        if barren == 20:
+            raise ValueError(f"the target wrote no new usable request in 20 batches ({len(kept)} of {n} kept)")
+        log(f"[prompts] {min(len(kept), n)}/{n} self-written requests")
+    return kept[:n]
+
+
 def gather(
     target,
     prompts: Sequence[str],
@@ -97,6 +145,7 @@ def gather(
     seed: int = 0,
     max_prompts: int | None = None,
     pass_index: int = 0,
+    first_shard: int = 0,
     log=print,
 ) -> int:
     """Writes shards of distillation rows under ``out_dir``; returns rows written in total.
@@ -104,8 +153,8 @@ def gather(
     Shard ``i`` holds prompts ``[i * batch_size, (i + 1) * batch_size)`` of
     ``prompts``: an interrupted gather resumes at the first missing shard and
     produces the same rows as an uninterrupted one (keys are per shard). Pass
-    ``p`` numbers its shards from ``p`` times the shards of all ``prompts``
-    (see the module docstring).
+    ``p`` numbers its shards from ``first_shard`` plus ``p`` times the shards of all
+    ``prompts`` (see the module docstring).
     """
     if pass_index < 0:
         raise ValueError(f"pass_index must be >= 0, got {pass_index}")
@@ -121,7 +170,7 @@ def gather(
     num_shards = -(-len(prompts) // batch_size)
     total = 0
     for local in range(num_shards):
-        shard = pass_index * per_pass + local
+        shard = first_shard + pass_index * per_pass + local
         path = out / f"shard_{shard:05d}.npz"
         if path.exists():
             total += int(np.load(path)["prompt_lengths"].shape[0])

@@ -350,6 +350,21 @@ def make_loss(cfg, *, unroll: int, reg_weight: float, unroll_weight: float = 1.0
     return loss_fn
 
 
+def step_seconds(loss_fn, trainable: dict, batch_fn, *, probe_steps: int = 10) -> float:
+    """Wall seconds of one optimizer step (after compiling), timed over ``probe_steps``
+    steps on a copy of ``trainable`` that is then discarded."""
+    optimizer = common.adamw(1e-9, probe_steps + 1, warmup_steps=0, weight_decay=0.0)
+    train_step = common.make_train_step(loss_fn, optimizer)
+    state = common.init_state(jax.tree.map(jnp.copy, trainable), optimizer)
+    state, metrics = train_step(state, batch_fn(0))  # compiles
+    float(metrics["loss"])
+    t0 = time.monotonic()
+    for step in range(1, probe_steps + 1):  # as train_loop does: a host sync every step
+        state, metrics = train_step(state, batch_fn(step))
+        float(metrics["loss"])
+    return (time.monotonic() - t0) / probe_steps
+
+
 def balance_fuse(head: Model) -> Model:
     """``fuse``'s token half set to ``I / rms(embedding)``: the token enters the block
     at the same (unit) scale as the normalised feature from the first step.
@@ -673,6 +688,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=_step_count, default=600,
                    help="optimizer steps (default: %(default)s); 0 exports the --init-from head as grown or narrowed, "
                         "untrained")
+    g.add_argument("--minutes", type=_minutes, default=None,
+                   help="instead of --steps: as many steps as fit this many minutes of training, from a step's time "
+                        "measured before training starts (recorded: a resumed run keeps that count); evaluation "
+                        "and the features stages come on top")
     g.add_argument("--batch", type=int, default=8)
     g.add_argument("--lr", type=float, default=5e-4)
     g.add_argument("--seed", type=int, default=0)
@@ -720,6 +739,16 @@ def _int_at_least(minimum: int, what: str):
 _block_count = _int_at_least(1, "a number of decoder blocks")
 _step_count = _int_at_least(0, "a number of steps")
 _vocab_size = _int_at_least(2, "a head vocabulary size")
+
+
+def _minutes(text: str) -> float:
+    try:
+        minutes = float(text)
+    except ValueError:
+        minutes = float("nan")
+    if not minutes > 0 or minutes == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of minutes; got {text!r}")
+    return minutes
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -835,12 +864,23 @@ def main(argv=None) -> int:
     n_layers = len(feature_layers)
     cfg = head0.module.config
     trainable, frozen = split_params(head0.params)
-    if args.steps == 0 and init is None:
+    if args.steps == 0 and init is None and args.minutes is None:
         raise SystemExit("error: --steps 0 exports an --init-from head untrained; without --init-from there is "
                          "nothing to export.")
-    optimizer = common.adamw(args.lr, max(args.steps, 1), warmup_steps=min(50, args.steps // 10), weight_decay=0.01)
     loss_fn = make_loss(cfg, unroll=args.unroll, reg_weight=args.reg_weight, unroll_weight=args.unroll_weight,
                         num_feature_layers=n_layers, tv_weight=args.tv_weight)
+    inner = draft.batch_fn_for(train, args.batch, args.seed)
+    frozen_dev = jax.tree.map(jnp.asarray, frozen)
+    batch_fn = lambda step: {**inner(step), "frozen": frozen_dev}  # noqa: E731
+    if args.minutes is not None:  # the count is measured once and recorded: a resumed run keeps its schedule
+        if "steps_for_minutes" not in run:
+            secs = step_seconds(loss_fn, trainable, batch_fn)
+            run["steps_for_minutes"] = max(1, int(args.minutes * 60 / secs))
+            meta_file.write_text(json.dumps(run))
+            log(f"[eagle] a training step takes {secs * 1e3:.1f} ms: {run['steps_for_minutes']} steps fit "
+                f"{args.minutes:g} minutes")
+        args.steps = run["steps_for_minutes"]
+    optimizer = common.adamw(args.lr, max(args.steps, 1), warmup_steps=min(50, args.steps // 10), weight_decay=0.01)
     train_step = common.make_train_step(loss_fn, optimizer)
     state = common.init_state(jax.tree.map(jnp.copy, trainable), optimizer)  # the step donates its state
     ckpt = common.Checkpointer(out / "ckpt", every_seconds=args.checkpoint_seconds, log=log)
@@ -858,9 +898,6 @@ def main(argv=None) -> int:
     if restored is not None:
         state, meta = restored
         log(f"[eagle] resumed at step {int(state['step'])}")
-    inner = draft.batch_fn_for(train, args.batch, args.seed)
-    frozen_dev = jax.tree.map(jnp.asarray, frozen)
-    batch_fn = lambda step: {**inner(step), "frozen": frozen_dev}  # noqa: E731
 
     def eval_fn(step, state):
         res = agreement(cfg, {**state["params"], **frozen_dev}, held, num_feature_layers=n_layers)

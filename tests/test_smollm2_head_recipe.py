@@ -1,0 +1,73 @@
+"""``python -m training.smollm2_head``: the EAGLE-3-shaped SmolLM2 head's recipe.
+
+Training it for real is GPU work (docs/heads.md); here: each stage gets the shipped
+answers, the new passes and the EAGLE-3 settings, every setting is one the stage takes,
+and new passes are numbered where they cannot land on the shipped passes' shards.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from training import chat_prompts, distill_data, draft, eagle, smollm2_head
+
+
+def _run(monkeypatch, tmp_path, *argv):
+    calls = []
+    monkeypatch.setattr(draft, "main", lambda a: calls.append(("draft", a)) or 0)
+    monkeypatch.setattr(eagle, "main", lambda a: calls.append(("eagle", a)) or 0)
+    assert smollm2_head.main(["--out", str(tmp_path / "run"), "--no-progress", *argv]) == 0
+    return calls
+
+
+def test_the_recipe_rebuilds_the_answers_gathers_new_passes_then_trains_an_eagle3_head(monkeypatch, tmp_path):
+    calls = _run(monkeypatch, tmp_path, "--gather-passes", "4,5", "--minutes", "6")
+    assert [c[0] for c in calls] == ["draft", "draft", "draft", "eagle"]
+    unpack, *passes = [c[1] for c in calls[:3]]
+    assert unpack[unpack.index("--answers-from") + 1] == str(smollm2_head.ANSWERS)
+    for argv, p in zip(passes, ("4", "5")):
+        args = draft.build_parser().parse_args(argv)
+        assert args.gather_only and args.gather_pass == int(p) and args.out == str(tmp_path / "run")
+        assert args.gather_batch == 32  # the shipped answers' batch: shard numbers follow it
+    args = eagle.build_parser().parse_args(calls[3][1])
+    assert args.feature_layers == (2, 15, -1) and args.unroll == 3 and args.minutes == 6.0
+    assert args.head_vocab == 8192 and args.head_vocab_from == "" and args.target == smollm2_head.TARGET
+    assert args.data == str(tmp_path / "run" / "data") and args.export == str(tmp_path / "run" / "export")
+    assert args.batch == args.feature_batch == 64
+
+
+def test_self_written_requests_are_answered_after_the_shipped_answers(monkeypatch, tmp_path):
+    done = []
+    monkeypatch.setattr(smollm2_head, "answer_self_written", lambda out, n: done.append((out, n)))
+    calls = _run(monkeypatch, tmp_path, "--self-prompts", "1000", "--steps", "5")
+    assert done == [(tmp_path / "run", 1000)] and [c[0] for c in calls] == ["draft", "eagle"]
+
+
+def test_the_self_written_measuring_set_is_64_requests():
+    rows = [json.loads(line) for line in smollm2_head.SELF_WRITTEN_EVAL.read_text().splitlines()]
+    assert len(rows) == 64 == len({r["prompt"] for r in rows})
+    assert all(r["kind"] == "self-written" and len(r["prompt"].split()) >= 3 for r in rows)
+
+
+def test_an_init_from_head_keeps_its_vocabulary(monkeypatch, tmp_path):
+    (_, argv), = _run(monkeypatch, tmp_path, "--steps", "100", "--init-from", "some/head")[1:]
+    args = eagle.build_parser().parse_args(argv)
+    assert args.init_from == "some/head" and args.head_vocab is None and args.steps == 100
+
+
+@pytest.mark.parametrize("bad", [["--gather-passes", "2", "--steps", "1"], ["--gather-passes", "x", "--steps", "1"],
+                                 [], ["--steps", "1", "--minutes", "2"]])
+def test_bad_arguments_are_refused(bad):
+    with pytest.raises(SystemExit):
+        smollm2_head.build_parser().parse_args(bad)
+
+
+def test_a_new_pass_at_the_shipped_batch_numbers_its_shards_after_the_shipped_ones():
+    shipped = set(np.unique(np.load(smollm2_head.ANSWERS)["shard"]).tolist())
+    per_pass = -(-len(chat_prompts.train_prompts()) // 32)
+    assert shipped == set(range(per_pass, 4 * per_pass))  # passes 1-3
+    assert max(shipped) < 4 * per_pass  # where pass 4 begins
+    assert distill_data.pass_temperature(0, 4) in (0.3, 0.7, 1.0)

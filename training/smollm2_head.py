@@ -1,0 +1,123 @@
+"""Train an EAGLE-3-shaped head for SmolLM2-135M-Instruct: ``python -m training.smollm2_head``.
+
+EAGLE-3 ("EAGLE-3: Scaling up Inference Acceleration of Large Language Models
+via Training-Time Test", arXiv:2503.01840) drafts from a fusion of low, middle
+and high target blocks, is trained on its own unrolled predictions
+(training-time test), and drafts over a reduced vocabulary. This recipe trains
+such a head for the ``smollm2`` pair: it reads blocks ``FEATURE_LAYERS``, is
+unrolled ``UNROLL`` draft steps in training, and drafts over the 8,192 ids the
+data uses most. Its stages each resume after an interrupt:
+
+1. **data**: the target's answers that ship with specjax
+   (``training/answers/smollm2-passes-1-3.npz``, 1.85M answer tokens), rebuilt
+   by teacher forcing; with ``--self-prompts N``, N requests the target writes
+   itself (:func:`training.distill_data.self_written_prompts`), answered by it:
+   free-form requests that the template-built training prompts lack; with
+   ``--gather-passes 4,5,...`` the target also answers the training prompts
+   again at those passes' temperatures. Generation costs about 17 s per 32
+   answers on 2 CPU cores, far less on a GPU.
+2. **head**: ``python -m training.eagle`` with ``HEAD_SETTINGS``, for ``--steps``
+   steps or as many as fit ``--minutes`` of training, then the held-out
+   agreement and the export (``--export``, default ``OUT/export``).
+
+The settings are sized for one GPU (batch 64 rows of 256 tokens). Training the
+head on a lent GPU machine, whose carried files are capped, is described in
+``docs/heads.md`` ("An EAGLE-3-shaped SmolLM2 head"). It runs on a CPU as
+well, with ``--batch 8``; the shipped head's CPU recipe is in its MODEL_CARD.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from training import common, distill_data, draft, eagle
+
+TARGET = "smollm2-135m-instruct"
+ANSWERS = pathlib.Path(__file__).resolve().parent / "answers" / "smollm2-passes-1-3.npz"
+# Requests the target wrote with another seed, held out to measure heads on
+# (benchmarks/acceptance.py --prompt-file).
+SELF_WRITTEN_EVAL = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "prompts" / "self_written_64.jsonl"
+SELF_WRITTEN_SEED = 0
+FEATURE_LAYERS = "2,15,-1"  # low, middle and high blocks of the target's 30
+UNROLL = 3  # the draft steps of a K=3 chain, each reading the head's own features from step 2 on
+HEAD_SETTINGS = ("--feature-layers", FEATURE_LAYERS, "--unroll", str(UNROLL), "--seq-len", "256", "--lr", "1e-3",
+                 "--eval-every", "500")
+VOCAB_SETTINGS = ("--head-vocab-from", "", "--head-vocab", "8192")  # a fresh head's; an --init-from head keeps its own
+
+
+def _passes(text: str) -> list[int]:
+    try:
+        passes = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        passes = [-1]
+    if not passes or min(passes) < 4:
+        raise argparse.ArgumentTypeError(
+            f"expected gather passes 4 or higher, comma-separated (1-3 ship as answers); got {text!r}")
+    return passes
+
+
+def answer_self_written(out: pathlib.Path, n: int) -> None:
+    """``n`` requests the target writes itself (kept in ``OUT/self_written.json``, so a
+    rerun answers the same ones), answered into ``OUT/data`` from shard
+    ``SELF_WRITTEN_SHARDS`` on, at the training prompts' temperatures."""
+    import specjax
+
+    target = specjax.load(TARGET)
+    log = lambda m: common._log(m, out / "log.txt")  # noqa: E731
+    kept = out / "self_written.json"
+    prompts = json.loads(kept.read_text()) if kept.exists() else []
+    if len(prompts) < n:
+        held = [row["prompt"] for row in map(json.loads, SELF_WRITTEN_EVAL.read_text().splitlines())]
+        prompts = distill_data.self_written_prompts(target, n, seed=SELF_WRITTEN_SEED, exclude=held, log=log)
+        kept.write_text(json.dumps(prompts, indent=0))
+    distill_data.gather(target, prompts[:n], out / "data", batch_size=32, new_tokens=192,
+                        first_shard=distill_data.SELF_WRITTEN_SHARDS, log=log)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training.smollm2_head", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/smollm2-head3", help="run directory (default: %(default)s)")
+    p.add_argument("--export", default=None, help="write the head here (default: OUT/export)")
+    p.add_argument("--force", action="store_true", help="replace an existing head at --export")
+    p.add_argument("--self-prompts", type=eagle._int_at_least(0, "a number of requests"), default=0,
+                   help="also answer N requests the target writes itself (none of benchmarks/prompts/"
+                        "self_written_64.jsonl, which measures heads on such requests)")
+    p.add_argument("--gather-passes", type=_passes, default=[],
+                   help="also answer the training prompts again at these passes (4 or higher), e.g. 4,5")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--steps", type=int, help="optimizer steps")
+    budget.add_argument("--minutes", help="train as many steps as fit this many minutes (training.eagle --minutes)")
+    p.add_argument("--batch", type=int, default=64, help="training rows per step (default: %(default)s)")
+    p.add_argument("--init-from", default=None, help="start from an exported head (default: the target's last block)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    out = pathlib.Path(args.out)
+    progress = ["--no-progress"] if args.no_progress else []
+    stages = [["--answers-from", str(ANSWERS)]]
+    # Batches of 32, as the shipped answers: a pass numbers its shards by the batch, and other
+    # numbers would land on the shipped passes' shards.
+    stages += [["--gather-pass", str(p), "--gather-batch", "32"] for p in args.gather_passes]
+    for stage in stages:
+        rc = draft.main(["--target", TARGET, "--out", str(out), "--gather-only", *stage, *progress])
+        if rc:
+            return rc
+    if args.self_prompts:
+        answer_self_written(out, args.self_prompts)
+    budget = ["--steps", str(args.steps)] if args.steps is not None else ["--minutes", args.minutes]
+    rc = eagle.main(["--target", TARGET, "--data", str(out / "data"), "--out", str(out / "head"),
+                     "--export", str(args.export or out / "export"), *HEAD_SETTINGS, *budget,
+                     "--batch", str(args.batch), "--feature-batch", str(args.batch), "--eval-batch", str(args.batch),
+                     *(["--init-from", args.init_from] if args.init_from else VOCAB_SETTINGS),
+                     *(["--force"] if args.force else []), *progress])
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
