@@ -10,8 +10,8 @@ Speed figures (``real_pair.py``) can only afford 8 prompts, and tau over 8
 prompts x 128 tokens moves by about +-0.05 between drafters that differ by
 less. This script measures what decides the speed, tau, where it is cheap:
 lossless speculative decoding (``--rule``) of each drafter on ``--prompts``
-held-out chat prompts (``specjax/assets/chat/heldout_prompts.jsonl``, chat
-template, EOS honoured, up to ``--max-new-tokens``), at ``--batch``, and
+held-out chat prompts (``--prompt-file``, default
+``specjax/assets/chat/heldout_prompts.jsonl``; in the chat template, EOS honoured, up to ``--max-new-tokens``), at ``--batch``, and
 reports tau (tokens per cycle), alpha (accepted / judged), the acceptance at
 each draft slot and each drafter's tau relative to the first. Standard errors
 are over prompts; the paired column compares each prompt's tau with the first
@@ -47,6 +47,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafters", nargs="+", default=[drafter_arg("draft"), drafter_arg("eagle")], type=drafter_arg,
                     help="draft, eagle (shipped) or LABEL=DIR (an exported drafter)")
+    ap.add_argument("--prompt-file", type=common.Path, default=CHAT,
+                    help="JSON lines with a 'prompt' each (default: the held-out chat prompts; "
+                         "benchmarks/prompts/self_written_64.jsonl: requests the target wrote itself)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -81,13 +84,13 @@ def main(argv=None):
         except ValueError as e:
             ap.error(str(e))
 
-    report = common.Report(f"acceptance on held-out chat prompts: SmolLM2-135M-Instruct + {' / '.join(drafters)}")
+    report = common.Report(f"acceptance on {args.prompt_file.name}: SmolLM2-135M-Instruct + {' / '.join(drafters)}")
     target = specjax.load(TARGET, dtype=args.dtype)
     loaded = {d: specjax.pair(target, specjax.load(path, dtype=args.dtype)) for d, path in drafters.items()}
     label = lambda d, spec: d if len(shapes) == 1 else f"{d} @ {spec}"  # noqa: E731
     pairs = {label(d, spec): (loaded[d], None, kw) for d in drafters for spec, kw in shapes.items()}
     pairs.update({f"{d}+lookup{m}": (loaded[d], lk, shapes["chain"]) for d in drafters for m, lk in lookups.items()})
-    texts = [r["prompt"] for r in common.read_jsonl(CHAT)][: args.prompts]
+    texts = [r["prompt"] for r in common.read_prompt_file(args.prompt_file, ap)][: args.prompts]
     prompts = [specjax.encode_chat(target, t) for t in texts]
     eos = tuple(target.module.config.eos_token_ids)
     rule = parse_rule(args.rule)
