@@ -58,11 +58,16 @@ def test_an_init_from_head_keeps_its_vocabulary(monkeypatch, tmp_path):
     assert args.init_from == "some/head" and args.head_vocab is None and args.steps == 100
 
 
+def test_data_only_stops_after_the_features(monkeypatch, tmp_path):
+    args = eagle.build_parser().parse_args(_run(monkeypatch, tmp_path, "--data-only")[-1][1])
+    assert args.features_only and args.feature_layers == (2, 15, -1)
+
+
 @pytest.mark.parametrize("bad", [["--gather-passes", "2", "--steps", "1"], ["--gather-passes", "x", "--steps", "1"],
-                                 [], ["--steps", "1", "--minutes", "2"]])
+                                 [], ["--steps", "1", "--minutes", "2"], ["--self-prompts", "-1", "--steps", "1"]])
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(SystemExit):
-        smollm2_head.build_parser().parse_args(bad)
+        smollm2_head.main(["--no-progress", *bad])
 
 
 def test_a_new_pass_at_the_shipped_batch_numbers_its_shards_after_the_shipped_ones():

@@ -87,17 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "self_written_64.jsonl, which measures heads on such requests)")
     p.add_argument("--gather-passes", type=_passes, default=[],
                    help="also answer the training prompts again at these passes (4 or higher), e.g. 4,5")
-    budget = p.add_mutually_exclusive_group(required=True)
+    budget = p.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, help="optimizer steps")
     budget.add_argument("--minutes", help="train as many steps as fit this many minutes (training.eagle --minutes)")
     p.add_argument("--batch", type=int, default=64, help="training rows per step (default: %(default)s)")
+    p.add_argument("--data-only", action="store_true",
+                   help="stop after the data and the target's features (a machine lent for a fixed time can "
+                        "train in a second call)")
     p.add_argument("--init-from", default=None, help="start from an exported head (default: the target's last block)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.data_only and args.steps is None and args.minutes is None:
+        parser.error("give the training budget: --steps N or --minutes M (or --data-only)")
     out = pathlib.Path(args.out)
     progress = ["--no-progress"] if args.no_progress else []
     stages = [["--answers-from", str(ANSWERS)]]
@@ -110,7 +116,12 @@ def main(argv=None) -> int:
             return rc
     if args.self_prompts:
         answer_self_written(out, args.self_prompts)
-    budget = ["--steps", str(args.steps)] if args.steps is not None else ["--minutes", args.minutes]
+    if args.data_only:
+        budget = ["--features-only"]
+    elif args.steps is not None:
+        budget = ["--steps", str(args.steps)]
+    else:
+        budget = ["--minutes", args.minutes]
     rc = eagle.main(["--target", TARGET, "--data", str(out / "data"), "--out", str(out / "head"),
                      "--export", str(args.export or out / "export"), *HEAD_SETTINGS, *budget,
                      "--batch", str(args.batch), "--feature-batch", str(args.batch), "--eval-batch", str(args.batch),
