@@ -76,7 +76,7 @@ def main(argv=None):
             for label, head in loaded.items():
                 ids = np.asarray(head.params["head_vocab_ids"])
                 layers = head.module.feature_layers
-                feats = d / f"features-{label}"
+                feats = d / ("features-" + "_".join(map(str, layers)))  # heads reading the same blocks share them
                 eagle.extract_features(target, [shard], feats, ids, seq_len=256, batch=16, layers=layers,
                                        log=lambda m: None)
                 data = eagle.load_rows([shard], feats, ids, 256, target.vocab_size)

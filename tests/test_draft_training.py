@@ -381,3 +381,16 @@ def test_first_shard_numbers_a_gather_apart(tiny_chat_target, tmp_path):
     names = sorted(p.name for p in tmp_path.glob("shard_*.npz"))
     assert names == [f"shard_{distill_data.SELF_WRITTEN_SHARDS + i:05d}.npz" for i in range(2)]
     assert distill_data.load_shards(tmp_path)["tokens"].shape[0] == 3
+
+
+def test_a_gather_refuses_shards_numbered_for_another_batch_size(tiny_chat_target, tmp_path):
+    """Shard numbers follow the batch size: a gather resumed with another one would take shards of
+    other prompts as its own. It stops, naming the shard, and leaves the data as it was."""
+    target = specjax.load(tiny_chat_target)
+    prompts = ["Say hi.", "Count to 3.", "Hello!", "Name a color."]
+    distill_data.gather(target, prompts, tmp_path, batch_size=2, new_tokens=4, log=lambda m: None)
+    before = sorted(p.name for p in tmp_path.glob("shard_*.npz"))
+    with pytest.raises(ValueError, match="shard_00000.npz holds answers to prompts 0-1, not to prompts 0-2"):
+        distill_data.gather(target, prompts, tmp_path, batch_size=3, new_tokens=4, log=lambda m: None)
+    assert sorted(p.name for p in tmp_path.glob("shard_*.npz")) == before
+    assert distill_data.gather(target, prompts, tmp_path, batch_size=2, new_tokens=4, log=lambda m: None) == 4

@@ -172,10 +172,16 @@ def gather(
     for local in range(num_shards):
         shard = first_shard + pass_index * per_pass + local
         path = out / f"shard_{shard:05d}.npz"
-        if path.exists():
-            total += int(np.load(path)["prompt_lengths"].shape[0])
-            continue
         idx = np.arange(local * batch_size, min((local + 1) * batch_size, len(prompts)))
+        if path.exists():
+            done = np.load(path)
+            if "prompt_index" in done.files and not np.array_equal(done["prompt_index"], idx):
+                raise ValueError(
+                    f"{path} holds answers to prompts {done['prompt_index'].min()}-{done['prompt_index'].max()}, "
+                    f"not to prompts {idx[0]}-{idx[-1]} as this gather numbers its shards: it was written with "
+                    "another batch size or shard numbering. Gather with that batch size, or into another directory.")
+            total += int(done["prompt_lengths"].shape[0])
+            continue
         rows = [encoded[i] for i in idx]
         n = len(rows)
         # Pad the last shard to the batch so it reuses the compiled program.
