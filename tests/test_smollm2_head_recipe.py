@@ -41,9 +41,11 @@ def test_the_recipe_rebuilds_the_answers_gathers_new_passes_then_trains_an_eagle
 
 def test_self_written_requests_are_answered_after_the_shipped_answers(monkeypatch, tmp_path):
     done = []
-    monkeypatch.setattr(smollm2_head, "answer_self_written", lambda out, n: done.append((out, n)))
+    monkeypatch.setattr(smollm2_head, "answer_self_written", lambda out, n, batch: done.append((out, n, batch)))
     calls = _run(monkeypatch, tmp_path, "--self-prompts", "1000", "--steps", "5")
-    assert done == [(tmp_path / "run", 1000)] and [c[0] for c in calls] == ["draft", "eagle"]
+    assert done == [(tmp_path / "run", 1000, 32)] and [c[0] for c in calls] == ["draft", "eagle"]
+    _run(monkeypatch, tmp_path, "--self-prompts", "64", "--self-batch", "128", "--data-only")
+    assert done[-1] == (tmp_path / "run", 64, 128)
 
 
 def test_the_self_written_measuring_set_is_64_requests():

@@ -59,10 +59,12 @@ def _passes(text: str) -> list[int]:
     return passes
 
 
-def answer_self_written(out: pathlib.Path, n: int) -> None:
+def answer_self_written(out: pathlib.Path, n: int, batch_size: int = 32) -> None:
     """``n`` requests the target writes itself (kept in ``OUT/self_written.json``, so a
-    rerun answers the same ones), answered into ``OUT/data`` from shard
-    ``SELF_WRITTEN_SHARDS`` on, at the training prompts' temperatures."""
+    rerun answers the same ones), written ``2 * batch_size`` at a time and answered
+    ``batch_size`` at a time into ``OUT/data`` from shard ``SELF_WRITTEN_SHARDS`` on,
+    at the training prompts' temperatures. A GPU answers far more per batch in the
+    same time; a rerun must keep the batch (gather refuses shards made with another)."""
     import specjax
 
     target = specjax.load(TARGET)
@@ -71,9 +73,10 @@ def answer_self_written(out: pathlib.Path, n: int) -> None:
     prompts = json.loads(kept.read_text()) if kept.exists() else []
     if len(prompts) < n:
         held = [row["prompt"] for row in map(json.loads, SELF_WRITTEN_EVAL.read_text().splitlines())]
-        prompts = distill_data.self_written_prompts(target, n, seed=SELF_WRITTEN_SEED, exclude=held, log=log)
+        prompts = distill_data.self_written_prompts(target, n, seed=SELF_WRITTEN_SEED, batch_size=2 * batch_size,
+                                                    exclude=held, log=log)
         kept.write_text(json.dumps(prompts, indent=0))
-    distill_data.gather(target, prompts[:n], out / "data", batch_size=32, new_tokens=192,
+    distill_data.gather(target, prompts[:n], out / "data", batch_size=batch_size, new_tokens=192,
                         first_shard=distill_data.SELF_WRITTEN_SHARDS, log=log)
 
 
@@ -85,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--self-prompts", type=eagle._int_at_least(0, "a number of requests"), default=0,
                    help="also answer N requests the target writes itself (none of benchmarks/prompts/"
                         "self_written_64.jsonl, which measures heads on such requests)")
+    p.add_argument("--self-batch", type=eagle._int_at_least(1, "a batch size"), default=32,
+                   help="self-written requests answered per batch, twice as many written (default: %(default)s; "
+                        "a GPU takes 128 or more)")
     p.add_argument("--gather-passes", type=_passes, default=[],
                    help="also answer the training prompts again at these passes (4 or higher), e.g. 4,5")
     budget = p.add_mutually_exclusive_group()
@@ -115,7 +121,7 @@ def main(argv=None) -> int:
         if rc:
             return rc
     if args.self_prompts:
-        answer_self_written(out, args.self_prompts)
+        answer_self_written(out, args.self_prompts, args.self_batch)
     if args.data_only:
         budget = ["--features-only"]
     elif args.steps is not None:
