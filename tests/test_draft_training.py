@@ -82,6 +82,25 @@ def test_gather_resumes_shard_by_shard(tiny_chat_target, tmp_path):
         np.testing.assert_array_equal(rows["tokens"][i, width:width + n], rows["top_ids"][i, :n, 0])
 
 
+def test_shards_of_longer_prompts_load_beside_shorter_ones(tiny_chat_target, tmp_path):
+    # A gather pads its prompts to its own longest, so two gathers into one directory
+    # (the shipped answers, then self-written requests) can differ in width.
+    target = specjax.load(tiny_chat_target)
+    quiet = dict(batch_size=2, new_tokens=6, log=lambda m: None)
+    short, long = ["Say hi.", "Name a color."], ["Tell me a long story about a dragon who guards old maps and books."]
+    for d, first_shard, prompts in (("a", 0, short), ("b", 100, long)):
+        distill_data.gather(target, prompts, tmp_path / d, first_shard=first_shard, **quiet)
+        distill_data.gather(target, prompts, tmp_path / "both", first_shard=first_shard, **quiet)
+    a, b = (distill_data.load_shards(tmp_path / d) for d in "ab")
+    assert a["tokens"].shape[1] < b["tokens"].shape[1]
+    both = distill_data.load_shards(tmp_path / "both")
+    head_ids = np.arange(target.module.config.vocab_size, dtype=np.int32)
+    rows = lambda s: draft.build_rows(s, head_ids, 64, target.module.config.vocab_size)  # noqa: E731
+    alone, together = [rows(a), rows(b)], rows(both)
+    for k in together:
+        np.testing.assert_array_equal(together[k], np.concatenate([r[k] for r in alone]), err_msg=k)
+
+
 def test_a_second_gather_pass_adds_shards_at_other_temperatures(tiny_chat_target, tmp_path):
     target = specjax.load(tiny_chat_target)
     prompts = ["What is rain?", "Name a color.", "Say hi.", "Count to 3."]

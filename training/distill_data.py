@@ -225,9 +225,11 @@ def load_shards(data_dir: str | os.PathLike, limit: int | None = None) -> dict[s
         raise ValueError(f"No distillation shards (shard_*.npz) in {data_dir}; run the gather step first.")
     parts = [dict(np.load(f)) for f in files]
     width = max(p["tokens"].shape[1] for p in parts)
-    for p in parts:  # prompt widths may differ between gathers: pad answers' left side
-        if p["tokens"].shape[1] != width:
-            raise ValueError(f"Shards in {data_dir} have different widths; gather them into separate dirs.")
+    for p in parts:  # prompt widths differ between gathers: widen the prompt part, answers stay last
+        tokens, answer = p["tokens"], p["top_ids"].shape[1]
+        if tokens.shape[1] != width:
+            pad = np.zeros((tokens.shape[0], width - tokens.shape[1]), tokens.dtype)
+            p["tokens"] = np.concatenate([tokens[:, :-answer], pad, tokens[:, -answer:]], axis=1)
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
