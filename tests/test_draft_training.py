@@ -99,6 +99,9 @@ def test_shards_of_longer_prompts_load_beside_shorter_ones(tiny_chat_target, tmp
     alone, together = [rows(a), rows(b)], rows(both)
     for k in together:
         np.testing.assert_array_equal(together[k], np.concatenate([r[k] for r in alone]), err_msg=k)
+    distill_data.gather(target, short, tmp_path / "both", first_shard=200, **{**quiet, "new_tokens": 5})
+    with pytest.raises(ValueError, match="different answer lengths"):
+        distill_data.load_shards(tmp_path / "both")
 
 
 def test_a_second_gather_pass_adds_shards_at_other_temperatures(tiny_chat_target, tmp_path):

@@ -224,6 +224,10 @@ def load_shards(data_dir: str | os.PathLike, limit: int | None = None) -> dict[s
     if not files:
         raise ValueError(f"No distillation shards (shard_*.npz) in {data_dir}; run the gather step first.")
     parts = [dict(np.load(f)) for f in files]
+    answers = {p["top_ids"].shape[1:] for p in parts}
+    if len(answers) > 1:
+        raise ValueError(f"Shards in {data_dir} were gathered with different answer lengths or top-k "
+                         f"({sorted(answers)}); gather them into separate directories.")
     width = max(p["tokens"].shape[1] for p in parts)
     for p in parts:  # prompt widths differ between gathers: widen the prompt part, answers stay last
         tokens, answer = p["tokens"], p["top_ids"].shape[1]
