@@ -63,6 +63,9 @@ def test_an_init_from_head_keeps_its_vocabulary(monkeypatch, tmp_path):
 def test_data_only_stops_after_the_features(monkeypatch, tmp_path):
     args = eagle.build_parser().parse_args(_run(monkeypatch, tmp_path, "--data-only")[-1][1])
     assert args.features_only and args.feature_layers == (2, 15, -1)
+    assert not args.online_features
+    args = eagle.build_parser().parse_args(_run(monkeypatch, tmp_path, "--online-features", "--steps", "9")[-1][1])
+    assert args.online_features and args.steps == 9
 
 
 @pytest.mark.parametrize("bad", [["--gather-passes", "2", "--steps", "1"], ["--gather-passes", "x", "--steps", "1"],

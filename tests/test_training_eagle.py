@@ -5,7 +5,6 @@ same params, export refuses to overwrite and reloads to the same logits."""
 from __future__ import annotations
 
 import json
-import pathlib
 import shutil
 
 import jax
@@ -437,3 +436,25 @@ def test_an_export_is_checked_first_kept_whole_and_a_forced_one_keeps_other_file
     with pytest.raises(SystemExit, match="pass --force"):
         eagle.main(again + ["--eval-batch", "1"])
     assert not list(tmp_path.glob("*-export"))  # no temporary left
+
+
+def test_online_features_train_the_head_as_stored_ones_do(tiny, tmp_path):
+    """--online-features computes each batch's target features in the step (for an
+    accelerator): nothing is stored, and the trained head is the one stored features give."""
+    target_path, data = tiny
+    heads_ = {}
+    for mode, extra in (("stored", []), ("online", ["--online-features"])):
+        dest = tmp_path / f"{mode}-head"
+        assert eagle.main(_args(target_path, data, tmp_path / mode, "--steps", "4", "--eval-every", "0",
+                                "--export", str(dest), *extra)) == 0
+        heads_[mode] = specjax.load(dest, dtype="float32")
+    assert (tmp_path / "stored" / "features").is_dir() and not (tmp_path / "online" / "features").exists()
+    stored, online = (jax.tree.leaves(heads_[m].params) for m in ("stored", "online"))
+    target = specjax.load(target_path)
+    init = feature_head.init_from_target(target, jax.random.key(0), _head_ids(data, target.vocab_size))
+    moved = {k: not np.allclose(np.asarray(heads_["stored"].params[k]["kernel"], np.float32),
+                                np.asarray(init.params[k]["kernel"], np.float32), atol=1e-3) for k in ("fuse",)}
+    assert all(moved.values())  # the comparison below is between trained heads
+    for a, b in zip(stored, online):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0, atol=1e-6)
+    assert "features computed in each step" in (tmp_path / "online-head" / "MODEL_CARD.md").read_text()

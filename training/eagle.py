@@ -99,6 +99,29 @@ def feature_fn(target: Model, layers=(-1,)):
     return run
 
 
+def _machine() -> str:
+    """The machine that trained, for the model card: the accelerator where there is one."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        return f"one {device.device_kind} ({device.platform.upper()})"
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores (shared)"
+
+
+def online_features(target: Model, layers, batch_fn):
+    """``batch_fn`` with each batch's ``features`` computed by the target then and
+    there (:func:`feature_fn`, the values :func:`extract_features` stores) rather
+    than read from disk: on an accelerator the target's forward costs little
+    beside the head's step, and nothing of ``[N, seq_len, n * H]`` is stored or loaded."""
+    run = feature_fn(target, layers)
+    params = jax.device_put(target.params)
+
+    def batch(step: int):
+        b = batch_fn(step)
+        return {**b, "features": run(params, b["tokens"])}
+
+    return batch
+
+
 def _shard_rows(shard: dict, head_ids: np.ndarray, seq_len: int, vocab_size: int) -> dict:
     return draft.build_rows(shard, head_ids, seq_len, vocab_size)
 
@@ -141,13 +164,17 @@ def extract_features(target: Model, shard_files: list, out_dir: pathlib.Path, he
     return done
 
 
-def load_rows(shard_files: list, feat_dir: pathlib.Path, head_ids: np.ndarray, seq_len: int,
+def load_rows(shard_files: list, feat_dir: pathlib.Path | None, head_ids: np.ndarray, seq_len: int,
               vocab_size: int, width: int | None = None) -> dict:
     """Distillation rows (:func:`training.draft.build_rows`) plus their features
-    (bfloat16, ``width`` wide when given)."""
+    (bfloat16, ``width`` wide when given); without ``feat_dir``, the rows alone
+    (:func:`online_features` adds the features per batch)."""
     parts = []
     for f in shard_files:
         rows = _shard_rows(dict(np.load(f)), head_ids, seq_len, vocab_size)
+        if feat_dir is None:
+            parts.append(rows)
+            continue
         name = f"{feat_dir}/{pathlib.Path(f).stem}.npz"
         z = np.load(name)
         if not np.array_equal(z["tokens"], rows["tokens"]):
@@ -593,7 +620,7 @@ features (EAGLE-1), {"plus the same cross-entropy for a second draft step that r
 | init | the target's last block, final norm and embedding rows; fuse = identity on the feature half{', I / rms(embedding) on the token half (`balance_fuse`)' if s.get('balanced_fuse') else ''}{'; then ' + s['init_note'] if s.get('init_note') else ''} |
 | params (without the borrowed embedding) | {s['params']:,} ({s['bytes']:,} bytes of bfloat16 safetensors) |
 | steps / batch | {s['steps']} / {s['batch']} rows x {s['seq_len']} tokens, AdamW lr {s['lr']} (warmup, cosine) |
-| wall time | features {s['feature_minutes']:.1f} min, training {s['train_minutes']:.1f} min on {s['machine']} |
+| wall time | {'features computed in each step, ' if s.get('online_features') else f"features {s['feature_minutes']:.1f} min, "}training {s['train_minutes']:.1f} min on {s['machine']} |
 | final train loss | {s['final_loss']:.4f} |
 
 Offline top-1 agreement with the target on {ev['rows']} held-out chat prompts
@@ -675,6 +702,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--feature-batch", type=int, default=16)
     p.add_argument("--features-only", action="store_true", help="stop after the features stages")
+    p.add_argument("--online-features", action="store_true",
+                   help="compute the target's features in each training step instead of storing them first: "
+                        "for an accelerator, where the target's forward is cheap and stored features are large "
+                        "(25 GB for 4.4M answer tokens at three 576-wide blocks); on a CPU every step then runs "
+                        "the target")
     p.add_argument("--head-vocab-from", default=DEFAULT_VOCAB_FROM,
                    help="take head_vocab_ids from this exported draft ('' : rank the shards' tokens) "
                         "(default: %(default)s)")
@@ -831,8 +863,9 @@ def main(argv=None) -> int:
     meta_file.write_text(json.dumps(run))
 
     t0 = time.monotonic()
-    n_new = extract_features(target, shard_files, out / "features", head_ids, seq_len=args.seq_len,
-                             batch=args.feature_batch, layers=feature_layers, log=log)
+    n_new = 0 if args.online_features else extract_features(
+        target, shard_files, out / "features", head_ids, seq_len=args.seq_len, batch=args.feature_batch,
+        layers=feature_layers, log=log)
     if n_new:
         run["feature_seconds"] = run.get("feature_seconds", 0.0) + time.monotonic() - t0
         meta_file.write_text(json.dumps(run))
@@ -844,7 +877,8 @@ def main(argv=None) -> int:
     if args.features_only:
         return 0
 
-    train = load_rows(shard_files, out / "features", head_ids, args.seq_len, cfg_t.vocab_size, width)
+    train = load_rows(shard_files, None if args.online_features else out / "features", head_ids, args.seq_len,
+                      cfg_t.vocab_size, width)
     held = load_rows([held_shard], out / "heldout" / "features", head_ids, args.seq_len, cfg_t.vocab_size, width)
     answer_tokens = int(train["mask"].sum())
     coverage = float(np.mean(train["teacher_ids"][..., 0][train["mask"]] >= 0))
@@ -870,6 +904,8 @@ def main(argv=None) -> int:
     loss_fn = make_loss(cfg, unroll=args.unroll, reg_weight=args.reg_weight, unroll_weight=args.unroll_weight,
                         num_feature_layers=n_layers, tv_weight=args.tv_weight)
     inner = draft.batch_fn_for(train, args.batch, args.seed)
+    if args.online_features:
+        inner = online_features(target, feature_layers, inner)
     frozen_dev = jax.tree.map(jnp.asarray, frozen)
     batch_fn = lambda step: {**inner(step), "frozen": frozen_dev}  # noqa: E731
     if args.minutes is not None:  # the count is measured once and recorded: a resumed run keeps its schedule
@@ -917,6 +953,10 @@ def main(argv=None) -> int:
     draft_temperature, fit_table = 1.0, None
     if args.draft_temperature == "fit":
         calib = {k: v[: args.calibration_rows] for k, v in train.items()}
+        if args.online_features:
+            run_features = feature_fn(target, feature_layers)
+            calib["features"] = np.concatenate([np.asarray(run_features(target.params, jnp.asarray(
+                calib["tokens"][i:i + args.feature_batch]))) for i in range(0, len(calib["tokens"]), args.feature_batch)])
         draft_temperature, fit_table = fit_draft_temperature(cfg, head.params, calib, num_feature_layers=n_layers)
         log(f"[eagle] draft temperature {draft_temperature} (mean T=1 overlap of steps 1-3 on "
             f"{calib['tokens'].shape[0]} training rows: " + ", ".join(f"{t}: {v:.4f}" for t, v in fit_table.items())
@@ -950,7 +990,7 @@ def main(argv=None) -> int:
         "feature_minutes": float(run.get("feature_seconds", 0.0)) / 60,
         "train_minutes": float(meta.get("train_seconds", 0.0)) / 60,
         "tokens_seen": int(meta.get("tokens_seen", 0)),
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores (shared)",
+        "machine": _machine(), "online_features": bool(args.online_features),
         "final_loss": float(meta.get("last_loss", float("nan"))),
         "heldout": res, "heldout_init": res0, "balanced_fuse": bool(meta.get("balanced_fuse", args.balanced_fuse)),
         "init_note": (f"{'made from' if args.steps == 0 else 'continued from'} {args.init_from}" + (

@@ -20,10 +20,14 @@ data uses most. Its stages each resume after an interrupt:
    steps or as many as fit ``--minutes`` of training, then the held-out
    agreement and the export (``--export``, default ``OUT/export``).
 
-The settings are sized for one GPU (batch 64 rows of 256 tokens). Training the
-head on a lent GPU machine, whose carried files are capped, is described in
-``docs/heads.md`` ("An EAGLE-3-shaped SmolLM2 head"). It runs on a CPU as
-well, with ``--batch 8``; the shipped head's CPU recipe is in its MODEL_CARD.md.
+The settings are sized for one GPU (batch 64 rows of 256 tokens); there, one
+command makes the data and trains::
+
+    python -m training.smollm2_head --self-prompts 16384 --self-batch 128 --online-features --minutes 5
+
+What each stage took on one H200 is in ``docs/heads.md`` ("An EAGLE-3-shaped
+SmolLM2 head"). It runs on a CPU as well, with ``--batch 8`` and stored
+features; the shipped head's CPU recipe is in its MODEL_CARD.md.
 """
 
 from __future__ import annotations
@@ -100,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-only", action="store_true",
                    help="stop after the data and the target's features (a machine lent for a fixed time can "
                         "train in a second call)")
+    p.add_argument("--online-features", action="store_true",
+                   help="compute the target's features in each training step rather than storing them "
+                        "(training.eagle --online-features): for a GPU or TPU")
     p.add_argument("--init-from", default=None, help="start from an exported head (default: the target's last block)")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -132,6 +139,7 @@ def main(argv=None) -> int:
                      "--export", str(args.export or out / "export"), *HEAD_SETTINGS, *budget,
                      "--batch", str(args.batch), "--feature-batch", str(args.batch), "--eval-batch", str(args.batch),
                      *(["--init-from", args.init_from] if args.init_from else VOCAB_SETTINGS),
+                     *(["--online-features"] if args.online_features else []),
                      *(["--force"] if args.force else []), *progress])
     return rc
 
