@@ -65,7 +65,9 @@ def test_data_only_stops_after_the_features(monkeypatch, tmp_path):
     assert args.features_only and args.feature_layers == (2, 15, -1)
     assert not args.online_features
     args = eagle.build_parser().parse_args(_run(monkeypatch, tmp_path, "--online-features", "--steps", "9")[-1][1])
-    assert args.online_features and args.steps == 9
+    assert args.online_features and args.steps == 9 and args.time_limit is None
+    args = eagle.build_parser().parse_args(_run(monkeypatch, tmp_path, "--time-limit", "9", "--minutes", "5")[-1][1])
+    assert 8.9 < args.time_limit <= 9 and args.minutes == 5  # what is left of the recipe's 9 minutes
 
 
 @pytest.mark.parametrize("bad", [["--gather-passes", "2", "--steps", "1"], ["--gather-passes", "x", "--steps", "1"],

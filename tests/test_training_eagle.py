@@ -458,3 +458,14 @@ def test_online_features_train_the_head_as_stored_ones_do(tiny, tmp_path):
     for a, b in zip(stored, online):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0, atol=1e-6)
     assert "features computed in each step" in (tmp_path / "online-head" / "MODEL_CARD.md").read_text()
+
+
+def test_a_time_limit_stops_training_and_the_export_says_so(tiny, tmp_path):
+    target_path, data = tiny
+    dest, run = tmp_path / "head", tmp_path / "run"
+    assert eagle.main(_args(target_path, data, run, "--eval-every", "0", "--time-limit", "0.0001",
+                            "--export", str(dest))) == 0
+    assert "time limit reached: stopped at step 0 of 6" in (run / "log.txt").read_text()
+    summary = json.loads((dest / "train_log.json").read_text())["summary"]
+    assert summary["steps"] == 0 and summary["planned_steps"] == 6
+    assert "0 (of 6 planned: the time limit came first)" in (dest / "MODEL_CARD.md").read_text()

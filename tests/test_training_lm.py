@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -193,6 +194,26 @@ def test_killed_run_resumes_exactly(corpus, tiny, tmp_path):
     assert int(state["step"]) == total and meta["tokens_seen"] == ref_meta["tokens_seen"]
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_deadline_ends_training_early_and_checkpoints_the_step_reached(corpus, tiny, tmp_path):
+    _, module, opt, train_step = tiny
+
+    def slow_batch(s):
+        time.sleep(0.05)
+        return tuple(map(jnp.asarray, data.make_batch(corpus, seed=5, step=s, with_answer_mask=True, **SHAPE)))
+
+    fresh = lambda: common.init_state(module.init(jax.random.key(0)), opt)  # noqa: E731
+    ckpt = common.Checkpointer(tmp_path / "ck", every_seconds=1e9, every_steps=1000)
+    state, meta = common.train_loop(fresh(), train_step, slow_batch, 1000, checkpointer=ckpt, progress=False,
+                                    log_every=0, deadline=time.monotonic() + 0.5)
+    ckpt.close()
+    reached = int(state["step"])
+    assert 1 <= reached < 1000 and meta["stopped_at_deadline"] == reached
+    assert common.Checkpointer(tmp_path / "ck").latest_step() == reached
+    state, meta = common.train_loop(fresh(), train_step, slow_batch, 1000, progress=False, log_every=0,
+                                    deadline=time.monotonic())
+    assert int(state["step"]) == 0 and meta["stopped_at_deadline"] == 0
 
 
 def test_greedy_fill_matches_step_by_step_argmax(tiny):

@@ -530,6 +530,7 @@ def train_loop(
     log_file: Optional[str] = None,
     progress: bool = True,
     stop_after: Optional[int] = None,
+    deadline: Optional[float] = None,
 ) -> tuple[State, dict]:
     """Runs the optimizer from ``state["step"]`` up to ``num_steps``.
 
@@ -537,7 +538,11 @@ def train_loop(
     the loop keeps ``meta["tokens_seen"]``, ``meta["train_seconds"]`` (wall
     time summed over resumed segments) and ``meta["last_loss"]`` up to date.
     ``stop_after`` ends the loop early after that many steps of this call
-    (to simulate a kill in tests), saving nothing extra.
+    (to simulate a kill in tests), saving nothing extra. ``deadline`` (a
+    ``time.monotonic()`` value) ends it before ``num_steps`` once that time has
+    come, checkpointing the step reached and recording it as
+    ``meta["stopped_at_deadline"]``, so that a run on a machine lent for a fixed
+    time still evaluates and exports what it trained.
 
     Returns ``(state, meta)``.
     """
@@ -559,6 +564,12 @@ def train_loop(
     window, t_window, done = [], time.monotonic(), 0
     step = start
     while step < num_steps:
+        if deadline is not None and time.monotonic() >= deadline:
+            meta["stopped_at_deadline"] = step
+            _log(f"[{desc}] time limit reached: stopped at step {step} of {num_steps}", log_file)
+            if checkpointer is not None and step > start:
+                checkpointer.save(step, state, meta)
+            break
         batch = batch_fn(step)
         state, metrics = train_step(state, batch)
         step += 1

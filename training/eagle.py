@@ -619,7 +619,7 @@ features (EAGLE-1), {"plus the same cross-entropy for a second draft step that r
 | head | {'reduce [' + str(len(s.get('feature_layers', [-1]))) + 'H -> H] over the RMS-normalised blocks, ' if len(s.get('feature_layers', [-1])) > 1 else ''}fuse [2H -> H], feature norm, {s['config']['num_layers']} {s.get('block_kind', 'Llama')} block{'s' if s['config']['num_layers'] > 1 else ''} (the target's width: hidden {s['config']['hidden_size']}, {s['config']['num_heads']} / {s['config']['num_kv_heads']} heads, MLP {s['config']['intermediate_size']}), final norm, LM head over {s['config']['head_vocab_size']} tokens |
 | init | the target's last block, final norm and embedding rows; fuse = identity on the feature half{', I / rms(embedding) on the token half (`balance_fuse`)' if s.get('balanced_fuse') else ''}{'; then ' + s['init_note'] if s.get('init_note') else ''} |
 | params (without the borrowed embedding) | {s['params']:,} ({s['bytes']:,} bytes of bfloat16 safetensors) |
-| steps / batch | {s['steps']} / {s['batch']} rows x {s['seq_len']} tokens, AdamW lr {s['lr']} (warmup, cosine) |
+| steps / batch | {s['steps']}{f" (of {s['planned_steps']} planned: the time limit came first)" if s.get('planned_steps', s['steps']) > s['steps'] else ''} / {s['batch']} rows x {s['seq_len']} tokens, AdamW lr {s['lr']} (warmup, cosine) |
 | wall time | {'features computed in each step, ' if s.get('online_features') else f"features {s['feature_minutes']:.1f} min, "}training {s['train_minutes']:.1f} min on {s['machine']} |
 | final train loss | {s['final_loss']:.4f} |
 
@@ -720,6 +720,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=_step_count, default=600,
                    help="optimizer steps (default: %(default)s); 0 exports the --init-from head as grown or narrowed, "
                         "untrained")
+    p.add_argument("--time-limit", type=_minutes, default=None, metavar="MINUTES",
+                   help="stop training early if need be once this many minutes have passed since the command "
+                        "started; the evaluation and export follow, so leave them time (on a machine lent for a "
+                        "fixed time, with --minutes or --steps as the plan)")
     g.add_argument("--minutes", type=_minutes, default=None,
                    help="instead of --steps: as many steps as fit this many minutes of training, from a step's time "
                         "measured before training starts (recorded: a resumed run keeps that count); evaluation "
@@ -794,6 +798,7 @@ def _layers(text: str) -> tuple[int, ...]:
 
 
 def main(argv=None) -> int:
+    started = time.monotonic()  # --time-limit counts from here
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.draft_temperature not in (None, "fit"):
@@ -944,6 +949,7 @@ def main(argv=None) -> int:
         tokens_per_step=args.batch * (args.seq_len - 1), eval_fn=eval_fn, eval_every=args.eval_every,
         log_every=10, desc="eagle", log_file=str(log_file), progress=not args.no_progress,
         stop_after=args.stop_after,
+        deadline=None if args.time_limit is None else started + args.time_limit * 60,
     )
     ckpt.close()
     if args.train_only or args.stop_after is not None:
@@ -982,7 +988,8 @@ def main(argv=None) -> int:
         "train_answer_tokens": answer_tokens, "head_coverage": coverage,
         "config": cfg.to_dict(), "params": n_params, "feature_layers": list(feature_layers),
         "bytes": (tmp / heads.WEIGHTS_FILE).stat().st_size,
-        "steps": int(state["step"]), "batch": args.batch, "seq_len": args.seq_len, "lr": meta.get("lr", args.lr),
+        "steps": int(state["step"]), "planned_steps": int(args.steps),
+        "batch": args.batch, "seq_len": args.seq_len, "lr": meta.get("lr", args.lr),
         "unroll": int(meta.get("unroll", args.unroll)), "reg_weight": meta.get("reg_weight", args.reg_weight),
         "tv_weight": meta.get("tv_weight", 0.0), "draft_temperature": draft_temperature,
         "draft_temperature_fit": None if fit_table is None else {str(t): v for t, v in fit_table.items()},

@@ -36,6 +36,7 @@ import argparse
 import json
 import pathlib
 import sys
+import time
 
 from training import common, distill_data, draft, eagle
 
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, help="optimizer steps")
     budget.add_argument("--minutes", help="train as many steps as fit this many minutes (training.eagle --minutes)")
+    p.add_argument("--time-limit", type=eagle._minutes, default=None, metavar="MINUTES",
+                   help="stop training early if need be once this many minutes have passed since this command "
+                        "started (training.eagle --time-limit); leave a few for the evaluation and export")
     p.add_argument("--batch", type=int, default=64, help="training rows per step (default: %(default)s)")
     p.add_argument("--data-only", action="store_true",
                    help="stop after the data and the target's features (a machine lent for a fixed time can "
@@ -113,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    started = time.monotonic()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.data_only and args.steps is None and args.minutes is None:
@@ -140,6 +145,8 @@ def main(argv=None) -> int:
                      "--batch", str(args.batch), "--feature-batch", str(args.batch), "--eval-batch", str(args.batch),
                      *(["--init-from", args.init_from] if args.init_from else VOCAB_SETTINGS),
                      *(["--online-features"] if args.online_features else []),
+                     *(["--time-limit", f"{max(args.time_limit - (time.monotonic() - started) / 60, 1e-3):.4f}"]
+                       if args.time_limit is not None else []),
                      *(["--force"] if args.force else []), *progress])
     return rc
 
