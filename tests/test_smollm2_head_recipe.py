@@ -71,7 +71,9 @@ def test_data_only_stops_after_the_features(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("bad", [["--gather-passes", "2", "--steps", "1"], ["--gather-passes", "x", "--steps", "1"],
-                                 [], ["--steps", "1", "--minutes", "2"], ["--self-prompts", "-1", "--steps", "1"]])
+                                 [], ["--steps", "1", "--minutes", "2"], ["--self-prompts", "-1", "--steps", "1"],
+                                 ["--self-prompts", "8", "--self-batch", "0", "--steps", "1"],
+                                 ["--time-limit", "0", "--steps", "1"], ["--time-limit", "soon", "--steps", "1"]])
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(SystemExit):
         smollm2_head.main(["--no-progress", *bad])

@@ -469,3 +469,6 @@ def test_a_time_limit_stops_training_and_the_export_says_so(tiny, tmp_path):
     summary = json.loads((dest / "train_log.json").read_text())["summary"]
     assert summary["steps"] == 0 and summary["planned_steps"] == 6
     assert "0 (of 6 planned: the time limit came first)" in (dest / "MODEL_CARD.md").read_text()
+    for bad in ("0", "-2", "inf", "later"):
+        with pytest.raises(SystemExit):
+            eagle.build_parser().parse_args(["--time-limit", bad])
