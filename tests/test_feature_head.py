@@ -15,6 +15,8 @@ import jax
 import numpy as np
 import jax.numpy as jnp
 import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 import specjax
 from specjax._src.engine.chain import _decode_cycle, _draft, _initial_state
@@ -372,3 +374,62 @@ def test_narrowing_a_heads_vocabulary_keeps_its_logits_on_the_ids_it_keeps(targe
         fh.with_head_vocab(head, [1, 2, 2])
     with pytest.raises(ValueError, match="non-empty"):
         fh.with_head_vocab(head, [])
+
+
+@pytest.mark.parametrize("group", [None, 16])
+def test_an_int8_stored_head_loads_as_its_rounded_float_weights(tmp_path, target, head, group):
+    mixed = _mixed(head)
+    path = tmp_path / "int8"
+    fh.save_head(mixed, str(path), weights_format="int8" if group is None else f"int8/{group}")
+    fh.save_head(mixed, str(tmp_path / "float"))
+    with safe_open(str(path / fh.WEIGHTS_FILE), "np") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert stored["lm_head.qweight"].dtype == np.int8 and "lm_head" not in stored
+    assert stored["layer_0.mlp.up.kernel.qweight"].dtype == np.int8 and stored["fuse.kernel"].dtype == np.float32
+    assert (path / fh.WEIGHTS_FILE).stat().st_size < 0.7 * (tmp_path / "float" / fh.WEIGHTS_FILE).stat().st_size
+    loaded = specjax.load(str(path), dtype="float32")
+    assert loaded.module.config.quantization is None  # float in memory
+    originals = dict(jax.tree_util.tree_flatten_with_path(mixed.params)[0])
+    for key, value in jax.tree_util.tree_flatten_with_path(loaded.params)[0]:
+        w, got = np.asarray(originals[key], np.float32), np.asarray(value)
+        if w.ndim != 2 or jax.tree_util.keystr(key).startswith(("['fuse']", "['reduce']")):
+            np.testing.assert_array_equal(got, w)  # the fusion layers as they were
+            continue
+        # an int8 multiple of one float16 scale per output channel (column), or per group of its
+        # inputs: max|w| / 127 there
+        g = group or w.shape[0]
+        scale = (np.abs(w.reshape(-1, g, w.shape[1])).max(axis=1) / 127).astype(np.float16).astype(np.float32)
+        scale = np.repeat(scale, g, axis=0)
+        steps = got / scale
+        np.testing.assert_allclose(steps, np.rint(steps), atol=1e-3)
+        assert np.abs(np.rint(steps)).max() <= 127
+        assert np.all(np.abs(got - w) <= scale / 2 * 1.001 + 1e-7), jax.tree_util.keystr(key)
+    # a pair with it drafts nearly as the float head does
+    tokens, hidden = jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3, 64))
+    paired = specjax.pair(target, loaded).draft
+    feats = mixed.module.target_features(mixed.params, hidden)
+    np.testing.assert_allclose(np.asarray(paired.module.apply(paired.params, tokens, features=feats).logits),
+                               np.asarray(mixed.module.apply(mixed.params, tokens, features=feats).logits),
+                               atol=0.05, rtol=0.05)
+
+
+def test_int8_storage_refuses_what_it_cannot_read_back(tmp_path, head):
+    with pytest.raises(ValueError, match="weights_format must be None.*int8 format"):
+        fh.save_head(head, str(tmp_path / "a"), weights_format="int4")
+    path = tmp_path / "b"
+    fh.save_head(head, str(path), weights_format="int8")
+    meta = json.loads((path / "config.json").read_text())
+    meta[fh.CONFIG_KEY]["weights_format"] = "fp4"
+    (path / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="config.json: this version of specjax reads.*'fp4'"):
+        specjax.load(str(path))
+    meta[fh.CONFIG_KEY]["weights_format"] = "int8"
+    (path / "config.json").write_text(json.dumps(meta))
+    with safe_open(str(path / fh.WEIGHTS_FILE), "np") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    for broken, match in (({k: v for k, v in stored.items() if k != "lm_head.qscale"}, "lacks tensor 'lm_head.qscale'"),
+                          ({**stored, "lm_head.qweight": stored["lm_head.qweight"].astype(np.int16)},
+                           "do not store an int8 matrix")):
+        save_file(broken, str(path / fh.WEIGHTS_FILE))
+        with pytest.raises(ValueError, match=match):
+            specjax.load(str(path))

@@ -221,6 +221,9 @@ def test_a_quantized_feature_head_drafts_for_a_quantized_target(pair):
     qt = specjax.quantize(target, "q4")
     qh = specjax.quantize(fh.attach_embedding(head, qt), "int8")
     assert qh.params["embed"]["embedding"] is qt.params["embed"]["embedding"]  # borrowed, not copied
+    # the fusion layer stays float (per-channel int8 would round its small learned weights away)
+    np.testing.assert_array_equal(np.asarray(qh.params["fuse"]["kernel"]), np.asarray(head.params["fuse"]["kernel"]))
+    assert quant.is_quantized(qh.params["layer_0"]["mlp"]["up"]["kernel"])
     prompts = [[5, 17, 3], [40, 2, 9, 11, 60]]
     kw = dict(max_new_tokens=16, temperature=0.0, eos_token_id=())
     alone = np.asarray(specjax.generate(qt, prompts, **kw).tokens)

@@ -472,3 +472,22 @@ def test_a_time_limit_stops_training_and_the_export_says_so(tiny, tmp_path):
     for bad in ("0", "-2", "inf", "later"):
         with pytest.raises(SystemExit):
             eagle.build_parser().parse_args(["--time-limit", bad])
+
+
+def test_weights_format_int8_exports_a_smaller_head_that_loads_as_float(tiny, tmp_path):
+    target_path, data = tiny
+    wide, small = tmp_path / "wide", tmp_path / "int8"
+    assert eagle.main(_args(target_path, data, tmp_path / "a", "--steps", "2", "--export", str(wide))) == 0
+    args = _args(target_path, data, tmp_path / "b", "--init-from", str(wide), "--export", str(small),
+                 "--weights-format", "int8")
+    args[args.index("--steps") + 1] = "0"
+    assert eagle.main(args) == 0
+    assert json.loads((small / "config.json").read_text())[feature_head.CONFIG_KEY]["weights_format"] == "int8"
+    assert "int8 (a float16 scale per output channel) safetensors" in (small / "MODEL_CARD.md").read_text()
+    assert (small / "head.safetensors").stat().st_size < 0.8 * (wide / "head.safetensors").stat().st_size
+    a = np.asarray(specjax.load(wide, dtype="float32").params["lm_head"])
+    b = np.asarray(specjax.load(small, dtype="float32").params["lm_head"])
+    step = np.abs(a).max(axis=0) / 127  # a scale per output channel (one vocabulary id)
+    assert np.all(np.abs(a - b) <= step * 0.51 + 1e-6) and not np.array_equal(a, b)
+    with pytest.raises(SystemExit):
+        eagle.build_parser().parse_args(["--weights-format", "q4"])

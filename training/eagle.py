@@ -537,14 +537,22 @@ def as_bfloat16(head: Model) -> Model:
     return head.replace(params=params, module=FeatureHead(cfg, feature_layers=head.module.feature_layers))
 
 
-def export(head: Model, dest: pathlib.Path, *, extra: dict) -> pathlib.Path:
-    """Writes the head in bfloat16 (without the borrowed embedding) into a
+def export(head: Model, dest: pathlib.Path, *, extra: dict, weights_format: str = "bfloat16") -> pathlib.Path:
+    """Writes the head in bfloat16, or its matrices as int8 (``weights_format``;
+    :func:`specjax.heads.save_head`), without the borrowed embedding, into a
     temporary sibling of ``dest`` (returned); ``common.swap_in`` puts it in
     place once its card and logs are written too."""
     tmp = dest.with_name(dest.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
-    heads.save_head(as_bfloat16(head), str(tmp), extra=extra)
+    heads.save_head(as_bfloat16(head), str(tmp), extra=extra,
+                    weights_format=None if weights_format == "bfloat16" else weights_format)
     return tmp
+
+
+def _stored_as(s: dict) -> str:
+    if s.get("weights_format", "bfloat16") == "int8":
+        return "int8 (a float16 scale per output channel)"
+    return "bfloat16"
 
 
 def _describe_layers(layers) -> str:
@@ -618,7 +626,7 @@ features (EAGLE-1), {"plus the same cross-entropy for a second draft step that r
 |---|---|
 | head | {'reduce [' + str(len(s.get('feature_layers', [-1]))) + 'H -> H] over the RMS-normalised blocks, ' if len(s.get('feature_layers', [-1])) > 1 else ''}fuse [2H -> H], feature norm, {s['config']['num_layers']} {s.get('block_kind', 'Llama')} block{'s' if s['config']['num_layers'] > 1 else ''} (the target's width: hidden {s['config']['hidden_size']}, {s['config']['num_heads']} / {s['config']['num_kv_heads']} heads, MLP {s['config']['intermediate_size']}), final norm, LM head over {s['config']['head_vocab_size']} tokens |
 | init | the target's last block, final norm and embedding rows; fuse = identity on the feature half{', I / rms(embedding) on the token half (`balance_fuse`)' if s.get('balanced_fuse') else ''}{'; then ' + s['init_note'] if s.get('init_note') else ''} |
-| params (without the borrowed embedding) | {s['params']:,} ({s['bytes']:,} bytes of bfloat16 safetensors) |
+| params (without the borrowed embedding) | {s['params']:,} ({s['bytes']:,} bytes of {_stored_as(s)} safetensors) |
 | steps / batch | {s['steps']}{f" (of {s['planned_steps']} planned: the time limit came first)" if s.get('planned_steps', s['steps']) > s['steps'] else ''} / {s['batch']} rows x {s['seq_len']} tokens, AdamW lr {s['lr']} (warmup, cosine) |
 | wall time | {'features computed in each step, ' if s.get('online_features') else f"features {s['feature_minutes']:.1f} min, "}training {s['train_minutes']:.1f} min on {s['machine']} |
 | final train loss | {s['final_loss']:.4f} |
@@ -626,7 +634,7 @@ features (EAGLE-1), {"plus the same cross-entropy for a second draft step that r
 Offline top-1 agreement with the target on {ev['rows']} held-out chat prompts
 (subjects no training prompt uses; the target's greedy answers, up to
 {s['heldout_new_tokens']} tokens, {ev['answer_positions']:,} answer positions),
-float32 evaluation of the exported bfloat16 weights. Step 1 reads the target's
+float32 evaluation of the exported {s.get('weights_format', 'bfloat16')} weights. Step 1 reads the target's
 feature (= first-slot acceptance at T=0); steps 2 and 3 read the head's own
 predicted features with the target's tokens. `chain k`: share of chains whose
 first k drafts all agree. `T=1 overlap`: mean `sum_v min(p_v, q_v)` over the
@@ -666,14 +674,14 @@ def write_derived_card(path: pathlib.Path, s: dict, source_card: Optional[str]) 
 
 {s['init_note'][0].upper() + s['init_note'][1:]}; not trained further. The LM head
 scores {s['config']['head_vocab_size']:,} tokens ({100 * s['head_coverage']:.2f}% of the target's top-1 tokens on the
-training shards), {s['params']:,} parameters ({s['bytes']:,} bytes of bfloat16 safetensors) without the
+training shards), {s['params']:,} parameters ({s['bytes']:,} bytes of {_stored_as(s)} safetensors) without the
 embedding it borrows from the target.
 
 Command: `{s['command']}`
 
 Offline top-1 agreement with the target on {ev['rows']} held-out chat prompts ({ev['answer_positions']:,} answer
 positions; step 1 reads the target's feature, steps 2 and 3 the head's own; float32 evaluation of the exported
-bfloat16 weights):
+{s.get('weights_format', 'bfloat16')} weights):
 
 | | step 1 | step 2 | step 3 | chain 3 | expected accepted of 3 | T=1 overlap, step 1 / 3 |
 |---|---|---|---|---|---|---|
@@ -692,7 +700,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model (default: %(default)s)")
     p.add_argument("--data", default="runs/smollm2-draft/data", help="distill_data shards (default: %(default)s)")
     p.add_argument("--out", default="runs/smollm2-eagle", help="run directory (default: %(default)s)")
-    p.add_argument("--export", default=None, help="write the trained head here (bf16)")
+    p.add_argument("--export", default=None, help="write the trained head here")
+    p.add_argument("--weights-format", choices=("bfloat16", "int8"), default="bfloat16",
+                   help="how the export stores the head's matrices: bfloat16 (default), or int8 with a float16 scale "
+                        "per output channel (half the bytes; loads back as bfloat16 weights)")
     p.add_argument("--force", action="store_true", help="replace an existing --export directory")
     p.add_argument("--fresh", action="store_true",
                    help="discard the checkpoints in OUT/ckpt (and damaged steps set aside in OUT/ckpt.damaged) and "
@@ -975,11 +986,11 @@ def main(argv=None) -> int:
              "trained_by": "python -m training.eagle"}
     # Evaluated, carded and logged in the temporary directory, then swapped in
     # whole: an interruption leaves the old export or the complete new one.
-    tmp = export(head, export_dir, extra=extra)
+    tmp = export(head, export_dir, extra=extra, weights_format=args.weights_format)
     loaded = heads.attach_embedding(specjax.load(tmp, dtype="float32"), target)  # the bf16 weights
     res = agreement(loaded.module.config, loaded.params, held, num_feature_layers=n_layers)
     res0 = agreement(cfg, head0.params, held, num_feature_layers=n_layers)
-    log(f"[eagle] held-out agreement (exported bf16): {json.dumps(res)}; before training: {json.dumps(res0)}")
+    log(f"[eagle] held-out agreement (exported {args.weights_format}): {json.dumps(res)}; before training: {json.dumps(res0)}")
     n_params = common.param_count(trainable)
     evals = meta.get("evals", [])
     summary = {
@@ -997,7 +1008,7 @@ def main(argv=None) -> int:
         "feature_minutes": float(run.get("feature_seconds", 0.0)) / 60,
         "train_minutes": float(meta.get("train_seconds", 0.0)) / 60,
         "tokens_seen": int(meta.get("tokens_seen", 0)),
-        "machine": _machine(), "online_features": bool(args.online_features),
+        "machine": _machine(), "online_features": bool(args.online_features), "weights_format": args.weights_format,
         "final_loss": float(meta.get("last_loss", float("nan"))),
         "heldout": res, "heldout_init": res0, "balanced_fuse": bool(meta.get("balanced_fuse", args.balanced_fuse)),
         "init_note": (f"{'made from' if args.steps == 0 else 'continued from'} {args.init_from}" + (

@@ -158,13 +158,14 @@ class FeatureHeadModule(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         embedded = BorrowedEmbed(cfg.vocab_size, cfg.hidden_size, dtype, name="embed")(tokens)
         eagle3 = self.variant.startswith("eagle3")
+        float_cfg = cfg.replace(quantization=None)  # fuse stays float in a quantized head (quant.FEATURE_MIXING)
         if eagle3:
             x = features.astype(dtype)  # already fused by ``reduce`` (target_features)
         elif self.variant == "eagle":  # cnets1.py: fc(cat(embeds, hidden)) with a bias, the feature as read
-            x = _dense(cfg, cfg.hidden_size, True, "fuse")(jnp.concatenate([embedded, features.astype(dtype)], -1))
+            x = _dense(float_cfg, cfg.hidden_size, True, "fuse")(jnp.concatenate([embedded, features.astype(dtype)], -1))
         else:
             feature = _norm(cfg, "feature_norm")(features.astype(dtype))
-            x = _dense(cfg, cfg.hidden_size, False, "fuse")(jnp.concatenate([embedded, feature], axis=-1))
+            x = _dense(float_cfg, cfg.hidden_size, False, "fuse")(jnp.concatenate([embedded, feature], axis=-1))
         new_caches = []
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
@@ -684,30 +685,100 @@ def _flat(params: Params, module=None) -> dict[str, np.ndarray]:
     return out
 
 
-def save_head(head: Model, path: str, *, overwrite: bool = False, extra: Optional[dict] = None) -> None:
+def save_head(head: Model, path: str, *, overwrite: bool = False, extra: Optional[dict] = None,
+              weights_format: Optional[str] = None) -> None:
     """Writes ``config.json`` and ``head.safetensors`` (without the borrowed embedding).
 
-    Stored in the head's dtype; ``extra`` adds keys to the JSON (e.g. which
-    target it was trained for). An existing non-empty ``path`` is replaced only
-    with ``overwrite=True``, and then whole (written aside, swapped in).
+    Stored in the head's dtype, or with ``weights_format="int8"`` the block's
+    and LM head's matrices as int8 with a float16 scale per output channel
+    (``"int8/32"``: per 32 inputs of one, GGUF's Q8_0) in ``NAME.qweight`` /
+    ``NAME.qscale`` (:func:`specjax._src.quant.quantize_matrix`), the fusion
+    layers in the head's dtype: about 60% of the bytes of bfloat16, loaded
+    back as float weights in the config's dtype.
+    ``extra`` adds keys to the JSON (e.g. which target it was trained for). An
+    existing non-empty ``path`` is replaced only with ``overwrite=True``, and
+    then whole (written aside, swapped in).
     """
     module = head.module
+    _stored_format(weights_format, "weights_format must be None (the head's dtype) or")
+    if weights_format is not None and module.config.quantization is not None:
+        raise ValueError("This head is quantized in memory; save its float version with weights_format=.")
     own = {} if module.variant == "specjax" else {"variant": module.variant}
     if not module.borrows_embedding:
         own["borrows_embedding"] = False
+    if weights_format is not None:
+        own["weights_format"] = weights_format
     meta = {CONFIG_KEY: {"config": module.config.to_dict(),
                          "feature_layers": list(module.feature_layers), **own, **(extra or {})}}
+    flat = _flat(head.params, module)
+    if weights_format is not None:
+        flat = _stored_int8(flat, _stored_format(weights_format))
 
     def write(tmp: str) -> None:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(meta, f, indent=1)
         # Not safetensors' save_file, which writes mode 0600 whatever the umask:
         # a head shared between users must stay readable.
-        tensors = [(name, x.shape, x.dtype, lambda x=x: x) for name, x in _flat(head.params, module).items()]
+        tensors = [(name, x.shape, x.dtype, lambda x=x: x) for name, x in flat.items()]
         for _ in write_safetensors(os.path.join(tmp, WEIGHTS_FILE), tensors):
             pass
 
     write_directory(path, overwrite, write)
+
+
+def _stored_format(weights_format: Optional[str], problem: str = "") -> Optional[quant.Format]:
+    """The int8 format ``weights_format`` names (None: the head's dtype)."""
+    if weights_format is None:
+        return None
+    try:
+        fmt = quant.parse_format(weights_format)
+    except ValueError:
+        fmt = None
+    if fmt is None or fmt.kind != "int8":
+        raise ValueError(f"{problem or 'weights_format must be'} an int8 format (\"int8\": a scale per output "
+                         f"channel, \"int8/32\": a scale per 32 inputs); got {weights_format!r}.")
+    return fmt
+
+
+def _stored_quantized(name: str, x) -> bool:
+    """Whether int8 storage quantizes the param ``name``: a float matrix that
+    ``specjax.quantize`` would (not the fusion layers, ``quant.FEATURE_MIXING``)."""
+    return (jnp.issubdtype(x.dtype, jnp.floating)  # (NumPy's issubdtype misses bfloat16)
+            and quant.quantized_role(tuple(name.split(".")), len(x.shape)) is not None)
+
+
+def _stored_int8(flat: dict[str, np.ndarray], fmt: quant.Format) -> dict[str, np.ndarray]:
+    """The block's and LM head's matrices as int8 rows with float16 scales
+    (``fmt``), the ``[in, out]`` kernels and LM head quantized along ``in`` as
+    ``specjax.quantize`` would; everything else as it is."""
+    out = {}
+    for name, x in flat.items():
+        if not _stored_quantized(name, x):
+            out[name] = x
+            continue
+        w = np.asarray(x, np.float32)
+        parts = quant.quantize_matrix(w.T if quant.stored_transposed(tuple(name.split("."))) else w,
+                                      fmt, name)
+        out.update({f"{name}.{part}": value for part, value in parts.items()})
+    return out
+
+
+def _read_int8(tensors: dict, name: str, shape: tuple[int, ...], fmt: quant.Format, where: str) -> np.ndarray:
+    """The float ``[in, out]`` matrix ``name`` that :func:`_stored_int8` wrote."""
+    parts = {part: tensors.get(f"{name}.{part}") for part in ("qweight", "qscale")}
+    missing = [f"{name}.{part}" for part, value in parts.items() if value is None]
+    if missing:
+        raise ValueError(f"{where} lacks tensor {missing[0]!r} that this int8-stored head's config needs.")
+    transposed = quant.stored_transposed(tuple(name.split(".")))
+    rows, cols = (shape[1], shape[0]) if transposed else shape
+    groups = cols // fmt.group_of(cols)
+    if parts["qweight"].shape != (rows, cols) or parts["qscale"].shape != (rows, groups) \
+            or parts["qweight"].dtype != np.int8:
+        raise ValueError(f"{where}: tensors {name}.qweight {parts['qweight'].dtype}{list(parts['qweight'].shape)} / "
+                         f"{name}.qscale {list(parts['qscale'].shape)} do not store an int8 matrix of shape "
+                         f"{list(shape)} in {fmt} (expected int8{[rows, cols]} / {[rows, groups]}).")
+    w = np.asarray(quant.dequantize_matrix(parts, jnp.float32))
+    return w.T if transposed else w
 
 
 def is_head_dir(path: str) -> bool:
@@ -748,10 +819,15 @@ def load_feature_head(path: str, dtype: Any = None) -> Model:
     if not module.borrows_embedding:
         shapes = {**shapes, EMBED_PATH[0]: {EMBED_PATH[1]: jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size),
                                                                               jnp.dtype(cfg.dtype))}}
+    stored = _stored_format(meta.get("weights_format"),
+                            f"{path}/config.json: this version of specjax reads weights_format None or")
     for key, leaf in traverse_util.flatten_dict(shapes).items():
         if ".".join(key) in skip or key[0] in skip:
             continue
         name = ".".join(key)
+        if stored is not None and _stored_quantized(name, leaf):
+            flat[key] = jnp.asarray(_read_int8(tensors, name, tuple(leaf.shape), stored, weights_file), leaf.dtype)
+            continue
         if name not in tensors:
             raise ValueError(f"{weights_file} lacks tensor {name!r} that this head's config needs.")
         value = tensors[name]

@@ -663,7 +663,7 @@ def iter_tensors(files: list[str], cfg: ModelConfig) -> Iterator[tuple[str, Any,
 
 
 # safetensors dtype codes.
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32"}
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32", "int8": "I8"}
 
 
 def write_safetensors(path: str, tensors: list[tuple[str, tuple, Any, Any]]) -> Iterator[str]:
