@@ -7,8 +7,8 @@ sampling at T=1, where the dynamic tree draws its children from the head and sta
     python examples/eagle_head.py --small      # 16 new tokens instead of 96
 
 The head (``specjax.heads.FeatureHead``) is one decoder block that drafts from
-the target's own last-block features; ``specjax.pair`` lends it the target's
-embedding table. Greedy decoding returns the target's own greedy answer
+a fusion of the target's blocks 2, 15 and 30 (EAGLE-3's low, middle and high
+features); ``specjax.pair`` lends it the target's embedding table. Greedy decoding returns the target's own greedy answer
 whatever drafts; what changes is tau, the tokens each target forward yields.
 """
 

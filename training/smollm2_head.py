@@ -20,14 +20,17 @@ data uses most. Its stages each resume after an interrupt:
    steps or as many as fit ``--minutes`` of training, then the held-out
    agreement and the export (``--export``, default ``OUT/export``).
 
-The settings are sized for one GPU (batch 64 rows of 256 tokens); there, one
-command makes the data and trains::
+The settings are sized for one GPU (batch 64 rows of 256 tokens; 128 with
+``--batch 128``); there, one command makes the data and trains. The shipped
+head came from that command on one H200 (in two calls: ``--time-limit`` ended
+the first, the same command resumed), then ``training.eagle --init-from
+runs/smollm2-head3/export --head-vocab 7168 --weights-format int8 --steps 0``::
 
-    python -m training.smollm2_head --self-prompts 16384 --self-batch 128 --online-features --minutes 5
+    python -m training.smollm2_head --self-prompts 24576 --self-batch 256 --batch 128 --online-features --minutes 6
 
-What each stage took on one H200 is in ``docs/heads.md`` ("An EAGLE-3-shaped
-SmolLM2 head"). It runs on a CPU as well, with ``--batch 8`` and stored
-features; the shipped head's CPU recipe is in its MODEL_CARD.md.
+What each stage took there is in the head's MODEL_CARD.md and in
+``docs/heads.md`` ("An EAGLE-3-shaped SmolLM2 head"). It runs on a CPU as well,
+with ``--batch 8`` and stored features, at hours per thousand steps.
 """
 
 from __future__ import annotations
