@@ -756,9 +756,7 @@ def _stored_int8(flat: dict[str, np.ndarray], fmt: quant.Format) -> dict[str, np
         if not _stored_quantized(name, x):
             out[name] = x
             continue
-        w = np.asarray(x, np.float32)
-        parts = quant.quantize_matrix(w.T if quant.stored_transposed(tuple(name.split("."))) else w,
-                                      fmt, name)
+        parts = quant.quantize_leaf(tuple(name.split(".")), np.asarray(x, np.float32), quant.Quantization(fmt, fmt))
         out.update({f"{name}.{part}": value for part, value in parts.items()})
     return out
 
