@@ -64,7 +64,9 @@ def main(argv=None):
 
     report = common.Report("feature heads' agreement with SmolLM2-135M-Instruct, by prompt set")
     target = specjax.load("smollm2-135m-instruct")
-    loaded = {label: heads.attach_embedding(specjax.load(path, dtype="float32"), target) for label, path in args.heads}
+    # agreement's forward takes float matrices: an int8-stored head's, dequantized exactly
+    loaded = {label: heads.attach_embedding(specjax.dequantize(specjax.load(path, dtype="float32")), target)
+              for label, path in args.heads}
     report.text("float32; greedy answers of the target, up to "
                 f"{args.max_new_tokens} tokens; heads: " + ", ".join(f"{label} = {p}" for label, p in args.heads))
     rows = []

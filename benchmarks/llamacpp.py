@@ -200,7 +200,7 @@ class SpecjaxRunner:
         if name in SPECULATIVE:
             from specjax.rules import parse_rule
 
-            head = specjax.load(args.head, dtype="float32")
+            head = specjax.dequantize(specjax.load(args.head, dtype="float32"))  # as float, then as asked
             if args.head_quantize != "none":
                 head = specjax.quantize(head, args.head_quantize)
             self.pair = specjax.pair(self.target, head)

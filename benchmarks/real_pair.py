@@ -99,9 +99,24 @@ def runs_at(contender: str, temperature: float, pairs, lookups, rule_specs, look
     return not (temperature == 0 and name == "block_verification" and "speculative_sampling" in rule_specs)
 
 
+FLOAT = "@float"  # a drafter's suffix: its stored int8 matrices dequantized to float
+
+
+def load_drafter(path: str, dtype):
+    """The drafter at ``path``; with the :data:`FLOAT` suffix, dequantized."""
+    import specjax
+
+    if path.endswith(FLOAT):
+        return specjax.dequantize(specjax.load(path.removesuffix(FLOAT), dtype=dtype), dtype)
+    return specjax.load(path, dtype=dtype)
+
+
 def drafter_arg(text: str) -> tuple[str, str]:
     """``draft`` / ``eagle`` (the shipped drafters) or ``LABEL=PATH`` (an exported
-    draft model or head, e.g. one not shipped yet, timed beside the shipped ones)."""
+    draft model or head, e.g. one not shipped yet, timed beside the shipped ones);
+    ``eagle@float``: the shipped head with its int8 matrices run as float."""
+    if text.endswith(FLOAT) and text.removesuffix(FLOAT) in DRAFTERS:
+        return text, DRAFTERS[text.removesuffix(FLOAT)] + FLOAT
     if "=" in text:
         label, path = text.split("=", 1)
         if not label or ":" in label or not os.path.isdir(path):
@@ -201,7 +216,8 @@ def main(argv=None):
     ap.add_argument("--hf-prompts", type=int, default=4, help="prompts for the HF comparison")
     ap.add_argument("--hf-rounds", type=int, default=2, help="rounds of the HF comparison")
     ap.add_argument("--drafters", nargs="+", default=[drafter_arg("draft")], type=drafter_arg,
-                    help="draft, eagle (shipped) or LABEL=DIR (an exported drafter)")
+                    help="draft, eagle (shipped), eagle@float (its int8 matrices run as float) or LABEL=DIR "
+                         "(an exported drafter)")
     ap.add_argument("--tree", default=None, help='a token tree for every rule, e.g. "3,1,1" or "dynamic:3,3,8"')
     ap.add_argument("--lookup", default=None, metavar="MIN[,MAX]",
                     help="also run every drafter with context lookup drafting (ngram_lookup(MIN, MAX))")
@@ -238,7 +254,7 @@ def main(argv=None):
         ap.error("--drafters: each label once")
     report = common.Report(f"real pair: {args.target} + {' / '.join(drafters)}")
     target = specjax.load(args.target, dtype=args.dtype)
-    pairs = {d: specjax.pair(target, specjax.load(path, dtype=args.dtype)) for d, path in drafters.items()}
+    pairs = {d: specjax.pair(target, load_drafter(path, args.dtype)) for d, path in drafters.items()}
     lookups = dict.fromkeys(pairs)
     if lookup is not None:
         for d in list(pairs):

@@ -377,7 +377,7 @@ def test_narrowing_a_heads_vocabulary_keeps_its_logits_on_the_ids_it_keeps(targe
 
 
 @pytest.mark.parametrize("group", [None, 16])
-def test_an_int8_stored_head_loads_as_its_rounded_float_weights(tmp_path, target, head, group):
+def test_an_int8_stored_head_holds_its_rounded_float_weights(tmp_path, target, head, group):
     mixed = _mixed(head)
     path = tmp_path / "int8"
     fh.save_head(mixed, str(path), weights_format="int8" if group is None else f"int8/{group}")
@@ -387,7 +387,7 @@ def test_an_int8_stored_head_loads_as_its_rounded_float_weights(tmp_path, target
     assert stored["lm_head.qweight"].dtype == np.int8 and "lm_head" not in stored
     assert stored["layer_0.mlp.up.kernel.qweight"].dtype == np.int8 and stored["fuse.kernel"].dtype == np.float32
     assert (path / fh.WEIGHTS_FILE).stat().st_size < 0.7 * (tmp_path / "float" / fh.WEIGHTS_FILE).stat().st_size
-    loaded = specjax.load(str(path), dtype="float32")
+    loaded = fh.load_feature_head(str(path), "float32")
     assert loaded.module.config.quantization is None  # float in memory
     originals = dict(jax.tree_util.tree_flatten_with_path(mixed.params)[0])
     for key, value in jax.tree_util.tree_flatten_with_path(loaded.params)[0]:
@@ -411,6 +411,68 @@ def test_an_int8_stored_head_loads_as_its_rounded_float_weights(tmp_path, target
     np.testing.assert_allclose(np.asarray(paired.module.apply(paired.params, tokens, features=feats).logits),
                                np.asarray(mixed.module.apply(mixed.params, tokens, features=feats).logits),
                                atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("group", [None, 16])
+def test_specjax_load_keeps_an_int8_stored_head_int8(tmp_path, target, head, group):
+    fmt = "int8" if group is None else f"int8/{group}"
+    path = tmp_path / "int8"
+    fh.save_head(_mixed(head), str(path), weights_format=fmt)
+    with safe_open(str(path / fh.WEIGHTS_FILE), "np") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    as_float = fh.load_feature_head(str(path), "float32")
+    loaded = specjax.load(str(path), dtype="float32")
+    assert loaded.module.config.quantization == fmt and loaded.module.config.dtype == "float32"
+    kernel = loaded.params["layer_0"]["mlp"]["up"]["kernel"]
+    assert kernel["qweight"].dtype == jnp.int8
+    # the stored integers and scales themselves, up to the kernels' layout
+    np.testing.assert_array_equal(np.sort(np.asarray(kernel["qweight"]).ravel()),
+                                  np.sort(stored["layer_0.mlp.up.kernel.qweight"].ravel()))
+    assert loaded.params["fuse"]["kernel"].dtype == jnp.float32  # the fusion layers stay float
+    # dequantized, exactly the float weights load_feature_head reads
+    back = dict(jax.tree_util.tree_flatten_with_path(specjax.dequantize(loaded, "float32").params)[0])
+    for key, value in jax.tree_util.tree_flatten_with_path(as_float.params)[0]:
+        np.testing.assert_array_equal(np.asarray(back[key]), np.asarray(value), err_msg=jax.tree_util.keystr(key))
+    assert specjax.load(str(path)).module.config.dtype == "float32"  # the head's own dtype by default
+    assert specjax.load(str(path), dtype="bfloat16").params["fuse"]["kernel"].dtype == jnp.bfloat16
+    # it drafts what the float head drafts, and greedy decoding with it is the target's
+    tokens, hidden = jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3, 64))
+    feats = as_float.module.target_features(specjax.pair(target, as_float).draft.params, hidden)
+    logits = [np.asarray(d.module.apply(d.params, tokens, features=feats).logits)
+              for d in (specjax.pair(target, m).draft for m in (loaded, as_float))]
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+    prompts = random_prompts(34, 4, 96, 10)
+    kw = dict(max_new_tokens=12, temperature=0.0)
+    out = specjax.decode(specjax.pair(target, loaded), prompts, num_draft=3, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(specjax.generate(target, prompts, **kw).tokens))
+    # narrowed, it keeps its int8 rows of the kept ids; grown, it asks for its float version
+    keep = np.arange(0, 80, 3)
+    narrow = specjax.pair(target, fh.with_head_vocab(loaded, keep)).draft
+    assert narrow.module.config.quantization == fmt
+    thin = np.asarray(narrow.module.apply(narrow.params, tokens, features=feats).logits)
+    np.testing.assert_allclose(thin[..., keep], logits[0][..., keep], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"quantized \(int8.*specjax.dequantize\(head\)"):
+        fh.with_num_layers(loaded, 2)
+
+
+def test_an_int8_stored_head_runs_float_where_the_kernels_cannot_be_built(tmp_path, head, monkeypatch, request):
+    from specjax._src import quant
+    from specjax._src.kernels import cpu_matmul
+
+    path = tmp_path / "int8"
+    fh.save_head(_mixed(head), str(path), weights_format="int8")
+
+    def unavailable():
+        raise cpu_matmul.KernelUnavailableError("no C++ compiler")
+
+    monkeypatch.setattr(cpu_matmul, "ensure_loaded", unavailable)
+    quant.check_kernels_for.cache_clear()  # it remembers the machine's answer
+    request.addfinalizer(quant.check_kernels_for.cache_clear)
+    with pytest.warns(UserWarning, match="stores its matrices in int8, which run as float here.*no C\\+\\+ compiler"):
+        loaded = specjax.load(str(path), dtype="float32")
+    assert loaded.module.config.quantization is None
+    want = fh.load_feature_head(str(path), "float32").params["lm_head"]
+    np.testing.assert_array_equal(np.asarray(loaded.params["lm_head"]), np.asarray(want))
 
 
 def test_int8_storage_refuses_what_it_cannot_read_back(tmp_path, head):

@@ -313,8 +313,10 @@ def test_bad_requests_get_clear_errors(pair, monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="keeps a GGUF file's own formats"):
         specjax.load(tmp_path, quantize="gguf")
     if cpu_matmul.is_available():
-        with pytest.raises(ValueError, match="already quantized"):
+        with pytest.raises(ValueError, match=r"already quantized \(int8\).*specjax.dequantize"):
             specjax.quantize(specjax.quantize(target, "int8"), "q4")
+        once = specjax.quantize(target, "int8")
+        assert specjax.quantize(once, "int8") is once  # already in that format
     # On a CPU without the kernels: a clear error, not a slow float fallback.
     monkeypatch.setattr(cpu_matmul, "ensure_loaded", lambda: (_ for _ in ()).throw(
         cpu_matmul.KernelUnavailableError("no C++ compiler found")))

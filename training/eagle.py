@@ -844,7 +844,8 @@ def main(argv=None) -> int:
     run["num_shards"] = num_shards
     shard_files = all_files[:num_shards]
 
-    init = specjax.load(args.init_from, dtype="float32") if args.init_from else None
+    # trained in float: an int8-stored head's matrices dequantized (exactly)
+    init = specjax.dequantize(specjax.load(args.init_from, dtype="float32")) if args.init_from else None
     default_layers = init.module.feature_layers if init is not None else (-1,)
     feature_layers = tuple(run.get("feature_layers") or args.feature_layers or default_layers)
     if args.feature_layers and tuple(args.feature_layers) != feature_layers:
@@ -987,7 +988,8 @@ def main(argv=None) -> int:
     # Evaluated, carded and logged in the temporary directory, then swapped in
     # whole: an interruption leaves the old export or the complete new one.
     tmp = export(head, export_dir, extra=extra, weights_format=args.weights_format)
-    loaded = heads.attach_embedding(specjax.load(tmp, dtype="float32"), target)  # the bf16 weights
+    # what users load, as float for agreement's own forward (an int8-stored head's exact weights)
+    loaded = heads.attach_embedding(specjax.dequantize(specjax.load(tmp, dtype="float32")), target)
     res = agreement(loaded.module.config, loaded.params, held, num_feature_layers=n_layers)
     res0 = agreement(cfg, head0.params, held, num_feature_layers=n_layers)
     log(f"[eagle] held-out agreement (exported {args.weights_format}): {json.dumps(res)}; before training: {json.dumps(res0)}")

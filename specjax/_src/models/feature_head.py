@@ -610,6 +610,9 @@ def with_num_layers(head: Model, num_layers: int) -> Model:
                          f"{num_layers}.")
     if num_layers == cfg.num_layers:
         return head
+    if cfg.quantization is not None:  # zero projections in a quantized layout would train nothing
+        raise ValueError(f"with_num_layers: this head's matrices are quantized ({cfg.quantization}); grow its float "
+                         "version: heads.with_num_layers(specjax.dequantize(head), num_layers).")
     top = head.params[f"layer_{cfg.num_layers - 1}"]
     params = dict(head.params)
     for i in range(cfg.num_layers, num_layers):
@@ -652,8 +655,9 @@ def with_head_vocab(head: Model, ids) -> Model:
     if missing.size:
         raise ValueError(f"with_head_vocab: {missing.size} ids are not in the head's vocabulary (e.g. "
                          f"{missing[:5].tolist()}); the head can only drop tokens it has.")
-    params = {**head.params, "lm_head": head.params["lm_head"][:, cols],
-              "head_vocab_ids": jnp.asarray(ids, jnp.int32)}
+    lm_head = head.params["lm_head"]  # [H, V'] float, or quantized with the ids on the first axis
+    lm_head = jax.tree.map(lambda a: a[cols], lm_head) if isinstance(lm_head, dict) else lm_head[:, cols]
+    params = {**head.params, "lm_head": lm_head, "head_vocab_ids": jnp.asarray(ids, jnp.int32)}
     if getattr(head.module, "variant", "specjax") == "eagle":
         raise ValueError("with_head_vocab: an EAGLE-1/2 head scores with its target's full LM head; it has no "
                          "reduced vocabulary to narrow.")
@@ -790,8 +794,20 @@ def is_head_dir(path: str) -> bool:
         return False
 
 
+def stored_format(path: str) -> tuple[Optional[str], str]:
+    """How the head saved in ``path`` stores its block's and LM head's
+    matrices (``"int8"``, ``"int8/G"``, or None: float) and its dtype."""
+    with open(os.path.join(path, "config.json")) as f:
+        meta = json.load(f)[CONFIG_KEY]
+    fmt = _stored_format(meta.get("weights_format"),
+                         f"{path}/config.json: this version of specjax reads weights_format None or")
+    return None if fmt is None else str(fmt), ModelConfig.from_dict(meta["config"]).dtype
+
+
 def load_feature_head(path: str, dtype: Any = None) -> Model:
-    """Loads a head saved by :func:`save_head`; pair it with its target to use it.
+    """Loads a head saved by :func:`save_head` with float weights (an
+    int8-stored head's matrices dequantized exactly); pair it with its target
+    to use it. ``specjax.load`` keeps an int8-stored head's matrices int8.
 
     Raises:
       ValueError: missing or mismatched weights (names the tensor).
