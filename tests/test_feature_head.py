@@ -434,6 +434,11 @@ def test_specjax_load_keeps_an_int8_stored_head_int8(tmp_path, target, head, gro
     for key, value in jax.tree_util.tree_flatten_with_path(as_float.params)[0]:
         np.testing.assert_array_equal(np.asarray(back[key]), np.asarray(value), err_msg=jax.tree_util.keystr(key))
     assert specjax.load(str(path)).module.config.dtype == "float32"  # the head's own dtype by default
+    # asked for its own format, the same integers; for another, quantized from the exact float weights
+    again = specjax.load(str(path), dtype="float32", quantize=fmt).params["layer_0"]["mlp"]["up"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(again["qweight"]), np.asarray(kernel["qweight"]))
+    q4 = specjax.load(str(path), quantize="q4")
+    assert q4.module.config.quantization == "q4" and q4.module.config.dtype == "float32"
     assert specjax.load(str(path), dtype="bfloat16").params["fuse"]["kernel"].dtype == jnp.bfloat16
     # it drafts what the float head drafts, and greedy decoding with it is the target's
     tokens, hidden = jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3, 64))

@@ -712,9 +712,7 @@ def load(path: str, dtype: Any = None, *, quantize=None, mesh=None, shardings=No
     if feature_head.is_head_dir(path):
         if mesh is not None or shardings is not None:
             raise ValueError("A feature head loads onto one device (it is a few MB); place it after specjax.pair.")
-        if quantize is None:
-            return _head_as_stored(path, dtype)
-        return _quantize_model(feature_head.load_feature_head(path, dtype), quantize)
+        return _head_as_stored(path, dtype, quantize)
     kind = published_heads.detect(path)  # EAGLE-1/2, EAGLE-3, Medusa as their authors publish them
     if kind is not None:
         if mesh is not None or shardings is not None or quantize is not None:
@@ -724,20 +722,24 @@ def load(path: str, dtype: Any = None, *, quantize=None, mesh=None, shardings=No
     return load_hf(path, dtype, quantize=quantize, mesh=mesh, shardings=shardings)
 
 
-def _head_as_stored(path: str, dtype: Any) -> Model:
+def _head_as_stored(path: str, dtype: Any, quantize=None) -> Model:
     """A feature head with its matrices as :func:`feature_head.save_head` stored
-    them: an int8-stored head keeps them int8 (the same integers and scales),
-    which reads a quarter of float32's bytes per draft step."""
+    them, or quantized as ``quantize`` asks: an int8-stored head keeps them int8
+    (the same integers and scales), which reads a quarter of float32's bytes
+    per draft step."""
     fmt, stored_dtype = feature_head.stored_format(path)
-    if fmt is None:
+    if fmt is None and quantize is None:
         return feature_head.load_feature_head(path, dtype)
     head = feature_head.load_feature_head(path, "float32")  # exact: an int8 times a float16 scale
-    try:
-        head = _quantize_model(head, fmt)  # the stored integers and scales again
-    except ValueError as e:  # a CPU without a C++ compiler for the kernels: the same weights, as float
-        import warnings
+    if quantize is not None:
+        head = _quantize_model(head, quantize)
+    else:
+        try:
+            head = _quantize_model(head, fmt)  # the stored integers and scales again
+        except ValueError as e:  # a CPU without a C++ compiler for the kernels: the same weights, as float
+            import warnings
 
-        warnings.warn(f"{path} stores its matrices in {fmt}, which run as float here: {e}", stacklevel=3)
+            warnings.warn(f"{path} stores its matrices in {fmt}, which run as float here: {e}", stacklevel=3)
     cfg = head.module.config.replace(dtype=jnp.dtype(dtype or stored_dtype).name)
     return head.replace(params=_cast(head.params, cfg.dtype), module=dataclasses.replace(head.module, config=cfg))
 
