@@ -670,8 +670,9 @@ def load(path: str, dtype: Any = None, *, quantize=None, mesh=None, shardings=No
         bfloat16 on a GPU or TPU; logits are float32 either way).
       quantize: store the matrices quantized, e.g. ``"int8"`` or ``"q4"``
         (see :func:`specjax.quantize`); ``"gguf"`` for a GGUF file: its own formats,
-        copied where they map exactly. A quantized Orbax checkpoint loads
-        quantized without it.
+        copied where they map exactly. A quantized Orbax checkpoint, and a
+        feature head saved with ``weights_format="int8"``, load quantized
+        without it (``specjax.dequantize`` gives the float model).
       mesh: a ``('data', 'model')`` mesh (``specjax.sharding.make_mesh``): the
         params are read straight into ``specjax.sharding.param_shardings``
         (tensor parallel over ``'model'``), never whole on one device.
