@@ -476,6 +476,8 @@ def test_an_int8_stored_head_runs_float_where_the_kernels_cannot_be_built(tmp_pa
     with pytest.warns(UserWarning, match="stores its matrices in int8, which run as float here.*no C\\+\\+ compiler"):
         loaded = specjax.load(str(path), dtype="float32")
     assert loaded.module.config.quantization is None
+    with pytest.raises(ValueError, match="need specjax's kernels"):  # asked for by name: an error, not a fallback
+        specjax.load(str(path), quantize="int8")
     want = fh.load_feature_head(str(path), "float32").params["lm_head"]
     np.testing.assert_array_equal(np.asarray(loaded.params["lm_head"]), np.asarray(want))
 

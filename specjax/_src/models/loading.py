@@ -729,18 +729,18 @@ def _head_as_stored(path: str, dtype: Any, quantize=None) -> Model:
     (the same integers and scales), which reads a quarter of float32's bytes
     per draft step."""
     fmt, stored_dtype = feature_head.stored_format(path)
-    if fmt is None and quantize is None:
+    wanted = quantize or fmt
+    if wanted is None:
         return feature_head.load_feature_head(path, dtype)
     head = feature_head.load_feature_head(path, "float32")  # exact: an int8 times a float16 scale
-    if quantize is not None:
-        head = _quantize_model(head, quantize)
-    else:
-        try:
-            head = _quantize_model(head, fmt)  # the stored integers and scales again
-        except ValueError as e:  # a CPU without a C++ compiler for the kernels: the same weights, as float
-            import warnings
+    try:
+        head = _quantize_model(head, wanted)  # as stored: the same integers and scales again
+    except ValueError as e:
+        if quantize is not None:
+            raise
+        import warnings  # a CPU without a C++ compiler for the kernels: the same weights, as float
 
-            warnings.warn(f"{path} stores its matrices in {fmt}, which run as float here: {e}", stacklevel=3)
+        warnings.warn(f"{path} stores its matrices in {fmt}, which run as float here: {e}", stacklevel=3)
     cfg = head.module.config.replace(dtype=jnp.dtype(dtype or stored_dtype).name)
     return head.replace(params=_cast(head.params, cfg.dtype), module=dataclasses.replace(head.module, config=cfg))
 
