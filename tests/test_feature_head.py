@@ -347,6 +347,62 @@ def test_pair_refuses_a_head_reading_a_block_the_target_lacks(target, head):
         specjax.pair(target, far)
 
 
+def test_pair_refuses_a_head_naming_one_block_twice(target, head):
+    grown = fh.with_feature_layers(head, (0, -1))
+    twice = grown.replace(module=fh.FeatureHead(grown.module.config, feature_layers=(1, -1)))  # 2 blocks: 1 is -1
+    with pytest.raises(ValueError, match="twice"):
+        specjax.pair(target, twice)
+
+
+def test_head_helpers_name_what_they_were_given(tmp_path, target, head, head_pair):
+    """A target, a pair or a malformed block list gets an error saying what the helper needs."""
+    calls = {"with_num_layers": lambda m: fh.with_num_layers(m, 2),
+             "with_feature_layers": lambda m: fh.with_feature_layers(m, (0, -1)),
+             "with_head_vocab": lambda m: fh.with_head_vocab(m, np.arange(4)),
+             "save_head": lambda m: fh.save_head(m, str(tmp_path / "h"))}
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=f"{name} needs a feature head.*got a Decoder"):
+            call(target)
+        with pytest.raises(TypeError, match=r"pair\.draft"):
+            call(head_pair)
+    for bad in (("a", -1), 3, (1.5, -1), (True, -1), (0, 0, -1), ()):
+        with pytest.raises(ValueError, match="distinct int block indices"):
+            fh.with_feature_layers(head, bad)
+    with pytest.raises(ValueError, match="draft head.*specjax.pair"):
+        specjax.generate(head_pair.draft, [[1, 2]], max_new_tokens=2, temperature=0.0)
+
+
+def test_a_saved_head_with_corrupt_ids_or_foreign_tensors_is_refused(tmp_path, head):
+    """head_vocab_ids out of range, repeated or not integers, and tensors of another layout, by name;
+    the untouched file loads (the control)."""
+    fh.save_head(head, str(tmp_path / "ok"))
+    assert specjax.load(str(tmp_path / "ok")).params["head_vocab_ids"].shape == (80,)
+    tensors = {}
+    with safe_open(str(tmp_path / "ok" / fh.WEIGHTS_FILE), "np") as f:
+        for k in f.keys():
+            tensors[k] = f.get_tensor(k)
+    ids = tensors["head_vocab_ids"]
+    for label, change, message in (
+            ("range", {"head_vocab_ids": ids + 50}, "outside the target vocabulary"),
+            ("negative", {"head_vocab_ids": ids - 60}, "outside the target vocabulary"),
+            ("twice", {"head_vocab_ids": np.zeros_like(ids)}, "twice"),
+            ("float", {"head_vocab_ids": ids.astype(np.float32) + 0.5}, "integer target ids"),
+            ("extra", {"junk": np.zeros(3, np.float32)}, r"\['junk'\]")):
+        dest = tmp_path / label
+        dest.mkdir()
+        (dest / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+        save_file({**tensors, **change}, str(dest / fh.WEIGHTS_FILE))
+        with pytest.raises(ValueError, match=message):
+            specjax.load(str(dest))
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    del config[fh.CONFIG_KEY]["config"]
+    (tmp_path / "noconfig").mkdir()
+    (tmp_path / "noconfig" / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(tmp_path / "noconfig" / fh.WEIGHTS_FILE))
+    with pytest.raises(ValueError, match="must be the head's model config"):
+        fh.load_feature_head(str(tmp_path / "noconfig"))
+
+
 def test_narrowing_a_heads_vocabulary_keeps_its_logits_on_the_ids_it_keeps(target, head, head_pair):
     """with_head_vocab: the kept ids score as before, the dropped ones as tokens
     outside the vocabulary always did; decoding with the narrow head stays

@@ -497,6 +497,22 @@ def test_bad_published_heads_are_refused_by_name(tmp_path, target):
            file="medusa_lm_head.safetensors")
     with pytest.raises(ValueError, match="medusa_num_layers 2 but the heads hold 1"):
         specjax.load(m2)
+    _write(m2, {"medusa_num_heads": 5, "medusa_num_layers": 1}, t, "safetensors",
+           file="medusa_lm_head.safetensors")
+    with pytest.raises(ValueError, match="medusa_num_heads 5 but the weights hold 2"):
+        specjax.load(m2)
+    with pytest.raises(ValueError, match="d2t must be a 1-D integer tensor"):
+        specjax.load(edit("d2tfloat", d2t=np.zeros(40, np.float32)))
+    # helpers that take specjax's own heads say so for the published layouts
+    from specjax import heads
+
+    with pytest.raises(ValueError, match="EAGLE-1/2 head scores with its target's full LM head"):
+        heads.with_head_vocab(specjax.load(eagle1_checkpoint(str(tmp_path / "e1b"), 96)[0]), np.arange(4))
+    medusa = specjax.load(medusa_checkpoint(str(tmp_path / "m3"), 96)[0])
+    with pytest.raises(TypeError, match="dequantize needs a specjax Decoder or feature head, got MedusaHead"):
+        specjax.dequantize(medusa)
+    with pytest.raises(TypeError, match="with_num_layers needs a feature head.*MedusaHead"):
+        heads.with_num_layers(medusa, 2)
 
 
 class _Pickled:

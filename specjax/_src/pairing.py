@@ -149,6 +149,12 @@ def _attach_target_features(target: Model, head: Model) -> Model:
             f"this target ({type(target.module).__name__}, {layers} blocks) does not have; pair a head with "
             "the target it was trained on."
         )
+    resolved = [x % layers for x in module.feature_layers]
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(
+            f"pair(): the feature head's blocks {list(module.feature_layers)} name one block of this "
+            f"{layers}-block target twice ({resolved}); a head mixes distinct blocks."
+        )
     if target.module.hidden_size != module.hidden_size:
         raise ValueError(
             f"pair(): the feature head reads {module.hidden_size}-wide features but the target's hidden "

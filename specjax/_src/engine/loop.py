@@ -530,6 +530,10 @@ def generate(
     if isinstance(model, ModelPair):
         vocab, model = model.vocab_size, model.target
     elif isinstance(model, Model):
+        if getattr(model.module, "reads_target_features", False):
+            raise ValueError("generate(): this is a draft head, which drafts from its target's hidden states and "
+                             "cannot decode alone; decode with its target: specjax.decode(specjax.pair(target, "
+                             "head), prompts).")
         vocab = _model_vocab(model)
     else:
         raise TypeError(f"generate(): model must be a specjax.Model, got {type(model).__name__}.")

@@ -570,7 +570,8 @@ def with_feature_layers(head: Model, feature_layers) -> Model:
       ValueError: the head already mixes several blocks, or ``L`` is not among
         ``feature_layers``.
     """
-    layers = tuple(int(x) for x in feature_layers)
+    _require_head(head, "with_feature_layers")
+    layers = _block_indices(feature_layers, "with_feature_layers")
     module = head.module
     if layers == module.feature_layers:
         return head
@@ -602,6 +603,7 @@ def with_num_layers(head: Model, num_layers: int) -> Model:
     Raises:
       ValueError: ``num_layers`` is not an integer, or fewer than the head's blocks.
     """
+    _require_head(head, "with_num_layers")
     cfg = head.module.config
     num_layers = check_positive_int("with_num_layers: num_layers", num_layers)
     _check_own_variant(head.module, "with_num_layers")
@@ -640,6 +642,10 @@ def with_head_vocab(head: Model, ids) -> Model:
     Raises:
       ValueError: an id that is not in the head's vocabulary, a repeated id, or no id.
     """
+    _require_head(head, "with_head_vocab")
+    if head.module.variant == "eagle":
+        raise ValueError("with_head_vocab: an EAGLE-1/2 head scores with its target's full LM head; it has no "
+                         "reduced vocabulary to narrow.")
     old = np.asarray(jax.device_get(head.params["head_vocab_ids"]))
     ids = np.asarray(ids)
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -658,11 +664,31 @@ def with_head_vocab(head: Model, ids) -> Model:
     lm_head = head.params["lm_head"]  # [H, V'] float, or quantized with the ids on the first axis
     lm_head = jax.tree.map(lambda a: a[cols], lm_head) if isinstance(lm_head, dict) else lm_head[:, cols]
     params = {**head.params, "lm_head": lm_head, "head_vocab_ids": jnp.asarray(ids, jnp.int32)}
-    if getattr(head.module, "variant", "specjax") == "eagle":
-        raise ValueError("with_head_vocab: an EAGLE-1/2 head scores with its target's full LM head; it has no "
-                         "reduced vocabulary to narrow.")
     cfg = head.module.config.replace(head_vocab_size=int(ids.size))
     return head.replace(params=params, module=dataclasses.replace(head.module, config=cfg))
+
+
+def _block_indices(feature_layers, what: str) -> tuple[int, ...]:
+    """``feature_layers`` as distinct int block indices, or a clear error."""
+    try:
+        layers = tuple(feature_layers)
+    except TypeError:
+        layers = None
+    if (not layers or any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) for x in layers)
+            or len(set(layers)) != len(layers)):
+        raise ValueError(f"{what}: feature_layers must be distinct int block indices such as (2, 15, -1); "
+                         f"got {feature_layers!r}.")
+    return tuple(int(x) for x in layers)
+
+
+def _require_head(head, what: str) -> None:
+    """A clear error where ``head`` is not a feature head (a pair, a target, a Medusa head)."""
+    module = getattr(head, "module", None)
+    if isinstance(module, FeatureHead):
+        return
+    got = type(module).__name__ if module is not None else type(head).__name__
+    hint = " (a pair's head is pair.draft)" if hasattr(head, "draft") and hasattr(head, "target") else ""
+    raise TypeError(f"{what} needs a feature head (specjax.load of a head directory); got a {got}{hint}.")
 
 
 def _check_own_variant(module, what: str) -> None:
@@ -703,6 +729,7 @@ def save_head(head: Model, path: str, *, overwrite: bool = False, extra: Optiona
     existing non-empty ``path`` is replaced only with ``overwrite=True``, and
     then whole (written aside, swapped in).
     """
+    _require_head(head, "save_head")
     module = head.module
     _stored_format(weights_format, "weights_format must be None (the head's dtype) or")
     if weights_format is not None and module.config.quantization is not None:
@@ -783,6 +810,17 @@ def _read_int8(tensors: dict, name: str, shape: tuple[int, ...], fmt: quant.Form
     return w.T if transposed else w
 
 
+def _check_vocab_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
+    """A stored ``head_vocab_ids``: integer target ids in ``[0, vocab_size)``, each once."""
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{where}: head_vocab_ids holds {ids.dtype} values; it must hold the integer target ids "
+                         "of the head's LM head rows.")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{where}: head_vocab_ids holds ids outside the target vocabulary [0, {vocab_size}).")
+    if np.unique(ids).size != ids.size:
+        raise ValueError(f"{where}: head_vocab_ids names a target id twice; each LM head row scores its own id.")
+
+
 def is_head_dir(path: str) -> bool:
     cfg = os.path.join(path, "config.json")
     if not os.path.isfile(cfg):
@@ -794,11 +832,29 @@ def is_head_dir(path: str) -> bool:
         return False
 
 
+def _read_meta(path: str) -> dict:
+    """The ``specjax_feature_head`` object of ``path/config.json``, or an error naming what it lacks."""
+    where = os.path.join(path, "config.json")
+    with open(where) as f:
+        meta = json.load(f)
+    meta = meta.get(CONFIG_KEY) if isinstance(meta, dict) else None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where} has no {CONFIG_KEY!r} object; it is not a head saved by heads.save_head "
+                         "(specjax.load reads published EAGLE and Medusa heads by their own layouts).")
+    if not isinstance(meta.get("config"), dict):
+        raise ValueError(f"{where}: {CONFIG_KEY}.config must be the head's model config (an object).")
+    layers = meta.get("feature_layers", [meta.get("feature_layer", -1)])
+    if not isinstance(layers, list) or not layers or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                             for x in layers):
+        raise ValueError(f"{where}: {CONFIG_KEY}.feature_layers must be a list of int block indices; "
+                         f"got {layers!r}.")
+    return meta
+
+
 def stored_format(path: str) -> tuple[Optional[str], str]:
     """How the head saved in ``path`` stores its block's and LM head's
     matrices (``"int8"``, ``"int8/G"``, or None: float) and its dtype."""
-    with open(os.path.join(path, "config.json")) as f:
-        meta = json.load(f)[CONFIG_KEY]
+    meta = _read_meta(path)
     fmt = _stored_format(meta.get("weights_format"),
                          f"{path}/config.json: this version of specjax reads weights_format None or")
     return None if fmt is None else str(fmt), ModelConfig.from_dict(meta["config"]).dtype
@@ -814,8 +870,7 @@ def load_feature_head(path: str, dtype: Any = None) -> Model:
     """
     from safetensors.numpy import load_file
 
-    with open(os.path.join(path, "config.json")) as f:
-        meta = json.load(f)[CONFIG_KEY]
+    meta = _read_meta(path)
     cfg = ModelConfig.from_dict(meta["config"])
     if dtype is not None:
         cfg = cfg.replace(dtype=jnp.dtype(dtype).name)
@@ -835,18 +890,27 @@ def load_feature_head(path: str, dtype: Any = None) -> Model:
                                                                               jnp.dtype(cfg.dtype))}}
     stored = _stored_format(meta.get("weights_format"),
                             f"{path}/config.json: this version of specjax reads weights_format None or")
+    read = set()
     for key, leaf in traverse_util.flatten_dict(shapes).items():
         if ".".join(key) in skip or key[0] in skip:
             continue
         name = ".".join(key)
         if stored is not None and _stored_quantized(name, leaf):
             flat[key] = jnp.asarray(_read_int8(tensors, name, tuple(leaf.shape), stored, weights_file), leaf.dtype)
+            read |= {f"{name}.qweight", f"{name}.qscale"}
             continue
         if name not in tensors:
             raise ValueError(f"{weights_file} lacks tensor {name!r} that this head's config needs.")
         value = tensors[name]
         if tuple(value.shape) != tuple(leaf.shape):
             raise ValueError(f"{weights_file}: tensor {name!r} has shape {value.shape}, expected {leaf.shape}.")
+        if name == "head_vocab_ids":
+            _check_vocab_ids(value, cfg.vocab_size, weights_file)
         flat[key] = jnp.asarray(value, leaf.dtype)
+        read.add(name)
+    extra = sorted(set(tensors) - read)
+    if extra:
+        raise ValueError(f"{weights_file} holds tensor(s) {extra[:5]} that this head's config does not use; it was "
+                         "written for another layout (a head saved by heads.save_head holds only its own).")
     params = traverse_util.unflatten_dict(flat)
     return Model(params=params, module=module, tokenizer=load_tokenizer(path), chat_template=None)

@@ -578,6 +578,11 @@ _quantize_model = quantize  # the loaders' argument of the same name hides it th
 def dequantize(model: Model, dtype: Any = None) -> Model:
     """The float model a quantized one stands for (its matrices dequantized
     exactly to float32, then cast to ``dtype``, default the model's)."""
+    from specjax._src.models.feature_head import FeatureHead
+
+    if not isinstance(getattr(model, "module", None), (Decoder, FeatureHead)):
+        got = type(getattr(model, "module", model)).__name__
+        raise TypeError(f"dequantize needs a specjax Decoder or feature head, got {got}.")
     cfg = model.module.config
     if cfg.quantization is None:
         return model if dtype is None else astype(model, dtype)

@@ -412,7 +412,10 @@ def draft_to_target_ids(d2t, t2d, draft_vocab: int, vocab: int, what: str = "EAG
                              "there is no d2t to map it.")
         ids = np.arange(vocab)
     else:
-        d2t = np.asarray(d2t).reshape(-1)
+        d2t = np.asarray(d2t)
+        if not np.issubdtype(d2t.dtype, np.integer) or d2t.ndim != 1:
+            raise ValueError(f"{what}: d2t must be a 1-D integer tensor (target id i + d2t[i] for draft id i); "
+                             f"got {d2t.dtype} of shape {d2t.shape}.")
         if d2t.shape[0] != draft_vocab:
             raise ValueError(f"{what}: d2t has {d2t.shape[0]} entries but lm_head.weight scores {draft_vocab} draft "
                              "tokens; they must agree.")
@@ -559,6 +562,10 @@ def _load_medusa(path: str, config: dict, dtype) -> Model:
         raise ValueError(f"{what}: no Medusa head tensors found.")
     num_heads = max(i for i, _ in entries) + 1
     lm_index = max(j for _, j in entries)  # each head's last module is its LM head
+    declared = config.get("medusa_num_heads")
+    if declared is not None and declared != num_heads:
+        raise ValueError(f"{what}: config.json says medusa_num_heads {declared} but the weights hold {num_heads} "
+                         "heads; the checkpoint is incomplete or its config belongs to another.")
     num_res = int(config.get("medusa_num_layers", lm_index))
     if num_res != lm_index:
         raise ValueError(f"{what}: config.json says medusa_num_layers {num_res} but the heads hold {lm_index} "
