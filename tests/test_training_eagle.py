@@ -229,7 +229,7 @@ def test_feature_layers_on_the_command_line(tiny, tmp_path):
     assert loaded.module.feature_layers == (0, -1) and "reduce" in loaded.params
     assert "block outputs 0 and the last" in (dest / "MODEL_CARD.md").read_text()
     with pytest.raises(SystemExit, match="started with --feature-layers 0,-1"):
-        eagle.main(_args(target_path, data, tmp_path / "run", "--feature-layers", "1,-1"))
+        eagle.main(_args(target_path, data, tmp_path / "run", "--feature-layers", "-1"))
     with pytest.raises(SystemExit):
         eagle.build_parser().parse_args(["--feature-layers", "0,1"])  # no -1
 
@@ -493,3 +493,43 @@ def test_weights_format_int8_exports_a_smaller_head_that_loads_int8(tiny, tmp_pa
     assert np.all(np.abs(a - b) <= step * 0.51 + 1e-6) and not np.array_equal(a, b)
     with pytest.raises(SystemExit):
         eagle.build_parser().parse_args(["--weights-format", "q4"])
+
+
+def _eagle3_variant_head(target_path, dest):
+    """A head in the published EAGLE-3 block layout (saved by save_head), for --init-from."""
+    target = specjax.load(target_path)
+    cfg = feature_head.head_config(target.module.config, head_vocab_size=48)
+    params = feature_head._init_params(cfg, jax.random.key(0), 2, "eagle3")
+    params["head_vocab_ids"] = np.arange(48, dtype=np.int32)
+    module = feature_head.FeatureHead(cfg, feature_layers=(0, -1), variant="eagle3")
+    feature_head.save_head(Model(params, module, None, chat_template=None), str(dest))
+    return str(dest)
+
+
+def test_bad_arguments_are_refused_by_name_before_any_work(tiny, tmp_path, capsys):
+    """Each bad value stops the command with an argparse error naming it (no traceback from JAX or
+    NumPy), and a refused --feature-layers is not recorded: the corrected command then runs."""
+    target_path, data = tiny
+    published = _eagle3_variant_head(target_path, tmp_path / "e3")
+    cases = [
+        (["--batch", "0"], "--batch: expected a batch size"),
+        (["--feature-batch", "0"], "--feature-batch: expected a batch size"),
+        (["--unroll", "0"], "--unroll: expected a number of draft steps"),
+        (["--lr", "-1"], "--lr: expected a learning rate"),
+        (["--seq-len", "12"], "leaves no room for an answer"),
+        (["--head-vocab", "100000"], "more than the target's"),
+        (["--feature-layers=50,-1"], "the target has 2 blocks (indices -2 .. 1); [50]"),
+        (["--feature-layers=1,-1"], "name one of the target's 2 blocks twice"),
+        (["--init-from", str(tmp_path / "missing")], "--init-from"),
+        (["--init-from", target_path, "--steps", "0"], "holds a Decoder"),
+        (["--init-from", published, "--steps", "0"], "holds a published 'eagle3' head"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(SystemExit) as e:
+            eagle.main(_args(target_path, data, tmp_path / "run", *extra))
+        assert e.value.code == 2, extra
+        assert message in capsys.readouterr().err, extra
+    with pytest.raises(SystemExit):
+        eagle.main(["--target", str(tmp_path / "missing"), "--data", str(data), "--out", str(tmp_path / "run")])
+    assert "--target" in capsys.readouterr().err
+    assert eagle.main(_args(target_path, data, tmp_path / "run", "--feature-layers=0,-1", "--features-only")) == 0

@@ -108,6 +108,10 @@ def build_rows(shards: dict, head_ids: np.ndarray, seq_len: int, vocab_size: int
     n, width = shards["tokens"].shape
     new, k = shards["top_ids"].shape[1:]
     pw = width - new
+    longest = int(np.max(shards["prompt_lengths"], initial=0))
+    if longest >= seq_len:
+        raise ValueError(f"a row of {seq_len} tokens leaves no room for an answer after a {longest}-token prompt; "
+                         f"use rows longer than the longest prompt (seq_len {longest + 64} or more).")
     tokens = np.zeros((n, seq_len), np.int32)
     mask = np.zeros((n, seq_len), bool)
     t_ids = np.full((n, seq_len, k), -1, np.int32)

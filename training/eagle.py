@@ -709,9 +709,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="discard the checkpoints in OUT/ckpt (and damaged steps set aside in OUT/ckpt.damaged) and "
                         "train from step 0; features already extracted are kept")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--shards", type=int, default=None, help="use the first N shards (recorded; resume uses the same)")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--feature-batch", type=int, default=16)
+    p.add_argument("--shards", type=_int_at_least(1, "a number of shards"), default=None, help="use the first N shards (recorded; resume uses the same)")
+    p.add_argument("--seq-len", type=_int_at_least(8, "a row length in tokens"), default=256,
+                   help="tokens per training row, prompt and answer (default: %(default)s); more than the longest "
+                        "prompt of the shards")
+    p.add_argument("--feature-batch", type=_int_at_least(1, "a batch size"), default=16)
     p.add_argument("--features-only", action="store_true", help="stop after the features stages")
     p.add_argument("--online-features", action="store_true",
                    help="compute the target's features in each training step instead of storing them first: "
@@ -726,7 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "narrow that head to its N ids the shards use most (heads.with_head_vocab: a cheaper step)")
     p.add_argument("--feature-layers", type=_layers, default=None,
                    help="target blocks the head reads, comma-separated, e.g. 2,15,-1 (EAGLE-3's low, middle and "
-                        "high); must include -1. Default: the --init-from head's, else -1 (the last block)")
+                        "high); must include -1. A list that starts with a minus sign takes '=': "
+                        "--feature-layers=-1,2. Default: the --init-from head's, else -1 (the last block)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=_step_count, default=600,
                    help="optimizer steps (default: %(default)s); 0 exports the --init-from head as grown or narrowed, "
@@ -739,10 +742,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of --steps: as many steps as fit this many minutes of training, from a step's time "
                         "measured before training starts (recorded: a resumed run keeps that count); evaluation "
                         "and the features stages come on top")
-    g.add_argument("--batch", type=int, default=8)
-    g.add_argument("--lr", type=float, default=5e-4)
+    g.add_argument("--batch", type=_int_at_least(1, "a batch size"), default=8)
+    g.add_argument("--lr", type=_positive_float("a learning rate"), default=5e-4)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--unroll", type=int, default=2, help="draft steps trained per position (1: no unrolling)")
+    g.add_argument("--unroll", type=_int_at_least(1, "a number of draft steps"), default=2, help="draft steps trained per position (1: no unrolling)")
     g.add_argument("--unroll-weight", type=float, default=1.0)
     g.add_argument("--init-from", default=None,
                    help="start from an exported head (its vocabulary and weights; a fresh AdamW and schedule), "
@@ -755,18 +758,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reg-weight", type=float, default=1.0)
     g.add_argument("--tv-weight", type=float, default=0.0,
                    help="weight of 1 - sum(min(p, q)), the T=1 rejection chance, next to the cross-entropy")
-    g.add_argument("--eval-every", type=int, default=100)
-    g.add_argument("--checkpoint-seconds", type=float, default=180.0)
+    g.add_argument("--eval-every", type=_int_at_least(0, "a number of steps (0: none)"), default=100)
+    g.add_argument("--checkpoint-seconds", type=_positive_float("a number of seconds", zero=True), default=180.0)
     g.add_argument("--train-only", action="store_true", help="skip the final evaluation and export")
     g.add_argument("--draft-temperature", default=None, metavar="fit|T",
                    help="before export, divide the head's logits by T ('fit': the T in 0.5..1.2 with the best T=1 "
                         "acceptance on --calibration-rows training rows); greedy drafts do not change")
-    g.add_argument("--calibration-rows", type=int, default=512)
+    g.add_argument("--calibration-rows", type=_int_at_least(1, "a number of rows"), default=512)
     g.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate a kill
     g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-prompts", type=int, default=64)
-    g.add_argument("--eval-new-tokens", type=int, default=128)
-    g.add_argument("--eval-batch", type=int, default=32)
+    g.add_argument("--eval-prompts", type=_int_at_least(1, "a number of prompts"), default=64)
+    g.add_argument("--eval-new-tokens", type=_int_at_least(1, "a number of tokens"), default=128)
+    g.add_argument("--eval-batch", type=_int_at_least(1, "a batch size"), default=32)
     return p
 
 
@@ -780,6 +783,20 @@ def _int_at_least(minimum: int, what: str):
         if n < minimum:
             raise argparse.ArgumentTypeError(f"expected {what}, {minimum} or more; got {text!r}")
         return n
+    return parse
+
+
+def _positive_float(what: str, zero: bool = False):
+    """An argparse type: a finite number > 0 (>= 0 with ``zero``), else a message naming ``what``."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            x = float("nan")
+        if not (0 <= x if zero else 0 < x) or not x < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected {what}, a {'non-negative' if zero else 'positive'} number; "
+                                             f"got {text!r}")
+        return x
     return parse
 
 
@@ -808,6 +825,24 @@ def _layers(text: str) -> tuple[int, ...]:
     return layers
 
 
+def _load_for(parser, flag: str, path: str, **kwargs):
+    """``specjax.load(path)``, or an argparse error naming ``flag`` where the path holds no model."""
+    try:
+        return specjax.load(path, **kwargs)
+    except (ValueError, OSError) as e:
+        parser.error(f"{flag} {path}: {e}")
+
+
+def _check_blocks(parser, layers, num_layers: int, what: str) -> None:
+    """Each block index within the target's ``num_layers`` blocks, and no block twice."""
+    bad = [x for x in layers if not -num_layers <= x < num_layers]
+    if bad:
+        parser.error(f"{what} {','.join(map(str, layers))}: the target has {num_layers} blocks (indices "
+                     f"{-num_layers} .. {num_layers - 1}); {bad} is not one of them.")
+    if len({x % num_layers for x in layers}) != len(layers):
+        parser.error(f"{what} {','.join(map(str, layers))} name one of the target's {num_layers} blocks twice.")
+
+
 def main(argv=None) -> int:
     started = time.monotonic()  # --time-limit counts from here
     parser = build_parser()
@@ -832,8 +867,14 @@ def main(argv=None) -> int:
     if not (args.features_only or args.train_only or args.stop_after is not None):  # now, not after training
         if common.check_export(export_dir, force=force, run_id=run_id, command=command):
             log(f"[eagle] {export_dir} holds this run's export by this command: it is made again")
-    target = specjax.load(args.target)
+    target = _load_for(parser, "--target", args.target)
+    if not isinstance(target.module, specjax.Decoder):
+        parser.error(f"--target {args.target} is a {type(target.module).__name__}, not a model a head can read.")
     cfg_t = target.module.config
+    if args.feature_layers:
+        _check_blocks(parser, args.feature_layers, cfg_t.num_layers, "--feature-layers")
+    if args.head_vocab is not None and args.head_vocab > cfg_t.vocab_size:
+        parser.error(f"--head-vocab {args.head_vocab} is more than the target's {cfg_t.vocab_size} tokens.")
 
     meta_file = out / "run.json"
     run = json.loads(meta_file.read_text()) if meta_file.exists() else {}
@@ -843,9 +884,21 @@ def main(argv=None) -> int:
     num_shards = run.get("num_shards") or min(args.shards or len(all_files), len(all_files))
     run["num_shards"] = num_shards
     shard_files = all_files[:num_shards]
+    longest = max(int(np.load(f)["prompt_lengths"].max()) for f in shard_files)
+    if longest >= args.seq_len:
+        parser.error(f"--seq-len {args.seq_len} leaves no room for an answer after the shards' longest prompt "
+                     f"({longest} tokens); pass --seq-len {max(256, longest + 64)} or more.")
 
-    # trained in float: an int8-stored head's matrices dequantized (exactly)
-    init = specjax.dequantize(specjax.load(args.init_from, dtype="float32")) if args.init_from else None
+    init = None
+    if args.init_from:
+        init = _load_for(parser, "--init-from", args.init_from, dtype="float32")
+        if not (isinstance(init.module, FeatureHead) and init.module.variant == "specjax"):
+            variant = getattr(init.module, "variant", None)
+            kind = f"a published {variant!r} head" if variant else f"a {type(init.module).__name__}"
+            parser.error(f"--init-from {args.init_from} holds {kind}, not a head saved by training.eagle or "
+                         "heads.save_head; training.eagle continues specjax's own feature heads only.")
+        init = specjax.dequantize(init)  # trained in float: an int8-stored head's matrices dequantized (exactly)
+        _check_blocks(parser, init.module.feature_layers, cfg_t.num_layers, f"--init-from {args.init_from}'s blocks")
     default_layers = init.module.feature_layers if init is not None else (-1,)
     feature_layers = tuple(run.get("feature_layers") or args.feature_layers or default_layers)
     if args.feature_layers and tuple(args.feature_layers) != feature_layers:
