@@ -488,7 +488,7 @@ def test_bad_published_heads_are_refused_by_name(tmp_path, target):
         specjax.load(e1)
     # Medusa: a head for another vocabulary
     m, _ = medusa_checkpoint(str(tmp_path / "m"), 80)
-    with pytest.raises(ValueError, match="vocab_size 96 and the draft 80"):
+    with pytest.raises(ValueError, match="scores a 80-token vocabulary and the target 96.*trained on"):
         specjax.pair(target, specjax.load(m))
     with pytest.raises(ValueError, match="scores 80 tokens but the target's vocabulary has 96"):
         specjax.pair(target, specjax.load(m), vocab_size=80)

@@ -121,6 +121,11 @@ def pair(target: Model, draft: Model, *, vocab_size: Optional[int] = None) -> Mo
             vocab_size = tok_size
         elif tv == dv:
             vocab_size = tv
+        elif feature_head.is_feature_head(draft.module):
+            raise ValueError(
+                f"pair(): the feature head scores a {dv}-token vocabulary and the target {tv}; a head drafts "
+                "for the target it was trained on: pair it with that target."
+            )
         else:
             raise ValueError(
                 f"pair(): the target has vocab_size {tv} and the draft {dv}, and neither "
