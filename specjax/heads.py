@@ -26,6 +26,8 @@ EAGLE-1/2 and EAGLE-3 as a :class:`FeatureHead` of their ``variant``, with
 EAGLE-3's reduced vocabulary mapped to target ids (:func:`draft_to_target_ids`)
 and its default target blocks fixed at pairing (:func:`eagle3_default_layers`);
 Medusa as a :class:`MedusaHead` (:func:`medusa_logits`: every head at once).
+A reduced head's forward also returns its own columns (``out.reduced``, a
+:class:`ReducedLogits`), which greedy drafting ranks instead of the full scatter.
 """
 
 import warnings
@@ -46,6 +48,7 @@ from specjax._src.models.feature_head import (
     with_num_layers,
 )
 from specjax._src.models.feature_head import VARIANTS, eagle3_default_layers
+from specjax._src.lm import ReducedLogits
 from specjax._src.models.published_heads import MedusaHead, draft_to_target_ids, load_published_head, medusa_logits
 
 __all__ = (
@@ -58,6 +61,7 @@ __all__ = (
     "is_feature_head",
     "load_feature_head",
     "reduce_features",
+    "ReducedLogits",
     "save_head",
     "with_feature_layers",
     "with_head_vocab",

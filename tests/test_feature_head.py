@@ -432,6 +432,48 @@ def test_narrowing_a_heads_vocabulary_keeps_its_logits_on_the_ids_it_keeps(targe
         fh.with_head_vocab(head, [])
 
 
+def test_a_reduced_head_returns_its_own_columns_beside_their_scatter(target, head):
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, 96, (2, 5)), jnp.int32)
+    features = target.module.apply(target.params, tokens, hidden_layers=(-1,)).hidden[0]
+    out = head.module.apply(head.params, tokens, features=features)
+    logits, ids = (np.asarray(x) for x in out.reduced)
+    assert logits.shape == (2, 5, 80)
+    np.testing.assert_array_equal(ids, np.arange(80)[::-1])
+    full = np.full((2, 5, 96), -np.inf, np.float32)
+    full[..., ids] = logits
+    np.testing.assert_array_equal(np.asarray(out.logits), full)
+    # Columns whose ids the pair cannot use (padding past its vocab_size) never rank.
+    from specjax._src.engine.cycle import usable_reduced
+
+    usable = np.asarray(usable_reduced(out, 70).logits)
+    np.testing.assert_array_equal(usable[..., ids >= 70], -np.inf)
+    np.testing.assert_array_equal(usable[..., ids < 70], logits[..., ids < 70])
+
+
+@pytest.mark.parametrize("tree", [static_tree((3, 2, 1)), dynamic_tree(3, 2, 5)], ids=["static", "dynamic"])
+def test_greedy_trees_draft_the_same_from_a_reduced_heads_own_columns(head_pair, tree, monkeypatch):
+    """Greedy tree drafting ranks a reduced head's 80 columns (ids in reverse
+    order) instead of the 96-token scatter: the same children, the same
+    acceptance, the target's greedy text."""
+    from specjax._src.engine import cycle, tree as tree_cycle
+
+    prompts = random_prompts(34, 8, 96, 12)
+    kw = dict(tree=tree, max_new_tokens=20, temperature=0.0, eos_token_id=())
+    jax.clear_caches()
+    fast = specjax.decode(head_pair, prompts, **kw)
+    for module in (cycle, tree_cycle):  # the scatter's path: every rank over the full vocabulary
+        monkeypatch.setattr(module, "usable_reduced", lambda out, vocab: None)
+    jax.clear_caches()
+    full = specjax.decode(head_pair, prompts, **kw)
+    monkeypatch.undo()
+    jax.clear_caches()
+    np.testing.assert_array_equal(np.asarray(fast.tokens), np.asarray(full.tokens))
+    np.testing.assert_array_equal(np.asarray(fast.stats.accepted), np.asarray(full.stats.accepted))
+    assert int(np.sum(fast.stats.accepted)) > 0
+    ref = specjax.generate(head_pair.target, prompts, max_new_tokens=20, temperature=0.0, eos_token_id=())
+    np.testing.assert_array_equal(np.asarray(fast.tokens), np.asarray(ref.tokens))
+
+
 @pytest.mark.parametrize("group", [None, 16])
 def test_an_int8_stored_head_holds_its_rounded_float_weights(tmp_path, target, head, group):
     mixed = _mixed(head)

@@ -102,6 +102,18 @@ class KVCache:
 _UNBOUNDED = 2**31 - 1
 
 
+class ReducedLogits(NamedTuple):
+    """A reduced-vocabulary head's logits over its own vocabulary.
+
+    Attributes:
+      logits: ``[B, T, V']`` float32, column ``c`` scoring target token ``ids[c]``.
+      ids: ``[V']`` int32 target ids, each once.
+    """
+
+    logits: Array
+    ids: Array
+
+
 class LMOutput(NamedTuple):
     """What one forward returns.
 
@@ -109,11 +121,16 @@ class LMOutput(NamedTuple):
       logits: ``[B, T, V]`` float32, for every input position.
       hidden: one ``[B, T, H]`` array per requested layer, in request order.
       cache: the cache after appending the T tokens (``None`` if none given).
+      reduced: a reduced-vocabulary head's own ``V' < V`` columns, of which
+        ``logits`` is the scatter (``-inf`` elsewhere); None for a model that
+        scores the whole vocabulary. Greedy drafting ranks these: a pass over
+        ``V'`` columns rather than ``V``.
     """
 
     logits: Array
     hidden: tuple[Array, ...]
     cache: KVCache | None
+    reduced: ReducedLogits | None = None
 
 
 @runtime_checkable

@@ -291,7 +291,7 @@ def _draft(
     vocab, k_max = pair_params.vocab_size, cfg.num_draft
     batch = state.num_committed.shape[0]
     if is_feature_head(module):
-        raw0, feature, cache = first_head_logits(cfg, module, params, vocab, state)
+        raw0, feature, cache, _ = first_head_logits(cfg, module, params, vocab, state)
     else:
         (raw0, cache), feature = first_draft_logits(module, params, vocab, state), jnp.zeros((batch, 0))
 

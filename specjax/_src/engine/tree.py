@@ -84,10 +84,11 @@ from specjax._src.engine.cycle import (
     next_state,
     nonfinite_codes,
     per_row_rule,
+    usable_reduced,
     with_greedy_rows,
 )
 from specjax._src.engine.ops import _gather, _warp, _where_b
-from specjax._src.lm import KVCache
+from specjax._src.lm import KVCache, ReducedLogits
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Path, Verdict, VerifyInputs
@@ -244,17 +245,40 @@ class _StaticDrafts(NamedTuple):
     forwards: Array  # scalar int32
 
 
-def _children(cfg: _Config, raw: Array, keys: Array, num: int, temperature, top_p, rows=None):
+def top_tokens(raw: Array, reduced: ReducedLogits | None, k: int) -> Array:
+    """``[..., k]`` the draft's ``k`` best tokens by its raw logits ``[..., V]``
+    (:func:`specjax._src.sampling.top_indices`), ranked over a reduced head's
+    own ``V'`` columns when it has them (``reduced``, the same logits before
+    their scatter; a tie may rank its tokens in another order)."""
+    if reduced is None or reduced.logits.shape[-1] < k:
+        return sampling.top_indices(raw, k)
+    return reduced.ids[sampling.top_indices(reduced.logits, k)]
+
+
+def best_children(raw: Array, reduced: ReducedLogits | None, k: int) -> tuple[Array, Array]:
+    """``(children [..., k], slot scores [..., k])``: the draft's top-k and their
+    ``T = 1`` log-probabilities (EAGLE-2's greedy expansion,
+    :func:`specjax._src.trees.slot_scores`), over a reduced head's own columns
+    when it has them (as :func:`top_tokens`)."""
+    if reduced is None or reduced.logits.shape[-1] < k:
+        kids = sampling.top_indices(raw, k)
+        return kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids)
+    columns = sampling.top_indices(reduced.logits, k)
+    return reduced.ids[columns], slot_scores(jax.nn.log_softmax(reduced.logits, axis=-1), columns)
+
+
+def _children(cfg: _Config, raw: Array, keys: Array, num: int, temperature, top_p, rows=None, reduced=None):
     """``(children [B, M, num], logits [B, M, V], probs [B, M, V])`` for ``M``
-    nodes' raw draft logits ``[B, M, V]``."""
+    nodes' raw draft logits ``[B, M, V]`` (``reduced``: a reduced head's own,
+    which greedy picks rank)."""
     logits = _warp(cfg, raw, temperature, top_p, rows)
     probs = jax.nn.softmax(logits, axis=-1)
     if cfg.greedy:
-        return sampling.top_indices(raw, num), logits, probs
+        return top_tokens(raw, reduced, num), logits, probs
     m = raw.shape[1]
     pick = jax.vmap(jax.vmap(sample_children, in_axes=(0, 0, None)), in_axes=(0, 0, None))
     node_keys = jax.vmap(lambda k: jax.random.split(k, m))(keys)
-    kids = with_greedy_rows(cfg, rows, pick(node_keys, probs, num), lambda: sampling.top_indices(raw, num))
+    kids = with_greedy_rows(cfg, rows, pick(node_keys, probs, num), lambda: top_tokens(raw, reduced, num))
     return kids, logits, probs
 
 
@@ -266,23 +290,27 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
     branching = uniform_branching(tree)
     spans = levels(tree)
     head = is_feature_head(module)
+    reduced = None
     if head:  # the root's own prediction; node j then reads its parent's f_hat
-        raw0, root_feature, cache = first_head_logits(cfg, module, params, vocab, state)
+        raw0, root_feature, cache, reduced = first_head_logits(cfg, module, params, vocab, state)
         node_features = jnp.zeros((batch, tree.num_nodes, root_feature.shape[-1]), jnp.float32)
         node_features = node_features.at[:, 0].set(root_feature)
+        if reduced is not None:
+            reduced = reduced._replace(logits=reduced.logits[:, None])
     else:
         raw0, cache = first_draft_logits(module, params, vocab, state)
     root = _gather(state.tokens, state.num_committed - 1)
     tokens = jnp.zeros((batch, tree.num_nodes), jnp.int32).at[:, 0].set(root)
     probs = jnp.zeros((batch, tree.num_nodes, vocab), jnp.float32)
     logits = jnp.zeros((batch, tree.num_nodes, vocab), jnp.float32)
-    bad = sampling.nonfinite_rows(raw0)
+    bad = sampling.nonfinite_rows(raw0 if reduced is None else reduced.logits[:, 0])
     raw = raw0[:, None]  # [B, 1, V]: the root level
     parents = np.asarray(tree.parents, np.int32)  # static: the mask is built on the host
     forwards = 1
     for d, (lo, hi) in enumerate(spans[:-1]):
         keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(draft_keys) if draft_keys is not None else None
-        kids, level_logits, level_probs = _children(cfg, raw, keys, branching[d], temperature, top_p, rows)
+        kids, level_logits, level_probs = _children(cfg, raw, keys, branching[d], temperature, top_p, rows,
+                                                    reduced)
         probs = probs.at[:, lo:hi].set(level_probs)
         logits = logits.at[:, lo:hi].set(level_logits)
         nlo, nhi = spans[d + 1]
@@ -295,7 +323,8 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
             else:
                 out = module.apply(params, tokens[:, nlo:nhi], cache, tree_parents=parents, tree_offset=nlo)
             cache, raw = out.cache, out.logits[..., :vocab]
-            bad = bad | sampling.nonfinite_rows(raw).any(1)
+            reduced = usable_reduced(out, vocab)
+            bad = bad | sampling.nonfinite_rows(raw if reduced is None else reduced.logits).any(1)
             forwards += 1
     return _StaticDrafts(tokens, logits, probs, bad, jnp.int32(forwards)), cache
 
@@ -333,23 +362,25 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     vocab, k, depth = pair_params.vocab_size, tree.top_k, tree.depth
     batch = state.num_committed.shape[0]
     head = is_feature_head(module)
+    reduced0 = None
     if head:
-        raw0, root_feature, cache = first_head_logits(cfg, module, params, vocab, state)
+        raw0, root_feature, cache, reduced0 = first_head_logits(cfg, module, params, vocab, state)
         fed_features = jnp.zeros((batch, tree.num_fed + 1, root_feature.shape[-1]), jnp.float32)
         fed_features = fed_features.at[:, 0].set(root_feature)
     else:
         raw0, cache = first_draft_logits(module, params, vocab, state)
     raw0 = raw0.astype(jnp.float32)
     root = _gather(state.tokens, state.num_committed - 1)
-    bad = sampling.nonfinite_rows(raw0)
+    bad = sampling.nonfinite_rows(raw0 if reduced0 is None else reduced0.logits)
     sampled = sampled and not cfg.greedy
+    if reduced0 is not None:
+        reduced0 = reduced0._replace(logits=reduced0.logits[:, None])
 
     fed_probs = []  # sampled: [B, M, V] per draft forward, the warped distributions children are drawn from
 
-    def children(raw, d):  # [B, M, V] -> ([B, M, k] tokens in draw order, [B, M, k] slot scores)
+    def children(raw, d, reduced):  # [B, M, V] -> ([B, M, k] tokens in draw order, [B, M, k] slot scores)
         def best():
-            kids = sampling.top_indices(raw, k)
-            return kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids)
+            return best_children(raw, reduced, k)
 
         if not sampled:
             return best()
@@ -359,7 +390,7 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
         fed_probs.append(probs)
         return with_greedy_rows(cfg, rows, (kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids, probs)), best)
 
-    kids, scores = children(raw0[:, None], 0)  # level 1, all of it the first frontier
+    kids, scores = children(raw0[:, None], 0, reduced0)  # level 1, all of it the first frontier
     kids, scores = kids[:, 0], scores[:, 0]
     cand_tokens, cand_scores = [kids], [scores]
     cand_parents = [jnp.full((batch, k), -1, jnp.int32)]
@@ -380,9 +411,10 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
         else:
             out = module.apply(params, front_tokens, cache, tree_parents=tree_parents, tree_offset=lo)
         cache, raw = out.cache, out.logits[..., :vocab].astype(jnp.float32)  # [B, k, V]
-        bad = bad | sampling.nonfinite_rows(raw).any(1)
+        reduced = usable_reduced(out, vocab)
+        bad = bad | sampling.nonfinite_rows(raw if reduced is None else reduced.logits).any(1)
         raws.append(raw)
-        level_kids, kid_scores = children(raw, d)  # [B, k, k]
+        level_kids, kid_scores = children(raw, d, reduced)  # [B, k, k]
         level_scores = front_scores[:, :, None] + kid_scores
         level_tokens, level_scores = level_kids.reshape(batch, k * k), level_scores.reshape(batch, k * k)
         cand_tokens.append(level_tokens)

@@ -52,7 +52,7 @@ from flax import traverse_util
 
 from specjax._src import quant
 from specjax._src.checks import check_positive_int
-from specjax._src.lm import Array, KVCache, LMOutput, Model, Params
+from specjax._src.lm import Array, KVCache, LMOutput, Model, Params, ReducedLogits
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import (
     _INIT_STD,
@@ -146,7 +146,10 @@ class FeatureHeadModule(nn.Module):
     """The Flax module behind :class:`FeatureHead`: fuse, ``config.num_layers``
     blocks, final norm, reduced LM head (``variant``: the published layouts, see ``VARIANTS``).
 
-    Returns ``(logits [B, T, V] float32, f_hat [B, T, H], caches)``.
+    Returns ``(logits float32, f_hat [B, T, H], caches)``: the logits are
+    ``[B, T, V']`` over the reduced vocabulary (``head_vocab_ids`` order), or
+    ``[B, T, V]`` for the ``"eagle"`` variant, which scores with its target's
+    full LM head.
     """
 
     config: ModelConfig
@@ -190,8 +193,8 @@ class FeatureHeadModule(nn.Module):
             head = self.param("lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.head_vocab_size),
                               dtype)
             logits = jnp.einsum("bth,hv->btv", x, head, preferred_element_type=jnp.float32)
-        ids = self.param("head_vocab_ids", lambda k, s: jnp.arange(s[0], dtype=jnp.int32), (cfg.head_vocab_size,))
-        return scatter_to_vocab(logits, ids, cfg.vocab_size), f_hat, tuple(new_caches)
+        self.param("head_vocab_ids", lambda k, s: jnp.arange(s[0], dtype=jnp.int32), (cfg.head_vocab_size,))
+        return logits, f_hat, tuple(new_caches)
 
     def _target_head(self, x):
         """The borrowed full-vocabulary LM head: ``lm_head [H, V]`` (an untied
@@ -358,7 +361,11 @@ class FeatureHead:
             new_cache = KVCache(
                 keys=tuple(c[0] for c in new_caches), values=tuple(c[1] for c in new_caches), lengths=lengths + t
             )
-        return LMOutput(logits=logits, hidden=(f_hat.astype(jnp.float32),), cache=new_cache)
+        reduced = None
+        if self.variant != "eagle":  # the reduced LM head; the full logits are its scatter, -inf elsewhere
+            reduced = ReducedLogits(logits, params["head_vocab_ids"])
+            logits = scatter_to_vocab(logits, reduced.ids, cfg.vocab_size)
+        return LMOutput(logits=logits, hidden=(f_hat.astype(jnp.float32),), cache=new_cache, reduced=reduced)
 
 
 def _num_feature_layers(module) -> int:
@@ -393,7 +400,9 @@ def reduce_features(params: Params, hidden: Array, num_feature_layers: int, eps:
     h = kernel.shape[-1]
     parts = hidden.reshape(hidden.shape[:-1] + (num_feature_layers, h))
     parts = parts * jax.lax.rsqrt(jnp.mean(parts * parts, axis=-1, keepdims=True) + eps)
-    return jnp.einsum("btnh,nhk->btk", parts.astype(kernel.dtype), kernel.reshape(num_feature_layers, h, h),
+    # One [n H, H] matmul over the flattened blocks: contracting a [n, H, H]
+    # view over (n, h) instead makes XLA transpose the whole kernel on every call.
+    return jnp.einsum("btk,kh->bth", parts.reshape(hidden.shape).astype(kernel.dtype), kernel,
                       preferred_element_type=jnp.float32)
 
 
