@@ -2,9 +2,10 @@
 
 Two checkouts of specjax (``--before`` a git worktree of the old commit, and
 this one) run the same decode calls in alternating subprocesses (before,
-after, after, before, ...: who goes first alternates by round), each compiling
-once and then timing ``--calls`` calls. Reported: the median tok/s of each and the median of the per-round
-ratios (each round's two runs back to back, so load drift cancels).
+after, after, before, ...: who goes first alternates by round), each
+compiling once and then timing ``--calls`` calls. Reported: the median tok/s
+of each, and the median and range of the per-round ratios (each round's two
+runs back to back, so load drift cancels).
 
     git worktree add /tmp/specjax-before 16f205f
     python benchmarks/engine_before_after.py --before /tmp/specjax-before

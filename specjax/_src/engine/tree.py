@@ -245,14 +245,23 @@ class _StaticDrafts(NamedTuple):
     forwards: Array  # scalar int32
 
 
+def _ranked(raw: Array, reduced: ReducedLogits | None, k: int) -> tuple[Array, Array | None]:
+    """What greedy picks rank: a reduced head's own ``V'`` columns with their
+    target ``ids`` when it has at least ``k``, else the raw logits ``[..., V]``
+    (``ids`` None)."""
+    if reduced is None or reduced.logits.shape[-1] < k:
+        return raw, None
+    return reduced.logits, reduced.ids
+
+
 def top_tokens(raw: Array, reduced: ReducedLogits | None, k: int) -> Array:
     """``[..., k]`` the draft's ``k`` best tokens by its raw logits ``[..., V]``
     (:func:`specjax._src.sampling.top_indices`), ranked over a reduced head's
     own ``V'`` columns when it has them (``reduced``, the same logits before
     their scatter; a tie may rank its tokens in another order)."""
-    if reduced is None or reduced.logits.shape[-1] < k:
-        return sampling.top_indices(raw, k)
-    return reduced.ids[sampling.top_indices(reduced.logits, k)]
+    x, ids = _ranked(raw, reduced, k)
+    columns = sampling.top_indices(x, k)
+    return columns if ids is None else ids[columns]
 
 
 def best_children(raw: Array, reduced: ReducedLogits | None, k: int) -> tuple[Array, Array]:
@@ -260,11 +269,15 @@ def best_children(raw: Array, reduced: ReducedLogits | None, k: int) -> tuple[Ar
     ``T = 1`` log-probabilities (EAGLE-2's greedy expansion,
     :func:`specjax._src.trees.slot_scores`), over a reduced head's own columns
     when it has them (as :func:`top_tokens`)."""
-    if reduced is None or reduced.logits.shape[-1] < k:
-        kids = sampling.top_indices(raw, k)
-        return kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids)
-    columns = sampling.top_indices(reduced.logits, k)
-    return reduced.ids[columns], slot_scores(jax.nn.log_softmax(reduced.logits, axis=-1), columns)
+    x, ids = _ranked(raw, reduced, k)
+    columns = sampling.top_indices(x, k)
+    scores = slot_scores(jax.nn.log_softmax(x, axis=-1), columns)
+    return (columns if ids is None else ids[columns]), scores
+
+
+def _as_level(reduced: ReducedLogits | None) -> ReducedLogits | None:
+    """The root's reduced logits ``[B, V']`` as a one-node level ``[B, 1, V']``."""
+    return None if reduced is None else reduced._replace(logits=reduced.logits[:, None])
 
 
 def _children(cfg: _Config, raw: Array, keys: Array, num: int, temperature, top_p, rows=None, reduced=None):
@@ -295,16 +308,14 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
         raw0, root_feature, cache, reduced = first_head_logits(cfg, module, params, vocab, state)
         node_features = jnp.zeros((batch, tree.num_nodes, root_feature.shape[-1]), jnp.float32)
         node_features = node_features.at[:, 0].set(root_feature)
-        if reduced is not None:
-            reduced = reduced._replace(logits=reduced.logits[:, None])
     else:
         raw0, cache = first_draft_logits(module, params, vocab, state)
     root = _gather(state.tokens, state.num_committed - 1)
     tokens = jnp.zeros((batch, tree.num_nodes), jnp.int32).at[:, 0].set(root)
     probs = jnp.zeros((batch, tree.num_nodes, vocab), jnp.float32)
     logits = jnp.zeros((batch, tree.num_nodes, vocab), jnp.float32)
-    bad = sampling.nonfinite_rows(raw0 if reduced is None else reduced.logits[:, 0])
-    raw = raw0[:, None]  # [B, 1, V]: the root level
+    bad = sampling.nonfinite_rows(raw0 if reduced is None else reduced.logits)
+    raw, reduced = raw0[:, None], _as_level(reduced)  # [B, 1, V]: the root level
     parents = np.asarray(tree.parents, np.int32)  # static: the mask is built on the host
     forwards = 1
     for d, (lo, hi) in enumerate(spans[:-1]):
@@ -373,8 +384,6 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     root = _gather(state.tokens, state.num_committed - 1)
     bad = sampling.nonfinite_rows(raw0 if reduced0 is None else reduced0.logits)
     sampled = sampled and not cfg.greedy
-    if reduced0 is not None:
-        reduced0 = reduced0._replace(logits=reduced0.logits[:, None])
 
     fed_probs = []  # sampled: [B, M, V] per draft forward, the warped distributions children are drawn from
 
@@ -390,7 +399,7 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
         fed_probs.append(probs)
         return with_greedy_rows(cfg, rows, (kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids, probs)), best)
 
-    kids, scores = children(raw0[:, None], 0, reduced0)  # level 1, all of it the first frontier
+    kids, scores = children(raw0[:, None], 0, _as_level(reduced0))  # level 1, all of it the first frontier
     kids, scores = kids[:, 0], scores[:, 0]
     cand_tokens, cand_scores = [kids], [scores]
     cand_parents = [jnp.full((batch, k), -1, jnp.int32)]
