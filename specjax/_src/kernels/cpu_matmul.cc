@@ -14,9 +14,11 @@
 // specjax_matmul:    y[M, N] = x[M, K] @ w[K, N]    (Dense kernels, [in, out])
 // specjax_matmul_nt: y[M, N] = x[M, K] @ w[N, K]^T  (a tied LM head, [V, H])
 //
-// Both split the output columns into chunks that XLA's intra-op thread pool
-// and the calling thread claim from a shared counter, so a chunk never waits
-// for a pool thread that is busy elsewhere.
+// XLA's intra-op thread pool and the calling thread claim work from a shared
+// counter, so a task never waits for a pool thread that is busy elsewhere.
+// specjax_matmul_nt splits the output columns (each a contiguous row of w);
+// specjax_matmul splits w's rows, the contraction, where K allows (see
+// SplitPlan), and the columns otherwise.
 
 #include <algorithm>
 #include <atomic>
@@ -142,18 +144,11 @@ SPECJAX_AVX2 void MatmulBand(const Problem& p, int64_t c0, int64_t j0, int64_t j
   for (; j + 8 <= j1; j += 8) BandRows<1, BAND>(p, c0, j);
 }
 
-// Columns [j0, j1) of y = x @ w; j1 - j0 is a multiple of 8. One row: 8
-// vectors of w per band row (a 256-byte run); more rows share each loaded
-// vector among up to 4 rows, so fewer vectors fill the registers.
-SPECJAX_AVX2 void MatmulColumnsAvx2(const Problem& p, int64_t j0, int64_t j1) {
-  for (int64_t i = 0; i < p.m; ++i) std::fill(p.y + i * p.n + j0, p.y + i * p.n + j1, 0.0f);
-  int64_t c0 = 0;
-  for (; c0 + kBand <= p.k; c0 += kBand) MatmulBand<kBand>(p, c0, j0, j1);
-  for (; c0 < p.k; ++c0) MatmulBand<1>(p, c0, j0, j1);
-}
-
 // Rows [k0, k1) of w over columns [j0, j1), into out ([M, N], its columns
-// [j0, j1) zeroed here): one task of a split contraction (see MatmulImpl).
+// [j0, j1) zeroed here): a whole product (k0 = 0, k1 = K, out = y) or one
+// task of a split contraction (SplitMatmul). One row: 8 vectors of w per band
+// row (a 256-byte run); more rows share each loaded vector among up to 4
+// rows. Columns past the last multiple of 8 are summed in the same order.
 SPECJAX_AVX2 void MatmulBlockAvx2(const Problem& p, int64_t k0, int64_t k1, int64_t j0, int64_t j1, float* out) {
   Problem q = p;
   q.y = out;
@@ -229,12 +224,7 @@ bool HasAvx2() {
 
 void MatmulColumns(const Problem& p, int64_t j0, int64_t j1) {
 #ifdef SPECJAX_X86
-  if (HasAvx2()) {
-    const int64_t vector_end = j0 + ((j1 - j0) & ~int64_t{7});
-    MatmulColumnsAvx2(p, j0, vector_end);
-    if (vector_end < j1) MatmulColumnsPortable(p, vector_end, j1);
-    return;
-  }
+  if (HasAvx2()) return MatmulBlockAvx2(p, 0, p.k, j0, j1, p.y);
 #endif
   MatmulColumnsPortable(p, j0, j1);
 }
@@ -258,7 +248,8 @@ void MatmulNtColumns(const Problem& p, int64_t j0, int64_t j1) {
 // per extra block, added at the end. On a 2-core AMD EPYC VM (AVX-512) the
 // 30 chained MLP products at 7 rows took 5.2-6.8 ms against 6.1-7.1 ms
 // (paired median 1.06x), and a cached 7-token forward of SmolLM2-135M fell
-// from 1.37 to 1.13 one-token forwards (benchmarks/cpu_matmul.py).
+// from 1.37 to 1.13 one-token forwards, both versions alternating in one
+// process (benchmarks/results/2026-11-28-contraction-split-kernel.md).
 struct SplitPlan {
   int64_t k_parts, rows_per_part, col_parts, col_chunk;
 };
