@@ -32,7 +32,7 @@ transformers = pytest.importorskip("transformers")
 
 import specjax  # noqa: E402
 from specjax._src.models import published_heads as ph  # noqa: E402
-from specjax.rules import Path, Verdict, from_functions, lossless_decision, speculative_sampling  # noqa: E402
+from specjax.rules import Path, Verdict, from_functions, speculative_sampling  # noqa: E402
 from specjax.testing import llama_config, peaked_target_and_draft  # noqa: E402
 from specjax.trees import static_tree  # noqa: E402
 from test_decode import goodness_of_fit, random_prompts  # noqa: E402
@@ -587,3 +587,89 @@ def test_an_eagle3_head_over_the_whole_vocabulary_needs_no_d2t(tmp_path, target)
            {k: v for k, v in t.items() if k not in ("d2t", "t2d")}, "bin")
     with pytest.raises(ValueError, match="no d2t to map it"):
         specjax.load(path)
+
+
+# --------------------------------------------------------------------------- #
+# careless or hostile checkpoints: refused at load, by name
+# --------------------------------------------------------------------------- #
+
+
+def _edited(path, checkpoint, config=None, drop=(), **tensors):
+    """``checkpoint(path)`` rewritten with ``config`` fields set (None: removed) and tensors replaced or dropped."""
+    src, t = checkpoint(path)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = {**json.load(f), **(config or {})}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    t = {k: v for k, v in {**t, **tensors}.items() if k not in drop}
+    medusa = "medusa_num_heads" in cfg
+    return _write(src, cfg, t, "safetensors", file="medusa_lm_head.safetensors" if medusa else None)
+
+
+def _e3(path):
+    return eagle3_checkpoint(path, 96, draft_ids=np.arange(40))
+
+
+def _e1(path):
+    return eagle1_checkpoint(path, 96, layers=1)
+
+
+def _medusa(path):
+    return medusa_checkpoint(path, 96, heads=2)
+
+
+_NAN = np.full((H, 3 * H), np.nan, np.float32)
+
+BAD_CHECKPOINTS = {
+    # config.json: missing or mistyped fields (a KeyError, a silent int("96"), bool("false"), int() noise before)
+    "no_vocab_size": (_e3, dict(config={"vocab_size": None}), "lacks 'vocab_size'"),
+    "eagle1_no_vocab_size": (_e1, dict(config={"vocab_size": None}), "lacks 'vocab_size'"),
+    "vocab_size_string": (_e3, dict(config={"vocab_size": "96"}), "vocab_size '96'; it must be a positive integer"),
+    "vocab_size_float": (_e3, dict(config={"vocab_size": 96.5}), "vocab_size 96.5; it must be a positive integer"),
+    "layers_string": (_e3, dict(config={"num_hidden_layers": "one"}), "num_hidden_layers 'one'"),
+    "norm_before_residual_string": (_e3, dict(config={"norm_before_residual": "false"}), "must be true or false"),
+    "medusa_heads_string": (_medusa, dict(config={"medusa_num_heads": "2"}), "medusa_num_heads '2'"),
+    # weights: not floating point (a quantized release, cast to garbage before) or not finite (NaN at decode)
+    "int_weight": (_e3, {"midlayer.self_attn.q_proj.weight": np.ones((HEADS * HEAD_DIM, 2 * H), np.int32)},
+                   "'midlayer.self_attn.q_proj.weight' is int32, not floating point"),
+    "nan_weight": (_e3, {"fc.weight": _NAN}, "'fc.weight' holds NaN or inf"),
+    "eagle1_inf_weight": (_e1, {"layers.0.post_attention_layernorm.weight": np.full(H, np.inf, np.float32)},
+                          "holds NaN or inf"),
+    "medusa_nan_weight": (_medusa, {"1.1.weight": np.full((96, H), np.nan, np.float32)}, "'1.1.weight' holds NaN"),
+    # EAGLE-3's vocabulary maps
+    "t2d_wrong_length": (_e3, {"t2d": np.ones(40, bool)}, r"t2d has shape \(40,\) .* \[96\]"),
+    "draft_vocab_above_target": (_e3, {"lm_head.weight": np.ones((120, H), np.float32), "d2t": np.zeros(120, np.int64),
+                                       "config": {"draft_vocab_size": 120}}, "120 draft tokens .* vocab_size .* is 96"),
+    # Medusa: a bias on a (bias-free) LM head was dropped silently; a bad bias was reported as the weight's shape
+    "medusa_lm_head_bias": (_medusa, {"0.1.bias": np.zeros(96, np.float32)}, "does not use: 0.1.bias"),
+    "medusa_bias_shape": (_medusa, {"0.0.linear.bias": np.zeros(5, np.float32)}, r"bias \(5,\), expected"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
+def test_bad_checkpoints_are_refused_at_load(tmp_path, case):
+    checkpoint, edits, message = BAD_CHECKPOINTS[case]
+    edits = dict(edits)
+    path = _edited(str(tmp_path / case), checkpoint, edits.pop("config", None), **edits)
+    with pytest.raises(ValueError, match=message):
+        specjax.load(path)
+
+
+def test_a_head_given_as_another_layout_is_refused_by_name(tmp_path):
+    medusa = medusa_checkpoint(str(tmp_path / "m"), 96, heads=2)[0]
+    with pytest.raises(ValueError, match="laid out as Medusa, not the EAGLE-3 head kind='eagle3'"):
+        ph.load_published_head(medusa, kind="eagle3")
+    eagle3 = _e3(str(tmp_path / "e3"))[0]
+    with pytest.raises(ValueError, match="laid out as EAGLE-3, not the Medusa head"):
+        ph.load_published_head(eagle3, kind="medusa")
+    with pytest.raises(ValueError, match="kind must be 'eagle', 'eagle3' or 'medusa'.*'EAGLE3'"):
+        ph.load_published_head(eagle3, kind="EAGLE3")
+
+
+def test_public_helpers_refuse_bad_shapes_by_name(tmp_path):
+    from specjax import heads
+
+    with pytest.raises(ValueError, match="draft vocabulary is empty"):
+        heads.draft_to_target_ids(np.zeros(0, np.int64), None, 0, 96)
+    medusa = specjax.load(medusa_checkpoint(str(tmp_path / "m"), 96, heads=2)[0])
+    with pytest.raises(ValueError, match=r"feature must be \[\.\.\., 32\]"):
+        heads.medusa_logits(medusa.params, jnp.zeros((2, 31)))

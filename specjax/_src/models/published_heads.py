@@ -61,6 +61,7 @@ EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 _PICKLES = ("pytorch_model.bin", "model.bin", "pytorch_model.pt")
 _IGNORED = ("rotary_emb.inv_freq",)
+_KIND_NAMES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "Medusa", "unknown": "draft"}
 
 
 # --------------------------------------------------------------------------- #
@@ -78,6 +79,42 @@ def _read_config(path: str) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{file} must hold a JSON object.")
     return config
+
+
+# Fields the loaders turn into shapes or switches: a string or a float here would be coerced (``int("96")``,
+# ``int(96.5)``, ``bool("false")``) into a head that loads but is not the one the file describes.
+_COUNT_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "num_hidden_layers", "vocab_size", "draft_vocab_size", "medusa_num_heads")
+_POSITIVE_FIELDS = ("rms_norm_eps", "rope_theta")
+_BOOL_FIELDS = ("bias", "qkv_bias", "attention_bias", "mlp_bias", "norm_before_residual")
+
+
+def _config_problem(config: dict, required=()) -> Optional[str]:
+    """What is wrong with the fields of ``config`` this module reads, or None."""
+    for key in required:
+        if config.get(key) is None:
+            return f"lacks {key!r}"
+    for key, value in config.items():
+        if value is None:
+            continue
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if key in _COUNT_FIELDS and not (is_int and value >= 1):
+            return f"has {key} {value!r}; it must be a positive integer"
+        if key == "medusa_num_layers" and not (is_int and value >= 0):
+            return f"has medusa_num_layers {value!r}; it must be an integer >= 0"
+        if key in _POSITIVE_FIELDS and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            return f"has {key} {value!r}; it must be a positive number"
+        if key in _BOOL_FIELDS and not isinstance(value, bool):
+            return f"has {key} {value!r}; it must be true or false"
+    return None
+
+
+def _check_config(config: dict, path: str, kind: str) -> None:
+    required = ("vocab_size",) if kind in (EAGLE, EAGLE3) else ()
+    problem = _config_problem(config, required)
+    if problem is not None:
+        raise ValueError(f"{os.path.join(path, 'config.json')} {problem}; fix config.json (the {_KIND_NAMES[kind]} "
+                         "head's own, as its authors publish it) or fetch it again.")
 
 
 def _weight_files(path: str, names=None) -> list[str]:
@@ -116,6 +153,33 @@ def read_tensors(files: list[str]) -> dict[str, np.ndarray]:
             t = t.detach()
             out[name] = (t.float() if t.is_floating_point() else t).numpy()
     return out
+
+
+def _all_finite(x: np.ndarray, chunk: int = 1 << 24) -> bool:
+    # in chunks: a shipped embedding table is ~0.5G entries, and a whole-array mask would double its memory
+    flat = x.reshape(-1)
+    return all(bool(np.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.size, chunk))
+
+
+def _check_weights(tensors: dict[str, np.ndarray], what: str, indices=()) -> None:
+    """Every tensor but ``indices`` must be floating point and finite.
+
+    An integer matrix is a quantized release (its scales live elsewhere) and
+    would load as garbage once cast; a NaN or inf would only surface as
+    non-finite logits mid-decode.
+
+    Raises:
+      ValueError: naming the first offending tensor.
+    """
+    for name, x in tensors.items():
+        if name in indices or name.endswith(_IGNORED):
+            continue
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{what}: tensor {name!r} is {x.dtype}, not floating point; a quantized or converted "
+                             "release is not loaded here: use the head's float16, bfloat16 or float32 weights.")
+        if not _all_finite(x):
+            raise ValueError(f"{what}: tensor {name!r} holds NaN or inf values; the checkpoint is damaged or was "
+                             "saved after training diverged: download or export it again.")
 
 
 def _load_pickle(file: str) -> dict:
@@ -219,10 +283,17 @@ def load_published_head(path: str, dtype: Any = None, kind: Optional[str] = None
       ValueError: not a published head, or a config or tensor that does not
         fit its layout (named).
     """
-    kind = kind or detect(path)
+    if kind not in (None, EAGLE, EAGLE3, MEDUSA, UNKNOWN):
+        raise ValueError(f"kind must be 'eagle', 'eagle3' or 'medusa' (or None: read from the directory); got {kind!r}.")
+    found = detect(path)
+    if kind is not None and found not in (None, UNKNOWN, kind):  # e.g. a Medusa directory given as an EAGLE head
+        raise ValueError(f"{path} holds a head laid out as {_KIND_NAMES[found]}, not the {_KIND_NAMES[kind]} head "
+                         f"kind={kind!r} asks for; pass kind={found!r} or None, or the directory of the head you meant.")
+    kind = kind or found
     if kind is None:
         raise ValueError(f"{path} is not a published draft head layout specjax knows (EAGLE-1/2, EAGLE-3, Medusa).")
     config = _read_config(path)
+    _check_config(config, path, kind)
     if kind == UNKNOWN:
         raise ValueError(
             f"{path}: config.json names architecture(s) {config.get('architectures')}, a draft head layout specjax "
@@ -245,6 +316,7 @@ def _head_config(config: dict, dtype, *, head_vocab_size: int, what: str) -> Mod
     # qkv_bias: biases on q, k, v, not o)
     if hfc.get("model_type") not in ("llama", "qwen2", "mistral") or "qkv_bias" in config:
         hfc["model_type"] = "llama"
+    hf.check_required_fields(hfc, f"{what}: config.json")
     cfg = hf.from_hf_config(hfc, jnp.dtype(dtype).name if dtype is not None else None)
     if "qkv_bias" in config:
         cfg = cfg.replace(attention_bias=bool(config["qkv_bias"]), attention_out_bias=False)
@@ -315,6 +387,7 @@ def _own_embedding(tensors: dict, cfg: ModelConfig, params: Params, what: str) -
 def _load_eagle(path: str, config: dict, dtype) -> Model:
     what = f"EAGLE-1/2 head {path}"
     tensors = {_strip(k): v for k, v in read_tensors(_weight_files(path)).items()}
+    _check_weights(tensors, what)
     cfg = _head_config(config, dtype or _file_dtype(config), head_vocab_size=int(config["vocab_size"]), what=what)
     h = cfg.hidden_size
     params: Params = {"fuse": {"kernel": _take(tensors, "fc.weight", (2 * h, h), what, transpose=True)}}
@@ -365,19 +438,24 @@ def eagle3_feature_layers(config: dict) -> tuple[int, ...]:
 
 def _load_eagle3(path: str, config: dict, dtype) -> Model:
     what = f"EAGLE-3 head {path}"
-    if int(config.get("num_hidden_layers", 1)) != 1:
+    if config.get("num_hidden_layers") not in (None, 1):
         raise ValueError(f"{what}: config.json has num_hidden_layers {config.get('num_hidden_layers')}; the "
                          "EAGLE-3 layout loads with its one midlayer only.")
     tensors = {_strip(k): v for k, v in read_tensors(_weight_files(path)).items()}
     tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    _check_weights(tensors, what, indices=("d2t", "t2d"))
     vocab = int(config["vocab_size"])
     lm_head = tensors.get("lm_head.weight")
     if lm_head is None or lm_head.ndim != 2:
         raise ValueError(f"{what}: the checkpoint lacks a 2-D tensor 'lm_head.weight' [draft_vocab, H].")
     draft_vocab = lm_head.shape[0]
-    if int(config.get("draft_vocab_size", draft_vocab)) != draft_vocab:
+    if config.get("draft_vocab_size") not in (None, draft_vocab):
         raise ValueError(f"{what}: lm_head.weight has {draft_vocab} rows but config.json says draft_vocab_size "
                          f"{config['draft_vocab_size']}.")
+    if not 1 <= draft_vocab <= vocab:
+        raise ValueError(f"{what}: lm_head.weight scores {draft_vocab} draft tokens but config.json's vocab_size (the "
+                         f"target's vocabulary) is {vocab}; a draft vocabulary is a non-empty subset of its target's, "
+                         "so the config and the weights belong to different heads.")
     cfg = _head_config(config, dtype or _file_dtype(config), head_vocab_size=draft_vocab, what=what)
     layers = eagle3_feature_layers(config)
     h = cfg.hidden_size
@@ -406,6 +484,8 @@ def draft_to_target_ids(d2t, t2d, draft_vocab: int, vocab: int, what: str = "EAG
       ValueError: a ``d2t`` whose length is not the LM head's, ids outside the
         target vocabulary or repeated, or a ``t2d`` that disagrees.
     """
+    if draft_vocab < 1:
+        raise ValueError(f"{what}: the draft vocabulary is empty (lm_head.weight has no rows).")
     if d2t is None:
         if draft_vocab != vocab:
             raise ValueError(f"{what}: the draft vocabulary ({draft_vocab}) is not the target's ({vocab}) and "
@@ -425,10 +505,14 @@ def draft_to_target_ids(d2t, t2d, draft_vocab: int, vocab: int, what: str = "EAG
     if np.unique(ids).size != ids.size:
         raise ValueError(f"{what}: d2t maps two draft ids to one target id.")
     if t2d is not None:
-        t2d = np.asarray(t2d).reshape(-1).astype(bool)
-        if t2d.shape[0] != vocab or t2d.sum() != ids.size or not t2d[ids].all():
+        t2d = np.asarray(t2d)
+        if t2d.ndim != 1 or t2d.shape[0] != vocab:
+            raise ValueError(f"{what}: t2d has shape {t2d.shape} but must be a mask over the target vocabulary, "
+                             f"[{vocab}]; it belongs to a head for another target.")
+        t2d = t2d.astype(bool)
+        if t2d.sum() != ids.size or not t2d[ids].all():
             raise ValueError(f"{what}: t2d (a mask over the target vocabulary) does not mark exactly the ids d2t "
-                             "maps to.")
+                             f"maps to (it marks {int(t2d.sum())}, d2t maps {ids.size}).")
     return ids.astype(np.int32)
 
 
@@ -539,7 +623,11 @@ def medusa_logits(params: Params, feature: Array) -> Array:
     (the target's LM head scores the one after it).
     """
     n, layers = params["res_kernel"].shape[:2]
-    return jnp.stack([_medusa_one(params, jnp.asarray(feature), jnp.int32(k), layers) for k in range(n)], axis=-2)
+    feature, h = jnp.asarray(feature), params["lm_head"].shape[1]
+    if feature.shape[-1:] != (h,):
+        raise ValueError(f"medusa_logits: feature must be [..., {h}] (the target's normed last hidden state); got "
+                         f"shape {feature.shape}.")
+    return jnp.stack([_medusa_one(params, feature, jnp.int32(k), layers) for k in range(n)], axis=-2)
 
 
 _MEDUSA_NAME = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
@@ -551,22 +639,30 @@ def _load_medusa(path: str, config: dict, dtype) -> Model:
     tensors = read_tensors(files)
     if not any(os.path.basename(f) in MEDUSA_FILES for f in files):  # a whole Medusa-2 model: its heads only
         tensors = {k: v for k, v in tensors.items() if k.startswith("medusa_head.")}
+    _check_weights(tensors, what)
     entries: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+    names: dict[tuple[int, int, str], str] = {}
     for name, value in tensors.items():
         m = _MEDUSA_NAME.match(name)
         if m is None:
             raise ValueError(f"{what}: tensor {name!r} is not a Medusa head tensor ({{i}}.{{j}}.linear.weight/bias "
                              "or {i}.{n}.weight).")
-        entries.setdefault((int(m.group(1)), int(m.group(2))), {})[m.group(3)] = value
+        key = (int(m.group(1)), int(m.group(2)), m.group(3))
+        if key in names:  # "0.0.weight" and "0.0.linear.weight" would both fill one slot
+            raise ValueError(f"{what}: tensors {names[key]!r} and {name!r} are one parameter twice.")
+        names[key] = name
+        entries.setdefault(key[:2], {})[key[2]] = value
     if not entries:
-        raise ValueError(f"{what}: no Medusa head tensors found.")
+        raise ValueError(f"{what}: no Medusa head tensors ({{i}}.{{j}}.linear.weight/bias, {{i}}.{{n}}.weight) in "
+                         f"{', '.join(os.path.basename(f) for f in files)}; if this is an EAGLE head, its config.json "
+                         "should not name medusa_num_heads.")
     num_heads = max(i for i, _ in entries) + 1
     lm_index = max(j for _, j in entries)  # each head's last module is its LM head
     declared = config.get("medusa_num_heads")
     if declared is not None and declared != num_heads:
         raise ValueError(f"{what}: config.json says medusa_num_heads {declared} but the weights hold {num_heads} "
                          "heads; the checkpoint is incomplete or its config belongs to another.")
-    num_res = int(config.get("medusa_num_layers", lm_index))
+    num_res = lm_index if config.get("medusa_num_layers") is None else config["medusa_num_layers"]
     if num_res != lm_index:
         raise ValueError(f"{what}: config.json says medusa_num_layers {num_res} but the heads hold {lm_index} "
                          "ResBlocks before their LM head.")
@@ -582,7 +678,8 @@ def _load_medusa(path: str, config: dict, dtype) -> Model:
             if "weight" not in e or "bias" not in e:
                 raise ValueError(f"{what}: head {i} lacks '{i}.{j}.linear.weight' or its bias.")
             if e["weight"].shape != (h, h) or e["bias"].shape != (h,):
-                raise ValueError(f"{what}: '{i}.{j}.linear' has shape {e['weight'].shape}, expected {(h, h)}.")
+                raise ValueError(f"{what}: '{i}.{j}.linear' has weight {e['weight'].shape} and bias "
+                                 f"{e['bias'].shape}, expected {(h, h)} and {(h,)}.")
             ks.append(e["weight"].T)
             bs.append(e["bias"])
         lm = entries.get((i, num_res), {}).get("weight")
@@ -592,6 +689,10 @@ def _load_medusa(path: str, config: dict, dtype) -> Model:
         kernels.append(np.stack(ks) if ks else np.zeros((0, h, h), np.float32))
         biases.append(np.stack(bs) if bs else np.zeros((0, h), np.float32))
         heads.append(lm.T)
+    used = {(i, j, f) for i in range(num_heads) for j in range(num_res) for f in ("weight", "bias")}
+    used |= {(i, num_res, "weight") for i in range(num_heads)}
+    # Medusa's LM heads are bias-free Linears: a left-over tensor is another layout's, not one to drop
+    _check_consumed({names[k]: None for k in names if k not in used}, what)
     if config.get("hidden_size") not in (None, h) or config.get("vocab_size") not in (None, vocab):
         raise ValueError(f"{what}: config.json's hidden_size/vocab_size ({config.get('hidden_size')}, "
                          f"{config.get('vocab_size')}) disagree with the heads' ({h}, {vocab}).")
