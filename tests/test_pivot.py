@@ -305,3 +305,39 @@ def test_chat_task_defaults_and_refused_evaluate(capsys):
     assert plain.max_new_tokens == 32 and plain.dataset == str(pivot.DEFAULT_DATASET)
     assert pivot.main(["--task", "chat", "--evaluate"]) == 2
     assert "specjax compare --pair smollm2-eagle" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--steps", "-5"], ["--lr", "-1"], ["--lr", "nan"],
+                                 ["--weight-decay", "nan"], ["--val-fraction", "0"], ["--val-fraction", "1.5"],
+                                 ["--pivot-weight", "-1"], ["--sigma", "2"], ["--prompts", "0"], ["--batch", "0"],
+                                 ["--rollouts", "0"], ["--max-new-tokens", "0"]])
+def test_bad_numbers_are_refused_by_name(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        pivot.build_parser().parse_args(bad)
+    assert e.value.code == 2 and f"argument {bad[0]}: expected" in capsys.readouterr().err
+
+
+def _labelled_set(path, meta):
+    h, s, y = synthetic(20)
+    z = np.zeros(len(y), np.int32)
+    rollouts.LabelledSet(hidden=h, scalars=s, labels=y, keep=np.ones(len(y), bool), u_draft=z.astype(np.float32),
+                         u_target=z.astype(np.float32), example=z, position=z, draft_token=z, target_token=z,
+                         meta=meta).save(path)
+
+
+def test_a_bad_dataset_is_refused_before_any_gathering_or_training(tmp_path, monkeypatch, capsys):
+    """A --dataset directory once gathered for minutes, then failed to save; another .npz and
+    an unavailable --hidden-layer ended in tracebacks."""
+    monkeypatch.setattr(pivot, "gather_task_labels", lambda args: pytest.fail("gathered"))
+    monkeypatch.setattr(pivot, "train_head", lambda *a, **k: pytest.fail("trained"))
+    base = ["--out", str(tmp_path / "head"), "--ckpt-dir", str(tmp_path / "ckpt"), "--no-progress"]
+    np.savez(tmp_path / "other.npz", a=np.zeros(3))
+    _labelled_set(tmp_path / "labels.npz", {"layer": -8, "target_num_layers": 2})
+    for extra, message in ((["--dataset", str(tmp_path)], "is not a file"),
+                           (["--dataset", str(tmp_path), "--gather"], "is not a file"),
+                           (["--dataset", str(tmp_path / "other.npz")], "is not a labelled set written by --gather"),
+                           (["--dataset", str(tmp_path / "labels.npz"), "--hidden-layer", "-1"],
+                            "--hidden-layer -1: this labelled set holds layer -8 only")):
+        assert pivot.main(base + extra) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    assert not (tmp_path / "head").exists()

@@ -85,3 +85,13 @@ def test_a_new_pass_at_the_shipped_batch_numbers_its_shards_after_the_shipped_on
     assert shipped == set(range(per_pass, 4 * per_pass))  # passes 1-3
     assert max(shipped) < 4 * per_pass  # where pass 4 begins
     assert distill_data.pass_temperature(0, 4) in (0.3, 0.7, 1.0)
+
+
+@pytest.mark.parametrize("bad", [["--steps", "-1"], ["--minutes", "0"], ["--minutes", "soon"],
+                                 ["--batch", "0", "--steps", "1"]])
+def test_a_bad_budget_is_refused_before_the_data_stages(monkeypatch, tmp_path, bad, capsys):
+    """The data stages take minutes: a budget training.eagle would refuse is refused first."""
+    monkeypatch.setattr(draft, "main", lambda a: pytest.fail("the data stage ran"))
+    with pytest.raises(SystemExit) as e:
+        smollm2_head.main(["--out", str(tmp_path / "run"), "--no-progress", *bad])
+    assert e.value.code == 2 and f"argument {bad[0]}" in capsys.readouterr().err

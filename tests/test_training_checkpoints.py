@@ -379,3 +379,21 @@ def test_an_export_swap_killed_between_its_renames_is_put_back(tmp_path):
     with pytest.raises(SystemExit, match="pass --force"):
         common.check_export(dest, force=False, run_id="run", command="cmd")
     assert (dest / "NOTES.md").read_text() == "hand-written" and not aside.exists()
+
+
+def test_the_same_command_with_other_minutes_left_replaces_its_own_export(tmp_path):
+    """A recipe resumed in a second call passes training.eagle the --time-limit it has left, so
+    the command differs there; the export is still this run's own (no --force). Another --steps
+    is another command: refused without --force, the export kept."""
+    dest = tmp_path / "export"
+    dest.mkdir()
+    recorded = "python -m training.eagle --data d --steps 100 --time-limit 8.3"
+    (dest / "train_log.json").write_text(json.dumps({"summary": {"run_id": "run", "command": recorded}}))
+    assert common.check_export(dest, force=False, run_id="run", command=recorded.replace("8.3", "4.5"))
+    assert common.check_export(dest, force=False, run_id="run",
+                               command="python -m training.eagle --data d --steps 100 --time-limit=2")
+    with pytest.raises(SystemExit, match="pass --force"):
+        common.check_export(dest, force=False, run_id="run", command=recorded.replace("100", "50"))
+    with pytest.raises(SystemExit, match="pass --force"):
+        common.check_export(dest, force=False, run_id="other", command=recorded)
+    assert (dest / "train_log.json").exists()

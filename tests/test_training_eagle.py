@@ -147,6 +147,9 @@ def test_interrupted_training_resumes_and_the_export_reloads(tiny, tmp_path):
                             "--eval-every", "0")) == 0
     assert eagle.main(_args(target_path, data, tmp_path / "cut", "--train-only", "--eval-every", "0")) == 0
     assert "resumed at step 4" in (tmp_path / "cut" / "log.txt").read_text()
+    with pytest.raises(SystemExit, match="unroll_weight: 1.0 in the checkpoint, 0.5 now"):  # it defines the loss
+        eagle.main(_args(target_path, data, tmp_path / "cut", "--train-only", "--eval-every", "0",
+                         "--unroll-weight", "0.5"))
     states = []
     for run in ("full", "cut"):
         ckpt = common.Checkpointer(tmp_path / run / "ckpt")
@@ -533,3 +536,68 @@ def test_bad_arguments_are_refused_by_name_before_any_work(tiny, tmp_path, capsy
         eagle.main(["--target", str(tmp_path / "missing"), "--data", str(data), "--out", str(tmp_path / "run")])
     assert "--target" in capsys.readouterr().err
     assert eagle.main(_args(target_path, data, tmp_path / "run", "--feature-layers=0,-1", "--features-only")) == 0
+
+
+def _saved_head(target_path, dest, **overrides):
+    """An untrained head saved by save_head: of the tiny target, or of a target with ``overrides``."""
+    target = specjax.load(target_path)
+    if overrides:
+        cfg = target.module.config.replace(**overrides)
+        target = Model(specjax.Decoder(cfg).init(jax.random.key(0)), specjax.Decoder(cfg), None, chat_template=None)
+    head = feature_head.init_from_target(target, jax.random.key(0), np.arange(40, dtype=np.int32))
+    feature_head.save_head(head, str(dest))
+    return str(dest)
+
+
+def test_data_and_heads_of_another_model_are_refused_by_name(tiny, tmp_path, capsys):
+    """Shards, an --init-from head or a --head-vocab-from vocabulary made for another target, a
+    --batch the shards cannot fill, and a --head-vocab that --head-vocab-from would override:
+    each an argparse error naming it, before any features are computed."""
+    target_path, data = tiny
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in sorted(data.glob("shard_*.npz")):
+        z = dict(np.load(f))
+        z["tokens"], z["top_ids"] = z["tokens"] + 3000, z["top_ids"] + 3000
+        np.savez(other / f.name, **z)
+    wide = _saved_head(target_path, tmp_path / "wide", hidden_size=48, head_dim=12)
+    own = _saved_head(target_path, tmp_path / "own")
+    cases = [
+        (["--data", str(other)], "these shards are another model's"),
+        (["--batch", "7"], "--batch 7 is more than the 6 rows"),
+        (["--init-from", wide], "is a head for a target of hidden size 48"),
+        (["--head-vocab-from", eagle.DEFAULT_VOCAB_FROM], "it was made for another target"),
+        (["--head-vocab-from", str(tmp_path / "missing")], "--head-vocab-from"),
+        (["--head-vocab-from", own], "--head-vocab 48 sizes a vocabulary ranked from the shards"),
+    ]
+    for extra, message in cases:
+        argv = _args(target_path, data, tmp_path / "run", "--features-only")
+        argv = argv[:argv.index("--head-vocab-from")] + argv[argv.index("--head-vocab-from") + 2:] + extra
+        if extra[0] == "--head-vocab-from" and extra[1] != own:
+            argv.remove("--head-vocab"), argv.remove("48")
+        with pytest.raises(SystemExit) as e:
+            eagle.main(argv)
+        assert e.value.code == 2, extra
+        assert message in capsys.readouterr().err, extra
+    assert not (tmp_path / "run" / "features").exists()
+
+
+def test_a_resume_with_other_settings_or_another_target_is_refused_by_name(tiny, tmp_path):
+    """run.json records the target, --seq-len, --shards and the head vocabulary: a rerun that
+    differs says which, before it reads stored features of another target or other rows."""
+    target_path, data = tiny
+    run = tmp_path / "run"
+    assert eagle.main(_args(target_path, data, run, "--features-only", "--shards", "1")) == 0
+    recorded = json.loads((run / "run.json").read_text())
+    assert recorded["seq_len"] == SEQ and recorded["target"] == target_path and len(recorded["head_vocab_ids"]) == 48
+    for extra, message in ((["--seq-len", "128"], "started with --seq-len 96"),
+                           (["--shards", "2"], "started with --shards 1"),
+                           (["--head-vocab", "24"], "started with --head-vocab 48")):
+        argv = _args(target_path, data, run, "--features-only", "--shards", "1")
+        for flag, value in zip(extra[::2], extra[1::2]):
+            argv[len(argv) - 1 - argv[::-1].index(flag) + 1] = value
+        with pytest.raises(SystemExit, match=message):
+            eagle.main(argv)
+    (run / "run.json").write_text(json.dumps({**recorded, "target": "another/model", "target_fingerprint": "0" * 16}))
+    with pytest.raises(SystemExit, match="started with --target another/model, another model than"):
+        eagle.main(_args(target_path, data, run, "--features-only", "--shards", "1"))

@@ -637,13 +637,28 @@ def _old(dest: pathlib.Path) -> pathlib.Path:
     return dest.with_name(dest.name + ".old-export")
 
 
+def _without_time_limit(command: str) -> list[str]:
+    # --time-limit only decides when a call stops, not what the run trains; a recipe passes the
+    # minutes it has left, so the same command resumed differs there on every call.
+    words, out = command.split(), []
+    skip = False
+    for w in words:
+        if skip:
+            skip = False
+        elif w == "--time-limit":
+            skip = True
+        elif not w.startswith("--time-limit="):
+            out.append(w)
+    return out
+
+
 def own_export(dest: pathlib.Path, run_id: str, command: str) -> bool:
     """Whether ``dest`` is a complete export of run ``run_id`` by this very ``command``
-    (its ``train_log.json``, written before the swap, records both)."""
+    (its ``train_log.json``, written before the swap, records both), ``--time-limit`` aside."""
     try:
         summary = json.loads((dest / "train_log.json").read_text())["summary"]
-        return summary["run_id"] == run_id and summary["command"] == command
-    except (OSError, ValueError, KeyError, TypeError):
+        return summary["run_id"] == run_id and _without_time_limit(summary["command"]) == _without_time_limit(command)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import pathlib
@@ -843,6 +844,34 @@ def _check_blocks(parser, layers, num_layers: int, what: str) -> None:
         parser.error(f"{what} {','.join(map(str, layers))} name one of the target's {num_layers} blocks twice.")
 
 
+def _target_fingerprint(target: Model) -> str:
+    """A short hash of the target's config and its vector (norm) weights: tells
+    another model, a fine-tune of the same shape included, from this one cheaply."""
+    h = hashlib.sha256(json.dumps(target.module.config.to_dict(), sort_keys=True, default=str).encode())
+    for leaf in jax.tree.leaves(target.params):
+        if np.ndim(leaf) <= 1:
+            h.update(np.asarray(leaf, np.float32).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _vocab_from(parser, args, vocab_size: int) -> np.ndarray:
+    """``head_vocab_ids`` of ``--head-vocab-from``, checked against the target's vocabulary."""
+    source = _load_for(parser, "--head-vocab-from", args.head_vocab_from)
+    if "head_vocab_ids" not in source.params:
+        parser.error(f"--head-vocab-from {args.head_vocab_from} has no head_vocab_ids (not a reduced-vocabulary "
+                     "draft or head); pass --head-vocab-from '' to rank the shards' tokens.")
+    ids = np.asarray(source.params["head_vocab_ids"], np.int32)
+    if ids.size and int(ids.max()) >= vocab_size:
+        parser.error(f"--head-vocab-from {args.head_vocab_from} holds token id {int(ids.max())}, beyond the "
+                     f"target's {vocab_size} tokens: it was made for another target. Pass --head-vocab-from '' "
+                     "to rank the shards' tokens.")
+    if args.head_vocab is not None and args.head_vocab != ids.size:  # else silently ignored
+        parser.error(f"--head-vocab {args.head_vocab} sizes a vocabulary ranked from the shards, but "
+                     f"--head-vocab-from {args.head_vocab_from} gives its {ids.size} ids; pass --head-vocab-from '' "
+                     "with --head-vocab.")
+    return ids
+
+
 def main(argv=None) -> int:
     started = time.monotonic()  # --time-limit counts from here
     parser = build_parser()
@@ -875,16 +904,46 @@ def main(argv=None) -> int:
         _check_blocks(parser, args.feature_layers, cfg_t.num_layers, "--feature-layers")
     if args.head_vocab is not None and args.head_vocab > cfg_t.vocab_size:
         parser.error(f"--head-vocab {args.head_vocab} is more than the target's {cfg_t.vocab_size} tokens.")
+    if args.steps == 0 and args.init_from is None and args.minutes is None:  # before any features are made
+        raise SystemExit("error: --steps 0 exports an --init-from head untrained; without --init-from there is "
+                         "nothing to export.")
 
     meta_file = out / "run.json"
     run = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    # Features and checkpoints in --out belong to one target and one row length: another
+    # target's stored features (same width) or other rows would be trained on silently.
+    fingerprint = _target_fingerprint(target)
+    if run.get("target_fingerprint", fingerprint) != fingerprint:
+        raise SystemExit(f"error: {out} was started with --target {run.get('target')}, another model than "
+                         f"--target {args.target}; resume with that target or use another --out.")
+    if run.get("seq_len", args.seq_len) != args.seq_len:
+        raise SystemExit(f"error: {out} was started with --seq-len {run['seq_len']}; resume with that or use "
+                         "another --out.")
+    if args.shards is not None and run.get("num_shards", args.shards) != args.shards:
+        raise SystemExit(f"error: {out} was started with --shards {run['num_shards']}; resume with that or use "
+                         "another --out.")
+    if args.head_vocab is not None and "head_vocab_ids" in run and len(run["head_vocab_ids"]) != args.head_vocab:
+        raise SystemExit(f"error: {out} was started with --head-vocab {len(run['head_vocab_ids'])}; resume with "
+                         "that or use another --out.")
+    run.update(target=args.target, target_fingerprint=fingerprint, seq_len=args.seq_len)
     all_files = sorted(pathlib.Path(args.data).glob("shard_*.npz"))
     if not all_files:
         raise SystemExit(f"error: no distillation shards in {args.data}; run python -m training.draft --gather-only")
     num_shards = run.get("num_shards") or min(args.shards or len(all_files), len(all_files))
     run["num_shards"] = num_shards
     shard_files = all_files[:num_shards]
-    longest = max(int(np.load(f)["prompt_lengths"].max()) for f in shard_files)
+    longest, n_rows = 0, 0
+    for f in shard_files:
+        z = np.load(f)
+        longest, n_rows = max(longest, int(z["prompt_lengths"].max())), n_rows + z["tokens"].shape[0]
+        top = int(z["tokens"].max())  # not top_ids: decompressing them all costs seconds per GB of shards
+        if top >= cfg_t.vocab_size:  # else an IndexError deep in build_rows, or an embedding lookup clamped silently
+            parser.error(f"--data {args.data}: {f.name} holds token id {top}, beyond --target {args.target}'s "
+                         f"{cfg_t.vocab_size} tokens: these shards are another model's. Pass the --data its own "
+                         "answers were gathered into.")
+    if args.batch > n_rows:
+        parser.error(f"--batch {args.batch} is more than the {n_rows} rows of the {num_shards} shards used; "
+                     f"pass --batch {n_rows} or less, or gather more data.")
     if longest >= args.seq_len:
         parser.error(f"--seq-len {args.seq_len} leaves no room for an answer after the shards' longest prompt "
                      f"({longest} tokens); pass --seq-len {max(256, longest + 64)} or more.")
@@ -897,6 +956,11 @@ def main(argv=None) -> int:
             kind = f"a published {variant!r} head" if variant else f"a {type(init.module).__name__}"
             parser.error(f"--init-from {args.init_from} holds {kind}, not a head saved by training.eagle or "
                          "heads.save_head; training.eagle continues specjax's own feature heads only.")
+        got = (init.module.config.hidden_size, init.module.config.vocab_size)
+        if got != (cfg_t.hidden_size, cfg_t.vocab_size):  # a head of another target: it cannot read this one's features
+            parser.error(f"--init-from {args.init_from} is a head for a target of hidden size {got[0]} and "
+                         f"{got[1]} tokens; --target {args.target} has {cfg_t.hidden_size} and {cfg_t.vocab_size}. "
+                         "Continue a head of this target, or drop --init-from.")
         init = specjax.dequantize(init)  # trained in float: an int8-stored head's matrices dequantized (exactly)
         _check_blocks(parser, init.module.feature_layers, cfg_t.num_layers, f"--init-from {args.init_from}'s blocks")
     default_layers = init.module.feature_layers if init is not None else (-1,)
@@ -925,7 +989,7 @@ def main(argv=None) -> int:
             head_ids = draft.head_vocabulary(distill_data.load_shards(args.data, limit=num_shards), args.head_vocab,
                                              cfg_t.vocab_size, tuple(cfg_t.eos_token_ids), among=head_ids)
     elif args.head_vocab_from:
-        head_ids = np.asarray(specjax.load(args.head_vocab_from).params["head_vocab_ids"], np.int32)
+        head_ids = _vocab_from(parser, args, cfg_t.vocab_size)
     else:
         head_ids = draft.head_vocabulary(distill_data.load_shards(args.data, limit=num_shards),
                                          args.head_vocab or 8192, cfg_t.vocab_size, tuple(cfg_t.eos_token_ids))
@@ -968,9 +1032,6 @@ def main(argv=None) -> int:
     n_layers = len(feature_layers)
     cfg = head0.module.config
     trainable, frozen = split_params(head0.params)
-    if args.steps == 0 and init is None and args.minutes is None:
-        raise SystemExit("error: --steps 0 exports an --init-from head untrained; without --init-from there is "
-                         "nothing to export.")
     loss_fn = make_loss(cfg, unroll=args.unroll, reg_weight=args.reg_weight, unroll_weight=args.unroll_weight,
                         num_feature_layers=n_layers, tv_weight=args.tv_weight)
     inner = draft.batch_fn_for(train, args.batch, args.seed)
@@ -991,7 +1052,7 @@ def main(argv=None) -> int:
     state = common.init_state(jax.tree.map(jnp.copy, trainable), optimizer)  # the step donates its state
     ckpt = common.Checkpointer(out / "ckpt", every_seconds=args.checkpoint_seconds, log=log)
     meta = {"config": cfg.to_dict(), "num_shards": num_shards, "seed": args.seed,
-            "unroll": args.unroll, "reg_weight": args.reg_weight, "tv_weight": args.tv_weight, "lr": args.lr, "steps": args.steps,
+            "unroll": args.unroll, "unroll_weight": args.unroll_weight, "reg_weight": args.reg_weight, "tv_weight": args.tv_weight, "lr": args.lr, "steps": args.steps,
             "batch": args.batch, "balanced_fuse": args.balanced_fuse, "feature_layers": list(feature_layers),
             "init_from": args.init_from}
     try:  # --steps may grow to continue a run; the rest defines the saved weights and their batches

@@ -101,13 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "a GPU takes 128 or more)")
     p.add_argument("--gather-passes", type=_passes, default=[],
                    help="also answer the training prompts again at these passes (4 or higher), e.g. 4,5")
+    # Checked here, not only by training.eagle: that runs after the data stages, which take minutes.
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, help="optimizer steps")
-    budget.add_argument("--minutes", help="train as many steps as fit this many minutes (training.eagle --minutes)")
+    budget.add_argument("--steps", type=eagle._step_count, help="optimizer steps")
+    budget.add_argument("--minutes", type=eagle._minutes, help="train as many steps as fit this many minutes (training.eagle --minutes)")
     p.add_argument("--time-limit", type=eagle._minutes, default=None, metavar="MINUTES",
                    help="stop training early if need be once this many minutes have passed since this command "
                         "started (training.eagle --time-limit); leave a few for the evaluation and export")
-    p.add_argument("--batch", type=int, default=64, help="training rows per step (default: %(default)s)")
+    p.add_argument("--batch", type=eagle._int_at_least(1, "a batch size"), default=64, help="training rows per step (default: %(default)s)")
     p.add_argument("--data-only", action="store_true",
                    help="stop after the data and the target's features (a machine lent for a fixed time can "
                         "train in a second call)")
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     elif args.steps is not None:
         budget = ["--steps", str(args.steps)]
     else:
-        budget = ["--minutes", args.minutes]
+        budget = ["--minutes", repr(args.minutes)]
     rc = eagle.main(["--target", TARGET, "--data", str(out / "data"), "--out", str(out / "head"),
                      "--export", str(args.export or out / "export"), *HEAD_SETTINGS, *budget,
                      "--batch", str(args.batch), "--feature-batch", str(args.batch), "--eval-batch", str(args.batch),
