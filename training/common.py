@@ -32,6 +32,7 @@ Shared by :mod:`training.lm` (the shipped pair) and the PAD head trainer.
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import functools
 import json
@@ -717,3 +718,23 @@ def swap_in(tmp: pathlib.Path, dest: pathlib.Path) -> list[str]:
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, dest)
     return kept
+
+
+def number_arg(kind, what: str, low=None, high=None, *, open_low: bool = False, open_high: bool = False):
+    """An argparse type: a finite ``kind`` (int or float) within ``low .. high`` (bounds
+    excluded where open), else an error naming ``what``: a nan learning rate, a negative
+    weight or zero steps would otherwise train (or gather for minutes) before failing or
+    silently misleading."""
+    def parse(text: str):
+        try:
+            x = kind(text)
+        except ValueError:
+            x = None
+        ok = x is not None and np.isfinite(x) and (
+            low is None or (x > low if open_low else x >= low)) and (high is None or (x < high if open_high else x <= high))
+        if not ok:
+            lo = "" if low is None else f"{'>' if open_low else '>='} {low}"
+            hi = "" if high is None else f"{'<' if open_high else '<='} {high}"
+            raise argparse.ArgumentTypeError(f"expected {what}, {' and '.join(b for b in (lo, hi) if b)}; got {text!r}")
+        return x
+    return parse

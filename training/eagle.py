@@ -776,29 +776,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _int_at_least(minimum: int, what: str):
     """An argparse type: an int >= ``minimum``, else a message naming ``what``."""
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = minimum - 1
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"expected {what}, {minimum} or more; got {text!r}")
-        return n
-    return parse
+    return common.number_arg(int, what, minimum)
 
 
 def _positive_float(what: str, zero: bool = False):
     """An argparse type: a finite number > 0 (>= 0 with ``zero``), else a message naming ``what``."""
-    def parse(text: str) -> float:
-        try:
-            x = float(text)
-        except ValueError:
-            x = float("nan")
-        if not (0 <= x if zero else 0 < x) or not x < float("inf"):
-            raise argparse.ArgumentTypeError(f"expected {what}, a {'non-negative' if zero else 'positive'} number; "
-                                             f"got {text!r}")
-        return x
-    return parse
+    return common.number_arg(float, what, 0, open_low=not zero)
 
 
 _block_count = _int_at_least(1, "a number of decoder blocks")

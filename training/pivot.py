@@ -640,25 +640,6 @@ def _shown(path: pathlib.Path) -> str:
         return str(path)
 
 
-def _number(kind, what: str, low=None, high=None, *, open_low: bool = False, open_high: bool = False):
-    """An argparse type: a finite ``kind`` within ``low .. high`` (bounds excluded where open),
-    else an error naming ``what``: a nan learning rate, a negative weight or zero steps
-    would otherwise train (or gather for minutes) before failing or silently misleading."""
-    def parse(text: str):
-        try:
-            x = kind(text)
-        except ValueError:
-            x = None
-        ok = x is not None and np.isfinite(x) and (
-            low is None or (x > low if open_low else x >= low)) and (high is None or (x < high if open_high else x <= high))
-        if not ok:
-            lo = "" if low is None else f"{'>' if open_low else '>='} {low}"
-            hi = "" if high is None else f"{'<' if open_high else '<='} {high}"
-            raise argparse.ArgumentTypeError(f"expected {what}, {' and '.join(b for b in (lo, hi) if b)}; got {text!r}")
-        return x
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m training.pivot",
@@ -695,12 +676,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     g = p.add_argument_group("labelling (with --gather)")
-    g.add_argument("--prompts", type=_number(int, "a number of prompts", 1), default=1000, help="training-split task prompts to label (default: %(default)s)")
-    g.add_argument("--rollouts", type=_number(int, "a number of rollouts", 1), default=20, help="target rollouts per side per rejection (default: %(default)s)")
+    g.add_argument("--prompts", type=common.number_arg(int, "a number of prompts", 1), default=1000, help="training-split task prompts to label (default: %(default)s)")
+    g.add_argument("--rollouts", type=common.number_arg(int, "a number of rollouts", 1), default=20, help="target rollouts per side per rejection (default: %(default)s)")
     g.add_argument("--rollout-temperature", type=float, default=0.7,
                    help="rollout sampling temperature; 0: one greedy rollout per side, with --rollouts 1 "
                         "(default: %(default)s)")
-    g.add_argument("--rollout-chunk", type=_number(int, "a number of candidates", 1), default=8,
+    g.add_argument("--rollout-chunk", type=common.number_arg(int, "a number of candidates", 1), default=8,
                    help="candidates rolled out per generate call (2 x this x --rollouts rows) (default: %(default)s)")
     g.add_argument("--label-temperatures", type=float, nargs="+", default=[0.0, 1.0],
                    help="temperatures of the labelled trajectories; 0 = greedy mismatches, >0 = SD rejections (default: %(default)s)")
@@ -712,23 +693,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target block whose output is the feature, clamped to the depth; gathering default -8 "
                         "(the authors'); training default: the dataset's layer (another needs --all-layers)")
     g.add_argument("--all-layers", action="store_true", help="store every block's hidden state in the dataset")
-    g.add_argument("--max-new-tokens", type=_number(int, "a number of tokens", 1), default=None,
+    g.add_argument("--max-new-tokens", type=common.number_arg(int, "a number of tokens", 1), default=None,
                    help="decode budget of a labelled trajectory in new tokens; it runs past the answer's newline "
                         f"(text there is labelled too) and stops only at EOS (default: 32; --task chat: "
                         f"{CHAT_MAX_NEW_TOKENS})")
     g.add_argument("--no-is-final", action="store_true",
                    help="roll out every candidate side, even when its prefix already decides the score")
-    g.add_argument("--batch", type=_number(int, "a batch size", 1), default=32, help="prompts per labelling batch (default: %(default)s)")
+    g.add_argument("--batch", type=common.number_arg(int, "a batch size", 1), default=32, help="prompts per labelling batch (default: %(default)s)")
 
     g = p.add_argument_group("training")
     g.add_argument("--arch", choices=PIVOT_HEAD_ARCHS, default="pad", help="pad = the authors' head (default), linear, mlp")
-    g.add_argument("--steps", type=_number(int, "a number of steps", 1), default=2000, help="full-batch AdamW steps (default: %(default)s)")
-    g.add_argument("--lr", type=_number(float, "a learning rate", 0, open_low=True), default=1e-3, help="peak learning rate (default: %(default)s)")
-    g.add_argument("--weight-decay", type=_number(float, "a weight decay", 0), default=0.01, help="AdamW weight decay (default: %(default)s)")
-    g.add_argument("--val-fraction", type=_number(float, "a held-out share", 0, 1, open_low=True, open_high=True), default=0.2, help="held-out share, stratified (default: %(default)s)")
+    g.add_argument("--steps", type=common.number_arg(int, "a number of steps", 1), default=2000, help="full-batch AdamW steps (default: %(default)s)")
+    g.add_argument("--lr", type=common.number_arg(float, "a learning rate", 0, open_low=True), default=1e-3, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--weight-decay", type=common.number_arg(float, "a weight decay", 0), default=0.01, help="AdamW weight decay (default: %(default)s)")
+    g.add_argument("--val-fraction", type=common.number_arg(float, "a held-out share", 0, 1, open_low=True, open_high=True), default=0.2, help="held-out share, stratified (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="split, init and prompt sampling seed (default: %(default)s)")
-    g.add_argument("--sigma", type=_number(float, "a threshold on P(pivot)", 0, 1), nargs="+", default=[0.5, 0.7], help="thresholds to report / evaluate (default: %(default)s)")
-    g.add_argument("--pivot-weight", type=_number(float, "a loss weight", 0, open_low=True), default=1.0,
+    g.add_argument("--sigma", type=common.number_arg(float, "a threshold on P(pivot)", 0, 1), nargs="+", default=[0.5, 0.7], help="thresholds to report / evaluate (default: %(default)s)")
+    g.add_argument("--pivot-weight", type=common.number_arg(float, "a loss weight", 0, open_low=True), default=1.0,
                    help="loss weight of pivots relative to class balance; 1 = the authors' balanced CE, "
                         "> 1 trades non-pivot acceptance for pivot recall (default: %(default)s)")
     g.add_argument("--all-rows", action="store_true", help="train on every labelled row, not only those the authors' filter keeps")
