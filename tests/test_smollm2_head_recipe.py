@@ -95,3 +95,18 @@ def test_a_bad_budget_is_refused_before_the_data_stages(monkeypatch, tmp_path, b
     with pytest.raises(SystemExit) as e:
         smollm2_head.main(["--out", str(tmp_path / "run"), "--no-progress", *bad])
     assert e.value.code == 2 and f"argument {bad[0]}" in capsys.readouterr().err
+
+
+def test_an_export_in_the_way_is_refused_before_the_data_stages(monkeypatch, tmp_path):
+    """Another head at --export stops the recipe at once, not after the data stages' minutes;
+    --force, or --data-only (which exports nothing), goes on."""
+    dest = tmp_path / "theirs"
+    dest.mkdir()
+    (dest / "config.json").write_text("{}")
+    monkeypatch.setattr(draft, "main", lambda a: pytest.fail("the data stage ran"))
+    with pytest.raises(SystemExit, match="pass --force to replace it"):
+        smollm2_head.main(["--out", str(tmp_path / "run"), "--no-progress", "--steps", "5", "--export", str(dest)])
+    calls = _run(monkeypatch, tmp_path, "--steps", "5", "--export", str(dest), "--force")
+    assert [c[0] for c in calls] == ["draft", "eagle"] and "--force" in calls[-1][1]
+    assert (dest / "config.json").exists()  # the recipe's own check replaces nothing
+    assert [c[0] for c in _run(monkeypatch, tmp_path, "--data-only", "--export", str(dest))] == ["draft", "eagle"]

@@ -583,8 +583,9 @@ def test_data_and_heads_of_another_model_are_refused_by_name(tiny, tmp_path, cap
 
 
 def test_a_resume_with_other_settings_or_another_target_is_refused_by_name(tiny, tmp_path):
-    """run.json records the target, --seq-len, --shards and the head vocabulary: a rerun that
-    differs says which, before it reads stored features of another target or other rows."""
+    """run.json records the target, --seq-len, --shards, the head vocabulary and the held-out
+    set's size: a rerun that differs says which, before it reads stored features of another
+    target or other rows, or evaluates on held-out answers made with other settings."""
     target_path, data = tiny
     run = tmp_path / "run"
     assert eagle.main(_args(target_path, data, run, "--features-only", "--shards", "1")) == 0
@@ -592,7 +593,9 @@ def test_a_resume_with_other_settings_or_another_target_is_refused_by_name(tiny,
     assert recorded["seq_len"] == SEQ and recorded["target"] == target_path and len(recorded["head_vocab_ids"]) == 48
     for extra, message in ((["--seq-len", "128"], "started with --seq-len 96"),
                            (["--shards", "2"], "started with --shards 1"),
-                           (["--head-vocab", "24"], "started with --head-vocab 48")):
+                           (["--head-vocab", "24"], "started with --head-vocab 48"),
+                           (["--eval-prompts", "3"], "started with --eval-prompts 2"),
+                           (["--eval-new-tokens", "7"], "started with --eval-new-tokens 6")):
         argv = _args(target_path, data, run, "--features-only", "--shards", "1")
         for flag, value in zip(extra[::2], extra[1::2]):
             argv[len(argv) - 1 - argv[::-1].index(flag) + 1] = value

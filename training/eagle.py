@@ -908,7 +908,14 @@ def main(argv=None) -> int:
     if args.head_vocab is not None and "head_vocab_ids" in run and len(run["head_vocab_ids"]) != args.head_vocab:
         raise SystemExit(f"error: {out} was started with --head-vocab {len(run['head_vocab_ids'])}; resume with "
                          "that or use another --out.")
-    run.update(target=args.target, target_fingerprint=fingerprint, seq_len=args.seq_len)
+    # The held-out answers are made once (OUT/heldout) and every evaluation of the run is
+    # read on them: other settings would be ignored and the card would misreport them.
+    for key, flag in (("eval_prompts", "--eval-prompts"), ("eval_new_tokens", "--eval-new-tokens")):
+        if run.get(key, getattr(args, key)) != getattr(args, key):
+            raise SystemExit(f"error: {out} was started with {flag} {run[key]}; its held-out answers are made "
+                             "with it. Resume with that or use another --out.")
+    run.update(target=args.target, target_fingerprint=fingerprint, seq_len=args.seq_len,
+               eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens)
     all_files = sorted(pathlib.Path(args.data).glob("shard_*.npz"))
     if not all_files:
         raise SystemExit(f"error: no distillation shards in {args.data}; run python -m training.draft --gather-only")

@@ -120,6 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _head_argv(args, out: pathlib.Path, time_limit: float | None) -> list[str]:
+    """``training.eagle``'s arguments for the head stage."""
+    if args.data_only:
+        budget = ["--features-only"]
+    elif args.steps is not None:
+        budget = ["--steps", str(args.steps)]
+    else:
+        budget = ["--minutes", repr(args.minutes)]
+    return ["--target", TARGET, "--data", str(out / "data"), "--out", str(out / "head"),
+            "--export", str(args.export or out / "export"), *HEAD_SETTINGS, *budget,
+            "--batch", str(args.batch), "--feature-batch", str(args.batch), "--eval-batch", str(args.batch),
+            *(["--init-from", args.init_from] if args.init_from else VOCAB_SETTINGS),
+            *(["--online-features"] if args.online_features else []),
+            *(["--time-limit", f"{time_limit:.4f}"] if time_limit is not None else []),
+            *(["--force"] if args.force else []), *(["--no-progress"] if args.no_progress else [])]
+
+
 def main(argv=None) -> int:
     started = time.monotonic()
     parser = build_parser()
@@ -127,6 +144,13 @@ def main(argv=None) -> int:
     if not args.data_only and args.steps is None and args.minutes is None:
         parser.error("give the training budget: --steps N or --minutes M (or --data-only)")
     out = pathlib.Path(args.out)
+    if not args.data_only:  # training.eagle checks it too, but only after the data stages' minutes
+        head_out = out / "head"
+        common.check_outside_package(head_out, "--out")
+        head_out.mkdir(parents=True, exist_ok=True)
+        common.check_export(pathlib.Path(args.export or out / "export"), force=args.force,
+                            run_id=common.run_id(head_out),
+                            command="python -m training.eagle " + " ".join(_head_argv(args, out, None)))
     progress = ["--no-progress"] if args.no_progress else []
     stages = [["--answers-from", str(ANSWERS)]]
     # Batches of 32, as the shipped answers: a pass numbers its shards by the batch, and other
@@ -138,22 +162,9 @@ def main(argv=None) -> int:
             return rc
     if args.self_prompts:
         answer_self_written(out, args.self_prompts, args.self_batch)
-    if args.data_only:
-        budget = ["--features-only"]
-    elif args.steps is not None:
-        budget = ["--steps", str(args.steps)]
-    else:
-        budget = ["--minutes", repr(args.minutes)]
-    rc = eagle.main(["--target", TARGET, "--data", str(out / "data"), "--out", str(out / "head"),
-                     "--export", str(args.export or out / "export"), *HEAD_SETTINGS, *budget,
-                     "--batch", str(args.batch), "--feature-batch", str(args.batch), "--eval-batch", str(args.batch),
-                     *(["--init-from", args.init_from] if args.init_from else VOCAB_SETTINGS),
-                     *(["--online-features"] if args.online_features else []),
-                     *(["--time-limit", f"{max(args.time_limit - (time.monotonic() - started) / 60, 1e-3):.4f}"]
-                       if args.time_limit is not None else []),
-                     *(["--force"] if args.force else []), *progress])
-    return rc
-
+    time_limit = (None if args.time_limit is None
+                  else max(args.time_limit - (time.monotonic() - started) / 60, 1e-3))
+    return eagle.main(_head_argv(args, out, time_limit))
 
 if __name__ == "__main__":
     sys.exit(main())
