@@ -19,7 +19,8 @@ def test_smoke_run_writes_every_section(tmp_path):
     spec = importlib.util.spec_from_file_location("accelerator_benchmark", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    report = script.main(["--smoke", "--out", str(tmp_path)])
+    # One quantized format: q4 runs in the correctness section, and each format's timing is one code path.
+    report = script.main(["--smoke", "--quantize", "int8", "--out", str(tmp_path)])
 
     assert json.loads((tmp_path / "accelerator.json").read_text())["smoke"] is True
     table = (tmp_path / "accelerator.md").read_text()
@@ -31,6 +32,7 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert report["copy_bandwidth_gb_s"] > 0
 
     (speed,) = report["speed"]
+    assert [q["format"] for q in speed["quantized"]] == ["int8"] and speed["quantized"][0]["c_1"] > 0
     assert not speed.get("skipped") and not report["skipped_shapes"]
     assert speed["target_only"][0]["tok_s"] > 0 and speed["target_only"][0]["roofline_tok_s"] > 0
     oracle, small = speed["speculative"]

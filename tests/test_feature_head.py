@@ -27,7 +27,7 @@ from specjax._src.models import feature_head as fh
 from specjax.rules import Verdict, from_functions, mars, speculative_sampling
 from specjax.testing import llama_config, peaked_target_and_draft
 from specjax.trees import dynamic_tree, static_tree
-from test_decode import count_compilations, goodness_of_fit, random_prompts
+from test_decode import NO_BUCKETS, count_compilations, goodness_of_fit, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def _exact_two_tokens(target, prompt, vocab):
 
 def _sampled_two_tokens(pair, prompt, vocab, samples, **decode_kw):
     """``(counts [V, V] of the first two tokens, stats)`` over ``samples`` decodes of ``prompt`` at T=1."""
-    out = specjax.decode(pair, [prompt] * samples, max_new_tokens=2, temperature=1.0, **decode_kw)
+    out = specjax.decode(pair, [prompt] * samples, max_new_tokens=2, temperature=1.0, buckets=NO_BUCKETS, **decode_kw)
     toks = np.asarray(out.tokens)
     counts = np.zeros((vocab, vocab))
     np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
@@ -252,6 +252,9 @@ def test_a_tree_of_head_drafts_accepts_more_than_a_chain(head_pair):
     assert tree.stats.tau > chain.stats.tau
 
 
+# A head on a dynamic tree keeps its law in the default run (test_dynamic_trees.py), and static
+# trees with a draft model (test_tree_decode.py): this pairing of the two runs with -m slow.
+@pytest.mark.slow
 def test_lossless_tree_sampling_with_a_head_follows_the_target():
     vocab, prompt, samples = 16, [5, 3], 40000
     pair = _small_head_pair(vocab)
@@ -307,6 +310,8 @@ def test_greedy_with_a_mixed_block_head_is_target_greedy(mixed_pair, tree):
     assert int(np.sum(out.stats.accepted)) > 0
 
 
+# Greedy equality with a mixed-block head runs by default; its sampled law with -m slow.
+@pytest.mark.slow
 def test_lossless_sampling_with_a_mixed_block_head_follows_the_target():
     vocab, prompt, samples = 16, [5, 3], 40000
     pair = _small_head_pair(vocab)
@@ -450,7 +455,8 @@ def test_a_reduced_head_returns_its_own_columns_beside_their_scatter(target, hea
     np.testing.assert_array_equal(usable[..., ids < 70], logits[..., ids < 70])
 
 
-@pytest.mark.parametrize("tree", [static_tree((3, 2, 1)), dynamic_tree(3, 2, 5)], ids=["static", "dynamic"])
+@pytest.mark.parametrize("tree", [pytest.param(static_tree((3, 2, 1)), marks=pytest.mark.slow), dynamic_tree(3, 2, 5)],
+                         ids=["static", "dynamic"])
 def test_greedy_trees_draft_the_same_from_a_reduced_heads_own_columns(head_pair, tree, monkeypatch):
     """Greedy tree drafting ranks a reduced head's 80 columns (ids in reverse
     order) instead of the 96-token scatter: the same children, the same

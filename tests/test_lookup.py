@@ -100,7 +100,9 @@ def test_greedy_with_lookup_is_target_greedy(pairs, drafter):
 
 # Every slot copied (K = 2) is slow-only: [ss] runs the same rule with copied and drafted slots.
 @pytest.mark.parametrize("rule,num_draft", [pytest.param(speculative_sampling(), 3, id="ss"),
-                                             pytest.param(block_verification(), 3, id="block"),
+                                             # block verification's law with model drafts runs by default
+                                             # (test_block_verification.py); with copies, with -m slow
+                                             pytest.param(block_verification(), 3, id="block", marks=pytest.mark.slow),
                                              pytest.param(speculative_sampling(), 2, id="ss-all-copied",
                                                           marks=pytest.mark.slow)])
 def test_lossless_sampling_with_copied_drafts_follows_the_target(rule, num_draft):

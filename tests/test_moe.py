@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import specjax  # noqa: E402
 from tests._hf_models import rel_err, torch_logits  # noqa: E402
+from tests.test_decode import NO_BUCKETS  # noqa: E402
 
 _COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=96, max_position_embeddings=128, num_experts_per_tok=2,
@@ -108,7 +109,7 @@ def test_lossless_sampling_with_a_moe_target_and_a_dense_draft_follows_the_targe
     draft = draft.replace(params={**draft.params, "lm_head": draft.params["lm_head"] / 5.0})
     prompt, n = [3, 1, 4], 20_000
     out = specjax.decode(specjax.pair(target, draft), [prompt] * n, num_draft=3, max_new_tokens=2,
-                         temperature=1.0, eos_token_id=(), key=jax.random.key(11))
+                         temperature=1.0, eos_token_id=(), key=jax.random.key(11), buckets=NO_BUCKETS)
     toks = np.asarray(out.tokens)[:, :2]
     counts = np.zeros((16, 16))
     np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)

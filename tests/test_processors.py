@@ -9,7 +9,7 @@ import pytest
 import specjax
 from specjax.engine import Engine, GenerationControls, SlotSettings, TextStream, check_stop_strings, cut_at_stop
 from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
-from test_decode import goodness_of_fit
+from test_decode import NO_BUCKETS, goodness_of_fit
 
 PENALTIES = GenerationControls(repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3,
                                logit_bias={1: 1.0, 6: -2.0})
@@ -80,7 +80,7 @@ def test_sampled_law_is_the_processed_target():
     pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
     samples = 20000
     out = specjax.decode(pair, [[3]] * samples, num_draft=3, max_new_tokens=2, temperature=1.0,
-                         key=jax.random.key(0), eos_token_id=(), controls=PENALTIES)
+                         key=jax.random.key(0), eos_token_id=(), controls=PENALTIES, buckets=NO_BUCKETS)
     toks = np.asarray(out.tokens)
     counts = np.zeros((VOCAB, VOCAB))
     np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)

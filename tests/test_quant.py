@@ -17,6 +17,7 @@ from specjax._src import quant
 from specjax._src.kernels import cpu_matmul
 from specjax.testing import llama_config, peaked_target_and_draft
 
+from test_decode import NO_BUCKETS
 from test_gguf import write_gguf
 
 FORMATS = ["int8", "int8/32", "q4", "q4/64"]
@@ -203,7 +204,7 @@ def test_sampled_speculative_decoding_follows_the_quantized_targets_law():
     prompt = [3, 1, 4]
     n = 20_000
     out = specjax.decode(specjax.pair(qt, specjax.quantize(draft, "int8")), [prompt] * n, num_draft=3,
-                         max_new_tokens=2, temperature=1.0, eos_token_id=(), key=jax.random.key(7))
+                         max_new_tokens=2, temperature=1.0, eos_token_id=(), key=jax.random.key(7), buckets=NO_BUCKETS)
     toks = np.asarray(out.tokens)[:, :2]
     counts = np.zeros((16, 16))
     np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)

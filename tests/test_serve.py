@@ -538,7 +538,7 @@ def test_serve_with_a_token_tree():
     from specjax.cli.app import build_parser
     from specjax.trees import static_tree
 
-    args = build_parser().parse_args(["serve", "--tree", "2,2,1", "--slots", "2", "--capacity", "64",
+    args = build_parser().parse_args(["serve", "--tree", "2,2,1", "--slots", "1", "--capacity", "64",
                                       "--rules", "sd,mars:theta=0.5", "--cycles-per-step", "2"])
     app, scheduler = serve.build(args)
     server = Server(app)

@@ -49,8 +49,10 @@ def alone(pair, tree, prompt, s: SlotSettings, rule=None):
     return out.to_lists()[0]
 
 
+# Static trees of the draft model in slots also decode as decode does in
+# test_draft_cap_limits_the_path_depth and test_fork_on_a_tree_samples_what_decode_samples_per_row.
 @pytest.mark.parametrize("drafter, tree", [
-    ("draft model", static_tree((2, 2, 1))),
+    pytest.param("draft model", static_tree((2, 2, 1)), marks=pytest.mark.slow),
     ("feature head", dynamic_tree(3, 2, 5)),
 ], ids=["static-draft-model", "dynamic-feature-head"])
 def test_each_request_decodes_as_decode_alone_on_its_tree(llama_pair, head_pair, drafter, tree):

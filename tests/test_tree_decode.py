@@ -19,7 +19,7 @@ import specjax
 from specjax.rules import additive, mars, pad, speculative_sampling, top_m
 from specjax.testing import Bigram
 from specjax.trees import static_tree
-from test_decode import VOCAB, count_compilations, exact_two_token_distribution, goodness_of_fit, random_prompts
+from test_decode import NO_BUCKETS, VOCAB, count_compilations, exact_two_token_distribution, goodness_of_fit, random_prompts
 
 
 PROMPTS = random_prompts(21, 50, 96, 14)
@@ -47,7 +47,8 @@ def tree_two_token_counts(pair, tree, temperature, top_k=None, top_p=None, sampl
     prompts = np.array([[3, 0], [5, 3]] * (samples // 2), np.int32)
     lengths = np.array([1, 2] * (samples // 2), np.int32)
     out = specjax.decode(pair, prompts, prompt_lengths=lengths, tree=tree, max_new_tokens=2,
-                         temperature=temperature, top_k=top_k, top_p=top_p, key=jax.random.key(seed))
+                         temperature=temperature, top_k=top_k, top_p=top_p, key=jax.random.key(seed),
+                         buckets=NO_BUCKETS)
     toks = np.asarray(out.tokens)
     counts = np.zeros((VOCAB, VOCAB))
     np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)

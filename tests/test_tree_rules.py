@@ -25,7 +25,7 @@ import pytest
 import specjax
 from specjax.rules import adasd, ears, mars, pad, speculative_sampling, top_m
 from specjax.trees import dynamic_tree, static_tree
-from test_decode import VOCAB, goodness_of_fit, random_prompts
+from test_decode import NO_BUCKETS, VOCAB, goodness_of_fit, random_prompts
 
 PROMPTS = random_prompts(21, 24, 96, 14)
 THETA = 0.5
@@ -89,7 +89,7 @@ def first_token_counts(pair, tree, rule, samples=20000, seed=0):
     prompts = np.array([[3, 0], [5, 3]] * (samples // 2), np.int32)  # both end in token 3
     lengths = np.array([1, 2] * (samples // 2), np.int32)
     out = specjax.decode(pair, prompts, prompt_lengths=lengths, tree=tree, rule=rule, max_new_tokens=1,
-                         temperature=1.0, key=jax.random.key(seed))
+                         temperature=1.0, key=jax.random.key(seed), buckets=NO_BUCKETS)
     return np.bincount(np.asarray(out.tokens)[:, 0], minlength=VOCAB).astype(float)
 
 
@@ -113,10 +113,11 @@ def test_mars_first_token_law_on_a_tree(bigram_pair, kind):
     assert tv < 0.02
 
 
-# MARS on a static tree is slow-only: EARS covers the static tree's collapse.
+# MARS on a static tree is slow-only: EARS covers the static tree's collapse; on a top-k tree
+# too: test_mars_first_token_law_on_a_tree samples MARS on one by default.
 @pytest.mark.parametrize("limit, tree", [pytest.param("mars", STATIC, id="mars-static", marks=pytest.mark.slow),
                                          pytest.param("mars", DRAWN, id="mars-dynamic"),
-                                         pytest.param("mars", TOPK, id="mars-dynamic-topk"),
+                                         pytest.param("mars", TOPK, id="mars-dynamic-topk", marks=pytest.mark.slow),
                                          pytest.param("ears", STATIC, id="ears-static"),
                                          pytest.param("pad", DRAWN, id="pad-dynamic")])
 def test_relaxed_rules_sampling_on_trees_collapse_to_lossless(llama_pair, tree, limit):
