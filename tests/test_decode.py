@@ -18,7 +18,6 @@ import pytest
 from scipy import stats as scipy_stats
 
 import specjax
-from specjax import Decoder, Model
 from tiny_models import llama_config, peaked_target_and_draft
 from specjax.rules import (
     Path,
