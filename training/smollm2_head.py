@@ -146,8 +146,8 @@ def main(argv=None) -> int:
         parser.error("give the training budget: --steps N or --minutes M (or --data-only)")
     out = pathlib.Path(args.out)
     if not args.data_only:  # training.eagle checks it too, but only after the data stages' minutes
+        common.check_outside_package(out, "--out")
         head_out = out / "head"
-        common.check_outside_package(head_out, "--out")
         head_out.mkdir(parents=True, exist_ok=True)
         common.check_export(pathlib.Path(args.export or out / "export"), force=args.force,
                             run_id=common.run_id(head_out),
