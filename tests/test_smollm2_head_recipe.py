@@ -110,3 +110,19 @@ def test_an_export_in_the_way_is_refused_before_the_data_stages(monkeypatch, tmp
     assert [c[0] for c in calls] == ["draft", "eagle"] and "--force" in calls[-1][1]
     assert (dest / "config.json").exists()  # the recipe's own check replaces nothing
     assert [c[0] for c in _run(monkeypatch, tmp_path, "--data-only", "--export", str(dest))] == ["draft", "eagle"]
+
+
+def test_the_recipes_own_export_is_made_again_without_force(monkeypatch, tmp_path):
+    """The documented way to continue (the same command, even with another --time-limit) finds
+    the run's own export at --export and goes on; another run's export there is refused."""
+    dest = tmp_path / "export"
+    argv = ["--steps", "5", "--export", str(dest)]
+    (_, eagle_argv), = _run(monkeypatch, tmp_path, *argv, "--time-limit", "9")[1:]
+    dest.mkdir()
+    run_id = json.loads((tmp_path / "run" / "head" / "run.json").read_text())["run_id"]
+    summary = {"run_id": run_id, "command": "python -m training.eagle " + " ".join(eagle_argv)}
+    (dest / "train_log.json").write_text(json.dumps({"summary": summary}))
+    assert [c[0] for c in _run(monkeypatch, tmp_path, *argv, "--time-limit", "5")] == ["draft", "eagle"]
+    (dest / "train_log.json").write_text(json.dumps({"summary": {**summary, "run_id": "another run"}}))
+    with pytest.raises(SystemExit, match="pass --force to replace it"):
+        _run(monkeypatch, tmp_path, *argv)
