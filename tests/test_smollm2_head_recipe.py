@@ -120,7 +120,7 @@ def test_the_recipes_own_export_is_made_again_without_force(monkeypatch, tmp_pat
     (_, eagle_argv), = _run(monkeypatch, tmp_path, *argv, "--time-limit", "9")[1:]
     dest.mkdir()
     run_id = json.loads((tmp_path / "run" / "head" / "run.json").read_text())["run_id"]
-    summary = {"run_id": run_id, "command": "python -m training.eagle " + " ".join(eagle_argv)}
+    summary = {"run_id": run_id, "command": eagle.command_line(eagle_argv)}
     (dest / "train_log.json").write_text(json.dumps({"summary": summary}))
     assert [c[0] for c in _run(monkeypatch, tmp_path, *argv, "--time-limit", "5")] == ["draft", "eagle"]
     (dest / "train_log.json").write_text(json.dumps({"summary": {**summary, "run_id": "another run"}}))

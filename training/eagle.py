@@ -855,6 +855,11 @@ def _vocab_from(parser, args, vocab_size: int) -> np.ndarray:
     return ids
 
 
+def command_line(argv) -> str:
+    """The command an export records (``train_log.json``): how a rerun knows its own export."""
+    return "python -m training.eagle " + " ".join(argv)
+
+
 def main(argv=None) -> int:
     started = time.monotonic()  # --time-limit counts from here
     parser = build_parser()
@@ -866,7 +871,7 @@ def main(argv=None) -> int:
             ok = False
         if not ok:
             parser.error(f"--draft-temperature must be 'fit' or a positive number, got {args.draft_temperature!r}")
-    command = "python -m training.eagle " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line(argv if argv is not None else sys.argv[1:])
     out = pathlib.Path(args.out)
     common.check_outside_package(out, "--out")
     common.check_resumable(out / "ckpt", fresh=args.fresh)
@@ -899,21 +904,19 @@ def main(argv=None) -> int:
     if run.get("target_fingerprint", fingerprint) != fingerprint:
         raise SystemExit(f"error: {out} was started with --target {run.get('target')}, another model than "
                          f"--target {args.target}; resume with that target or use another --out.")
-    if run.get("seq_len", args.seq_len) != args.seq_len:
-        raise SystemExit(f"error: {out} was started with --seq-len {run['seq_len']}; resume with that or use "
-                         "another --out.")
     if args.shards is not None and run.get("num_shards", args.shards) != args.shards:
         raise SystemExit(f"error: {out} was started with --shards {run['num_shards']}; resume with that or use "
                          "another --out.")
     if args.head_vocab is not None and "head_vocab_ids" in run and len(run["head_vocab_ids"]) != args.head_vocab:
         raise SystemExit(f"error: {out} was started with --head-vocab {len(run['head_vocab_ids'])}; resume with "
                          "that or use another --out.")
-    # The held-out answers are made once (OUT/heldout) and every evaluation of the run is
-    # read on them: other settings would be ignored and the card would misreport them.
-    for key, flag in (("eval_prompts", "--eval-prompts"), ("eval_new_tokens", "--eval-new-tokens")):
+    # The rows' length shapes the stored features; the held-out answers are made once
+    # (OUT/heldout) with the eval settings and every evaluation reads them.
+    for key, flag in (("seq_len", "--seq-len"), ("eval_prompts", "--eval-prompts"),
+                      ("eval_new_tokens", "--eval-new-tokens")):
         if run.get(key, getattr(args, key)) != getattr(args, key):
-            raise SystemExit(f"error: {out} was started with {flag} {run[key]}; its held-out answers are made "
-                             "with it. Resume with that or use another --out.")
+            raise SystemExit(f"error: {out} was started with {flag} {run[key]}; resume with that or use another "
+                             "--out.")
     run.update(target=args.target, target_fingerprint=fingerprint, seq_len=args.seq_len,
                eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens)
     all_files = sorted(pathlib.Path(args.data).glob("shard_*.npz"))

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         head_out.mkdir(parents=True, exist_ok=True)
         common.check_export(pathlib.Path(args.export or out / "export"), force=args.force,
                             run_id=common.run_id(head_out),
-                            command="python -m training.eagle " + " ".join(_head_argv(args, out, None)))
+                            command=eagle.command_line(_head_argv(args, out, None)))
     progress = ["--no-progress"] if args.no_progress else []
     stages = [["--answers-from", str(ANSWERS)]]
     # Batches of 32, as the shipped answers: a pass numbers its shards by the batch, and other
