@@ -724,7 +724,7 @@ def load(path: str, dtype: Any = None, *, quantize=None, mesh=None, shardings=No
         if mesh is not None or shardings is not None or quantize is not None:
             raise ValueError(f"A published {kind} head loads onto one device, unquantized; place it after "
                              "specjax.pair.")
-        return published_heads.load_published_head(path, dtype, kind)
+        return published_heads.load_detected_head(path, dtype, kind)
     return load_hf(path, dtype, quantize=quantize, mesh=mesh, shardings=shardings)
 
 

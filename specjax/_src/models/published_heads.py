@@ -292,6 +292,11 @@ def load_published_head(path: str, dtype: Any = None, kind: Optional[str] = None
     kind = kind or found
     if kind is None:
         raise ValueError(f"{path} is not a published draft head layout specjax knows (EAGLE-1/2, EAGLE-3, Medusa).")
+    return load_detected_head(path, dtype, kind)
+
+
+def load_detected_head(path: str, dtype: Any, kind: str) -> Model:
+    """:func:`load_published_head` for a ``kind`` that :func:`detect` has already read from ``path``."""
     config = _read_config(path)
     _check_config(config, path, kind)
     if kind == UNKNOWN:
