@@ -9,6 +9,7 @@ import pytest
 import specjax
 from specjax.engine import Engine, GenerationControls, SlotSettings, TextStream, check_stop_strings, cut_at_stop
 from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
+from specjax.trees import dynamic_tree, static_tree
 from test_decode import NO_BUCKETS, goodness_of_fit
 
 PENALTIES = GenerationControls(repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3,
@@ -197,3 +198,54 @@ def test_an_engine_runs_processors_of_ones_own():
         seen[name] = out.tokens[:, :8]
     assert not (seen["banned"] == 5).any()
     assert (seen["free"] == 5).any()  # the control: token 5 is generated without the processor
+
+
+# ---------------------------------------------------------------------------
+# Token trees: each node processed after the tokens on its path
+# ---------------------------------------------------------------------------
+
+
+def test_greedy_on_a_tree_with_penalties_equals_target_only_with_them(llama_pair):
+    controls = GenerationControls(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+                                  logit_bias={10: 3.0}, min_new_tokens=3)
+    prompts = [[5, 9, 3, 5, 9], [7] * 6, [1, 2, 3]]
+    target_only = specjax.generate(llama_pair, prompts, max_new_tokens=24, temperature=0.0, controls=controls)
+    out = specjax.decode(llama_pair, prompts, tree=dynamic_tree(3, 2, 5), max_new_tokens=24, temperature=0.0,
+                         controls=controls)
+    assert out.to_lists() == target_only.to_lists()
+    assert out.stats.tau > 1.5  # the tree's drafts were accepted, not only the target's own tokens
+
+
+@pytest.mark.parametrize("tree, temperature", [
+    (static_tree((2, 2)), 1.0), (dynamic_tree(2, 2, 4), 0.0), (dynamic_tree(2, 2, 4, sampled=True), 1.0),
+], ids=["static-sampled", "dynamic-greedy", "dynamic-sampled"])
+def test_a_draft_equal_to_the_target_is_accepted_everywhere_under_penalties(tree, temperature):
+    """A draft with the target's own table agrees with it only if both are processed after the
+    same path: then every judged node is accepted (the first child's p / q is 1). Skipping the
+    draft's processing below the root accepted 86-91% here."""
+    table = random_table(0, VOCAB)
+    same = specjax.pair(bigram_model(table), bigram_model(table))
+    out = specjax.decode(same, [[3]] * 64, tree=tree, max_new_tokens=9, temperature=temperature,
+                         key=jax.random.key(0), eos_token_id=(), controls=PENALTIES, buckets=NO_BUCKETS)
+    stats = jax.device_get(out.stats)
+    assert np.sum(stats.judged) > 64 and np.sum(stats.accepted) == np.sum(stats.judged), stats
+
+
+@pytest.mark.parametrize("tree", [
+    pytest.param(static_tree((2, 2)), marks=pytest.mark.slow), dynamic_tree(2, 2, 4, sampled=True),
+], ids=["static", "dynamic-sampled"])
+def test_sampled_law_on_a_tree_is_the_processed_target(tree):
+    """The first two tokens follow the processed target's law: the second one's processing counts
+    the first, whether it was a drafted node or the emitted token; negative control: the
+    unprocessed law is rejected."""
+    pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
+    out = specjax.decode(pair, [[3]] * 20000, tree=tree, max_new_tokens=2, temperature=1.0,
+                         key=jax.random.key(0), eos_token_id=(), controls=PENALTIES, buckets=NO_BUCKETS)
+    toks = np.asarray(out.tokens)
+    counts = np.zeros((VOCAB, VOCAB))
+    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    table = np.asarray(pair.target.params["table"])
+    pvalue, tv = goodness_of_fit(counts, processed_law(table, PENALTIES, 3))
+    assert pvalue > 1e-3 and tv < 0.03, (pvalue, tv)
+    pvalue, tv = goodness_of_fit(counts, processed_law(table, GenerationControls(), 3))
+    assert pvalue < 1e-6 and tv > 0.05, (pvalue, tv)

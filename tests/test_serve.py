@@ -532,8 +532,8 @@ def test_cli_parses_serve(setup):
 
 def test_serve_with_a_token_tree():
     """`specjax serve --tree`: each request drafts a token tree in its slot; greedy requests get what
-    decode(tree=...) gives them alone with the rule they pick, the model card names the tree, and
-    penalties, which trees do not take, are refused by name."""
+    decode(tree=...) gives them alone with the rule they pick, penalties and logit_bias included,
+    and the model card names the tree."""
     from specjax.cli import serve
     from specjax.cli.app import build_parser
     from specjax.trees import static_tree
@@ -557,10 +557,12 @@ def test_serve_with_a_token_tree():
             assert r.model_extra["speculative"]["cycles"] < len(ref)  # the tree accepted drafts
         card = httpx.get(server.url + "/v1/models", timeout=5).json()["data"][0]["speculative"]
         assert card["tree"] == "2,2,1" and card["num_draft"] == 3
-        bad = httpx.post(server.url + "/v1/completions", timeout=30,
-                         json={"model": "embedded", "prompt": PROMPT, "max_tokens": 4, "presence_penalty": 0.5})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "presence_penalty"
-        assert "--tree" in bad.json()["error"]["message"]
+        penalised = client.completions.create(model="embedded", prompt=PROMPT, max_tokens=20, temperature=0,
+                                              presence_penalty=0.5, frequency_penalty=0.4, logit_bias={"30": 5})
+        controls = specjax.GenerationControls(presence_penalty=0.5, frequency_penalty=0.4, logit_bias={30: 5.0})
+        ref = specjax.decode(scheduler.engine.params, [ids], tree=tree, max_new_tokens=20, temperature=0.0,
+                             controls=controls, max_length=64 + tree.num_nodes).to_lists()[0]
+        assert penalised.choices[0].text == target.tokenizer.decode(ref) != r.choices[0].text
     finally:
         server.stop()
     jax.clear_caches()

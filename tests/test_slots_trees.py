@@ -22,10 +22,11 @@ from test_slots_serving import run_to_end as run_with_logprobs
 CAPACITY = 48
 RULES = (speculative_sampling(), mars(theta=0.5), ears(beta=0.5), typical(eps=0.3, delta=0.3))
 PROMPTS = [[5, 9, 3], [7] * 12, [1, 2, 3, 4, 5, 6], [11, 12]]
+PENALTIES = specjax.GenerationControls(repetition_penalty=1.4, frequency_penalty=0.5, logit_bias={3: 2.0})
 REQUESTS = [
-    SlotSettings(temperature=0.0, max_new_tokens=20),  # the lossless member, greedy
+    SlotSettings(temperature=0.0, max_new_tokens=20, controls=PENALTIES),  # the lossless member, greedy, penalised
     SlotSettings(temperature=0.0, max_new_tokens=20, rule=mars(theta=0.3)),  # relaxed, greedy, its own number
-    SlotSettings(temperature=1.0, seed=3, max_new_tokens=18, rule=ears(beta=0.5)),
+    SlotSettings(temperature=1.0, seed=3, max_new_tokens=18, rule=ears(beta=0.5), controls=PENALTIES),
     SlotSettings(temperature=0.8, top_p=0.9, top_k=20, seed=5, max_new_tokens=20, rule=typical(eps=0.3, delta=0.3)),
 ]
 
@@ -45,7 +46,7 @@ def alone(pair, tree, prompt, s: SlotSettings, rule=None):
     key = None if s.seed is None else jax.random.key(s.seed)
     out = specjax.decode(pair, [prompt], tree=tree, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                          top_k=s.top_k, top_p=None if s.top_p >= 1 else s.top_p, key=key,
-                         rule=rule or s.rule or RULES[0], max_length=CAPACITY + tree.num_nodes)
+                         rule=rule or s.rule or RULES[0], max_length=CAPACITY + tree.num_nodes, controls=s.controls)
     return out.to_lists()[0]
 
 
@@ -56,18 +57,20 @@ def alone(pair, tree, prompt, s: SlotSettings, rule=None):
     ("feature head", dynamic_tree(3, 2, 5)),
 ], ids=["static-draft-model", "dynamic-feature-head"])
 def test_each_request_decodes_as_decode_alone_on_its_tree(llama_pair, head_pair, drafter, tree):
-    """Four slots, four rules, greedy and sampled (top-p and top-k on one), one inserted mid-run:
-    each request gets exactly the tokens decode(tree=...) gives it alone with its rule; a request
-    with other numbers later compiles nothing."""
+    """Four slots, four rules, greedy and sampled (top-p and top-k on one), penalties on two, one
+    inserted mid-run: each request gets exactly the tokens decode(tree=...) gives it alone with its
+    rule and controls; a request with other numbers later compiles nothing."""
     pair = llama_pair if drafter == "draft model" else head_pair
     engine = Engine(pair, num_slots=4, capacity=CAPACITY, rule=one_of(*RULES), tree=tree)
-    assert engine.tree == tree and engine.num_draft == tree.max_depth and not engine.cfg.controls
+    assert engine.tree == tree and engine.num_draft == tree.max_depth and engine.cfg.controls
     state = engine.insert_many(engine.init(), [0, 1, 2], PROMPTS[:3], REQUESTS[:3])
     got, state = run_to_end(engine, state, pending=[(2, 3, PROMPTS[3], REQUESTS[3])])
     for slot, s in enumerate(REQUESTS):
         assert got[slot] == alone(pair, tree, PROMPTS[slot], s), (slot, str(s.rule))
     # MARS at theta 0.3 relaxed something on the tree: the slot did not run the lossless default.
     assert got[1] != alone(pair, tree, PROMPTS[1], REQUESTS[0])
+    # The penalties changed what the greedy request got.
+    assert got[0] != alone(pair, tree, PROMPTS[0], REQUESTS[0]._replace(controls=None))
     state = engine.release(state, 0)
     with count_compilations() as compiled:
         state = engine.insert(state, 0, PROMPTS[0], SlotSettings(temperature=0.6, seed=1, max_new_tokens=4,
@@ -141,15 +144,13 @@ def test_tree_engine_refuses_what_trees_do_not_take(llama_pair):
     tree = static_tree((2, 1))
     with pytest.raises(ValueError, match="lookup= drafts chains"):
         Engine(llama_pair, num_slots=1, capacity=16, tree=tree, lookup=ngram_lookup(2))
-    with pytest.raises(ValueError, match="controls .* cannot be combined with tree="):
-        Engine(llama_pair, num_slots=1, capacity=16, tree=tree, controls=True)
     with pytest.raises(ValueError, match="num_draft=2 but the tree's depth is 3"):
         Engine(llama_pair, num_slots=1, capacity=16, tree=static_tree((2, 1, 1)), num_draft=2)
     with pytest.raises(TypeError, match="tree must be a TokenTree"):
         Engine(llama_pair, num_slots=1, capacity=16, tree=(2, 1))
     with pytest.raises(ValueError, match="the tree's 5 nodes exceeds the target model's 128 positions"):
         Engine(llama_pair, num_slots=1, capacity=126, tree=tree)
-    engine = Engine(llama_pair, num_slots=1, capacity=16, tree=tree)
+    engine = Engine(llama_pair, num_slots=1, capacity=16, tree=tree, controls=False)
     errors = engine.validate(SlotSettings(controls=specjax.GenerationControls(repetition_penalty=1.2),
                                           max_new_tokens=4), 3)
     assert [e.field for e in errors] == ["controls"] and "controls=False" in errors[0].message

@@ -18,7 +18,8 @@ that are traced (a new penalty compiles nothing):
 Speculative decoding applies the same processors to the target's and the
 draft's logits at every position, before the temperature / top-k / top-p
 warp, each with the tokens before that position (committed ones and the
-cycle's own drafts). The processed target is then the distribution the user
+cycle's own drafts: on a token tree, the drafts on the node's path from the
+root). The processed target is then the distribution the user
 asked for, and the lossless rule is exactly lossless with respect to it:
 the rule only needs ``p`` and ``q`` to be the distributions the two models
 are sampled from, whatever produced them.
@@ -178,7 +179,7 @@ def history(tokens: Array, prompt_lengths: Array, num_committed: Array, eos_ids:
 
 
 def process(processors, controls: Controls, hist: History, logits: Array, block: Array, offset: Array) -> Array:
-    """Applies ``processors`` to a block of positions.
+    """Applies ``processors`` to a block of positions on a chain.
 
     Args:
       logits: ``[B, T, V]`` raw logits; row ``t`` predicts the token after
@@ -190,19 +191,36 @@ def process(processors, controls: Controls, hist: History, logits: Array, block:
     Returns:
       ``[B, T, V]`` float32 processed logits.
     """
+    upto = jnp.arange(logits.shape[1])[:, None] + offset  # [T, 1]: block tokens seen by row t
+    follows = jnp.arange(block.shape[1])[None, :] < upto  # [T, T']
+    return process_paths(processors, controls, hist, logits, block, follows[None])
+
+
+def process_paths(processors, controls: Controls, hist: History, logits: Array, block: Array,
+                  follows: Array) -> Array:
+    """Applies ``processors`` to positions that each follow their own subset of
+    ``block``: a chain's prefixes, or a token tree's root-to-node paths.
+
+    Args:
+      logits: ``[B, T, V]`` raw logits.
+      block: ``[B, K]`` the tokens drafted after ``hist``.
+      follows: ``[B or 1, T, K]`` bool, row ``t`` comes after ``block[:, k]``
+        (the tokens its history holds beyond ``hist``).
+
+    Returns:
+      ``[B, T, V]`` float32 processed logits.
+    """
     if hist.active is not None:
-        return jax.lax.cond(hist.active, lambda x: process(processors, controls, hist._replace(active=None), x,
-                                                           block, offset),
+        return jax.lax.cond(hist.active, lambda x: process_paths(processors, controls, hist._replace(active=None),
+                                                                 x, block, follows),
                             lambda x: x.astype(jnp.float32), logits)
-    batch, width, vocab = logits.shape
-    k = block.shape[1]
+    vocab = logits.shape[-1]
     onehot = jax.nn.one_hot(block, vocab, dtype=jnp.float32)  # [B, K, V]
-    upto = jnp.arange(width)[:, None] + offset  # [T, 1]: block tokens seen by row t
-    mask = (jnp.arange(k)[None, :] < upto).astype(jnp.float32)  # [T, K]
-    extra = jnp.einsum("tk,bkv->btv", mask, onehot)
+    mask = follows.astype(jnp.float32)
+    extra = jnp.einsum("btk,bkv->btv", jnp.broadcast_to(mask, (block.shape[0],) + mask.shape[1:]), onehot)
     counts = hist.counts[:, None, :] + extra
     seen = hist.seen[:, None, :] | (extra > 0)
-    generated = hist.num_generated[:, None] + jnp.minimum(upto[:, 0], k)[None, :]
+    generated = hist.num_generated[:, None] + follows.sum(-1).astype(jnp.int32)  # [B, T]
 
     def one(lg, c, s, n, eos, ctl):
         ctx = TokenContext(counts=c, seen=s, num_generated=n, eos_ids=eos, controls=ctl)

@@ -49,11 +49,10 @@ def build(args):
     # One prompt width up to 512 positions: a prefill runs as many positions as its longest prompt
     # whatever the width, so more widths would only mean more programs to compile.
     # max_bias: OpenAI's limit of logit_bias entries per request.
-    # Token trees take no logits processors yet: a --tree server refuses penalties by name (docs/server.md).
     try:
         engine = Engine(specjax.pair(target, draft), num_slots=args.slots, capacity=capacity, num_draft=num_draft,
                         rule=rule, drafting=drafting, lookup=lookup, tree=tree,
-                        controls=False if tree is not None else not args.no_penalties,
+                        controls=not args.no_penalties,
                         prompt_bucket=min(capacity, 512), row_buckets="powers", donate_state=True,
                         specialized_steps=True, max_bias=300, max_eos=MAX_STOP_TOKEN_IDS + 4,
                         logprobs=args.max_logprobs)

@@ -39,6 +39,7 @@ from specjax._src.engine.cycle import (
     CycleInputs,
     commit_block,
     committed_block,
+    cycle_history,
     cycle_logprobs,
     draft_keep,
     first_draft_logits,
@@ -217,14 +218,9 @@ def _decode_cycle(
     """
     prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows = inputs
     batch = state.num_committed.shape[0]
-    hist = None
     if rows is not None:
         rows, top_p = live_settings(rows, top_p, ~state.done)
-    if rows is not None and rows.controls is not None:
-        active = processors_lib.changes_logits(rows.processors, rows.controls,
-                                               state.num_committed - prompt_lengths, ~state.done)
-        hist = processors_lib.history(state.tokens, prompt_lengths, state.num_committed, eos_ids,
-                                      pair_params.vocab_size, active=active)
+    hist = cycle_history(rows, state, prompt_lengths, eos_ids, pair_params.vocab_size)
     uniforms, draft_uniforms, emit_uniform = _cycle_uniforms(cfg, seq_keys, state.step, batch)
     drafts, draft_cache = _draft(cfg, pair_params, policy, state, draft_uniforms, temperature, top_p, rows, hist)
     verified = _verify(cfg, pair_params, rule, state, drafts, uniforms, temperature, top_p, rows, hist)

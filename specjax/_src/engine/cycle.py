@@ -45,6 +45,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from specjax._src import processors as processors_lib
 from specjax._src.engine.config import _Config, _DecodeState, _Logprobs
 from specjax._src.engine.ops import _gather, _is_eos, _row, _where_b
 from specjax._src.lm import KVCache, LMOutput, ReducedLogits
@@ -120,6 +121,18 @@ def live_settings(rows, top_p, live: Array):
     if top_p is not None and jnp.ndim(top_p) == 1:
         top_p = jnp.where(live, top_p, 1.0)
     return rows, top_p
+
+
+def cycle_history(rows, state: _DecodeState, prompt_lengths: Array, eos_ids: Array,
+                  vocab: int) -> Optional[processors_lib.History]:
+    """What the logits processors read of each sequence before the cycle
+    (:func:`specjax._src.processors.history`), or None without per-row controls.
+    Counted only when some live row's controls change its logits."""
+    if rows is None or rows.controls is None:
+        return None
+    active = processors_lib.changes_logits(rows.processors, rows.controls, state.num_committed - prompt_lengths,
+                                           ~state.done)
+    return processors_lib.history(state.tokens, prompt_lengths, state.num_committed, eos_ids, vocab, active=active)
 
 
 def per_row_rule(rule, rows, method: str, greedy: bool, *args):

@@ -325,9 +325,10 @@ def decode(
         prompt, or a list with one per prompt. The processed logits are what
         both models sample from and what the rule judges, so the lossless
         rule is exactly lossless with respect to the processed target
-        (:mod:`specjax._src.processors`). Chains only (ValueError with
-        ``tree=``); stop strings are matched on the text by the reader of the
-        tokens (:class:`specjax.engine.TextStream`).
+        (:mod:`specjax._src.processors`). On a tree, each node's logits are
+        processed after the tokens on its path from the root. Stop strings
+        are matched on the text by the reader of the tokens
+        (:class:`specjax.engine.TextStream`).
 
     Compilation and warm-up: the first call for each combination of
     (batch bucket, prompt-width bucket, ``max_new_tokens`` bucket) and of the
@@ -357,8 +358,6 @@ def decode(
         raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
     if lookup is not None and tree is not None:
         raise ValueError("lookup= drafts chains; it cannot be combined with tree=. Drop one of them.")
-    if controls is not None and tree is not None:
-        raise ValueError("controls= (logits processors) work with chains; they cannot be combined with tree= yet.")
     if tree is not None:
         rule, drafting, _ = _check_decode_args(params, rule, drafting, None)
         depth = _check_tree(tree, params, rule, drafting, num_draft)

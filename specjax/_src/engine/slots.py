@@ -514,11 +514,11 @@ class Engine:
         nodes in one forward, as ``decode(tree=...)`` does, with each slot's own
         temperature, top-p, top-k, rule numbers and log-probs. ``K`` is the
         tree's depth; a request's ``num_draft`` caps the depth its path may
-        accept (0: one target token per cycle). Not with ``lookup`` or
-        ``controls``; the drafting policy is the tree's shape.
+        accept (0: one target token per cycle). Not with ``lookup``; the
+        drafting policy is the tree's shape.
       controls: compile the logits processors in (``SlotSettings.controls``);
-        False saves their work when no request uses them. Default: True for
-        chains, False with ``tree`` (which does not take them yet).
+        False saves their work when no request uses them. Default: True.
+        On a tree each node's logits are processed after the tokens on its path.
       processors: the processors, in order (static; default the built-ins:
         bias, repetition, presence / frequency, ``min_new_tokens``). Each is a
         pure function ``(logits [V], TokenContext) -> logits [V]``.
@@ -564,19 +564,16 @@ class Engine:
                  donate_state: bool = False, specialized_steps: bool = False, logprobs: int = 0):
         if lookup is not None and not isinstance(lookup, lookup_lib.NgramLookup):
             raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
+        controls = True if controls is None else controls
         if tree is None:
             rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
             cache_room = num_draft
-            controls = True if controls is None else controls
         else:
             if lookup is not None:
                 raise ValueError("Engine: lookup= drafts chains; it cannot be combined with tree=. Drop one of them.")
-            if controls:
-                raise ValueError("Engine: controls (logits processors) work with chains; they cannot be combined "
-                                 "with tree= yet (leave controls unset).")
             rule, drafting, _ = _check_decode_args(params, rule, drafting, None)
             # The tree's depth is its K; the target cache holds every node for a moment.
-            num_draft, cache_room, controls = _check_tree(tree, params, rule, drafting, num_draft), tree.num_nodes, False
+            num_draft, cache_room = _check_tree(tree, params, rule, drafting, num_draft), tree.num_nodes
         for name, value in (("num_slots", num_slots), ("capacity", capacity), ("max_eos", max_eos),
                             ("max_bias", max_bias), ("prompt_bucket", prompt_bucket)):
             number = as_integer(value)

@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax._src import processors as processors_lib
 from specjax._src import sampling
 from specjax._src.engine.config import _Config, _DecodeState
 from specjax._src.engine.cycle import (
@@ -74,6 +75,7 @@ from specjax._src.engine.cycle import (
     CycleInputs,
     commit_block,
     committed_block,
+    cycle_history,
     cycle_logprobs,
     draft_keep,
     first_draft_logits,
@@ -110,17 +112,21 @@ def _tree_cycle(
     ``policy`` is not read: the tree's shape is the drafting policy.
     ``inputs.rows`` (the slots engine's): per-row temperature, top-p and
     top-k, greedy rows among sampled ones, rule numbers, log-probabilities,
-    and the draft cap, which limits the accepted path's depth
+    the logits processors (each node's logits, the draft's and the target's,
+    processed after the tokens on its path, :func:`_processed`), and the draft
+    cap, which limits the accepted path's depth
     (:func:`specjax._src.trees.verify_tree`'s ``limit``)."""
     del policy
     prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows = inputs
     if rows is not None:
         rows, top_p = live_settings(rows, top_p, ~state.done)
+    hist = cycle_history(rows, state, prompt_lengths, eos_ids, pair_params.vocab_size)
     batch = state.num_committed.shape[0]
     need_view = _needs_chain_view(cfg, state)
     draft_keys, uniforms, emit_uniform = _tree_uniforms(cfg, seq_keys, state.step, batch)
-    drafted, draft_cache = _draft(cfg, pair_params, rule, state, draft_keys, temperature, top_p, need_view, rows)
-    verified = _verify(cfg, pair_params, rule, state, drafted, temperature, top_p, rows)
+    drafted, draft_cache = _draft(cfg, pair_params, rule, state, draft_keys, temperature, top_p, need_view, rows,
+                                  hist)
+    verified = _verify(cfg, pair_params, rule, state, drafted, temperature, top_p, rows, hist)
     accepted = _accept(cfg, rule, state, drafted, verified, uniforms, emit_uniform, rows)
     committed, draft_features = _commit(pair_params, state, drafted, verified, accepted, draft_cache, prompt_lengths,
                                         max_new, eos_ids)
@@ -170,6 +176,35 @@ def _tree_uniforms(cfg: _Config, seq_keys, step, batch: int):
     return draft_keys, u[:, :n_nodes], u[:, n_nodes]
 
 
+def node_paths(parents: Array, nodes: Array, depth: int) -> Array:
+    """``[B, M, N]`` bool: the drafted tokens each of ``nodes [B or 1, M]``
+    follows, the non-root nodes on its path from the root, itself included.
+    ``parents``: ``[B or 1, N]`` (the root's ``-1``); ``depth``: the deepest level."""
+    n, batch = parents.shape[-1], max(parents.shape[0], nodes.shape[0])
+    parents = jnp.broadcast_to(parents, (batch, n))
+    node = jnp.broadcast_to(nodes, (batch, nodes.shape[-1]))
+    paths = jnp.zeros(node.shape + (n,), bool)
+    for _ in range(depth):
+        on = node > 0
+        paths = paths | (on[..., None] & (node[..., None] == jnp.arange(n)))
+        node = jnp.where(on, jnp.take_along_axis(parents, jnp.maximum(node, 0), axis=1), 0)
+    return paths
+
+
+def _processed(rows, hist, raw: Array, tokens: Array, follows: Array) -> Array:
+    """``raw [B, M, V]`` through the rows' logits processors, each of the ``M``
+    nodes after the committed tokens (``hist``) and the drafted ``tokens [B, N]``
+    on its path (``follows [B or 1, M, N]``, :func:`node_paths`): the
+    processing a chain gives the same tokens in a row. As is without controls.
+
+    The draft's and the target's logits at a node are processed alike, so every
+    rule judges the distributions the user asked for, as on a chain
+    (:mod:`specjax._src.processors`)."""
+    if hist is None:
+        return raw
+    return processors_lib.process_paths(rows.processors, rows.controls, hist, raw, tokens, follows)
+
+
 # ---------------------------------------------------------------------------
 # 1. draft
 # ---------------------------------------------------------------------------
@@ -205,7 +240,7 @@ class _DraftedTree(NamedTuple):
 
 
 def _draft(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _DecodeState, draft_keys,
-           temperature, top_p, need_view: bool, rows=None) -> tuple[_DraftedTree, KVCache]:
+           temperature, top_p, need_view: bool, rows=None, hist=None) -> tuple[_DraftedTree, KVCache]:
     """Drafts the cycle's tree: a static tree level by level
     (:func:`_draft_tree`), a dynamic one by EAGLE-2's expansion and rerank
     (:func:`_draft_dynamic`). Returns the tree and the draft cache after it,
@@ -220,13 +255,13 @@ def _draft(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _D
         # rules judge by the target's ranks and accept more of the draft's best.
         sampled = lossless if tree.sampled is None else bool(tree.sampled)
         drafts, cache = _draft_dynamic(cfg, tree, pair_params, state, need_logits=need_logits, draft_keys=draft_keys,
-                                       temperature=temperature, top_p=top_p, sampled=sampled, rows=rows)
+                                       temperature=temperature, top_p=top_p, sampled=sampled, rows=rows, hist=hist)
         parent_logits = _warp(cfg, drafts.parent_logits, temperature, top_p, rows) if need_logits else None
         table = jax.vmap(lambda p: children_table(p, tree.top_k))(drafts.parents)
         return _DraftedTree(tokens=drafts.tokens, parents=drafts.parents, table=table, probs=drafts.probs,
                             parent_logits=parent_logits, fed=drafts.fed, bad=drafts.bad,
                             forwards=drafts.forwards), cache
-    drafts, cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p, rows)
+    drafts, cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p, rows, hist)
     parents = np.asarray(tree.parents, np.int32)  # static: the mask is built on the host
     static_table = tree.children_table()
     table = jnp.broadcast_to(jnp.asarray(static_table), (batch,) + static_table.shape)
@@ -296,7 +331,7 @@ def _children(cfg: _Config, raw: Array, keys: Array, num: int, temperature, top_
 
 
 def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _DecodeState, draft_keys,
-                temperature, top_p, rows=None) -> tuple[_StaticDrafts, KVCache]:
+                temperature, top_p, rows=None, hist=None) -> tuple[_StaticDrafts, KVCache]:
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab = pair_params.vocab_size
     batch = state.num_committed.shape[0]
@@ -317,9 +352,12 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
     bad = sampling.nonfinite_rows(raw0 if reduced is None else reduced.logits)
     raw, reduced = raw0[:, None], _as_level(reduced)  # [B, 1, V]: the root level
     parents = np.asarray(tree.parents, np.int32)  # static: the mask is built on the host
+    paths = node_paths(jnp.asarray(parents)[None], jnp.arange(tree.num_nodes)[None], len(spans) - 1)
     forwards = 1
     for d, (lo, hi) in enumerate(spans[:-1]):
         keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(draft_keys) if draft_keys is not None else None
+        if hist is not None:  # the processed logits rank the children: the head's own columns would not
+            raw, reduced = _processed(rows, hist, raw, tokens, paths[:, lo:hi]), None
         kids, level_logits, level_probs = _children(cfg, raw, keys, branching[d], temperature, top_p, rows,
                                                     reduced)
         probs = probs.at[:, lo:hi].set(level_probs)
@@ -354,7 +392,7 @@ class _DynamicDrafts(NamedTuple):
 
 def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, state: _DecodeState,
                    need_logits: bool, draft_keys=None, temperature=1.0, top_p=1.0,
-                   sampled: bool = False, rows=None) -> tuple[_DynamicDrafts, KVCache]:
+                   sampled: bool = False, rows=None, hist=None) -> tuple[_DynamicDrafts, KVCache]:
     """EAGLE-2's expansion and rerank (:func:`specjax._src.trees.dynamic_tree`).
 
     The draft sees a *fed tree*: node 0 the root, then each level's frontier
@@ -368,6 +406,8 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     not greedy): the children are drawn without replacement from the warped
     draft distribution with ``draft_keys [B]`` (level ``d``'s folded with ``d``);
     greedy rows among them (``rows.greedy``) take the top-k, as a greedy loop does.
+    With logits processors (``hist``), each fed node's logits are processed
+    after the tokens on its fed path before anything ranks or draws from them.
     """
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab, k, depth = pair_params.vocab_size, tree.top_k, tree.depth
@@ -384,6 +424,10 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     root = _gather(state.tokens, state.num_committed - 1)
     bad = sampling.nonfinite_rows(raw0 if reduced0 is None else reduced0.logits)
     sampled = sampled and not cfg.greedy
+    fed_tokens = jnp.zeros((batch, tree.num_fed + 1), jnp.int32).at[:, 0].set(root)
+    if hist is not None:  # the root's children follow the committed tokens alone
+        raw0 = _processed(rows, hist, raw0[:, None], fed_tokens, jnp.zeros((1, 1, tree.num_fed + 1), bool))[:, 0]
+        reduced0 = None
 
     fed_probs = []  # sampled: [B, M, V] per draft forward, the warped distributions children are drawn from
 
@@ -422,6 +466,11 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
         cache, raw = out.cache, out.logits[..., :vocab].astype(jnp.float32)  # [B, k, V]
         reduced = usable_reduced(out, vocab)
         bad = bad | sampling.nonfinite_rows(raw if reduced is None else reduced.logits).any(1)
+        if hist is not None:
+            fed_tokens = fed_tokens.at[:, lo : lo + k].set(front_tokens)
+            front_slots = jnp.broadcast_to(jnp.arange(lo, lo + k), (batch, k))
+            raw = _processed(rows, hist, raw, fed_tokens, node_paths(fed_parents, front_slots, d))
+            reduced = None
         raws.append(raw)
         level_kids, kid_scores = children(raw, d, reduced)  # [B, k, k]
         level_scores = front_scores[:, :, None] + kid_scores
@@ -470,16 +519,22 @@ class _TreeVerified(NamedTuple):
 
 
 def _verify(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _DecodeState,
-            drafted: _DraftedTree, temperature, top_p, rows=None) -> _TreeVerified:
+            drafted: _DraftedTree, temperature, top_p, rows=None, hist=None) -> _TreeVerified:
     """One target forward over all ``N`` nodes with tree attention: row ``j``
-    of its logits judges node ``j``'s children."""
+    of its logits judges node ``j``'s children (processed after node ``j``'s path)."""
     head = pair_params.draft.module
     head_layers = head.feature_layers if is_feature_head(head) else ()
     out = pair_params.target.module.apply(pair_params.target.params, drafted.tokens, state.target_cache,
                                           tree_parents=drafted.parents,
                                           hidden_layers=tuple(rule.hidden_layers) + head_layers)
     raw = out.logits[..., : pair_params.vocab_size]
-    target_logits = _warp(cfg, raw, temperature, top_p, rows)
+    processed = raw
+    if hist is not None:
+        parents = drafted.parents[None] if isinstance(drafted.parents, np.ndarray) else drafted.parents
+        n = drafted.tokens.shape[1]
+        paths = node_paths(jnp.asarray(parents), jnp.arange(n)[None], cfg.num_draft)
+        processed = _processed(rows, hist, raw, drafted.tokens, paths)
+    target_logits = _warp(cfg, processed, temperature, top_p, rows)
     head_hidden = None
     if head_layers:
         head_hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)

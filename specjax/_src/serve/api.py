@@ -748,10 +748,8 @@ def _settings(body: _Sampling, prompt: list[int], k: Optional[int], scheduler: s
                                          ("logit_bias", body.logit_bias), ("min_tokens", body.min_tokens))
                 if value not in (None, 0, 0.0, {}) and not (name == "repetition_penalty" and value == 1)]
         if used:
-            why = ("--tree (token trees take no logits processors yet)" if engine.tree is not None
-                   else "--no-penalties (its engine has no logits processors)")
-            raise _unsupported(f"{used[0]}: this server was started with {why}; leave the penalties, logit_bias and "
-                               "min_tokens unset.", used[0])
+            raise _unsupported(f"{used[0]}: this server was started with --no-penalties (its engine has no logits "
+                               "processors); leave the penalties, logit_bias and min_tokens unset.", used[0])
         controls = None
     num_draft, num_draft_param, rule = body.num_draft, "num_draft", None
     speculative = body.speculative
