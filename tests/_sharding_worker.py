@@ -258,6 +258,7 @@ def main(path: str) -> None:
     report["narrow"] = narrow_verification_on_mesh(pair, prompts, key, spy_decode, weights, caches)
     report["bigram"] = bigram_on_mesh()
     report["experts"] = experts_on_mesh(prompts, kw)
+    report["heads_and_controls"] = heads_and_controls_on_mesh(pair, prompts, key, spy_decode, weights, caches)
     report["loading"] = loading(pair.target, mesh)
     report["seconds"] = round(time.time() - t0, 1)
     with open(path, "w") as f:
@@ -281,6 +282,40 @@ def trees_on_mesh(pair, prompts, key, spy, weights, caches) -> dict:
         got = specjax.decode(pair.replace(target=target), prompts, max_new_tokens=NEW, mesh=mesh, **kw)
         out[name] = {"match": got.to_lists() == ref.to_lists(), "tau": float(got.stats.tau),
                      "hlo": check_hlo(spy, weights, caches)}
+    return out
+
+
+def heads_and_controls_on_mesh(pair, prompts, key, spy, weights, caches) -> dict:
+    """A feature head (reduced draft vocabulary) on tensor-parallel meshes,
+    replicated beside the sharded target: a chain on (2, 4), and a dynamic tree
+    with penalties on (4, 2); and penalties on a chain with the sharded draft
+    model. All at T=1 with one key, where the tokens depend on the draft's
+    distribution (its draws, the acceptance ratio, the residual), so equal
+    tokens and acceptance counts show the head computed the same on the mesh.
+    Each against one device, with its programs' HLO."""
+    from specjax.engine import GenerationControls
+    from specjax.trees import dynamic_tree
+
+    head = specjax.heads.init_from_target(pair.target, jax.random.key(1), np.arange(80)[::-1])
+    head_pair = specjax.pair(pair.target, head)
+    penalties = GenerationControls(repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3,
+                                   logit_bias={1: 1.0, 6: -2.0})
+    out = {}
+    for name, (data, model), p, kw in (
+        ("head_t1", (2, 4), head_pair, dict(num_draft=NUM_DRAFT, temperature=1.0, key=key)),
+        ("head_tree_penalties", (4, 2), head_pair,
+         dict(tree=dynamic_tree(2, 2, 3, sampled=True), temperature=1.0, key=key, controls=penalties)),
+        ("penalties_t1", (2, 4), pair, dict(num_draft=NUM_DRAFT, temperature=1.0, key=key, controls=penalties)),
+    ):
+        mesh = sharding.make_mesh(data, model)
+        ref = specjax.decode(p, prompts, max_new_tokens=NEW, **kw)
+        got = specjax.decode(p.replace(target=sharding.shard_params(p.target, mesh)), prompts, max_new_tokens=NEW,
+                             mesh=mesh, **kw)
+        out[name] = {"match": got.to_lists() == ref.to_lists(), "tau": float(got.stats.tau),
+                     "accepted": np.asarray(got.stats.accepted).tolist(),
+                     "accepted_ref": np.asarray(ref.stats.accepted).tolist(), "hlo": check_hlo(spy, weights, caches)}
+    plain = specjax.decode(pair, prompts, max_new_tokens=NEW, num_draft=NUM_DRAFT, temperature=1.0, key=key)
+    out["penalties_changed_the_output"] = plain.to_lists() != ref.to_lists()
     return out
 
 

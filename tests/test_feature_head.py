@@ -268,10 +268,6 @@ def test_bad_head_inputs_get_clear_errors(head_pair):
     head = head_pair.draft
     with pytest.raises(ValueError, match=r"features \[B, T, 32\]"):
         head.module.apply(head.params, jnp.ones((1, 3), jnp.int32), features=jnp.ones((1, 3, 16)))
-    from specjax.sharding import make_mesh
-
-    with pytest.raises(ValueError, match="feature head on a mesh"):
-        specjax.decode(head_pair, [[1, 2]], max_new_tokens=2, temperature=0.0, mesh=make_mesh(1, 1))
 
 
 def test_growing_a_head_to_more_blocks_keeps_its_drafts(target, head, head_pair):

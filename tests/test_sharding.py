@@ -124,6 +124,14 @@ def test_experts_split_over_the_model_axis_decode_as_on_one_device(report):
     assert "num_experts=3 is not divisible by it (3 % 2 = 1)" in experts["indivisible"]
 
 
+@pytest.mark.parametrize("case", ["head_t1", "head_tree_penalties", "penalties_t1"])
+def test_feature_heads_and_penalties_on_a_mesh_match_one_device(report, case):
+    entry = report["heads_and_controls"][case]
+    assert entry["match"] and entry["accepted"] == entry["accepted_ref"] and sum(entry["accepted"]) > 0, entry
+    assert entry["hlo"]["weight_gathers"] == [] and entry["hlo"]["cache_gathers"] == [], entry["hlo"]
+    assert report["heads_and_controls"]["penalties_changed_the_output"]
+
+
 def test_mesh_errors_are_clear_and_raised_before_tracing(report):
     e = report["errors"]
     assert e["traced_or_compiled"] == 0

@@ -125,7 +125,6 @@ from specjax._src.engine.prepare import (
 from specjax._src.engine.streaming import _check_on_tokens, _report, _run_streaming
 from specjax._src.jit_keys import pytree_classes
 from specjax._src.lm import KVCache, Model
-from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair, _model_vocab, pair
 from specjax._src.rules.base import AcceptanceRule
 from specjax._src.stats import DecodeStats
@@ -195,7 +194,9 @@ _decode_jit = jax.jit(_decode_impl, static_argnames=("cfg",))
 def _controls_rows(controls, vocab: int, batch: int, batch_pad: int, layout) -> Optional[processors_lib.RowSettings]:
     """``controls=`` (one :class:`GenerationControls` or one per prompt) as
     per-sequence arrays for the loop; None when every request has the defaults
-    (the program is then the one without processors)."""
+    (the program is then the one without processors). On a mesh (``layout``)
+    the arrays are replicated, as the rule's numbers are: they are a few
+    numbers per sequence, and every host of a job builds the same ones."""
     if controls is None:
         return None
     many = isinstance(controls, (list, tuple))
@@ -206,10 +207,10 @@ def _controls_rows(controls, vocab: int, batch: int, batch_pad: int, layout) -> 
              for i, c in enumerate(items)]
     if all(processors_lib.is_default(c) for c in items):
         return None
-    if layout is not None:
-        raise ValueError("controls (logits processors) are not supported on a mesh yet; decode on one device.")
     items += [processors_lib.GenerationControls()] * (batch_pad - batch)
     arrays = processors_lib.controls_rows(items, processors_lib.bias_bucket(items))
+    if layout is not None:
+        arrays = {name: _replicated(layout, x) for name, x in arrays.items()}
     return processors_lib.RowSettings(controls=processors_lib.Controls(**arrays))
 
 
@@ -385,8 +386,6 @@ def decode(
               + (f"the tree's {cache_room} nodes)" if tree is not None else f"num_draft {num_draft})")),
     )
     _check_diagnostics(diagnostics)
-    if is_feature_head(params.draft.module) and call.cfg.layout is not None:
-        raise ValueError("decoding with a feature head on a mesh is not supported yet; decode on one device.")
     cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree, lookup=lookup,
                             verify_widths=None if tree is not None else _verify_widths(buckets, drafting, num_draft),
                             classes=pytree_classes(rule, drafting))
