@@ -220,12 +220,13 @@ def eagle1_reference(w, embed, tokens, feature, lm_head, layers):
     return x @ _t(lm_head).T, x
 
 
-def eagle3_reference(w, embed, tokens, aux, vocab):
-    """cnets.py: fc over the concatenated aux states, LlamaDecoderLayeremb, lm_head(norm(.)), d2t to target ids."""
+def eagle3_reference(w, embed, tokens, aux, vocab, norm_before_residual=False):
+    """cnets.py: fc over the concatenated aux states, LlamaDecoderLayeremb, lm_head(norm(.)), d2t to target ids
+    (vLLM's norm_before_residual: the residual is the normed fused state)."""
     hidden = torch.cat(aux, -1) @ _t(w["fc.weight"]).T
     p = "midlayer."
-    residual = hidden
     h = _rms(hidden, w[p + "hidden_norm.weight"])
+    residual = h if norm_before_residual else hidden
     e = _rms(_t(embed)[tokens], w[p + "input_layernorm.weight"])
     x = residual + _attention(torch.cat((e, h), -1), w, p + "self_attn.")
     x = x + _mlp(_rms(x, w[p + "post_attention_layernorm.weight"]), w, p + "mlp.")
@@ -467,8 +468,11 @@ def test_bad_published_heads_are_refused_by_name(tmp_path, target):
         specjax.load(edit("dvocab", config={"draft_vocab_size": 41}))
     with pytest.raises(ValueError, match="does not load.*EAGLE-3"):
         specjax.load(edit("arch", config={"architectures": ["Eagle3DeepseekV2ForCausalLM"]}))
-    with pytest.raises(ValueError, match="top-level eagle_aux_hidden_state_layer_ids"):
-        specjax.load(edit("toplevel", config={"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}))
+    with pytest.raises(ValueError, match="ids >= 1 .0 would be the embeddings"):
+        specjax.load(edit("toplevel", config={"eagle_aux_hidden_state_layer_ids": [0, 3, 5]}))
+    with pytest.raises(ValueError, match="names eagle_aux_hidden_state_layer_ids twice"):
+        specjax.load(edit("twice", config={"eagle_aux_hidden_state_layer_ids": [1, 3, 5],
+                                           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}}))
     with pytest.raises(ValueError, match="num_hidden_layers 2"):
         specjax.load(edit("layers", config={"num_hidden_layers": 2}))
     with pytest.raises(ValueError, match="tensors this layout does not use: extra.weight"):
@@ -542,6 +546,48 @@ def test_a_loaded_eagle3_head_saves_as_a_specjax_head_and_loads_back(tmp_path, t
     b, _ = _head_forward(specjax.pair(target, again), SEQ)
     np.testing.assert_array_equal(a, b)
 
+
+
+@pytest.mark.parametrize("norm_before_residual", [None, False], ids=["default", "after-residual"])
+def test_a_speculators_eagle3_head_equals_the_published_forward(tmp_path, target, hf_target, norm_before_residual):
+    """The speculators format (vLLM's Eagle3Speculator configs): the block's LlamaConfig under
+    transformer_layer_config, the tensors under layers.0.*, norm_before_residual true unless the
+    config says otherwise, and a top-level eagle_aux_hidden_state_layer_ids naming the states
+    entering target layers (vLLM's convention: 1, 4, 6 are SpecForge's block outputs 0, 3, 5)."""
+    ids = np.random.default_rng(5).choice(96, 40, replace=False)
+    src, w = eagle3_checkpoint(str(tmp_path / "e3"), 96, draft_ids=ids, fmt="safetensors", arch=False)
+    tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in w.items()}
+    with open(os.path.join(src, "config.json")) as f:
+        layer_config = json.load(f)
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+              "speculators_version": "0.2.0", "draft_vocab_size": len(ids), "target_hidden_size": None,
+              "eagle_aux_hidden_state_layer_ids": [1, 4, 6],
+              "transformer_layer_config": {k: v for k, v in layer_config.items() if k != "draft_vocab_size"},
+              "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                     "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                     "verifier": {"name_or_path": "a-target", "architectures": ["LlamaForCausalLM"]}}}
+    if norm_before_residual is not None:
+        config["norm_before_residual"] = norm_before_residual
+    path = _write(str(tmp_path / "speculators"), config, tensors, "safetensors")
+    assert ph.detect(path) == "eagle3"
+    head = specjax.load(path)
+    before = norm_before_residual is None
+    assert head.module.variant == ("eagle3_norm_before_residual" if before else "eagle3")
+    logits, f_hat = _head_forward(specjax.pair(target, head), SEQ)
+    hidden = _hf_hidden(hf_target, SEQ)
+    table = np.asarray(target.params["embed"]["embedding"])
+    ref, ref_hat = eagle3_reference(w, table, torch.tensor(SEQ[1:]), [hidden[i][:-1] for i in (1, 4, 6)], 96,
+                                    norm_before_residual=before)
+    assert rel_err(logits, ref.numpy()) < 1e-5 and rel_err(f_hat, ref_hat.numpy()) < 1e-5
+    other, _ = eagle3_reference(w, table, torch.tensor(SEQ[1:]), [hidden[i][:-1] for i in (1, 4, 6)], 96,
+                                norm_before_residual=not before)
+    assert rel_err(logits, other.numpy()) > 1e-3  # the two residual conventions differ on these weights
+    # another speculators algorithm is refused by its name
+    config["speculators_model_type"] = "mlp"
+    config["architectures"] = ["MLPSpeculator"]
+    other_path = _write(str(tmp_path / "mlp"), config, tensors, "safetensors")
+    with pytest.raises(ValueError, match="speculators_model_type 'mlp'.*does not load"):
+        specjax.load(other_path)
 
 
 def test_published_configs_are_recognised_and_parsed(tmp_path):

@@ -20,6 +20,11 @@ in one of these layouts, as the authors' code writes them:
   ``lm_head.weight [draft_vocab, H]``, ``d2t`` (draft id ``i`` is target id
   ``i + d2t[i]``) and ``t2d``: a :class:`FeatureHead` of variant ``"eagle3"``
   whose reduced LM head scatters to the target's ids, ``-inf`` elsewhere.
+  The same tensors in the **speculators** format (vLLM's ``speculators``
+  configs, ``Eagle3Speculator``): ``config.json`` holds the block's
+  LlamaConfig under ``transformer_layer_config`` and the algorithm's fields
+  on top (``draft_vocab_size``, ``norm_before_residual``, true by default
+  there, and vLLM's ``eagle_aux_hidden_state_layer_ids``).
 * **Medusa** ("Medusa: Simple LLM Inference Acceleration Framework with
   Multiple Decoding Heads", arXiv:2401.10774; FasterDecoding/Medusa
   ``medusa_model.py``): heads ``{i}.{j}.linear`` (ResBlocks ``x + SiLU(W x +
@@ -61,6 +66,7 @@ EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 _PICKLES = ("pytorch_model.bin", "model.bin", "pytorch_model.pt")
 _IGNORED = ("rotary_emb.inv_freq",)
+SPECULATORS_EAGLE3 = "eagle3"  # speculators_model_type of the EAGLE-3 layout (architecture Eagle3Speculator)
 _KIND_NAMES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "Medusa", "unknown": "draft"}
 
 
@@ -70,6 +76,7 @@ _KIND_NAMES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "Medusa", "u
 
 
 def _read_config(path: str) -> dict:
+    """``config.json`` as a dict; a speculators-format config as the flat one vLLM builds from it."""
     file = os.path.join(path, "config.json")
     try:
         with open(file) as f:
@@ -78,7 +85,32 @@ def _read_config(path: str) -> dict:
         raise ValueError(f"{file} cannot be read as JSON ({e}).") from e
     if not isinstance(config, dict):
         raise ValueError(f"{file} must hold a JSON object.")
+    if "speculators_model_type" in config:
+        return _from_speculators(config)
     return config
+
+
+# The fields a speculators EAGLE-3 config sets beside its transformer_layer_config, and their defaults
+# (vLLM's vllm/transformers_utils/configs/speculators/algos.py, update_eagle3).
+_SPECULATORS_EAGLE3_FIELDS = {"draft_vocab_size": None, "target_hidden_size": None, "norm_before_residual": True,
+                              "eagle_aux_hidden_state_layer_ids": None}
+
+
+def _from_speculators(config: dict) -> dict:
+    """A speculators-format config as a flat LlamaConfig-like dict: its
+    ``transformer_layer_config`` with the algorithm's own fields on top (for
+    ``speculators_model_type: "eagle3"``), keeping the speculators'
+    ``architectures`` and type so that :func:`detect` tells the layout."""
+    layer = config.get("transformer_layer_config")
+    flat = dict(layer) if isinstance(layer, dict) else {}
+    flat["architectures"] = config.get("architectures")
+    flat["speculators_model_type"] = config["speculators_model_type"]
+    if config["speculators_model_type"] == SPECULATORS_EAGLE3:
+        for key, default in _SPECULATORS_EAGLE3_FIELDS.items():
+            value = config.get(key, default)
+            if value is not None:
+                flat[key] = value
+    return flat
 
 
 # Fields the loaders turn into shapes or switches: a string or a float here would be coerced (``int("96")``,
@@ -236,6 +268,8 @@ def detect(path: str) -> Optional[str]:
         return None
     if "medusa_num_heads" in config:
         return MEDUSA
+    if "speculators_model_type" in config:  # the speculators format: its own type names the algorithm
+        return EAGLE3 if config["speculators_model_type"] == SPECULATORS_EAGLE3 else UNKNOWN
     archs = config.get("architectures") or ()
     archs = [str(a) for a in archs] if isinstance(archs, (list, tuple)) else [str(archs)]
     if any(a in EAGLE3_ARCHITECTURES for a in archs):
@@ -301,9 +335,12 @@ def load_detected_head(path: str, dtype: Any, kind: str) -> Model:
     _check_config(config, path, kind)
     if kind == UNKNOWN:
         raise ValueError(
-            f"{path}: config.json names architecture(s) {config.get('architectures')}, a draft head layout specjax "
-            f"does not load; it loads EAGLE-1/2 ({', '.join(EAGLE_ARCHITECTURES)} or a LlamaConfig with fc.weight), "
-            f"EAGLE-3 ({', '.join(EAGLE3_ARCHITECTURES)}, or draft_vocab_size) and Medusa (medusa_num_heads).")
+            f"{path}: config.json names architecture(s) {config.get('architectures')}"
+            + (f" (speculators_model_type {config['speculators_model_type']!r})"
+               if "speculators_model_type" in config else "")
+            + f", a draft head layout specjax does not load; it loads EAGLE-1/2 ({', '.join(EAGLE_ARCHITECTURES)} or "
+            f"a LlamaConfig with fc.weight), EAGLE-3 ({', '.join(EAGLE3_ARCHITECTURES)}, draft_vocab_size, or the "
+            f"speculators format with speculators_model_type {SPECULATORS_EAGLE3!r}) and Medusa (medusa_num_heads).")
     load = {EAGLE: _load_eagle, EAGLE3: _load_eagle3, MEDUSA: _load_medusa}[kind]
     model = load(path, config, dtype)
     return model.replace(tokenizer=load_tokenizer(path))
@@ -415,22 +452,34 @@ def _load_eagle(path: str, config: dict, dtype) -> Model:
 def eagle3_feature_layers(config: dict) -> tuple[int, ...]:
     """The target blocks an EAGLE-3 head's ``config.json`` names, or ``()`` for EAGLE-3's defaults.
 
-    ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SpecForge's heads)
-    names block *outputs*, 0-based: SGLang captures the state entering layer
-    ``id + 1`` for them (``set_eagle3_layers_to_capture``), which is specjax's
-    block ``id``. The defaults (:func:`~specjax._src.models.feature_head.eagle3_default_layers`)
-    are fixed by pairing, from the target's depth.
+    Two conventions name them. ``eagle_config.eagle_aux_hidden_state_layer_ids``
+    (SpecForge's heads) names block *outputs*, 0-based: SGLang captures the
+    state entering layer ``id + 1`` for them (``set_eagle3_layers_to_capture``),
+    which is specjax's block ``id``. A top-level ``eagle_aux_hidden_state_layer_ids``
+    (the speculators format, as vLLM reads it) names the states *entering*
+    layers: vLLM captures ``hidden_states + residual`` before layer ``id``,
+    specjax's block ``id - 1`` (``id`` 0, the embeddings, is not a block
+    output and is refused). The defaults
+    (:func:`~specjax._src.models.feature_head.eagle3_default_layers`) are fixed
+    by pairing, from the target's depth.
     """
-    if "eagle_aux_hidden_state_layer_ids" in config:
-        raise ValueError("config.json: a top-level eagle_aux_hidden_state_layer_ids (the speculators/vLLM "
-                         "convention, ids of the states entering layers) is not read; specjax reads "
-                         "eagle_config.eagle_aux_hidden_state_layer_ids, block outputs as SpecForge writes them.")
     eagle_config = config.get("eagle_config") or {}
     if not isinstance(eagle_config, dict):
         raise ValueError("config.json: eagle_config must be an object.")
     if eagle_config.get("use_aux_hidden_state") is False:
         raise ValueError("config.json: an EAGLE-3 head without auxiliary hidden states (use_aux_hidden_state: "
                          "false) is not supported; specjax loads the three-block fusion.")
+    entering = config.get("eagle_aux_hidden_state_layer_ids")
+    if entering is not None:
+        if eagle_config.get("eagle_aux_hidden_state_layer_ids") is not None:
+            raise ValueError("config.json names eagle_aux_hidden_state_layer_ids twice, at the top level (states "
+                             "entering layers, vLLM's) and in eagle_config (block outputs, SpecForge's); keep one.")
+        if (not isinstance(entering, list) or len(entering) != 3
+                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in entering)
+                or len(set(entering)) != 3):
+            raise ValueError("config.json: a top-level eagle_aux_hidden_state_layer_ids names the states entering "
+                             f"three distinct target layers, ids >= 1 (0 would be the embeddings); got {entering!r}.")
+        return tuple(i - 1 for i in entering)
     ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         return ()
