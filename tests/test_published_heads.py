@@ -134,17 +134,20 @@ def eagle1_checkpoint(path, vocab, *, seed=0, layers=2, fmt="bin", embed=None, b
     return _write(path, _llama_config(vocab, layers, architectures=["LlamaForCausalLM"], bias=bias), t, fmt), t
 
 
-def eagle3_checkpoint(path, vocab, *, seed=0, draft_ids=None, fmt="bin", extra_config=None, arch=True):
-    """EAGLE-3 (cnets.py): fc [H, 3H], midlayer (q/k/v over 2H), norm, lm_head [Vd, H], d2t, t2d."""
+def eagle3_checkpoint(path, vocab, *, seed=0, draft_ids=None, fmt="bin", extra_config=None, arch=True, layers=1):
+    """EAGLE-3 (cnets.py): fc [H, 3H], midlayer (q/k/v over 2H), norm, lm_head [Vd, H], d2t, t2d;
+    with ``layers`` > 1, vLLM's later layers.{i} (standard blocks over H)."""
     rng = np.random.default_rng(seed)
     ids = np.arange(vocab) if draft_ids is None else np.sort(np.asarray(draft_ids))
     t = {"fc.weight": _rand(rng, H, 3 * H), "norm.weight": _norm_w(rng), "lm_head.weight": _rand(rng, len(ids), H, std=1.0)}
     t.update(_llama_block(rng, "midlayer.", 2 * H, ["input_layernorm", "hidden_norm", "post_attention_layernorm"]))
+    for i in range(1, layers):
+        t.update(_llama_block(rng, f"layers.{i}.", H, ["input_layernorm", "post_attention_layernorm"]))
     t["d2t"] = (ids - np.arange(len(ids))).astype(np.int64)
     t2d = np.zeros(vocab, bool)
     t2d[ids] = True
     t["t2d"] = t2d
-    config = _llama_config(vocab, 1, draft_vocab_size=len(ids), **(extra_config or {}))
+    config = _llama_config(vocab, layers, draft_vocab_size=len(ids), **(extra_config or {}))
     if arch:
         config["architectures"] = ["LlamaForCausalLMEagle3"]
     return _write(path, config, t, fmt), t
@@ -230,6 +233,12 @@ def eagle3_reference(w, embed, tokens, aux, vocab, norm_before_residual=False):
     e = _rms(_t(embed)[tokens], w[p + "input_layernorm.weight"])
     x = residual + _attention(torch.cat((e, h), -1), w, p + "self_attn.")
     x = x + _mlp(_rms(x, w[p + "post_attention_layernorm.weight"]), w, p + "mlp.")
+    i = 1
+    while f"layers.{i}.input_layernorm.weight" in w:  # vLLM's later layers: pre-norm blocks over the stream
+        p = f"layers.{i}."
+        x = x + _attention(_rms(x, w[p + "input_layernorm.weight"]), w, p + "self_attn.")
+        x = x + _mlp(_rms(x, w[p + "post_attention_layernorm.weight"]), w, p + "mlp.")
+        i += 1
     draft = _rms(x, w["norm.weight"]) @ _t(w["lm_head.weight"]).T
     ids = torch.arange(draft.shape[-1]) + torch.as_tensor(w["d2t"])
     full = torch.full((draft.shape[0], vocab), float("-inf"))
@@ -303,13 +312,14 @@ def test_eagle1_with_a_tied_target_scores_with_its_embedding_table(tmp_path, tar
     assert rel_err(logits, ref.numpy()) < 1e-5
 
 
-@pytest.mark.parametrize("fmt, explicit", [("bin", False), ("safetensors", True)])
-def test_eagle3_logits_equal_the_published_forward(tmp_path, target, hf_target, fmt, explicit):
+@pytest.mark.parametrize("fmt, explicit, layers", [("bin", False, 1), ("safetensors", True, 1), ("safetensors", False, 3)],
+                         ids=["bin-defaults", "safetensors-explicit", "three-layers"])
+def test_eagle3_logits_equal_the_published_forward(tmp_path, target, hf_target, fmt, explicit, layers):
     ids = np.random.default_rng(4).choice(96, 40, replace=False)
     extra = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 5]}} if explicit else None
-    path, w = eagle3_checkpoint(str(tmp_path / "e3"), 96, draft_ids=ids, fmt=fmt, extra_config=extra)
+    path, w = eagle3_checkpoint(str(tmp_path / "e3"), 96, draft_ids=ids, fmt=fmt, extra_config=extra, layers=layers)
     head = specjax.load(path)
-    assert head.module.variant == "eagle3"
+    assert head.module.variant == "eagle3" and head.module.num_layers == layers
     pair = specjax.pair(target, head)
     # defaults: the states entering layers (2, L // 2, L - 3); explicit ids name block outputs (SGLang's + 1)
     enter = [1, 4, 6] if explicit else [2, LAYERS // 2, LAYERS - 3]
@@ -351,7 +361,7 @@ def test_medusa_logits_equal_the_published_forward(tmp_path, target, hf_target, 
 def test_greedy_with_each_published_head_is_target_greedy(tmp_path, target):
     heads = {
         "eagle1": eagle1_checkpoint(str(tmp_path / "e1"), 96)[0],
-        "eagle3": eagle3_checkpoint(str(tmp_path / "e3"), 96, draft_ids=np.arange(0, 96, 2))[0],
+        "eagle3": eagle3_checkpoint(str(tmp_path / "e3"), 96, draft_ids=np.arange(0, 96, 2), layers=2)[0],
         "medusa": medusa_checkpoint(str(tmp_path / "m"), 96)[0],
     }
     prompts = random_prompts(3, 6, 96, 9, min_len=1)
@@ -473,7 +483,7 @@ def test_bad_published_heads_are_refused_by_name(tmp_path, target):
     with pytest.raises(ValueError, match="names eagle_aux_hidden_state_layer_ids twice"):
         specjax.load(edit("twice", config={"eagle_aux_hidden_state_layer_ids": [1, 3, 5],
                                            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}}))
-    with pytest.raises(ValueError, match="num_hidden_layers 2"):
+    with pytest.raises(ValueError, match="lacks tensor 'layers.1.self_attn.q_proj.weight'"):
         specjax.load(edit("layers", config={"num_hidden_layers": 2}))
     with pytest.raises(ValueError, match="tensors this layout does not use: extra.weight"):
         specjax.load(edit("extra", **{"extra.weight": np.zeros(3, np.float32)}))

@@ -172,7 +172,7 @@ class FeatureHeadModule(nn.Module):
         new_caches = []
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
-            if eagle3:
+            if eagle3 and i == 0:  # later blocks read the stream alone, as standard blocks (vLLM's llama_eagle3.py)
                 x, c = _Eagle3Block(cfg, self.variant.endswith("norm_before_residual"), name=f"layer_{i}")(
                     embedded, x, positions, layer_cache, lengths, mask, width_index)
             elif self.variant == "eagle" and i == 0:

@@ -492,9 +492,6 @@ def eagle3_feature_layers(config: dict) -> tuple[int, ...]:
 
 def _load_eagle3(path: str, config: dict, dtype) -> Model:
     what = f"EAGLE-3 head {path}"
-    if config.get("num_hidden_layers") not in (None, 1):
-        raise ValueError(f"{what}: config.json has num_hidden_layers {config.get('num_hidden_layers')}; the "
-                         "EAGLE-3 layout loads with its one midlayer only.")
     tensors = {_strip(k): v for k, v in read_tensors(_weight_files(path)).items()}
     tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
     _check_weights(tensors, what, indices=("d2t", "t2d"))
@@ -517,6 +514,10 @@ def _load_eagle3(path: str, config: dict, dtype) -> Model:
     params["layer_0"] = _block_params(
         tensors, "midlayer.", cfg, what, in_width=2 * h,
         norms={"input_layernorm": "attn_norm", "hidden_norm": "hidden_norm", "post_attention_layernorm": "mlp_norm"})
+    for i in range(1, cfg.num_layers):  # vLLM's later layers: standard blocks over the stream
+        params[f"layer_{i}"] = _block_params(tensors, f"layers.{i}.", cfg, what, in_width=h,
+                                             norms={"input_layernorm": "attn_norm",
+                                                    "post_attention_layernorm": "mlp_norm"})
     params["final_norm"] = {"scale": _take(tensors, "norm.weight", (h,), what)}
     params["lm_head"] = _take(tensors, "lm_head.weight", (h, draft_vocab), what, transpose=True)
     params["head_vocab_ids"] = draft_to_target_ids(tensors.pop("d2t", None), tensors.pop("t2d", None), draft_vocab,
