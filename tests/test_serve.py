@@ -976,7 +976,7 @@ def test_probe_findings_of_the_second_round(setup, slow_steps, monkeypatch):
     logprobs carry a byte-level token's own bytes; no /docs; no trailing-slash redirect."""
     from specjax._src.serve import api
 
-    url, scheduler, client = setup["url"], setup["scheduler"], setup["client"]
+    url, scheduler = setup["url"], setup["scheduler"]
     # A client that leaves while queued: its place is free at once.
     before = scheduler.metrics()["requests_cancelled"]
     with scheduler.paused():
