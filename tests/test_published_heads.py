@@ -592,6 +592,11 @@ def test_a_speculators_eagle3_head_equals_the_published_forward(tmp_path, target
     other, _ = eagle3_reference(w, table, torch.tensor(SEQ[1:]), [hidden[i][:-1] for i in (1, 4, 6)], 96,
                                 norm_before_residual=not before)
     assert rel_err(logits, other.numpy()) > 1e-3  # the two residual conventions differ on these weights
+    # a speculators config without its block's fields is refused by name
+    flat = _write(str(tmp_path / "flat"), {k: v for k, v in config.items() if k != "transformer_layer_config"},
+                  tensors, "safetensors")
+    with pytest.raises(ValueError, match="needs transformer_layer_config, an object .* it has none"):
+        specjax.load(flat)
     # another speculators algorithm is refused by its name
     config["speculators_model_type"] = "mlp"
     config["architectures"] = ["MLPSpeculator"]

@@ -102,7 +102,8 @@ def _from_speculators(config: dict) -> dict:
     ``speculators_model_type: "eagle3"``), keeping the speculators'
     ``architectures`` and type so that :func:`detect` tells the layout."""
     layer = config.get("transformer_layer_config")
-    flat = dict(layer) if isinstance(layer, dict) else {}
+    # kept only when it is not an object, for _check_config to name
+    flat = dict(layer) if isinstance(layer, dict) else {"transformer_layer_config": layer}
     flat["architectures"] = config.get("architectures")
     flat["speculators_model_type"] = config["speculators_model_type"]
     if config["speculators_model_type"] == SPECULATORS_EAGLE3:
@@ -144,6 +145,13 @@ def _config_problem(config: dict, required=()) -> Optional[str]:
 def _check_config(config: dict, path: str, kind: str) -> None:
     required = ("vocab_size",) if kind in (EAGLE, EAGLE3) else ()
     problem = _config_problem(config, required)
+    if "speculators_model_type" in config:  # the speculators format: the block's fields are nested
+        if "transformer_layer_config" in config:
+            layer = config["transformer_layer_config"]
+            problem = ("needs transformer_layer_config, an object holding the head block's LlamaConfig fields "
+                       f"(the speculators format); {'it has none' if layer is None else 'got a ' + type(layer).__name__}")
+        elif problem is not None and problem.startswith("lacks"):
+            problem += " in its transformer_layer_config"
     if problem is not None:
         raise ValueError(f"{os.path.join(path, 'config.json')} {problem}; fix config.json (the {_KIND_NAMES[kind]} "
                          "head's own, as its authors publish it) or fetch it again.")
