@@ -75,13 +75,8 @@ def processed_law(table, controls: GenerationControls, prompt_token: int):
     return joint
 
 
-def test_sampled_law_is_the_processed_target():
-    """Sampled speculative decoding with processors follows the processed target's law;
-    negative control: the unprocessed target's law is rejected by the same test."""
-    pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
-    samples = 20000
-    out = specjax.decode(pair, [[3]] * samples, num_draft=3, max_new_tokens=2, temperature=1.0,
-                         key=jax.random.key(0), eos_token_id=(), controls=PENALTIES, buckets=NO_BUCKETS)
+def assert_follows_the_processed_law(pair, out):
+    """The first two tokens after ``[3]`` fit the law under ``PENALTIES`` (chi-square) and not the unprocessed one."""
     toks = np.asarray(out.tokens)
     counts = np.zeros((VOCAB, VOCAB))
     np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
@@ -90,6 +85,16 @@ def test_sampled_law_is_the_processed_target():
     assert pvalue > 1e-3 and tv < 0.03, (pvalue, tv)
     pvalue, tv = goodness_of_fit(counts, processed_law(table, GenerationControls(), 3))
     assert pvalue < 1e-6 and tv > 0.05, (pvalue, tv)
+
+
+def test_sampled_law_is_the_processed_target():
+    """Sampled speculative decoding with processors follows the processed target's law;
+    negative control: the unprocessed target's law is rejected by the same test."""
+    pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
+    samples = 20000
+    out = specjax.decode(pair, [[3]] * samples, num_draft=3, max_new_tokens=2, temperature=1.0,
+                         key=jax.random.key(0), eos_token_id=(), controls=PENALTIES, buckets=NO_BUCKETS)
+    assert_follows_the_processed_law(pair, out)
 
 
 # ---------------------------------------------------------------------------
@@ -241,11 +246,4 @@ def test_sampled_law_on_a_tree_is_the_processed_target(tree):
     pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
     out = specjax.decode(pair, [[3]] * 20000, tree=tree, max_new_tokens=2, temperature=1.0,
                          key=jax.random.key(0), eos_token_id=(), controls=PENALTIES, buckets=NO_BUCKETS)
-    toks = np.asarray(out.tokens)
-    counts = np.zeros((VOCAB, VOCAB))
-    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
-    table = np.asarray(pair.target.params["table"])
-    pvalue, tv = goodness_of_fit(counts, processed_law(table, PENALTIES, 3))
-    assert pvalue > 1e-3 and tv < 0.03, (pvalue, tv)
-    pvalue, tv = goodness_of_fit(counts, processed_law(table, GenerationControls(), 3))
-    assert pvalue < 1e-6 and tv > 0.05, (pvalue, tv)
+    assert_follows_the_processed_law(pair, out)
