@@ -44,6 +44,7 @@ from specjax._src.rules.combinators import AllOf, AnyOf, OneOf, all_of, any_of, 
 from specjax._src.rules.common import entropy, js_distance, paths
 from specjax._src.rules.criteria import Criterion, additive, criterion, multiplicative, top_m, typical
 from specjax._src.rules.ears import Ears, ears
+from specjax._src.rules.fly import Fly, fly
 from specjax._src.rules.mars import Mars, mars
 from specjax._src.models.pivot_head import (
     ARCHS as PIVOT_HEAD_ARCHS,
@@ -75,6 +76,8 @@ __all__ = (
     "Ears",
     "mars",
     "Mars",
+    "fly",
+    "Fly",
     "adasd",
     "AdaSD",
     "AdaSDState",

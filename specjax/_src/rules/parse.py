@@ -23,6 +23,7 @@ from specjax._src.rules.block import block_verification
 from specjax._src.rules.combinators import all_of, any_of, one_of
 from specjax._src.rules.criteria import additive, multiplicative, top_m, typical
 from specjax._src.rules.ears import ears
+from specjax._src.rules.fly import fly
 from specjax._src.rules.mars import mars
 from specjax._src.rules.pad import pad_from_spec
 
@@ -31,6 +32,7 @@ RULES: dict[str, Callable[..., AcceptanceRule]] = {
     "block_verification": block_verification,
     "ears": ears,
     "mars": mars,
+    "fly": fly,
     "adasd": adasd,
     "typical": typical,
     "additive": additive,
