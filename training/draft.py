@@ -54,12 +54,10 @@ import platform
 import shutil
 import sys
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import specjax
 from specjax import Decoder, Model, ModelConfig

@@ -80,7 +80,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from specjax import Decoder, ModelConfig, models
 from training import common, data
