@@ -90,3 +90,13 @@ def bigram_pair():
     from specjax.testing import bigram_model, random_table
 
     return specjax.pair(bigram_model(random_table(0, 8)), bigram_model(random_table(1, 8)))
+
+
+@pytest.fixture
+def cpu_kernels():
+    """The CPU matmul kernels, built: else the test skips, or fails under
+    ``CI=true`` or ``SPECJAX_REQUIRE_KERNELS=1`` (``tests/_kernels.py``). Use as
+    ``pytest.mark.usefixtures("cpu_kernels")``."""
+    from _kernels import require_kernels  # not at the top: it imports JAX, which must follow pytest_configure
+
+    require_kernels()

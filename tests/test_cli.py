@@ -8,6 +8,8 @@ import pytest
 import specjax
 from specjax.cli import build_parser, common, compare, main
 
+from _kernels import require_kernels
+
 DRAFT_DIR = compare.DEFAULT_DRAFT
 
 
@@ -404,10 +406,7 @@ def test_untimed_task_questions_score_target_only_and_relaxed_rows(small_model):
 def test_compare_runs_quantized_rows_against_the_float_target(small_model):
     """Quantized rows share the float target-only row as their baseline; a quantized
     lossless row reproduces its own (quantized) target-only greedy text."""
-    from specjax._src.kernels import cpu_matmul
-
-    if not cpu_matmul.is_available():
-        pytest.skip("quantizing on the CPU needs the kernels")
+    require_kernels("quantizing on the CPU needs the kernels")
     eval_set = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=4, num_code=2)
     q = specjax.quantize(small_model, "q4")
     contenders = (compare.Contender(0.0), compare.Contender(0.0, weights="q4"),
@@ -425,10 +424,7 @@ def test_compare_runs_quantized_rows_against_the_float_target(small_model):
 
 
 def test_generate_with_quantized_weights_and_a_bad_format(capsys):
-    from specjax._src.kernels import cpu_matmul
-
-    if not cpu_matmul.is_available():
-        pytest.skip("quantizing on the CPU needs the kernels")
+    require_kernels("quantizing on the CPU needs the kernels")
     assert main(["generate", "--pair", "embedded", "--quantize", "int8", "--prompt", "def add(a, b):",
                  "--max-new-tokens", "12"]) == 0
     assert "tau=" in capsys.readouterr().out

@@ -17,9 +17,8 @@ from specjax._src.kernels import cpu_matmul
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
 
-pytestmark = pytest.mark.skipif(
-    not cpu_matmul.is_available(), reason="no C++ compiler to build specjax's CPU matmul kernels"
-)
+# Skips without the kernels; fails instead under CI=true or SPECJAX_REQUIRE_KERNELS=1 (tests/_kernels.py).
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 @pytest.fixture

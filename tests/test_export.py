@@ -47,6 +47,8 @@ from specjax.rules import (
 from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
 from specjax.trees import dynamic_tree, static_tree
 
+from _kernels import require_kernels
+
 PLATFORMS = ("cuda", "tpu")
 CPU_KERNEL_TARGETS = frozenset(target for target, _ in cpu_matmul._TARGETS.values())
 PROMPTS = [[5, 17, 3], [40, 2, 9, 11, 60]]
@@ -145,8 +147,7 @@ def _constant_pivot_head() -> PivotHead:
 def test_the_tiny_pair_uses_the_cpu_kernels_on_the_cpu(llama_pair):
     """The premise of every test below: lowered for the CPU, the same program
     does call the kernels (else their absence elsewhere would prove nothing)."""
-    if not cpu_matmul.is_available():
-        pytest.skip("the CPU matmul kernels cannot be built here")
+    require_kernels()
     text = stablehlo_for(lambda: specjax.decode(llama_pair, PROMPTS, **KW, **SAMPLE), platforms=("cpu",))
     assert custom_call_targets(text) & CPU_KERNEL_TARGETS
 
@@ -196,8 +197,7 @@ def test_a_feature_head_lowers_for_accelerators(llama):
 def test_quantized_weights_lower_for_accelerators(llama, spec):
     """Quantized target, draft and feature head: the same programs, with the
     quantized CPU kernels behind ``lax.platform_dependent`` like the float ones."""
-    if not cpu_matmul.is_available():
-        pytest.skip("quantizing on the CPU needs the kernels")
+    require_kernels("quantizing on the CPU needs the kernels")
     target, draft = specjax.quantize(llama[0], spec), specjax.quantize(llama[1], "int8")
     head = specjax.quantize(fh.init_from_target(llama[0], jax.random.key(1), np.arange(64)), "int8")
     head = fh.attach_embedding(head, target)
@@ -254,8 +254,7 @@ def test_streaming_holds_exactly_one_ordered_callback_and_nothing_else_does(llam
 def test_an_unguarded_cpu_kernel_is_caught(llama_pair, monkeypatch):
     """The check works: without ``lax.platform_dependent`` around the CPU
     kernels, lowering for an accelerator fails or keeps their custom calls."""
-    if not cpu_matmul.is_available():
-        pytest.skip("the CPU matmul kernels cannot be built here")
+    require_kernels()
     monkeypatch.setattr(cpu_matmul, "_rows_matmul", lambda kind, x, w: cpu_matmul._ffi(kind, x, w))
     jax.clear_caches()  # programs traced with the guard must not be reused, nor this one kept
     try:

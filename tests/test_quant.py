@@ -21,7 +21,8 @@ from test_decode import NO_BUCKETS
 from test_gguf import write_gguf
 
 FORMATS = ["int8", "int8/32", "q4", "q4/64"]
-needs_kernels = pytest.mark.skipif(not cpu_matmul.is_available(), reason="the CPU kernels cannot be built here")
+# Skips without the kernels; fails instead under CI=true or SPECJAX_REQUIRE_KERNELS=1 (tests/_kernels.py).
+needs_kernels = pytest.mark.usefixtures("cpu_kernels")
 
 
 def _matrix(n: int, k: int, seed: int = 0) -> np.ndarray:
