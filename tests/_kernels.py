@@ -30,8 +30,5 @@ def require_kernels(reason: str = "the CPU matmul kernels cannot be built here")
     except cpu_matmul.KernelUnavailableError as e:
         error = str(e)
     if kernels_required():
-        pytest.fail(
-            f"{reason}, and CI=true or SPECJAX_REQUIRE_KERNELS=1 requires them:\n{error}", pytrace=False
-        )
+        pytest.fail(f"{reason}, and CI=true or SPECJAX_REQUIRE_KERNELS=1 requires them:\n{error}", pytrace=False)
     pytest.skip(f"{reason}: {error.splitlines()[0] if error else ''}")
-
