@@ -15,6 +15,7 @@ The cycle both ``decode`` and ``step`` run is a value of one signature
 (:class:`Cycle`: ``CHAIN``, ``TREE``). See ``docs/engine.md``.
 """
 
+from specjax._src.engine.costs import measure_costs
 from specjax._src.engine.cycle import Cycle, CycleInputs, run_cycles
 from specjax._src.engine.cycles import CHAIN, TREE, cycle_for
 from specjax._src.engine.slots import Engine, FieldError, PrefillJob, SlotSettings, SlotState, StepOutput, StepPlan
@@ -43,6 +44,7 @@ __all__ = [
     "TREE",
     "cycle_for",
     "run_cycles",
+    "measure_costs",
     "GenerationControls",
     "TokenContext",
     "BUILTIN_PROCESSORS",

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.rules import Path, fly, parse_rule, speculative_sampling
+from specjax.rules import Path, any_of, fly, parse_rule, speculative_sampling
+from specjax.testing import bigram_model, random_table
 from specjax._src.rules.fly import following_run, max_top_k_entropy, top_k_entropy
 from tests.test_rules import batched_verify, block, random_batch
 
@@ -303,3 +304,11 @@ def test_decode_end_to_end(near_pair):
         previous = [prompt[-1]] + list(row[:-1])
         for a, b in zip(previous, row):
             assert table[a, b] >= np.sort(table[a])[-4], (a, b)  # in the target's top-4
+
+
+def test_trees_are_refused_by_name():
+    """FLy's window reads the following slots of a chain; a tree's block is not one."""
+    pair = specjax.pair(bigram_model(random_table(0, 8)), bigram_model(random_table(1, 8)))
+    for rule in (fly(), any_of(speculative_sampling(), fly(window=1))):
+        with pytest.raises(ValueError, match="fly.. judges a chain"):
+            specjax.decode(pair, [[1]], rule=rule, tree=specjax.trees.static_tree((2, 2)), temperature=0.0)

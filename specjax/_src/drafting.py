@@ -69,6 +69,13 @@ class DraftOutcome(NamedTuple):
       valid: ``[K]`` bool, slots that were drafted.
       entropies: ``[K]`` draft entropies (nats) per slot.
       token_probs: ``[K]`` draft probability of each proposed token.
+      first_acceptance: float32 scalar, how likely the lossless rule was to
+        accept the draft's first token had it been drafted: ``sum(min(p, q))``
+        over the first slot's target and draft distributions (greedy: 1 if the
+        draft's argmax is the target's). Known even in a cycle that drafted
+        nothing (where its first draft step ran), so a policy that turned
+        drafting off keeps learning whether to turn it on; -1 where the draft
+        did not run at all, None where a cycle does not compute it.
     """
 
     num_drafted: Array
@@ -76,6 +83,7 @@ class DraftOutcome(NamedTuple):
     valid: Array
     entropies: Array
     token_probs: Array
+    first_acceptance: Optional[Array] = None
 
 
 class DraftingPolicy:
@@ -88,13 +96,20 @@ class DraftingPolicy:
 
     * ``init(num_draft: int) -> state``, one sequence's initial state;
     * ``budget(state, num_draft: int) -> int32``, the most tokens to draft
-      this cycle (the engine clips it to ``[1, num_draft]``);
+      this cycle (clipped to ``[1, num_draft]``);
+    * ``plan(states, live, num_draft: int) -> [B] int32``, the batch's budgets
+      at once (default: ``budget`` per sequence); a policy that weighs the
+      batch's shared cost (:func:`auto`) overrides it, and may answer 0
+      (no drafts: the cycle is a plain target step) where it sets
+      ``may_draft_none``;
     * ``proceed(state, DraftStep) -> bool``, draft another token after this one?
     * ``update(state, DraftOutcome) -> state``, once per cycle;
     * ``spec``: name and parameters (a :class:`specjax.rules.RuleSpec`).
     """
 
     name = "policy"
+    # A policy whose plan may give 0 drafts: the verification then needs a one-token width.
+    may_draft_none = False
 
     def init(self, num_draft: int) -> PolicyState:
         del num_draft
@@ -111,6 +126,12 @@ class DraftingPolicy:
     def update(self, state: PolicyState, outcome: DraftOutcome) -> PolicyState:
         del outcome
         return state
+
+    def plan(self, states: PolicyState, live: Array, num_draft: int) -> Array:
+        """``[B]`` int32 budgets for the batch (``states``: the ``[B]``-batched
+        states, ``live [B]``: the sequences still decoding)."""
+        budgets = jax.vmap(lambda s: self.budget(s, num_draft), axis_size=live.shape[0])(states)
+        return jnp.clip(jnp.asarray(budgets, jnp.int32), 1, num_draft)
 
     @property
     def spec(self) -> PolicySpec:
@@ -271,6 +292,14 @@ class Combine(DraftingPolicy):
     def update(self, state, outcome: DraftOutcome):
         return tuple(p.update(s, outcome) for p, s in zip(self.policies, state))
 
+    def plan(self, states, live: Array, num_draft: int) -> Array:
+        plans = [p.plan(s, live, num_draft) for p, s in zip(self.policies, states)]
+        return jnp.min(jnp.stack(plans), axis=0)
+
+    @property
+    def may_draft_none(self) -> bool:
+        return any(p.may_draft_none for p in self.policies)
+
     @property
     def spec(self) -> PolicySpec:
         return PolicySpec(self.name, tuple((f"p{i}", p.spec) for i, p in enumerate(self.policies)))
@@ -288,6 +317,183 @@ def combine(*policies: DraftingPolicy) -> Combine:
         if not isinstance(p, DraftingPolicy):
             raise TypeError(f"combine() takes DraftingPolicy objects, got {type(p).__name__}.")
     return Combine(policies=tuple(policies))
+
+
+# ---------------------------------------------------------------------------
+# auto: the draft length that pays, from measured costs and live acceptance
+# ---------------------------------------------------------------------------
+
+
+@struct.dataclass
+class CostModel:
+    """What a cycle costs on the machine it runs on, in units of one target
+    forward of one token per sequence at the measured batch size.
+
+    Made by :func:`specjax.engine.measure_costs` (``decode`` and the slots
+    engine measure it when :func:`auto` is given without one). Every field is
+    a traced array, so a new measurement compiles nothing.
+
+    Attributes:
+      verify: ``[K + 1]`` float32, the cost of verifying ``w = 1 .. K + 1``
+        tokens per sequence (entry ``w - 1``): the target forward at the
+        narrowest compiled width that holds ``w`` tokens (``Buckets.verify``).
+      draft_first: the cycle's first draft step (a draft model's two-token
+        forward, a feature head's ``K + 1``-token one), run every cycle.
+      draft_step: each further draft token's forward.
+      forward_ms: the unit, one target forward of one token, in milliseconds
+        (for reports; the policy reads only the ratios).
+      batch: the batch size measured at (float32, for reports).
+    """
+
+    verify: Array
+    draft_first: Array
+    draft_step: Array
+    forward_ms: Array
+    batch: Array
+
+    @property
+    def max_draft(self) -> int:
+        """The largest ``K`` these costs cover."""
+        return int(self.verify.shape[-1]) - 1
+
+    def cycle_costs(self, num_draft: int) -> Array:
+        """``[K + 1]``: the cost of a cycle that drafts ``k = 0 .. K`` tokens.
+        ``k = 0`` verifies one token and skips the draft, whose cache then
+        catches up in one first step at most every ``K`` cycles (counted as
+        ``draft_first / K`` a cycle)."""
+        k = jnp.arange(num_draft + 1, dtype=jnp.float32)
+        steps = jnp.maximum(k - 1.0, 0.0) * self.draft_step
+        first = jnp.where(k > 0, self.draft_first, self.draft_first / num_draft)
+        return first + steps + self.verify[: num_draft + 1]
+
+    def describe(self) -> str:
+        """One line: the unit and each cost relative to it."""
+        widths = ", ".join(f"{w + 1}: {float(c):.2f}" for w, c in enumerate(self.verify))
+        return (f"target forward {float(self.forward_ms):.2f} ms at batch {int(self.batch)}; verify by tokens "
+                f"{{{widths}}}; draft first step {float(self.draft_first):.3f}, further step "
+                f"{float(self.draft_step):.3f} (in target forwards)")
+
+
+def expected_tokens(acceptance: Array) -> Array:
+    """``[..., K + 1]``: the tokens a cycle commits on average when it drafts
+    ``k = 0 .. K`` tokens, from ``acceptance [..., K]``, the probability that
+    slot ``j`` is accepted given that slots ``0 .. j - 1`` were:
+    ``1 + sum_{i <= k} prod_{j < i} acceptance[j]`` (the accepted run plus
+    the emitted token)."""
+    runs = jnp.cumprod(acceptance, axis=-1)
+    zero = jnp.zeros(acceptance.shape[:-1] + (1,), acceptance.dtype)
+    return 1.0 + jnp.concatenate([zero, jnp.cumsum(runs, axis=-1)], axis=-1)
+
+
+def best_draft_length(expected: Array, costs: Array) -> Array:
+    """The ``k`` that maximises committed tokens per unit of cost,
+    ``expected[k] / costs[k]`` (the smallest such ``k`` on ties). int32 scalar."""
+    return jnp.argmax(expected / costs).astype(jnp.int32)
+
+
+class AutoState(NamedTuple):
+    """One sequence's acceptance evidence per draft slot, each a decayed count.
+
+    Attributes:
+      accepted: ``[K]`` float32, accepted drafts at slot ``j``.
+      judged: ``[K]`` float32, drafts judged at slot ``j`` (those after an accepted run).
+    """
+
+    accepted: Array
+    judged: Array
+
+
+@struct.dataclass
+class Auto(DraftingPolicy):
+    """Drafts the number of tokens that maximises committed tokens per unit
+    of measured cost; see :func:`auto`. Every field is traced."""
+
+    costs: Optional[CostModel] = None
+    memory: float = 0.9
+    prior: float = 0.6
+    prior_weight: float = 2.0
+    name = "auto"
+    may_draft_none = True
+
+    @property
+    def spec(self) -> PolicySpec:  # the measured costs are the machine's, not the policy's settings
+        return PolicySpec(self.name, tuple((n, spec_value(getattr(self, n))) for n in ("memory", "prior",
+                                                                                     "prior_weight")))
+
+    def init(self, num_draft: int) -> AutoState:
+        zeros = jnp.zeros((num_draft,), jnp.float32)
+        return AutoState(zeros, zeros)
+
+    def acceptance(self, state: AutoState) -> Array:
+        """``[K]`` the estimated acceptance of each slot given the slots before it:
+        the decayed counts shrunk towards ``prior`` with the weight of
+        ``prior_weight`` observations (a slot not judged for a while drifts
+        back to the prior, so a policy that stopped drafting tries again)."""
+        w = jnp.asarray(self.prior_weight, jnp.float32)
+        return jnp.clip((state.accepted + self.prior * w) / (state.judged + w), 0.0, 1.0)
+
+    def _cycle_costs(self, num_draft: int) -> Array:
+        if self.costs is None:
+            raise ValueError("drafting.auto() has no measured costs: decode and Engine measure them when "
+                             "given auto(); elsewhere pass auto(costs=specjax.engine.measure_costs(...)).")
+        if self.costs.max_draft < num_draft:
+            raise ValueError(f"auto(costs=...) covers drafts up to {self.costs.max_draft}, but num_draft is "
+                             f"{num_draft}; measure the costs with num_draft={num_draft}.")
+        return self.costs.cycle_costs(num_draft)
+
+    def budget(self, state: AutoState, num_draft: int) -> Array:
+        """This sequence alone: the best ``k`` in ``0 .. K`` (the batch's is :meth:`plan`)."""
+        return best_draft_length(expected_tokens(self.acceptance(state)), self._cycle_costs(num_draft))
+
+    def plan(self, states: AutoState, live: Array, num_draft: int) -> Array:
+        """One ``k`` for the whole batch: the verification's width, and so its
+        cost, is the batch's longest draft, and each draft step runs every row.
+        The expected tokens of the live rows are summed per ``k``."""
+        expected = expected_tokens(jax.vmap(self.acceptance)(states))  # [B, K + 1]
+        total = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
+        k = best_draft_length(total, self._cycle_costs(num_draft))
+        return jnp.full(live.shape, jnp.where(live.any(), k, 0), jnp.int32)
+
+    def update(self, state: AutoState, outcome: DraftOutcome) -> AutoState:
+        """Slot ``j`` is judged when it was drafted and slots ``0 .. j - 1``
+        were accepted; it counts as accepted when ``j < num_accepted``. A cycle
+        that drafted nothing still judges slot 0 by ``first_acceptance``."""
+        k = outcome.valid.shape[0]
+        slots = jnp.arange(k)
+        judged = outcome.valid & (slots <= outcome.num_accepted)
+        accepted = (judged & (slots < outcome.num_accepted)).astype(jnp.float32)
+        judged = judged.astype(jnp.float32)
+        if outcome.first_acceptance is not None:
+            none = (outcome.num_drafted == 0) & (outcome.first_acceptance >= 0)
+            judged = judged.at[0].set(jnp.where(none, 1.0, judged[0]))
+            accepted = accepted.at[0].set(jnp.where(none, outcome.first_acceptance, accepted[0]))
+        m = jnp.asarray(self.memory, jnp.float32)
+        return AutoState(m * state.accepted + accepted, m * state.judged + judged)
+
+
+def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float = 0.6,
+         prior_weight: float = 2.0) -> Auto:
+    """Each cycle, draft the ``k`` in ``0 .. num_draft`` that maximises the
+    batch's expected committed tokens per unit of measured cost (goodput);
+    ``k = 0`` is a plain target step inside the same program.
+
+    The expected tokens come from each sequence's own acceptance so far, per
+    draft slot (:class:`AutoState`: counts decayed by ``memory`` per cycle and
+    shrunk towards ``prior`` with the weight of ``prior_weight`` cycles); the
+    cost of each ``k`` from ``costs`` (:class:`CostModel`, measured on this
+    machine: ``decode`` and the slots engine measure it once per shape when
+    ``costs`` is None). The choice depends only on past cycles, so a lossless
+    rule stays lossless and greedy output stays the target's. The idea is
+    vLLM's and SGLang's adaptive draft length: "Optimizing Speculative
+    Decoding for Serving Large Language Models Using Goodput" (SmartSpec,
+    arXiv:2406.14066).
+    """
+    check_interval("auto(memory)", memory, 0.0, 1.0)
+    check_interval("auto(prior)", prior, 0.0, 1.0)
+    check_interval("auto(prior_weight)", prior_weight, 0.0, 1e6, open_lo=True)
+    if costs is not None and not isinstance(costs, CostModel):
+        raise TypeError(f"auto(costs=...) takes a CostModel (specjax.engine.measure_costs), got {type(costs).__name__}.")
+    return Auto(costs=costs, memory=memory, prior=prior, prior_weight=prior_weight)
 
 
 def max_fixed_k(policy: DraftingPolicy) -> Optional[int]:
@@ -311,11 +517,12 @@ _POLICIES = {
     "adasd_entropy": (adasd_entropy, {"window": int}),
     "heuristic": (heuristic, {"initial": int}),
     "confidence": (confidence, {"threshold": float}),
+    "auto": (auto, {"memory": float, "prior": float, "prior_weight": float}),
 }
 
 
 def parse_drafting(spec: str) -> DraftingPolicy:
-    """A policy from a spec string, the CLI's syntax: ``"fixed"``, ``"fixed:k=3"``,
+    """A policy from a spec string, the CLI's syntax: ``"auto"``, ``"fixed"``, ``"fixed:k=3"``,
     ``"adasd_entropy:window=20"``, ``"heuristic"``, ``"confidence:threshold=0.4"``;
     ``"+"`` combines (``"heuristic+confidence"``, Hugging Face's default).
 

@@ -232,8 +232,17 @@ def _decode_cycle(
     rule_state, policy_state, stats, diag = _record(cfg, rule, policy, state, drafts, verified, accepted, committed,
                                                     rows)
     new_state = next_state(state, committed, bad=accepted.bad, rule_state=rule_state, policy_state=policy_state,
-                           stats=stats, draft_features=verified.features, logprobs=logprobs)
+                           stats=stats, draft_features=_next_features(state, drafts, verified), logprobs=logprobs)
     return new_state, diag
+
+
+def _next_features(state: _DecodeState, drafts: _Drafts, verified: _Verified):
+    """A feature head's pending features for the next cycle: the verification's,
+    or, where this cycle skipped the head, those appended to the pending ones."""
+    if verified.features is None:
+        return None
+    return jax.lax.cond(drafts.forwards > 0, lambda: verified.features,
+                        lambda: _pending_after_skip(state, verified.features))
 
 
 def _cycle_uniforms(cfg: _Config, seq_keys, step, batch: int):
@@ -283,20 +292,85 @@ def _draft(
     cache after them (rolled back by :func:`_commit`). ``rows.draft_cap``
     lowers each sequence's budget (0: no drafts, the cycle emits the target's
     token alone)."""
+    # The policy plans the batch at once (auto weighs the verification's shared width); 0: no drafts.
+    k_max = cfg.num_draft
+    budget = jnp.clip(jnp.asarray(policy.plan(state.policy_state, ~state.done, k_max), jnp.int32), 0, k_max)
+    if rows is not None and rows.draft_cap is not None:
+        budget = jnp.minimum(budget, rows.draft_cap)
+    active0 = ~state.done & (budget > 0)
+    run = functools.partial(_draft_tokens, cfg, pair_params, policy, state, draft_uniforms, temperature, top_p,
+                            rows, hist, budget, active0)
+    if not policy.may_draft_none:
+        return run()
+    # Nothing to draft anywhere: skip the draft's forwards while its cache can still catch up later.
+    batch, vocab = state.num_committed.shape[0], pair_params.vocab_size
+    skip = ~active0.any() & _draft_can_wait(cfg, pair_params, state)
+    return jax.lax.cond(skip, lambda: (_no_drafts(batch, k_max, vocab)._replace(forwards=jnp.int32(0)),
+                                       state.draft_cache), run)
+
+
+def _draft_lag(state: _DecodeState) -> Array:
+    """``[B]`` committed tokens a draft model's cache is behind its invariant
+    (``num_committed - 2`` entries): 0 unless cycles skipped its forwards."""
+    return jnp.maximum(state.num_committed - 2, 0) - state.draft_cache.lengths
+
+
+def _draft_can_wait(cfg: _Config, pair_params: ModelPair, state: _DecodeState) -> Array:
+    """Scalar bool: every live sequence can skip this cycle's draft forwards
+    and still be caught up by one first draft step later. A draft model
+    catches up ``K`` tokens (:func:`_catch_up_logits`); a feature head reads
+    at most ``K + 1`` pending target features (:func:`_pending_after_skip`)."""
+    live = ~state.done
+    if is_feature_head(pair_params.draft.module):
+        after = state.num_committed - state.draft_cache.lengths  # pending features after one more token
+        return jnp.all(~live | (after <= cfg.num_draft + 1))
+    return jnp.all(~live | (_draft_lag(state) + 1 <= cfg.num_draft))
+
+
+def _catch_up_logits(module, params, vocab: int, state: _DecodeState, width: int) -> tuple[Array, KVCache]:
+    """The first draft step of a draft model whose cache holds ``L <=
+    num_committed - 2`` entries: one forward over the ``width`` tokens from
+    position ``L``, read at the last committed token. With ``width = 2`` and
+    no lag it is :func:`specjax._src.engine.cycle.first_draft_logits`."""
+    nc, tokens, start = state.num_committed, state.tokens, state.draft_cache.lengths
+    index = jnp.minimum(start[:, None] + jnp.arange(width)[None, :], tokens.shape[1] - 1)
+    block, row = jnp.take_along_axis(tokens, index, axis=1), jnp.clip(nc - 1 - start, 0, width - 1)
+    if getattr(module, "supports_logits_at", False):
+        raw0 = module.apply(params, block, state.draft_cache, logits_at=row)
+        return raw0.logits[:, 0, :vocab], raw0.cache.rollback(nc)
+    out = module.apply(params, block, state.draft_cache)
+    return _row(out.logits[..., :vocab], row), out.cache.rollback(nc)
+
+
+def _pending_after_skip(state: _DecodeState, verified_features: Array) -> Array:
+    """A feature head's pending target features after a cycle that skipped
+    its forwards: the ones still pending (``f_m .. f_{nc-2}``), then the
+    verification's (``f_{nc-1}``, its only row). ``[B, K + 1, H]``."""
+    count = state.num_committed - 1 - state.draft_cache.lengths
+    slots = jnp.arange(verified_features.shape[1])
+    shifted = jnp.take_along_axis(verified_features, jnp.maximum(slots[None, :] - count[:, None], 0)[..., None],
+                                  axis=1)
+    return jnp.where((slots[None, :] < count[:, None])[..., None], state.draft_features, shifted)
+
+
+def _draft_tokens(
+    cfg: _Config, pair_params: ModelPair, policy: drafting_lib.DraftingPolicy, state: _DecodeState, draft_uniforms,
+    temperature, top_p, rows, hist, budget, active0,
+) -> tuple[_Drafts, KVCache]:
+    """:func:`_draft`'s drafting: the first draft step, then one forward per further token."""
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab, k_max = pair_params.vocab_size, cfg.num_draft
     batch = state.num_committed.shape[0]
     if is_feature_head(module):
         raw0, feature, cache, _ = first_head_logits(cfg, module, params, vocab, state)
+    elif policy.may_draft_none:  # earlier cycles may have skipped the draft: catch up in one forward
+        raw0, cache = jax.lax.cond(
+            jnp.any(~state.done & (_draft_lag(state) > 0)),
+            lambda: _catch_up_logits(module, params, vocab, state, k_max + 2),
+            lambda: _catch_up_logits(module, params, vocab, state, 2))
+        feature = jnp.zeros((batch, 0))
     else:
         (raw0, cache), feature = first_draft_logits(module, params, vocab, state), jnp.zeros((batch, 0))
-
-    budget = jax.vmap(lambda s: policy.budget(s, k_max), axis_size=batch)(state.policy_state)
-    budget = jnp.clip(jnp.asarray(budget, jnp.int32), 1, k_max)
-    active0 = ~state.done
-    if rows is not None and rows.draft_cap is not None:
-        budget = jnp.minimum(budget, rows.draft_cap)
-        active0 = active0 & (budget > 0)
     copied = None
     if cfg.lookup is not None:
         copied = lookup_drafts(state.tokens, state.num_committed, k_max, cfg.lookup)
@@ -583,7 +657,9 @@ def _commit(
         num_new=n_commit,
         done=state.done | (accepted.new_bad > 0) | finished,
         target_cache=target_cache.rollback(new_nc - 1),
-        draft_cache=draft_cache.rollback(draft_keep(state, new_nc)),
+        # A cycle that skipped the draft's forwards (forwards == 0) leaves its cache as it was.
+        draft_cache=draft_cache.rollback(jnp.where(drafts.forwards > 0, draft_keep(state, new_nc),
+                                                   state.draft_cache.lengths)),
     )
 
 
@@ -618,6 +694,7 @@ def _record(
         valid=drafts.valid,
         entropies=drafts.entropies,
         token_probs=drafts.token_probs,
+        first_acceptance=_first_acceptance(cfg, drafts, verified),
     )
     policy_state = jax.vmap(policy.update)(state.policy_state, outcome)
     policy_state = _where_b(live, policy_state, state.policy_state)
@@ -626,6 +703,19 @@ def _record(
                          draft_forwards=drafts.forwards, copied=drafts.copied, verified=verified.width)
     diag = live_diagnostics(cfg, live, verified.inputs, accepted.verdict, n)
     return rule_state, policy_state, stats, diag
+
+
+def _first_acceptance(cfg: _Config, drafts: _Drafts, verified: _Verified) -> Array:
+    """``[B]``: how likely the lossless rule was to accept the draft's first
+    token, drafted or not (:class:`specjax.drafting.DraftOutcome`): the
+    overlap ``sum(min(p, q))`` of the first slot's distributions, or, greedy,
+    whether the draft's pick is the target's; -1 where the draft did not run."""
+    if cfg.greedy:
+        target_pick = sampling.argmax(verified.inputs.target_logits[:, 0])
+        overlap = (target_pick == drafts.tokens[:, 0]).astype(jnp.float32)
+    else:
+        overlap = jnp.minimum(verified.inputs.target_probs[:, 0], drafts.probs[:, 0]).sum(-1)
+    return jnp.where(drafts.forwards > 0, overlap, -1.0)  # -1: the draft did not run, nothing learnt
 
 
 CHAIN = Cycle("chain", _decode_cycle)

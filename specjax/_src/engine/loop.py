@@ -95,6 +95,7 @@ from specjax._src import drafting as drafting_lib
 from specjax._src import lookup as lookup_lib
 from specjax._src import processors as processors_lib
 from specjax._src import sampling
+from specjax._src.engine import costs as costs_lib
 from specjax._src.engine.chain import _initial_state
 from specjax._src.engine.config import _Config, _DecodeState
 from specjax._src.engine.cycle import CycleInputs, run_cycles
@@ -389,6 +390,12 @@ def decode(
     cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree, lookup=lookup,
                             verify_widths=None if tree is not None else _verify_widths(buckets, drafting, num_draft),
                             classes=pytree_classes(rule, drafting))
+    if tree is None:  # auto() without costs: measured once per shape on this machine
+        measured_pair = params.replace(target=call.models["target"], draft=call.models["draft"])
+        drafting = costs_lib.with_costs(drafting, lambda: costs_lib.cached_costs(
+            measured_pair, batch=call.prompts.shape[0], num_draft=num_draft, verify_widths=cfg.verify_widths,
+            cache_length=cfg.cache_length))
+        cfg = cfg._replace(classes=pytree_classes(rule, drafting))  # the filled-in costs are a node too
     if cfg.layout is not None:  # the rule's and policy's traced numbers, replicated on the mesh
         rule, drafting = jax.tree_util.tree_map(
             lambda x: _replicated(cfg.layout, np.asarray(jnp.asarray(x))), (rule, drafting)

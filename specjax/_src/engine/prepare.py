@@ -39,7 +39,7 @@ from specjax._src import trees as trees_lib
 from specjax._src.checks import as_integer, check_positive_int
 from specjax._src.engine.config import _Config
 from specjax._src.pairing import ModelPair
-from specjax._src.rules.base import AcceptanceRule, speculative_sampling
+from specjax._src.rules.base import AcceptanceRule, RuleSpec, speculative_sampling
 from specjax._src.stats import DecodeStats
 
 Array = jax.Array
@@ -416,12 +416,20 @@ def _verify_widths(buckets: Optional[Buckets], drafting, num_draft: int) -> Opti
     cap = _draft_cap(drafting, num_draft)
     if type(drafting) is drafting_lib.Fixed:  # every cycle drafts the same count: one static width
         return None if cap == num_draft else (cap + 1,)
-    widths, w = [], max(2, buckets.verify)  # a block holds the last token and at least one draft
+    # A block holds the last token and at least one draft, unless the policy may draft none.
+    widths, w = ([1] if drafting.may_draft_none else []), max(2, buckets.verify)
     while w < cap + 1:
         widths.append(w)
         w *= 2
     widths.append(cap + 1)
     return None if widths == [num_draft + 1] else tuple(widths)
+
+
+def _names_rule(spec, name: str) -> bool:
+    """Whether the rule spec ``spec`` is, or holds, a rule called ``name``."""
+    if isinstance(spec, RuleSpec):  # a NamedTuple: before the plain tuples
+        return spec.name == name or any(_names_rule(v, name) for _, v in spec.params)
+    return isinstance(spec, (tuple, list)) and any(_names_rule(v, name) for v in spec)
 
 
 def _draft_cap(drafting, num_draft: int) -> int:
@@ -657,6 +665,11 @@ def _check_tree(tree, params, rule, drafting, num_draft):
                              "decode it with chains (no tree=).")
     if not isinstance(drafting, drafting_lib.Fixed) or drafting.k is not None:
         raise ValueError("with tree=, the tree's shape decides what is drafted: leave drafting unset.")
+    if _names_rule(rule.spec, "fly"):
+        # FLy's window reads the slots after a mismatch as one chain; a tree's block is its nodes in
+        # breadth-first order, so the window would read nodes that are not descendants.
+        raise ValueError("fly() judges a chain of drafts (its window reads the following slots); decode it "
+                         "with chains (no tree=).")
     if num_draft is not None and num_draft != tree.max_depth:
         raise ValueError(f"num_draft={num_draft} but the tree's depth is {tree.max_depth}: leave num_draft "
                          "unset with tree= (the depth is the most tokens a cycle accepts).")

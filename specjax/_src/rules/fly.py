@@ -165,12 +165,12 @@ def fly(entropy_threshold: float = 0.3, window: Optional[int] = None, top_k: int
     0`` drops the gate: every window-confirmed mismatch the target allows is
     kept.
 
-    On a token tree sampled at ``T > 0`` a node's children are judged one at
-    a time as one-slot blocks, where no window fits: FLy there is the lossless
-    tree. Greedy trees hand a rule all nodes as one block in breadth-first
-    order (each judged as a child of its parent), so the slots after a node are
-    not its descendants and the window would read unrelated nodes; decode FLy
-    on chains (a tree with one child per node is a chain and is fine).
+    FLy judges chains; ``decode(tree=...)`` and the slots engine refuse it.
+    Greedy trees hand a rule all nodes as one block in breadth-first order
+    (each judged as a child of its parent), so the slots after a node are not
+    its descendants and the window would read unrelated nodes; on a sampled
+    tree a node's children are one-slot blocks, where no window fits, and
+    FLy would be the lossless tree anyway.
 
     Args:
       entropy_threshold: the entropy gate, ``>= 0`` (paper and vLLM: 0.3).

@@ -1,0 +1,316 @@
+"""drafting.auto(): the draft length chosen each cycle from measured costs and live acceptance.
+
+The policy's arithmetic is checked on its pure functions; in the loop, the
+choice may switch between plain target steps (no drafts, the draft's forwards
+skipped) and drafting, and whatever it chooses, greedy output must stay the
+target's and the lossless rule's samples must follow the target's law.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flax import struct
+
+import specjax
+from specjax import drafting
+from specjax._src.engine import costs as costs_lib
+from specjax._src.engine.chain import _decode_cycle, _draft, _initial_state
+from specjax._src.engine.config import _Config
+from specjax._src.engine.cycle import CycleInputs
+from specjax._src.models import feature_head as fh
+from specjax.rules import speculative_sampling
+from specjax.testing import llama_config, peaked_target_and_draft
+
+from bigram import bigram_model, random_table
+from test_decode import (
+    NO_BUCKETS,
+    VOCAB,
+    count_compilations,
+    exact_two_token_distribution,
+    goodness_of_fit,
+    random_prompts,
+    wrong_residual_rule,
+)
+
+K = 3
+
+
+def cost_model(first=0.5, step=0.1, verify=None, k=K):
+    verify = np.linspace(1.0, 1.1, k + 1) if verify is None else verify
+    return drafting.CostModel(verify=jnp.asarray(verify, jnp.float32), draft_first=jnp.float32(first),
+                              draft_step=jnp.float32(step), forward_ms=jnp.float32(1.0), batch=jnp.float32(1))
+
+
+def outcome(num_accepted, num_drafted, first_acceptance=None, k=K):
+    return drafting.DraftOutcome(
+        num_drafted=jnp.int32(num_drafted), num_accepted=jnp.int32(num_accepted), valid=jnp.arange(k) < num_drafted,
+        entropies=jnp.zeros((k,)), token_probs=jnp.full((k,), 0.5),
+        first_acceptance=None if first_acceptance is None else jnp.float32(first_acceptance),
+    )
+
+
+# ---------------------------------------------------------------------------
+# The arithmetic
+# ---------------------------------------------------------------------------
+
+
+def test_expected_tokens_and_the_best_length():
+    a = jnp.asarray([0.8, 0.5, 0.5])
+    # 1, 1 + .8, 1 + .8 + .4, 1 + .8 + .4 + .2
+    np.testing.assert_allclose(drafting.expected_tokens(a), [1.0, 1.8, 2.2, 2.4], rtol=1e-6)
+    costs = cost_model(first=0.2, step=0.1, verify=[1.0, 1.0, 1.0, 1.0])
+    # k=0 pays a third of the first step (a catch-up every K cycles), k>=1 the first step and k-1 more.
+    np.testing.assert_allclose(costs.cycle_costs(K), [1.0 + 0.2 / 3, 1.2, 1.3, 1.4], rtol=1e-6)
+    # goodput 0.94, 1.5, 1.69, 1.71: draft all three
+    assert int(drafting.best_draft_length(drafting.expected_tokens(a), costs.cycle_costs(K))) == 3
+    # an expensive wide verification moves the best length down
+    wide = cost_model(first=0.2, step=0.1, verify=[1.0, 1.0, 1.5, 2.0])
+    assert int(drafting.best_draft_length(drafting.expected_tokens(a), wide.cycle_costs(K))) == 1
+    # drafts that are rarely accepted and not free: plain decoding
+    poor = drafting.expected_tokens(jnp.asarray([0.05, 0.05, 0.05]))
+    assert int(drafting.best_draft_length(poor, costs.cycle_costs(K))) == 0
+
+
+def test_acceptance_estimates_per_slot():
+    policy = drafting.auto(cost_model(), memory=0.5, prior=0.5, prior_weight=1.0)
+    state = policy.init(K)
+    np.testing.assert_allclose(policy.acceptance(state), [0.5] * 3)
+    state = policy.update(state, outcome(num_accepted=1, num_drafted=3))  # slot 0 accepted, 1 rejected, 2 unjudged
+    np.testing.assert_allclose(policy.acceptance(state), [(1 + 0.5) / 2, 0.5 / 2, 0.5], rtol=1e-6)
+    # a cycle without drafts judges slot 0 by first_acceptance, and everything decays towards the prior
+    state = policy.update(state, outcome(num_accepted=0, num_drafted=0, first_acceptance=0.0))
+    np.testing.assert_allclose(policy.acceptance(state), [(0.5 + 0.5) / 2.5, 0.5 / 1.5, 0.5], rtol=1e-6)
+    # -1: the draft did not run, so nothing about slot 0 was learnt
+    before = policy.acceptance(state)
+    state = policy.update(state, outcome(num_accepted=0, num_drafted=0, first_acceptance=-1.0))
+    assert float(policy.acceptance(state)[0]) > float(before[0])  # only the decay towards 0.5 moved it
+
+
+def test_plan_chooses_one_length_for_the_batch():
+    policy = drafting.auto(cost_model(first=0.3, step=0.1, verify=[1.0, 1.0, 1.0, 1.0]), prior_weight=1e-3)
+    good = policy.update(policy.init(K), outcome(3, 3))  # every draft accepted
+    bad = policy.update(policy.init(K), outcome(0, 3))  # the first rejected
+    states = jax.tree_util.tree_map(lambda *x: jnp.stack(x), good, bad, bad)
+    live = jnp.asarray([True, True, True])
+    assert np.asarray(policy.plan(states, live, K)).tolist() == [3, 3, 3]
+    # without the good row the batch decodes plainly; with no live row it drafts nothing
+    assert np.asarray(policy.plan(states, jnp.asarray([False, True, True]), K)).tolist() == [0, 0, 0]
+    assert np.asarray(policy.plan(states, jnp.zeros(3, bool), K)).tolist() == [0, 0, 0]
+    # a single sequence's own choice
+    assert int(policy.budget(good, K)) == 3 and int(policy.budget(bad, K)) == 0
+
+
+def test_bad_settings_get_clear_errors():
+    with pytest.raises(ValueError, match=r"auto\(memory\)"):
+        drafting.auto(memory=1.5)
+    with pytest.raises(ValueError, match=r"auto\(prior_weight\)"):
+        drafting.auto(prior_weight=0.0)
+    with pytest.raises(TypeError, match="CostModel"):
+        drafting.auto(costs={"verify": 1})
+    pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
+    with pytest.raises(ValueError, match="covers drafts up to 3, but num_draft is 5"):
+        specjax.decode(pair, [[1]], drafting=drafting.auto(cost_model()), num_draft=5, temperature=0.0)
+    with pytest.raises(ValueError, match="leave drafting unset"):
+        specjax.decode(pair, [[1]], drafting=drafting.auto(cost_model()), tree=specjax.trees.static_tree((2,)),
+                       temperature=0.0)
+    assert isinstance(drafting.parse_drafting("auto:memory=0.8"), drafting.Auto)
+    assert drafting.parse_drafting("auto:prior=0.3").prior == 0.3
+
+
+# ---------------------------------------------------------------------------
+# In the loop
+# ---------------------------------------------------------------------------
+
+# Reacts to the last cycle alone: a rejection at slot 0 turns drafting off, a
+# first_acceptance or an accepted draft turns it back on, so runs switch often.
+SWITCHING = dict(memory=0.0, prior=0.5, prior_weight=0.25)
+
+
+def switching_policy(k=K):
+    return drafting.auto(cost_model(first=0.5, step=0.05, verify=np.linspace(1.0, 1.05, k + 1), k=k), **SWITCHING)
+
+
+def plain_cycles(stats):
+    """Per sequence: cycles that drafted nothing."""
+    return np.asarray(stats.cycles) - np.asarray(stats.drafted_at)[:, 0]
+
+
+@pytest.fixture(scope="module")
+def bigram_pair():
+    """A draft that agrees with the target after half the tokens (its rows of odd tokens are the target's)."""
+    table, other = random_table(0, VOCAB), random_table(1, VOCAB, scale=1.0)
+    draft = np.where((np.arange(VOCAB) % 2 == 1)[:, None], table, other)
+    return specjax.pair(bigram_model(table), bigram_model(draft))
+
+
+def test_greedy_output_is_the_targets_while_drafting_switches(bigram_pair):
+    prompts = [np.random.default_rng(i).integers(0, VOCAB, size=1 + i % 6).tolist() for i in range(12)]
+    ref = specjax.generate(bigram_pair.target, prompts, max_new_tokens=24, temperature=0.0)
+    out = specjax.decode(bigram_pair, prompts, drafting=switching_policy(), num_draft=K, max_new_tokens=24,
+                         temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    s = out.stats
+    assert plain_cycles(s).min() > 0 and np.asarray(s.accepted).sum() > 0  # it switched, and drafts paid
+    # the plain cycles ran no draft forward: every draft forward belongs to a drafting cycle
+    drafting_cycles = int(s.target_forwards) - int(plain_cycles(s).min())
+    assert int(s.draft_forwards) <= K * drafting_cycles
+    # a plain cycle verifies one token: the verification width followed the choice
+    assert (np.asarray(s.verified) < np.asarray(s.cycles) * (K + 1)).all()
+
+
+def test_greedy_with_a_draft_model_decoder_pair_while_switching():
+    target, draft = peaked_target_and_draft(llama_config())
+    pair = specjax.pair(target, draft)
+    prompts = random_prompts(3, 6, 96, 12)
+    ref = specjax.generate(target, prompts, max_new_tokens=20, temperature=0.0)
+    out = specjax.decode(pair, prompts, drafting=switching_policy(), num_draft=K, max_new_tokens=20, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert plain_cycles(out.stats).sum() > 0 and np.asarray(out.stats.accepted).sum() > 0
+
+
+def test_greedy_with_a_feature_head_while_switching():
+    """A head's skipped cycles keep their target features pending (the next
+    first step reads them all: checked exactly below)."""
+    from test_feature_head import _small_head_pair
+
+    pair = _small_head_pair(16)  # a head whose drafts are often accepted
+    target = pair.target
+    prompts = random_prompts(21, 8, 16, 14)
+    ref = specjax.generate(target, prompts, max_new_tokens=24, temperature=0.0)
+    out = specjax.decode(pair, prompts, drafting=switching_policy(), num_draft=K, max_new_tokens=24,
+                         temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert plain_cycles(out.stats).sum() > 0 and np.asarray(out.stats.accepted).sum() > 0
+
+
+def test_lossless_law_under_the_policy(bigram_pair):
+    """The first two sampled tokens follow the target's law while the policy
+    switches; the same statistic rejects a rule with a wrong residual under
+    the same policy (the test can fail). After token 2 the draft is not the
+    target: the rows whose draft was rejected in the first cycle make the
+    batch's second cycle a plain one."""
+    table = np.asarray(bigram_pair.target.params["table"])
+    expected = exact_two_token_distribution(table, 2, 1.0, None, None)
+    prompts = np.array([[2, 0], [5, 2]] * 10000, np.int32)
+    lengths = np.array([1, 2] * 10000, np.int32)
+
+    # one draft: worth it at the prior's 0.5, not after a rejection (goodput 0.75 and 0.55 against 0.67)
+    policy = drafting.auto(cost_model(first=0.5, verify=[1.0, 1.5], k=1), **SWITCHING)
+
+    def counts(rule):
+        out = specjax.decode(bigram_pair, prompts, prompt_lengths=lengths, rule=rule, drafting=policy,
+                             num_draft=1, max_new_tokens=2, temperature=1.0, key=jax.random.key(3),
+                             buckets=NO_BUCKETS)
+        c = np.zeros((VOCAB, VOCAB))
+        np.add.at(c, (np.asarray(out.tokens)[:, 0], np.asarray(out.tokens)[:, 1]), 1)
+        return c, out.stats
+
+    c, stats = counts(speculative_sampling())
+    # the second cycle's choice depended on the first: both kinds of cycle happened
+    assert plain_cycles(stats).sum() > 1000 and np.asarray(stats.drafted).sum() > 1000
+    pvalue, tv = goodness_of_fit(c, expected)
+    assert pvalue > 1e-3 and tv < 0.03, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
+    c, _ = counts(wrong_residual_rule())
+    pvalue, tv = goodness_of_fit(c, expected)
+    assert pvalue < 1e-6, f"the wrong residual passed: p={pvalue:.2e}, TV={tv:.4f}"
+
+
+def test_decode_measures_costs_once_and_new_costs_compile_nothing(bigram_pair, monkeypatch):
+    calls = []
+    real = costs_lib.measure_costs
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs, repeats=2)
+
+    monkeypatch.setattr(costs_lib, "measure_costs", counting)
+    monkeypatch.setattr(costs_lib, "_MEASURED", {})
+    kw = dict(drafting=drafting.auto(), num_draft=K, max_new_tokens=8, temperature=0.0)
+    first = specjax.decode(bigram_pair, [[1, 2]], **kw)
+    second = specjax.decode(bigram_pair, [[3]], **kw)
+    assert len(calls) == 1 and calls[0]["num_draft"] == K and calls[0]["verify_widths"][0] == 1
+    assert int(first.lengths[0]) == int(second.lengths[0]) == 8
+    measured = next(iter(costs_lib._MEASURED.values()))
+    assert measured.verify.shape == (K + 1,) and float(measured.verify[0]) == 1.0
+    assert float(measured.draft_first) > 0 and float(measured.forward_ms) > 0
+    # the costs are traced: a policy with other numbers runs the same program
+    with count_compilations() as counter:
+        specjax.decode(bigram_pair, [[3]], **{**kw, "drafting": drafting.auto(cost_model(first=9.0), memory=0.5)})
+    assert counter["n"] == 0
+
+
+def test_measure_costs_covers_every_width():
+    target, draft = peaked_target_and_draft(llama_config())
+    costs = specjax.engine.measure_costs(specjax.pair(target, draft), batch=2, num_draft=4, verify_widths=(1, 2, 5),
+                                         cache_length=128, repeats=2)
+    v = np.asarray(costs.verify)
+    assert v.shape == (5,) and v[0] == 1.0
+    assert v[2] == v[3] == v[4]  # 3 and 4 tokens run at the width of 5
+    assert "verify by tokens" in costs.describe() and int(costs.batch) == 2
+    with pytest.raises(ValueError, match="end at num_draft"):
+        specjax.engine.measure_costs(specjax.pair(target, draft), num_draft=4, verify_widths=(1, 2))
+
+
+@struct.dataclass
+class TwoPlainThenDraft(drafting.DraftingPolicy):
+    """Drafts K every third cycle and nothing in between (a test's schedule)."""
+
+    name = "two_plain_then_draft"
+    may_draft_none = True
+
+    def init(self, num_draft):
+        return jnp.int32(0)
+
+    def plan(self, states, live, num_draft):
+        return jnp.where(states % 3 == 0, num_draft, 0).astype(jnp.int32)
+
+    def update(self, state, outcome):
+        return state + 1
+
+
+@pytest.mark.parametrize("drafter", ["model", "head"])
+def test_drafts_after_skipped_cycles_equal_cache_free_drafts(drafter):
+    """After two cycles that skipped the draft, the first draft step catches
+    up: its logits equal a cache-free forward over the committed prefix (a
+    draft model's lagging cache refilled, a head's pending target features
+    all read)."""
+    from test_feature_head import _reference_drafts
+
+    target, draft = peaked_target_and_draft(llama_config())
+    if drafter == "head":
+        draft = fh.init_from_target(target, jax.random.key(1), np.arange(80)[::-1])
+    pair, policy, k = specjax.pair(target, draft), TwoPlainThenDraft(), K
+    prompts = random_prompts(3, 4, 96, 9, min_len=2)
+    arr = np.zeros((4, max(map(len, prompts))), np.int32)
+    for i, p in enumerate(prompts):
+        arr[i, : len(p)] = p
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    cfg = _Config(diagnostics=None, num_draft=k, max_new_tokens=24, cache_length=64, greedy=True, top_k=None,
+                  use_top_p=False, verify_widths=(1, 2, k + 1))
+    max_new = jnp.full((4,), 24, jnp.int32)
+    rule = speculative_sampling()
+    state = _initial_state(cfg, pair, rule, policy, jnp.asarray(arr), lengths, max_new)
+    draft_fn = jax.jit(lambda s: _draft(cfg, pair, policy, s, None, 1.0, 1.0)[0])
+    inputs = CycleInputs(lengths, max_new, jnp.asarray([-1]), jax.random.split(jax.random.key(0), 4), 1.0, 1.0)
+    cycle = jax.jit(lambda s: _decode_cycle(cfg, pair, rule, policy, inputs, s)[0])
+    checked = 0
+    for i in range(7):
+        drafts = draft_fn(state)
+        if i % 3:
+            assert int(drafts.forwards) == 0 and not np.asarray(drafts.valid).any()
+        elif i:
+            for b in range(4):
+                nc = int(state.num_committed[b])
+                if drafter == "head":
+                    ref = _reference_drafts(target.module, draft.module, target.params, draft.params,
+                                            state.tokens[b], nc, k)[0]
+                else:
+                    ref = draft.module.apply(draft.params, state.tokens[b][None, :nc]).logits[0, -1]
+                np.testing.assert_allclose(np.asarray(drafts.logits[b, 0]), np.asarray(ref), rtol=1e-4, atol=1e-4)
+                checked += 1
+        state = cycle(state)
+    assert checked == 8
