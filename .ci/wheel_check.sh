@@ -20,5 +20,6 @@ python3 -m venv --system-site-packages "$tmp/venv"
 "$tmp/venv/bin/python" -m pip install -q --no-deps --force-reinstall "$tmp"/dist/specjax-*.whl
 echo "wheel: $(basename "$tmp"/dist/specjax-*.whl); its kernel sources:"
 "$tmp/venv/bin/python" -m zipfile -l "$tmp"/dist/specjax-*.whl | grep -E '_src/kernels/.*\.(cc|h|inc) '
-(cd "$tmp/run" && "$tmp/venv/bin/python" "$repo/.ci/wheel_check.py")
+# TMPDIR: the check builds the kernels into a fresh temporary cache, removed with $tmp.
+(cd "$tmp/run" && TMPDIR="$tmp" "$tmp/venv/bin/python" "$repo/.ci/wheel_check.py")
 echo "wheel build, install and check: $((SECONDS - start)) s"
