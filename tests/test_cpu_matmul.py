@@ -178,6 +178,28 @@ def test_a_missing_compiler_is_named(fresh_kernel_state, monkeypatch, tmp_path):
     assert not list(tmp_path.rglob("*.so"))
 
 
+def test_the_wheel_ships_every_file_the_kernels_build_reads():
+    """Every local file the kernels' sources include is among the files the build hashes and
+    reads, and pyproject.toml's package-data ships them all: a wheel without the headers once
+    gave a specjax whose kernels could not be built (.ci/wheel_check.sh checks a built wheel)."""
+    import re
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")
+    package = Path(cpu_matmul.__file__).resolve().parents[2]
+    pyproject = package.parent / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("not run from a source checkout")
+    read = {f.name for f in (*cpu_matmul._SOURCES, *cpu_matmul._HEADERS)}
+    for f in (*cpu_matmul._SOURCES, *cpu_matmul._HEADERS):
+        local = set(re.findall(r'^#include "([^"/]+)"', f.read_text(), flags=re.M))
+        assert local <= read, f"{f.name} includes {sorted(local - read)}, which the build does not list"
+    globs = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["specjax"]
+    for f in (*cpu_matmul._SOURCES, *cpu_matmul._HEADERS):
+        rel = f.relative_to(package)
+        assert any(rel.match(g) for g in globs), f"package-data {globs} does not ship {rel}"
+
+
 def test_the_library_is_built_into_the_cache_dir(fresh_kernel_state, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
     cpu_matmul._reset_for_tests()
