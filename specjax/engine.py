@@ -15,7 +15,7 @@ The cycle both ``decode`` and ``step`` run is a value of one signature
 (:class:`Cycle`: ``CHAIN``, ``TREE``). See ``docs/engine.md``.
 """
 
-from specjax._src.engine.costs import measure_costs
+from specjax._src.engine.costs import last_measured as last_measured_costs, measure_costs
 from specjax._src.engine.cycle import Cycle, CycleInputs, run_cycles
 from specjax._src.engine.cycles import CHAIN, TREE, cycle_for
 from specjax._src.engine.slots import Engine, FieldError, PrefillJob, SlotSettings, SlotState, StepOutput, StepPlan
@@ -45,6 +45,7 @@ __all__ = [
     "cycle_for",
     "run_cycles",
     "measure_costs",
+    "last_measured_costs",
     "GenerationControls",
     "TokenContext",
     "BUILTIN_PROCESSORS",

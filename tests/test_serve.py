@@ -917,6 +917,24 @@ def test_latency_histograms(setup):
         assert f'specjax_{name}_bucket{{le="+Inf"}}' in text
 
 
+def test_speculation_is_reported_per_position_and_per_draft_length(setup):
+    """A response's speculative block says what each draft position accepted and how many tokens each
+    cycle drafted (what the drafting policy chose); /metrics sums both and histograms each choice's tau."""
+    r = httpx.post(setup["url"] + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12,
+                                                           "temperature": 0}, timeout=WAIT).json()
+    spec = r["speculative"]
+    k = len(spec["accepted_at"])
+    assert k >= 1 and len(spec["draft_lengths"]) == k + 1
+    assert sum(spec["accepted_at"]) == spec["accepted"] and sum(spec["draft_lengths"]) == spec["cycles"]
+    assert sum(n * count for n, count in enumerate(spec["draft_lengths"])) == spec["drafted"]
+    assert spec["accepted_at"] == sorted(spec["accepted_at"], reverse=True)  # a run is accepted from the front
+    text = httpx.get(setup["url"] + "/metrics", timeout=5).text
+    assert 'specjax_accepted_at_position_total{position="1"}' in text
+    assert 'specjax_draft_length_cycles_total{length="0"}' in text
+    assert float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("specjax_request_tau_count"))) >= 1
+
+
 def test_shutdown_refuses_the_waiting_and_ends_late_streams_with_an_error(setup, slow_steps, monkeypatch):
     """SIGTERM (uvicorn's should_exit): a request still waiting gets 503 at once; a stream that
     outlives the drain ends with an error event and [DONE], its connection still open."""

@@ -194,10 +194,10 @@ def lookup(args):
         raise SystemExit(f"error: --lookup {args.lookup!r}: want MIN or MIN,MAX, positive integers ({e})") from None
 
 
-def drafting_policy(args):
-    """The --drafting policy, or None (fixed K) where not given."""
+def drafting_policy(args, default=None):
+    """The --drafting policy, or ``default`` where not given (None: fixed K)."""
     if not _given(args, "drafting"):
-        return None
+        return default
     from specjax.drafting import parse_drafting
 
     try:

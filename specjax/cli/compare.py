@@ -127,11 +127,13 @@ class Contender:
     lookup: bool = False
     weights: Optional[str] = None  # the target (and draft) quantized: specjax.load(..., quantize=weights)
     num_draft: Optional[int] = None  # this row's K, where it is not the run's
+    drafting: Optional[str] = None  # this row's drafting policy spec ("auto"), where it is not the run's
 
     @property
     def method(self) -> str:
         return ((self.rule or "target-only") + (" +lookup" if self.lookup else "")
                 + (f" K={self.num_draft}" if self.num_draft else "")
+                + (f" {self.drafting}" if self.drafting else "")
                 + (f" [{self.weights} weights]" if self.weights else ""))
 
     @property
@@ -160,7 +162,8 @@ def grid(rules: Sequence[str], temperatures: Sequence[float], lookup: bool = Fal
 
 # The real pair's default rows, chosen to show in about 6 minutes on 2 CPU cores what a
 # user gets: lossless decoding with the head, alone and with drafts copied from the
-# context (T=0); at T=1 block verification, which accepts more of a sampled block than
+# context (T=0), fixed K beside drafting.auto() (each cycle the K that pays on this
+# machine, from measured costs and live acceptance); at T=1 block verification, which accepts more of a sampled block than
 # token-by-token speculative sampling at no cost in quality (Block Verification
 # Accelerates Speculative Decoding, arXiv:2403.10444); and each seed paper's relaxed rule
 # where it relaxes anything: MARS and PAD (its pivot head trained for this target) at T=0,
@@ -175,6 +178,7 @@ SMOLLM2_PLAN = (
     Contender(0.0),
     Contender(0.0, "speculative_sampling"),
     Contender(0.0, "speculative_sampling", lookup=True),
+    Contender(0.0, "speculative_sampling", lookup=True, drafting="auto"),
     Contender(0.0, weights="gguf"),
     Contender(0.0, "speculative_sampling", lookup=True, weights="gguf", num_draft=2),
     Contender(0.0, "mars:theta=0.9", lookup=True),
@@ -182,6 +186,7 @@ SMOLLM2_PLAN = (
     Contender(1.0),
     Contender(1.0, "speculative_sampling"),
     Contender(1.0, "block_verification"),
+    Contender(1.0, "block_verification", drafting="auto"),
     Contender(1.0, "ears:beta=0.1"),
     Contender(1.0, "adasd"),
     Contender(1.0, "typical:eps=0.09,delta=0.3"),
@@ -568,6 +573,8 @@ def run_comparison(
             out = specjax.generate(row_target, prompts, **common)
         else:
             policy, k = row_drafting(c.rule, c.num_draft or num_draft, drafting)
+            if c.drafting is not None:
+                policy = specjax.drafting.parse_drafting(c.drafting)
             shape = (dict(tree=tree) if tree is not None
                      else dict(drafting=policy, num_draft=k, lookup=lookup if c.lookup else None))
             out = specjax.decode(params, prompts, rule=parsed[c.rule], **shape, **common)

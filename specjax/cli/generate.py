@@ -16,7 +16,9 @@ def run(args) -> int:
         raise SystemExit("error: pass exactly one of --prompt TEXT or --chat MESSAGE.")
     # Checked before anything loads or prints: --lookup / --drafting with --tree are refused here.
     tree, lookup = common.tree(args), common.lookup(args)
-    chain = dict(drafting=common.drafting_policy(args), num_draft=args.num_draft, lookup=lookup) if tree is None else {}
+    # Chains default to drafting.auto(): each cycle drafts the K that pays on this machine (at most --num-draft).
+    chain = (dict(drafting=common.drafting_policy(args, specjax.drafting.auto()), num_draft=args.num_draft,
+                  lookup=lookup) if tree is None else {})
     target, draft = common.load_pair(args, quantize=args.quantize)
     if target.tokenizer is None:
         raise SystemExit("error: the target has no tokenizer; pass token ids from Python instead.")
@@ -33,7 +35,18 @@ def run(args) -> int:
     text.flush()
     print("\n")
     print(out.stats)
+    _print_costs(chain.get("drafting"))
     return 0
+
+
+def _print_costs(policy) -> None:
+    """What drafting.auto() measured on this machine (its choices are in the stats above)."""
+    import specjax.drafting
+    import specjax.engine
+
+    measured = specjax.engine.last_measured_costs()
+    if isinstance(policy, specjax.drafting.Auto) and measured is not None:
+        print(f"drafting auto: {measured.describe()}")
 
 
 class TextStream:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -26,7 +27,9 @@ def build(args):
     from specjax._src.serve.scheduler import Scheduler
     from specjax.engine import Engine
 
-    tree, lookup, drafting = common.tree(args), common.lookup(args), common.drafting_policy(args)
+    tree, lookup = common.tree(args), common.lookup(args)
+    # Chains default to drafting.auto(): costs measured at the engine's slots, K chosen per cycle.
+    drafting = common.drafting_policy(args, None if tree is not None else specjax.drafting.auto())
     if tree is not None and args.num_draft is not None and args.num_draft != tree.max_depth:
         raise SystemExit(f"error: --num-draft {args.num_draft} with --tree {args.tree!r}: the tree's depth "
                          f"({tree.max_depth}) is its K; drop --num-draft.")
@@ -58,6 +61,9 @@ def build(args):
                         logprobs=args.max_logprobs)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    costs = getattr(engine.drafting, "costs", None)
+    if costs is not None:
+        print(f"specjax serve: drafting auto (up to K={num_draft}); {costs.describe()}", file=sys.stderr)
     # Every end id the model declares (Gemma's chat turns end at <end_of_turn>, beside its EOS).
     model_config = target.module.config
     eos = getattr(model_config, "eos_token_ids", None) or getattr(model_config, "eos_token_id", None)

@@ -50,13 +50,14 @@ from specjax._src import lookup as lookup_lib
 from specjax._src import processors as processors_lib
 from specjax._src import sampling
 from specjax._src.checks import as_integer, check_positive_int
+from specjax._src.engine import costs as costs_lib
 from specjax._src.engine.chain import _empty_prefill_caches, _initial_state, _prefill_chunk_pair, _state_after_chunks
 from specjax._src.engine.config import _Config, _DecodeState, _Logprobs
 from specjax._src.engine.cycle import LOGPROB_FLOOR, CycleInputs, run_cycles
 from specjax._src.engine.cycles import cycle_for
 from specjax._src.engine.ops import PREFILL_BLOCK, SINGLE_PREFILL_BLOCK, prefill_block
-from specjax._src.engine.prepare import (_bucket, _check_decode_args, _check_min_temperature, _check_tree, _eos_ids,
-                                         _prepare_prompts)
+from specjax._src.engine.prepare import (BUCKETS, _bucket, _check_decode_args, _check_min_temperature, _check_tree,
+                                         _eos_ids, _prepare_prompts, _verify_widths)
 from specjax._src.jit_keys import pytree_classes
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule
@@ -594,6 +595,13 @@ class Engine:
             raise TypeError("processors must be functions (logits [V], TokenContext) -> logits [V].")
         if capacity < 2:
             raise ValueError(f"Engine: capacity must hold a prompt token and a generated one (>= 2), got {capacity}.")
+        # auto(): a verification as narrow as the drafts (one token when none), and costs measured at the slots.
+        verify_widths = None
+        if tree is None and drafting.may_draft_none:
+            verify_widths = _verify_widths(BUCKETS, drafting, num_draft)
+            drafting = costs_lib.with_costs(drafting, lambda: costs_lib.cached_costs(
+                params, batch=int(num_slots), num_draft=num_draft, verify_widths=verify_widths,
+                cache_length=capacity + cache_room))
         self.params, self.rule, self.drafting = params, rule, drafting
         self.donate_state = bool(donate_state)
         self._insert_fn, self._step_fn, self._fork_fn = (
@@ -606,7 +614,7 @@ class Engine:
         self.vocab_size = params.vocab_size
         loop = _Config(diagnostics=None, num_draft=num_draft, max_new_tokens=capacity - 1,
                        cache_length=capacity + cache_room, greedy=False, top_k=None, use_top_p=True, lookup=lookup,
-                       tree=tree, classes=pytree_classes(rule, drafting))
+                       tree=tree, classes=pytree_classes(rule, drafting), verify_widths=verify_widths)
         self.cfg = _EngineConfig(loop=loop, num_slots=int(num_slots), capacity=int(capacity),
                                  prompt_bucket=int(prompt_bucket), num_eos=int(max_eos), num_bias=int(max_bias),
                                  controls=bool(controls), processors=processors,

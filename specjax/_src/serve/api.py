@@ -23,8 +23,8 @@ Extensions in the bodies: ``top_k``, ``repetition_penalty``, ``min_tokens``,
 speculative decoding off) and ``speculative`` (``{"rule": "mars:theta=0.8",
 "num_draft": 3}``: the request's acceptance rule, one of those the server
 serves, and its draft cap) in a request; ``speculative`` (the rule used and
-the request's cycles, drafted and accepted tokens, tau and acceptance rate)
-in a response and in a stream's last chunk; ``speculative`` (the served rules)
+the request's cycles, drafted and accepted tokens, tau, acceptance rate,
+drafts accepted per position and the draft lengths chosen per cycle) in a response and in a stream's last chunk; ``speculative`` (the served rules)
 in the model card.
 """
 
@@ -932,8 +932,12 @@ class _Reply:
             return {"rule": self.rule, **done[0].stats}
         c, d, a = (sum(x.stats[key] for x in done) for key in ("cycles", "drafted", "accepted"))
         tokens = sum(x.completion_tokens for x in done)
+        at, lengths = [], []
+        for x in done:
+            sched.add_into(at, x.stats["accepted_at"])
+            sched.add_into(lengths, x.stats["draft_lengths"])
         return dict(rule=self.rule, cycles=c, drafted=d, accepted=a, tau=tokens / c if c else 0.0,
-                    acceptance_rate=a / d if d else 0.0)
+                    acceptance_rate=a / d if d else 0.0, accepted_at=at, draft_lengths=lengths)
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
@@ -1054,6 +1058,15 @@ _HISTOGRAMS = (
     ("inter_token_latency_seconds",
      "Seconds between a choice's tokens (a step's gap shared among the tokens it delivered)."),
     ("e2e_request_latency_seconds", "Seconds from a request's arrival to its end."),
+    ("request_tau", "Tokens per target forward of each finished choice (1: no draft accepted)."),
+)
+
+# Per-position counters: (name, key in the metrics, label, help)
+_VECTORS = (
+    ("specjax_accepted_at_position_total", "accepted_at", "position",
+     "Drafts accepted at each draft position (1-based), finished choices."),
+    ("specjax_draft_length_cycles_total", "draft_lengths", "length",
+     "Cycles that drafted this many tokens (0: a plain target step), finished choices."),
 )
 
 
@@ -1065,6 +1078,10 @@ def prometheus_text(m: dict) -> str:
     lines = []
     for name, kind, key, help_text in _METRICS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_number(m[key])}"]
+    for name, key, label, help_text in _VECTORS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+        first = 1 if key == "accepted_at" else 0
+        lines += [f'{name}{{{label}="{i + first}"}} {int(v)}' for i, v in enumerate(m.get(key, ()))]
     for key, help_text in _HISTOGRAMS:
         h, name = m["latency"][key], f"specjax_{key}"
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]

@@ -73,8 +73,10 @@ class Done(NamedTuple):
       prompt_tokens, completion_tokens: token counts (the completion's up to
         the step that found a stop string).
       stats: the request's speculative-decoding counters: ``cycles``,
-        ``drafted``, ``accepted``, ``tau`` (tokens per target forward) and
-        ``acceptance_rate`` (accepted / drafted).
+        ``drafted``, ``accepted``, ``tau`` (tokens per target forward),
+        ``acceptance_rate`` (accepted / drafted), ``accepted_at`` (``[K]``
+        drafts accepted at each position) and ``draft_lengths`` (``[K + 1]``
+        cycles that drafted ``k = 0 .. K`` tokens: what the drafting policy chose).
     """
 
     finish_reason: str
@@ -176,6 +178,8 @@ TTFT_BOUNDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BOUNDS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
               2.5, 5.0, 10.0)
+# Tokens per target forward of a finished choice (1: nothing accepted).
+TAU_BOUNDS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 E2E_BOUNDS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
               240.0, 480.0, 960.0)
 
@@ -203,7 +207,8 @@ class Histogram:
 def _latency_histograms() -> dict:
     return {"time_to_first_token_seconds": Histogram(TTFT_BOUNDS),
             "inter_token_latency_seconds": Histogram(ITL_BOUNDS),
-            "e2e_request_latency_seconds": Histogram(E2E_BOUNDS)}
+            "e2e_request_latency_seconds": Histogram(E2E_BOUNDS),
+            "request_tau": Histogram(TAU_BOUNDS)}
 
 
 @dataclasses.dataclass
@@ -226,6 +231,22 @@ class Counters:
     step_seconds: float = 0.0  # engine.step and reading its output back
     insert_seconds: float = 0.0  # engine.insert (prefill, waited for), fork and release
     busy_seconds: float = 0.0  # the loop's wall time while a request was waiting or live
+    accepted_at: list = dataclasses.field(default_factory=list)  # [K] drafts accepted at each position
+    draft_lengths: list = dataclasses.field(default_factory=list)  # [K + 1] cycles that drafted k = 0 .. K
+
+
+def add_into(total: list, values) -> None:
+    """``total += values`` elementwise, ``total`` grown to ``values``' length."""
+    total.extend([0] * (len(values) - len(total)))
+    for i, v in enumerate(values):
+        total[i] += int(v)
+
+
+def draft_lengths(cycles: int, drafted_at) -> list:
+    """``[K + 1]``: how many of ``cycles`` drafted exactly ``k`` tokens, from
+    ``drafted_at [K]`` (cycles that drafted slot ``j``: a prefix of slots each cycle)."""
+    reached = [int(cycles)] + [int(x) for x in drafted_at] + [0]
+    return [reached[k] - reached[k + 1] for k in range(len(reached) - 1)]
 
 
 @dataclasses.dataclass
@@ -708,7 +729,8 @@ class Scheduler:
         cycles = 1 if free and not waiting else self.num_cycles
         state, out = self.engine.step(state, cycles, until_first_finish=True, plan=self._plan())
         stats = state.loop.stats
-        out, cycles, drafted, accepted = jax.device_get((out, stats.cycles, stats.drafted, stats.accepted))
+        out, cycles, drafted, accepted, accepted_at, drafted_at = jax.device_get(
+            (out, stats.cycles, stats.drafted, stats.accepted, stats.accepted_at, stats.drafted_at))
         now = time.perf_counter()
         self.counters.step_seconds += now - t0
         self.counters.steps += 1
@@ -743,17 +765,22 @@ class Scheduler:
             length = (not stream.stopped and n >= request.settings.max_new_tokens
                       and (n == 0 or stream.tokens[n - 1] not in self._end_ids(request)))
             c, d, a = int(cycles[slot]), int(drafted[slot]), int(accepted[slot])
+            at, lengths = [int(x) for x in accepted_at[slot]], draft_lengths(c, drafted_at[slot])
             self.counters.completion_tokens += n
             self.counters.cycles += c
             self.counters.drafted += d
             self.counters.accepted += a
+            add_into(self.counters.accepted_at, at)
+            add_into(self.counters.draft_lengths, lengths)
+            if c:
+                self.latency["request_tau"].observe(n / c)
             request.remaining -= 1
             if request.remaining == 0:
                 self.counters.requests_finished += 1
                 self.latency["e2e_request_latency_seconds"].observe(now - request.arrived)
             _emit(request, Done("length" if length else "stop", len(request.prompt), n, dict(
-                cycles=c, drafted=d, accepted=a, tau=n / c if c else 0.0, acceptance_rate=a / d if d else 0.0),
-                index))
+                cycles=c, drafted=d, accepted=a, tau=n / c if c else 0.0, acceptance_rate=a / d if d else 0.0,
+                accepted_at=at, draft_lengths=lengths), index))
         return state
 
     def _fail(self, request: Request, event: Failed) -> None:

