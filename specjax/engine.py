@@ -11,14 +11,39 @@
     state, out = engine.step(state, num_cycles=8)   # out.tokens[s, :out.counts[s]]: slot s's new tokens
     state = engine.release(state, 0)
 
-The cycle both ``decode`` and ``step`` run is a value of one signature
-(:class:`Cycle`: ``CHAIN``, ``TREE``). See ``docs/engine.md``.
+Below ``decode``, ``generate`` and the slots engine is the engine tier, public
+too, for a new drafter or a new driver of the draft-verify loop:
+
+* :class:`LoopConfig`: a loop's compile-time settings (``num_draft`` K,
+  ``max_new_tokens`` N, ``cache_length``, greedy, top-k / top-p, a tree, ...);
+* :class:`DecodeState`: the loop's carry (``tokens [B, P + N + K + 1]``,
+  ``num_committed [B]``, ``done [B]``, both KV caches, the rule's and the
+  policy's states, :class:`~specjax.DecodeStats`), and :class:`Logprobs`
+  beside its tokens;
+* :func:`init_state`: the prefills and the state before the first cycle;
+* :class:`Cycle`: one cycle as a value, ``run(cfg, pair_params, rule, policy,
+  inputs, state) -> (state, diagnostics or None)`` over :class:`CycleInputs`:
+  ``CHAIN``, ``TREE``, ``TARGET_ONLY`` (``generate``'s), :func:`cycle_for`;
+* :func:`run_cycles`: cycles in one ``lax.while_loop``.
+
+::
+
+    cfg = LoopConfig(diagnostics=None, num_draft=3, max_new_tokens=16, cache_length=64,
+                     greedy=True, top_k=None, use_top_p=False)
+    state = init_state(cfg, pair, rule, policy, prompts, lengths, max_new)
+    inputs = CycleInputs(lengths, max_new, eos_ids, keys, 1.0, 1.0)
+    state = run_cycles(CHAIN.bind(cfg, pair, rule, policy, inputs), state,
+                       lambda s, _: ~s.done.all())
+
+See ``docs/engine.md``.
 """
 
+from specjax._src.engine.config import DecodeState, LoopConfig, Logprobs
 from specjax._src.engine.costs import last_measured as last_measured_costs, measure_costs
 from specjax._src.engine.cycle import Cycle, CycleInputs, run_cycles
-from specjax._src.engine.cycles import CHAIN, TREE, cycle_for
+from specjax._src.engine.cycles import CHAIN, TARGET_ONLY, TREE, cycle_for
 from specjax._src.engine.slots import Engine, FieldError, PrefillJob, SlotSettings, SlotState, StepOutput, StepPlan
+from specjax._src.engine.state import init_state
 from specjax._src.engine.text import TextStream, check_stop_strings, cut_at_stop
 from specjax._src.processors import (
     BUILTIN_PROCESSORS,
@@ -38,10 +63,15 @@ __all__ = [
     "StepPlan",
     "PrefillJob",
     "FieldError",
+    "LoopConfig",
+    "DecodeState",
+    "Logprobs",
+    "init_state",
     "Cycle",
     "CycleInputs",
     "CHAIN",
     "TREE",
+    "TARGET_ONLY",
     "cycle_for",
     "run_cycles",
     "measure_costs",

@@ -18,10 +18,9 @@ from flax import struct
 import specjax
 from specjax import drafting
 from specjax._src.engine import costs as costs_lib
-from specjax._src.engine.chain import _decode_cycle, _draft, _initial_state
-from specjax._src.engine.config import _Config
-from specjax._src.engine.cycle import CycleInputs
+from specjax._src.engine.chain import draft_chain
 from specjax._src.models import feature_head as fh
+from specjax.engine import CHAIN, CycleInputs, LoopConfig, init_state
 from specjax.rules import speculative_sampling
 from specjax.testing import llama_config, peaked_target_and_draft
 
@@ -39,10 +38,11 @@ from test_decode import (
 K = 3
 
 
-def cost_model(first=0.5, step=0.1, verify=None, k=K):
+def cost_model(first=0.5, step=0.1, verify=None, k=K, cycle=0.0):
     verify = np.linspace(1.0, 1.1, k + 1) if verify is None else verify
     return drafting.CostModel(verify=jnp.asarray(verify, jnp.float32), draft_first=jnp.float32(first),
-                              draft_step=jnp.float32(step), forward_ms=jnp.float32(1.0), batch=jnp.float32(1))
+                              draft_step=jnp.float32(step), cycle=jnp.float32(cycle), forward_ms=jnp.float32(1.0),
+                              batch=jnp.float32(1))
 
 
 def outcome(num_accepted, num_drafted, first_acceptance=None, k=K):
@@ -67,6 +67,12 @@ def test_expected_tokens_and_the_best_length():
     np.testing.assert_allclose(costs.cycle_costs(K), [1.0 + 0.2 / 3, 1.2, 1.3, 1.4], rtol=1e-6)
     # goodput 0.94, 1.5, 1.69, 1.71: draft all three
     assert int(drafting.best_draft_length(drafting.expected_tokens(a), costs.cycle_costs(K))) == 3
+    # a drafting cycle's own work is paid by every k > 0, not by a plain step
+    busy = cost_model(first=0.2, step=0.1, verify=[1.0, 1.0, 1.0, 1.0], cycle=0.5)
+    np.testing.assert_allclose(busy.cycle_costs(K), [1.0 + 0.2 / 3, 1.7, 1.8, 1.9], rtol=1e-6)
+    weak = drafting.expected_tokens(jnp.asarray([0.5, 0.3, 0.3]))  # 1.5 / 1.7 < 1 / 1.07
+    assert int(drafting.best_draft_length(weak, costs.cycle_costs(K))) > 0
+    assert int(drafting.best_draft_length(weak, busy.cycle_costs(K))) == 0
     # an expensive wide verification moves the best length down
     wide = cost_model(first=0.2, step=0.1, verify=[1.0, 1.0, 1.5, 2.0])
     assert int(drafting.best_draft_length(drafting.expected_tokens(a), wide.cycle_costs(K))) == 1
@@ -236,7 +242,7 @@ def test_decode_measures_costs_once_and_new_costs_compile_nothing(bigram_pair, m
     assert int(first.lengths[0]) == int(second.lengths[0]) == 8
     measured = next(iter(costs_lib._MEASURED.values()))
     assert measured.verify.shape == (K + 1,) and float(measured.verify[0]) == 1.0
-    assert float(measured.draft_first) > 0 and float(measured.forward_ms) > 0
+    assert float(measured.draft_first) > 0 and float(measured.forward_ms) > 0 and float(measured.cycle) > 0
     # the costs are traced: a policy with other numbers runs the same program
     with count_compilations() as counter:
         specjax.decode(bigram_pair, [[3]], **{**kw, "drafting": drafting.auto(cost_model(first=9.0), memory=0.5)})
@@ -289,14 +295,14 @@ def test_drafts_after_skipped_cycles_equal_cache_free_drafts(drafter):
     for i, p in enumerate(prompts):
         arr[i, : len(p)] = p
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    cfg = _Config(diagnostics=None, num_draft=k, max_new_tokens=24, cache_length=64, greedy=True, top_k=None,
-                  use_top_p=False, verify_widths=(1, 2, k + 1))
+    cfg = LoopConfig(diagnostics=None, num_draft=k, max_new_tokens=24, cache_length=64, greedy=True, top_k=None,
+                     use_top_p=False, verify_widths=(1, 2, k + 1))
     max_new = jnp.full((4,), 24, jnp.int32)
     rule = speculative_sampling()
-    state = _initial_state(cfg, pair, rule, policy, jnp.asarray(arr), lengths, max_new)
-    draft_fn = jax.jit(lambda s: _draft(cfg, pair, policy, s, None, 1.0, 1.0)[0])
+    state = init_state(cfg, pair, rule, policy, jnp.asarray(arr), lengths, max_new)
+    draft_fn = jax.jit(lambda s: draft_chain(cfg, pair, policy, s, None, 1.0, 1.0)[0])
     inputs = CycleInputs(lengths, max_new, jnp.asarray([-1]), jax.random.split(jax.random.key(0), 4), 1.0, 1.0)
-    cycle = jax.jit(lambda s: _decode_cycle(cfg, pair, rule, policy, inputs, s)[0])
+    cycle = jax.jit(lambda s: CHAIN.run(cfg, pair, rule, policy, inputs, s)[0])
     draft_forward = jax.jit(lambda tokens: draft.module.apply(draft.params, tokens).logits)
     checked = 0
     for i in range(7):
@@ -339,3 +345,31 @@ def test_the_slots_engine_drafts_automatically_and_stays_exact(bigram_pair):
         assert tokens == np.asarray(ref.tokens)[slot].tolist()
     measured = Engine(bigram_pair, num_slots=2, capacity=32, num_draft=K, drafting=drafting.auto()).drafting
     assert measured.costs is not None and int(measured.costs.batch) == 2
+
+
+def test_plain_cycles_keep_log_probabilities_and_controls(bigram_pair):
+    """The slots engine's plain cycles (nothing drafted) give each token the
+    log-probability and the processed logits a drafting cycle gives: a
+    penalised, log-prob-reporting request decodes the same under the switching
+    policy as under fixed drafts."""
+    from specjax.engine import Engine, GenerationControls, SlotSettings
+
+    controls = GenerationControls(repetition_penalty=1.3, presence_penalty=0.4)
+    settings = SlotSettings(temperature=0.0, max_new_tokens=16, controls=controls, logprobs=2)
+
+    def serve(policy):
+        engine = Engine(bigram_pair, num_slots=2, capacity=32, num_draft=K, drafting=policy, logprobs=2)
+        state = engine.insert(engine.init(), 0, [1, 2, 3], settings)
+        tokens, logprobs, plain = [], [], 0
+        for _ in range(16):
+            state, out = engine.step(state, num_cycles=1)
+            n = int(out.counts[0])
+            tokens += np.asarray(out.tokens)[0, :n].tolist()
+            logprobs += np.asarray(out.logprobs)[0, :n].tolist()
+            plain = int(state.loop.stats.cycles[0]) - int(state.loop.stats.drafted_at[0, 0])
+        return tokens, logprobs, plain
+
+    switching, fixed = serve(switching_policy()), serve(drafting.fixed())
+    assert switching[2] > 0 and fixed[2] == 0
+    assert switching[0] == fixed[0] and len(fixed[0]) == 16
+    np.testing.assert_allclose(switching[1], fixed[1], rtol=1e-5, atol=1e-5)

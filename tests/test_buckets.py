@@ -39,7 +39,7 @@ def width_bucket(width):
 
 
 def test_the_ladders():
-    assert [prepare_lib._bucket(n, 16) for n in (1, 16, 17, 33, 90, 129)] == [16, 16, 32, 64, 128, 256]
+    assert [prepare_lib.bucket_of(n, 16) for n in (1, 16, 17, 33, 90, 129)] == [16, 16, 32, 64, 128, 256]
     assert [prepare_lib._batch_bucket(n, 1) for n in (1, 2, 3, 5, 8, 9, 25, 64, 65)] == [
         1, 2, 4, 8, 8, 16, 32, 64, 72]
     assert prepare_lib._batch_bucket(3, 3) == 3  # a bucket the mesh's data axis does not divide
@@ -189,12 +189,12 @@ def test_the_prefill_skips_the_buckets_padding_and_changes_nothing_it_keeps(widt
     """Blocks wholly past every sequence's kept prefix are not run: their cache
     rows stay zero, while the kept rows and features equal a prefill that runs
     every block."""
-    from specjax._src.engine.ops import PREFILL_BLOCK, _prefill
+    from specjax._src.engine.ops import PREFILL_BLOCK, prefill
 
     target, _ = peaked_target_and_draft(llama_config(max_position_embeddings=256))
     prompts = jax.numpy.asarray(np.random.default_rng(3).integers(0, VOCAB, size=(2, width)), jax.numpy.int32)
     keep = jax.numpy.asarray([5, 20], jax.numpy.int32)  # two of the blocks hold a kept position
-    run = lambda k: _prefill(target.module, target.params, prompts, k, 128, hidden_layers=(0, 1))  # noqa: E731
+    run = lambda k: prefill(target.module, target.params, prompts, k, 128, hidden_layers=(0, 1))  # noqa: E731
     cache, hidden = run(keep)
     full_cache, full_hidden = run(jax.numpy.full((2,), width, jax.numpy.int32))
     np.testing.assert_array_equal(np.asarray(cache.lengths), [5, 20])
@@ -217,13 +217,13 @@ def test_a_prompt_alone_is_prefilled_in_wide_blocks():
     """One prompt runs in blocks of ``prefill_block(1)`` tokens: a 20-token
     prompt in a 128 width runs one 64-token block (its rows past the prompt
     written, then rolled back) and skips the second."""
-    from specjax._src.engine.ops import PREFILL_BLOCK, _prefill, prefill_block
+    from specjax._src.engine.ops import PREFILL_BLOCK, prefill, prefill_block
 
     block = prefill_block(1)
     assert block > PREFILL_BLOCK == prefill_block(2)
     target, _ = peaked_target_and_draft(llama_config(max_position_embeddings=256))
     prompt = jax.numpy.asarray(np.random.default_rng(4).integers(0, VOCAB, size=(1, 2 * block)), jax.numpy.int32)
-    cache = _prefill(target.module, target.params, prompt, jax.numpy.asarray([20], jax.numpy.int32), 160)
+    cache = prefill(target.module, target.params, prompt, jax.numpy.asarray([20], jax.numpy.int32), 160)
     np.testing.assert_array_equal(np.asarray(cache.lengths), [20])
     keys = np.asarray(cache.keys[0])[0]  # [kv heads, positions, head dim]
     assert np.abs(keys[:, 20:block]).max(axis=-1).min() > 0, "the first block did not run whole"

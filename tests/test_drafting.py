@@ -202,16 +202,16 @@ def test_verification_width_follows_the_drafts(pair, prompts, reference):
 
 
 def test_verification_widths():
-    from specjax._src.engine.prepare import _verify_widths
+    from specjax._src.engine.prepare import verify_widths_for
 
     conf = drafting.confidence(0.5)
-    assert _verify_widths(specjax.Buckets(), conf, 6) == (2, 4, 7)
-    assert _verify_widths(specjax.Buckets(), conf, 8) == (2, 4, 8, 9)
-    assert _verify_widths(specjax.Buckets(verify=3), conf, 4) == (3, 5)
-    assert _verify_widths(specjax.Buckets(), conf, 1) is None  # the full block is 2 tokens anyway
+    assert verify_widths_for(specjax.Buckets(), conf, 6) == (2, 4, 7)
+    assert verify_widths_for(specjax.Buckets(), conf, 8) == (2, 4, 8, 9)
+    assert verify_widths_for(specjax.Buckets(verify=3), conf, 4) == (3, 5)
+    assert verify_widths_for(specjax.Buckets(), conf, 1) is None  # the full block is 2 tokens anyway
     # combine's budget is its smallest: fixed(2) caps every block at 3 tokens
-    assert _verify_widths(specjax.Buckets(), drafting.combine(drafting.fixed(2), conf), 4) == (2, 3)
-    assert _verify_widths(specjax.Buckets(), drafting.combine(drafting.fixed(1), conf), 4) == (2,)
+    assert verify_widths_for(specjax.Buckets(), drafting.combine(drafting.fixed(2), conf), 4) == (2, 3)
+    assert verify_widths_for(specjax.Buckets(), drafting.combine(drafting.fixed(1), conf), 4) == (2,)
 
     from specjax._src.drafting import Fixed
 
@@ -219,11 +219,11 @@ def test_verification_widths():
         def budget(self, state, num_draft):
             return jnp.int32(num_draft)
 
-    assert _verify_widths(specjax.Buckets(), Greedier(k=2), 4) == (2, 4, 5)
-    assert _verify_widths(specjax.Buckets(), drafting.fixed(), 4) is None
-    assert _verify_widths(specjax.Buckets(), drafting.fixed(2), 4) == (3,)
-    assert _verify_widths(specjax.Buckets(verify=None), conf, 4) is None
-    assert _verify_widths(None, conf, 4) is None
+    assert verify_widths_for(specjax.Buckets(), Greedier(k=2), 4) == (2, 4, 5)
+    assert verify_widths_for(specjax.Buckets(), drafting.fixed(), 4) is None
+    assert verify_widths_for(specjax.Buckets(), drafting.fixed(2), 4) == (3,)
+    assert verify_widths_for(specjax.Buckets(verify=None), conf, 4) is None
+    assert verify_widths_for(None, conf, 4) is None
     with pytest.raises(ValueError, match="Buckets.verify"):
         specjax.decode(specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB))),
                        [[1]], drafting=conf, temperature=0.0, buckets=specjax.Buckets(verify=0))

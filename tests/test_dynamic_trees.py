@@ -23,10 +23,8 @@ from specjax._src import sampling
 from specjax._src import trees as trees_lib
 from specjax._src.drafting import fixed
 from specjax._src.engine import tree as tree_cycle
-from specjax._src.engine.chain import _initial_state
-from specjax._src.engine.config import _Config
-from specjax._src.engine.cycle import CycleInputs
-from specjax._src.engine.tree import _draft_dynamic, _tree_cycle
+from specjax._src.engine.tree import draft_dynamic
+from specjax.engine import CycleInputs, LoopConfig, init_state
 from specjax.rules import mars, speculative_sampling
 from specjax.testing import bigram_model, random_table
 from specjax.trees import (DynamicTree, children_table, dynamic_tree, rerank, static_tree, top_ranked,
@@ -124,14 +122,14 @@ def _reference_expansion(logq_of, prefix: list, depth: int, k: int, m: int):
 
 
 def _state(pair, tree, prompts):
-    cfg = _Config(diagnostics=None, num_draft=tree.depth, max_new_tokens=16, cache_length=64, greedy=True,
-                  top_k=None, use_top_p=False, tree=tree)
+    cfg = LoopConfig(diagnostics=None, num_draft=tree.depth, max_new_tokens=16, cache_length=64, greedy=True,
+                     top_k=None, use_top_p=False, tree=tree)
     arr = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
     for i, p in enumerate(prompts):
         arr[i, : len(p)] = p
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    return cfg, lengths, _initial_state(cfg, pair, speculative_sampling(), fixed(), jnp.asarray(arr), lengths,
-                                        jnp.full((len(prompts),), 16))
+    return cfg, lengths, init_state(cfg, pair, speculative_sampling(), fixed(), jnp.asarray(arr), lengths,
+                                    jnp.full((len(prompts),), 16))
 
 
 @pytest.mark.parametrize("depth, k, m", [(4, 3, 9)])
@@ -145,7 +143,7 @@ def test_expansion_is_eagle2s(depth, k, m):
     pair = specjax.pair(bigram_model(table), bigram_model(table))
     tree = dynamic_tree(depth, k, m)
     cfg, _, state = _state(pair, tree, [[1, 4, 7], [2, 9], [5]])
-    drafts, _ = jax.jit(lambda s: _draft_dynamic(cfg, tree, pair, s, need_logits=False))(state)
+    drafts, _ = jax.jit(lambda s: draft_dynamic(cfg, tree, pair, s, need_logits=False))(state)
     logq = np.asarray(jax.nn.log_softmax(jnp.asarray(table, jnp.float32), axis=-1))
     for b, root in enumerate([7, 9, 5]):
         tokens, parents, scores = _reference_expansion(lambda toks: logq[toks[-1]], [root], depth, k, m)
@@ -180,10 +178,10 @@ def test_transformer_draft_expands_from_its_cache_after_each_commit(llama_pair):
 
     # one program: this state's tree, and the cycle that drafts, verifies and commits it
     step = jax.jit(lambda s: (
-        _draft_dynamic(cfg, tree, pair, s, need_logits=False)[0],
-        _tree_cycle(cfg, pair, speculative_sampling(), None,
-                    CycleInputs(lengths, jnp.full((batch,), 16), jnp.asarray([-1]),
-                                jax.random.split(jax.random.key(0), batch), 1.0, 1.0), s)[0],
+        draft_dynamic(cfg, tree, pair, s, need_logits=False)[0],
+        specjax.engine.TREE.run(cfg, pair, speculative_sampling(), None,
+                                CycleInputs(lengths, jnp.full((batch,), 16), jnp.asarray([-1]),
+                                            jax.random.split(jax.random.key(0), batch), 1.0, 1.0), s)[0],
     ))
     accepted = set()
     for _ in range(3):
@@ -324,9 +322,9 @@ def test_a_sampled_trees_shape_never_reads_its_draws():
     tree = dynamic_tree(3, k, 7)
     prompts = [[1, 4, 7], [2, 9], [5]]
     cfg, _, state = _state(pair, tree, prompts)
-    greedy, _ = jax.jit(lambda s: _draft_dynamic(cfg, tree, pair, s, need_logits=False))(state)
+    greedy, _ = jax.jit(lambda s: draft_dynamic(cfg, tree, pair, s, need_logits=False))(state)
     cfg = cfg._replace(greedy=False)
-    draw = jax.jit(lambda s, key: _draft_dynamic(cfg, tree, pair, s, need_logits=False, sampled=True,
+    draw = jax.jit(lambda s, key: draft_dynamic(cfg, tree, pair, s, need_logits=False, sampled=True,
                                                  draft_keys=jax.random.split(key, len(prompts)))[0])
     seen = set()
     for seed in range(6):
@@ -358,7 +356,7 @@ def test_each_node_keeps_the_distribution_its_children_were_drawn_from(depth, k,
     cfg, _, state = _state(pair, tree, prompts)
     cfg = cfg._replace(greedy=False, top_k=top_k)
     warped = np.asarray(jax.nn.softmax(sampling.warp_logits(jnp.asarray(table), 1.0, top_k), -1))
-    draw = jax.jit(lambda s, key: _draft_dynamic(cfg, tree, pair, s, need_logits=False, sampled=True,
+    draw = jax.jit(lambda s, key: draft_dynamic(cfg, tree, pair, s, need_logits=False, sampled=True,
                                                  draft_keys=jax.random.split(key, len(prompts)))[0])
     for seed in range(4):
         drafts = draw(state, jax.random.key(seed))

@@ -19,11 +19,10 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import specjax
-from specjax._src.engine.chain import _decode_cycle, _draft, _initial_state
-from specjax._src.engine.cycle import CycleInputs
-from specjax._src.engine.config import _Config
+from specjax._src.engine.chain import draft_chain
 from specjax._src.drafting import fixed
 from specjax._src.models import feature_head as fh
+from specjax.engine import CHAIN, CycleInputs, LoopConfig, init_state
 from specjax.rules import Verdict, from_functions, mars, speculative_sampling
 from specjax.testing import llama_config, peaked_target_and_draft
 from specjax.trees import dynamic_tree, static_tree
@@ -140,13 +139,13 @@ def test_engine_drafts_equal_cache_free_drafts_after_ragged_acceptance(target, h
     for i, p in enumerate(prompts):
         arr[i, : len(p)] = p
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    cfg = _Config(diagnostics=None, num_draft=k, max_new_tokens=24, cache_length=64, greedy=True, top_k=None,
-                  use_top_p=False)
+    cfg = LoopConfig(diagnostics=None, num_draft=k, max_new_tokens=24, cache_length=64, greedy=True, top_k=None,
+                     use_top_p=False)
     max_new = jnp.full((4,), 24, jnp.int32)
-    state = _initial_state(cfg, head_pair, rule, policy, jnp.asarray(arr), lengths, max_new)
-    draft = jax.jit(lambda pair, s: _draft(cfg, pair, policy, s, None, 1.0, 1.0)[0].logits)
+    state = init_state(cfg, head_pair, rule, policy, jnp.asarray(arr), lengths, max_new)
+    draft = jax.jit(lambda pair, s: draft_chain(cfg, pair, policy, s, None, 1.0, 1.0)[0].logits)
     inputs = CycleInputs(lengths, max_new, jnp.asarray([-1]), jax.random.split(jax.random.key(0), 4), 1.0, 1.0)
-    cycle = jax.jit(lambda pair, s: _decode_cycle(cfg, pair, rule, policy, inputs, s)[0])
+    cycle = jax.jit(lambda pair, s: CHAIN.run(cfg, pair, rule, policy, inputs, s)[0])
     hd = head_pair.draft
     accepted = set()
     for _ in range(5):

@@ -13,12 +13,12 @@ import pytest
 from specjax._src import processors as P
 from specjax._src import sampling
 from specjax._src.engine.cycle import live_settings as _live_settings
-from specjax._src.engine.config import _Config
-from specjax._src.engine.ops import _warp
+from specjax._src.engine.ops import warp
+from specjax.engine import LoopConfig
 
 V = 50
-CFG = _Config(diagnostics=None, num_draft=2, max_new_tokens=8, cache_length=16, greedy=False, top_k=None,
-              use_top_p=True)
+CFG = LoopConfig(diagnostics=None, num_draft=2, max_new_tokens=8, cache_length=16, greedy=False, top_k=None,
+                 use_top_p=True)
 
 
 def _controls(**fields):
@@ -87,7 +87,7 @@ def _alone(raw, t, p, k, greedy):
 def test_warp_of_a_batch_is_each_rows_warp(greedy, top_k, top_p):
     raw = jnp.asarray(np.random.default_rng(1).normal(size=(2, V)) * 3, jnp.float32)
     t = jnp.array([0.7, 1.3])
-    got = _warp(CFG, raw, t, jnp.asarray(top_p, jnp.float32), _rows(greedy, top_k))
+    got = warp(CFG, raw, t, jnp.asarray(top_p, jnp.float32), _rows(greedy, top_k))
     for b in range(2):
         want = _alone(raw[b], float(t[b]), top_p[b], top_k[b], greedy[b])
         np.testing.assert_allclose(got[b], want, rtol=1e-6)

@@ -65,7 +65,7 @@ def _same_tokenizer(a, b) -> bool:
     return _tokenizer_size(a) == _tokenizer_size(b)
 
 
-def _model_vocab(model: Model) -> int:
+def model_vocab(model: Model) -> int:
     size = model.vocab_size
     tok = model.tokenizer
     if tok is not None:

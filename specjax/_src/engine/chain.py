@@ -5,7 +5,7 @@
 arrays, traced inside the ``while_loop`` of :mod:`specjax._src.engine.loop`::
 
     uniforms  = _cycle_uniforms(...)  # the cycle's randomness, one draw per sequence
-    drafts    = _draft(...)           # up to K draft tokens, one draft forward each (some copied
+    drafts    = draft_chain(...)      # up to K draft tokens, one draft forward each (some copied
                                       # from the context with decode(lookup=...))
     verified  = _verify(...)          # one target forward over [last, d_1 .. d_K]
     accepted  = _accept(...)          # the rule's verdict, the accepted run, the emitted token
@@ -13,8 +13,8 @@ arrays, traced inside the ``while_loop`` of :mod:`specjax._src.engine.loop`::
     logprobs  = _logprobs(...)        # with state.logprobs (the slots engine's): the tokens' log-probs
     ...       = _record(...)          # rule and policy states, stats, diagnostics
 
-The loop state (:class:`specjax._src.engine.config._DecodeState`, built by
-:func:`_initial_state`) and its cache invariants are described in
+The loop state (:class:`specjax._src.engine.config.DecodeState`, built by
+:func:`specjax._src.engine.state.init_state`) and its cache invariants are described in
 :mod:`specjax._src.engine.loop`'s docstring, the reader's map of the loop.
 What the cycle shares with the tree cycle (the first draft step, the commit
 of a block, the state after a cycle) is in :mod:`specjax._src.engine.cycle`;
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from specjax._src import drafting as drafting_lib
 from specjax._src import processors as processors_lib
 from specjax._src import sampling
-from specjax._src.engine.config import _Config, _DecodeState
+from specjax._src.engine.config import DecodeState, LoopConfig
 from specjax._src.engine.cycle import (
     Committed,
     Cycle,
@@ -52,148 +52,16 @@ from specjax._src.engine.cycle import (
     per_row_rule,
     with_greedy_rows,
 )
-from specjax._src.engine.ops import _batched_init, _gather, _prefill, _prefill_chunk, _row, _warp, _where_b
+from specjax._src.engine.ops import gather, row_at, warp, where_b
 from specjax._src.lm import KVCache, LMOutput
 from specjax._src.lookup import lookup_drafts
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Verdict, VerifyInputs
-from specjax._src.stats import DecodeStats, record_cycle
+from specjax._src.stats import record_cycle
 
 Array = jax.Array
 _POINT_MASS_FLOOR = -1e9  # a copied draft's logits off its token
-
-# ---------------------------------------------------------------------------
-# The state before the first cycle
-# ---------------------------------------------------------------------------
-
-
-def _initial_state(
-    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, prompts,
-    prompt_lengths, max_new,
-) -> _DecodeState:
-    """Both prefills (each cache to its invariant) and the state before the first cycle."""
-    target, draft = pair_params.target, pair_params.draft
-    draft_features = None
-    if is_feature_head(draft.module):
-        target_cache, features = _prefill(
-            target.module, target.params, prompts, prompt_lengths - 1, cfg.cache_length,
-            hidden_layers=draft.module.feature_layers, hidden_fn=_features_fn(draft),
-        )
-        draft_cache, draft_features = _prefill_head(cfg, draft, prompts, prompt_lengths, features)
-    else:
-        target_cache = _prefill(target.module, target.params, prompts, prompt_lengths - 1, cfg.cache_length)
-        draft_cache = _prefill(
-            draft.module, draft.params, prompts, jnp.maximum(prompt_lengths - 2, 0), cfg.cache_length
-        )
-    return _state_after_prefill(cfg, rule, policy, prompts, prompt_lengths, max_new, target_cache, draft_cache,
-                                draft_features)
-
-
-def _features_fn(head):
-    """The target's hidden states to a feature head's input, as a prefill applies it to each block."""
-    return functools.partial(head.module.target_features, head.params)
-
-
-def _state_after_prefill(cfg: _Config, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, prompts,
-                         prompt_lengths, max_new, target_cache: KVCache, draft_cache: KVCache,
-                         draft_features) -> _DecodeState:
-    """The state before the first cycle, from the prefilled caches (and a feature head's pending features)."""
-    batch, width = prompts.shape
-    k_max, n_max = cfg.num_draft, cfg.max_new_tokens
-    tokens = jnp.zeros((batch, width + n_max + k_max + 1), jnp.int32).at[:, :width].set(prompts)
-    return _DecodeState(
-        step=jnp.int32(0),
-        tokens=tokens,
-        num_committed=prompt_lengths,
-        done=max_new <= 0,  # the buckets' dummy rows
-        bad=jnp.zeros((batch,), jnp.int32),
-        target_cache=target_cache,
-        draft_cache=draft_cache,
-        rule_state=_batched_init(rule.init, batch),
-        policy_state=_batched_init(lambda: policy.init(k_max), batch),
-        stats=DecodeStats.zeros(batch, k_max),
-        draft_features=draft_features,
-    )
-
-
-def _prefill_head(cfg: _Config, head, prompts, prompt_lengths, features) -> tuple[KVCache, Array]:
-    """A feature head's prefill: head position ``i`` reads the target's
-    feature ``f_i`` and the token ``x_{i+1}``. Keeps positions ``0 .. n - 3``
-    and leaves ``f_{n-2}`` pending (a one-token prompt has no feature yet: its
-    first draft reads zeros, a poor guess that costs speed, never correctness).
-    Returns ``(cache, pending [B, K + 1, H])``."""
-    batch = prompts.shape[0]
-    shifted = jnp.concatenate([prompts[:, 1:], jnp.zeros((batch, 1), prompts.dtype)], axis=1)
-    keep = jnp.maximum(prompt_lengths - 2, 0)
-    cache = _prefill(head.module, head.params, shifted, keep, cfg.cache_length, features=features)
-    return cache, _pending_features(cfg, prompt_lengths, _row(features, keep))
-
-
-def _pending_features(cfg: _Config, prompt_lengths, last) -> Array:
-    """``[B, K + 1, H]``: ``last [B, H]`` (the target's ``f_{n-2}``) first, zeros for a one-token prompt."""
-    last = jnp.where((prompt_lengths >= 2)[:, None], last, 0.0)
-    batch, hidden = last.shape
-    return jnp.zeros((batch, cfg.num_draft + 1, hidden), last.dtype).at[:, 0].set(last)
-
-
-# ---------------------------------------------------------------------------
-# The same prefill, one chunk at a time (the slots engine's chunked insert)
-# ---------------------------------------------------------------------------
-
-
-def _empty_prefill_caches(cfg: _Config, pair_params: ModelPair) -> tuple[KVCache, KVCache]:
-    """The target's and the draft's caches of one prompt before its first chunk."""
-    return tuple(m.module.init_cache(1, cfg.cache_length) for m in (pair_params.target, pair_params.draft))
-
-
-def _prefill_chunk_pair(cfg: _Config, pair_params: ModelPair, caches, prompt, length, width, start, chunk: int,
-                        tail: int):
-    """The prompt positions ``[start, start + chunk)`` of :func:`_initial_state`'s prefills of one prompt.
-
-    ``prompt [1, P]``: the prompt padded with zeros (``P >= start + chunk + 1``:
-    a feature head reads the token after each position); ``length``: its
-    tokens; ``width``: the width :func:`_initial_state` would be called with
-    (traced); ``tail``: that call's tail block's width where ``width`` is cut
-    to the capacity (see :func:`specjax._src.engine.ops._prefill_chunk`).
-    ``caches``: both caches after the chunks before ``start``. Returns the
-    caches after this chunk, not yet rolled back, and a feature head's
-    features at these positions (None for a draft model).
-    """
-    target, draft = pair_params.target, pair_params.draft
-    target_cache, draft_cache = caches
-    tokens = jax.lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)
-    keep_target, keep_draft = length - 1, jnp.maximum(length - 2, 0)
-    common = dict(tail=tail)
-    if is_feature_head(draft.module):
-        target_cache, features = _prefill_chunk(
-            target.module, target.params, target_cache, tokens, keep_target, start, width,
-            hidden_layers=draft.module.feature_layers, hidden_fn=_features_fn(draft), **common)
-        # _prefill_head's shifted prompt (its zero at the width's last position: the padding's).
-        shifted = jax.lax.dynamic_slice_in_dim(prompt, start + 1, chunk, axis=1)
-        draft_cache, _ = _prefill_chunk(draft.module, draft.params, draft_cache, shifted, keep_draft, start, width,
-                                        features=features, **common)
-        return (target_cache, draft_cache), features
-    target_cache, _ = _prefill_chunk(target.module, target.params, target_cache, tokens, keep_target, start, width,
-                                     **common)
-    draft_cache, _ = _prefill_chunk(draft.module, draft.params, draft_cache, tokens, keep_draft, start, width,
-                                    **common)
-    return (target_cache, draft_cache), None
-
-
-def _state_after_chunks(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule,
-                        policy: drafting_lib.DraftingPolicy, caches, features, prompt, length, start, max_new):
-    """The state :func:`_initial_state` builds for one prompt, from its caches after the last chunk
-    (``features``: that chunk's, for a feature head; ``start``: where it began). ``prompt [1, W]``."""
-    target_cache, draft_cache = caches
-    lengths = jnp.reshape(length, (1,))
-    keep_draft = jnp.maximum(lengths - 2, 0)
-    target_cache, draft_cache = target_cache.rollback(lengths - 1), draft_cache.rollback(keep_draft)
-    pending = None
-    if features is not None:
-        pending = _pending_features(cfg, lengths, _row(features, jnp.clip(keep_draft - start, 0, features.shape[1] - 1)))
-    return _state_after_prefill(cfg, rule, policy, prompt, lengths, max_new, target_cache, draft_cache, pending)
-
 
 # ---------------------------------------------------------------------------
 # The cycle
@@ -201,8 +69,8 @@ def _state_after_chunks(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRu
 
 
 def _decode_cycle(
-    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy,
-    inputs: CycleInputs, state: _DecodeState,
+    cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy,
+    inputs: CycleInputs, state: DecodeState,
 ):
     """One draft-verify cycle over a chain (:data:`CHAIN`'s ``run``). Returns
     ``(state, diagnostics or None)``.
@@ -216,13 +84,27 @@ def _decode_cycle(
     the draft cap and the logits processors are per sequence. ``None``: the
     settings are the call's, one for every sequence.
     """
+    if policy.may_draft_none and cfg.diagnostics is None:
+        # A batch that drafts nothing runs a plain target step: one token verified, none of a
+        # drafting cycle's work over K slots (so that choosing no drafts costs what generate does).
+        return jax.lax.cond(_plain(cfg, pair_params, policy, state, inputs.rows),
+                            lambda s: _plain_cycle(cfg, pair_params, policy, inputs, s),
+                            lambda s: _drafting_cycle(cfg, pair_params, rule, policy, inputs, s), state)
+    return _drafting_cycle(cfg, pair_params, rule, policy, inputs, state)
+
+
+def _drafting_cycle(
+    cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy,
+    inputs: CycleInputs, state: DecodeState,
+):
+    """:func:`_decode_cycle`'s draft, verify, accept, commit and record."""
     prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows = inputs
     batch = state.num_committed.shape[0]
     if rows is not None:
         rows, top_p = live_settings(rows, top_p, ~state.done)
     hist = cycle_history(rows, state, prompt_lengths, eos_ids, pair_params.vocab_size)
     uniforms, draft_uniforms, emit_uniform = _cycle_uniforms(cfg, seq_keys, state.step, batch)
-    drafts, draft_cache = _draft(cfg, pair_params, policy, state, draft_uniforms, temperature, top_p, rows, hist)
+    drafts, draft_cache = draft_chain(cfg, pair_params, policy, state, draft_uniforms, temperature, top_p, rows, hist)
     verified = _verify(cfg, pair_params, rule, state, drafts, uniforms, temperature, top_p, rows, hist)
     accepted = _accept(cfg, rule, state, drafts, verified, emit_uniform, rows)
     committed = _commit(
@@ -236,7 +118,81 @@ def _decode_cycle(
     return new_state, diag
 
 
-def _next_features(state: _DecodeState, drafts: _Drafts, verified: _Verified):
+def _budgets(cfg: LoopConfig, policy: drafting_lib.DraftingPolicy, state: DecodeState, rows) -> Array:
+    """``[B]`` int32: the policy's plan for the batch, within ``0 .. K`` and each row's draft cap."""
+    budget = jnp.clip(jnp.asarray(policy.plan(state.policy_state, ~state.done, cfg.num_draft), jnp.int32), 0,
+                      cfg.num_draft)
+    if rows is not None and rows.draft_cap is not None:
+        budget = jnp.minimum(budget, rows.draft_cap)
+    return budget
+
+
+def _plain(cfg: LoopConfig, pair_params: ModelPair, policy, state: DecodeState, rows) -> Array:
+    """Scalar bool: no live sequence drafts this cycle, and the draft can wait (:func:`_draft_can_wait`)."""
+    drafting_rows = ~state.done & (_budgets(cfg, policy, state, rows) > 0)
+    return ~drafting_rows.any() & _draft_can_wait(cfg, pair_params, state)
+
+
+def _plain_cycle(cfg: LoopConfig, pair_params: ModelPair, policy: drafting_lib.DraftingPolicy, inputs: CycleInputs,
+                 state: DecodeState):
+    """A cycle that drafts nothing: one target forward over each sequence's
+    last token, its token emitted as a drafting cycle would emit its bonus
+    token after no drafts (the same uniform, greedy rows, processors,
+    non-finite checks, log-probabilities), the draft skipped (its cache
+    waits; a head's features are kept pending), the rule's state unchanged
+    (nothing judged). Returns ``(state, None)``."""
+    prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows = inputs
+    batch, vocab, k_max = state.num_committed.shape[0], pair_params.vocab_size, cfg.num_draft
+    if rows is not None:
+        rows, top_p = live_settings(rows, top_p, ~state.done)
+    hist = cycle_history(rows, state, prompt_lengths, eos_ids, vocab)
+    _, _, emit_uniform = _cycle_uniforms(cfg, seq_keys, state.step, batch)
+    head = pair_params.draft.module
+    head_layers = head.feature_layers if is_feature_head(head) else ()
+    last = gather(state.tokens, state.num_committed - 1)
+    out = pair_params.target.module.apply(pair_params.target.params, last[:, None], state.target_cache,
+                                          hidden_layers=head_layers)
+    raw = out.logits[..., :vocab]  # [B, 1, V]
+    no_drafts = jnp.zeros((batch, k_max), jnp.int32)
+    processed = raw if hist is None else processors_lib.process(rows.processors, rows.controls, hist, raw,
+                                                                no_drafts, 0)
+    target_logits = warp(cfg, processed, temperature, top_p, rows)
+    if cfg.greedy:
+        emitted = sampling.argmax(target_logits[:, 0])
+    else:
+        emitted = sampling.sample_categorical(jax.nn.softmax(target_logits[:, 0], axis=-1), emit_uniform)
+        if greedy_rows(cfg, rows) is not None:
+            emitted = jnp.where(rows.greedy, sampling.argmax(target_logits[:, 0]), emitted)
+    new_bad, bad = nonfinite_codes(state, jnp.zeros((batch,), bool), sampling.nonfinite_rows(raw)[:, 0])
+    live = ~state.done & (new_bad == 0)
+    none = jnp.zeros((batch,), jnp.int32)
+    tokens, n_commit, finished = commit_block(state, no_drafts, none, emitted, live, prompt_lengths, max_new, eos_ids)
+    new_nc = state.num_committed + n_commit
+    committed = Committed(tokens=tokens, num_committed=new_nc, num_new=n_commit,
+                          done=state.done | (new_bad > 0) | finished, target_cache=out.cache.rollback(new_nc - 1),
+                          draft_cache=state.draft_cache)
+    logprobs = None
+    if state.logprobs is not None:
+        padded = jnp.pad(target_logits, [(0, 0), (0, k_max), (0, 0)])
+        logprobs = cycle_logprobs(state, padded, committed_block(no_drafts, none, emitted), rows)
+    unused = jnp.zeros((batch, k_max), bool)
+    outcome = drafting_lib.DraftOutcome(num_drafted=none, num_accepted=none, valid=unused,
+                                        entropies=jnp.zeros((batch, k_max), jnp.float32),
+                                        token_probs=jnp.zeros((batch, k_max), jnp.float32),
+                                        first_acceptance=jnp.full((batch,), -1.0, jnp.float32))
+    policy_state = where_b(live, jax.vmap(policy.update)(state.policy_state, outcome), state.policy_state)
+    stats = record_cycle(state.stats, live=live, valid=unused, num_accepted=none, num_committed=n_commit,
+                         paths=no_drafts, draft_forwards=jnp.int32(0), copied=unused, verified=jnp.int32(1))
+    features = None
+    if head_layers:
+        hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)
+        own = head.target_features(pair_params.draft.params, hidden)  # [B, 1, H]
+        features = _pending_after_skip(state, jnp.pad(own, [(0, 0), (0, k_max), (0, 0)]))
+    return next_state(state, committed, bad=bad, rule_state=state.rule_state, policy_state=policy_state,
+                      stats=stats, draft_features=features, logprobs=logprobs), None
+
+
+def _next_features(state: DecodeState, drafts: _Drafts, verified: _Verified):
     """A feature head's pending features for the next cycle: the verification's,
     or, where this cycle skipped the head, those appended to the pending ones."""
     if verified.features is None:
@@ -245,7 +201,7 @@ def _next_features(state: _DecodeState, drafts: _Drafts, verified: _Verified):
                         lambda: _pending_after_skip(state, verified.features))
 
 
-def _cycle_uniforms(cfg: _Config, seq_keys, step, batch: int):
+def _cycle_uniforms(cfg: LoopConfig, seq_keys, step, batch: int):
     """All of a cycle's randomness in one draw per sequence (from
     ``fold_in(seq_key, step)``): ``(uniforms [B, K], draft_uniforms [B, K],
     emit_uniform [B])``, the K acceptance uniforms, one uniform per draft sample
@@ -277,8 +233,8 @@ class _Drafts(NamedTuple):
     copied: Array  # [B, K] the slot's token was copied from the context (a point mass)
 
 
-def _draft(
-    cfg: _Config, pair_params: ModelPair, policy: drafting_lib.DraftingPolicy, state: _DecodeState, draft_uniforms,
+def draft_chain(
+    cfg: LoopConfig, pair_params: ModelPair, policy: drafting_lib.DraftingPolicy, state: DecodeState, draft_uniforms,
     temperature, top_p, rows=None, hist=None,
 ) -> tuple[_Drafts, KVCache]:
     """Draft up to K tokens per sequence: the policy's ``budget``, cut short
@@ -294,9 +250,7 @@ def _draft(
     token alone)."""
     # The policy plans the batch at once (auto weighs the verification's shared width); 0: no drafts.
     k_max = cfg.num_draft
-    budget = jnp.clip(jnp.asarray(policy.plan(state.policy_state, ~state.done, k_max), jnp.int32), 0, k_max)
-    if rows is not None and rows.draft_cap is not None:
-        budget = jnp.minimum(budget, rows.draft_cap)
+    budget = _budgets(cfg, policy, state, rows)
     active0 = ~state.done & (budget > 0)
     run = functools.partial(_draft_tokens, cfg, pair_params, policy, state, draft_uniforms, temperature, top_p,
                             rows, hist, budget, active0)
@@ -309,13 +263,13 @@ def _draft(
                                        state.draft_cache), run)
 
 
-def _draft_lag(state: _DecodeState) -> Array:
+def _draft_lag(state: DecodeState) -> Array:
     """``[B]`` committed tokens a draft model's cache is behind its invariant
     (``num_committed - 2`` entries): 0 unless cycles skipped its forwards."""
     return jnp.maximum(state.num_committed - 2, 0) - state.draft_cache.lengths
 
 
-def _draft_can_wait(cfg: _Config, pair_params: ModelPair, state: _DecodeState) -> Array:
+def _draft_can_wait(cfg: LoopConfig, pair_params: ModelPair, state: DecodeState) -> Array:
     """Scalar bool: every live sequence can skip this cycle's draft forwards
     and still be caught up by one first draft step later. A draft model
     catches up ``K`` tokens (:func:`_catch_up_logits`); a feature head reads
@@ -327,7 +281,7 @@ def _draft_can_wait(cfg: _Config, pair_params: ModelPair, state: _DecodeState) -
     return jnp.all(~live | (_draft_lag(state) + 1 <= cfg.num_draft))
 
 
-def _catch_up_logits(module, params, vocab: int, state: _DecodeState, width: int) -> tuple[Array, KVCache]:
+def _catch_up_logits(module, params, vocab: int, state: DecodeState, width: int) -> tuple[Array, KVCache]:
     """The first draft step of a draft model whose cache holds ``L <=
     num_committed - 2`` entries: one forward over the ``width`` tokens from
     position ``L``, read at the last committed token. With ``width = 2`` and
@@ -339,10 +293,10 @@ def _catch_up_logits(module, params, vocab: int, state: _DecodeState, width: int
         raw0 = module.apply(params, block, state.draft_cache, logits_at=row)
         return raw0.logits[:, 0, :vocab], raw0.cache.rollback(nc)
     out = module.apply(params, block, state.draft_cache)
-    return _row(out.logits[..., :vocab], row), out.cache.rollback(nc)
+    return row_at(out.logits[..., :vocab], row), out.cache.rollback(nc)
 
 
-def _pending_after_skip(state: _DecodeState, verified_features: Array) -> Array:
+def _pending_after_skip(state: DecodeState, verified_features: Array) -> Array:
     """A feature head's pending target features after a cycle that skipped
     its forwards: the ones still pending (``f_m .. f_{nc-2}``), then the
     verification's (``f_{nc-1}``, its only row). ``[B, K + 1, H]``."""
@@ -354,10 +308,10 @@ def _pending_after_skip(state: _DecodeState, verified_features: Array) -> Array:
 
 
 def _draft_tokens(
-    cfg: _Config, pair_params: ModelPair, policy: drafting_lib.DraftingPolicy, state: _DecodeState, draft_uniforms,
+    cfg: LoopConfig, pair_params: ModelPair, policy: drafting_lib.DraftingPolicy, state: DecodeState, draft_uniforms,
     temperature, top_p, rows, hist, budget, active0,
 ) -> tuple[_Drafts, KVCache]:
-    """:func:`_draft`'s drafting: the first draft step, then one forward per further token."""
+    """:func:`draft_chain`'s drafting: the first draft step, then one forward per further token."""
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab, k_max = pair_params.vocab_size, cfg.num_draft
     batch = state.num_committed.shape[0]
@@ -418,7 +372,7 @@ def _draft_tokens(
 
 
 def _draft_slot(
-    cfg: _Config, policy: drafting_lib.DraftingPolicy, policy_state, budget, draft_uniforms, temperature, top_p,
+    cfg: LoopConfig, policy: drafting_lib.DraftingPolicy, policy_state, budget, draft_uniforms, temperature, top_p,
     copied, j, raw: Array, active: Array, bufs: _Drafts, *, rows=None, hist=None,
 ) -> tuple[Array, _Drafts]:
     """Draft slot ``j`` from the draft's raw logits ``[B, V]``: process (with
@@ -431,7 +385,7 @@ def _draft_slot(
     unprocessed = raw
     if hist is not None:  # the draft sees the target's processing: same tokens before the slot
         raw = processors_lib.process(rows.processors, rows.controls, hist, raw[:, None], bufs.tokens, j)[:, 0]
-    logits = _warp(cfg, raw, temperature, top_p, rows)
+    logits = warp(cfg, raw, temperature, top_p, rows)
     probs = jax.nn.softmax(logits, axis=-1)
     if cfg.greedy:
         tok = sampling.argmax(raw)
@@ -499,14 +453,14 @@ class _Verified(NamedTuple):
 
 
 def _verify(
-    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _DecodeState, drafts: _Drafts, uniforms,
+    cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule, state: DecodeState, drafts: _Drafts, uniforms,
     temperature, top_p, rows=None, hist=None,
 ) -> _Verified:
     """One target forward over ``[last, d_1 .. d_K]`` (``T = K + 1``): logits at
     slot ``k`` judge ``d_{k+1}``, slot ``K`` gives the bonus. A rule that
     declares ``hidden_layers`` gets the target's hidden states at each draft
     token's own position as ``features["hidden"]``."""
-    last = _gather(state.tokens, state.num_committed - 1)
+    last = gather(state.tokens, state.num_committed - 1)
     block_in = jnp.concatenate([last[:, None], drafts.tokens], axis=1)
     head = pair_params.draft.module
     head_layers = head.feature_layers if is_feature_head(head) else ()
@@ -519,7 +473,7 @@ def _verify(
     processed = raw
     if hist is not None:  # row k follows k drafts: the processing the draft saw at slot k
         processed = processors_lib.process(rows.processors, rows.controls, hist, raw, drafts.tokens, 0)
-    target_logits = _warp(cfg, processed, temperature, top_p, rows)
+    target_logits = warp(cfg, processed, temperature, top_p, rows)
     target_probs = jax.nn.softmax(target_logits, axis=-1)
     features = {}
     if rule.hidden_layers:
@@ -541,7 +495,7 @@ def _verify(
     return _Verified(inputs=inputs, raw=raw, cache=out.cache, features=head_features, width=width)
 
 
-def _verify_forward(cfg: _Config, forward, block_in: Array, cache: KVCache, valid: Array, live: Array):
+def _verify_forward(cfg: LoopConfig, forward, block_in: Array, cache: KVCache, valid: Array, live: Array):
     """``forward(tokens, cache)`` over the block's first ``width`` tokens:
     the smallest of ``cfg.verify_widths`` that holds every live sequence's
     last token and valid drafts (all ``K + 1`` when it is ``None``).
@@ -589,7 +543,7 @@ class _Accepted(NamedTuple):
 
 
 def _accept(
-    cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafts: _Drafts, verified: _Verified, emit_uniform,
+    cfg: LoopConfig, rule: AcceptanceRule, state: DecodeState, drafts: _Drafts, verified: _Verified, emit_uniform,
     rows=None,
 ) -> _Accepted:
     """The rule judges each slot; the leading run of accepted valid slots is
@@ -605,17 +559,17 @@ def _accept(
     accept = jnp.asarray(verdict.accept, bool) & drafts.valid
     n = jnp.cumprod(accept.astype(jnp.int32), axis=1).sum(1)
     v = drafts.valid.sum(1).astype(jnp.int32)
-    correction = _row(verdict.correction, jnp.minimum(n, k_max - 1))
+    correction = row_at(verdict.correction, jnp.minimum(n, k_max - 1))
     if cfg.greedy:
         corr_tok = sampling.argmax(correction)
-        bonus_tok = sampling.argmax(_row(inputs.target_logits, n))
+        bonus_tok = sampling.argmax(row_at(inputs.target_logits, n))
     else:
         # One uniform serves both: only one of the two tokens is used.
         corr_tok = sampling.sample_categorical(correction, emit_uniform)
-        bonus_tok = sampling.sample_categorical(_row(inputs.target_probs, n), emit_uniform)
+        bonus_tok = sampling.sample_categorical(row_at(inputs.target_probs, n), emit_uniform)
         if greedy is not None:
             corr_tok = jnp.where(greedy, sampling.argmax(correction), corr_tok)
-            bonus_tok = jnp.where(greedy, sampling.argmax(_row(inputs.target_logits, n)), bonus_tok)
+            bonus_tok = jnp.where(greedy, sampling.argmax(row_at(inputs.target_logits, n)), bonus_tok)
     emitted = jnp.where(n < v, corr_tok, bonus_tok)
 
     # Non-finite logits: only rows the outcome depends on count: target rows
@@ -641,7 +595,7 @@ def _accept(
 
 
 def _commit(
-    cfg: _Config, state: _DecodeState, drafts: _Drafts, accepted: _Accepted, target_cache: KVCache,
+    cfg: LoopConfig, state: DecodeState, drafts: _Drafts, accepted: _Accepted, target_cache: KVCache,
     draft_cache: KVCache, prompt_lengths, max_new, eos_ids,
 ) -> Committed:
     """Commits ``drafts[:n] + emitted`` (:func:`specjax._src.engine.cycle.commit_block`)
@@ -663,7 +617,7 @@ def _commit(
     )
 
 
-def _logprobs(state: _DecodeState, drafts: _Drafts, verified: _Verified, accepted: _Accepted, rows=None):
+def _logprobs(state: DecodeState, drafts: _Drafts, verified: _Verified, accepted: _Accepted, rows=None):
     """The committed block's log-probabilities under the target's sampling
     distribution at each slot (:func:`specjax._src.engine.cycle.cycle_logprobs`)."""
     block = committed_block(drafts.tokens, accepted.num_accepted, accepted.emitted)
@@ -676,7 +630,7 @@ def _logprobs(state: _DecodeState, drafts: _Drafts, verified: _Verified, accepte
 
 
 def _record(
-    cfg: _Config, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, state: _DecodeState, drafts: _Drafts,
+    cfg: LoopConfig, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, state: DecodeState, drafts: _Drafts,
     verified: _Verified, accepted: _Accepted, committed: Committed, rows=None,
 ):
     """What the cycle leaves for later, for live sequences only: the rule's
@@ -687,7 +641,7 @@ def _record(
     args = (state.rule_state, verified.inputs, accepted.verdict, n)
     rule_state = with_greedy_rows(cfg, rows, per_row_rule(rule, rows, "update", cfg.greedy, *args),
                                   lambda: per_row_rule(rule, rows, "update", True, *args))
-    rule_state = _where_b(live, rule_state, state.rule_state)
+    rule_state = where_b(live, rule_state, state.rule_state)
     outcome = drafting_lib.DraftOutcome(
         num_drafted=accepted.num_drafted,
         num_accepted=n,
@@ -697,7 +651,7 @@ def _record(
         first_acceptance=_first_acceptance(cfg, drafts, verified),
     )
     policy_state = jax.vmap(policy.update)(state.policy_state, outcome)
-    policy_state = _where_b(live, policy_state, state.policy_state)
+    policy_state = where_b(live, policy_state, state.policy_state)
     stats = record_cycle(state.stats, live=live, valid=drafts.valid, num_accepted=n,
                          num_committed=committed.num_new, paths=accepted.verdict.path,
                          draft_forwards=drafts.forwards, copied=drafts.copied, verified=verified.width)
@@ -705,7 +659,7 @@ def _record(
     return rule_state, policy_state, stats, diag
 
 
-def _first_acceptance(cfg: _Config, drafts: _Drafts, verified: _Verified) -> Array:
+def _first_acceptance(cfg: LoopConfig, drafts: _Drafts, verified: _Verified) -> Array:
     """``[B]``: how likely the lossless rule was to accept the draft's first
     token, drafted or not (:class:`specjax.drafting.DraftOutcome`): the
     overlap ``sum(min(p, q))`` of the first slot's distributions, or, greedy,

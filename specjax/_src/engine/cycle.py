@@ -6,10 +6,12 @@ A cycle is a value (:class:`Cycle`) with one signature::
 
 :data:`CHAIN` drafts a chain of up to ``K`` tokens
 (:mod:`specjax._src.engine.chain`), :data:`TREE` a static or dynamic token
-tree (:mod:`specjax._src.engine.tree`); :func:`cycle_for` picks the one a
-loop's config asks for. ``decode``'s loop and the slots engine's ``step``
-both call a cycle through this signature and :func:`run_cycles`, and a new
-drafter plugs in as a third value. What a cycle reads of each sequence
+tree (:mod:`specjax._src.engine.tree`), :data:`TARGET_ONLY` no draft at all,
+one target token per cycle (:mod:`specjax._src.engine.target_only`,
+``generate``'s); :func:`cycle_for` picks the chain or the tree as a loop's
+config asks. ``decode``'s and ``generate``'s loops and the slots engine's
+``step`` all call a cycle through this signature and :func:`run_cycles`,
+and a new drafter plugs in as another value. What a cycle reads of each sequence
 besides the loop state is one :class:`CycleInputs`; a rule tells a cycle
 what it can do through capabilities (``rule.lossless``, ``rule.hidden_layers``),
 never through its class.
@@ -17,7 +19,7 @@ never through its class.
 The chain cycle (:mod:`specjax._src.engine.chain`) and the tree cycle
 (:mod:`specjax._src.engine.tree`) run the same five steps (draft, verify,
 accept, commit, record) over the same loop state
-(:class:`specjax._src.engine.config._DecodeState`) and keep the same cache
+(:class:`specjax._src.engine.config.DecodeState`) and keep the same cache
 invariants (:mod:`specjax._src.engine.loop`). What those invariants fix,
 whatever the drafts' shape, is here, and both cycles import it:
 
@@ -46,8 +48,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax._src import processors as processors_lib
-from specjax._src.engine.config import _Config, _DecodeState, _Logprobs
-from specjax._src.engine.ops import _gather, _is_eos, _row, _where_b
+from specjax._src.engine.config import DecodeState, LoopConfig, Logprobs
+from specjax._src.engine.ops import gather, is_eos, row_at, where_b
 from specjax._src.lm import KVCache, LMOutput, ReducedLogits
 from specjax._src.stats import DecodeStats
 
@@ -86,13 +88,13 @@ class Cycle(NamedTuple):
     """One draft-verify cycle as a value.
 
     Attributes:
-      name: ``"chain"`` or ``"tree"`` (a new drafter: its own).
+      name: ``"chain"``, ``"tree"`` or ``"target_only"`` (a new drafter: its own).
       run: ``(cfg, pair_params, rule, policy, inputs, state) -> (state,
         diagnostics or None)``: ``cfg`` the loop's static
-        :class:`~specjax._src.engine.config._Config`, ``pair_params`` the
+        :class:`~specjax._src.engine.config.LoopConfig`, ``pair_params`` the
         :class:`~specjax.ModelPair`, ``rule`` and ``policy`` the acceptance
         rule and drafting policy (pytrees), ``inputs`` a :class:`CycleInputs`,
-        ``state`` the loop state (:class:`~specjax._src.engine.config._DecodeState`),
+        ``state`` the loop state (:class:`~specjax._src.engine.config.DecodeState`),
         which the cycle returns advanced by one draft, one verification and
         one commit per live sequence. Pure and traceable: it runs inside
         :func:`run_cycles`'s ``while_loop``.
@@ -101,8 +103,8 @@ class Cycle(NamedTuple):
     name: str
     run: Callable
 
-    def bind(self, cfg: _Config, pair_params, rule, policy, inputs: CycleInputs
-             ) -> Callable[[_DecodeState], tuple[_DecodeState, Any]]:
+    def bind(self, cfg: LoopConfig, pair_params, rule, policy, inputs: CycleInputs
+             ) -> Callable[[DecodeState], tuple[DecodeState, Any]]:
         """``state -> (state, diagnostics)``, the form :func:`run_cycles` calls."""
         return lambda state: self.run(cfg, pair_params, rule, policy, inputs, state)
 
@@ -115,7 +117,7 @@ class Cycle(NamedTuple):
 def live_settings(rows, top_p, live: Array):
     """Per-row settings with finished rows' top-k and top-p filters off: such
     a row commits nothing, so its filters need not keep a batch of unfiltered
-    live rows sorting the vocabulary (:func:`specjax._src.engine.ops._warp`)."""
+    live rows sorting the vocabulary (:func:`specjax._src.engine.ops.warp`)."""
     if rows.top_k is not None:
         rows = rows.replace(top_k=jnp.where(live, rows.top_k, 0))
     if top_p is not None and jnp.ndim(top_p) == 1:
@@ -123,7 +125,7 @@ def live_settings(rows, top_p, live: Array):
     return rows, top_p
 
 
-def cycle_history(rows, state: _DecodeState, prompt_lengths: Array, eos_ids: Array,
+def cycle_history(rows, state: DecodeState, prompt_lengths: Array, eos_ids: Array,
                   vocab: int) -> Optional[processors_lib.History]:
     """What the logits processors read of each sequence before the cycle
     (:func:`specjax._src.processors.history`), or None without per-row controls.
@@ -143,17 +145,17 @@ def per_row_rule(rule, rows, method: str, greedy: bool, *args):
     return jax.vmap(lambda r, *a: getattr(r, method)(*a, greedy=greedy))(rows.rules, *args)
 
 
-def greedy_rows(cfg: _Config, rows) -> Optional[Array]:
+def greedy_rows(cfg: LoopConfig, rows) -> Optional[Array]:
     """``[B]`` the rows that decode greedily in a sampled program, or None
     where there are none to tell apart (a greedy program, or no per-row settings)."""
     return None if rows is None or cfg.greedy else rows.greedy
 
 
-def with_greedy_rows(cfg: _Config, rows, sampled, greedy_fn):
+def with_greedy_rows(cfg: LoopConfig, rows, sampled, greedy_fn):
     """``sampled`` with the greedy rows' values taken from ``greedy_fn()``
     (computed only where a sampled program holds greedy rows)."""
     which = greedy_rows(cfg, rows)
-    return sampled if which is None else _where_b(which, greedy_fn(), sampled)
+    return sampled if which is None else where_b(which, greedy_fn(), sampled)
 
 
 # ---------------------------------------------------------------------------
@@ -161,13 +163,13 @@ def with_greedy_rows(cfg: _Config, rows, sampled, greedy_fn):
 # ---------------------------------------------------------------------------
 
 
-def first_draft_logits(module, params, vocab: int, state: _DecodeState) -> tuple[Array, KVCache]:
+def first_draft_logits(module, params, vocab: int, state: DecodeState) -> tuple[Array, KVCache]:
     """The cycle's first draft step: a ``T = 2`` forward over the last two
     committed tokens (or ``[t0, pad]``), read at the last real one. Returns
     its raw logits ``[B, V]`` and the draft cache, now holding every committed token."""
     nc, tokens = state.num_committed, state.tokens
-    first = _gather(tokens, jnp.maximum(nc - 2, 0))
-    second = jnp.where(nc >= 2, _gather(tokens, jnp.maximum(nc - 1, 0)), 0)
+    first = gather(tokens, jnp.maximum(nc - 2, 0))
+    second = jnp.where(nc >= 2, gather(tokens, jnp.maximum(nc - 1, 0)), 0)
     pair_tokens, row = jnp.stack([first, second], axis=1), jnp.minimum(nc - 1, 1)
     if getattr(module, "supports_logits_at", False):
         # Only one of the two rows is read: a one-row LM head (on CPU a 2-row
@@ -176,11 +178,11 @@ def first_draft_logits(module, params, vocab: int, state: _DecodeState) -> tuple
         raw0 = out.logits[:, 0, :vocab]
     else:
         out = module.apply(params, pair_tokens, state.draft_cache)
-        raw0 = _row(out.logits[..., :vocab], row)
+        raw0 = row_at(out.logits[..., :vocab], row)
     return raw0, out.cache.rollback(nc)
 
 
-def first_head_logits(cfg: _Config, module, params, vocab: int, state: _DecodeState):
+def first_head_logits(cfg: LoopConfig, module, params, vocab: int, state: DecodeState):
     """A feature head's first draft step: one ``T = K + 1`` forward over the
     positions whose target features the last verification produced.
 
@@ -205,7 +207,7 @@ def first_head_logits(cfg: _Config, module, params, vocab: int, state: _DecodeSt
     reduced = usable_reduced(out, vocab)
     if reduced is not None:
         reduced = reduced._replace(logits=reduced.logits[:, 0])
-    return out.logits[:, 0, :vocab], _row(out.hidden[0], count - 1), out.cache.rollback(start + count), reduced
+    return out.logits[:, 0, :vocab], row_at(out.hidden[0], count - 1), out.cache.rollback(start + count), reduced
 
 
 def usable_reduced(out: LMOutput, vocab: int) -> Optional[ReducedLogits]:
@@ -227,7 +229,7 @@ def usable_reduced(out: LMOutput, vocab: int) -> Optional[ReducedLogits]:
 # ---------------------------------------------------------------------------
 
 
-def nonfinite_codes(state: _DecodeState, draft_bad: Array, target_bad: Array) -> tuple[Array, Array]:
+def nonfinite_codes(state: DecodeState, draft_bad: Array, target_bad: Array) -> tuple[Array, Array]:
     """``(new_bad [B], bad [B])`` int32: this cycle's code for each live
     sequence whose outcome read non-finite logits (2 the draft's, else 1 the
     target's, else 0), and the first code each sequence met (sticky).
@@ -257,7 +259,7 @@ class Committed(NamedTuple):
     draft_cache: KVCache  # rolled back to draft_keep(...) entries
 
 
-def commit_block(state: _DecodeState, accepted_tokens: Array, n: Array, emitted: Array, live: Array,
+def commit_block(state: DecodeState, accepted_tokens: Array, n: Array, emitted: Array, live: Array,
                  prompt_lengths, max_new, eos_ids) -> tuple[Array, Array, Array]:
     """Writes ``accepted_tokens[:, :n] + emitted`` at ``num_committed``, cut after
     the first EOS and at each sequence's ``max_new_tokens`` (nothing for
@@ -274,8 +276,8 @@ def commit_block(state: _DecodeState, accepted_tokens: Array, n: Array, emitted:
     k = accepted_tokens.shape[1]
     slots = jnp.arange(k + 1)[None, :]
     block = committed_block(accepted_tokens, n, emitted)
-    is_eos = _is_eos(eos_ids, block) & (slots <= n[:, None])
-    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), k + 1)
+    eos_at = is_eos(eos_ids, block) & (slots <= n[:, None])
+    first_eos = jnp.where(eos_at.any(1), jnp.argmax(eos_at, axis=1), k + 1)
     room = max_new - (nc - prompt_lengths)
     n_commit = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), room)
     n_commit = jnp.where(live, n_commit, 0).astype(jnp.int32)
@@ -299,8 +301,8 @@ def committed_block(accepted_tokens: Array, n: Array, emitted: Array) -> Array:
 LOGPROB_FLOOR = -9999.0
 
 
-def commit_logprobs(buffers: _Logprobs, num_committed: Array, target_logits: Array, block: Array,
-                    want_top: Array) -> _Logprobs:
+def commit_logprobs(buffers: Logprobs, num_committed: Array, target_logits: Array, block: Array,
+                    want_top: Array) -> Logprobs:
     """Writes the log-probabilities of ``block [B, K + 1]`` at ``num_committed``
     (where :func:`commit_block` writes its tokens).
 
@@ -333,11 +335,11 @@ def commit_logprobs(buffers: _Logprobs, num_committed: Array, target_logits: Arr
             buf, blk.astype(buf.dtype), num_committed)
 
     floor = lambda x: jnp.maximum(x, LOGPROB_FLOOR)  # noqa: E731
-    return _Logprobs(chosen=write(buffers.chosen, floor(chosen)), top_ids=write(buffers.top_ids, top_ids),
+    return Logprobs(chosen=write(buffers.chosen, floor(chosen)), top_ids=write(buffers.top_ids, top_ids),
                      top_logprobs=write(buffers.top_logprobs, floor(top_values)))
 
 
-def cycle_logprobs(state: _DecodeState, target_logits: Array, block: Array, rows=None) -> _Logprobs:
+def cycle_logprobs(state: DecodeState, target_logits: Array, block: Array, rows=None) -> Logprobs:
     """The log-prob buffers after a cycle that commits ``block [B, K + 1]``,
     each slot scored under its own row of ``target_logits [B, K + 1, V]``
     (:func:`commit_logprobs`). With per-row settings, the top-N alternatives
@@ -352,7 +354,7 @@ def cycle_logprobs(state: _DecodeState, target_logits: Array, block: Array, rows
                         lambda: state.logprobs)
 
 
-def draft_keep(state: _DecodeState, new_nc: Array) -> Array:
+def draft_keep(state: DecodeState, new_nc: Array) -> Array:
     """The draft cache's invariant after a commit: a draft model keeps every
     committed token but the last two (the next cycle's first forward reads
     them); a feature head keeps the positions whose features were the
@@ -368,7 +370,7 @@ def draft_keep(state: _DecodeState, new_nc: Array) -> Array:
 # ---------------------------------------------------------------------------
 
 
-def live_diagnostics(cfg: _Config, live: Array, inputs, verdict, num_accepted: Array):
+def live_diagnostics(cfg: LoopConfig, live: Array, inputs, verdict, num_accepted: Array):
     """The ``diagnostics`` hook's per-sequence values over the cycle's chain
     block (``inputs``, ``verdict``, ``num_accepted``, each ``[B]``-batched),
     zero for sequences that did not commit; None without a hook."""
@@ -380,13 +382,13 @@ def live_diagnostics(cfg: _Config, live: Array, inputs, verdict, num_accepted: A
     )
 
 
-def next_state(state: _DecodeState, committed: Committed, *, bad: Array, rule_state, policy_state,
-               stats: DecodeStats, draft_features: Optional[Any], logprobs: Optional[_Logprobs] = None
-               ) -> _DecodeState:
+def next_state(state: DecodeState, committed: Committed, *, bad: Array, rule_state, policy_state,
+               stats: DecodeStats, draft_features: Optional[Any], logprobs: Optional[Logprobs] = None
+               ) -> DecodeState:
     """The loop state after one cycle: one more step, the commit, and what the
     record step and the verification left for the next cycle (``logprobs``:
     the buffers :func:`commit_logprobs` wrote, or None to keep ``state``'s)."""
-    return _DecodeState(
+    return DecodeState(
         step=state.step + 1,
         tokens=committed.tokens,
         num_committed=committed.num_committed,
@@ -408,12 +410,12 @@ def next_state(state: _DecodeState, committed: Committed, *, bad: Array, rule_st
 
 
 def run_cycles(
-    cycle: Callable[[_DecodeState], tuple[_DecodeState, Any]],
-    state: _DecodeState,
-    keep_going: Callable[[_DecodeState, Array], Array],
-    after_cycle: Optional[Callable[[_DecodeState, _DecodeState, Any], _DecodeState]] = None,
-) -> _DecodeState:
-    """Draft-verify cycles in one ``lax.while_loop``: the loop of ``decode`` and
+    cycle: Callable[[DecodeState], tuple[DecodeState, Any]],
+    state: DecodeState,
+    keep_going: Callable[[DecodeState, Array], Array],
+    after_cycle: Optional[Callable[[DecodeState, DecodeState, Any], DecodeState]] = None,
+) -> DecodeState:
+    """Draft-verify cycles in one ``lax.while_loop``: the loop of ``decode``, of ``generate`` and
     of the slots engine's ``step`` alike.
 
     Args:

@@ -1,6 +1,7 @@
 """The engine: one jitted, batched draft-verify ``while_loop``.
 
-``decode`` runs the whole generation on device — prefill, then cycles of
+``decode`` (and ``generate``, its target-only baseline, through the same
+loop) runs the whole generation on device — prefill, then cycles of
 (draft up to K tokens, verify them in one target forward, accept per sequence,
 commit, roll the caches back by length) — inside one ``jax.lax.while_loop``
 with fixed-size buffers. There is no host round trip per cycle (unless
@@ -60,24 +61,29 @@ Hooks for later rules and diagnostics:
 
 Sharding (``mesh=``, or params already on a mesh): the same program, with the
 inputs placed over a ``('data', 'model')`` mesh and the caches / loop carry
-pinned by ``with_sharding_constraint`` (``_Config.layout``); XLA's SPMD
+pinned by ``with_sharding_constraint`` (``LoopConfig.layout``); XLA's SPMD
 partitioner inserts the collectives. See :mod:`specjax._src.sharding`.
 
-The code, by concern (this module holds only the two entry points and their
-jitted loops):
+The code, by concern (this module holds only the two entry points and the
+jitted loop both run, :func:`_run_loop`):
 
 * :mod:`specjax._src.pairing`: :class:`ModelPair`, :func:`pair`, vocabulary checks;
-* :mod:`specjax._src.engine.config`: the loop's static config (``_Config``)
-  and its state (``_DecodeState``), which every other piece reads;
+* :mod:`specjax._src.engine.config`: the loop's static config (``LoopConfig``)
+  and its state (``DecodeState``), which every other piece reads;
 * :mod:`specjax._src.engine.prepare`: argument checks, :class:`Buckets`, the shared
-  argument preparation (``_prepare_call``), :class:`DecodeOutput` and the
-  cut back after the loop (``_finish``);
-* :mod:`specjax._src.engine.chain`: the initial state and one chain cycle as
-  five pure functions (draft, verify, accept, commit, record);
+  argument preparation (``prepare_call``), :class:`DecodeOutput` and the
+  cut back after the loop (``finish_call``);
+* :mod:`specjax._src.engine.state`: the prefills and the state before the first
+  cycle (``init_state``);
+* :mod:`specjax._src.engine.chain`: one chain cycle as five pure functions
+  (draft, verify, accept, commit, record);
 * :mod:`specjax._src.engine.tree`: one cycle over a token tree, the same five steps;
-* :mod:`specjax._src.engine.cycle`: what both cycles are built from (the first
-  draft step, the block commit, the state after a cycle);
-* :mod:`specjax._src.engine.ops`: device helpers both loops share (prefill,
+* :mod:`specjax._src.engine.target_only`: ``generate``'s cycle, one target token
+  per cycle and no draft;
+* :mod:`specjax._src.engine.cycle`: the cycle interface (``Cycle``,
+  ``run_cycles``) and what the cycles are built from (the first draft step,
+  the block commit, the state after a cycle);
+* :mod:`specjax._src.engine.ops`: device helpers the cycles share (prefill,
   gathers, warp, EOS test, output slice, mesh pins);
 * :mod:`specjax._src.engine.streaming`: the ``on_tokens`` callback plumbing.
 """
@@ -89,46 +95,34 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from specjax._src import drafting as drafting_lib
 from specjax._src import lookup as lookup_lib
 from specjax._src import processors as processors_lib
-from specjax._src import sampling
 from specjax._src.engine import costs as costs_lib
-from specjax._src.engine.chain import _initial_state
-from specjax._src.engine.config import _Config, _DecodeState
-from specjax._src.engine.cycle import CycleInputs, run_cycles
-from specjax._src.engine.cycles import cycle_for
-from specjax._src.engine.ops import (
-    _constrain,
-    _extract,
-    _gather,
-    _is_eos,
-    _per_sequence_keys,
-    _prefill,
-    _replicate_outputs,
-    _warp,
-)
+from specjax._src.engine.config import DecodeState, LoopConfig
+from specjax._src.engine.cycle import Cycle, CycleInputs, run_cycles
+from specjax._src.engine.cycles import TARGET_ONLY, cycle_for
+from specjax._src.engine.ops import constrain, extract, per_sequence_keys, replicate_outputs
 from specjax._src.engine.prepare import (
     BUCKETS,
     MIN_TEMPERATURE,
     Buckets,
     DecodeOutput,
-    _check_decode_args,
-    _check_diagnostics,
-    _check_tree,
-    _finish,
-    _prepare_call,
-    _replicated,
-    _verify_widths,
+    check_decode_args,
+    check_diagnostics,
+    check_tree,
+    finish_call,
+    prepare_call,
+    replicated,
+    verify_widths_for,
 )
-from specjax._src.engine.streaming import _check_on_tokens, _report, _run_streaming
+from specjax._src.engine.state import init_state
+from specjax._src.engine.streaming import check_on_tokens, report_tokens, run_streaming
 from specjax._src.jit_keys import pytree_classes
-from specjax._src.lm import KVCache, Model
-from specjax._src.pairing import ModelPair, _model_vocab, pair
+from specjax._src.lm import Model
+from specjax._src.pairing import ModelPair, model_vocab, pair
 from specjax._src.rules.base import AcceptanceRule
-from specjax._src.stats import DecodeStats
 
 # The public names (``specjax/__init__.py`` imports them from here).
 __all__ = [
@@ -149,44 +143,56 @@ Array = jax.Array
 # ---------------------------------------------------------------------------
 
 
-def _decode_impl(
-    pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, prompts, prompt_lengths,
-    max_new, eos_ids, pad_id, key, temperature, top_p, stream_id=None, *, cfg: _Config, rows=None,
+def _run_loop(
+    cycle: Cycle, pair_params: ModelPair, rule, policy, prompts, prompt_lengths, max_new, eos_ids, pad_id, key,
+    temperature, top_p, stream_id, *, cfg: LoopConfig, rows,
 ):
-    """The jitted body of ``decode``: prefill, then cycles (:func:`cycle_for`'s)
-    in one ``while_loop`` until every sequence is done; returns ``(output, bad)``.
-    ``rows``: the logits processors' per-sequence settings, or None."""
+    """Prefill (:func:`init_state`), then ``cycle`` in one ``while_loop``
+    (:func:`run_cycles`) until every sequence is done; returns ``(output,
+    bad)``. The body of ``decode`` and of ``generate`` (:data:`TARGET_ONLY`,
+    with a pair whose draft is None). ``rows``: the logits processors'
+    per-sequence settings, or None."""
     batch = prompts.shape[0]
     k_max, n_max = cfg.num_draft, cfg.max_new_tokens
-    seq_keys = _per_sequence_keys(key, batch)
-    state = _initial_state(cfg, pair_params, rule, policy, prompts, prompt_lengths, max_new)
-    caches = (("target_cache", "target"), ("draft_cache", "draft"))
-    state = _constrain(cfg, state, batch, caches)
+    seq_keys = per_sequence_keys(key, batch)
+    state = init_state(cfg, pair_params, rule, policy, prompts, prompt_lengths, max_new)
+    caches = tuple((field, which) for field, which in (("target_cache", "target"), ("draft_cache", "draft"))
+                   if getattr(state, field) is not None)
+    state = constrain(cfg, state, batch, caches)
     inputs = CycleInputs(prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows)
-    cycle = cycle_for(cfg).bind(cfg, pair_params, rule, policy, inputs)
+    bound = cycle.bind(cfg, pair_params, rule, policy, inputs)
     if cfg.diagnostics is not None:
-        shapes = jax.eval_shape(lambda s: cycle(s)[1], state)
+        shapes = jax.eval_shape(lambda s: bound(s)[1], state)
         extra = jax.tree_util.tree_map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
         state = state.replace(stats=state.stats.replace(extra=extra))
 
-    def until_done(s: _DecodeState, _):
+    def until_done(s: DecodeState, _):
         return (~s.done.all()) & (s.step < n_max)
 
-    def after_cycle(s: _DecodeState, new: _DecodeState, diag):
+    def after_cycle(s: DecodeState, new: DecodeState, diag):
         if diag is not None:
             extra = jax.tree_util.tree_map(jnp.add, new.stats.extra, diag)
             new = new.replace(stats=new.stats.replace(extra=extra))
-        _report(cfg, stream_id, new.tokens, s.num_committed, new.num_committed, k_max + 1, pad_id)
-        return _constrain(cfg, new, batch, caches)
+        report_tokens(cfg, stream_id, new.tokens, s.num_committed, new.num_committed, k_max + 1, pad_id)
+        return constrain(cfg, new, batch, caches)
 
-    state = run_cycles(cycle, state, until_done, after_cycle)
+    state = run_cycles(bound, state, until_done, after_cycle)
     generated = state.num_committed - prompt_lengths
     out = DecodeOutput(
-        tokens=_extract(cfg, state.tokens, prompt_lengths, generated, pad_id),
+        tokens=extract(cfg, state.tokens, prompt_lengths, generated, pad_id),
         lengths=generated,
         stats=state.stats,
     )
-    return _replicate_outputs(cfg, (out, state.bad))
+    return replicate_outputs(cfg, (out, state.bad))
+
+
+def _decode_impl(
+    pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, prompts, prompt_lengths,
+    max_new, eos_ids, pad_id, key, temperature, top_p, stream_id=None, *, cfg: LoopConfig, rows=None,
+):
+    """The jitted body of ``decode``: :func:`_run_loop` with :func:`cycle_for`'s cycle."""
+    return _run_loop(cycle_for(cfg), pair_params, rule, policy, prompts, prompt_lengths, max_new, eos_ids, pad_id,
+                     key, temperature, top_p, stream_id, cfg=cfg, rows=rows)
 
 
 _decode_jit = jax.jit(_decode_impl, static_argnames=("cfg",))
@@ -211,7 +217,7 @@ def _controls_rows(controls, vocab: int, batch: int, batch_pad: int, layout) -> 
     items += [processors_lib.GenerationControls()] * (batch_pad - batch)
     arrays = processors_lib.controls_rows(items, processors_lib.bias_bucket(items))
     if layout is not None:
-        arrays = {name: _replicated(layout, x) for name, x in arrays.items()}
+        arrays = {name: replicated(layout, x) for name, x in arrays.items()}
     return processors_lib.RowSettings(controls=processors_lib.Controls(**arrays))
 
 
@@ -361,13 +367,13 @@ def decode(
     if lookup is not None and tree is not None:
         raise ValueError("lookup= drafts chains; it cannot be combined with tree=. Drop one of them.")
     if tree is not None:
-        rule, drafting, _ = _check_decode_args(params, rule, drafting, None)
-        depth = _check_tree(tree, params, rule, drafting, num_draft)
+        rule, drafting, _ = check_decode_args(params, rule, drafting, None)
+        depth = check_tree(tree, params, rule, drafting, num_draft)
         num_draft, cache_room = depth, tree.num_nodes  # the target cache holds every node for a moment
     else:
-        rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
+        rule, drafting, num_draft = check_decode_args(params, rule, drafting, num_draft)
         cache_room = num_draft
-    call = _prepare_call(
+    call = prepare_call(
         {"target": params.target, "draft": params.draft},
         params.vocab_size,
         prompt_ids,
@@ -386,9 +392,9 @@ def decode(
         what=(f"decoding (longest prompt {{width}} + max_new_tokens {max_new_tokens} + "
               + (f"the tree's {cache_room} nodes)" if tree is not None else f"num_draft {num_draft})")),
     )
-    _check_diagnostics(diagnostics)
+    check_diagnostics(diagnostics)
     cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree, lookup=lookup,
-                            verify_widths=None if tree is not None else _verify_widths(buckets, drafting, num_draft),
+                            verify_widths=None if tree is not None else verify_widths_for(buckets, drafting, num_draft),
                             classes=pytree_classes(rule, drafting))
     if tree is None:  # auto() without costs: measured once per shape on this machine
         measured_pair = params.replace(target=call.models["target"], draft=call.models["draft"])
@@ -398,20 +404,20 @@ def decode(
         cfg = cfg._replace(classes=pytree_classes(rule, drafting))  # the filled-in costs are a node too
     if cfg.layout is not None:  # the rule's and policy's traced numbers, replicated on the mesh
         rule, drafting = jax.tree_util.tree_map(
-            lambda x: _replicated(cfg.layout, np.asarray(jnp.asarray(x))), (rule, drafting)
+            lambda x: replicated(cfg.layout, np.asarray(jnp.asarray(x))), (rule, drafting)
         )
-    _check_on_tokens(on_tokens, call)
+    check_on_tokens(on_tokens, call)
     rows = _controls_rows(controls, params.vocab_size, call.batch, call.prompts.shape[0], cfg.layout)
     cfg = cfg._replace(stream=on_tokens is not None)
     params = params.replace(target=call.models["target"], draft=call.models["draft"])
     args = (params, rule, drafting, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id, call.key,
             call.temperature, call.top_p)
-    out, bad = _run_streaming(
+    out, bad = run_streaming(
         on_tokens, call.batch,
         lambda sid: (_decode_jit(*args, cfg=cfg, rows=rows) if sid is None
                      else _decode_jit(*args, sid, cfg=cfg, rows=rows)),
     )
-    return _finish(call, out, bad, {1: "target", 2: "draft"})
+    return finish_call(call, out, bad, {1: "target", 2: "draft"})
 
 
 # ---------------------------------------------------------------------------
@@ -419,80 +425,15 @@ def decode(
 # ---------------------------------------------------------------------------
 
 
-@struct.dataclass
-class _GenState:
-    step: Array
-    tokens: Array
-    num_committed: Array
-    done: Array
-    bad: Array
-    cache: KVCache
-
-
 def _generate_impl(
     model: Model, vocab: int, prompts, prompt_lengths, max_new, eos_ids, pad_id, key, temperature, top_p,
-    stream_id=None, *, cfg: _Config, rows=None,
+    stream_id=None, *, cfg: LoopConfig, rows=None,
 ):
-    batch, width = prompts.shape
-    n_max = cfg.max_new_tokens
-    seq_keys = _per_sequence_keys(key, batch)
-    cache = _prefill(model.module, model.params, prompts, prompt_lengths - 1, cfg.cache_length)
-    state = _GenState(
-        step=jnp.int32(0),
-        tokens=jnp.zeros((batch, width + n_max + 1), jnp.int32).at[:, :width].set(prompts),
-        num_committed=prompt_lengths,
-        done=max_new <= 0,  # the buckets' dummy rows
-        bad=jnp.zeros((batch,), jnp.int32),
-        cache=cache,
-    )
-    state = _constrain(cfg, state, batch, (("cache", "target"),))
-
-    def cond(s: _GenState):
-        return (~s.done.all()) & (s.step < n_max)
-
-    def body(s: _GenState):
-        nc = s.num_committed
-        last = _gather(s.tokens, nc - 1)
-        out = model.module.apply(model.params, last[:, None], s.cache)
-        raw = out.logits[:, 0, :vocab]
-        bad_now = ~s.done & sampling.nonfinite_rows(raw)
-        if rows is not None:
-            hist = processors_lib.history(s.tokens, prompt_lengths, nc, eos_ids, vocab)
-            raw = processors_lib.process(rows.processors, rows.controls, hist, raw[:, None],
-                                         jnp.zeros((batch, 0), jnp.int32), 0)[:, 0]
-        if cfg.greedy:
-            tok = sampling.argmax(raw)
-        else:
-            probs = jax.nn.softmax(_warp(cfg, raw, temperature, top_p), axis=-1)
-            u = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, s.step), ()))(seq_keys)
-            tok = sampling.sample_categorical(probs, u)
-        live = ~s.done & ~bad_now
-        tokens = jax.vmap(lambda row, t, off: jax.lax.dynamic_update_slice(row, t[None], (off,)))(
-            s.tokens, tok, nc
-        )
-        new_nc = nc + live.astype(jnp.int32)
-        hit_eos = live & _is_eos(eos_ids, tok)
-        done = s.done | bad_now | hit_eos | (new_nc - prompt_lengths >= max_new)
-        new = _GenState(
-            step=s.step + 1,
-            tokens=tokens,
-            num_committed=new_nc,
-            done=done,
-            bad=jnp.where(bad_now, 1, s.bad),
-            cache=out.cache.rollback(new_nc - 1),
-        )
-        _report(cfg, stream_id, tokens, nc, new_nc, 1, pad_id)
-        return _constrain(cfg, new, batch, (("cache", "target"),))
-
-    state = jax.lax.while_loop(cond, body, state)
-    generated = state.num_committed - prompt_lengths
-    stats = DecodeStats.zeros(batch, 0).replace(
-        cycles=generated, tokens=generated, verified=generated, target_forwards=state.step
-    )
-    out = DecodeOutput(
-        tokens=_extract(cfg, state.tokens, prompt_lengths, generated, pad_id), lengths=generated, stats=stats
-    )
-    return _replicate_outputs(cfg, (out, state.bad))
+    """The jitted body of ``generate``: :func:`_run_loop` with :data:`TARGET_ONLY`
+    over a pair without a draft."""
+    target_only = ModelPair(target=model, draft=None, vocab_size=vocab)
+    return _run_loop(TARGET_ONLY, target_only, None, None, prompts, prompt_lengths, max_new, eos_ids, pad_id, key,
+                     temperature, top_p, stream_id, cfg=cfg, rows=rows)
 
 
 _generate_jit = jax.jit(_generate_impl, static_argnames=("vocab", "cfg"))
@@ -539,10 +480,10 @@ def generate(
             raise ValueError("generate(): this is a draft head, which drafts from its target's hidden states and "
                              "cannot decode alone; decode with its target: specjax.decode(specjax.pair(target, "
                              "head), prompts).")
-        vocab = _model_vocab(model)
+        vocab = model_vocab(model)
     else:
         raise TypeError(f"generate(): model must be a specjax.Model, got {type(model).__name__}.")
-    call = _prepare_call(
+    call = prepare_call(
         {"target": model},
         vocab,
         prompt_ids,
@@ -560,14 +501,14 @@ def generate(
         buckets=buckets,
         what=f"generation (longest prompt {{width}} + max_new_tokens {max_new_tokens})",
     )
-    _check_on_tokens(on_tokens, call)
+    check_on_tokens(on_tokens, call)
     rows = _controls_rows(controls, vocab, call.batch, call.prompts.shape[0], call.cfg.layout)
     cfg = call.cfg._replace(stream=on_tokens is not None)
     args = (call.models["target"], vocab, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id,
             call.key, call.temperature, call.top_p)
-    out, bad = _run_streaming(
+    out, bad = run_streaming(
         on_tokens, call.batch,
         lambda sid: (_generate_jit(*args, cfg=cfg, rows=rows) if sid is None
                      else _generate_jit(*args, sid, cfg=cfg, rows=rows)),
     )
-    return _finish(call, out, bad, {1: "target"})
+    return finish_call(call, out, bad, {1: "target"})

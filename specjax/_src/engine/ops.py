@@ -1,10 +1,12 @@
-"""Device-side pieces both loops are built from (``decode``'s draft-verify
-cycle and ``generate``'s token step): the blocked prefill, per-sequence
-gathers and selects, the logit warp, the per-sequence keys, EOS tests, the
-output slice and the mesh pins. Each is a pure function of arrays, traced
-inside the jitted loops of :mod:`specjax._src.engine.loop`. They live apart from
-:mod:`specjax._src.engine.chain` because ``generate``'s loop uses them too, and
-that loop has no draft-verify cycle.
+"""Device-side pieces the cycles and the loop are built from (the chain and
+tree cycles, ``generate``'s target-only cycle, the prefills): the blocked
+prefill, per-sequence gathers and selects, the logit warp, the per-sequence
+keys, EOS tests, the output slice and the mesh pins. Each is a pure function
+of arrays, traced inside the jitted loops of :mod:`specjax._src.engine.loop`
+and the slots engine. They live apart from the cycles because every cycle,
+and the state's construction (:mod:`specjax._src.engine.state`), uses them.
+Those that other modules import have plain names; ``_``-prefixed ones are this
+module's own.
 """
 
 from __future__ import annotations
@@ -15,24 +17,24 @@ import jax
 import jax.numpy as jnp
 
 from specjax._src import sampling
-from specjax._src.engine.config import _Config
+from specjax._src.engine.config import LoopConfig
 from specjax._src.lm import KVCache
 
 Array = jax.Array
 
 
-def _gather(tokens: Array, index: Array) -> Array:
+def gather(tokens: Array, index: Array) -> Array:
     """``tokens[b, index[b]]``."""
     return jnp.take_along_axis(tokens, index[:, None].astype(jnp.int32), axis=1)[:, 0]
 
 
-def _row(x: Array, index: Array) -> Array:
+def row_at(x: Array, index: Array) -> Array:
     """``x[b, index[b]]`` for ``x[B, T, ...]``."""
     idx = index.astype(jnp.int32).reshape((-1,) + (1,) * (x.ndim - 1))
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
-def _where_b(mask: Array, new, old):
+def where_b(mask: Array, new, old):
     """Per-sequence select over two pytrees with leading batch axes."""
 
     def sel(n, o):
@@ -42,19 +44,19 @@ def _where_b(mask: Array, new, old):
     return jax.tree_util.tree_map(sel, new, old)
 
 
-def _batched_init(init_fn: Callable[[], Any], batch: int):
+def batched_init(init_fn: Callable[[], Any], batch: int):
     return jax.tree_util.tree_map(
         lambda x: jnp.broadcast_to(jnp.asarray(x), (batch,) + jnp.shape(x)), init_fn()
     )
 
 
-def _per_sequence_keys(key: Array, batch: int) -> Array:
+def per_sequence_keys(key: Array, batch: int) -> Array:
     if key.ndim == 0:
         return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch, dtype=jnp.uint32))
     return key
 
 
-def _warp(cfg: _Config, raw: Array, temperature, top_p, rows=None) -> Array:
+def warp(cfg: LoopConfig, raw: Array, temperature, top_p, rows=None) -> Array:
     """The sampling warp of raw logits ``[B, ..., V]``. With per-row settings
     (``rows``, a :class:`specjax._src.processors.RowSettings`), ``temperature``
     and ``top_p`` are ``[B]`` arrays, a ``top_p`` of 1 keeps every token, and a
@@ -116,7 +118,7 @@ def prefill_block(batch: int) -> int:
     return SINGLE_PREFILL_BLOCK if batch == 1 else PREFILL_BLOCK
 
 
-def _prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, hidden_layers=(),
+def prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, hidden_layers=(),
              features: Array | None = None, hidden_fn: Callable | None = None) -> KVCache | tuple[KVCache, Array]:
     """Runs ``prompts[B, P]`` into a fresh cache, then keeps ``keep[B]`` entries.
 
@@ -134,7 +136,7 @@ def _prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, 
     concatenated, then ``hidden_fn`` of them, applied block by block: a
     feature head's input; zeros where a block was skipped). Applying
     ``hidden_fn`` per block keeps its products the shape they have in
-    :func:`_prefill_chunk`, so that a prompt prefilled in chunks gets the
+    :func:`prefill_chunk`, so that a prompt prefilled in chunks gets the
     same numbers.
     A feature head reads ``features [B, P, H]`` alongside the tokens.
     """
@@ -204,25 +206,25 @@ def _block_forward(module, params, hidden_layers, hidden_fn):
     return run, skip
 
 
-def _prefill_chunk(module, params, cache: KVCache, chunk: Array, keep: Array, start: Array, width: Array, *,
+def prefill_chunk(module, params, cache: KVCache, chunk: Array, keep: Array, start: Array, width: Array, *,
                    tail: int, hidden_layers=(), features: Array | None = None,
                    hidden_fn: Callable | None = None) -> tuple[KVCache, Array | None]:
-    """The part of :func:`_prefill` that lies in one chunk of a prompt: for
+    """The part of :func:`prefill` that lies in one chunk of a prompt: for
     one prompt padded to ``width`` (traced) and prefilled alone (blocks of
-    :func:`prefill_block` ``(1)``), the blocks ``_prefill`` runs whose
+    :func:`prefill_block` ``(1)``), the blocks ``prefill`` runs whose
     positions lie in ``[start, start + N)``, run into ``cache`` (which holds
     the blocks before ``start``: a fresh cache for ``start = 0``).
 
     ``chunk [1, N]``: the padded prompt's tokens at those positions (N a
     multiple of the block); ``start`` a multiple of N; ``keep``: the entries
-    the whole prefill keeps; ``tail``: the width of ``_prefill``'s tail block
+    the whole prefill keeps; ``tail``: the width of ``prefill``'s tail block
     when ``width`` is not a multiple of the block (the engine's capacity
     modulo the block: only a width cut to the capacity is one), else unused.
-    Each block runs the forward ``_prefill`` runs for it, with the same
+    Each block runs the forward ``prefill`` runs for it, with the same
     tokens and cache entries before it, so chunk after chunk leaves the
-    cache ``_prefill`` leaves (before its rollback to ``keep``, which the
+    cache ``prefill`` leaves (before its rollback to ``keep``, which the
     caller does after the last chunk). Returns ``(cache, hidden [1, N, ...] or
-    None)`` as ``_prefill`` does for those positions.
+    None)`` as ``prefill`` does for those positions.
     """
     batch, n = chunk.shape
     block_size = prefill_block(batch)
@@ -265,7 +267,7 @@ def _prefill_chunk(module, params, cache: KVCache, chunk: Array, keep: Array, st
     return cache, hidden
 
 
-def _constrain(cfg: _Config, state, batch: int, caches: Sequence[tuple[str, str]]):
+def constrain(cfg: LoopConfig, state, batch: int, caches: Sequence[tuple[str, str]]):
     """Pins a loop state to the mesh layout (no-op without a mesh): caches get
     their own spec, every other batch-leading leaf is split over 'data'."""
     lay = cfg.layout
@@ -276,12 +278,12 @@ def _constrain(cfg: _Config, state, batch: int, caches: Sequence[tuple[str, str]
     return rest.replace(**pinned)
 
 
-def _replicate_outputs(cfg: _Config, tree):
+def replicate_outputs(cfg: LoopConfig, tree):
     """On a mesh, outputs are replicated so every host can read them (they are small)."""
     return tree if cfg.layout is None else cfg.layout.replicated(tree)
 
 
-def _extract(cfg: _Config, tokens: Array, prompt_lengths: Array, generated: Array, pad_id: Array) -> Array:
+def extract(cfg: LoopConfig, tokens: Array, prompt_lengths: Array, generated: Array, pad_id: Array) -> Array:
     """``[B, N]`` generated tokens, ``pad_id`` after each end."""
     n = cfg.max_new_tokens
     out = jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (n,)))(
@@ -290,7 +292,7 @@ def _extract(cfg: _Config, tokens: Array, prompt_lengths: Array, generated: Arra
     return jnp.where(jnp.arange(n)[None, :] < generated[:, None], out, pad_id)
 
 
-def _is_eos(eos_ids: Array, tokens: Array) -> Array:
+def is_eos(eos_ids: Array, tokens: Array) -> Array:
     """``tokens`` (any shape) that are one of ``eos_ids[E]`` (-1 entries match nothing),
     or, for ``eos_ids[B, E]`` (one set per sequence), ``tokens[B, ...]`` in their row's set."""
     if eos_ids.ndim == 2:

@@ -3,15 +3,15 @@ and padded before anything is traced, and the :class:`DecodeOutput` they return.
 
 Read in the order of a call:
 
-1. :func:`_prepare_call`, the one argument preparation both entry points
-   share: the sampling arguments, the prompts (:func:`_prepare_prompts`), the
-   EOS ids (:func:`_eos_ids`), the key (:func:`_resolve_key`) and the cache
+1. :func:`prepare_call`, the one argument preparation both entry points
+   share: the sampling arguments, the prompts (:func:`prepare_prompts`), the
+   EOS ids (:func:`resolve_eos_ids`), the key (:func:`_resolve_key`) and the cache
    length (:func:`_check_length`) are validated, then the shapes are rounded up
    to their :class:`Buckets` and the inputs padded and, on a mesh, placed. It
-   returns a :class:`_Call`: the host inputs, the compile-time :class:`_Config`
+   returns a :class:`PreparedCall`: the host inputs, the compile-time :class:`LoopConfig`
    and what the output must be cut back to.
 2. the jitted loop runs (:mod:`specjax._src.engine.loop`).
-3. :func:`_finish` cuts the bucket padding off the output, records the key
+3. :func:`finish_call` cuts the bucket padding off the output, records the key
    and raises on non-finite logits (:func:`_raise_if_bad`).
 
 Everything here runs on the host, so an error names the argument at fault
@@ -37,7 +37,7 @@ from specjax._src import sampling
 from specjax._src import sharding as sharding_lib
 from specjax._src import trees as trees_lib
 from specjax._src.checks import as_integer, check_positive_int
-from specjax._src.engine.config import _Config
+from specjax._src.engine.config import LoopConfig
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, RuleSpec, speculative_sampling
 from specjax._src.stats import DecodeStats
@@ -97,7 +97,7 @@ def _token_row(row, index: int) -> list[int]:
     return arr.astype(np.int64).tolist()
 
 
-def _prepare_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+def prepare_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Returns right-padded ``int32 [B, P]`` prompts and ``int32 [B]`` lengths."""
     if isinstance(prompt_ids, (list, tuple)):
         if len(prompt_ids) == 0:
@@ -185,7 +185,7 @@ def _config_eos(module, vocab_size: int) -> tuple[int, ...]:
     return tuple(int(i) for i in ids if 0 <= int(i) < vocab_size)
 
 
-def _eos_ids(eos_token_id, vocab_size: int, module=None) -> tuple[int, ...]:
+def resolve_eos_ids(eos_token_id, vocab_size: int, module=None) -> tuple[int, ...]:
     """``None``: the target's config decides (:func:`_config_eos`); ``()``: no EOS."""
     if eos_token_id is None:
         return () if module is None else _config_eos(module, vocab_size)
@@ -289,11 +289,11 @@ MIN_TEMPERATURE = 1e-6
 
 def _check_common(temperature, top_k, top_p, max_new_tokens) -> None:
     sampling.check_sampling_args(temperature, top_k, top_p)
-    _check_min_temperature(temperature)
+    check_min_temperature(temperature)
     check_positive_int("max_new_tokens", max_new_tokens)
 
 
-def _check_min_temperature(temperature) -> None:
+def check_min_temperature(temperature) -> None:
     """A valid ``temperature`` (see ``check_sampling_args``) that is 0 or large enough to sample with."""
     if 0.0 < float(temperature) < MIN_TEMPERATURE:
         raise ValueError(
@@ -378,7 +378,7 @@ class Buckets(NamedTuple):
 BUCKETS = Buckets()
 
 
-def _bucket(n: int, smallest: int) -> int:
+def bucket_of(n: int, smallest: int) -> int:
     """The smallest ``smallest * 2**i`` that is ``>= n``."""
     size = smallest
     while size < n:
@@ -389,7 +389,7 @@ def _bucket(n: int, smallest: int) -> int:
 def _batch_bucket(n: int, multiple: int) -> int:
     """1, 2, 4, 8, then multiples of 8 (at most 7 dummy rows past 8). On a mesh
     the bucket must stay divisible by its ``'data'`` axis, else ``n`` is kept."""
-    size = _bucket(n, 1) if n <= 8 else -(-n // 8) * 8
+    size = bucket_of(n, 1) if n <= 8 else -(-n // 8) * 8
     return size if size % multiple == 0 else n
 
 
@@ -405,7 +405,7 @@ def _check_buckets(buckets) -> Optional[Buckets]:
     return buckets
 
 
-def _verify_widths(buckets: Optional[Buckets], drafting, num_draft: int) -> Optional[tuple[int, ...]]:
+def verify_widths_for(buckets: Optional[Buckets], drafting, num_draft: int) -> Optional[tuple[int, ...]]:
     """The widths a chain's verification forward may run at (``None``: only
     ``K + 1``). The forward's cost grows with its width wherever it is not
     free: on a CPU a 4-token forward of SmolLM2-135M costs 1.2-2x a 1-token
@@ -461,7 +461,7 @@ def _padded_lengths(
     """
     if buckets is None:
         return width, new_tokens
-    wp, nw = _bucket(width, buckets.prompt), _bucket(new_tokens, buckets.new_tokens)
+    wp, nw = bucket_of(width, buckets.prompt), bucket_of(new_tokens, buckets.new_tokens)
     if limit is not None:
         nw = max(new_tokens, min(nw, limit - wp - extra))
         wp = max(width, min(wp, limit - nw - extra))
@@ -473,7 +473,7 @@ def _padded_lengths(
 # ---------------------------------------------------------------------------
 
 
-class _Call(NamedTuple):
+class PreparedCall(NamedTuple):
     """One ``decode`` / ``generate`` call after validation: host inputs padded to
     the buckets, the compile-time settings both loops share, and what the
     output must be cut back to."""
@@ -486,14 +486,14 @@ class _Call(NamedTuple):
     key: Any  # typed PRNG key: scalar, or [B']
     temperature: Any  # float32 scalar
     top_p: Any  # float32 scalar
-    cfg: _Config  # rule, drafting, diagnostics and hidden layers left for decode to set
+    cfg: LoopConfig  # rule, drafting, diagnostics and hidden layers left for decode to set
     models: dict  # the models, placed on the mesh if there is one
     batch: int  # B: rows to keep
     new_tokens: int  # N: columns to keep
     record: tuple  # (key, seed) recorded on the output
 
 
-def _prepare_call(
+def prepare_call(
     models: dict,
     vocab: int,
     prompt_ids,
@@ -511,7 +511,7 @@ def _prepare_call(
     mesh,
     buckets,
     what: str,
-) -> _Call:
+) -> PreparedCall:
     """The argument preparation ``decode`` and ``generate`` share (all before tracing).
 
     ``models``: ``{"target": Model, "draft": Model}`` (draft optional);
@@ -522,11 +522,11 @@ def _prepare_call(
     buckets = _check_buckets(buckets)
     greedy = float(temperature) == 0.0
     new_tokens = int(max_new_tokens)
-    prompts, lengths = _prepare_prompts(prompt_ids, prompt_lengths, vocab)
+    prompts, lengths = prepare_prompts(prompt_ids, prompt_lengths, vocab)
     # A padded array wider than its longest prompt is bucketed by the real width.
     prompts = prompts[:, : int(lengths.max())]
     batch, width = prompts.shape
-    eos = _eos_ids(eos_token_id, vocab, models["target"].module)
+    eos = resolve_eos_ids(eos_token_id, vocab, models["target"].module)
     if jax.process_count() > 1:
         _check_same_inputs(what, prompts, lengths, new_tokens, extra, temperature, top_k, top_p, eos, pad_id, key)
     key, recorded_key, seed = _resolve_key(key, batch, greedy)
@@ -548,7 +548,7 @@ def _prepare_call(
     max_new = np.zeros((batch_pad,), np.int32)
     max_new[:batch] = new_tokens
     key = _pad_keys(key, batch_pad)
-    cfg = _Config(
+    cfg = LoopConfig(
         diagnostics=None,
         num_draft=extra,
         max_new_tokens=new_pad,
@@ -564,9 +564,9 @@ def _prepare_call(
         padded_prompts, padded_lengths, max_new, pad, key, temp, top_p_value = layout.put_inputs(
             padded_prompts, padded_lengths, max_new, pad, key, temp, top_p_value
         )
-        eos_ids = _replicated(layout, eos_ids)
+        eos_ids = replicated(layout, eos_ids)
         cfg = cfg._replace(layout=layout)
-    return _Call(
+    return PreparedCall(
         padded_prompts, padded_lengths, max_new, eos_ids, pad, key, temp, top_p_value, cfg=cfg, models=placed,
         batch=batch, new_tokens=new_tokens, record=(recorded_key, seed),
     )
@@ -592,12 +592,12 @@ def _key_digest(key):
 def _eos_array(eos: tuple[int, ...]) -> np.ndarray:
     """EOS ids as an ``int32 [E]`` operand, ``E`` in 4, 8, 16, ... and ``-1``
     (no token) filling the rest: the ids are traced, only ``E`` shapes the program."""
-    out = np.full((_bucket(max(len(eos), 1), 4),), -1, np.int32)
+    out = np.full((bucket_of(max(len(eos), 1), 4),), -1, np.int32)
     out[: len(eos)] = eos
     return out
 
 
-def _replicated(layout, x) -> Array:
+def replicated(layout, x) -> Array:
     """A host array replicated over the mesh, built per shard (works on every host of a job)."""
     rep = layout.named(jax.sharding.PartitionSpec())
     return jax.make_array_from_callback(np.shape(x), rep, lambda idx, h=np.asarray(x): h[idx])
@@ -618,7 +618,7 @@ def _pad_keys(key, batch_pad: int):
 # ---------------------------------------------------------------------------
 
 
-def _check_decode_args(params, rule, drafting, num_draft) -> tuple[AcceptanceRule, Any, int]:
+def check_decode_args(params, rule, drafting, num_draft) -> tuple[AcceptanceRule, Any, int]:
     """``decode``'s own arguments (the ones ``generate`` lacks): the pair, the
     rule and the drafting policy (defaults filled in) and ``num_draft``."""
     if not isinstance(params, ModelPair):
@@ -643,7 +643,7 @@ def _check_decode_args(params, rule, drafting, num_draft) -> tuple[AcceptanceRul
     return rule, drafting, num_draft
 
 
-def _check_tree(tree, params, rule, drafting, num_draft):
+def check_tree(tree, params, rule, drafting, num_draft):
     """``decode(tree=...)``'s preconditions; returns the tree's depth (its ``K``)."""
     dynamic = isinstance(tree, trees_lib.DynamicTree)
     if not isinstance(tree, trees_lib.TokenTree) and not dynamic:
@@ -695,7 +695,7 @@ def _check_tree_parents(tree) -> None:
         )
 
 
-def _check_diagnostics(diagnostics) -> None:
+def check_diagnostics(diagnostics) -> None:
     if diagnostics is not None and not callable(diagnostics):
         raise TypeError(f"diagnostics must be a function (inputs, verdict, num_accepted) -> dict, got "
                         f"{type(diagnostics).__name__}.")
@@ -706,7 +706,7 @@ def _check_diagnostics(diagnostics) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _finish(call: _Call, out: DecodeOutput, bad, which: dict[int, str]) -> DecodeOutput:
+def finish_call(call: PreparedCall, out: DecodeOutput, bad, which: dict[int, str]) -> DecodeOutput:
     """Cuts the dummy rows and the buffer columns, records the key, raises on
     non-finite logits.
 
@@ -723,7 +723,7 @@ def _finish(call: _Call, out: DecodeOutput, bad, which: dict[int, str]) -> Decod
         if layout is None:
             out = jax.device_put(out)
         else:  # replicated on the mesh
-            out = jax.tree_util.tree_map(functools.partial(_replicated, layout), out)
+            out = jax.tree_util.tree_map(functools.partial(replicated, layout), out)
     out = out.replace(key=call.record[0], seed=call.record[1])
     _raise_if_bad(bad, out, which)
     return out

@@ -51,13 +51,13 @@ from specjax._src import processors as processors_lib
 from specjax._src import sampling
 from specjax._src.checks import as_integer, check_positive_int
 from specjax._src.engine import costs as costs_lib
-from specjax._src.engine.chain import _empty_prefill_caches, _initial_state, _prefill_chunk_pair, _state_after_chunks
-from specjax._src.engine.config import _Config, _DecodeState, _Logprobs
+from specjax._src.engine.config import DecodeState, LoopConfig, Logprobs
 from specjax._src.engine.cycle import LOGPROB_FLOOR, CycleInputs, run_cycles
 from specjax._src.engine.cycles import cycle_for
 from specjax._src.engine.ops import PREFILL_BLOCK, SINGLE_PREFILL_BLOCK, prefill_block
-from specjax._src.engine.prepare import (BUCKETS, _bucket, _check_decode_args, _check_min_temperature, _check_tree,
-                                         _eos_ids, _prepare_prompts, _verify_widths)
+from specjax._src.engine.prepare import (BUCKETS, bucket_of, check_decode_args, check_min_temperature, check_tree,
+                                         prepare_prompts, resolve_eos_ids, verify_widths_for)
+from specjax._src.engine.state import empty_prefill_caches, init_state, prefill_pair_chunk, state_after_chunks
 from specjax._src.jit_keys import pytree_classes
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule
@@ -200,7 +200,7 @@ class SlotState:
         ``Engine(logprobs=N)``, N > 0; else None.
     """
 
-    loop: _DecodeState
+    loop: DecodeState
     occupied: Array
     prompt_lengths: Array
     max_new: Array
@@ -254,7 +254,7 @@ class StepOutput:
 class _EngineConfig(NamedTuple):
     """The engine's static structure (a ``jit`` static)."""
 
-    loop: _Config
+    loop: LoopConfig
     num_slots: int
     capacity: int
     prompt_bucket: int
@@ -282,7 +282,7 @@ def _init_impl(params: ModelPair, rule, policy, *, cfg: _EngineConfig) -> SlotSt
     s = cfg.num_slots
     loop_cfg = cfg.loop._replace(max_new_tokens=cfg.capacity - 1)
     ones = jnp.ones((s,), jnp.int32)
-    loop = _initial_state(loop_cfg, params, rule, policy, jnp.zeros((s, 1), jnp.int32), ones,
+    loop = init_state(loop_cfg, params, rule, policy, jnp.zeros((s, 1), jnp.int32), ones,
                           jnp.zeros((s,), jnp.int32))
     key_data = jax.random.key_data(jax.random.key(0))
     controls = None
@@ -307,31 +307,31 @@ def _init_impl(params: ModelPair, rule, policy, *, cfg: _EngineConfig) -> SlotSt
     )
 
 
-def _no_logprobs(shape: tuple, cfg: _EngineConfig) -> Optional[_Logprobs]:
+def _no_logprobs(shape: tuple, cfg: _EngineConfig) -> Optional[Logprobs]:
     """Log-prob buffers beside a token buffer of ``shape`` ``[B, L]`` (None without ``cfg.logprobs``)."""
     if not cfg.logprobs:
         return None
     top = shape + (cfg.logprobs,)
-    return _Logprobs(chosen=jnp.zeros(shape, jnp.float32), top_ids=jnp.full(top, -1, jnp.int32),
+    return Logprobs(chosen=jnp.zeros(shape, jnp.float32), top_ids=jnp.full(top, -1, jnp.int32),
                      top_logprobs=jnp.full(top, LOGPROB_FLOOR, jnp.float32))
 
 
 def _insert_impl(params: ModelPair, rule, policy, state: SlotState, slots, prompts, lengths, row: dict, *,
                  cfg: _EngineConfig) -> SlotState:
     loop_cfg = cfg.loop._replace(max_new_tokens=cfg.capacity - prompts.shape[1])
-    fresh = _initial_state(loop_cfg, params, rule, policy, prompts, lengths, row["max_new"])
+    fresh = init_state(loop_cfg, params, rule, policy, prompts, lengths, row["max_new"])
     return _write_requests(state, slots, fresh, lengths, row, cfg)
 
 
 def _prefill_start_impl(params: ModelPair, *, cfg: _EngineConfig):
     """Both caches of one prompt before its first chunk (:meth:`Engine.begin_insert`)."""
-    return _empty_prefill_caches(cfg.loop, params)
+    return empty_prefill_caches(cfg.loop, params)
 
 
 def _prefill_chunk_impl(params: ModelPair, caches, prompt, length, width, start, *, cfg: _EngineConfig,
                         chunk: int):
     """One chunk that is not the prompt's last: the caches after it (:meth:`Engine.continue_insert`)."""
-    caches, _ = _prefill_chunk_pair(cfg.loop, params, caches, prompt, length, width, start, chunk,
+    caches, _ = prefill_pair_chunk(cfg.loop, params, caches, prompt, length, width, start, chunk,
                                     cfg.capacity % SINGLE_PREFILL_BLOCK)
     return caches
 
@@ -339,10 +339,10 @@ def _prefill_chunk_impl(params: ModelPair, caches, prompt, length, width, start,
 def _prefill_finish_impl(params: ModelPair, rule, policy, state: SlotState, caches, prompt, length, width, start,
                          slots, row: dict, *, cfg: _EngineConfig, chunk: int) -> SlotState:
     """The prompt's last chunk, then the request written into its slot as :func:`_insert_impl` writes it."""
-    caches, features = _prefill_chunk_pair(cfg.loop, params, caches, prompt, length, width, start, chunk,
+    caches, features = prefill_pair_chunk(cfg.loop, params, caches, prompt, length, width, start, chunk,
                                            cfg.capacity % SINGLE_PREFILL_BLOCK)
     loop_cfg = cfg.loop._replace(max_new_tokens=0)
-    fresh = _state_after_chunks(loop_cfg, params, rule, policy, caches, features, prompt[:, : cfg.capacity],
+    fresh = state_after_chunks(loop_cfg, params, rule, policy, caches, features, prompt[:, : cfg.capacity],
                                 length, start, row["max_new"])
     return _write_requests(state, slots, fresh, jnp.reshape(length, (1,)), row, cfg)
 
@@ -434,7 +434,7 @@ def _step_impl(params: ModelPair, rule, policy, state: SlotState, num_cycles, un
 
 
 def _run_rows(params: ModelPair, rule, policy, state: SlotState, num_cycles, until_first_finish,
-              cfg: _EngineConfig) -> _DecodeState:
+              cfg: _EngineConfig) -> DecodeState:
     """Up to ``num_cycles`` cycles of ``state``'s rows; returns the loop state after them."""
     keys = jax.random.wrap_key_data(state.keys)
     inputs = CycleInputs(state.prompt_lengths, state.max_new, state.eos, keys, state.temperature, state.top_p,
@@ -442,7 +442,7 @@ def _run_rows(params: ModelPair, rule, policy, state: SlotState, num_cycles, unt
     cycle = cycle_for(cfg.loop).bind(cfg.loop, params, rule, policy, inputs)
     done_before = state.loop.done
 
-    def keep_going(loop: _DecodeState, cycles_run):
+    def keep_going(loop: DecodeState, cycles_run):
         finished = (loop.done & ~done_before).any()
         return (cycles_run < num_cycles) & ~loop.done.all() & ~(until_first_finish & finished)
 
@@ -567,14 +567,14 @@ class Engine:
             raise TypeError(f"lookup must be specjax.drafting.ngram_lookup(...), got {type(lookup).__name__}.")
         controls = True if controls is None else controls
         if tree is None:
-            rule, drafting, num_draft = _check_decode_args(params, rule, drafting, num_draft)
+            rule, drafting, num_draft = check_decode_args(params, rule, drafting, num_draft)
             cache_room = num_draft
         else:
             if lookup is not None:
                 raise ValueError("Engine: lookup= drafts chains; it cannot be combined with tree=. Drop one of them.")
-            rule, drafting, _ = _check_decode_args(params, rule, drafting, None)
+            rule, drafting, _ = check_decode_args(params, rule, drafting, None)
             # The tree's depth is its K; the target cache holds every node for a moment.
-            num_draft, cache_room = _check_tree(tree, params, rule, drafting, num_draft), tree.num_nodes
+            num_draft, cache_room = check_tree(tree, params, rule, drafting, num_draft), tree.num_nodes
         for name, value in (("num_slots", num_slots), ("capacity", capacity), ("max_eos", max_eos),
                             ("max_bias", max_bias), ("prompt_bucket", prompt_bucket)):
             number = as_integer(value)
@@ -598,7 +598,7 @@ class Engine:
         # auto(): a verification as narrow as the drafts (one token when none), and costs measured at the slots.
         verify_widths = None
         if tree is None and drafting.may_draft_none:
-            verify_widths = _verify_widths(BUCKETS, drafting, num_draft)
+            verify_widths = verify_widths_for(BUCKETS, drafting, num_draft)
             drafting = costs_lib.with_costs(drafting, lambda: costs_lib.cached_costs(
                 params, batch=int(num_slots), num_draft=num_draft, verify_widths=verify_widths,
                 cache_length=capacity + cache_room))
@@ -612,7 +612,7 @@ class Engine:
         leaves = jax.tree_util.tree_leaves(rule)
         per_slot_rule = bool(leaves) and all(np.ndim(x) == 0 for x in leaves)
         self.vocab_size = params.vocab_size
-        loop = _Config(diagnostics=None, num_draft=num_draft, max_new_tokens=capacity - 1,
+        loop = LoopConfig(diagnostics=None, num_draft=num_draft, max_new_tokens=capacity - 1,
                        cache_length=capacity + cache_room, greedy=False, top_k=None, use_top_p=True, lookup=lookup,
                        tree=tree, classes=pytree_classes(rule, drafting), verify_widths=verify_widths)
         self.cfg = _EngineConfig(loop=loop, num_slots=int(num_slots), capacity=int(capacity),
@@ -688,7 +688,7 @@ class Engine:
             raise ValueError(f"{len(slots)} slots, {len(prompts)} prompts and {len(settings)} settings: give one "
                              "of each per request.")
         settings = [SlotSettings() if s is None else s for s in settings]
-        tokens, lengths = _prepare_prompts(list(prompts), None, self.vocab_size)
+        tokens, lengths = prepare_prompts(list(prompts), None, self.vocab_size)
         tokens = tokens[:, : int(lengths.max())]
         rows = [self._check_settings(s, int(n), i) for i, (s, n) in enumerate(zip(settings, lengths))]
         width = self._insert_width(len(slots), tokens.shape[1])
@@ -736,7 +736,7 @@ class Engine:
             raise ValueError(f"slot {slot} is busy (a request holds it): release it first "
                              f"(engine.release(state, slot)); free slots: {self.free_slots(state)}.")
         settings = SlotSettings() if settings is None else settings
-        tokens, lengths = _prepare_prompts([prompt], None, self.vocab_size)
+        tokens, lengths = prepare_prompts([prompt], None, self.vocab_size)
         length = int(lengths[0])
         row = self._device_rows([self._check_settings(settings, length, 0)])
         padded = np.zeros((1, self.capacity + size + 1), np.int32)
@@ -789,7 +789,7 @@ class Engine:
         """The padded width ``insert_many`` runs ``num_prompts`` prompts at."""
         if num_prompts == 1 and longest <= prefill_block(1):  # one block: its own width (see ops.prefill_block)
             return min(-(-longest // PREFILL_BLOCK) * PREFILL_BLOCK, self.capacity)
-        return min(_bucket(longest, self.cfg.prompt_bucket), self.capacity)
+        return min(bucket_of(longest, self.cfg.prompt_bucket), self.capacity)
 
     def _single_prompt_widths(self) -> tuple[int, ...]:
         """The widths a short prompt inserted alone runs at that no bucket has: the ``insert``
@@ -1028,7 +1028,7 @@ class Engine:
         top_k_ok, _ = check("top_k", lambda: sampling.check_sampling_args(0.0, s.top_k, None))
         check("top_p", lambda: sampling.check_sampling_args(0.0, None, top_p))
         if temperature_ok:
-            check("temperature", lambda: _check_min_temperature(s.temperature))
+            check("temperature", lambda: check_min_temperature(s.temperature))
         max_new_ok, _ = check("max_new_tokens", lambda: check_positive_int("max_new_tokens", s.max_new_tokens))
         if top_k_ok and s.top_k is not None and s.top_k > vocab:
             problems.append(("top_k", ValueError(f"top_k={s.top_k} exceeds the vocabulary ({vocab} tokens); pass at "
@@ -1043,8 +1043,8 @@ class Engine:
         if cap is None or not 0 <= cap <= k_max:
             problems.append(("num_draft", ValueError(
                 f"num_draft must be an integer in 0 .. {k_max} (the engine's K), got {s.num_draft!r}.")))
-        eos_ok, eos = check("eos_token_id", lambda: _eos_ids(s.eos_token_id, vocab, self.params.target.module))
-        stops_ok, stops = check("stop_token_ids", lambda: _eos_ids(tuple(s.stop_token_ids), vocab)
+        eos_ok, eos = check("eos_token_id", lambda: resolve_eos_ids(s.eos_token_id, vocab, self.params.target.module))
+        stops_ok, stops = check("stop_token_ids", lambda: resolve_eos_ids(tuple(s.stop_token_ids), vocab)
                                 if len(tuple(s.stop_token_ids)) else ())
         ends = ()
         if eos_ok and stops_ok:

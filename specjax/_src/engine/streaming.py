@@ -2,16 +2,16 @@
 
 Three pieces, one per side of the device boundary:
 
-* host, before the loop: :func:`_run_streaming` registers the call's
+* host, before the loop: :func:`run_streaming` registers the call's
   ``on_tokens`` under a fresh integer id (the registry ``_STREAMS``), runs the
   loop with that id as a traced operand, waits for every callback, then
   unregisters it and re-raises an error ``on_tokens`` raised;
-* device, inside the loop body: :func:`_report` slices the tokens this cycle
+* device, inside the loop body: :func:`report_tokens` slices the tokens this cycle
   committed and sends them out through an ordered ``io_callback``;
 * host, per cycle: :func:`_dispatch`, the one host function every compiled
   program holds, looks the id up and calls that call's ``on_tokens``.
 
-A call without ``on_tokens`` compiles no callback at all (``_Config.stream``).
+A call without ``on_tokens`` compiles no callback at all (``LoopConfig.stream``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from specjax._src.engine.config import _Config
-from specjax._src.engine.prepare import _Call
+from specjax._src.engine.config import LoopConfig
+from specjax._src.engine.prepare import PreparedCall
 
 Array = jax.Array
 
@@ -47,7 +47,7 @@ class _Stream:
         self.fn, self.batch, self.error = fn, batch, None
 
 
-def _check_on_tokens(on_tokens, call: "_Call") -> None:
+def check_on_tokens(on_tokens, call: "PreparedCall") -> None:
     if on_tokens is None:
         return
     if not callable(on_tokens):
@@ -80,7 +80,7 @@ def _dispatch(stream_id, tokens, counts) -> None:
         stream.error = e
 
 
-def _report(cfg: _Config, stream_id, tokens: Array, before: Array, after: Array, width: int, pad_id) -> None:
+def report_tokens(cfg: LoopConfig, stream_id, tokens: Array, before: Array, after: Array, width: int, pad_id) -> None:
     """Inside the loop body: reports ``tokens[b, before[b]:after[b]]`` (the
     tokens committed by this cycle, at most ``width``) to the host.
 
@@ -99,7 +99,7 @@ def _report(cfg: _Config, stream_id, tokens: Array, before: Array, after: Array,
     io_callback(_dispatch, None, stream_id, chunk, counts, ordered=True)
 
 
-def _run_streaming(on_tokens, batch: int, run: Callable):
+def run_streaming(on_tokens, batch: int, run: Callable):
     """``run(stream_id)`` with ``on_tokens`` registered; waits for the loop (and
     so for every callback) before returning, then re-raises a callback error."""
     if on_tokens is None:

@@ -34,7 +34,7 @@ cycle) is in :mod:`specjax._src.engine.cycle`. Step by step:
 * record: stats with ``K`` = the tree's depth (each cycle judges one path).
 
 A dynamic tree (:class:`specjax._src.trees.DynamicTree`, EAGLE-2) is drafted
-by :func:`_draft_dynamic` instead: ``depth`` draft forwards, each over the
+by :func:`draft_dynamic` instead: ``depth`` draft forwards, each over the
 ``top_k`` best-scored frontier nodes with traced per-sequence tree parents,
 then a rerank keeps the ``num_kept`` best candidates. Greedy, the children
 are the draft's top-k and the scores EAGLE-2's cumulative draft
@@ -68,7 +68,7 @@ import numpy as np
 
 from specjax._src import processors as processors_lib
 from specjax._src import sampling
-from specjax._src.engine.config import _Config, _DecodeState
+from specjax._src.engine.config import DecodeState, LoopConfig
 from specjax._src.engine.cycle import (
     Committed,
     Cycle,
@@ -89,7 +89,7 @@ from specjax._src.engine.cycle import (
     usable_reduced,
     with_greedy_rows,
 )
-from specjax._src.engine.ops import _gather, _warp, _where_b
+from specjax._src.engine.ops import gather, warp, where_b
 from specjax._src.lm import KVCache, ReducedLogits
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
@@ -103,7 +103,7 @@ Array = jax.Array
 
 
 def _tree_cycle(
-    cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, policy, inputs: CycleInputs, state: _DecodeState,
+    cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule, policy, inputs: CycleInputs, state: DecodeState,
 ):
     """One tree cycle (a static :class:`TokenTree` or a :class:`DynamicTree`)
     with any rule, as the chain cycle's five steps (:data:`TREE`'s ``run``).
@@ -144,14 +144,14 @@ def _draft_limit(rows):
     return None if rows is None else rows.draft_cap
 
 
-def _needs_chain_view(cfg: _Config, state: _DecodeState) -> bool:
+def _needs_chain_view(cfg: LoopConfig, state: DecodeState) -> bool:
     """Whether anything reads the decided path as a chain block
     (:func:`_path_as_chain`): a stateful rule's ``update`` (e.g. AdaSD's
     running means) or a ``diagnostics`` hook."""
     return _stateful(state) or cfg.diagnostics is not None
 
 
-def _stateful(state: _DecodeState) -> bool:
+def _stateful(state: DecodeState) -> bool:
     return bool(jax.tree_util.tree_leaves(state.rule_state))
 
 
@@ -160,7 +160,7 @@ def _verified_nodes(tree) -> int:
     return tree.verified_nodes if isinstance(tree, DynamicTree) else tree.num_nodes
 
 
-def _tree_uniforms(cfg: _Config, seq_keys, step, batch: int):
+def _tree_uniforms(cfg: LoopConfig, seq_keys, step, batch: int):
     """All of a cycle's randomness, from ``fold_in(seq_key, step)``:
     ``(draft_keys [B], uniforms [B, N], emit_uniform [B])``: the keys the
     children are drawn with (each level folds in its own index), one
@@ -239,11 +239,11 @@ class _DraftedTree(NamedTuple):
         return jnp.concatenate([self.parent_logits[:, :1], self.parent_logits], axis=1)
 
 
-def _draft(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _DecodeState, draft_keys,
+def _draft(cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule, state: DecodeState, draft_keys,
            temperature, top_p, need_view: bool, rows=None, hist=None) -> tuple[_DraftedTree, KVCache]:
     """Drafts the cycle's tree: a static tree level by level
     (:func:`_draft_tree`), a dynamic one by EAGLE-2's expansion and rerank
-    (:func:`_draft_dynamic`). Returns the tree and the draft cache after it,
+    (:func:`draft_dynamic`). Returns the tree and the draft cache after it,
     whose accepted path :func:`_commit` keeps. Greedy rows among sampled
     ones (``rows.greedy``) take the draft's best tokens as a greedy loop does."""
     tree = cfg.tree
@@ -254,9 +254,9 @@ def _draft(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _D
         # Drawn children keep the lossless walk exact and accept more; relaxed
         # rules judge by the target's ranks and accept more of the draft's best.
         sampled = lossless if tree.sampled is None else bool(tree.sampled)
-        drafts, cache = _draft_dynamic(cfg, tree, pair_params, state, need_logits=need_logits, draft_keys=draft_keys,
+        drafts, cache = draft_dynamic(cfg, tree, pair_params, state, need_logits=need_logits, draft_keys=draft_keys,
                                        temperature=temperature, top_p=top_p, sampled=sampled, rows=rows, hist=hist)
-        parent_logits = _warp(cfg, drafts.parent_logits, temperature, top_p, rows) if need_logits else None
+        parent_logits = warp(cfg, drafts.parent_logits, temperature, top_p, rows) if need_logits else None
         table = jax.vmap(lambda p: children_table(p, tree.top_k))(drafts.parents)
         return _DraftedTree(tokens=drafts.tokens, parents=drafts.parents, table=table, probs=drafts.probs,
                             parent_logits=parent_logits, fed=drafts.fed, bad=drafts.bad,
@@ -315,11 +315,11 @@ def _as_level(reduced: ReducedLogits | None) -> ReducedLogits | None:
     return None if reduced is None else reduced._replace(logits=reduced.logits[:, None])
 
 
-def _children(cfg: _Config, raw: Array, keys: Array, num: int, temperature, top_p, rows=None, reduced=None):
+def _children(cfg: LoopConfig, raw: Array, keys: Array, num: int, temperature, top_p, rows=None, reduced=None):
     """``(children [B, M, num], logits [B, M, V], probs [B, M, V])`` for ``M``
     nodes' raw draft logits ``[B, M, V]`` (``reduced``: a reduced head's own,
     which greedy picks rank)."""
-    logits = _warp(cfg, raw, temperature, top_p, rows)
+    logits = warp(cfg, raw, temperature, top_p, rows)
     probs = jax.nn.softmax(logits, axis=-1)
     if cfg.greedy:
         return top_tokens(raw, reduced, num), logits, probs
@@ -330,7 +330,7 @@ def _children(cfg: _Config, raw: Array, keys: Array, num: int, temperature, top_
     return kids, logits, probs
 
 
-def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _DecodeState, draft_keys,
+def _draft_tree(cfg: LoopConfig, tree: TokenTree, pair_params: ModelPair, state: DecodeState, draft_keys,
                 temperature, top_p, rows=None, hist=None) -> tuple[_StaticDrafts, KVCache]:
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab = pair_params.vocab_size
@@ -345,7 +345,7 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
         node_features = node_features.at[:, 0].set(root_feature)
     else:
         raw0, cache = first_draft_logits(module, params, vocab, state)
-    root = _gather(state.tokens, state.num_committed - 1)
+    root = gather(state.tokens, state.num_committed - 1)
     tokens = jnp.zeros((batch, tree.num_nodes), jnp.int32).at[:, 0].set(root)
     probs = jnp.zeros((batch, tree.num_nodes, vocab), jnp.float32)
     logits = jnp.zeros((batch, tree.num_nodes, vocab), jnp.float32)
@@ -379,7 +379,7 @@ def _draft_tree(cfg: _Config, tree: TokenTree, pair_params: ModelPair, state: _D
 
 
 class _DynamicDrafts(NamedTuple):
-    """What :func:`_draft_dynamic` drafts for a dynamic tree."""
+    """What :func:`draft_dynamic` drafts for a dynamic tree."""
 
     tokens: Array  # [B, M + 1] the verified tree's tokens (node 0: the root)
     parents: Array  # [B, M + 1] int32 the verified tree (traced, per sequence)
@@ -390,7 +390,7 @@ class _DynamicDrafts(NamedTuple):
     forwards: Array  # scalar int32
 
 
-def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, state: _DecodeState,
+def draft_dynamic(cfg: LoopConfig, tree: DynamicTree, pair_params: ModelPair, state: DecodeState,
                    need_logits: bool, draft_keys=None, temperature=1.0, top_p=1.0,
                    sampled: bool = False, rows=None, hist=None) -> tuple[_DynamicDrafts, KVCache]:
     """EAGLE-2's expansion and rerank (:func:`specjax._src.trees.dynamic_tree`).
@@ -421,7 +421,7 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
     else:
         raw0, cache = first_draft_logits(module, params, vocab, state)
     raw0 = raw0.astype(jnp.float32)
-    root = _gather(state.tokens, state.num_committed - 1)
+    root = gather(state.tokens, state.num_committed - 1)
     bad = sampling.nonfinite_rows(raw0 if reduced0 is None else reduced0.logits)
     sampled = sampled and not cfg.greedy
     fed_tokens = jnp.zeros((batch, tree.num_fed + 1), jnp.int32).at[:, 0].set(root)
@@ -438,7 +438,7 @@ def _draft_dynamic(cfg: _Config, tree: DynamicTree, pair_params: ModelPair, stat
         if not sampled:
             return best()
         level_keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, d), raw.shape[1]))(draft_keys)
-        probs = jax.nn.softmax(_warp(cfg, raw, temperature, top_p, rows), axis=-1)
+        probs = jax.nn.softmax(warp(cfg, raw, temperature, top_p, rows), axis=-1)
         kids = jax.vmap(jax.vmap(sample_children, in_axes=(0, 0, None)), in_axes=(0, 0, None))(level_keys, probs, k)
         fed_probs.append(probs)
         return with_greedy_rows(cfg, rows, (kids, slot_scores(jax.nn.log_softmax(raw, axis=-1), kids, probs)), best)
@@ -518,7 +518,7 @@ class _TreeVerified(NamedTuple):
     cache: KVCache  # the target cache after the forward (the commit keeps the accepted path)
 
 
-def _verify(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _DecodeState,
+def _verify(cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule, state: DecodeState,
             drafted: _DraftedTree, temperature, top_p, rows=None, hist=None) -> _TreeVerified:
     """One target forward over all ``N`` nodes with tree attention: row ``j``
     of its logits judges node ``j``'s children (processed after node ``j``'s path)."""
@@ -534,7 +534,7 @@ def _verify(cfg: _Config, pair_params: ModelPair, rule: AcceptanceRule, state: _
         n = drafted.tokens.shape[1]
         paths = node_paths(jnp.asarray(parents), jnp.arange(n)[None], cfg.num_draft)
         processed = _processed(rows, hist, raw, drafted.tokens, paths)
-    target_logits = _warp(cfg, processed, temperature, top_p, rows)
+    target_logits = warp(cfg, processed, temperature, top_p, rows)
     head_hidden = None
     if head_layers:
         head_hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)
@@ -557,7 +557,7 @@ class _TreeAccepted(NamedTuple):
     bad: Array  # [B] int32: the first non-finite logits each sequence met (sticky)
 
 
-def _accept(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _DraftedTree,
+def _accept(cfg: LoopConfig, rule: AcceptanceRule, state: DecodeState, drafted: _DraftedTree,
             verified: _TreeVerified, uniforms, emit_uniform, rows=None) -> _TreeAccepted:
     """The walk down each sequence's tree (:func:`_walk`) keeps the accepted
     path and emits one more token. A lossless rule (``rule.lossless``) is the
@@ -581,7 +581,7 @@ def _accept(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _D
                          new_bad=new_bad, bad=bad)
 
 
-def _walk_all(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _DraftedTree,
+def _walk_all(cfg: LoopConfig, rule: AcceptanceRule, state: DecodeState, drafted: _DraftedTree,
               verified: _TreeVerified, uniforms, emit_uniform, rows, greedy: bool):
     """Every sequence's walk, greedy or sampling (static ``greedy``):
     ``(TreeVerdict [B]-batched without path codes, node codes [B, N] or None)``."""
@@ -693,7 +693,7 @@ def _judge_child(rule: AcceptanceRule, data, child, node, token, p, q, uniform):
 # ---------------------------------------------------------------------------
 
 
-def _commit(pair_params: ModelPair, state: _DecodeState, drafted: _DraftedTree, verified: _TreeVerified,
+def _commit(pair_params: ModelPair, state: DecodeState, drafted: _DraftedTree, verified: _TreeVerified,
             accepted: _TreeAccepted, draft_cache: KVCache, prompt_lengths, max_new, eos_ids) -> tuple[Committed, Any]:
     """Commits the accepted path's tokens and the emitted token
     (:func:`specjax._src.engine.cycle.commit_block`); both caches keep the
@@ -735,7 +735,7 @@ def _commit(pair_params: ModelPair, state: _DecodeState, drafted: _DraftedTree, 
     return committed, draft_features
 
 
-def _logprobs(state: _DecodeState, drafted: _DraftedTree, verified: _TreeVerified, accepted: _TreeAccepted,
+def _logprobs(state: DecodeState, drafted: _DraftedTree, verified: _TreeVerified, accepted: _TreeAccepted,
               rows=None):
     """The committed path's log-probabilities: slot ``k`` scored under the
     target's distribution at path node ``k``, which judged node ``k + 1``
@@ -752,7 +752,7 @@ def _logprobs(state: _DecodeState, drafted: _DraftedTree, verified: _TreeVerifie
 # ---------------------------------------------------------------------------
 
 
-def _record(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _DraftedTree, verified: _TreeVerified,
+def _record(cfg: LoopConfig, rule: AcceptanceRule, state: DecodeState, drafted: _DraftedTree, verified: _TreeVerified,
             accepted: _TreeAccepted, committed: Committed, uniforms, need_view: bool, rows=None):
     """What the cycle leaves for later, for live sequences only: the stats
     with ``K`` = the tree's depth (each cycle judges one path), and, from the
@@ -785,7 +785,7 @@ def _record(cfg: _Config, rule: AcceptanceRule, state: _DecodeState, drafted: _D
             args = (rule_state,) + tuple(view) + (n,)
             rule_state = with_greedy_rows(cfg, rows, per_row_rule(rule, rows, "update", cfg.greedy, *args),
                                           lambda: per_row_rule(rule, rows, "update", True, *args))
-            rule_state = _where_b(live, rule_state, state.rule_state)
+            rule_state = where_b(live, rule_state, state.rule_state)
         diag = live_diagnostics(cfg, live, *view, n)
     stats = record_cycle(state.stats, live=live, valid=judged, num_accepted=n, num_committed=committed.num_new,
                          paths=paths, draft_forwards=drafted.forwards, verified=_verified_nodes(tree))
