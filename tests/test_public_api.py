@@ -114,3 +114,20 @@ def test_the_old_head_loader_names_warn_and_load_what_the_new_ones_do(tmp_path):
         old = heads.load_head(str(tmp_path / "feature"))
     new = heads.load_feature_head(str(tmp_path / "feature"))
     assert heads.is_feature_head(old.module) and old.module == new.module
+
+
+# The engine tier: what a new drafter or a new driver of the draft-verify loop is written with
+# (docs/engine.md#the-tiers); tests/test_public_tier.py drives decoding with these names alone.
+ENGINE_TIER = ("LoopConfig", "DecodeState", "Logprobs", "init_state", "Cycle", "CycleInputs", "run_cycles",
+               "CHAIN", "TREE", "TARGET_ONLY", "cycle_for")
+
+
+def test_the_engine_tier_is_exported_and_documented():
+    import specjax.engine
+
+    missing = [n for n in ENGINE_TIER if n not in specjax.engine.__all__]
+    assert not missing, f"specjax.engine.__all__ lacks the engine tier's {missing}"
+    values = ("CHAIN", "TREE", "TARGET_ONLY")
+    undocumented = [n for n in ENGINE_TIER if n not in values and not (getattr(specjax.engine, n).__doc__ or "").strip()]
+    assert not undocumented, f"engine tier names without a docstring: {undocumented}"
+    assert all(isinstance(getattr(specjax.engine, n), specjax.engine.Cycle) for n in values)
