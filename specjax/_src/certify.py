@@ -104,7 +104,7 @@ class Criterion(NamedTuple):
 
 def criterion_label(rule: Any) -> str:
     """``"greedy"`` for the strict rule, else the spec string (``"additive:t=0.3"``)."""
-    spec = theory._normalize(theory.check_certifiable(rule))
+    spec = theory.normalize_spec(theory.check_certifiable(rule))
     return "greedy" if spec.name == "speculative_sampling" else str(spec)
 
 
@@ -397,9 +397,9 @@ def certificate_diagnostics(
     rule = speculative_sampling() if rule is None else rule
     label = criterion_label(rule)
     _check_greedy(temperature, label)
-    crits = [Criterion(label, spec=theory._normalize(theory.check_certifiable(rule)))]
+    crits = [Criterion(label, spec=theory.normalize_spec(theory.check_certifiable(rule)))]
     for r in also:
-        crits.append(Criterion(criterion_label(r), spec=theory._normalize(theory.check_certifiable(r))))
+        crits.append(Criterion(criterion_label(r), spec=theory.normalize_spec(theory.check_certifiable(r))))
     for m in trees:
         if isinstance(m, bool) or int(m) != m or m < 1:
             raise ValueError(f"tree widths must be integers >= 1, got {m!r}")

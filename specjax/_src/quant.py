@@ -404,7 +404,7 @@ def kernel_applies(x: Array, matmul: str) -> bool:
     ``matmul`` not ``"xla"``); elsewhere XLA dequantizes."""
     if x.dtype != jnp.float32:
         return False
-    return cpu_matmul._kernel_wanted(matmul)
+    return cpu_matmul.kernel_wanted(matmul)
 
 
 def _ffi(leaves: dict, x: Array) -> Array:

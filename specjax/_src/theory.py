@@ -184,7 +184,7 @@ def check_certifiable(rule: Any) -> AcceptanceRule:
     return rule
 
 
-def _normalize(rule: Any) -> RuleSpec:
+def normalize_spec(rule: Any) -> RuleSpec:
     """The rule's canonical spec (aliases resolved): for labels and reports."""
     return as_rule(rule).spec
 

@@ -131,7 +131,7 @@ def run_certify(target, draft, prompts: Sequence[Sequence[int]], *, rules: Seque
             progress(f"  {text}: {report.positions} verified positions, {seconds:.1f}s")
         for c in diag.criteria:
             row = dict(report[c.label])
-            row["decode_rule"] = str(theory._normalize(rule.spec))
+            row["decode_rule"] = str(theory.normalize_spec(rule.spec))
             row["kl_median"] = report.kl["kl_median"]
             row["kl_p5"] = report.kl["kl_p5"]
             row["soundness_checked"] = report.soundness_checked

@@ -177,7 +177,7 @@ def check_mode(matmul: str) -> str:
     return matmul
 
 
-def _kernel_wanted(matmul: str) -> bool:
+def kernel_wanted(matmul: str) -> bool:
     if matmul == "xla":
         return False
     if matmul == "kernel":
@@ -239,7 +239,7 @@ def applies(x: Array, w: Array, matmul: str) -> bool:
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     if x.dtype != jnp.float32 or w.dtype != jnp.float32 or w.ndim != 2 or not MIN_ROWS <= rows <= MAX_ROWS:
         return False
-    return _kernel_wanted(matmul)
+    return kernel_wanted(matmul)
 
 
 def matmul(x: Array, w: Array, *, transpose_w: bool = False) -> Array:

@@ -284,7 +284,7 @@ class FeatureHead:
             raise ValueError("This EAGLE-3 head reads the target's default blocks, known once it is paired: "
                              "specjax.pair(target, head).")
         if self.variant == "eagle":  # EAGLE-1/2 read the target's last hidden state after its final norm
-            return _rms_norm(hidden, params[TARGET_NORM]["scale"], self.config.norm_eps)
+            return rms_norm(hidden, params[TARGET_NORM]["scale"], self.config.norm_eps)
         if self.variant.startswith("eagle3"):  # fc over the raw outputs, no norm (cnets.py)
             hidden = jnp.asarray(hidden, jnp.float32)
             if len(self.feature_layers) == 1:
@@ -380,7 +380,7 @@ def is_feature_head(module) -> bool:
     return bool(getattr(module, "reads_target_features", False))
 
 
-def _rms_norm(x: Array, scale: Array, eps: float) -> Array:
+def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     """HF's RMSNorm in float32: ``scale * x / rms(x)``."""
     x = jnp.asarray(x, jnp.float32)
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * jnp.asarray(scale, jnp.float32)

@@ -606,7 +606,7 @@ def _corrupt(file: str, e: Exception) -> ValueError:
     )
 
 
-def _safe_open(file: str, framework: str):
+def open_safetensors(file: str, framework: str):
     """``safetensors.safe_open``, with a damaged file reported by its path."""
     from safetensors import safe_open
 
@@ -616,7 +616,7 @@ def _safe_open(file: str, framework: str):
         raise _corrupt(file, e) from e
 
 
-def _reader(file: str, get):
+def checked_reader(file: str, get):
     """``get(name)`` with a damaged file reported by its path."""
     def read(name):
         try:
@@ -634,7 +634,7 @@ def count_tensors(files: list[str]) -> int:
     """
     total = 0
     for file in files:
-        with _safe_open(file, "np") as f:
+        with open_safetensors(file, "np") as f:
             total += len(f.keys())
     return total
 
@@ -649,9 +649,9 @@ def iter_tensors(files: list[str], cfg: ModelConfig) -> Iterator[tuple[str, Any,
     for file in files:
         # NumPy has no native bfloat16 and safetensors' "np" backend refuses
         # BF16 tensors: read those through the "flax" backend instead.
-        with _safe_open(file, "np") as f, _safe_open(file, "flax") as fj:
-            get_np = _reader(file, f.get_tensor)
-            get_bf16 = _reader(file, lambda n: np.asarray(fj.get_tensor(n)))
+        with open_safetensors(file, "np") as f, open_safetensors(file, "flax") as fj:
+            get_np = checked_reader(file, f.get_tensor)
+            get_bf16 = checked_reader(file, lambda n: np.asarray(fj.get_tensor(n)))
             for name in f.keys():
                 sl = f.get_slice(name)
                 shape = tuple(sl.get_shape())

@@ -53,7 +53,7 @@ import numpy as np
 from specjax._src.lm import Array, KVCache, LMOutput, Model, Params
 from specjax._src.models import hf
 from specjax._src.models.config import ModelConfig
-from specjax._src.models.feature_head import EMBED_PATH, FeatureHead, TARGET_NORM, _rms_norm
+from specjax._src.models.feature_head import EMBED_PATH, FeatureHead, TARGET_NORM, rms_norm
 from specjax._src.models.files import load_tokenizer
 
 EAGLE = "eagle"
@@ -185,9 +185,9 @@ def read_tensors(files: list[str]) -> dict[str, np.ndarray]:
     out = {}
     for file in files:
         if file.endswith(".safetensors"):
-            with hf._safe_open(file, "flax") as f:
+            with hf.open_safetensors(file, "flax") as f:
                 for name in f.keys():
-                    out[name] = np.asarray(hf._reader(file, f.get_tensor)(name))
+                    out[name] = np.asarray(hf.checked_reader(file, f.get_tensor)(name))
             continue
         for name, t in _load_pickle(file).items():
             t = t.detach()
@@ -252,7 +252,7 @@ def _tensor_names(files: list[str]) -> set[str]:
     names = set()
     for file in files:
         if file.endswith(".safetensors"):
-            with hf._safe_open(file, "np") as f:
+            with hf.open_safetensors(file, "np") as f:
                 names |= set(f.keys())
         else:
             names |= set(_load_pickle(file))
@@ -632,7 +632,7 @@ class MedusaHead:
         target's final norm, step channel 0."""
         if TARGET_NORM not in params:
             raise ValueError("This Medusa head reads its target's final norm: pair it, specjax.pair(target, head).")
-        x = _rms_norm(hidden, params[TARGET_NORM]["scale"], self.norm_eps)
+        x = rms_norm(hidden, params[TARGET_NORM]["scale"], self.norm_eps)
         return jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (1,), x.dtype)], axis=-1)
 
     def apply(self, params: Params, tokens: Array, cache: Optional[KVCache] = None, *, features: Array,
