@@ -42,7 +42,7 @@ def cost_model(first=0.5, step=0.1, verify=None, k=K, cycle=0.0):
     verify = np.linspace(1.0, 1.1, k + 1) if verify is None else verify
     return drafting.CostModel(verify=jnp.asarray(verify, jnp.float32), draft_first=jnp.float32(first),
                               draft_step=jnp.float32(step), cycle=jnp.float32(cycle), forward_ms=jnp.float32(1.0),
-                              batch=jnp.float32(1))
+                              batch=jnp.float32(1), measured=jnp.zeros((k + 1,), jnp.float32))
 
 
 def outcome(num_accepted, num_drafted, first_acceptance=None, k=K):
@@ -235,6 +235,14 @@ def test_decode_measures_costs_once_and_new_costs_compile_nothing(bigram_pair, m
 
     monkeypatch.setattr(costs_lib, "measure_costs", counting)
     monkeypatch.setattr(costs_lib, "_MEASURED", {})
+    monkeypatch.setattr(costs_lib, "_CALIBRATED", {})
+    calibrations, calibrate = [], costs_lib.calibrate_costs
+
+    def counting_calibration(costs, run, **kwargs):
+        calibrations.append(run)
+        return calibrate(costs, run, **kwargs)
+
+    monkeypatch.setattr(costs_lib, "calibrate_costs", counting_calibration)
     kw = dict(drafting=drafting.auto(), num_draft=K, max_new_tokens=8, temperature=0.0)
     first = specjax.decode(bigram_pair, [[1, 2]], **kw)
     second = specjax.decode(bigram_pair, [[3]], **kw)
@@ -242,6 +250,11 @@ def test_decode_measures_costs_once_and_new_costs_compile_nothing(bigram_pair, m
     assert int(first.lengths[0]) == int(second.lengths[0]) == 8
     measured = next(iter(costs_lib._MEASURED.values()))
     assert measured.verify.shape == (K + 1,) and float(measured.verify[0]) == 1.0
+    # and timed in the loop's own program, once per program (a bigram's cycles take microseconds,
+    # so whether its timing is kept is up to the machine's noise; the arithmetic is tested below)
+    assert len(calibrations) == 1
+    timed = np.asarray(specjax.engine.last_measured_costs().measured)
+    assert timed.shape == (K + 1,) and (timed[0] == 1.0 or not timed.any())
     assert float(measured.draft_first) > 0 and float(measured.forward_ms) > 0 and float(measured.cycle) > 0
     # the costs are traced: a policy with other numbers runs the same program
     with count_compilations() as counter:
@@ -373,3 +386,30 @@ def test_plain_cycles_keep_log_probabilities_and_controls(bigram_pair):
     assert switching[2] > 0 and fixed[2] == 0
     assert switching[0] == fixed[0] and len(fixed[0]) == 16
     np.testing.assert_allclose(switching[1], fixed[1], rtol=1e-5, atol=1e-5)
+
+
+def test_calibration_times_each_length_in_the_loop():
+    """Each length's cost is the extra time over the extra cycles of a longer
+    run (the prefill cancels out), relative to a plain cycle; it replaces the
+    parts' sum in the policy's choice, and a run that ended early leaves the
+    parts' estimate."""
+    per_cycle, prefill = [2.0, 3.0, 3.5, 9.0], 50.0
+    calls = []
+
+    def run(costs, max_new):
+        k = int(np.argmin(np.asarray(costs.verify)))  # forcing(k) makes every other length cost 1e6
+        cycles = 1 + max_new // (k + 1)
+        calls.append(k)
+        return prefill + cycles * per_cycle[k], cycles
+
+    parts = cost_model(first=0.0, step=0.0, verify=[1.0, 1.0, 1.0, 1.0])
+    timed = costs_lib.calibrate_costs(parts, run, short=2, long=14, repeats=1)
+    np.testing.assert_allclose(timed.measured, [1.0, 1.5, 1.75, 4.5], rtol=1e-6)
+    np.testing.assert_allclose(timed.cycle_costs(K), timed.measured, rtol=1e-6)
+    assert sorted(set(calls)) == [0, 1, 2, 3]
+    # the parts said "draft 3 for free"; timed, three drafts cost 4.5 plain cycles: a weak draft stays off
+    weak = drafting.expected_tokens(jnp.asarray([0.5, 0.3, 0.3]))
+    assert int(drafting.best_draft_length(weak, parts.cycle_costs(K))) == 3
+    assert int(drafting.best_draft_length(weak, timed.cycle_costs(K))) == 0
+    ended = costs_lib.calibrate_costs(parts, lambda costs, m: (1.0, 3), repeats=1)
+    assert not (np.asarray(ended.measured) > 0).any()

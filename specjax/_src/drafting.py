@@ -340,16 +340,28 @@ class CostModel:
       draft_first: the cycle's first draft step (a draft model's two-token
         forward, a feature head's ``K + 1``-token one), run every cycle.
       draft_step: each further draft token's forward.
+      cycle: the cycle's own work when it drafts (the target's distributions
+        over ``K + 1`` positions, the rule's verdict, the emitted token's
+        sample); a cycle that drafts nothing is a plain target step, whose
+        sampling a target-only step pays too.
       forward_ms: the unit, one target forward of one token, in milliseconds
         (for reports; the policy reads only the ratios).
       batch: the batch size measured at (float32, for reports).
+      measured: ``[K + 1]``, what a cycle drafting ``k`` tokens cost when
+        timed in the loop's own program, relative to one drafting none
+        (:func:`specjax.engine.calibrate_costs`); zeros where not timed. When
+        timed, the policy reads these instead of the sum of the parts above:
+        they hold everything the parts miss (the loop's control flow, copies,
+        fusions).
     """
 
     verify: Array
     draft_first: Array
     draft_step: Array
+    cycle: Array
     forward_ms: Array
     batch: Array
+    measured: Array
 
     @property
     def max_draft(self) -> int:
@@ -363,15 +375,20 @@ class CostModel:
         ``draft_first / K`` a cycle)."""
         k = jnp.arange(num_draft + 1, dtype=jnp.float32)
         steps = jnp.maximum(k - 1.0, 0.0) * self.draft_step
-        first = jnp.where(k > 0, self.draft_first, self.draft_first / num_draft)
-        return first + steps + self.verify[: num_draft + 1]
+        first = jnp.where(k > 0, self.draft_first + self.cycle, self.draft_first / num_draft)
+        parts = first + steps + self.verify[: num_draft + 1]
+        timed = self.measured[: num_draft + 1]
+        return jnp.where(jnp.all(timed > 0), timed, parts)
 
     def describe(self) -> str:
         """One line: the unit and each cost relative to it."""
         widths = ", ".join(f"{w + 1}: {float(c):.2f}" for w, c in enumerate(self.verify))
         return (f"target forward {float(self.forward_ms):.2f} ms at batch {int(self.batch)}; verify by tokens "
                 f"{{{widths}}}; draft first step {float(self.draft_first):.3f}, further step "
-                f"{float(self.draft_step):.3f} (in target forwards)")
+                f"{float(self.draft_step):.3f}; a drafting cycle's own work {float(self.cycle):.3f} "
+                "(in target forwards)"
+                + ("" if not (self.measured > 0).all() else "; timed in the loop, a cycle drafting k costs {"
+                   + ", ".join(f"{k}: {float(c):.2f}" for k, c in enumerate(self.measured)) + "} plain cycles"))
 
 
 def expected_tokens(acceptance: Array) -> Array:

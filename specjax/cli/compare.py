@@ -166,7 +166,8 @@ def grid(rules: Sequence[str], temperatures: Sequence[float], lookup: bool = Fal
 # machine, from measured costs and live acceptance); at T=1 block verification, which accepts more of a sampled block than
 # token-by-token speculative sampling at no cost in quality (Block Verification
 # Accelerates Speculative Decoding, arXiv:2403.10444); and each seed paper's relaxed rule
-# where it relaxes anything: MARS and PAD (its pivot head trained for this target) at T=0,
+# where it relaxes anything: MARS, PAD (its pivot head trained for this target) and FLy
+# (arXiv:2511.22972, the newest relaxed rule; its "length" column shows whether it lengthens answers) at T=0,
 # EARS, AdaSD and the typical-set criterion of the acceptance theory at T=1 (greedy, the
 # three accept exactly what the lossless rule accepts).
 #
@@ -183,6 +184,7 @@ SMOLLM2_PLAN = (
     Contender(0.0, "speculative_sampling", lookup=True, weights="gguf", num_draft=2),
     Contender(0.0, "mars:theta=0.9", lookup=True),
     Contender(0.0, "pad:head=smollm2-135m-instruct,sigma=0.5"),
+    Contender(0.0, "fly:entropy_threshold=0.3"),
     Contender(1.0),
     Contender(1.0, "speculative_sampling"),
     Contender(1.0, "block_verification"),
@@ -438,6 +440,9 @@ class Row:
     unit_speedups: list = dataclasses.field(default_factory=list)
     round_speedups: list = dataclasses.field(default_factory=list)
     weights: str = ""  # the row's models quantized (Contender.weights), else ""
+    # Mean output length over target-only's on the same prompts: a lenient rule can lengthen
+    # answers by more than it saves per token.
+    length_ratio: float = math.nan
 
     @property
     def lossless(self) -> bool:
@@ -660,6 +665,9 @@ def _row(c: Contender, out: _Outputs, secs: np.ndarray, base: _Outputs, base_sec
     if c.temperature > 0:
         prompts = [eval_set.prompts[i] for i in ran]
         nll = mean_target_nll(target, prompts, *out.aligned(ran, width), width=width)
+    shared = [i for i in ran if i in base.tokens]
+    base_length = sum(base.lengths[i] for i in shared)
+    length_ratio = sum(out.lengths[i] for i in shared) / base_length if base_length else math.nan
     if c.rule is None:
         summary = {"tau": 1.0, "acceptance_rate": math.nan, "mean_drafted_per_cycle": math.nan}
     else:
@@ -693,6 +701,7 @@ def _row(c: Contender, out: _Outputs, secs: np.ndarray, base: _Outputs, base_sec
         task_high=high,
         unit_speedups=[float(x) for x in unit],
         round_speedups=[float(x) for x in per_round],
+        length_ratio=float(length_ratio),
     )
 
 
@@ -741,6 +750,7 @@ COLUMNS = (
     ("speedup", lambda r: _cell(r.speedup, "{:.2f}x")),
     ("per prompt: median [p10-p90]", _spread_cell),
     ("tau", lambda r: _cell(r.tau, "{:.2f}")),
+    ("length", lambda r: _cell(r.length_ratio, "{:.2f}x")),
     ("drafted", lambda r: _cell(r.drafted_per_cycle, "{:.2f}")),
     ("alpha", lambda r: _cell(r.acceptance_rate, "{:.3f}")),
     ("task right [95% CI]", _task_cell),
@@ -1138,6 +1148,12 @@ def run(args) -> int:
     notes = "\n".join(n for n in (quality_notes(rows), cost_notes(rows)) if n)
     if notes:
         print(notes)
+    import specjax.engine
+
+    measured = specjax.engine.last_measured_costs()
+    if measured is not None and any(c.drafting == "auto" for c in plan.contenders):
+        print("drafting auto measured on this machine: " + measured.describe()
+              + "; each cycle it drafts the k that maximises expected tokens per unit of these costs")
     if plan.pair == "embedded" and not paid:
         print("The embedded pair is a 1.4M toy: its target step is so cheap that a cycle's fixed costs "
               "(K draft calls, sampling, the rule) outweigh what acceptance saves. Speculative decoding pays "

@@ -10,7 +10,11 @@ the costs are measured where the engine runs, with the shapes it will run:
   (``Buckets.verify``: 1, 2, 4, ..., ``K + 1``), over a cache of the loop's
   length holding ``context`` tokens;
 * the draft's first step of a cycle (a draft model's two-token forward, a
-  feature head's ``K + 1``-token one, with its features) and a further step.
+  feature head's ``K + 1``-token one, with its features) and a further step,
+  each with its slot's sampling over the vocabulary;
+* the cycle's own work when it drafted: the target's distributions over the
+  ``K + 1`` positions, the lossless rule's verdict, the emitted token's sample
+  (on a large vocabulary at batch 4 this was a fifth of a target forward).
 
 Each is jitted on its own, warmed up, then timed in turns (``repeats``
 rounds, every contender once a round, so a slow spell of a shared machine
@@ -30,13 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src import drafting as drafting_lib
+from specjax._src import sampling
 from specjax._src.checks import check_positive_int
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
+from specjax._src.rules.base import VerifyInputs, speculative_sampling
 
 Array = jax.Array
 
 _MEASURED: dict = {}
+_CALIBRATED: dict = {}
 _LAST: list = []
 
 
@@ -81,6 +88,8 @@ def measure_costs(params: ModelPair, *, batch: int = 1, num_draft: int = 4,
     runs["draft_first"] = _forward(draft, batch, first_width, context, cache_length, features=head,
                                    logits_at=head or getattr(draft.module, "supports_logits_at", False))
     runs["draft_step"] = _forward(draft, batch, 1, context, cache_length, features=head)
+    runs["slot_work"] = _slot_work(batch, params.vocab_size)
+    runs["cycle_work"] = _cycle_work(batch, num_draft, params.vocab_size)
     times = {name: [] for name in runs}
     # Small models' forwards take well under a millisecond: time enough rounds for a stable median.
     start = time.perf_counter()
@@ -94,12 +103,15 @@ def measure_costs(params: ModelPair, *, batch: int = 1, num_draft: int = 4,
     median = {name: float(np.median(t)) for name, t in times.items()}
     unit = median[1]
     at_width = [median[next(w for w in widths if w >= need)] / unit for need in range(1, num_draft + 2)]
+    slot = median["slot_work"]  # each drafted slot is also warped, sampled and scored over the vocabulary
     return drafting_lib.CostModel(
         verify=jnp.asarray(at_width, jnp.float32),
-        draft_first=jnp.float32(median["draft_first"] / unit),
-        draft_step=jnp.float32(median["draft_step"] / unit),
+        draft_first=jnp.float32((median["draft_first"] + slot) / unit),
+        draft_step=jnp.float32((median["draft_step"] + slot) / unit),
+        cycle=jnp.float32(median["cycle_work"] / unit),
         forward_ms=jnp.float32(1e3 * unit),
         batch=jnp.float32(batch),
+        measured=jnp.zeros((num_draft + 1,), jnp.float32),
     )
 
 
@@ -125,15 +137,65 @@ def _forward(model, batch: int, width: int, context: int, cache_length: int, *, 
     return run
 
 
+def _slot_work(batch: int, vocab: int):
+    """A warmed-up, jitted draft slot's work besides its forward: the
+    distribution over the vocabulary, its entropy, a sample and its probability."""
+    logits = jax.random.normal(jax.random.key(0), (batch, vocab), jnp.float32)
+    u = jnp.full((batch,), 0.5, jnp.float32)
+
+    @jax.jit
+    def work(logits, u):
+        probs = jax.nn.softmax(logits, axis=-1)
+        token = sampling.sample_categorical(probs, u)
+        return token, jnp.take_along_axis(probs, token[:, None], axis=-1), sampling.entropy(probs)
+
+    return _warm(lambda: work(logits, u))
+
+
+def _cycle_work(batch: int, num_draft: int, vocab: int):
+    """A warmed-up, jitted cycle's work besides its forwards, for a cycle that
+    drafted: the target's ``K + 1`` distributions over the vocabulary, the
+    lossless rule's verdict on ``K`` slots, the emitted token's sample and the
+    non-finite checks (what every drafting cycle pays, whatever it drafted: the
+    buffers are ``K`` wide)."""
+    k = num_draft
+    keys = jax.random.split(jax.random.key(0), 2)
+    target = jax.random.normal(keys[0], (batch, k + 1, vocab), jnp.float32)
+    draft = jax.random.normal(keys[1], (batch, k, vocab), jnp.float32)
+    u = jnp.full((batch, k), 0.5, jnp.float32)
+    rule = speculative_sampling()
+    rule_state = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (batch,) + jnp.shape(x)), rule.init())
+
+    @jax.jit
+    def work(target, draft, u):
+        target_probs, draft_probs = jax.nn.softmax(target, -1), jax.nn.softmax(draft, -1)
+        inputs = VerifyInputs(draft_tokens=sampling.argmax(draft), draft_logits=draft, draft_probs=draft_probs,
+                              target_logits=target, target_probs=target_probs, uniforms=u,
+                              valid=jnp.ones((batch, k), bool), features={})
+        verdict = jax.vmap(lambda i, s: rule.verify(i, s, greedy=False))(inputs, rule_state)
+        n = jnp.cumprod(jnp.asarray(verdict.accept, jnp.int32), axis=1).sum(1)
+        correction = jnp.take_along_axis(verdict.correction, jnp.minimum(n, k - 1)[:, None, None], axis=1)[:, 0]
+        bonus = jnp.take_along_axis(target_probs, n[:, None, None], axis=1)[:, 0]
+        return (sampling.sample_categorical(correction, u[:, 0]), sampling.sample_categorical(bonus, u[:, 0]),
+                sampling.nonfinite_rows(target).any(-1))
+
+    return _warm(lambda: work(target, draft, u))
+
+
+def _warm(call):
+    """``call`` run once (compiled), as a function that runs it and waits for it."""
+    def run():
+        jax.block_until_ready(call())
+
+    run()
+    return run
+
+
 def cached_costs(params: ModelPair, *, batch: int, num_draft: int, verify_widths: Optional[Sequence[int]],
                  cache_length: int) -> drafting_lib.CostModel:
     """:func:`measure_costs` once per shape in this process (costs depend on
     the models' shapes and dtypes and the loop's, not on the weights' values)."""
-    shapes = jax.tree_util.tree_map(lambda x: (tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))),
-                                    (params.target.params, params.draft.params))
-    key = (repr(params.target.module), repr(params.draft.module), str(jax.tree_util.tree_structure(shapes)),
-           str(jax.tree_util.tree_leaves(shapes)), batch, num_draft, tuple(verify_widths or ()), cache_length,
-           jax.default_backend())
+    key = (shape_key(params), batch, num_draft, tuple(verify_widths or ()), cache_length)
     if key not in _MEASURED:
         _MEASURED[key] = measure_costs(params, batch=batch, num_draft=num_draft, verify_widths=verify_widths,
                                        cache_length=cache_length)
@@ -141,9 +203,88 @@ def cached_costs(params: ModelPair, *, batch: int, num_draft: int, verify_widths
     return _MEASURED[key]
 
 
+def cached_calibration(key, costs: drafting_lib.CostModel, run) -> drafting_lib.CostModel:
+    """:func:`calibrate_costs` once per ``key`` (the loop's static settings and shapes) in this process."""
+    if key not in _CALIBRATED:
+        _CALIBRATED[key] = calibrate_costs(costs, run)
+    _LAST[:] = [_CALIBRATED[key]]
+    return _CALIBRATED[key]
+
+
+def auto_costs(policy: drafting_lib.DraftingPolicy) -> Optional[drafting_lib.CostModel]:
+    """The costs of the first :func:`~specjax.drafting.auto` inside ``policy``, or None."""
+    if isinstance(policy, drafting_lib.Auto):
+        return policy.costs
+    if isinstance(policy, drafting_lib.Combine):
+        return next((c for c in map(auto_costs, policy.policies) if c is not None), None)
+    return None
+
+
 def last_measured() -> Optional[drafting_lib.CostModel]:
     """The costs the last ``decode`` or ``Engine`` with :func:`~specjax.drafting.auto` used (for reports)."""
     return _LAST[0] if _LAST else None
+
+
+def forcing(costs: drafting_lib.CostModel, k: int) -> drafting_lib.CostModel:
+    """Costs of ``costs``' shapes under which :func:`~specjax.drafting.auto`
+    always drafts ``k`` tokens (every other length costs a million cycles)."""
+    lengths = jnp.arange(costs.verify.shape[-1])
+    return costs.replace(verify=jnp.where(lengths == k, 1.0, 1e6).astype(jnp.float32),
+                         draft_first=jnp.zeros_like(costs.draft_first), draft_step=jnp.zeros_like(costs.draft_step),
+                         cycle=jnp.zeros_like(costs.cycle), measured=jnp.zeros_like(costs.measured))
+
+
+def calibrate_costs(costs: drafting_lib.CostModel, run, *, short: int = 2, long: int = 32,
+                    repeats: int = 2) -> drafting_lib.CostModel:
+    """``costs`` with :attr:`~specjax.drafting.CostModel.measured` timed in the loop itself.
+
+    ``run(costs, max_new_tokens) -> (seconds, cycles)`` runs the loop's own
+    program (the same compiled shapes the real call uses: only traced values
+    change) with ``auto(costs)`` and returns its wall time and loop cycles.
+    For each ``k`` the policy is forced (:func:`forcing`) and the loop run to
+    ``short`` and to ``long`` tokens: the extra time over the extra cycles is
+    a cycle's cost, the prefill cancelling out. A plain length's cost includes
+    the draft's catch-up every ``K`` cycles. Where some length gives no extra
+    cycles (every sequence ended early), ``costs`` is returned as it was.
+    """
+    per_cycle = []
+    for k in range(costs.max_draft + 1):
+        samples = []
+        for _ in range(repeats):
+            t_short, c_short = run(forcing(costs, k), short)
+            t_long, c_long = run(forcing(costs, k), long)
+            if c_long > c_short:
+                samples.append((t_long - t_short) / (c_long - c_short))
+        if not samples:
+            return costs
+        per_cycle.append(float(np.median(samples)))
+    if min(per_cycle) <= 0:  # a noisy machine timed a longer run as shorter: keep the parts' estimate
+        return costs
+    return costs.replace(measured=jnp.asarray(np.array(per_cycle) / per_cycle[0], jnp.float32))
+
+
+def needs_costs(policy: drafting_lib.DraftingPolicy) -> bool:
+    """Whether ``policy`` holds an :func:`~specjax.drafting.auto` without costs."""
+    if isinstance(policy, drafting_lib.Auto):
+        return policy.costs is None
+    return isinstance(policy, drafting_lib.Combine) and any(map(needs_costs, policy.policies))
+
+
+def set_costs(policy: drafting_lib.DraftingPolicy, costs: drafting_lib.CostModel) -> drafting_lib.DraftingPolicy:
+    """``policy`` with every :func:`~specjax.drafting.auto` inside it given ``costs``."""
+    if isinstance(policy, drafting_lib.Auto):
+        return policy.replace(costs=costs)
+    if isinstance(policy, drafting_lib.Combine):
+        return policy.replace(policies=tuple(set_costs(p, costs) for p in policy.policies))
+    return policy
+
+
+def shape_key(params: ModelPair) -> tuple:
+    """What costs depend on in a pair: its modules and its parameters' shapes and dtypes."""
+    shapes = jax.tree_util.tree_map(lambda x: (tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))),
+                                    (params.target.params, params.draft.params))
+    return (repr(params.target.module), repr(params.draft.module), str(jax.tree_util.tree_structure(shapes)),
+            str(jax.tree_util.tree_leaves(shapes)), jax.default_backend())
 
 
 def with_costs(policy: drafting_lib.DraftingPolicy, measure) -> drafting_lib.DraftingPolicy:

@@ -90,6 +90,7 @@ jitted loop both run, :func:`_run_loop`):
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 import jax
@@ -396,6 +397,7 @@ def decode(
     cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree, lookup=lookup,
                             verify_widths=None if tree is not None else verify_widths_for(buckets, drafting, num_draft),
                             classes=pytree_classes(rule, drafting))
+    calibrate = tree is None and costs_lib.needs_costs(drafting) and cfg.layout is None
     if tree is None:  # auto() without costs: measured once per shape on this machine
         measured_pair = params.replace(target=call.models["target"], draft=call.models["draft"])
         drafting = costs_lib.with_costs(drafting, lambda: costs_lib.cached_costs(
@@ -410,6 +412,10 @@ def decode(
     rows = _controls_rows(controls, params.vocab_size, call.batch, call.prompts.shape[0], cfg.layout)
     cfg = cfg._replace(stream=on_tokens is not None)
     params = params.replace(target=call.models["target"], draft=call.models["draft"])
+    if calibrate:  # the cycle's cost by draft length, timed in this very program (compiled once anyway)
+        key = (costs_lib.shape_key(params), cfg, call.prompts.shape, rows is None)
+        drafting = costs_lib.set_costs(drafting, costs_lib.cached_calibration(
+            key, costs_lib.auto_costs(drafting), _timed_loop(params, rule, drafting, call, cfg, rows)))
     args = (params, rule, drafting, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id, call.key,
             call.temperature, call.top_p)
     out, bad = run_streaming(
@@ -418,6 +424,27 @@ def decode(
                      else _decode_jit(*args, sid, cfg=cfg, rows=rows)),
     )
     return finish_call(call, out, bad, {1: "target", 2: "draft"})
+
+
+def _timed_loop(params, rule, drafting, call, cfg: LoopConfig, rows):
+    """``run(costs, max_new_tokens) -> (seconds, cycles)``: ``decode``'s own
+    program on the call's prompts with ``auto(costs)``, no EOS, each sequence
+    stopping at ``max_new_tokens`` (:func:`specjax._src.engine.costs.calibrate_costs`)."""
+    no_eos = jnp.full_like(call.eos, -1)
+
+    def run(costs, max_new_tokens: int):
+        max_new = jnp.where(call.max_new > 0, min(max_new_tokens, cfg.max_new_tokens), 0).astype(call.max_new.dtype)
+        args = (params, rule, costs_lib.set_costs(drafting, costs), call.prompts, call.lengths, max_new, no_eos,
+                call.pad_id, call.key, call.temperature, call.top_p)
+        start = time.perf_counter()
+        out, _ = run_streaming(
+            (lambda tokens, counts: None) if cfg.stream else None, call.batch,
+            lambda sid: (_decode_jit(*args, cfg=cfg, rows=rows) if sid is None
+                         else _decode_jit(*args, sid, cfg=cfg, rows=rows)))
+        jax.block_until_ready(out.tokens)
+        return time.perf_counter() - start, int(out.stats.target_forwards)
+
+    return run
 
 
 # ---------------------------------------------------------------------------
