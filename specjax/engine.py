@@ -39,7 +39,7 @@ See ``docs/engine.md``.
 """
 
 from specjax._src.engine.config import DecodeState, LoopConfig, Logprobs
-from specjax._src.engine.costs import last_measured as last_measured_costs, measure_costs
+from specjax._src.engine.costs import calibrate_costs, last_measured as last_measured_costs, measure_costs
 from specjax._src.engine.cycle import Cycle, CycleInputs, run_cycles
 from specjax._src.engine.cycles import CHAIN, TARGET_ONLY, TREE, cycle_for
 from specjax._src.engine.slots import Engine, FieldError, PrefillJob, SlotSettings, SlotState, StepOutput, StepPlan
@@ -75,6 +75,7 @@ __all__ = [
     "cycle_for",
     "run_cycles",
     "measure_costs",
+    "calibrate_costs",
     "last_measured_costs",
     "GenerationControls",
     "TokenContext",

@@ -241,7 +241,7 @@ def calibrate_costs(costs: drafting_lib.CostModel, run, *, short: int = 2, long:
     ``run(costs, max_new_tokens) -> (seconds, cycles)`` runs the loop's own
     program (the same compiled shapes the real call uses: only traced values
     change) with ``auto(costs)`` and returns its wall time and loop cycles.
-    For each ``k`` the policy is forced (:func:`forcing`) and the loop run to
+    For each ``k`` the policy is forced (``forcing``) and the loop run to
     ``short`` and to ``long`` tokens: the extra time over the extra cycles is
     a cycle's cost, the prefill cancelling out. A plain length's cost includes
     the draft's catch-up every ``K`` cycles. Where some length gives no extra
