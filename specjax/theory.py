@@ -3,7 +3,7 @@
 For a deterministic rule whose accepted set is an upper level set of the target
 distribution p, ``certificate(rule, p)`` is the smallest ``KL(p || q)`` of any
 drafter q whose argmax the rule rejects: a drafter closer than that to the
-target is always accepted. See ``specjax._src.theory`` for the derivations.
+target is always accepted. See ``specjax._src.theory.certificates`` for the derivations.
 
     from specjax import theory
     from specjax.rules import additive
@@ -11,7 +11,7 @@ target is always accepted. See ``specjax._src.theory`` for the derivations.
     d = theory.position_diagnostics(additive(t=0.3), target_probs, draft_probs)
 
 Live, during greedy decoding (certified fraction and certificate quantiles per
-criterion; see ``specjax._src.certify``)::
+criterion; see ``specjax._src.theory.certify``)::
 
     diag = theory.certificate_diagnostics(additive(t=0.3), trees=(2, 4, 8))
     out = specjax.decode(pair, prompts, rule=additive(t=0.3), temperature=0.0, diagnostics=diag)
@@ -19,7 +19,7 @@ criterion; see ``specjax._src.certify``)::
     out, report = theory.certified_decode(pair, prompts, rule=additive(t=0.3))   # the same
 """
 
-from specjax._src.theory import (
+from specjax._src.theory.certificates import (
     accepted_set,
     certificate,
     check_certifiable,
@@ -38,7 +38,7 @@ from specjax._src.theory import (
     tree_margin_bounds,
     universal_bound,
 )
-from specjax._src.certify import (
+from specjax._src.theory.certify import (
     CertificateDiagnostics,
     CertificateReport,
     certificate_diagnostics,

@@ -1,4 +1,4 @@
-"""Live certificate diagnostics (specjax._src.certify) and ``specjax certify`` (specjax.cli.certify).
+"""Live certificate diagnostics (specjax._src.theory.certify) and ``specjax certify`` (specjax.cli.certify).
 
 Two decode programs are compiled in this file (the CPU is shared): one strict
 greedy run on a tiny random decoder pair, recording every criterion, reused by
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax._src import certify, theory
-from specjax._src.certify import certificate_diagnostics, certified_decode, histogram_quantile
+from specjax._src.theory import certificates as theory, certify
+from specjax._src.theory.certify import certificate_diagnostics, certified_decode, histogram_quantile
 from specjax.rules import additive, ears, multiplicative, speculative_sampling, top_m, typical
 
 from _hf_models import write_tokenizer

@@ -7,7 +7,7 @@ greedy run per rule in :data:`CERTIFY_RULES` with the trees of
 the command, which reads the options, prints, and sets the exit status (1 if
 any certified position was rejected). The measurement itself
 (:class:`CertificateDiagnostics`, the histograms, :func:`certified_decode`) is
-the library, ``specjax._src.certify`` (public as ``specjax.theory``).
+the library, ``specjax._src.theory.certify`` (public as ``specjax.theory``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from specjax._src import theory
-from specjax._src.certify import certificate_diagnostics, histogram_cdf
+from specjax._src.theory import certificates as theory
+from specjax._src.theory.certify import certificate_diagnostics, histogram_cdf
 from specjax.cli import common
 
 # The paper's Qwen3 figures (papers/README.md). The tree figures are listed with the

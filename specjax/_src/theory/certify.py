@@ -1,6 +1,6 @@
 """Live acceptance-certificate diagnostics for ``decode`` (the library half).
 
-``specjax.theory.certificate(rule, p)`` (``_src/theory.py``) says how far, in
+``specjax.theory.certificate(rule, p)`` (``_src/theory/certificates.py``) says how far, in
 ``KL(p || q)``, a drafter may be from the target before a greedy draft can be
 rejected. This module measures it on real runs: a :class:`CertificateDiagnostics`
 hook records, at every verified position of a greedy ``decode``, the drafter's
@@ -79,7 +79,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src import theory
+from specjax._src.theory import certificates as theory
 from specjax._src.engine.loop import decode
 from specjax._src.rules.base import RuleSpec, speculative_sampling
 
