@@ -106,6 +106,16 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=_command("serve"))
 
 
+def _add_cache_args(p, directory: bool = True) -> None:
+    """The persistent compilation cache's options (on by default; specjax._src.kernels.compile_cache)."""
+    if directory:
+        p.add_argument("--compilation-cache", metavar="DIR",
+                       help="keep compiled programs here for the next run (default: $SPECJAX_COMPILATION_CACHE, else "
+                            "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/specjax/jax; \"none\": off)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile every program afresh, keeping none on disk (also: SPECJAX_COMPILATION_CACHE=none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding with composable acceptance rules.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_certify(sub)
     _add_serve(sub)
+    for name, p in sub.choices.items():
+        _add_cache_args(p, directory=name != "serve")  # serve has its own --compilation-cache
     p = sub.add_parser("models", help="list the models specjax.load knows by name and where they are")
     p.set_defaults(func=_models)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -123,7 +135,15 @@ def main(argv=None) -> int:
     """Runs ``specjax ARGV``; returns the exit status (2 for a user error, printed as one line)."""
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        if not hasattr(args, "no_compile_cache"):  # `specjax models` compiles nothing
+            return args.func(args)
+        from specjax._src.kernels import compile_cache
+
+        compile_cache.enable(compile_cache.resolve(args.compilation_cache, enabled=not args.no_compile_cache))
+        with compile_cache.count_programs() as programs:
+            status = args.func(args)
+        print(f"programs: {programs.describe()}")
+        return status
     except (ValueError, OSError, ImportError, FloatingPointError) as e:
         # User errors (bad specs, missing files, a missing optional package):
         # one line with the cause; --debug shows the traceback.

@@ -111,29 +111,21 @@ def default_capacity(target, draft, room: int, most: int = 512) -> int:
     return min([most] + [limit - room for limit in limits if limit is not None])
 
 
-def use_compilation_cache(directory: Optional[str]) -> Optional[str]:
-    """Points JAX's persistent compilation cache at ``directory`` (None: $JAX_COMPILATION_CACHE_DIR,
-    else ``~/.cache/specjax/jax``; ``"none"``: no cache) before anything compiles. Returns the
-    directory, or None.
+def use_compilation_cache(directory: Optional[str], enabled: bool = True) -> Optional[str]:
+    """Points JAX's persistent compilation cache at ``directory`` (None: the default of
+    :func:`specjax._src.kernels.compile_cache.resolve`; ``"none"`` or ``enabled=False``: no cache)
+    before anything compiles. Returns the directory, or None.
 
     A restart then loads the programs instead of compiling them: on the real pair the server was
     ready in 89-97 s after the start that filled the cache took 237 s (2-core CPU); tracing them
     is not cached.
     """
-    import jax
+    from specjax._src.kernels import compile_cache
 
-    if directory is None:
-        directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(
-            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specjax" / "jax")
-    if directory.lower() == "none":
-        return None
     try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SystemExit(f"error: --compilation-cache {directory}: {e.strerror}; give a writable directory, or "
-                         "\"none\" to compile at every start.") from None
-    jax.config.update("jax_compilation_cache_dir", directory)
-    return directory
+        return compile_cache.enable(compile_cache.resolve(directory, enabled=enabled))
+    except ValueError as e:
+        raise SystemExit(f"error: --compilation-cache: {e}") from None
 
 
 def check_args(args) -> None:
@@ -161,7 +153,7 @@ def run(args) -> int:
     check_args(args)
     sock = bind(args.host, args.port)  # a port in use fails now, not after the models load
     app, scheduler = build(args)
-    cache = use_compilation_cache(args.compilation_cache)
+    cache = use_compilation_cache(args.compilation_cache, enabled=not args.no_compile_cache)
     host, port = sock.getsockname()[:2]
     print(f"specjax serve: compiling{f' (programs kept in {cache})' if cache else ''}, then serving on "
           f"http://{args.host}:{port} (GET /health answers 200 once ready)", flush=True)
