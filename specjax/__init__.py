@@ -21,7 +21,7 @@ from specjax._src.models.registry import describe as known_models
 from specjax._src.chat import encode_chat, render_chat
 from specjax._src.engine.loop import BUCKETS, MIN_TEMPERATURE, Buckets, DecodeOutput, ModelPair, decode, generate, pair
 from specjax._src.stats import DecodeStats, concatenate as concatenate_stats, expected_tau
-from specjax._src.processors import GenerationControls
+from specjax._src.logits.processors import GenerationControls
 from specjax import drafting
 from specjax import engine
 from specjax import heads

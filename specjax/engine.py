@@ -45,7 +45,7 @@ from specjax._src.engine.cycles import CHAIN, TARGET_ONLY, TREE, cycle_for
 from specjax._src.engine.slots import Engine, FieldError, PrefillJob, SlotSettings, SlotState, StepOutput, StepPlan
 from specjax._src.engine.state import init_state
 from specjax._src.engine.text import TextStream, check_stop_strings, cut_at_stop
-from specjax._src.processors import (
+from specjax._src.logits.processors import (
     BUILTIN_PROCESSORS,
     GenerationControls,
     TokenContext,

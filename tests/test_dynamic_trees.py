@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax._src import sampling
+from specjax._src.logits import sampling
 from specjax._src import trees as trees_lib
 from specjax._src.drafting import fixed
 from specjax._src.engine import tree as tree_cycle

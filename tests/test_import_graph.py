@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation: the LM protocol, argument checks and the numerics (kernels, quantized weights) every layer shares", (
         "specjax._src", "specjax._src.lm", "specjax._src.checks", "specjax._src.chat", "specjax._src.multihost",
         "specjax._src.jit_keys",
-        "specjax._src.sampling", "specjax._src.processors", "specjax._src.kernels*", "specjax._src.quant",
+        "specjax._src.logits*", "specjax._src.kernels*", "specjax._src.quant",
     )),
     ("models and rules: checkpoints and their formats, model pairs and meshes, acceptance rules, drafting", (
         "specjax._src.models*", "specjax._src.pairing", "specjax._src.sharding", "specjax._src.rules*",

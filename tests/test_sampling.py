@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax._src import sampling
+from specjax._src.logits import sampling
 from specjax import ModelConfig
 from specjax._src.models import decoder
 
@@ -73,7 +73,7 @@ def test_rope_table_equals_the_on_device_angles():
 
 
 def test_top_indices_matches_lax_top_k():
-    from specjax._src.sampling import top_indices
+    from specjax._src.logits.sampling import top_indices
 
     x = jax.random.normal(jax.random.key(0), (4, 6, 200))
     for k in (1, 3, 8, 12):

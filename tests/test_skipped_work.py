@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax._src import processors as P
-from specjax._src import sampling
+from specjax._src.logits import processors as P
+from specjax._src.logits import sampling
 from specjax._src.engine.cycle import live_settings as _live_settings
 from specjax._src.engine.ops import warp
 from specjax.engine import LoopConfig

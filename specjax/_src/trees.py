@@ -93,7 +93,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src import sampling
+from specjax._src.logits import sampling
 from specjax._src.checks import check_positive_int
 
 Array = jax.Array

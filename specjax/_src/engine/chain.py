@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax._src import drafting as drafting_lib
-from specjax._src import processors as processors_lib
-from specjax._src import sampling
+from specjax._src.logits import processors as processors_lib
+from specjax._src.logits import sampling
 from specjax._src.engine.config import DecodeState, LoopConfig
 from specjax._src.engine.cycle import (
     Committed,
@@ -78,7 +78,7 @@ def _decode_cycle(
     ``inputs.max_new[B]``: each sequence's ``max_new_tokens`` (traced, so it
     does not shape the program; ``cfg.max_new_tokens`` is only the buffer's bucket).
 
-    ``inputs.rows``: per-sequence settings (:class:`specjax._src.processors.RowSettings`,
+    ``inputs.rows``: per-sequence settings (:class:`specjax._src.logits.processors.RowSettings`,
     the slots engine's): then ``temperature`` and ``top_p`` are ``[B]``,
     ``eos_ids`` may be ``[B, E]`` and ``state.step`` ``[B]``; greedy rows, top-k,
     the draft cap and the logits processors are per sequence. ``None``: the

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src import drafting as drafting_lib
-from specjax._src import sampling
+from specjax._src.logits import sampling
 from specjax._src.checks import check_positive_int
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair

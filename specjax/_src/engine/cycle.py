@@ -47,7 +47,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from specjax._src import processors as processors_lib
+from specjax._src.logits import processors as processors_lib
 from specjax._src.engine.config import DecodeState, LoopConfig, Logprobs
 from specjax._src.engine.ops import gather, is_eos, row_at, where_b
 from specjax._src.lm import KVCache, LMOutput, ReducedLogits
@@ -70,7 +70,7 @@ class CycleInputs(NamedTuple):
       keys: ``[B]`` typed PRNG keys, one per sequence (a cycle folds in ``state.step``).
       temperature: a scalar, or ``[B]`` with ``rows``.
       top_p: a scalar, or ``[B]`` with ``rows``.
-      rows: per-sequence settings (:class:`specjax._src.processors.RowSettings`:
+      rows: per-sequence settings (:class:`specjax._src.logits.processors.RowSettings`:
         greedy rows, top-k, the draft cap, rule numbers, log-probs; the slots
         engine's), or None: the call's settings hold for every sequence.
     """
@@ -128,7 +128,7 @@ def live_settings(rows, top_p, live: Array):
 def cycle_history(rows, state: DecodeState, prompt_lengths: Array, eos_ids: Array,
                   vocab: int) -> Optional[processors_lib.History]:
     """What the logits processors read of each sequence before the cycle
-    (:func:`specjax._src.processors.history`), or None without per-row controls.
+    (:func:`specjax._src.logits.processors.history`), or None without per-row controls.
     Counted only when some live row's controls change its logits."""
     if rows is None or rows.controls is None:
         return None

@@ -99,7 +99,7 @@ import numpy as np
 
 from specjax._src import drafting as drafting_lib
 from specjax._src import lookup as lookup_lib
-from specjax._src import processors as processors_lib
+from specjax._src.logits import processors as processors_lib
 from specjax._src.engine import costs as costs_lib
 from specjax._src.engine.config import DecodeState, LoopConfig
 from specjax._src.engine.cycle import Cycle, CycleInputs, run_cycles
@@ -334,7 +334,7 @@ def decode(
         prompt, or a list with one per prompt. The processed logits are what
         both models sample from and what the rule judges, so the lossless
         rule is exactly lossless with respect to the processed target
-        (:mod:`specjax._src.processors`). On a tree, each node's logits are
+        (:mod:`specjax._src.logits.processors`). On a tree, each node's logits are
         processed after the tokens on its path from the root. Stop strings
         are matched on the text by the reader of the tokens
         (:class:`specjax.engine.TextStream`).

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from specjax._src import sampling
+from specjax._src.logits import sampling
 from specjax._src.engine.config import LoopConfig
 from specjax._src.lm import KVCache
 
@@ -58,7 +58,7 @@ def per_sequence_keys(key: Array, batch: int) -> Array:
 
 def warp(cfg: LoopConfig, raw: Array, temperature, top_p, rows=None) -> Array:
     """The sampling warp of raw logits ``[B, ..., V]``. With per-row settings
-    (``rows``, a :class:`specjax._src.processors.RowSettings`), ``temperature``
+    (``rows``, a :class:`specjax._src.logits.processors.RowSettings`), ``temperature``
     and ``top_p`` are ``[B]`` arrays, a ``top_p`` of 1 keeps every token, and a
     greedy row gets its raw logits, as a greedy loop does."""
     if cfg.greedy:

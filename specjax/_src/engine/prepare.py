@@ -33,7 +33,7 @@ from flax import struct
 
 from specjax._src import drafting as drafting_lib
 from specjax._src import multihost
-from specjax._src import sampling
+from specjax._src.logits import sampling
 from specjax._src import sharding as sharding_lib
 from specjax._src import trees as trees_lib
 from specjax._src.checks import as_integer, check_positive_int

@@ -25,7 +25,7 @@ each committed token's log-probability and its ``N`` most likely alternatives.
 Per-request data (traced, so mixed traffic shares one program): temperature
 (0 = greedy), top_p, top_k, the PRNG key, ``max_new_tokens``, EOS and stop
 ids, the ``num_draft`` cap (0 = one target token per cycle) and the logits
-processors' numbers (:mod:`specjax._src.processors`). Static structure (one
+processors' numbers (:mod:`specjax._src.logits.processors`). Static structure (one
 program per value): the pair, the rule's and drafting policy's types, ``K``,
 the slot count and capacity, the lookup, whether processors are compiled in.
 
@@ -47,8 +47,8 @@ import numpy as np
 from flax import struct
 
 from specjax._src import lookup as lookup_lib
-from specjax._src import processors as processors_lib
-from specjax._src import sampling
+from specjax._src.logits import processors as processors_lib
+from specjax._src.logits import sampling
 from specjax._src.checks import as_integer, check_positive_int
 from specjax._src.engine import costs as costs_lib
 from specjax._src.engine.config import DecodeState, LoopConfig, Logprobs
@@ -193,7 +193,7 @@ class SlotState:
       temperature, top_p: ``[S]`` float32.
       eos: ``[S, E]`` int32 EOS and stop ids, ``-1`` for none.
       keys: ``[S, ...]`` uint32 key data.
-      controls: :class:`specjax._src.processors.Controls` ``[S]``, or None.
+      controls: :class:`specjax._src.logits.processors.Controls` ``[S]``, or None.
       rules: the engine's rule with each numeric field ``[S]`` (one set of
         numbers per slot), or None where the numbers are shared.
       logprobs: ``[S]`` int32 ``SlotSettings.logprobs`` (-1 for None) with

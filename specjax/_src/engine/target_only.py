@@ -21,8 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax._src import processors as processors_lib
-from specjax._src import sampling
+from specjax._src.logits import processors as processors_lib
+from specjax._src.logits import sampling
 from specjax._src.engine.config import DecodeState, LoopConfig
 from specjax._src.engine.cycle import Cycle, CycleInputs
 from specjax._src.engine.ops import gather, is_eos, warp

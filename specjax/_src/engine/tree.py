@@ -66,8 +66,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src import processors as processors_lib
-from specjax._src import sampling
+from specjax._src.logits import processors as processors_lib
+from specjax._src.logits import sampling
 from specjax._src.engine.config import DecodeState, LoopConfig
 from specjax._src.engine.cycle import (
     Committed,
@@ -199,7 +199,7 @@ def _processed(rows, hist, raw: Array, tokens: Array, follows: Array) -> Array:
 
     The draft's and the target's logits at a node are processed alike, so every
     rule judges the distributions the user asked for, as on a chain
-    (:mod:`specjax._src.processors`)."""
+    (:mod:`specjax._src.logits.processors`)."""
     if hist is None:
         return raw
     return processors_lib.process_paths(rows.processors, rows.controls, hist, raw, tokens, follows)
@@ -291,7 +291,7 @@ def _ranked(raw: Array, reduced: ReducedLogits | None, k: int) -> tuple[Array, A
 
 def top_tokens(raw: Array, reduced: ReducedLogits | None, k: int) -> Array:
     """``[..., k]`` the draft's ``k`` best tokens by its raw logits ``[..., V]``
-    (:func:`specjax._src.sampling.top_indices`), ranked over a reduced head's
+    (:func:`specjax._src.logits.sampling.top_indices`), ranked over a reduced head's
     own ``V'`` columns when it has them (``reduced``, the same logits before
     their scatter; a tie may rank its tokens in another order)."""
     x, ids = _ranked(raw, reduced, k)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax._src import sampling
+from specjax._src.logits import sampling
 
 Array = jax.Array
 RuleState = Any

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax._src import sampling
+from specjax._src.logits import sampling
 from specjax._src.rules.base import Path, VerifyInputs, lossless_decision, token_prob
 
 Array = jax.Array

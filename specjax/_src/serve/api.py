@@ -52,7 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specjax._src.engine.cycle import LOGPROB_FLOOR
 from specjax._src.engine.slots import SlotSettings
 from specjax._src.engine.text import check_stop_strings
-from specjax._src.processors import GenerationControls
+from specjax._src.logits.processors import GenerationControls
 from specjax._src.rules.base import RuleSpec
 from specjax._src.rules.combinators import OneOf
 from specjax._src.rules.parse import parse_spec, rule_from_spec
