@@ -39,7 +39,7 @@ from specjax._src.drafting import (
     heuristic,
     parse_drafting,
 )
-from specjax._src.lookup import NgramLookup, lookup_drafts, ngram_lookup
+from specjax._src.proposals.lookup import NgramLookup, lookup_drafts, ngram_lookup
 
 __all__ = (
     "DraftingPolicy",

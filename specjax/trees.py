@@ -28,7 +28,7 @@ compiled program per ``(depth, top_k, num_nodes, sampled)``.
 generate/compare --tree`` do.
 """
 
-from specjax._src.trees import (
+from specjax._src.proposals.trees import (
     DynamicTree,
     TokenTree,
     TreeVerdict,

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax._src import trees as trees_lib
+from specjax._src.proposals import trees as trees_lib
 from specjax._src.kernels import cpu_matmul
 from specjax._src.models import feature_head as fh
 from specjax.cli import app

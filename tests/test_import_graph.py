@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     )),
     ("models and rules: checkpoints and their formats, model pairs and meshes, acceptance rules, drafting", (
         "specjax._src.models*", "specjax._src.pairing", "specjax._src.sharding", "specjax._src.rules*",
-        "specjax._src.trees", "specjax._src.drafting", "specjax._src.lookup", "specjax._src.stats",
+        "specjax._src.proposals*", "specjax._src.drafting", "specjax._src.stats",
         "specjax._src.theory*",
     )),
     ("engine: the decode loop, its cycles and the slots", (

@@ -164,7 +164,7 @@ def test_bad_lookup_arguments_get_clear_errors(pairs):
 def test_a_max_match_past_the_buffer_traces_no_more_than_the_buffer():
     """No match is longer than the token buffer: max_match=256 over 12 tokens gives
     the program (and the drafts) of max_match=12, not 256 unrolled comparisons."""
-    from specjax._src.lookup import lookup_drafts
+    from specjax._src.proposals.lookup import lookup_drafts
 
     tokens = jnp.asarray([[3, 1, 4, 1, 5, 3, 1, 4, 1, 0, 0, 0]], jnp.int32)
     n = jnp.asarray([9], jnp.int32)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from specjax._src import trees
-from specjax._src.trees import TokenTree, sample_children, static_tree, verify_tree
+from specjax._src.proposals import trees
+from specjax._src.proposals.trees import TokenTree, sample_children, static_tree, verify_tree
 
 V = 4
 

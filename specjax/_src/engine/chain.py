@@ -54,7 +54,7 @@ from specjax._src.engine.cycle import (
 )
 from specjax._src.engine.ops import gather, row_at, warp, where_b
 from specjax._src.lm import KVCache, LMOutput
-from specjax._src.lookup import lookup_drafts
+from specjax._src.proposals.lookup import lookup_drafts
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Verdict, VerifyInputs
@@ -240,7 +240,7 @@ def draft_chain(
     """Draft up to K tokens per sequence: the policy's ``budget``, cut short
     where its ``proceed`` says stop, one draft forward per token (the first is
     :func:`specjax._src.engine.cycle.first_draft_logits`). With ``cfg.lookup``, a slot that the context
-    lookup fills (:func:`specjax._src.lookup.lookup_drafts`) takes the copied
+    lookup fills (:func:`specjax._src.proposals.lookup.lookup_drafts`) takes the copied
     token instead, and the draft reads it for the next slot; with a feature
     head, once every active sequence's remaining slots are copies, the
     forwards stop (no slot reads them, and the head's cache is rewritten

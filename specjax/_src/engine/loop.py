@@ -98,7 +98,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src import drafting as drafting_lib
-from specjax._src import lookup as lookup_lib
+from specjax._src.proposals import lookup as lookup_lib
 from specjax._src.logits import processors as processors_lib
 from specjax._src.engine import costs as costs_lib
 from specjax._src.engine.config import DecodeState, LoopConfig

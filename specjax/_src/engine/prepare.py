@@ -35,7 +35,7 @@ from specjax._src import drafting as drafting_lib
 from specjax._src import multihost
 from specjax._src.logits import sampling
 from specjax._src import sharding as sharding_lib
-from specjax._src import trees as trees_lib
+from specjax._src.proposals import trees as trees_lib
 from specjax._src.checks import as_integer, check_positive_int
 from specjax._src.engine.config import LoopConfig
 from specjax._src.pairing import ModelPair

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax._src import lookup as lookup_lib
+from specjax._src.proposals import lookup as lookup_lib
 from specjax._src.logits import processors as processors_lib
 from specjax._src.logits import sampling
 from specjax._src.checks import as_integer, check_positive_int

@@ -24,7 +24,7 @@ cycle) is in :mod:`specjax._src.engine.cycle`. Step by step:
   (``tree_offset``), which gives the next level's distributions;
 * verify: one target forward over all ``N`` nodes with tree attention: row
   ``j`` of its logits judges node ``j``'s children;
-* accept: :func:`specjax._src.trees.verify_tree` walks down the tree (greedy:
+* accept: :func:`specjax._src.proposals.trees.verify_tree` walks down the tree (greedy:
   the child equal to the target's argmax; sampling: recursive rejection
   sampling without replacement, exact);
 * commit: the accepted path's tokens and the emitted token, cut at EOS and
@@ -33,17 +33,17 @@ cycle) is in :mod:`specjax._src.engine.cycle`. Step by step:
   to the chain loop's invariants;
 * record: stats with ``K`` = the tree's depth (each cycle judges one path).
 
-A dynamic tree (:class:`specjax._src.trees.DynamicTree`, EAGLE-2) is drafted
+A dynamic tree (:class:`specjax._src.proposals.trees.DynamicTree`, EAGLE-2) is drafted
 by :func:`draft_dynamic` instead: ``depth`` draft forwards, each over the
 ``top_k`` best-scored frontier nodes with traced per-sequence tree parents,
 then a rerank keeps the ``num_kept`` best candidates. Greedy, the children
 are the draft's top-k and the scores EAGLE-2's cumulative draft
 log-probabilities. Sampling, the children are drawn without replacement as a
 static tree's are, and ranked by slot scores that never read a drawn token's
-own probability (:func:`specjax._src.trees.slot_scores`), so the recursive
+own probability (:func:`specjax._src.proposals.trees.slot_scores`), so the recursive
 rejection sampling stays exact; with ``sampled=False`` (by default for
 relaxed rules) they are the top-k, point-mass drafts. The target verifies
-that traced tree (:func:`specjax._src.trees.verify_dynamic_tree`).
+that traced tree (:func:`specjax._src.proposals.trees.verify_dynamic_tree`).
 
 Node ``j`` of the tree sits in cache slot ``start + j`` with ``start =
 num_committed - 1``, the root's own slot, in both caches (a dynamic tree's
@@ -95,7 +95,7 @@ from specjax._src.models.feature_head import is_feature_head
 from specjax._src.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Path, Verdict, VerifyInputs
 from specjax._src.stats import record_cycle
-from specjax._src.trees import (DynamicTree, TokenTree, TreeVerdict, children_table, levels, rerank,
+from specjax._src.proposals.trees import (DynamicTree, TokenTree, TreeVerdict, children_table, levels, rerank,
                                 sample_children, slot_scores, top_ranked, uniform_branching, verify_dynamic_tree,
                                 verify_tree)
 
@@ -115,7 +115,7 @@ def _tree_cycle(
     the logits processors (each node's logits, the draft's and the target's,
     processed after the tokens on its path, :func:`_processed`), and the draft
     cap, which limits the accepted path's depth
-    (:func:`specjax._src.trees.verify_tree`'s ``limit``)."""
+    (:func:`specjax._src.proposals.trees.verify_tree`'s ``limit``)."""
     del policy
     prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows = inputs
     if rows is not None:
@@ -302,7 +302,7 @@ def top_tokens(raw: Array, reduced: ReducedLogits | None, k: int) -> Array:
 def best_children(raw: Array, reduced: ReducedLogits | None, k: int) -> tuple[Array, Array]:
     """``(children [..., k], slot scores [..., k])``: the draft's top-k and their
     ``T = 1`` log-probabilities (EAGLE-2's greedy expansion,
-    :func:`specjax._src.trees.slot_scores`), over a reduced head's own columns
+    :func:`specjax._src.proposals.trees.slot_scores`), over a reduced head's own columns
     when it has them (as :func:`top_tokens`)."""
     x, ids = _ranked(raw, reduced, k)
     columns = sampling.top_indices(x, k)
@@ -393,7 +393,7 @@ class _DynamicDrafts(NamedTuple):
 def draft_dynamic(cfg: LoopConfig, tree: DynamicTree, pair_params: ModelPair, state: DecodeState,
                    need_logits: bool, draft_keys=None, temperature=1.0, top_p=1.0,
                    sampled: bool = False, rows=None, hist=None) -> tuple[_DynamicDrafts, KVCache]:
-    """EAGLE-2's expansion and rerank (:func:`specjax._src.trees.dynamic_tree`).
+    """EAGLE-2's expansion and rerank (:func:`specjax._src.proposals.trees.dynamic_tree`).
 
     The draft sees a *fed tree*: node 0 the root, then each level's frontier
     (``top_k`` nodes, levels ``1 .. depth - 1``) at fed slots ``1 + (d - 1) *
@@ -624,8 +624,8 @@ def _walk_shape(tree, drafted: _DraftedTree) -> tuple:
 
 def _walk(tree, shape: tuple, tokens, target_logits, target_probs, uniforms, emit_uniform, limit,
           **kwargs) -> TreeVerdict:
-    """One sequence's walk down its tree: :func:`specjax._src.trees.verify_tree`
-    for a static tree, :func:`specjax._src.trees.verify_dynamic_tree` for a
+    """One sequence's walk down its tree: :func:`specjax._src.proposals.trees.verify_tree`
+    for a static tree, :func:`specjax._src.proposals.trees.verify_dynamic_tree` for a
     dynamic one (``shape``: :func:`_walk_shape`'s, one sequence's; ``limit``:
     the deepest node it may accept)."""
     if isinstance(tree, DynamicTree):
@@ -672,7 +672,7 @@ def _rule_on_nodes(rule: AcceptanceRule, tokens: Array, parents, parent_logits: 
 
 def _judge_child(rule: AcceptanceRule, data, child, node, token, p, q, uniform):
     """A relaxed rule's verdict on one tree child when sampling (the walk's
-    ``judge``, :func:`specjax._src.trees._walk`): the child as a one-slot
+    ``judge``, :func:`specjax._src.proposals.trees._walk`): the child as a one-slot
     block whose ``target_probs`` / ``draft_probs`` are what its earlier
     siblings left, and whose logits are the models' at the node (see
     :class:`~specjax.rules.VerifyInputs`). ``data``: the sequence's

@@ -58,7 +58,7 @@ from specjax._src.rules.combinators import OneOf
 from specjax._src.rules.parse import parse_spec, rule_from_spec
 from specjax._src.serve import fields as fields_lib
 from specjax._src.serve import scheduler as sched
-from specjax._src.trees import tree_spec
+from specjax._src.proposals.trees import tree_spec
 
 Number = Annotated[float, Strict()]  # an int or a float; not a string or a bool
 
