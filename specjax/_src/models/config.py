@@ -10,9 +10,9 @@ import dataclasses
 from typing import Optional
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text", "mixtral",
-                         "qwen3_moe")
+                         "qwen2_moe", "qwen3_moe")
 # Layouts whose MLP is a mixture of experts (num_experts > 0).
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Per-layer attention kinds (``ModelConfig.layer_types``), named as in Hugging Face configs.
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -98,6 +98,11 @@ class ModelConfig:
         of ``num_experts`` gated MLPs of width ``moe_intermediate_size``
         (default ``intermediate_size``), their weights renormalised to sum to 1
         when ``norm_topk_prob``. 0: a dense MLP.
+      shared_expert_intermediate_size: a shared expert (Qwen2-MoE) every
+        token goes through beside its routed ones, a gated MLP of this width;
+        ``shared_expert_gate``: its output scaled by ``sigmoid(x W)``.
+      dense_mlp_layers: layers of a mixture of experts whose MLP is dense
+        (``intermediate_size`` wide; Qwen2-MoE's ``mlp_only_layers``).
       quantization: how the matrices are stored (``specjax._src.quant``):
         ``"int8"``, ``"q4"``, ``"q4,embedding=int8/32"``, ...; None: in ``dtype``.
 
@@ -141,6 +146,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: Optional[int] = None
     norm_topk_prob: bool = True
+    shared_expert_intermediate_size: Optional[int] = None
+    shared_expert_gate: bool = False
+    dense_mlp_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.quantization is not None:
@@ -176,6 +184,14 @@ class ModelConfig:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
                              f"got {self.num_experts_per_tok}.")
+        if not isinstance(self.dense_mlp_layers, tuple):
+            object.__setattr__(self, "dense_mlp_layers", tuple(int(i) for i in self.dense_mlp_layers))
+        if (self.shared_expert_intermediate_size or self.dense_mlp_layers) and not self.num_experts:
+            raise ValueError("shared_expert_intermediate_size and dense_mlp_layers need a mixture of experts "
+                             "(num_experts > 0).")
+        if any(not 0 <= i < self.num_layers for i in self.dense_mlp_layers):
+            raise ValueError(f"dense_mlp_layers must name layers in [0, {self.num_layers}), "
+                             f"got {self.dense_mlp_layers}.")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}.")
         if not isinstance(self.layer_types, tuple):
@@ -229,6 +245,10 @@ class ModelConfig:
         """The sliding window of ``layer``, or None for full attention."""
         return self.sliding_window if self.is_sliding(layer) else None
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return bool(self.num_experts) and layer not in self.dense_mlp_layers
+
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
@@ -244,4 +264,5 @@ class ModelConfig:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids") or ())
         fields["layer_types"] = tuple(fields.get("layer_types") or ())
+        fields["dense_mlp_layers"] = tuple(fields.get("dense_mlp_layers") or ())
         return cls(**fields)

@@ -15,7 +15,9 @@ gemma3*    gemma2's norms and scaling + q/k norms, no soft-capping,
            sliding layers with their own RoPE base (``rope_local_theta``)
 =========  ==========================================================
 
-(``gemma3*``: ``model_type`` ``"gemma3_text"``.) A sliding layer's mask
+(``gemma3*``: ``model_type`` ``"gemma3_text"``.) The mixtures of experts
+(Mixtral, Qwen2-MoE, Qwen3-MoE) are these blocks with :class:`~specjax._src.models.moe.MoE`
+for the MLP. A sliding layer's mask
 (``attention_mask``) hides keys ``sliding_window`` or more positions back.
 
 All of them support GQA (``num_kv_heads < num_heads``), tied or untied
@@ -38,7 +40,7 @@ token wall (11.7 ms CPU), the same weights stacked with a ``lax.scan`` 11.6 ms
 Scan-over-layers compiles faster on TPU; the per-layer layout is chosen for
 the CPU, where the tests and small-model users run.
 
-Cache contract: see :mod:`specjax._src.lm`. Attention runs over a prefix of
+Cache contract: see :mod:`specjax._src.models.lm`. Attention runs over a prefix of
 the preallocated buffer with a mask (key position ``s`` is visible to the query
 at absolute position ``p`` iff ``s <= p`` and, with a sliding window ``W``,
 ``s > p - W``). Because the block's own keys are written at ``lengths[b] ...``
@@ -71,10 +73,14 @@ import numpy as np
 
 from specjax._src import quant
 from specjax._src.kernels import cpu_matmul
-from specjax._src.lm import Array, KVCache, LMOutput, Params
+from specjax._src.models.lm import Array, KVCache, LMOutput, Params
 from specjax._src.models.config import ModelConfig
-
-_INIT_STD = 0.02  # Hugging Face's initializer_range default for all five families.
+from specjax._src.models.layers import MLP, RMSNorm  # noqa: F401 (RMSNorm: re-exported)
+from specjax._src.models.layers import INIT_STD as _INIT_STD
+from specjax._src.models.layers import dense as _dense
+from specjax._src.models.layers import float_embed as _float_embed
+from specjax._src.models.layers import norm as _norm
+from specjax._src.models.moe import MoE
 
 
 # --------------------------------------------------------------------------- #
@@ -409,84 +415,9 @@ def write_cache(buffer: Array, new: Array, offsets: Array) -> Array:
     return jax.vmap(one)(buffer, new, offsets)
 
 
-def _activation(name: str):
-    if name == "silu":
-        return jax.nn.silu
-    if name in ("gelu_new", "gelu_pytorch_tanh"):
-        return lambda x: jax.nn.gelu(x, approximate=True)
-    return lambda x: jax.nn.gelu(x, approximate=False)
-
-
 # --------------------------------------------------------------------------- #
 # Flax modules
 # --------------------------------------------------------------------------- #
-
-
-class RMSNorm(nn.Module):
-    """HF-style RMSNorm: normalise in float32, cast back, then scale.
-
-    ``gemma``: Gemma's form, ``y * (1 + scale)`` all in float32, then cast
-    back (the stored weight is the offset from 1).
-    """
-
-    eps: float
-    dtype: Any
-    gemma: bool = False
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        init = nn.initializers.zeros if self.gemma else nn.initializers.ones
-        scale = self.param("scale", init, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.gemma:
-            return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
-        return scale * y.astype(x.dtype)
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm with bias (GPT-2), statistics in float32."""
-
-    eps: float
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        h = x.shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (h,), self.dtype)
-        bias = self.param("bias", nn.initializers.zeros, (h,), self.dtype)
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
-
-
-def _norm(config: ModelConfig, name: str) -> nn.Module:
-    if config.is_gpt2:
-        return LayerNorm(eps=config.norm_eps, dtype=jnp.dtype(config.dtype), name=name)
-    return RMSNorm(eps=config.norm_eps, dtype=jnp.dtype(config.dtype), gemma=config.is_gemma, name=name)
-
-
-def _float_embed(rows: int, features: int, dtype, name: str) -> nn.Embed:
-    """A float ``[rows, features]`` table in ``dtype`` (token or GPT-2 position embeddings)."""
-    return nn.Embed(rows, features, dtype=dtype, param_dtype=dtype, embedding_init=nn.initializers.normal(_INIT_STD),
-                    name=name)
-
-
-def _dense(config: ModelConfig, features: int, use_bias: bool, name: str, matmul: str = "auto") -> nn.Module:
-    dtype = jnp.dtype(config.dtype)
-    if config.quantization is not None:
-        return quant.QuantDense(features, config.quant.weights, use_bias, dtype, matmul, name=name)
-    return nn.Dense(
-        features,
-        use_bias=use_bias,
-        dtype=dtype,
-        param_dtype=dtype,
-        kernel_init=nn.initializers.normal(_INIT_STD),
-        dot_general=functools.partial(cpu_matmul.dense_dot_general, matmul_mode=matmul),
-        name=name,
-    )
 
 
 class Attention(nn.Module):
@@ -546,74 +477,6 @@ class Attention(nn.Module):
         return out, new_cache
 
 
-class MLP(nn.Module):
-    config: ModelConfig
-    matmul: str = "auto"
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.config
-        act = _activation(cfg.activation)
-        if cfg.is_gpt2:
-            h = act(_dense(cfg, cfg.intermediate_size, True, "fc", self.matmul)(x))
-            return _dense(cfg, cfg.hidden_size, True, "proj", self.matmul)(h)
-        gate = _dense(cfg, cfg.intermediate_size, cfg.mlp_bias, "gate", self.matmul)(x)
-        up = _dense(cfg, cfg.intermediate_size, cfg.mlp_bias, "up", self.matmul)(x)
-        return _dense(cfg, cfg.hidden_size, cfg.mlp_bias, "down", self.matmul)(act(gate) * up)
-
-
-class MoE(nn.Module):
-    """A mixture of gated-MLP experts (Mixtral, Qwen3-MoE).
-
-    The router's softmax over ``num_experts`` picks the top
-    ``num_experts_per_tok`` (their weights renormalised when
-    ``norm_topk_prob``), and the token's output is their weighted sum. Every
-    expert is computed for every token and the unpicked ones weighted 0: one
-    static program for any routing, and an expert axis that shards over the
-    mesh's ``'model'`` axis (``specjax.sharding``), at the cost of reading all
-    experts' weights each step. Params: ``router/kernel [H, E]``,
-    ``experts_gate`` / ``experts_up`` ``[E, H, I]``, ``experts_down [E, I, H]``.
-    """
-
-    config: ModelConfig
-    matmul: str = "auto"
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.config
-        e, k = cfg.num_experts, cfg.num_experts_per_tok
-        inner = cfg.moe_intermediate_size or cfg.intermediate_size
-        dtype = jnp.dtype(cfg.dtype)
-        probs = jax.nn.softmax(_dense(cfg, e, False, "router", self.matmul)(x).astype(jnp.float32), axis=-1)
-        top, picked = jax.lax.top_k(probs, k)
-        if cfg.norm_topk_prob:
-            top = top / jnp.sum(top, axis=-1, keepdims=True)
-        weights = jnp.einsum("...k,...ke->...e", top, jax.nn.one_hot(picked, e, dtype=jnp.float32))
-        act = _activation(cfg.activation)
-        if cfg.quantization is not None:
-            y = self._quantized_experts(x, e, inner, act)
-        else:
-            init = nn.initializers.normal(_INIT_STD)
-            gate = self.param("experts_gate", init, (e, cfg.hidden_size, inner), dtype)
-            up = self.param("experts_up", init, (e, cfg.hidden_size, inner), dtype)
-            down = self.param("experts_down", init, (e, inner, cfg.hidden_size), dtype)
-            h = act(jnp.einsum("...h,ehi->...ei", x, gate)) * jnp.einsum("...h,ehi->...ei", x, up)
-            y = jnp.einsum("...ei,eih->...eh", h, down, preferred_element_type=jnp.float32)
-        return jnp.einsum("...eh,...e->...h", y, weights).astype(dtype)
-
-    def _quantized_experts(self, x, e: int, inner: int, act):
-        """``[..., E, H]`` float32: each expert's MLP with its matrices in the model's weight
-        format (stacks ``[E, out, in]``), one expert at a time (:func:`quant.qdot_experts`)."""
-        cfg, fmt, hidden = self.config, self.config.quant.weights, self.config.hidden_size
-        gate = quant.quant_experts(self, "experts_gate", fmt, e, hidden, inner)
-        up = quant.quant_experts(self, "experts_up", fmt, e, hidden, inner)
-        down = quant.quant_experts(self, "experts_down", fmt, e, inner, hidden)
-        xin = x.astype(jnp.dtype(cfg.dtype))
-        h = act(quant.qdot_experts(xin, gate, self.matmul)) * quant.qdot_experts(xin, up, self.matmul)  # [E, ..., I]
-        y = quant.qdot_experts(h.astype(xin.dtype), down, self.matmul, per_expert=True)  # [E, ..., H]
-        return jnp.moveaxis(y, 0, -2)
-
-
 class Block(nn.Module):
     """Pre-norm residual block: attention then MLP (Gemma 2/3: each output
     normed again, ``post_attn_norm`` / ``post_mlp_norm``, before the residual add)."""
@@ -632,7 +495,7 @@ class Block(nn.Module):
         if cfg.sandwich_norms:
             attn = _norm(cfg, "post_attn_norm")(attn)
         x = x + attn
-        mlp = (MoE if cfg.num_experts else MLP)(cfg, self.matmul, name="mlp")(_norm(cfg, "mlp_norm")(x))
+        mlp = (MoE if cfg.is_moe_layer(self.layer) else MLP)(cfg, self.matmul, name="mlp")(_norm(cfg, "mlp_norm")(x))
         if cfg.sandwich_norms:
             mlp = _norm(cfg, "post_mlp_norm")(mlp)
         x = x + mlp
@@ -816,7 +679,7 @@ class Decoder:
 
     # ``apply(..., logits_at=)`` is implemented (the optional protocol extension).
     supports_logits_at = True
-    supports_trees = True  # apply(tree_parents=...): see specjax._src.lm
+    supports_trees = True  # apply(tree_parents=...): see specjax._src.models.lm
 
     def __post_init__(self):
         cpu_matmul.check_mode(self.matmul)
@@ -894,7 +757,7 @@ class Decoder:
         tree_parents: Optional[Array] = None,
         tree_offset: int = 0,
     ) -> LMOutput:
-        """Runs ``tokens[B, T]``; see :mod:`specjax._src.lm` for the cache contract.
+        """Runs ``tokens[B, T]``; see :mod:`specjax._src.models.lm` for the cache contract.
 
         Args:
           params: from :meth:`init` or :func:`specjax.load`.

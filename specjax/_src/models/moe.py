@@ -1,0 +1,286 @@
+"""Mixtures of experts that compute only the experts each token is routed to.
+
+A router scores the ``E`` experts for each token and keeps the top ``k``; the
+token's output is the weighted sum of those ``k`` experts' gated MLPs (plus a
+shared expert's, in the layouts that have one). Decoding at small batch is
+bound by the bytes of weights read, so the layer reads only the routed
+experts' weights, with static shapes:
+
+1. The ``N * k`` (token, expert) assignments are sorted by expert, and each
+   expert's rows are cut into tiles of ``min(N, GROUP_ROWS)`` rows.
+2. A loop runs over the tiles that hold rows (a traced trip count, a static
+   bound): each reads one expert's matrices (a dynamic index into the stacked
+   ``[E, ...]`` params) and multiplies its tile, with the product the dense
+   layers use (:func:`~specjax._src.kernels.cpu_matmul.dense_dot_general` in
+   float, :func:`~specjax._src.quant.qdot` for quantized experts).
+
+With ``N <= GROUP_ROWS`` tokens (a decode step, a verification block, a draft
+step) every routed expert is one tile: a step reads the distinct experts its
+tokens picked, at most ``min(E, N * k)``, each once. With more tokens (prefill,
+large batches) it is a grouped matmul over ragged groups, every expert's rows
+in tiles of ``GROUP_ROWS`` (experts no token picked are not read). On GPUs and
+TPUs, float experts over more than ``GROUP_ROWS`` tokens go to
+:func:`jax.lax.ragged_dot` instead, which those platforms lower to grouped
+kernels; on the CPU jax lowers ``ragged_dot`` to a dense product of every row
+with every group (as costly as computing every expert), so the CPU keeps the
+tiles.
+
+:func:`all_experts` is the reference the routed path is checked against:
+every expert for every token, the unpicked ones weighted 0.
+
+Layouts (``ModelConfig`` fields): Mixtral and Qwen3-MoE (softmax router, top
+``k``, renormalised when ``norm_topk_prob``), Qwen2-MoE (a shared expert of
+width ``shared_expert_intermediate_size`` behind a sigmoid gate).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from specjax._src import quant
+from specjax._src.kernels import cpu_matmul
+from specjax._src.models.lm import Array
+from specjax._src.models.config import ModelConfig
+from specjax._src.models.layers import INIT_STD, MLP, activation, dense
+
+# Tokens up to which a step reads each routed expert once over all its tokens
+# (one tile per expert), and the tile height beyond: the CPU's few-row
+# kernels take up to 16 rows (cpu_matmul.MAX_ROWS), and verification blocks
+# and draft steps at small batch stay under it.
+GROUP_ROWS = cpu_matmul.MAX_ROWS
+
+_NT = (((1,), (0,)), ((), ()))  # x[R, K] @ w[K, N]
+
+
+# --------------------------------------------------------------------------- #
+# Routing
+# --------------------------------------------------------------------------- #
+
+
+def route(logits: Array, k: int, norm_topk_prob: bool) -> tuple[Array, Array]:
+    """The top ``k`` experts of each token and their weights.
+
+    Args:
+      logits: ``[N, E]`` router logits.
+      k: experts per token.
+      norm_topk_prob: renormalise the ``k`` softmax weights to sum to 1.
+
+    Returns:
+      ``(weights [N, k] float32, experts [N, k] int32)``.
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, picked = jax.lax.top_k(probs, k)
+    if norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top, picked.astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- #
+# Expert compute
+# --------------------------------------------------------------------------- #
+
+
+def tile_schedule(experts: Array, num_experts: int, tile: int):
+    """The tiles of a grouped product: the assignments sorted by expert, cut into tiles.
+
+    Args:
+      experts: ``[N, k]`` int32, each token's experts.
+      num_experts: ``E``.
+      tile: rows per tile.
+
+    Returns:
+      ``(order [R], tile_expert [M], tile_start [M], tile_rows [M], num_tiles)``
+      with ``R = N * k`` and ``M = min(E, R) + R // tile`` (a bound on the
+      tiles): ``order`` sorts the flattened assignments by expert; tile ``j <
+      num_tiles`` covers sorted rows ``tile_start[j] ...`` of which the first
+      ``tile_rows[j]`` are ``tile_expert[j]``'s.
+    """
+    flat = experts.reshape(-1)
+    r = flat.shape[0]
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    ends = jnp.cumsum(sizes)
+    tiles = (sizes + tile - 1) // tile
+    tile_ends = jnp.cumsum(tiles)
+    j = jnp.arange(min(num_experts, r) + r // tile, dtype=jnp.int32)
+    expert = jnp.minimum(jnp.searchsorted(tile_ends, j, side="right"), num_experts - 1).astype(jnp.int32)
+    start = ends[expert] - sizes[expert] + (j - (tile_ends[expert] - tiles[expert])) * tile
+    rows = jnp.clip(ends[expert] - start, 0, tile)
+    return order, expert, start, rows, tile_ends[-1]
+
+
+def routed_experts(x: Array, weights: Array, experts: Array, stack, expert_mlp: Callable, tile: int) -> Array:
+    """``sum_j weights[n, j] * MLP_{experts[n, j]}(x[n])``, reading only the routed experts.
+
+    Args:
+      x: ``[N, H]`` tokens.
+      weights, experts: ``[N, k]`` from :func:`route`.
+      stack: the experts' params, a pytree of ``[E, ...]`` arrays.
+      expert_mlp: ``(one expert's params, rows [T, H]) -> [T, H]`` float32.
+      tile: rows per tile (:func:`tile_schedule`).
+
+    Returns:
+      ``[N, H]`` float32.
+    """
+    n, k = experts.shape
+    hidden = x.shape[-1]
+    num_experts = jax.tree_util.tree_leaves(stack)[0].shape[0]
+    order, tile_expert, tile_start, tile_rows, num_tiles = tile_schedule(experts, num_experts, tile)
+    r = n * k
+    rows = jnp.concatenate([x[order // k], jnp.zeros((tile, hidden), x.dtype)])  # sorted by expert, padded
+
+    def one_tile(j, out):
+        e, start = tile_expert[j], tile_start[j]
+        params = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=False), stack)
+        y = expert_mlp(params, jax.lax.dynamic_slice_in_dim(rows, start, tile))
+        # A tile's last rows may belong to the next expert: keep what they hold.
+        keep = jnp.arange(tile)[:, None] < tile_rows[j]
+        y = jnp.where(keep, y, jax.lax.dynamic_slice_in_dim(out, start, tile))
+        return jax.lax.dynamic_update_slice_in_dim(out, y, start, 0)
+
+    out = jax.lax.fori_loop(0, num_tiles, one_tile, jnp.zeros((r + tile, hidden), jnp.float32))
+    per_slot = out[jnp.argsort(order)].reshape(n, k, hidden)  # back to token order
+    return jnp.einsum("nkh,nk->nh", per_slot, weights)
+
+
+def ragged_experts(
+    x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array, act: Callable
+) -> Array:
+    """:func:`routed_experts` for float experts by :func:`jax.lax.ragged_dot` (the tokens
+    sorted by expert, one group per expert): the GPU and TPU path for many tokens.
+
+    ``gate``, ``up``: ``[E, H, I]``; ``down``: ``[E, I, H]``. Returns ``[N, H]`` float32.
+    """
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.zeros((gate.shape[0],), jnp.int32).at[flat].add(1)
+    rows = x[order // k]
+    h = act(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
+    y = jax.lax.ragged_dot(h, down, sizes, preferred_element_type=jnp.float32)
+    return jnp.einsum("nkh,nk->nh", y[jnp.argsort(order)].reshape(n, k, -1), weights)
+
+
+def all_experts(x: Array, weights: Array, experts: Array, stack, expert_mlp: Callable) -> Array:
+    """The reference: every expert on every token, the unpicked ones weighted 0 (reads every
+    expert's weights). Arguments as :func:`routed_experts`; returns ``[N, H]`` float32."""
+    num_experts = jax.tree_util.tree_leaves(stack)[0].shape[0]
+    ys = jax.lax.map(lambda params: expert_mlp(params, x), stack)  # [E, N, H]
+    dense_weights = jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(experts, num_experts, dtype=jnp.float32))
+    return jnp.einsum("enh,ne->nh", ys, dense_weights)
+
+
+def float_expert_mlp(act: Callable, matmul: str) -> Callable:
+    """One float expert's gated MLP, ``{"gate", "up": [H, I], "down": [I, H]}``, on rows ``[T, H]``."""
+
+    def mlp(params, x):
+        def dot(a, w, out_dtype):
+            return cpu_matmul.dense_dot_general(a, w, _NT, preferred_element_type=out_dtype, matmul_mode=matmul)
+
+        h = act(dot(x, params["gate"], x.dtype)) * dot(x, params["up"], x.dtype)
+        return dot(h, params["down"], jnp.float32)
+
+    return mlp
+
+
+def quantized_expert_mlp(act: Callable, matmul: str) -> Callable:
+    """One quantized expert's gated MLP (each matrix the format's arrays, ``[out, in]``), on
+    rows ``[T, H]``: the product every quantized matrix uses (:func:`quant.qdot`)."""
+
+    def mlp(params, x):
+        h = act(quant.qdot(x, params["gate"], matmul)) * quant.qdot(x, params["up"], matmul)
+        return quant.qdot(h.astype(x.dtype), params["down"], matmul)
+
+    return mlp
+
+
+# --------------------------------------------------------------------------- #
+# The layer
+# --------------------------------------------------------------------------- #
+
+
+class MoE(nn.Module):
+    """A mixture of gated-MLP experts (Mixtral, Qwen3-MoE, Qwen2-MoE).
+
+    The router's softmax over ``num_experts`` picks the top
+    ``num_experts_per_tok`` (their weights renormalised when
+    ``norm_topk_prob``); the token's output is their weighted sum, computed
+    from the routed experts only (module docstring). With
+    ``shared_expert_intermediate_size``, a shared expert (a gated MLP that
+    every token goes through) adds ``sigmoid(x W_gate) * shared(x)``.
+
+    Params: ``router/kernel [H, E]``, ``experts_gate`` / ``experts_up``
+    ``[E, H, I]`` and ``experts_down [E, I, H]`` (quantized: stacks ``[E, out,
+    in]`` of the format's arrays), ``shared_expert/{gate,up,down}`` and
+    ``shared_expert_gate/kernel [H, 1]``.
+
+    ``experts="all"`` computes every expert for every token instead (the
+    reference, :func:`all_experts`).
+    """
+
+    config: ModelConfig
+    matmul: str = "auto"
+    experts: str = "routed"
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        if self.experts not in ("routed", "all"):
+            raise ValueError(f"MoE experts must be 'routed' or 'all', got {self.experts!r}.")
+        dtype = jnp.dtype(cfg.dtype)
+        lead, hidden = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, hidden)
+        logits = dense(cfg, cfg.num_experts, False, "router", self.matmul)(x2)
+        weights, picked = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        act = activation(cfg.activation)
+        stack = self._stack()
+        if cfg.quantization is not None:
+            expert_mlp = quantized_expert_mlp(act, self.matmul)
+        else:
+            expert_mlp = float_expert_mlp(act, self.matmul)
+        xin = x2.astype(dtype)
+        if self.experts == "all":
+            y = all_experts(xin, weights, picked, stack, expert_mlp)
+        else:
+            tile = min(x2.shape[0], GROUP_ROWS)
+            y = routed_experts(xin, weights, picked, stack, expert_mlp, tile)
+            if cfg.quantization is None and x2.shape[0] > GROUP_ROWS:
+                y = jax.lax.platform_dependent(
+                    xin,
+                    weights,
+                    picked,
+                    y,
+                    cpu=lambda a, w, p, tiles: tiles,
+                    default=lambda a, w, p, tiles: ragged_experts(
+                        a, w, p, stack["gate"], stack["up"], stack["down"], act
+                    ),
+                )
+        if cfg.shared_expert_intermediate_size:
+            shared = MLP(cfg, self.matmul, cfg.shared_expert_intermediate_size, name="shared_expert")(xin)
+            if cfg.shared_expert_gate:
+                shared = jax.nn.sigmoid(dense(cfg, 1, False, "shared_expert_gate", self.matmul)(xin)) * shared
+            y = y + shared.astype(jnp.float32)
+        return y.astype(dtype).reshape(*lead, hidden)
+
+    def _stack(self) -> dict:
+        """The experts' matrices ``{"gate", "up", "down"}``, each ``[E, ...]``."""
+        cfg = self.config
+        e, hidden = cfg.num_experts, cfg.hidden_size
+        inner = cfg.moe_intermediate_size or cfg.intermediate_size
+        if cfg.quantization is not None:
+            fmt = cfg.quant.weights
+            return {
+                "gate": quant.quant_experts(self, "experts_gate", fmt, e, hidden, inner),
+                "up": quant.quant_experts(self, "experts_up", fmt, e, hidden, inner),
+                "down": quant.quant_experts(self, "experts_down", fmt, e, inner, hidden),
+            }
+        init, dtype = nn.initializers.normal(INIT_STD), jnp.dtype(cfg.dtype)
+        return {
+            "gate": self.param("experts_gate", init, (e, hidden, inner), dtype),
+            "up": self.param("experts_up", init, (e, hidden, inner), dtype),
+            "down": self.param("experts_down", init, (e, inner, hidden), dtype),
+        }
