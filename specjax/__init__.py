@@ -12,15 +12,15 @@ Example::
 
 __version__ = "0.1.0"
 
-from specjax._src.lm import KVCache, LanguageModel, LMOutput, Model
+from specjax._src.models.lm import KVCache, LanguageModel, LMOutput, Model
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
 from specjax._src.models.loading import dequantize, export_hf, load, logits, quantize, save_orbax
 from specjax._src.models.manifest import checkpoint_manifest, verify_manifest
 from specjax._src.models.registry import describe as known_models
-from specjax._src.chat import encode_chat, render_chat
+from specjax._src.models.chat import encode_chat, render_chat
 from specjax._src.engine.loop import BUCKETS, MIN_TEMPERATURE, Buckets, DecodeOutput, ModelPair, decode, generate, pair
-from specjax._src.stats import DecodeStats, concatenate as concatenate_stats, expected_tau
+from specjax._src.engine.stats import DecodeStats, concatenate as concatenate_stats, expected_tau
 from specjax._src.logits.processors import GenerationControls
 from specjax import drafting
 from specjax import engine

@@ -48,7 +48,7 @@ from specjax._src.models.feature_head import (
     with_num_layers,
 )
 from specjax._src.models.feature_head import VARIANTS, eagle3_default_layers
-from specjax._src.lm import ReducedLogits
+from specjax._src.models.lm import ReducedLogits
 from specjax._src.models.published_heads import MedusaHead, draft_to_target_ids, load_published_head, medusa_logits
 
 __all__ = (

@@ -15,7 +15,7 @@ parallel over sequences on ``'data'``; XLA's SPMD partitioner inserts the
 collectives. See ``docs/sharding.md``.
 """
 
-from specjax._src.sharding import (
+from specjax._src.models.sharding import (
     DATA,
     MODEL,
     DecodeLayout,

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src.lm import KVCache, LMOutput, Model
+from specjax._src.models.lm import KVCache, LMOutput, Model
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import specjax
-from specjax._src.chat import encode_chat, render_chat
-from specjax._src.lm import Model
+from specjax._src.models.chat import encode_chat, render_chat
+from specjax._src.models.lm import Model
 
 # Mistral-7B-Instruct-v0.2's template: every assistant turn ends with the EOS token.
 MISTRAL_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax._src import sharding as sharding_lib
+from specjax._src.models import sharding as sharding_lib
 from specjax._src.kernels import cpu_matmul
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax._src.lm import Model
+from specjax._src.models.lm import Model
 from specjax._src.models import loading
 from tests.bigram import bigram_model, random_table
 from tests.test_decode import exact_two_token_distribution, goodness_of_fit, two_token_counts

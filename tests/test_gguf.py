@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax._src.chat import encode_chat, render_chat
+from specjax._src.models.chat import encode_chat, render_chat
 from specjax._src.models import gguf as gguf_lib
 from specjax._src.models import hf
 from specjax._src.models import packed, registry
@@ -319,7 +319,7 @@ def _gemma(tmp_path, name="g.gguf", **kw):
 def test_gemma_gguf_without_a_template_gets_gemmas(tmp_path, caplog):
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from specjax._src import chat
+    from specjax._src.models import chat
 
     with caplog.at_level("INFO", logger="specjax._src.models.gguf"):
         model = _gemma(tmp_path)
@@ -446,7 +446,7 @@ def test_real_gemma3_chat_renders_with_the_built_in_template():
     pytest.importorskip("torch", reason="transformers' GGUF tokenizer needs torch")
     from transformers import AutoTokenizer
 
-    from specjax._src import chat
+    from specjax._src.models import chat
 
     path = registry.resolve("gemma-3-270m")
     model = specjax.load("gemma-3-270m")

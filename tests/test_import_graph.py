@@ -29,13 +29,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # name; it may import modules of its own layer and of the layers below, never above.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation: the LM protocol, argument checks and the numerics (kernels, quantized weights) every layer shares", (
-        "specjax._src", "specjax._src.lm", "specjax._src.checks", "specjax._src.chat", "specjax._src.multihost",
+        "specjax._src", "specjax._src.models.lm", "specjax._src.checks", "specjax._src.models.chat",
+        "specjax._src.models.multihost",
         "specjax._src.jit_keys",
         "specjax._src.logits*", "specjax._src.kernels*", "specjax._src.quant",
     )),
     ("models and rules: checkpoints and their formats, model pairs and meshes, acceptance rules, drafting", (
-        "specjax._src.models*", "specjax._src.pairing", "specjax._src.sharding", "specjax._src.rules*",
-        "specjax._src.proposals*", "specjax._src.drafting", "specjax._src.stats",
+        "specjax._src.models*", "specjax._src.rules*",
+        "specjax._src.proposals*", "specjax._src.drafting",
         "specjax._src.theory*",
     )),
     ("engine: the decode loop, its cycles and the slots", (
@@ -257,7 +258,7 @@ def test_a_circle_through_function_local_and_relative_imports_is_found(tmp_path)
 
 
 def test_layers_place_modules_and_catch_unplaced_ones():
-    lm, loading, loop = (layer_of(f"specjax._src.{m}") for m in ("lm", "models.loading", "engine.loop"))
+    lm, loading, loop = (layer_of(f"specjax._src.{m}") for m in ("models.lm", "models.loading", "engine.loop"))
     assert lm < loading < loop
     assert layer_of("specjax._src.engine.loop") < layer_of("specjax._src.serve.api") < layer_of("specjax.rules")
     assert layer_of("specjax.rules") < layer_of("specjax.cli.compare")
@@ -266,10 +267,10 @@ def test_layers_place_modules_and_catch_unplaced_ones():
 
 def test_the_private_import_check_sees_every_form(tmp_path):
     script = tmp_path / "s.py"
-    script.write_text("import specjax._src.lm\nfrom specjax._src import stats\nfrom specjax import rules\n"
+    script.write_text("import specjax._src.models.lm\nfrom specjax._src import stats\nfrom specjax import rules\n"
                       "from specjax import _src\ndef f():\n    from specjax._src.models.loading import load\n")
     found = [o.split(" ", 1)[1] for o in private_imports(script, tmp_path)]
-    assert found == ["specjax._src.lm", "specjax._src.stats", "specjax._src", "specjax._src.models.loading.load"]
+    assert found == ["specjax._src.models.lm", "specjax._src.stats", "specjax._src", "specjax._src.models.loading.load"]
 
 
 def test_the_library_check_sees_a_server_import(tmp_path):

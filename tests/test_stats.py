@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from specjax._src.rules.base import Path
-from specjax._src.stats import DecodeStats, concatenate, expected_tau, record_cycle
+from specjax._src.engine.stats import DecodeStats, concatenate, expected_tau, record_cycle
 
 K = 4
 E, R = int(Path.EXACT), int(Path.RELAXED)

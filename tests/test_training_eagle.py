@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax._src.lm import Model
+from specjax._src.models.lm import Model
 from specjax._src.models import feature_head, loading
 from specjax.testing import llama_config
 from training import common, distill_data, draft, eagle

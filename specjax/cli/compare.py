@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src import stats as stats_lib
+from specjax._src.engine import stats as stats_lib
 from specjax.cli import common
 # The named pairs' checkpoints live with the options that pick them; they stay readable as compare's too.
 from specjax.cli.common import (  # noqa: F401
@@ -320,7 +320,7 @@ def load_eval_set(tokenizer, eval_dir: Path, num_task: int, num_code: int) -> Ev
 def load_chat_eval_set(target, eval_dir: Path, num_task: int, num_open: int) -> EvalSet:
     """Short-answer task prompts then held-out open chat prompts, each rendered
     with the target's chat template."""
-    from specjax._src.chat import encode_chat
+    from specjax._src.models.chat import encode_chat
 
     task, open_ = _read_eval_rows(eval_dir, CHAT_TASK_FILE, CHAT_OPEN_FILE, num_task, num_open, "a chat")
     prompts = [encode_chat(target, row["prompt"]) for row in task + open_]

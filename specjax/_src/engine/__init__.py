@@ -13,6 +13,7 @@
 * :mod:`.loop`: ``decode`` and ``generate``, each one jitted ``while_loop``
   of cycles;
 * :mod:`.streaming`: ``on_tokens=`` reports from inside the loop;
+* :mod:`.stats`: per-sequence decode statistics (``DecodeStats``) that every cycle records;
 * :mod:`.slots`: many requests in one state, advanced by a jitted step;
 * :mod:`.text`: stop strings on the detokenized text.
 

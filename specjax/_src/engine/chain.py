@@ -53,12 +53,12 @@ from specjax._src.engine.cycle import (
     with_greedy_rows,
 )
 from specjax._src.engine.ops import gather, row_at, warp, where_b
-from specjax._src.lm import KVCache, LMOutput
+from specjax._src.models.lm import KVCache, LMOutput
 from specjax._src.proposals.lookup import lookup_drafts
 from specjax._src.models.feature_head import is_feature_head
-from specjax._src.pairing import ModelPair
+from specjax._src.models.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Verdict, VerifyInputs
-from specjax._src.stats import record_cycle
+from specjax._src.engine.stats import record_cycle
 
 Array = jax.Array
 _POINT_MASS_FLOOR = -1e9  # a copied draft's logits off its token
@@ -635,7 +635,7 @@ def _record(
 ):
     """What the cycle leaves for later, for live sequences only: the rule's
     and the drafting policy's running states, the stats
-    (:func:`specjax._src.stats.record_cycle`) and the ``diagnostics`` hook's
+    (:func:`specjax._src.engine.stats.record_cycle`) and the ``diagnostics`` hook's
     values. Returns ``(rule_state, policy_state, stats, diagnostics or None)``."""
     live, n = accepted.live, accepted.num_accepted
     args = (state.rule_state, verified.inputs, accepted.verdict, n)

@@ -18,9 +18,9 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 from flax import struct
 
-from specjax._src import sharding as sharding_lib
-from specjax._src.lm import KVCache
-from specjax._src.stats import DecodeStats
+from specjax._src.models import sharding as sharding_lib
+from specjax._src.models.lm import KVCache
+from specjax._src.engine.stats import DecodeStats
 
 Array = jax.Array
 

@@ -37,7 +37,7 @@ from specjax._src import drafting as drafting_lib
 from specjax._src.logits import sampling
 from specjax._src.checks import check_positive_int
 from specjax._src.models.feature_head import is_feature_head
-from specjax._src.pairing import ModelPair
+from specjax._src.models.pairing import ModelPair
 from specjax._src.rules.base import VerifyInputs, speculative_sampling
 
 Array = jax.Array

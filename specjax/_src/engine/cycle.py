@@ -50,8 +50,8 @@ import jax.numpy as jnp
 from specjax._src.logits import processors as processors_lib
 from specjax._src.engine.config import DecodeState, LoopConfig, Logprobs
 from specjax._src.engine.ops import gather, is_eos, row_at, where_b
-from specjax._src.lm import KVCache, LMOutput, ReducedLogits
-from specjax._src.stats import DecodeStats
+from specjax._src.models.lm import KVCache, LMOutput, ReducedLogits
+from specjax._src.engine.stats import DecodeStats
 
 Array = jax.Array
 

@@ -62,12 +62,12 @@ Hooks for later rules and diagnostics:
 Sharding (``mesh=``, or params already on a mesh): the same program, with the
 inputs placed over a ``('data', 'model')`` mesh and the caches / loop carry
 pinned by ``with_sharding_constraint`` (``LoopConfig.layout``); XLA's SPMD
-partitioner inserts the collectives. See :mod:`specjax._src.sharding`.
+partitioner inserts the collectives. See :mod:`specjax._src.models.sharding`.
 
 The code, by concern (this module holds only the two entry points and the
 jitted loop both run, :func:`_run_loop`):
 
-* :mod:`specjax._src.pairing`: :class:`ModelPair`, :func:`pair`, vocabulary checks;
+* :mod:`specjax._src.models.pairing`: :class:`ModelPair`, :func:`pair`, vocabulary checks;
 * :mod:`specjax._src.engine.config`: the loop's static config (``LoopConfig``)
   and its state (``DecodeState``), which every other piece reads;
 * :mod:`specjax._src.engine.prepare`: argument checks, :class:`Buckets`, the shared
@@ -121,8 +121,8 @@ from specjax._src.engine.prepare import (
 from specjax._src.engine.state import init_state
 from specjax._src.engine.streaming import check_on_tokens, report_tokens, run_streaming
 from specjax._src.jit_keys import pytree_classes
-from specjax._src.lm import Model
-from specjax._src.pairing import ModelPair, model_vocab, pair
+from specjax._src.models.lm import Model
+from specjax._src.models.pairing import ModelPair, model_vocab, pair
 from specjax._src.rules.base import AcceptanceRule
 
 # The public names (``specjax/__init__.py`` imports them from here).

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from specjax._src.logits import sampling
 from specjax._src.engine.config import LoopConfig
-from specjax._src.lm import KVCache
+from specjax._src.models.lm import KVCache
 
 Array = jax.Array
 

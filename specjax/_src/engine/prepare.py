@@ -32,15 +32,15 @@ import numpy as np
 from flax import struct
 
 from specjax._src import drafting as drafting_lib
-from specjax._src import multihost
+from specjax._src.models import multihost
 from specjax._src.logits import sampling
-from specjax._src import sharding as sharding_lib
+from specjax._src.models import sharding as sharding_lib
 from specjax._src.proposals import trees as trees_lib
 from specjax._src.checks import as_integer, check_positive_int
 from specjax._src.engine.config import LoopConfig
-from specjax._src.pairing import ModelPair
+from specjax._src.models.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, RuleSpec, speculative_sampling
-from specjax._src.stats import DecodeStats
+from specjax._src.engine.stats import DecodeStats
 
 Array = jax.Array
 

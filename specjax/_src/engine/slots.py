@@ -59,7 +59,7 @@ from specjax._src.engine.prepare import (BUCKETS, bucket_of, check_decode_args, 
                                          prepare_prompts, resolve_eos_ids, verify_widths_for)
 from specjax._src.engine.state import empty_prefill_caches, init_state, prefill_pair_chunk, state_after_chunks
 from specjax._src.jit_keys import pytree_classes
-from specjax._src.pairing import ModelPair
+from specjax._src.models.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule
 from specjax._src.rules.combinators import OneOf
 

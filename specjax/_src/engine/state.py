@@ -22,11 +22,11 @@ import jax.numpy as jnp
 from specjax._src import drafting as drafting_lib
 from specjax._src.engine.config import DecodeState, LoopConfig
 from specjax._src.engine.ops import batched_init, prefill, prefill_chunk, row_at
-from specjax._src.lm import KVCache
+from specjax._src.models.lm import KVCache
 from specjax._src.models.feature_head import is_feature_head
-from specjax._src.pairing import ModelPair
+from specjax._src.models.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule
-from specjax._src.stats import DecodeStats
+from specjax._src.engine.stats import DecodeStats
 
 __all__ = ["init_state", "empty_prefill_caches", "prefill_pair_chunk", "state_after_chunks"]
 

@@ -26,7 +26,7 @@ from specjax._src.logits import sampling
 from specjax._src.engine.config import DecodeState, LoopConfig
 from specjax._src.engine.cycle import Cycle, CycleInputs
 from specjax._src.engine.ops import gather, is_eos, warp
-from specjax._src.pairing import ModelPair
+from specjax._src.models.pairing import ModelPair
 
 __all__ = ["TARGET_ONLY"]
 

@@ -90,11 +90,11 @@ from specjax._src.engine.cycle import (
     with_greedy_rows,
 )
 from specjax._src.engine.ops import gather, warp, where_b
-from specjax._src.lm import KVCache, ReducedLogits
+from specjax._src.models.lm import KVCache, ReducedLogits
 from specjax._src.models.feature_head import is_feature_head
-from specjax._src.pairing import ModelPair
+from specjax._src.models.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, Path, Verdict, VerifyInputs
-from specjax._src.stats import record_cycle
+from specjax._src.engine.stats import record_cycle
 from specjax._src.proposals.trees import (DynamicTree, TokenTree, TreeVerdict, children_table, levels, rerank,
                                 sample_children, slot_scores, top_ranked, uniform_branching, verify_dynamic_tree,
                                 verify_tree)

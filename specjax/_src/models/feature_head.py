@@ -52,7 +52,7 @@ from flax import traverse_util
 
 from specjax._src import quant
 from specjax._src.checks import check_positive_int
-from specjax._src.lm import Array, KVCache, LMOutput, Model, Params, ReducedLogits
+from specjax._src.models.lm import Array, KVCache, LMOutput, Model, Params, ReducedLogits
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import (
     _INIT_STD,

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from specjax._src.lm import Model
+from specjax._src.models.lm import Model
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -597,9 +597,9 @@ def _gemma_end_of_turn(reader) -> Optional[int]:
 
 def _chat_template(reader, path: str, gemma_turns: bool) -> Optional[str]:
     """The file's own chat template; for a Gemma file without one whose vocabulary
-    has Gemma's turn tokens, Gemma's (:data:`specjax._src.chat.GEMMA_CHAT_TEMPLATE`),
+    has Gemma's turn tokens, Gemma's (:data:`specjax._src.models.chat.GEMMA_CHAT_TEMPLATE`),
     marked as specjax's at its start and logged. Any other file without one: None."""
-    from specjax._src import chat
+    from specjax._src.models import chat
 
     template = _field(reader, "tokenizer.chat_template")
     if template is not None or not gemma_turns:

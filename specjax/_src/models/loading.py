@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src import quant
-from specjax._src import sharding as sharding_lib
-from specjax._src.lm import Model
+from specjax._src.models import sharding as sharding_lib
+from specjax._src.models.lm import Model
 from specjax._src.models import feature_head, hf, published_heads
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src.lm import Array, KVCache, LMOutput, Model, Params
+from specjax._src.models.lm import Array, KVCache, LMOutput, Model, Params
 from specjax._src.models import hf
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.feature_head import EMBED_PATH, FeatureHead, TARGET_NORM, rms_norm

@@ -622,7 +622,7 @@ def _chat_messages(messages: list[Message]) -> list[dict]:
 
 def _chat_prompt(messages: list[dict], config: ServerConfig, capacity: int, add_generation_prompt: bool) -> list[int]:
     """The rendered chat's ids (in a worker thread)."""
-    from specjax._src.chat import encode_chat
+    from specjax._src.models.chat import encode_chat
 
     target = config.target
     if target.chat_template is None:

@@ -7,7 +7,7 @@ logits beyond it are dropped by the engine. Nothing here traces or runs a
 model: it is plain validation before ``decode``.
 
 Its own module (not part of :mod:`specjax._src.engine.loop`) because
-:mod:`specjax._src.sharding` needs :class:`ModelPair` to place a pair's params,
+:mod:`specjax._src.models.sharding` needs :class:`ModelPair` to place a pair's params,
 and the engine needs sharding: with the pair here, both import it and neither
 imports the other.
 """
@@ -18,7 +18,7 @@ from typing import Optional
 
 from flax import struct
 
-from specjax._src.lm import Model
+from specjax._src.models.lm import Model
 from specjax._src.models import feature_head
 
 @struct.dataclass

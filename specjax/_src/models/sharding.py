@@ -47,11 +47,11 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from specjax._src.lm import KVCache, Model
+from specjax._src.models.lm import KVCache, Model
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
 from specjax._src.checks import check_positive_int
-from specjax._src.pairing import ModelPair
+from specjax._src.models.pairing import ModelPair
 
 DATA = "data"
 MODEL = "model"
