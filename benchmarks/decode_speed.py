@@ -83,7 +83,7 @@ def forward_cost(model: Model, batch: int, t: int, context: int, cache_length: i
 
 def _rule_list(text: str) -> list[str]:
     if text in ("all", "compare"):
-        from specjax.cli.compare import DEFAULT_RULES
+        from specjax.evaluation import DEFAULT_RULES
 
         return list(DEFAULT_RULES)
     return [r for r in text.split(";") if r]

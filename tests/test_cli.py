@@ -6,6 +6,8 @@ import json
 import pytest
 
 import specjax
+from specjax import evaluation
+from specjax._src.evaluation import rules as eval_rules, tasks as eval_tasks
 from specjax.cli import build_parser, common, compare, main
 
 from _kernels import require_kernels
@@ -21,9 +23,9 @@ def small_model():
 
 
 def test_compare_lossless_greedy_agrees_with_target_only(small_model, tmp_path):
-    eval_set = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=6, num_code=2)
+    eval_set = evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=6, num_code=2)
     assert eval_set.task_mask.sum() == 6 and len(eval_set.prompts) == 8
-    rows = compare.run_comparison(
+    rows = evaluation.run_comparison(
         small_model, small_model, eval_set, rules=("speculative_sampling",), temperatures=(0.0,),
         max_new_tokens=8, progress=False,
     )
@@ -45,7 +47,7 @@ def test_compare_lossless_greedy_agrees_with_target_only(small_model, tmp_path):
 
 def _row(method, temperature, speedup, recovery, batch=1):
     nan = float("nan")
-    return compare.Row(method=method, temperature=temperature, batch=batch, tokens_per_s=100.0 * speedup,
+    return evaluation.Row(method=method, temperature=temperature, batch=batch, tokens_per_s=100.0 * speedup,
                        speedup=speedup, tau=nan, acceptance_rate=nan, drafted_per_cycle=nan, task_accuracy=nan,
                        recovery=recovery, agreement=nan, target_nll=nan)
 
@@ -71,9 +73,9 @@ def test_speed_verdict_says_where_speculative_decoding_pays():
 
 
 def test_task_scoring_reads_the_first_line():
-    assert compare.task_correct(" 85\nassert 1 + 2 == 3", "85")
-    assert not compare.task_correct(" 8\n5", "85")
-    assert not compare.task_correct("", "85")
+    assert evaluation.task_correct(" 85\nassert 1 + 2 == 3", "85")
+    assert not evaluation.task_correct(" 8\n5", "85")
+    assert not evaluation.task_correct("", "85")
 
 
 def test_generate_prints_text_and_stats(small_model, capsys):
@@ -122,7 +124,7 @@ def test_mean_target_nll_equals_a_direct_per_token_sum(small_model):
     prompts = [[1, 5, 9], [1, 7]]
     tokens = np.array([[4, 6, 8, 0], [3, 3, 0, 0]])
     lengths = np.array([3, 2])
-    got = compare.mean_target_nll(small_model, prompts, tokens, lengths)
+    got = evaluation.mean_target_nll(small_model, prompts, tokens, lengths)
     total, count = 0.0, 0
     for p, row, n in zip(prompts, tokens, lengths):
         seq = list(p) + row[:n].tolist()
@@ -135,7 +137,7 @@ def test_mean_target_nll_equals_a_direct_per_token_sum(small_model):
 
 def test_missing_eval_files_are_a_clear_error(small_model, tmp_path):
     with pytest.raises(ValueError, match="arith_heldout.jsonl does not exist"):
-        compare.load_eval_set(small_model.tokenizer, tmp_path, num_task=2, num_code=1)
+        evaluation.load_eval_set(small_model.tokenizer, tmp_path, num_task=2, num_code=1)
     code = main(["compare", "--quick", "--target", str(DRAFT_DIR), "--draft", str(DRAFT_DIR),
                  "--eval-dir", str(tmp_path)])
     assert code == 2
@@ -160,23 +162,23 @@ def test_cli_errors_are_one_line_without_traceback(capsys):
 
 
 def test_chat_scoring_finds_the_answer_as_a_word():
-    assert compare.answer_in_reply("The capital of France is Paris.", "Paris")
-    assert compare.answer_in_reply("9 + 8 = 17.", "17")
-    assert not compare.answer_in_reply("It is 117.", "17")
-    assert compare.answer_in_reply("buenos aires, of course", "Buenos Aires")
+    assert evaluation.answer_in_reply("The capital of France is Paris.", "Paris")
+    assert evaluation.answer_in_reply("9 + 8 = 17.", "17")
+    assert not evaluation.answer_in_reply("It is 117.", "17")
+    assert evaluation.answer_in_reply("buenos aires, of course", "Buenos Aires")
 
 
 def test_adasd_rows_draft_with_the_entropy_stop():
-    policy, k = compare.row_drafting("adasd", 4)
-    assert policy.spec.name == "adasd_entropy" and k == compare.ADASD_WINDOW
-    assert compare.row_drafting("mars:theta=0.9", 4) == (None, 4)
+    policy, k = eval_rules.row_drafting("adasd", 4)
+    assert policy.spec.name == "adasd_entropy" and k == eval_rules.ADASD_WINDOW
+    assert eval_rules.row_drafting("mars:theta=0.9", 4) == (None, 4)
 
 
 def test_compare_in_groups_gives_the_same_greedy_text(small_model):
-    eval_set = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=5, num_code=0)
+    eval_set = evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=5, num_code=0)
     kw = dict(rules=("speculative_sampling",), temperatures=(0.0,), max_new_tokens=6, progress=False)
-    whole = compare.run_comparison(small_model, small_model, eval_set, **kw)
-    grouped = compare.run_comparison(small_model, small_model, eval_set, batch_size=2, rounds=2, **kw)
+    whole = evaluation.run_comparison(small_model, small_model, eval_set, **kw)
+    grouped = evaluation.run_comparison(small_model, small_model, eval_set, batch_size=2, rounds=2, **kw)
     assert [r.batch for r in whole] == [5, 5] and [r.batch for r in grouped] == [2, 2]
     # Speed per group of prompts (2, 2, 1) and per round, timed alternately.
     sd = grouped[1]
@@ -189,8 +191,8 @@ def test_compare_in_groups_gives_the_same_greedy_text(small_model):
 def test_compare_and_generate_draft_trees(small_model, capsys):
     from specjax.trees import static_tree
 
-    eval_set = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=3, num_code=0)
-    rows = compare.run_comparison(small_model, small_model, eval_set, rules=("speculative_sampling", "adasd"),
+    eval_set = evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=3, num_code=0)
+    rows = evaluation.run_comparison(small_model, small_model, eval_set, rules=("speculative_sampling", "adasd"),
                                   temperatures=(0.0,), max_new_tokens=9, tree=static_tree((2, 1)), progress=False)
     assert [r.method for r in rows] == ["target-only", "speculative_sampling", "adasd"]
     # Draft == target: the tree's best path is always accepted, 3 tokens a cycle (the chain's K=4 would give 5).
@@ -203,10 +205,10 @@ def test_compare_and_generate_draft_trees(small_model, capsys):
 def test_compare_and_generate_copy_drafts_from_the_context(small_model, capsys):
     from specjax.drafting import ngram_lookup
 
-    eval_set = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=3, num_code=0)
+    eval_set = evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=3, num_code=0)
     kw = dict(rules=("speculative_sampling",), temperatures=(0.0,), max_new_tokens=9, num_draft=3, progress=False)
-    plain = compare.run_comparison(small_model, small_model, eval_set, **kw)
-    copied = compare.run_comparison(small_model, small_model, eval_set, lookup=ngram_lookup(1), **kw)
+    plain = evaluation.run_comparison(small_model, small_model, eval_set, **kw)
+    copied = evaluation.run_comparison(small_model, small_model, eval_set, lookup=ngram_lookup(1), **kw)
     # Draft == target: every draft is accepted, copied or not, and the output is the target's.
     assert copied[1].agreement == plain[1].agreement == 1.0
     assert copied[1].tau == plain[1].tau > 2.0 and copied[1].drafted_per_cycle == 3.0
@@ -247,13 +249,13 @@ def test_options_a_command_would_ignore_are_refused_before_any_model_loads(tmp_p
 def test_compare_names_a_bad_evaluation_row_and_reports_the_batch_it_ran(tmp_path, capsys):
     eval_dir = tmp_path / "eval"
     eval_dir.mkdir()
-    (eval_dir / compare.TASK_FILE).write_text('{"prompt": "1+1=", "answer": "2"}\n{"q": "2+2="}\n')
-    (eval_dir / compare.CODE_FILE).write_text('{"prompt": "def f():"}\n')
+    (eval_dir / eval_tasks.TASK_FILE).write_text('{"prompt": "1+1=", "answer": "2"}\n{"q": "2+2="}\n')
+    (eval_dir / eval_tasks.CODE_FILE).write_text('{"prompt": "def f():"}\n')
     args = ["compare", "--pair", "embedded", "--quick", "--eval-dir", str(eval_dir), "--out", str(tmp_path / "out"),
             "--no-progress"]
     assert main(args) == 2
     assert "row 2 lacks 'prompt', 'answer'" in capsys.readouterr().err
-    (eval_dir / compare.TASK_FILE).write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (eval_dir / eval_tasks.TASK_FILE).write_text('{"prompt": "1+1=", "answer": "2"}\n')
     assert main(args + ["--batch", "100", "--rules", "mars:theta=0.9", "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "2 prompts (1 task), batch 2," in out  # not "batch 100"
@@ -328,13 +330,13 @@ def test_wilson_interval_matches_scipy():
 
     for k, n in ((0, 4), (1, 4), (3, 4), (13, 16), (24, 24), (92, 133)):
         low, high = binomtest(k, n).proportion_ci(method="wilson")
-        assert compare.wilson_interval(k, n) == pytest.approx((low, high), abs=1e-4)
-    assert all(map(lambda x: x != x, compare.wilson_interval(0, 0)))  # NaN: nothing scored
+        assert evaluation.wilson_interval(k, n) == pytest.approx((low, high), abs=1e-4)
+    assert all(map(lambda x: x != x, evaluation.wilson_interval(0, 0)))  # NaN: nothing scored
 
 
 def _counted(method, temperature, speedup, right, total, base_right=None):
     """A row with task counts, as run_comparison makes them."""
-    low, high = compare.wilson_interval(right, total)
+    low, high = evaluation.wilson_interval(right, total)
     row = _row(method, temperature, speedup, right / total / (base_right / total) if base_right else 1.0)
     row.task_accuracy, row.task_correct, row.task_total, row.task_low, row.task_high = (
         right / total, right, total, low, high)
@@ -356,8 +358,8 @@ def test_verdict_claims_only_what_the_sample_shows():
     notes = compare.quality_notes(t0)
     assert "13/16 [0.57-0.93] vs target-only 14/16 [0.64-0.97]: this sample cannot tell" in notes
     # With enough questions a loss is shown, and a keep is shown.
-    assert compare.keeps_task(_counted("mars:theta=0.9", 0.0, 1.4, 600, 1000), 0.9) is False
-    assert compare.keeps_task(_counted("mars:theta=0.9", 0.0, 1.4, 9990, 10000), 0.9) is True
+    assert evaluation.keeps_task(_counted("mars:theta=0.9", 0.0, 1.4, 600, 1000), 0.9) is False
+    assert evaluation.keeps_task(_counted("mars:theta=0.9", 0.0, 1.4, 9990, 10000), 0.9) is True
 
 
 def test_the_real_pairs_default_rows_show_every_seed_method():
@@ -391,11 +393,11 @@ def test_the_plot_labels_every_row(tmp_path, monkeypatch):
 def test_untimed_task_questions_score_target_only_and_relaxed_rows(small_model):
     """Where task questions run untimed (the chat set), a lossless row is not scored (its law is
     the target's: recovery 1 by construction), target-only and a relaxed row are."""
-    base = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=3, num_code=2)
+    base = evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=3, num_code=2)
     eval_set = dataclasses.replace(base, timed_open_only=True)
-    contenders = (compare.Contender(1.0), compare.Contender(1.0, "speculative_sampling"),
-                  compare.Contender(1.0, "ears:beta=0.5"))
-    rows = compare.run_comparison(small_model, small_model, eval_set, contenders=contenders, max_new_tokens=6,
+    contenders = (evaluation.Contender(1.0), evaluation.Contender(1.0, "speculative_sampling"),
+                  evaluation.Contender(1.0, "ears:beta=0.5"))
+    rows = evaluation.run_comparison(small_model, small_model, eval_set, contenders=contenders, max_new_tokens=6,
                                   progress=False)
     target_only, lossless, relaxed = rows
     assert target_only.task_total == relaxed.task_total == 3
@@ -407,11 +409,11 @@ def test_compare_runs_quantized_rows_against_the_float_target(small_model):
     """Quantized rows share the float target-only row as their baseline; a quantized
     lossless row reproduces its own (quantized) target-only greedy text."""
     require_kernels("quantizing on the CPU needs the kernels")
-    eval_set = compare.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=4, num_code=2)
+    eval_set = evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=4, num_code=2)
     q = specjax.quantize(small_model, "q4")
-    contenders = (compare.Contender(0.0), compare.Contender(0.0, weights="q4"),
-                  compare.Contender(0.0, "speculative_sampling", weights="q4"))
-    rows = compare.run_comparison(small_model, small_model, eval_set, contenders=contenders, max_new_tokens=8,
+    contenders = (evaluation.Contender(0.0), evaluation.Contender(0.0, weights="q4"),
+                  evaluation.Contender(0.0, "speculative_sampling", weights="q4"))
+    rows = evaluation.run_comparison(small_model, small_model, eval_set, contenders=contenders, max_new_tokens=8,
                                   progress=False, quantized={"q4": (q, specjax.quantize(small_model, "int8"))})
     base, q_only, q_sd = rows
     assert q_only.method == "target-only [q4 weights]" and q_only.weights == "q4" and not q_sd.lossless
@@ -419,7 +421,7 @@ def test_compare_runs_quantized_rows_against_the_float_target(small_model):
     assert q_sd.task_correct == q_only.task_correct  # lossless on the quantized target: its answers
     assert q_sd.agreement == q_only.agreement  # the same greedy text, measured against the float target's
     with pytest.raises(ValueError, match="no quantized models were given"):
-        compare.run_comparison(small_model, small_model, eval_set, contenders=contenders, max_new_tokens=8,
+        evaluation.run_comparison(small_model, small_model, eval_set, contenders=contenders, max_new_tokens=8,
                                progress=False)
 
 

@@ -410,12 +410,14 @@ def test_real_smollm2_matches_transformers_gguf_loader():
 ])
 def test_real_pair_greedy_speculative_decoding_is_the_target_greedy_output(drafter, spec):
     """50 held-out chat prompts, a shipped drafter, EOS from the config."""
+    from specjax import evaluation
+    from specjax._src.evaluation import tasks as eval_tasks
     from specjax.cli import compare
     from specjax.trees import parse_tree
 
     target = specjax.load("smollm2-135m-instruct")
     draft = specjax.load(drafter, dtype="float32")
-    texts = [r["prompt"] for r in compare.read_jsonl(compare.CHAT_EVAL / compare.CHAT_OPEN_FILE)][:50]
+    texts = [r["prompt"] for r in evaluation.read_jsonl(compare.CHAT_EVAL / eval_tasks.CHAT_OPEN_FILE)][:50]
     prompts = [encode_chat(target, t) for t in texts]
     ref = specjax.generate(target, prompts, max_new_tokens=64, temperature=0.0)
     if spec is None:

@@ -42,8 +42,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine: the decode loop, its cycles and the slots", (
         "specjax._src.engine*",
     )),
-    ("built on the engine: certificates and the server", (
-        "specjax._src.theory.certify", "specjax._src.serve*",
+    ("built on the engine: certificates, evaluation and the server", (
+        "specjax._src.theory.certify", "specjax._src.evaluation*", "specjax._src.serve*",
     )),
     ("public modules", (
         "specjax", "specjax.*",

@@ -17,6 +17,7 @@ PUBLIC_MODULES = (
     "specjax.rules",
     "specjax.sharding",
     "specjax.theory",
+    "specjax.evaluation",
     "specjax.testing",
     "specjax.trees",
     "specjax.heads",

@@ -261,7 +261,7 @@ def task_utility(tokenizer, answers: Sequence[str]) -> TaskUtility:
 class ChatTaskUtility:
     """The real pair's short-answer task (``specjax compare --pair smollm2``):
     1.0 where the answer occurs in the reply as a whole word, case-insensitive
-    (:func:`specjax.cli.compare.answer_in_reply`), else 0.0.
+    (:func:`specjax.evaluation.answer_in_reply`), else 0.0.
 
     ``is_final``: the answer already occurs *and* a non-word character follows
     it, so no continuation can take it back ("Paris" at the very end could
@@ -276,7 +276,7 @@ class ChatTaskUtility:
         return self.tokenizer.decode([int(t) for t in completion])
 
     def __call__(self, example_ids, completions) -> np.ndarray:
-        from specjax.cli.compare import answer_in_reply
+        from specjax.evaluation import answer_in_reply
 
         return np.array([float(answer_in_reply(self._text(c), self.answers[int(e)]))
                          for e, c in zip(example_ids, completions)], np.float32)
