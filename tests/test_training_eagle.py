@@ -16,7 +16,7 @@ import specjax
 from specjax._src.models.lm import Model
 from specjax._src.models import feature_head, loading
 from specjax.testing import llama_config
-from training import common, distill_data, draft, eagle
+from training import common, distill_data, draft, eagle, eagle_head
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -91,7 +91,7 @@ def test_unrolled_steps_attend_as_cached_drafting(tiny):
     feats = target.module.apply(target.params, tokens, hidden_layers=(-1,)).hidden[0]
     # Both sides jitted: op by op, every primitive was dispatched (and compiled) for each prefix width.
     apply = jax.jit(head.module.apply)
-    outs = jax.jit(eagle.make_unrolled(cfg, 3))(head.params, tokens, feats)
+    outs = jax.jit(eagle_head.make_unrolled(cfg, 3))(head.params, tokens, feats)
     full = apply(head.params, tokens, features=feats)
     # step 1 = the plain forward; the reduced logits are its columns at head_vocab_ids
     np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(full.logits[..., ids]), rtol=1e-4, atol=1e-4)
@@ -279,8 +279,8 @@ def test_a_draft_temperature_divides_the_logits_and_the_fit_finds_it(tiny, tmp_p
     files = sorted(data.glob("shard_*.npz"))
     eagle.extract_features(target, files, tmp_path, ids, seq_len=SEQ, batch=2, log=lambda m: None)
     rows = eagle.load_rows(files, tmp_path, ids, SEQ, target.vocab_size)
-    h = eagle.head_inputs(rows)
-    (logits, _), = eagle._jitted_unrolled(head.module.config, 1, 1)(
+    h = eagle_head.head_inputs(rows)
+    (logits, _), = eagle_head._jitted_unrolled(head.module.config, 1, 1)(
         head.params, jnp.asarray(h["tokens"]), jnp.asarray(h["features"]))
     logp = np.asarray(jax.nn.log_softmax(logits / 0.8, -1))
     top = np.argsort(-logp, -1)[..., :32]
@@ -304,7 +304,7 @@ def test_draft_temperature_on_the_command_line(tiny, tmp_path):
     assert eagle.main(_args(target_path, data, run, "--steps", "2", "--draft-temperature", "fit",
                             "--calibration-rows", "4", "--export", str(tmp_path / "c"))) == 0
     summary = json.loads((tmp_path / "c" / "train_log.json").read_text())["summary"]
-    assert summary["draft_temperature"] in eagle.DRAFT_TEMPERATURES and summary["calibration_rows"] == 4
+    assert summary["draft_temperature"] in eagle_head.DRAFT_TEMPERATURES and summary["calibration_rows"] == 4
     assert "fitted by `--draft-temperature fit`" in (tmp_path / "c" / "MODEL_CARD.md").read_text()
     for bad in ("0", "-1", "hot"):
         with pytest.raises(SystemExit):
