@@ -19,6 +19,10 @@ CONFIGS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_experts=4, moe_intermediate_size=16, head_dim=8, norm_topk_prob=True)),
+    # A shared expert behind a sigmoid gate, and a dense layer (mlp_only_layers) before the expert one.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                       norm_topk_prob=False, mlp_only_layers=[0])),
     "qwen3_moe_unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                                dict(num_experts=4, moe_intermediate_size=16, head_dim=8, norm_topk_prob=False)),
 }
@@ -44,7 +48,9 @@ def test_moe_logits_decoding_and_export_match_transformers(case, tmp_path):
     model = specjax.load(directory, dtype="float32")
     cfg = model.module.config
     assert cfg.num_experts == 4 and cfg.num_experts_per_tok == 2
-    assert cfg.norm_topk_prob == (case != "qwen3_moe_unnormalised")
+    assert cfg.norm_topk_prob == (case not in ("qwen3_moe_unnormalised", "qwen2_moe"))
+    if case == "qwen2_moe":
+        assert cfg.shared_expert_intermediate_size == 24 and cfg.dense_mlp_layers == (0,)
     ids = np.random.default_rng(0).integers(3, 96, (2, 12)).astype(np.int32)
     want = torch_logits(hf_model, ids)
     assert rel_err(specjax.logits(model, ids), want) < 1e-4
@@ -79,6 +85,10 @@ def test_experts_shard_over_the_model_axis():
                               num_kv_heads=2, head_dim=8, intermediate_size=64, num_experts=4, num_experts_per_tok=2)
     specs = sharding.param_specs(cfg, model_axis_size=2)
     assert specs["layer_0"]["mlp"]["experts_gate"] == P("model", None, None)
+    shared = sharding.param_specs(cfg.replace(model_type="qwen2_moe", shared_expert_intermediate_size=64,
+                                              shared_expert_gate=True), model_axis_size=2)["layer_0"]["mlp"]
+    assert shared["shared_expert"]["gate"]["kernel"] == P(None, "model")  # the shared expert: a column-split MLP
+    assert shared["shared_expert_gate"]["kernel"] == P()
     # An expert count the axis does not divide is refused by name: tests/test_sharding.py, on 8 devices.
 
 
@@ -88,10 +98,11 @@ def test_moe_layouts_specjax_does_not_run_are_named(tmp_path):
     directory, _ = _make("qwen3_moe", tmp_path)
     path = tmp_path / "qwen3_moe" / "config.json"
     config = json.loads(path.read_text())
-    config["mlp_only_layers"] = [0]
-    path.write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="mlp_only_layers"):
-        specjax.load(directory)
+    for change, message in [({"decoder_sparse_step": 0}, "decoder_sparse_step must be >= 1"),
+                            ({"shared_expert_intermediate_size": 8}, "shared expert is not supported")]:
+        path.write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=message):
+            specjax.load(directory)
 
 
 def test_lossless_sampling_with_a_moe_target_and_a_dense_draft_follows_the_targets_law():

@@ -485,6 +485,7 @@ class Block(nn.Module):
     matmul: str = "auto"
     attention_reads: str = "auto"
     layer: int = 0
+    experts: str = "routed"
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, lengths, mask=None, width_index=None):
@@ -495,7 +496,10 @@ class Block(nn.Module):
         if cfg.sandwich_norms:
             attn = _norm(cfg, "post_attn_norm")(attn)
         x = x + attn
-        mlp = (MoE if cfg.is_moe_layer(self.layer) else MLP)(cfg, self.matmul, name="mlp")(_norm(cfg, "mlp_norm")(x))
+        if cfg.is_moe_layer(self.layer):
+            mlp = MoE(cfg, self.matmul, self.experts, name="mlp")(_norm(cfg, "mlp_norm")(x))
+        else:
+            mlp = MLP(cfg, self.matmul, name="mlp")(_norm(cfg, "mlp_norm")(x))
         if cfg.sandwich_norms:
             mlp = _norm(cfg, "post_mlp_norm")(mlp)
         x = x + mlp
@@ -506,12 +510,13 @@ class Transformer(nn.Module):
     """Embeddings, ``num_layers`` blocks, final norm and LM head.
 
     Returns ``(logits[B, T, V] float32, block outputs (one per layer), caches)``.
-    ``matmul``, ``attention_reads``: see :class:`specjax.Decoder`.
+    ``matmul``, ``attention_reads``, ``experts``: see :class:`specjax.Decoder`.
     """
 
     config: ModelConfig
     matmul: str = "auto"
     attention_reads: str = "auto"
+    experts: str = "routed"
 
     @nn.compact
     def __call__(self, tokens, positions, kv_caches, lengths, logits_at=None, reduced_logits=False, mask=None,
@@ -532,7 +537,7 @@ class Transformer(nn.Module):
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
             layer_mask = mask[i] if isinstance(mask, (tuple, list)) else mask  # one per layer, or shared
-            x, c = Block(cfg, self.matmul, self.attention_reads, i, name=f"layer_{i}")(
+            x, c = Block(cfg, self.matmul, self.attention_reads, i, self.experts, name=f"layer_{i}")(
                 x, positions, layer_cache, lengths, layer_mask, width_index)
             block_outputs.append(x)
             new_caches.append(c)
@@ -671,11 +676,17 @@ class Decoder:
     everywhere. The outputs are the same; only the bytes read and the
     programs differ (:func:`~specjax._src.models.decoder.cache_attention` says why GPUs default to the
     whole buffer).
+
+    ``experts`` picks how a mixture of experts computes: ``"routed"`` (default)
+    only the experts each token is routed to (:mod:`~specjax._src.models.moe`),
+    ``"all"`` every expert for every token (what a mesh that splits the experts
+    runs: ``specjax.sharding`` sets it).
     """
 
     config: ModelConfig
     matmul: str = "auto"
     attention_reads: str = "auto"
+    experts: str = "routed"
 
     # ``apply(..., logits_at=)`` is implemented (the optional protocol extension).
     supports_logits_at = True
@@ -684,6 +695,8 @@ class Decoder:
     def __post_init__(self):
         cpu_matmul.check_mode(self.matmul)
         check_attention_reads(self.attention_reads)
+        if self.experts not in ("routed", "all"):
+            raise ValueError(f"Decoder experts must be 'routed' or 'all', got {self.experts!r}.")
 
     @property
     def vocab_size(self) -> int:
@@ -839,7 +852,7 @@ class Decoder:
             # One mask for all layers, or one per layer where sliding and full layers mix (Gemma 2/3).
             mask = masks.popitem()[1] if len(masks) == 1 else tuple(
                 masks[cfg.layer_window(i)] for i in range(cfg.num_layers))
-        logits, block_outputs, new_caches = Transformer(cfg, self.matmul, self.attention_reads).apply(
+        logits, block_outputs, new_caches = Transformer(cfg, self.matmul, self.attention_reads, self.experts).apply(
             {"params": params}, tokens, positions, kv_caches, lengths, logits_at, False, mask, width_index
         )
         hidden = tuple(block_outputs[i].astype(jnp.float32) for i in layers)

@@ -16,9 +16,15 @@ Mixtures of experts: llama.cpp writes Mixtral as a ``llama`` file with
 three stacked tensors ``blk.N.ffn_{gate,up,down}_exps.weight`` (``[E, out, in]``
 in NumPy order) and its router ``blk.N.ffn_gate_inp.weight``. Each stack is
 read back one expert at a time under the Hugging Face per-expert names, so the
-one tensor loop fills specjax's stacked expert params. Both of llama.cpp's graphs
-renormalise the top-k routing weights (``build_moe_ffn(..., norm_w=true)``),
-which the file does not record: ``norm_topk_prob`` is always on.
+one tensor loop fills specjax's stacked expert params. llama.cpp's Mixtral and
+Qwen3-MoE graphs renormalise the top-k routing weights (``build_moe_ffn(...,
+norm_w=true)``), which the file does not record: ``norm_topk_prob`` is on for
+them. Qwen2-MoE (``qwen2moe``) adds a shared expert,
+``blk.N.ffn_{gate,up,down}_shexp.weight`` of width
+``qwen2moe.expert_shared_feed_forward_length``, behind the sigmoid gate
+``blk.N.ffn_gate_inp_shexp.weight`` (a vector of ``n_embd``; Hugging Face's
+``[1, H]``); its graph does not renormalise (``norm_topk_prob`` off, as the
+Hugging Face config's default).
 """
 
 from __future__ import annotations
@@ -31,13 +37,13 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import numpy as np
 
 # Architectures whose GGUF tensor names and metadata map onto ours.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma", "gemma2", "gemma3")
 _GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # Hugging Face model_type of each GGUF architecture where the two differ.
-_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # The Hugging Face model_type of an architecture whose blocks hold experts
 # (llama.cpp writes Mixtral as ``llama`` with an expert count).
-_MOE_MODEL_TYPES = {"llama": "mixtral", "qwen3moe": "qwen3_moe"}
+_MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # A block's stacked experts, one tensor per projection: [E, out, in] in NumPy order.
 _EXPERT_STACK = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _MIXTRAL_EXPERT_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
@@ -113,7 +119,7 @@ def _config(reader, path: str) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         shared = " (a mixture of experts with shared experts, which specjax does not run)" if arch in (
-            "qwen2moe", "deepseek", "deepseek2") else ""
+            "deepseek", "deepseek2") else ""
         raise ValueError(
             f"GGUF file {path} holds a {arch!r} model{shared}; specjax reads GGUF architectures "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}."
@@ -179,16 +185,20 @@ def _config(reader, path: str) -> dict:
 
 
 def _moe_config(arch: str, get, names: set, path: str, layers: int) -> dict:
-    """A mixture of experts' config fields (Mixtral from ``llama``, Qwen3-MoE from
-    ``qwen3moe``); the variants specjax's ``MoE`` does not run are refused by name."""
+    """A mixture of experts' config fields (Mixtral from ``llama``, Qwen2-MoE from ``qwen2moe``,
+    Qwen3-MoE from ``qwen3moe``); the variants specjax's ``MoE`` does not run are refused by name."""
     experts = int(get("expert_count"))
     used = int(get("expert_used_count"))
     shared = [f"{arch}.{key}" for key in ("expert_shared_count", "expert_shared_feed_forward_length")
               if get(key, None, required=False)]
     shared += sorted(n for n in names if "_shexp" in n)[:1]
+    if arch == "qwen2moe":  # one shared expert behind a sigmoid gate; llama.cpp's graph does not renormalise
+        return {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": False,
+                "moe_intermediate_size": int(get("expert_feed_forward_length")),
+                "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length"))}
     if shared:
         raise ValueError(f"GGUF file {path} has shared experts ({shared[0]}), which specjax's mixture of "
-                         "experts does not run (it reads Mixtral and Qwen3-MoE layouts).")
+                         "experts does not run (it reads Mixtral, Qwen2-MoE and Qwen3-MoE layouts).")
     scale = get("expert_weights_scale", None, required=False)
     if scale not in (None, 0.0, 1.0):  # llama.cpp scales the routing weights unless 0 or 1
         raise ValueError(f"GGUF file {path} scales its routing weights ({arch}.expert_weights_scale = "
@@ -265,6 +275,9 @@ def _hf_name(gguf_name: str, arch: str = "llama", model_type: str = "") -> Optio
     if moe and kind == "ffn_gate_inp":
         router = "block_sparse_moe.gate" if model_type == "mixtral" else "mlp.gate"
         return f"model.layers.{layer}.{router}.{suffix}"
+    if moe and kind in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"):
+        shared = {"ffn_gate_inp_shexp": "shared_expert_gate"}.get(kind, f"shared_expert.{kind[4:-6]}_proj")
+        return f"model.layers.{layer}.mlp.{shared}.{suffix}"
     if arch in ("gemma2", "gemma3"):  # norms before and after attention and the MLP
         inner = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}.get(kind)
@@ -373,7 +386,11 @@ def _tensor_iter(reader, cfg: dict, path: str):
 
             if len(tensor.shape) == 2:
                 read.blocks = blocks
-            yield name, read, tuple(int(d) for d in reversed(tensor.shape))
+            shape = tuple(int(d) for d in reversed(tensor.shape))
+            if name.endswith("shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp keeps [H], HF [1, H]
+                yield name, (lambda read=read: read().reshape(1, -1)), (1,) + shape
+                continue
+            yield name, read, shape
 
     return iterate
 

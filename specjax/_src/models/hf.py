@@ -34,6 +34,7 @@ _ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
@@ -175,7 +176,7 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
 
     if model_type in GEMMA_MODEL_TYPES:
         return _from_gemma_config(hf, model_type, common)
-    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
         if "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]):
             raise ValueError(
                 f"{model_type} with use_sliding_window=True (per-layer sliding windows) "
@@ -193,6 +194,9 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
         "qwen3": dict(attention_bias=attention_bias, attention_out_bias=attention_bias,
                       qk_norm=True),
         "mixtral": lambda: dict(sliding_window=hf.get("sliding_window"), **_experts(hf, "num_local_experts", True)),
+        "qwen2_moe": lambda: dict(attention_bias=bool(hf.get("qkv_bias", True)),
+                                  moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                                  **_experts(hf, "num_experts", bool(hf.get("norm_topk_prob", False)))),
         "qwen3_moe": lambda: dict(attention_bias=attention_bias, attention_out_bias=attention_bias, qk_norm=True,
                                   moe_intermediate_size=int(hf["moe_intermediate_size"]),
                                   **_experts(hf, "num_experts", bool(hf.get("norm_topk_prob", False)))),
@@ -211,16 +215,22 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
 
 
 def _experts(hf: dict, count_key: str, renormalise: bool) -> dict:
-    """A mixture-of-experts config's expert fields; layouts specjax does not run are refused by name."""
-    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
-        raise ValueError(f"{hf['model_type']} with dense layers among the expert ones (mlp_only_layers, "
-                         "decoder_sparse_step) is not supported by specjax.")
-    if hf.get("shared_expert_intermediate_size"):
-        raise ValueError(f"{hf['model_type']} with a shared expert is not supported by specjax.")
+    """A mixture-of-experts config's expert fields: the experts, Qwen2-MoE's shared expert, and the
+    layers whose MLP is dense (``mlp_only_layers``, and those ``decoder_sparse_step`` skips)."""
     # transformers 5 writes num_local_experts for every family; 4.x Qwen3-MoE wrote num_experts
     count = hf.get(count_key) if hf.get(count_key) is not None else hf["num_local_experts"]
+    step = int(1 if hf.get("decoder_sparse_step") is None else hf["decoder_sparse_step"])
+    if step < 1:
+        raise ValueError(f"{hf['model_type']}: decoder_sparse_step must be >= 1 (every step-th layer holds "
+                         f"experts), got {step}; fix config.json.")
+    layers = int(hf["num_hidden_layers"])
+    dense = sorted({int(i) for i in hf.get("mlp_only_layers") or ()} | {i for i in range(layers) if (i + 1) % step})
+    shared = hf.get("shared_expert_intermediate_size") if hf["model_type"] == "qwen2_moe" else None
+    if hf.get("shared_expert_intermediate_size") and not shared:
+        raise ValueError(f"{hf['model_type']} with a shared expert is not supported by specjax (Qwen2-MoE's is).")
     return dict(num_experts=int(count), num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                norm_topk_prob=renormalise)
+                norm_topk_prob=renormalise, dense_mlp_layers=tuple(dense),
+                shared_expert_intermediate_size=int(shared) if shared else None, shared_expert_gate=bool(shared))
 
 
 def _decoder_shape(hf: dict, *, max_positions: int, tied: bool) -> dict:
@@ -318,8 +328,12 @@ def _check_expressible(cfg: ModelConfig) -> None:
         problems.append("sliding_window (only mistral and mixtral have it)")
     if cfg.model_type == "mixtral" and not cfg.norm_topk_prob:
         problems.append("mixtral always renormalises its top-k weights")
-    if cfg.model_type == "qwen2" and (not cfg.attention_bias or cfg.attention_out_bias):
-        problems.append("qwen2 needs attention_bias=True, attention_out_bias=False")
+    if cfg.model_type in ("qwen2", "qwen2_moe") and cfg.attention_out_bias:
+        problems.append(f"{cfg.model_type} has no o_proj bias")
+    if cfg.model_type == "qwen2" and not cfg.attention_bias:
+        problems.append("qwen2 needs attention_bias=True")
+    if cfg.model_type == "qwen2_moe" and cfg.shared_expert_intermediate_size and not cfg.shared_expert_gate:
+        problems.append("qwen2_moe gates its shared expert")
     if cfg.model_type in ("llama", "qwen3", "qwen3_moe") and cfg.attention_bias != cfg.attention_out_bias:
         problems.append(f"{cfg.model_type} biases q/k/v/o together")
     if cfg.model_type in ("mistral", "mixtral") and (cfg.attention_bias or cfg.attention_out_bias):
@@ -413,11 +427,13 @@ def to_hf_config(cfg: ModelConfig) -> dict:
     if cfg.model_type == "mixtral":
         out.update(sliding_window=cfg.sliding_window, num_local_experts=cfg.num_experts,
                    num_experts_per_tok=cfg.num_experts_per_tok)
-    if cfg.model_type == "qwen3_moe":
+    if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
         out.update(num_experts=cfg.num_experts, num_local_experts=cfg.num_experts,
                    num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size or cfg.intermediate_size,
-                   norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                   norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_mlp_layers),
                    use_sliding_window=False, sliding_window=None)
+    if cfg.model_type == "qwen2_moe":
+        out.update(qkv_bias=cfg.attention_bias, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size or 0)
     return out
 
 
@@ -504,7 +520,7 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
             if cfg.qk_norm:
                 add(l + "attn/q_norm/scale", h + "self_attn.q_norm.weight")
                 add(l + "attn/k_norm/scale", h + "self_attn.k_norm.weight")
-            if cfg.num_experts:
+            if cfg.is_moe_layer(i):
                 specs.extend(_expert_specs(cfg, h, l))
                 continue
             for proj in ("gate", "up", "down"):
@@ -526,7 +542,15 @@ def _expert_specs(cfg: ModelConfig, h: str, l: str) -> list[TensorSpec]:
     mixtral = cfg.model_type == "mixtral"
     moe = f"{h}block_sparse_moe." if mixtral else f"{h}mlp."
     names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {p: f"{p}_proj" for p in ("gate", "up", "down")}
-    specs = [TensorSpec((*l.rstrip("/").split("/"), "mlp", "router", "kernel"), moe + "gate.weight", True)]
+    layer = l.rstrip("/").split("/")
+    specs = [TensorSpec((*layer, "mlp", "router", "kernel"), moe + "gate.weight", True)]
+    if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: a gated MLP every token goes through, behind a sigmoid
+        for proj in ("gate", "up", "down"):
+            specs.append(TensorSpec((*layer, "mlp", "shared_expert", proj, "kernel"),
+                                    f"{moe}shared_expert.{proj}_proj.weight", True))
+        if cfg.shared_expert_gate:
+            specs.append(TensorSpec((*layer, "mlp", "shared_expert_gate", "kernel"), moe + "shared_expert_gate.weight",
+                                    True))
     for j in range(cfg.num_experts):
         for ours, theirs in names.items():
             specs.append(TensorSpec((*l.rstrip("/").split("/"), "mlp", f"experts_{ours}"),

@@ -174,6 +174,17 @@ def all_experts(x: Array, weights: Array, experts: Array, stack, expert_mlp: Cal
     return jnp.einsum("enh,ne->nh", ys, dense_weights)
 
 
+def all_float_experts(
+    x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array, act: Callable
+) -> Array:
+    """:func:`all_experts` for float experts as einsums over the expert axis: on a mesh that splits
+    the experts, each device computes its own and one all-reduce sums them. Returns ``[N, H]`` float32."""
+    dense_weights = jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(experts, gate.shape[0], dtype=jnp.float32))
+    h = act(jnp.einsum("nh,ehi->nei", x, gate)) * jnp.einsum("nh,ehi->nei", x, up)
+    y = jnp.einsum("nei,eih->neh", h, down, preferred_element_type=jnp.float32)
+    return jnp.einsum("neh,ne->nh", y, dense_weights)
+
+
 def float_expert_mlp(act: Callable, matmul: str) -> Callable:
     """One float expert's gated MLP, ``{"gate", "up": [H, I], "down": [I, H]}``, on rows ``[T, H]``."""
 
@@ -243,7 +254,9 @@ class MoE(nn.Module):
         else:
             expert_mlp = float_expert_mlp(act, self.matmul)
         xin = x2.astype(dtype)
-        if self.experts == "all":
+        if self.experts == "all" and cfg.quantization is None:
+            y = all_float_experts(xin, weights, picked, stack["gate"], stack["up"], stack["down"], act)
+        elif self.experts == "all":
             y = all_experts(xin, weights, picked, stack, expert_mlp)
         else:
             tile = min(x2.shape[0], GROUP_ROWS)

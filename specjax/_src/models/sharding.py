@@ -130,14 +130,15 @@ def check_divisible(config: ModelConfig, mesh: Mesh, *, batch: Optional[int] = N
     """Raises ``ValueError`` unless ``mesh`` can shard ``config`` (and ``batch``).
 
     The ``'model'`` axis must divide ``num_heads``, ``num_kv_heads``,
-    ``intermediate_size`` and a mixture's ``num_experts``; the ``'data'``
+    ``intermediate_size`` and a mixture's ``num_experts`` (and shared expert width); the ``'data'``
     axis must divide ``batch``. The message names the model (``name``), the
     quantity and the axis size.
     """
     mesh = _check_mesh(mesh)
     m = _axis(mesh, MODEL)
     problems = []
-    for field in ("num_heads", "num_kv_heads", "intermediate_size") + (("num_experts",) if config.num_experts else ()):
+    moe = ("num_experts",) + (("shared_expert_intermediate_size",) if config.shared_expert_intermediate_size else ())
+    for field in ("num_heads", "num_kv_heads", "intermediate_size") + (moe if config.num_experts else ()):
         value = getattr(config, field)
         if value % m:
             problems.append(f"{field}={value} is not divisible by it ({value} % {m} = {value % m})")
@@ -414,6 +415,16 @@ def _xla_matmuls(model: Model) -> Model:
     return model
 
 
+def _mesh_experts(model: Model, mesh: Mesh) -> Model:
+    """A mixture of experts whose experts a 'model' axis splits computes every expert: each
+    device its own, then one all-reduce. The routed path indexes the expert stacks with
+    traced ids, for which XLA's partitioner gathers every expert onto every device."""
+    module = model.module
+    if isinstance(module, Decoder) and module.config.num_experts and _axis(mesh, MODEL) > 1:
+        return model.replace(module=dataclasses.replace(module, experts="all"))
+    return model
+
+
 def prepare(models: dict, batch: int, mesh: Optional[Mesh]):
     """Resolves the mesh of a decode call and places what is not yet on it.
 
@@ -448,8 +459,9 @@ def prepare(models: dict, batch: int, mesh: Optional[Mesh]):
         else:  # another LanguageModel: replicated
             plans[name] = jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), m.params)
     placed = {
-        name: _xla_matmuls(m if plans[name] is None
-                           else m.replace(params=_place(m.params, plans[name], keep_placed=True, mesh=mesh)))
+        name: _mesh_experts(_xla_matmuls(m if plans[name] is None
+                                         else m.replace(params=_place(m.params, plans[name], keep_placed=True,
+                                                                      mesh=mesh))), mesh)
         for name, m in models.items()
     }
 
