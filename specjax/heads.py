@@ -36,18 +36,21 @@ from specjax._src.models.feature_head import (
     WEIGHTS_FILE,
     FeatureHead,
     FeatureHeadModule,
-    attach_embedding,
-    head_config,
-    init_from_target,
     is_feature_head,
     load_feature_head,
     reduce_features,
     save_head,
+)
+from specjax._src.models.feature_head import VARIANTS
+from specjax._src.models.feature_head_build import (
+    attach_embedding,
+    eagle3_default_layers,
+    head_config,
+    init_from_target,
     with_feature_layers,
     with_head_vocab,
     with_num_layers,
 )
-from specjax._src.models.feature_head import VARIANTS, eagle3_default_layers
 from specjax._src.models.lm import ReducedLogits
 from specjax._src.models.published_heads import MedusaHead, draft_to_target_ids, load_published_head, medusa_logits
 

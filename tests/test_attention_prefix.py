@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax._src.models import feature_head as fh
+from specjax._src.models import feature_head_build as fhb
 from specjax._src.models.decoder import Decoder, attention_widths
 from specjax.testing import llama_config, peaked_target_and_draft
 from specjax.trees import static_tree
@@ -73,7 +73,7 @@ def test_a_step_reads_no_slot_past_the_width_its_rows_need(case):
 
 def test_a_feature_head_step_reads_no_slot_past_the_width():
     target = peaked_target_and_draft(config())[0]
-    head = fh.init_from_target(target, jax.random.key(1), np.arange(80))
+    head = fhb.init_from_target(target, jax.random.key(1), np.arange(80))
     module, params = head.module, head.params
     cache = prefilled(module, params, 2, 20, features=True)
     tokens = jnp.ones((2, 3), jnp.int32)
@@ -168,7 +168,7 @@ def test_a_long_cache_decodes_what_a_short_one_does(pair, case):
     kw = dict(max_new_tokens=24, temperature=0.0)
     if case == "feature head":
         target = pair.target
-        pair = specjax.pair(target, fh.init_from_target(target, jax.random.key(1), np.arange(80)))
+        pair = specjax.pair(target, fhb.init_from_target(target, jax.random.key(1), np.arange(80)))
     if case == "tree":
         kw["tree"] = static_tree((2, 2))
     elif case != "generate":

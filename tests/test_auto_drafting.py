@@ -19,7 +19,7 @@ import specjax
 from specjax import drafting
 from specjax._src.engine import costs as costs_lib
 from specjax._src.engine.chain import draft_chain
-from specjax._src.models import feature_head as fh
+from specjax._src.models import feature_head_build as fhb
 from specjax.engine import CHAIN, CycleInputs, LoopConfig, init_state
 from specjax.rules import speculative_sampling
 from specjax.testing import llama_config, peaked_target_and_draft
@@ -301,7 +301,7 @@ def test_drafts_after_skipped_cycles_equal_cache_free_drafts(drafter):
 
     target, draft = peaked_target_and_draft(llama_config())
     if drafter == "head":
-        draft = fh.init_from_target(target, jax.random.key(1), np.arange(80)[::-1])
+        draft = fhb.init_from_target(target, jax.random.key(1), np.arange(80)[::-1])
     pair, policy, k = specjax.pair(target, draft), TwoPlainThenDraft(), K
     prompts = random_prompts(3, 4, 96, 9, min_len=2)
     arr = np.zeros((4, max(map(len, prompts))), np.int32)

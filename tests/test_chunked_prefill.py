@@ -13,7 +13,7 @@ import pytest
 import specjax
 from specjax.engine import Engine, PrefillJob, SlotSettings
 from specjax.testing import llama_config, peaked_target_and_draft
-from specjax._src.models import feature_head as fh
+from specjax._src.models import feature_head_build as fhb
 from specjax._src.serve import scheduler as sched
 from test_decode import count_compilations
 
@@ -37,7 +37,7 @@ def draft_pair():
 @pytest.fixture(scope="module")
 def head_pair(draft_pair):
     target = draft_pair.target
-    return specjax.pair(target, fh.init_from_target(target, jax.random.key(1), np.arange(80)[::-1]))
+    return specjax.pair(target, fhb.init_from_target(target, jax.random.key(1), np.arange(80)[::-1]))
 
 
 def collect(engine, state, tokens, cycles=2, steps=None):

@@ -37,7 +37,7 @@ import pytest
 import specjax
 from specjax._src.engine import loop as decode_lib
 from specjax._src.kernels import cpu_matmul
-from specjax._src.models import feature_head as fh
+from specjax._src.models import feature_head_build as fhb
 from specjax._src.models.pivot_head import PivotHead, PivotHeadConfig, init_head_params
 from specjax.drafting import adasd_entropy, combine, confidence, heuristic, ngram_lookup
 from specjax.rules import (
@@ -188,7 +188,7 @@ def test_tree_decoding_lowers_for_accelerators(llama_pair, name):
 
 def test_a_feature_head_lowers_for_accelerators(llama):
     target = llama[0]
-    head = fh.init_from_target(target, jax.random.key(1), np.arange(80)[::-1])
+    head = fhb.init_from_target(target, jax.random.key(1), np.arange(80)[::-1])
     pair = specjax.pair(target, head)
     assert_portable(stablehlo_for(lambda: specjax.decode(pair, PROMPTS, **KW, **SAMPLE)))
 
@@ -199,8 +199,8 @@ def test_quantized_weights_lower_for_accelerators(llama, spec):
     quantized CPU kernels behind ``lax.platform_dependent`` like the float ones."""
     require_kernels("quantizing on the CPU needs the kernels")
     target, draft = specjax.quantize(llama[0], spec), specjax.quantize(llama[1], "int8")
-    head = specjax.quantize(fh.init_from_target(llama[0], jax.random.key(1), np.arange(64)), "int8")
-    head = fh.attach_embedding(head, target)
+    head = specjax.quantize(fhb.init_from_target(llama[0], jax.random.key(1), np.arange(64)), "int8")
+    head = fhb.attach_embedding(head, target)
     for pair in (specjax.pair(target, draft), specjax.pair(target, head)):
         call = lambda: specjax.decode(pair, PROMPTS, **KW, **SAMPLE)  # noqa: E731
         assert custom_call_targets(stablehlo_for(call, platforms=("cpu",))) & {"specjax_qmatmul_q4",

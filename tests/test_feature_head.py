@@ -22,6 +22,7 @@ import specjax
 from specjax._src.engine.chain import draft_chain
 from specjax._src.drafting import fixed
 from specjax._src.models import feature_head as fh
+from specjax._src.models import feature_head_build as fhb
 from specjax.engine import CHAIN, CycleInputs, LoopConfig, init_state
 from specjax.rules import Verdict, from_functions, mars, speculative_sampling
 from specjax.testing import llama_config, peaked_target_and_draft
@@ -36,7 +37,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def head(target):
-    return fh.init_from_target(target, jax.random.key(1), np.arange(80)[::-1])
+    return fhb.init_from_target(target, jax.random.key(1), np.arange(80)[::-1])
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def head_pair(target, head):
 def _mixed(head, layers=(0, -1)):
     """``head`` grown to read several target blocks, its ``reduce`` perturbed so
     that every block counts (grown as it is, it would read the last only)."""
-    grown = fh.with_feature_layers(head, layers)
+    grown = fhb.with_feature_layers(head, layers)
     kernel = grown.params["reduce"]["kernel"]
     noise = 0.3 * jax.random.normal(jax.random.key(5), kernel.shape, kernel.dtype)
     return grown.replace(params={**grown.params, "reduce": {"kernel": kernel + noise}})
@@ -203,7 +204,7 @@ def _small_head_pair(vocab):
     target = peaked_target_and_draft(llama_config(vocab_size=vocab))[0]
     # x0.1 on the target's head: flatter laws, so many cells are tested
     target = target.replace(params={**target.params, "lm_head": target.params["lm_head"] * 0.1})
-    return specjax.pair(target, fh.init_from_target(target, jax.random.key(2), np.arange(12)))
+    return specjax.pair(target, fhb.init_from_target(target, jax.random.key(2), np.arange(12)))
 
 
 # The two-token prompt in the default run; the one-token one runs with -m slow.
@@ -272,7 +273,7 @@ def test_bad_head_inputs_get_clear_errors(head_pair):
 def test_growing_a_head_to_more_blocks_keeps_its_drafts(target, head, head_pair):
     """with_feature_layers: the grown head's reduce passes the old block through,
     so it drafts what the one-block head drafted, until training moves it."""
-    grown = fh.with_feature_layers(head, (0, -1))
+    grown = fhb.with_feature_layers(head, (0, -1))
     assert grown.module.feature_layers == (0, -1) and grown.params["reduce"]["kernel"].shape == (64, 32)
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 96, (2, 9)), jnp.int32)
     hidden = target.module.apply(target.params, tokens, hidden_layers=(0, -1)).hidden
@@ -287,9 +288,9 @@ def test_growing_a_head_to_more_blocks_keeps_its_drafts(target, head, head_pair)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     np.testing.assert_array_equal(np.asarray(a.stats.accepted), np.asarray(b.stats.accepted))
     with pytest.raises(ValueError, match="cannot be grown"):
-        fh.with_feature_layers(grown, (0, 1, -1))  # already mixes blocks
+        fhb.with_feature_layers(grown, (0, 1, -1))  # already mixes blocks
     with pytest.raises(ValueError, match="cannot be grown"):
-        fh.with_feature_layers(head, (0, 1))  # its block (-1) is not among them
+        fhb.with_feature_layers(head, (0, 1))  # its block (-1) is not among them
     with pytest.raises(ValueError, match="distinct"):
         fh.FeatureHead(head.module.config, feature_layers=(0, 0))
 
@@ -341,14 +342,14 @@ def test_a_mixed_block_head_saves_loads_and_old_configs_still_load(tmp_path, tar
 
 
 def test_pair_refuses_a_head_reading_a_block_the_target_lacks(target, head):
-    head = fh.with_feature_layers(head, (0, -1))
+    head = fhb.with_feature_layers(head, (0, -1))
     far = head.replace(module=fh.FeatureHead(head.module.config, feature_layers=(5, -1)))
     with pytest.raises(ValueError, match=r"block\(s\) \[5\]"):
         specjax.pair(target, far)
 
 
 def test_pair_refuses_a_head_naming_one_block_twice(target, head):
-    grown = fh.with_feature_layers(head, (0, -1))
+    grown = fhb.with_feature_layers(head, (0, -1))
     twice = grown.replace(module=fh.FeatureHead(grown.module.config, feature_layers=(1, -1)))  # 2 blocks: 1 is -1
     with pytest.raises(ValueError, match="twice"):
         specjax.pair(target, twice)
@@ -356,9 +357,9 @@ def test_pair_refuses_a_head_naming_one_block_twice(target, head):
 
 def test_head_helpers_name_what_they_were_given(tmp_path, target, head, head_pair):
     """A target, a pair or a malformed block list gets an error saying what the helper needs."""
-    calls = {"with_num_layers": lambda m: fh.with_num_layers(m, 2),
-             "with_feature_layers": lambda m: fh.with_feature_layers(m, (0, -1)),
-             "with_head_vocab": lambda m: fh.with_head_vocab(m, np.arange(4)),
+    calls = {"with_num_layers": lambda m: fhb.with_num_layers(m, 2),
+             "with_feature_layers": lambda m: fhb.with_feature_layers(m, (0, -1)),
+             "with_head_vocab": lambda m: fhb.with_head_vocab(m, np.arange(4)),
              "save_head": lambda m: fh.save_head(m, str(tmp_path / "h"))}
     for name, call in calls.items():
         with pytest.raises(TypeError, match=f"{name} needs a feature head.*got a Decoder"):
@@ -367,7 +368,7 @@ def test_head_helpers_name_what_they_were_given(tmp_path, target, head, head_pai
             call(head_pair)
     for bad in (("a", -1), 3, (1.5, -1), (True, -1), (0, 0, -1), ()):
         with pytest.raises(ValueError, match="distinct int block indices"):
-            fh.with_feature_layers(head, bad)
+            fhb.with_feature_layers(head, bad)
     with pytest.raises(ValueError, match="draft head.*specjax.pair"):
         specjax.generate(head_pair.draft, [[1, 2]], max_new_tokens=2, temperature=0.0)
 
@@ -408,7 +409,7 @@ def test_narrowing_a_heads_vocabulary_keeps_its_logits_on_the_ids_it_keeps(targe
     outside the vocabulary always did; decoding with the narrow head stays
     lossless; ids it lacks get a clear error."""
     keep = np.arange(0, 80, 2)[::-1]  # any order: stored sorted
-    narrow = fh.with_head_vocab(head, keep)
+    narrow = fhb.with_head_vocab(head, keep)
     assert narrow.module.config.head_vocab_size == 40 and narrow.params["lm_head"].shape == (32, 40)
     np.testing.assert_array_equal(np.asarray(narrow.params["head_vocab_ids"]), np.sort(keep))
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 96, (2, 7)), jnp.int32)
@@ -425,11 +426,11 @@ def test_narrowing_a_heads_vocabulary_keeps_its_logits_on_the_ids_it_keeps(targe
     out = specjax.decode(specjax.pair(target, narrow), prompts, num_draft=3, **kw)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     with pytest.raises(ValueError, match="not in the head's vocabulary"):
-        fh.with_head_vocab(head, [1, 2, 85])
+        fhb.with_head_vocab(head, [1, 2, 85])
     with pytest.raises(ValueError, match="repeat"):
-        fh.with_head_vocab(head, [1, 2, 2])
+        fhb.with_head_vocab(head, [1, 2, 2])
     with pytest.raises(ValueError, match="non-empty"):
-        fh.with_head_vocab(head, [])
+        fhb.with_head_vocab(head, [])
 
 
 def test_a_reduced_head_returns_its_own_columns_beside_their_scatter(target, head):
@@ -551,12 +552,12 @@ def test_specjax_load_keeps_an_int8_stored_head_int8(tmp_path, target, head, gro
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(specjax.generate(target, prompts, **kw).tokens))
     # narrowed, it keeps its int8 rows of the kept ids; grown, it asks for its float version
     keep = np.arange(0, 80, 3)
-    narrow = specjax.pair(target, fh.with_head_vocab(loaded, keep)).draft
+    narrow = specjax.pair(target, fhb.with_head_vocab(loaded, keep)).draft
     assert narrow.module.config.quantization == fmt
     thin = np.asarray(narrow.module.apply(narrow.params, tokens, features=feats).logits)
     np.testing.assert_allclose(thin[..., keep], logits[0][..., keep], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"quantized \(int8.*specjax.dequantize\(head\)"):
-        fh.with_num_layers(loaded, 2)
+        fhb.with_num_layers(loaded, 2)
 
 
 def test_an_int8_stored_head_runs_float_where_the_kernels_cannot_be_built(tmp_path, head, monkeypatch, request):

@@ -14,7 +14,7 @@ import pytest
 
 import specjax
 from specjax import Decoder, Model
-from specjax._src.models import feature_head as fh
+from specjax._src.models import feature_head_build as fhb
 from specjax.rules import speculative_sampling
 from specjax.testing import llama_config
 from specjax.trees import dynamic_tree
@@ -42,16 +42,16 @@ def target():
 
 @pytest.fixture(scope="module")
 def head_pair(target):
-    return specjax.pair(target, fh.init_from_target(target, jax.random.key(1), np.arange(80)))
+    return specjax.pair(target, fhb.init_from_target(target, jax.random.key(1), np.arange(80)))
 
 
 def test_a_heads_blocks_keep_the_kinds_of_the_target_blocks_they_copy(target):
-    head = fh.init_from_target(target, jax.random.key(1), np.arange(80))
+    head = fhb.init_from_target(target, jax.random.key(1), np.arange(80))
     assert head.module.config.layer_types == ("full_attention",)
-    two = fh.init_from_target(target, jax.random.key(1), np.arange(80), num_layers=2)
+    two = fhb.init_from_target(target, jax.random.key(1), np.arange(80), num_layers=2)
     assert two.module.config.layer_types == LAYER_TYPES[1:]
     assert two.module.config.layer_window(0) == 4 and two.module.config.layer_window(1) is None
-    grown = fh.with_num_layers(head, 3)
+    grown = fhb.with_num_layers(head, 3)
     assert grown.module.config.layer_types == ("full_attention",) * 3
     # grown blocks start as the identity: the same drafts
     tokens = np.random.default_rng(3).integers(0, 96, (2, 9))
@@ -74,7 +74,7 @@ def test_greedy_with_a_head_on_a_gemma3_target_is_target_greedy(head_pair, draft
 def test_lossless_sampling_with_a_head_on_a_gemma3_target_follows_the_target():
     vocab, prompt, samples = 16, [5, 3], 20000
     target = gemma3_target(vocab, scale=3.0)  # flatter laws: many cells are tested
-    pair = specjax.pair(target, fh.init_from_target(target, jax.random.key(2), np.arange(12)))
+    pair = specjax.pair(target, fhb.init_from_target(target, jax.random.key(2), np.arange(12)))
     counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, num_draft=3, key=jax.random.key(7),
                                         rule=speculative_sampling())
     exact = _exact_two_tokens(target, prompt, vocab)

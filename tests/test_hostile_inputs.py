@@ -27,6 +27,7 @@ import specjax
 from specjax._src.proposals import trees as trees_lib
 from specjax._src.kernels import cpu_matmul
 from specjax._src.models import feature_head as fh
+from specjax._src.models import feature_head_build as fhb
 from specjax.cli import app
 from specjax.drafting import NgramLookup, ngram_lookup
 from specjax.testing import llama_config, peaked_target_and_draft
@@ -43,7 +44,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def head(target):
-    return fh.init_from_target(target, jax.random.key(1), np.arange(80))
+    return fhb.init_from_target(target, jax.random.key(1), np.arange(80))
 
 
 # --------------------------------------------------------------------------- 1. tree sizes
@@ -258,8 +259,8 @@ def test_empty_or_malformed_cli_values_are_refused_naming_the_flag(argv, flag, m
 @pytest.mark.parametrize("layers", [2.5, "3", True, 0])
 def test_with_num_layers_names_a_bad_count(head, layers):
     with pytest.raises(ValueError, match="num_layers"):
-        fh.with_num_layers(head, layers)
-    assert fh.with_num_layers(head, np.int64(2)).module.config.num_layers == 2
+        fhb.with_num_layers(head, layers)
+    assert fhb.with_num_layers(head, np.int64(2)).module.config.num_layers == 2
 
 
 # --------------------------------------------------------------------------- 9. permissions

@@ -18,7 +18,7 @@ from specjax import drafting
 from specjax.rules import block_verification, speculative_sampling
 from specjax.testing import llama_config, peaked_target_and_draft
 from specjax.trees import static_tree
-from specjax._src.models import feature_head as fh
+from specjax._src.models import feature_head_build as fhb
 from test_decode import goodness_of_fit
 from test_feature_head import _exact_two_tokens, _sampled_two_tokens
 
@@ -76,7 +76,7 @@ def _repetitive_prompts(seed, count, vocab):
 @pytest.fixture(scope="module")
 def pairs():
     target, draft = peaked_target_and_draft(llama_config())
-    head = fh.init_from_target(target, jax.random.key(1), np.arange(80)[::-1])
+    head = fhb.init_from_target(target, jax.random.key(1), np.arange(80)[::-1])
     return {"draft model": specjax.pair(target, draft), "feature head": specjax.pair(target, head)}
 
 
@@ -111,7 +111,7 @@ def test_lossless_sampling_with_copied_drafts_follows_the_target(rule, num_draft
     vocab = 16
     target = peaked_target_and_draft(llama_config(vocab_size=vocab))[0]
     target = target.replace(params={**target.params, "lm_head": target.params["lm_head"] * 0.1})
-    pair = specjax.pair(target, fh.init_from_target(target, jax.random.key(2), np.arange(12)))
+    pair = specjax.pair(target, fhb.init_from_target(target, jax.random.key(2), np.arange(12)))
     prompt, samples = [3, 5, 3], 40000  # [3] recurs: the first two drafts are the copies 5, 3
     counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, num_draft=num_draft, key=jax.random.key(7),
                                         rule=rule, lookup=drafting.ngram_lookup(1))

@@ -216,12 +216,12 @@ def test_sampled_speculative_decoding_follows_the_quantized_targets_law():
 
 @needs_kernels
 def test_a_quantized_feature_head_drafts_for_a_quantized_target(pair):
-    from specjax._src.models import feature_head as fh
+    from specjax._src.models import feature_head_build as fhb
 
     target, _ = pair
-    head = fh.init_from_target(target, jax.random.key(3), np.arange(48), num_layers=1)
+    head = fhb.init_from_target(target, jax.random.key(3), np.arange(48), num_layers=1)
     qt = specjax.quantize(target, "q4")
-    qh = specjax.quantize(fh.attach_embedding(head, qt), "int8")
+    qh = specjax.quantize(fhb.attach_embedding(head, qt), "int8")
     assert qh.params["embed"]["embedding"] is qt.params["embed"]["embedding"]  # borrowed, not copied
     # the fusion layer stays float (per-channel int8 would round its small learned weights away)
     np.testing.assert_array_equal(np.asarray(qh.params["fuse"]["kernel"]), np.asarray(head.params["fuse"]["kernel"]))

@@ -11,7 +11,7 @@ from specjax.drafting import ngram_lookup
 from specjax.engine import Engine, GenerationControls, SlotSettings
 from specjax.rules import speculative_sampling
 from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
-from specjax._src.models import feature_head as fh
+from specjax._src.models import feature_head_build as fhb
 from test_decode import count_compilations, exact_two_token_distribution, goodness_of_fit
 
 K, CAPACITY = 3, 48
@@ -101,7 +101,7 @@ def test_lookup_in_slots(llama_pair):
 def test_feature_head_in_slots(llama_pair):
     """An EAGLE-style head drafts in slots as it does in decode."""
     target = llama_pair.target
-    head_pair = specjax.pair(target, fh.init_from_target(target, jax.random.key(1), np.arange(80)[::-1]))
+    head_pair = specjax.pair(target, fhb.init_from_target(target, jax.random.key(1), np.arange(80)[::-1]))
     engine = Engine(head_pair, num_slots=2, capacity=CAPACITY, num_draft=K, controls=False)
     state = engine.insert(engine.init(), 0, PROMPTS[2], MIXED[0])
     got, _ = run_to_end(engine, state)

@@ -14,7 +14,7 @@ import pytest
 
 import specjax
 from specjax._src.models.lm import Model
-from specjax._src.models import feature_head, loading
+from specjax._src.models import feature_head, feature_head_build, loading
 from specjax.testing import llama_config
 from training import common, distill_data, draft, eagle, eagle_head
 
@@ -76,7 +76,7 @@ def test_features_are_the_targets_last_block_and_resume(tiny, tmp_path):
 def _tiny_head(target_path, data):
     target = specjax.load(target_path)
     ids = _head_ids(data, target.vocab_size)
-    head = feature_head.init_from_target(target, jax.random.key(0), ids)
+    head = feature_head_build.init_from_target(target, jax.random.key(0), ids)
     # perturb, so that the head is not the target's top and the steps differ
     params = dict(head.params)
     params["fuse"] = {"kernel": params["fuse"]["kernel"] + 0.05 * jax.random.normal(
@@ -174,9 +174,9 @@ def test_interrupted_training_resumes_and_the_export_reloads(tiny, tmp_path):
     loaded = specjax.load(dest)
     assert feature_head.is_feature_head(loaded.module)
     assert loaded.params["head_vocab_ids"].dtype == jnp.int32 and "embed" not in loaded.params
-    paired = feature_head.attach_embedding(loaded, target)
+    paired = feature_head_build.attach_embedding(loaded, target)
     ids = np.asarray(loaded.params["head_vocab_ids"])
-    init = feature_head.init_from_target(target, jax.random.key(0), ids)
+    init = feature_head_build.init_from_target(target, jax.random.key(0), ids)
     trained = jax.tree.map(jnp.asarray, states[0])
     assert not np.allclose(np.asarray(trained["lm_head"]), np.asarray(init.params["lm_head"]))
     ref = init.replace(params={**init.params, **trained})
@@ -208,7 +208,7 @@ def test_a_head_grown_to_several_blocks_starts_where_it_was(tiny, tmp_path):
                                rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="64-wide"):
         eagle.load_rows(files, two, ids, SEQ, target.vocab_size, h)
-    grown = feature_head.with_feature_layers(head, (0, -1))
+    grown = feature_head_build.with_feature_layers(head, (0, -1))
     cfg = head.module.config
     a = eagle.agreement(cfg, head.params, rows1)
     b = eagle.agreement(cfg, grown.params, rows2, num_feature_layers=2)
@@ -317,11 +317,11 @@ def test_a_head_grown_to_more_blocks_drafts_as_before_then_trains_its_new_block(
     block's output projections at once; a head cannot shrink."""
     target_path, data = tiny
     target, head, ids = _tiny_head(target_path, data)
-    grown = feature_head.with_num_layers(head, 3)
+    grown = feature_head_build.with_num_layers(head, 3)
     assert grown.module.config.num_layers == 3 and {"layer_1", "layer_2"} <= set(grown.params)
-    assert feature_head.with_num_layers(head, 1) is head
+    assert feature_head_build.with_num_layers(head, 1) is head
     with pytest.raises(ValueError, match="grow, not shrink"):
-        feature_head.with_num_layers(grown, 2)
+        feature_head_build.with_num_layers(grown, 2)
     tokens = jnp.asarray([[5, 6, 7, 8, 9, 10]])
     feats = target.module.apply(target.params, tokens, hidden_layers=(-1,)).hidden[0]
     a = head.module.apply(head.params, tokens, features=feats)
@@ -454,7 +454,7 @@ def test_online_features_train_the_head_as_stored_ones_do(tiny, tmp_path):
     assert (tmp_path / "stored" / "features").is_dir() and not (tmp_path / "online" / "features").exists()
     stored, online = (jax.tree.leaves(heads_[m].params) for m in ("stored", "online"))
     target = specjax.load(target_path)
-    init = feature_head.init_from_target(target, jax.random.key(0), _head_ids(data, target.vocab_size))
+    init = feature_head_build.init_from_target(target, jax.random.key(0), _head_ids(data, target.vocab_size))
     moved = {k: not np.allclose(np.asarray(heads_["stored"].params[k]["kernel"], np.float32),
                                 np.asarray(init.params[k]["kernel"], np.float32), atol=1e-3) for k in ("fuse",)}
     assert all(moved.values())  # the comparison below is between trained heads
@@ -501,7 +501,7 @@ def test_weights_format_int8_exports_a_smaller_head_that_loads_int8(tiny, tmp_pa
 def _eagle3_variant_head(target_path, dest):
     """A head in the published EAGLE-3 block layout (saved by save_head), for --init-from."""
     target = specjax.load(target_path)
-    cfg = feature_head.head_config(target.module.config, head_vocab_size=48)
+    cfg = feature_head_build.head_config(target.module.config, head_vocab_size=48)
     params = feature_head._init_params(cfg, jax.random.key(0), 2, "eagle3")
     params["head_vocab_ids"] = np.arange(48, dtype=np.int32)
     module = feature_head.FeatureHead(cfg, feature_layers=(0, -1), variant="eagle3")
@@ -544,7 +544,7 @@ def _saved_head(target_path, dest, **overrides):
     if overrides:
         cfg = target.module.config.replace(**overrides)
         target = Model(specjax.Decoder(cfg).init(jax.random.key(0)), specjax.Decoder(cfg), None, chat_template=None)
-    head = feature_head.init_from_target(target, jax.random.key(0), np.arange(40, dtype=np.int32))
+    head = feature_head_build.init_from_target(target, jax.random.key(0), np.arange(40, dtype=np.int32))
     feature_head.save_head(head, str(dest))
     return str(dest)
 

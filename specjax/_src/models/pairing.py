@@ -19,7 +19,7 @@ from typing import Optional
 from flax import struct
 
 from specjax._src.models.lm import Model
-from specjax._src.models import feature_head
+from specjax._src.models import feature_head, feature_head_build
 
 @struct.dataclass
 class ModelPair:
@@ -165,4 +165,4 @@ def _attach_target_features(target: Model, head: Model) -> Model:
             f"pair(): the feature head reads {module.hidden_size}-wide features but the target's hidden "
             f"size is {target.module.hidden_size}; pair a head with the target it was trained on."
         )
-    return feature_head.attach_embedding(head, target)
+    return feature_head_build.attach_embedding(head, target)

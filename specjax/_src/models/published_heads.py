@@ -468,7 +468,7 @@ def eagle3_feature_layers(config: dict) -> tuple[int, ...]:
     layers: vLLM captures ``hidden_states + residual`` before layer ``id``,
     specjax's block ``id - 1`` (``id`` 0, the embeddings, is not a block
     output and is refused). The defaults
-    (:func:`~specjax._src.models.feature_head.eagle3_default_layers`) are fixed
+    (:func:`~specjax._src.models.feature_head_build.eagle3_default_layers`) are fixed
     by pairing, from the target's depth.
     """
     eagle_config = config.get("eagle_config") or {}
