@@ -10,6 +10,7 @@ import json
 import os
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -207,7 +208,7 @@ def test_quantized_mixtral_gguf_keeps_every_block_with_its_experts(tmp_path):
     assert rel_err(got, torch_logits(hf_model, ids)) < 0.1  # and still the model (Q8_0 rounding: 5.1e-2)
     # Negative control: experts 0 and 1 swapped in every stack.
     swap = lambda x: x.at[jnp.array([0, 1])].set(x[jnp.array([1, 0])])  # noqa: E731
-    params = {k: ({**v, "mlp": {**v["mlp"], **{f"experts_{p}": {n: swap(a) for n, a in v["mlp"][f"experts_{p}"].items()}
+    params = {k: ({**v, "mlp": {**v["mlp"], **{f"experts_{p}": jax.tree.map(swap, v["mlp"][f"experts_{p}"])
                                                for p in ("gate", "up", "down")}}} if k.startswith("layer_") else v)
               for k, v in model.params.items()}
     assert rel_err(specjax.logits(model.replace(params=params), ids), want) > 1e-3

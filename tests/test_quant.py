@@ -14,7 +14,7 @@ from scipy import stats as scipy_stats
 
 import specjax
 from specjax._src import quant
-from specjax._src.kernels import cpu_matmul
+from specjax._src.kernels import cpu_matmul, qmatmul
 from specjax.testing import llama_config, peaked_target_and_draft
 
 from test_decode import NO_BUCKETS
@@ -33,8 +33,8 @@ def _matrix(n: int, k: int, seed: int = 0) -> np.ndarray:
     return w
 
 
-def _leaves(w: np.ndarray, fmt: str) -> dict:
-    return {name: jnp.asarray(v) for name, v in quant.quantize_matrix(w, quant.parse_format(fmt)).items()}
+def _leaves(w: np.ndarray, fmt: str) -> quant.QArray:
+    return jax.tree.map(jnp.asarray, quant.quantize_matrix(w, quant.parse_format(fmt)))
 
 
 def _error_bound(x: np.ndarray, w_hat: np.ndarray) -> np.ndarray:
@@ -85,8 +85,9 @@ def test_a_group_that_does_not_divide_the_inputs_is_named():
 
 
 # Outputs not a multiple of any tile; 96 inputs: an odd number of 32-blocks (which q4/64 cannot take).
-_SHAPES = [(fmt, n, k) for fmt in FORMATS for n, k in [(67, 128), (37, 96)]
-           if k % quant.parse_format(fmt).group_of(k) == 0]
+_SHAPES = [
+    (fmt, n, k) for fmt in FORMATS for n, k in [(67, 128), (37, 96)] if k % quant.parse_format(fmt).group_of(k) == 0
+]
 
 
 @needs_kernels
@@ -102,11 +103,11 @@ def test_the_cpu_kernel_matches_the_float_product_of_the_dequantized_weights(fmt
     bound = _error_bound(x, w_hat)
     assert np.all(np.abs(got - want) <= bound)
     # Negative control: a product that reads each row's scales from the next row is outside the bound.
-    wrong = dict(leaves, qscale=jnp.roll(leaves["qscale"], 1, axis=0))
+    wrong = quant.QArray(leaves.qweight, jnp.roll(leaves.qscale, 1, axis=0), leaves.qmin, fmt=leaves.fmt)
     off = x.astype(np.float64) @ np.asarray(quant.dequantize_matrix(wrong)).T.astype(np.float64)
     assert not np.all(np.abs(off - want) <= bound)
-    # XLA's dequantize-and-dot (GPU, TPU) computes the same product.
-    xla = np.asarray(quant._xla(leaves, jnp.asarray(x)))
+    # XLA's product on the quantized weights (GPU, TPU) computes the same product.
+    xla = np.asarray(qmatmul.xla_qmatmul(jnp.asarray(x), leaves.qweight, leaves.qscale, leaves.qmin))
     assert np.all(np.abs(xla - want) <= bound)
 
 
@@ -118,7 +119,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt):
     product = jax.jit(quant.qdot)
     together = np.asarray(product(jnp.asarray(x), leaves))
     for i in (0, 5, 15):
-        alone = np.asarray(product(jnp.asarray(x[i:i + 1]), leaves))
+        alone = np.asarray(product(jnp.asarray(x[i : i + 1]), leaves))
         np.testing.assert_array_equal(alone[0], together[i])
 
 
@@ -130,7 +131,8 @@ def test_quantized_products_lower_without_the_cpu_kernel_for_accelerators():
     assert "specjax_qmatmul" not in text
     if cpu_matmul.is_available():  # the premise: for the CPU the same function calls the kernel
         cpu = jax.export.export(
-            jax.jit(quant.qdot), platforms=("cpu",),
+            jax.jit(quant.qdot),
+            platforms=("cpu",),
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("specjax_qmatmul_q4")],
         )(x, leaves).mlir_module()
         assert "specjax_qmatmul_q4" in cpu
@@ -204,8 +206,16 @@ def test_sampled_speculative_decoding_follows_the_quantized_targets_law():
     qt = specjax.quantize(target, "q4")
     prompt = [3, 1, 4]
     n = 20_000
-    out = specjax.decode(specjax.pair(qt, specjax.quantize(draft, "int8")), [prompt] * n, num_draft=3,
-                         max_new_tokens=2, temperature=1.0, eos_token_id=(), key=jax.random.key(7), buckets=NO_BUCKETS)
+    out = specjax.decode(
+        specjax.pair(qt, specjax.quantize(draft, "int8")),
+        [prompt] * n,
+        num_draft=3,
+        max_new_tokens=2,
+        temperature=1.0,
+        eos_token_id=(),
+        key=jax.random.key(7),
+        buckets=NO_BUCKETS,
+    )
     toks = np.asarray(out.tokens)[:, :2]
     counts = np.zeros((16, 16))
     np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
@@ -256,13 +266,23 @@ def test_orbax_round_trip_keeps_the_quantized_arrays(pair, tmp_path):
     hf = specjax.load(tmp_path / "hf")
     assert hf.module.config.quantization is None
     ids = np.arange(1, 10)[None]
-    np.testing.assert_allclose(np.asarray(specjax.logits(hf, ids)),
-                               np.asarray(specjax.logits(specjax.dequantize(q), ids)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(specjax.logits(hf, ids)),
+        np.asarray(specjax.logits(specjax.dequantize(q), ids)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def _gguf_model(vocab: int = 96):
-    cfg = llama_config(vocab_size=vocab, hidden_size=64, head_dim=16, intermediate_size=128, rope_theta=10000.0,
-                       tie_word_embeddings=True)
+    cfg = llama_config(
+        vocab_size=vocab,
+        hidden_size=64,
+        head_dim=16,
+        intermediate_size=128,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
     return cfg, specjax.Decoder(cfg).init(jax.random.key(2))
 
 
@@ -284,11 +304,14 @@ def test_gguf_blocks_load_bit_for_bit(tmp_path, qtype, spec):
         np.asarray(quant.dequantize_matrix(model.params["layer_1"]["attn"]["q"]["kernel"])),  # rows unpermuted
         np.asarray(floats.params["layer_1"]["attn"]["q"]["kernel"]).T,
     )
-    np.testing.assert_array_equal(np.asarray(quant.dequantize_matrix(model.params["embed"]["embedding"])),
-                                  np.asarray(floats.params["embed"]["embedding"]))
+    np.testing.assert_array_equal(
+        np.asarray(quant.dequantize_matrix(model.params["embed"]["embedding"])),
+        np.asarray(floats.params["embed"]["embedding"]),
+    )
     ids = np.arange(1, 17)[None]
-    np.testing.assert_allclose(np.asarray(specjax.logits(model, ids)), np.asarray(specjax.logits(floats, ids)),
-                               atol=0.05)
+    np.testing.assert_allclose(
+        np.asarray(specjax.logits(model, ids)), np.asarray(specjax.logits(floats, ids)), atol=0.05
+    )
 
 
 @needs_kernels
@@ -299,7 +322,7 @@ def test_gguf_blocks_of_another_format_are_requantized(tmp_path):
     model = specjax.load(path, quantize="q4")
     floats = specjax.load(path)
     want = quant.quantize_matrix(np.asarray(floats.params["layer_0"]["mlp"]["up"]["kernel"]).T, quant.Format("q4"))
-    for name, value in want.items():
+    for name, value in want.parts().items():
         np.testing.assert_array_equal(np.asarray(model.params["layer_0"]["mlp"]["up"]["kernel"][name]), value)
 
 
@@ -320,8 +343,11 @@ def test_bad_requests_get_clear_errors(pair, monkeypatch, tmp_path):
         once = specjax.quantize(target, "int8")
         assert specjax.quantize(once, "int8") is once  # already in that format
     # On a CPU without the kernels: a clear error, not a slow float fallback.
-    monkeypatch.setattr(cpu_matmul, "ensure_loaded", lambda: (_ for _ in ()).throw(
-        cpu_matmul.KernelUnavailableError("no C++ compiler found")))
+    monkeypatch.setattr(
+        cpu_matmul,
+        "ensure_loaded",
+        lambda: (_ for _ in ()).throw(cpu_matmul.KernelUnavailableError("no C++ compiler found")),
+    )
     quant.check_kernels_for.cache_clear()
     with pytest.raises(ValueError, match="need specjax's kernels.*no C\\+\\+ compiler"):
         specjax.quantize(target, "int8")
@@ -365,8 +391,13 @@ def test_the_narrower_instruction_sets_compute_the_same_products(isa, tmp_path):
     import sys
 
     env = dict(os.environ, SPECJAX_CPU_ISA=isa, JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", _ISA_CHECK.format(tests=os.path.dirname(__file__))],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _ISA_CHECK.format(tests=os.path.dirname(__file__))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     # The variable did pick another kernel: its sums are not bit for bit this process's.
     assert done.stdout.strip().splitlines()[-1] != _fingerprint()

@@ -26,12 +26,23 @@ one for its vocabulary matrices (the token embedding and the LM head):
 ``"q4"`` is q4 for both, ``"q4,embedding=int8/32"`` what llama.cpp's Q4_1
 files hold. Norms, biases and GPT-2's position table stay in the compute dtype.
 
-Every product dequantizes the weights exactly (``q * d [+ m]`` in float32) and
-multiplies them with the activations: on the CPU in registers, in the few-row
-kernels of ``kernels/cpu_qmatmul.cc`` (every row count, so a row's result never
-depends on the rows beside it); elsewhere (GPU, TPU, an export) in XLA, in the
-compute dtype. A quantized model is one model whatever computes it: speculative
-decoding reproduces its own greedy output.
+A quantized matrix is a :class:`QArray`: its stored arrays and its
+:class:`Format`, a static field (part of the pytree's structure, as Qwix's
+``QArray`` and AQT's ``QTensor``), so no code re-derives the format from which
+arrays exist. Its pytree keys are the arrays' stored names, so a params tree
+flattens (and saves to Orbax) to the same paths as the dicts of arrays it
+replaces: ``.../kernel/qweight``, ``.../kernel/qscale``, ``.../kernel/qmin``.
+
+Products (:func:`qdot`, kernels in :mod:`specjax._src.kernels`): on the CPU,
+the few-row kernels of ``kernels/cpu_qmatmul.cc`` dequantize exactly (``q * d
+[+ m]`` in float32) in registers (every row count, so a row's result never
+depends on the rows beside it); elsewhere (GPU, TPU, an export) XLA's
+``dot_general`` reads the int8 or 4-bit weights as its operand, with the scales
+applied to its output (a grouped format: the group axis a batch axis of the
+dot), or, with ``matmul="pallas"``, the Pallas kernels of
+``kernels/pallas_qmatmul.py`` (TPU Mosaic; GPU Triton for 1-16 rows). A
+quantized model is one model whatever computes it: speculative decoding
+reproduces its own greedy output.
 """
 
 from __future__ import annotations
@@ -47,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src.kernels import cpu_matmul
+from specjax._src.kernels import cpu_matmul, pallas_qmatmul, qmatmul
 
 Array = jax.Array
 
@@ -140,9 +151,7 @@ _FORMAT = re.compile(r"^(int8|q4)(?:/(\d+))?$")
 def parse_format(text: str) -> Format:
     match = _FORMAT.match(text.strip().lower())
     if match is None:
-        raise ValueError(
-            f"Unknown weight format {text!r}: use int8 (per channel), int8/G, q4 (4 bits per 32) or q4/G."
-        )
+        raise ValueError(f"Unknown weight format {text!r}: use int8 (per channel), int8/G, q4 (4 bits per 32) or q4/G.")
     return Format(match.group(1), int(match.group(2)) if match.group(2) else None)
 
 
@@ -164,6 +173,81 @@ def parse_quantization(spec: Union[None, str, Quantization]) -> Optional[Quantiz
     return Quantization(weights, embedding)
 
 
+_PARTS = ("qweight", "qscale", "qmin")
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class QArray:
+    """A quantized ``[..., N, K]`` matrix (or stack of matrices: a mixture of experts' ``[E, N, K]``).
+
+    Attributes:
+      qweight: int8 ``[..., N, K]`` (``int8``) or uint8 ``[..., N, K/2]`` (``q4``: two inputs a byte).
+      qscale: float16 ``[..., N, K/G]``, a scale per group of ``G`` inputs.
+      qmin: float16 ``[..., N, K/G]``, the minimum added per group (``q4``), else None.
+      fmt: the :class:`Format`, static: two formats are two pytree structures (two programs).
+
+    A pytree whose children are the arrays under their stored names (``DictKey("qweight")``, ...),
+    so tree paths and Orbax files are those of the dict layout; ``q["qweight"]`` reads a part by
+    that name. NumPy, JAX or ``ShapeDtypeStruct`` leaves alike.
+    """
+
+    __slots__ = ("qweight", "qscale", "qmin", "fmt")
+
+    def __init__(self, qweight, qscale, qmin=None, *, fmt: "Format"):
+        if (qmin is None) != (fmt.kind == "int8"):
+            raise ValueError(f"A {fmt} matrix {'has no' if fmt.kind == 'int8' else 'needs a'} qmin array.")
+        self.qweight, self.qscale, self.qmin, self.fmt = qweight, qscale, qmin, fmt
+
+    @classmethod
+    def from_parts(cls, parts: Mapping, fmt: Optional["Format"] = None) -> "QArray":
+        """A matrix from its stored arrays by name (a safetensors file's or an old params dict's);
+        ``fmt`` None: the format the arrays' names and shapes imply (the one place it is derived)."""
+        if fmt is None:
+            n, groups = parts["qscale"].shape[-2:]
+            kind = "q4" if "qmin" in parts else "int8"
+            k = parts["qweight"].shape[-1] * (2 if kind == "q4" else 1)
+            fmt = Format(kind, None if groups == 1 and kind == "int8" else k // groups)
+        return cls(parts["qweight"], parts["qscale"], parts.get("qmin"), fmt=fmt)
+
+    def tree_flatten_with_keys(self):
+        children = [(jax.tree_util.DictKey(name), getattr(self, name)) for name in self.names]
+        return children, self.fmt
+
+    @classmethod
+    def tree_unflatten(cls, fmt, children):
+        q = object.__new__(cls)  # no check: jax rebuilds trees with placeholder leaves
+        q.qweight, q.qscale, q.fmt = children[0], children[1], fmt
+        q.qmin = children[2] if len(children) > 2 else None
+        return q
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The stored arrays' names: ``qweight``, ``qscale`` (and ``qmin`` for 4-bit)."""
+        return _PARTS if self.fmt.kind == "q4" else _PARTS[:2]
+
+    def parts(self) -> dict:
+        """``{stored name: array}``, the layout on disk."""
+        return {name: getattr(self, name) for name in self.names}
+
+    def __getitem__(self, name: str):
+        if name not in self.names:
+            raise KeyError(f"a {self.fmt} matrix stores {', '.join(self.names)}, not {name!r}")
+        return getattr(self, name)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``[..., N, K]`` of the matrix the arrays hold."""
+        *lead, n, k = self.qweight.shape
+        return (*lead, n, k * 2 if self.fmt.kind == "q4" else k)
+
+    def dequantize(self, dtype: Any = jnp.float32) -> Array:
+        """The ``[..., N, K]`` matrix, exactly in float32, then cast to ``dtype``."""
+        return qmatmul.dequantize(self.qweight, self.qscale, self.qmin, dtype)
+
+    def __repr__(self) -> str:
+        return f"QArray({self.fmt}, shape={self.shape})"
+
+
 # --------------------------------------------------------------------------- #
 # Host-side (NumPy) quantization
 # --------------------------------------------------------------------------- #
@@ -174,7 +258,7 @@ def _grouped(w: np.ndarray, group: int) -> np.ndarray:
     return w.reshape(n, k // group, group)
 
 
-def quantize_matrix(w: np.ndarray, fmt: Format, name: str = "a matrix") -> dict[str, np.ndarray]:
+def quantize_matrix(w: np.ndarray, fmt: Format, name: str = "a matrix") -> QArray:
     """An ``[N, K]`` float matrix in ``fmt`` (round to nearest; the scales are
     rounded to float16 first, so each weight is rounded against the scale it
     will be read with)."""
@@ -187,12 +271,12 @@ def quantize_matrix(w: np.ndarray, fmt: Format, name: str = "a matrix") -> dict[
         d = (np.abs(g).max(axis=-1) / _INT8_MAX).astype(np.float16)
         inv = _safe_inverse(d)
         q = np.clip(np.rint(g * inv[..., None]), -_INT8_MAX, _INT8_MAX).astype(np.int8)
-        return {"qweight": q.reshape(w.shape), "qscale": d}
+        return QArray(q.reshape(w.shape), d, fmt=fmt)
     lo, hi = g.min(axis=-1), g.max(axis=-1)
     d = ((hi - lo) / _Q4_MAX).astype(np.float16)
     m = lo.astype(np.float16)
     q = np.clip(np.rint((g - m.astype(np.float32)[..., None]) * _safe_inverse(d)[..., None]), 0, _Q4_MAX)
-    return {"qweight": pack_nibbles(q.astype(np.uint8).reshape(w.shape)), "qscale": d, "qmin": m}
+    return QArray(pack_nibbles(q.astype(np.uint8).reshape(w.shape)), d, m, fmt=fmt)
 
 
 def _safe_inverse(d: np.ndarray) -> np.ndarray:
@@ -207,39 +291,27 @@ def pack_nibbles(q: np.ndarray) -> np.ndarray:
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).astype(np.uint8).reshape(n, k // 2)
 
 
-def dequantize_matrix(leaves: dict, dtype: Any = jnp.float32) -> Array:
+def as_qarray(leaf: Union[QArray, Mapping]) -> QArray:
+    """``leaf`` as a :class:`QArray` (a mapping of stored arrays by name: see :meth:`QArray.from_parts`)."""
+    return leaf if isinstance(leaf, QArray) else QArray.from_parts(leaf)
+
+
+def dequantize_matrix(leaf: Union[QArray, Mapping], dtype: Any = jnp.float32) -> Array:
     """The ``[..., N, K]`` matrix (or stack of matrices: a mixture of experts'
-    ``[E, N, K]``) that ``leaves`` (one format's arrays) hold, in ``dtype``.
+    ``[E, N, K]``) that ``leaf`` holds, in ``dtype``.
 
     Works on NumPy and JAX arrays alike (jnp ops), inside or outside jit."""
-    q, d = jnp.asarray(leaves["qweight"]), jnp.asarray(leaves["qscale"]).astype(jnp.float32)
-    *lead, n, groups = d.shape
-    if "qmin" in leaves:
-        b = q.reshape(*lead, n, -1, Q4_BLOCK // 2)
-        values = jnp.concatenate([b & 0xF, b >> 4], axis=-1).reshape(*lead, n, groups, -1).astype(jnp.float32)
-        w = values * d[..., None] + jnp.asarray(leaves["qmin"]).astype(jnp.float32)[..., None]
-    else:
-        w = q.reshape(*lead, n, groups, -1).astype(jnp.float32) * d[..., None]
-    return w.reshape(*lead, n, -1).astype(dtype)
+    return as_qarray(leaf).dequantize(dtype)
 
 
-def format_of(leaves: dict) -> Format:
-    """The format that a quantized matrix's (or stack's) arrays are stored in."""
-    n, groups = leaves["qscale"].shape[-2:]
-    k = leaves["qweight"].shape[-1] * (2 if "qmin" in leaves else 1)
-    kind = "q4" if "qmin" in leaves else "int8"
-    return Format(kind, None if groups == 1 and kind == "int8" else k // groups)
+def format_of(leaf: Union[QArray, Mapping]) -> Format:
+    """The format that a quantized matrix (or stack) is stored in."""
+    return as_qarray(leaf).fmt
 
 
 def matrix_shape(leaf) -> tuple[int, ...]:
-    """``[..., N, K]`` of a quantized matrix's arrays (else the array's shape)."""
-    if not is_quantized(leaf):
-        return tuple(leaf.shape)
-    *lead, n, k = leaf["qweight"].shape
-    return (*lead, n, k * 2 if "qmin" in leaf else k)
-
-
-_PARTS = ("qweight", "qscale", "qmin")
+    """``[..., N, K]`` of a quantized matrix (else the array's shape)."""
+    return leaf.shape if is_quantized(leaf) else tuple(leaf.shape)
 
 
 def is_quantized_part(path) -> bool:
@@ -248,8 +320,8 @@ def is_quantized_part(path) -> bool:
 
 
 def is_quantized(leaf) -> bool:
-    """Whether ``leaf`` is a quantized matrix's arrays (a mapping with ``qweight``)."""
-    return isinstance(leaf, Mapping) and "qweight" in leaf
+    """Whether ``leaf`` is a quantized matrix (a :class:`QArray`)."""
+    return isinstance(leaf, QArray)
 
 
 def nbytes(tree) -> int:
@@ -306,7 +378,7 @@ def _names(path) -> tuple[str, ...]:
 
 
 def quantize_leaf(names: tuple[str, ...], value: np.ndarray, quantization: Quantization):
-    """``value`` as the quantized model stores it: a dict of arrays, or ``value``."""
+    """``value`` as the quantized model stores it: a :class:`QArray`, or ``value``."""
     role = quantized_role(names, np.ndim(value))
     if role is None:
         return value
@@ -319,9 +391,9 @@ def quantize_leaf(names: tuple[str, ...], value: np.ndarray, quantization: Quant
     return quantize_matrix(w, fmt, name)
 
 
-def stack_matrices(matrices: list) -> dict:
-    """Quantized matrices of one format (dicts of arrays) as one ``[E, ...]`` stack."""
-    return {k: np.stack([np.asarray(m[k]) for m in matrices]) for k in matrices[0]}
+def stack_matrices(matrices: list) -> QArray:
+    """Quantized matrices of one format as one ``[E, ...]`` stack (NumPy arrays)."""
+    return jax.tree.map(lambda *parts: np.stack([np.asarray(p) for p in parts]), *matrices)
 
 
 def quantize_params(params, quantization: Quantization, keep=()):
@@ -333,7 +405,7 @@ def quantize_params(params, quantization: Quantization, keep=()):
         if names in keep or is_quantized(value) or quantized_role(names, np.ndim(value)) is None:
             return value
         out = quantize_leaf(names, np.asarray(jax.device_get(value)), quantization)
-        return jax.tree.map(jnp.asarray, out) if isinstance(out, dict) else value
+        return jax.tree.map(jnp.asarray, out) if is_quantized(out) else value
 
     return _map_with_path(leaf, params)
 
@@ -350,8 +422,8 @@ def dequantize_params(params, dtype: Any):
 
 
 def _map_with_path(fn, tree, path=()):
-    """Maps ``fn(path, value)`` over a nested dict, a quantized matrix's dict being one value."""
-    if isinstance(tree, Mapping) and not is_quantized(tree):
+    """Maps ``fn(path, value)`` over a nested dict, a quantized matrix being one value."""
+    if isinstance(tree, Mapping):
         return {k: _map_with_path(fn, v, path + (jax.tree_util.DictKey(k),)) for k, v in tree.items()}
     return fn(path, tree)
 
@@ -373,7 +445,7 @@ def gguf_format(type_name: str) -> Optional[Format]:
     return Format("q4") if type_name.startswith(("Q4", "IQ4", "Q3", "Q2", "IQ3", "IQ2", "IQ1")) else Format("int8", 32)
 
 
-def from_gguf_blocks(type_name: str, blocks: np.ndarray, fmt: Format) -> Optional[dict[str, np.ndarray]]:
+def from_gguf_blocks(type_name: str, blocks: np.ndarray, fmt: Format) -> Optional[QArray]:
     """A GGUF tensor's raw blocks ``[N, row_bytes]`` (uint8) as ``fmt``'s
     arrays, bit for bit, where ``fmt`` holds the type exactly; else None."""
     kind, size = _GGUF_BLOCKS.get(type_name, (None, 0))
@@ -383,15 +455,15 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, fmt: Format) -> Optiona
     b = np.ascontiguousarray(blocks).reshape(n, -1, size)
     d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
     if type_name == "Q8_0":
-        return {"qweight": np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, -1), "qscale": d}
+        return QArray(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, -1), d, fmt=fmt)
     if type_name == "Q4_1":
         m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]
-        return {"qweight": np.ascontiguousarray(b[..., 4:]).reshape(n, -1), "qscale": d, "qmin": m}
+        return QArray(np.ascontiguousarray(b[..., 4:]).reshape(n, -1), d, m, fmt=fmt)
     # Q4_0: d * (q - 8) = q * d + (-8 d); -8 d is exact in float16 below its overflow.
-    m = (d.astype(np.float32) * -8.0)
+    m = d.astype(np.float32) * -8.0
     if not np.all(np.isfinite(m.astype(np.float16))):
         return None
-    return {"qweight": np.ascontiguousarray(b[..., 2:]).reshape(n, -1), "qscale": d, "qmin": m.astype(np.float16)}
+    return QArray(np.ascontiguousarray(b[..., 2:]).reshape(n, -1), d, m.astype(np.float16), fmt=fmt)
 
 
 # --------------------------------------------------------------------------- #
@@ -400,64 +472,68 @@ def from_gguf_blocks(type_name: str, blocks: np.ndarray, fmt: Format) -> Optiona
 
 
 def kernel_applies(x: Array, matmul: str) -> bool:
-    """Whether ``x @ W^T`` goes to the CPU kernel (float32 activations and
-    ``matmul`` not ``"xla"``); elsewhere XLA dequantizes."""
+    """Whether ``x @ W^T`` goes to the CPU kernel on a CPU (float32 activations and
+    ``matmul`` not ``"xla"``)."""
     if x.dtype != jnp.float32:
         return False
     return cpu_matmul.kernel_wanted(matmul)
 
 
-def _ffi(leaves: dict, x: Array) -> Array:
-    n = leaves["qweight"].shape[0]
-    kind = "q4" if "qmin" in leaves else "int8"
-    call = jax.ffi.ffi_call(
-        cpu_matmul._TARGETS[kind][0], jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential"
-    )
-    args = [x, leaves["qweight"], leaves["qscale"]] + ([leaves["qmin"]] if kind == "q4" else [])
-    return call(*args)
+def _accelerator(q: QArray, matmul: str):
+    """The product on a GPU or TPU: XLA's ``dot_general`` on the quantized weights, or with
+    ``matmul="pallas"`` the Pallas kernel of the platform where it takes the shape."""
+
+    def xla(a, w):
+        return qmatmul.xla_qmatmul(a, w.qweight, w.qscale, w.qmin)
+
+    if matmul != "pallas":
+        return {"default": xla}
+
+    def gpu(a, w):
+        rows, (n, k) = a.shape[0], w.shape
+        if not pallas_qmatmul.gpu_fits(rows, n, k, w.fmt.group_of(k), w.fmt.kind):
+            return xla(a, w)
+        return pallas_qmatmul.gpu_qmatmul(a, w.qweight, w.qscale, w.qmin)
+
+    def tpu(a, w):
+        return pallas_qmatmul.tpu_qmatmul(a, w.qweight, w.qscale, w.qmin)
+
+    return {"cuda": gpu, "tpu": tpu, "default": xla}
 
 
-def _xla(leaves: dict, x: Array) -> Array:
-    dims = (((1,), (1,)), ((), ()))
-    if "qmin" not in leaves and leaves["qscale"].shape[1] == 1:
-        # Per channel, the scale factors out of the dot: the dot's operand is
-        # then the int8 weights converted, which XLA fuses into the product.
-        w = leaves["qweight"].astype(x.dtype)
-        y = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
-        return y * leaves["qscale"][:, 0].astype(jnp.float32)
-    w = dequantize_matrix(leaves, x.dtype)
-    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+def qdot(x: Array, q: QArray, matmul: str = "auto") -> Array:
+    """``x[..., K] @ W[N, K]^T`` in float32, ``W`` a quantized matrix.
 
-
-def qdot(x: Array, leaves: dict, matmul: str = "auto") -> Array:
-    """``x[..., K] @ W[N, K]^T`` in float32, ``W`` a quantized matrix's arrays."""
+    On a CPU the few-row kernel (float32 ``x``, ``matmul`` not ``"xla"``), else XLA's
+    ``dot_general`` on the quantized weights; on a GPU or TPU that formulation, or with
+    ``matmul="pallas"`` the Pallas kernels (:mod:`specjax._src.kernels.pallas_qmatmul`)."""
+    if not is_quantized(q):
+        raise TypeError(f"qdot needs a QArray (a quantized matrix), got {type(q).__name__}.")
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     flat = x.reshape(rows, x.shape[-1])
+    branches = _accelerator(q, matmul)
     if rows and kernel_applies(x, matmul):
-        out = jax.lax.platform_dependent(
-            flat, leaves, cpu=lambda a, w: _ffi(w, a), default=lambda a, w: _xla(w, a)
-        )
-    else:
-        out = _xla(leaves, flat)
+        branches = {**branches, "cpu": lambda a, w: qmatmul.cpu_qmatmul(a, w.qweight, w.qscale, w.qmin)}
+    out = jax.lax.platform_dependent(flat, q, **branches) if len(branches) > 1 else branches["default"](flat, q)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def qdot_experts(x: Array, leaves: dict, matmul: str = "auto", *, per_expert: bool = False) -> Array:
+def qdot_experts(x: Array, q: QArray, matmul: str = "auto", *, per_expert: bool = False) -> Array:
     """Every expert's product with the stack ``W[E, N, K]``: ``[E, ..., N]`` in float32,
     from ``x[..., K]`` (one input for every expert) or, with ``per_expert``, ``x[E, ..., K]``.
 
     One expert at a time (``lax.map``): each is the product :func:`qdot` computes,
     with the CPU kernel where it applies, so a stack costs what its matrices cost."""
     if per_expert:
-        return jax.lax.map(lambda args: qdot(args[0], args[1], matmul), (x, leaves))
-    return jax.lax.map(lambda w: qdot(x, w, matmul), leaves)
+        return jax.lax.map(lambda args: qdot(args[0], args[1], matmul), (x, q))
+    return jax.lax.map(lambda w: qdot(x, w, matmul), q)
 
 
-def embed_rows(leaves: dict, ids: Array, dtype: Any) -> Array:
+def embed_rows(q: QArray, ids: Array, dtype: Any) -> Array:
     """Rows ``ids`` of a quantized ``[V, H]`` table, dequantized: ``[..., H]``."""
     flat = ids.reshape(-1)
-    picked = {k: jnp.take(v, flat, axis=0) for k, v in leaves.items()}
-    return dequantize_matrix(picked, dtype).reshape(*ids.shape, -1)
+    picked = jax.tree.map(lambda v: jnp.take(v, flat, axis=0), q)
+    return picked.dequantize(dtype).reshape(*ids.shape, -1)
 
 
 def _zeros(fmt: Format, n: int, k: int, experts: Optional[int] = None):
@@ -465,20 +541,21 @@ def _zeros(fmt: Format, n: int, k: int, experts: Optional[int] = None):
 
     def init(key):
         del key
-        return {name: jnp.zeros(lead + s.shape, s.dtype) for name, s in fmt.leaf_shapes(n, k).items()}
+        parts = {name: jnp.zeros(lead + s.shape, s.dtype) for name, s in fmt.leaf_shapes(n, k).items()}
+        return QArray.from_parts(parts, fmt)
 
     return init
 
 
-def quant_experts(module: nn.Module, name: str, fmt: Format, experts: int, inputs: int, outputs: int) -> dict:
+def quant_experts(module: nn.Module, name: str, fmt: Format, experts: int, inputs: int, outputs: int) -> QArray:
     """A mixture of experts' stacked matrices stored in ``fmt`` (``[E, outputs, inputs]``)."""
     fmt.check((outputs, inputs), f"{name} (each expert)")
     return module.param(name, _zeros(fmt, outputs, inputs, experts))
 
 
 class QuantDense(nn.Module):
-    """``nn.Dense`` with its kernel stored in ``fmt`` (param ``kernel``: the
-    format's arrays, ``[features, inputs]``)."""
+    """``nn.Dense`` with its kernel stored in ``fmt`` (param ``kernel``: a
+    :class:`QArray`, ``[features, inputs]``)."""
 
     features: int
     fmt: Format
@@ -500,7 +577,7 @@ class QuantDense(nn.Module):
 
 class QuantEmbed(nn.Module):
     """``nn.Embed`` with its table stored in ``fmt`` (param ``embedding``:
-    the format's arrays, ``[V, H]``); :meth:`attend` is the tied LM head."""
+    a :class:`QArray`, ``[V, H]``); :meth:`attend` is the tied LM head."""
 
     num_embeddings: int
     features: int
@@ -520,7 +597,7 @@ class QuantEmbed(nn.Module):
         return qdot(x.astype(self.dtype), self.embedding, self.matmul)
 
 
-def quant_head(module: nn.Module, name: str, fmt: Format, hidden: int, vocab: int) -> dict:
+def quant_head(module: nn.Module, name: str, fmt: Format, hidden: int, vocab: int) -> QArray:
     """An untied LM head's param stored in ``fmt`` (``[vocab, hidden]``)."""
     fmt.check((vocab, hidden), "the LM head")
     return module.param(name, _zeros(fmt, vocab, hidden))

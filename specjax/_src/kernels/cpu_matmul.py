@@ -48,7 +48,9 @@ Array = jax.Array
 #: fast; from 24 rows on, XLA's packed GEMM is (``benchmarks/cpu_matmul.py``).
 MIN_ROWS, MAX_ROWS = 2, 16
 
-MATMUL_MODES = ("auto", "xla", "kernel")
+#: ``"pallas"``: quantized products by the Pallas kernels on a GPU or TPU (kernels/pallas_qmatmul.py);
+#: on a CPU it is ``"auto"``.
+MATMUL_MODES = ("auto", "xla", "kernel", "pallas")
 
 # cpu_qmatmul.cc: the same products with int8 and 4-bit weights
 # (specjax._src.quant); both are built into one library.
@@ -171,6 +173,11 @@ def is_available() -> bool:
     return True
 
 
+def ffi_target(kind: str) -> str:
+    """The FFI target name of a kernel: ``"nn"``, ``"nt"`` (float), ``"int8"`` or ``"q4"`` (quantized)."""
+    return _TARGETS[kind][0]
+
+
 def check_mode(matmul: str) -> str:
     if matmul not in MATMUL_MODES:
         raise ValueError(f"matmul must be one of {', '.join(map(repr, MATMUL_MODES))}, got {matmul!r}.")
@@ -213,9 +220,7 @@ def _xla(kind: str, x: Array, w: Array) -> Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rows_matmul(kind: str, x: Array, w: Array) -> Array:
     # The kernel on the CPU; XLA's dot wherever else the program is lowered.
-    return jax.lax.platform_dependent(
-        x, w, cpu=functools.partial(_ffi, kind), default=functools.partial(_xla, kind)
-    )
+    return jax.lax.platform_dependent(x, w, cpu=functools.partial(_ffi, kind), default=functools.partial(_xla, kind))
 
 
 def _rows_matmul_fwd(kind, x, w):
@@ -265,8 +270,11 @@ def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_ele
     float32 products (``matmul_mode`` permitting) to the kernel."""
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     plain = (
-        tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)
-        and not lhs_batch and not rhs_batch and precision is None
+        tuple(lhs_contract) == (lhs.ndim - 1,)
+        and tuple(rhs_contract) == (0,)
+        and not lhs_batch
+        and not rhs_batch
+        and precision is None
     )
     if plain and applies(lhs, rhs, matmul_mode):
         return matmul(lhs, rhs).astype(preferred_element_type or lhs.dtype)

@@ -542,7 +542,7 @@ def _stored_int8(flat: dict[str, np.ndarray], fmt: quant.Format) -> dict[str, np
             out[name] = x
             continue
         parts = quant.quantize_leaf(tuple(name.split(".")), np.asarray(x, np.float32), quant.Quantization(fmt, fmt))
-        out.update({f"{name}.{part}": value for part, value in parts.items()})
+        out.update({f"{name}.{part}": value for part, value in parts.parts().items()})
     return out
 
 
@@ -560,7 +560,7 @@ def _read_int8(tensors: dict, name: str, shape: tuple[int, ...], fmt: quant.Form
         raise ValueError(f"{where}: tensors {name}.qweight {parts['qweight'].dtype}{list(parts['qweight'].shape)} / "
                          f"{name}.qscale {list(parts['qscale'].shape)} do not store an int8 matrix of shape "
                          f"{list(shape)} in {fmt} (expected int8{[rows, cols]} / {[rows, groups]}).")
-    w = np.asarray(quant.dequantize_matrix(parts, jnp.float32))
+    w = np.asarray(quant.QArray.from_parts(parts, fmt).dequantize(jnp.float32))
     return w.T if transposed else w
 
 

@@ -235,8 +235,7 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
         _set(params, path, jnp.asarray(stack) if placement is None else _put(stack, _get(placement, path)))
     stacks.clear()
     for path, experts in quantized_stacks.items():
-        _set(params, path, {k: jnp.asarray(v) for k, v in
-                            quant.stack_matrices([experts[j] for j in sorted(experts)]).items()})
+        _set(params, path, jax.tree.map(jnp.asarray, quant.stack_matrices([experts[j] for j in sorted(experts)])))
     quantized_stacks.clear()
     missing = [n for n, s in specs.items() if not _has(params, s.path)]
     if missing:
@@ -255,7 +254,7 @@ def _params_from_tensors(cfg: ModelConfig, path: str, tensors, count: int, progr
     return params
 
 
-def _quantized_expert(spec, read, quantization: quant.Quantization) -> dict:
+def _quantized_expert(spec, read, quantization: quant.Quantization) -> quant.QArray:
     """One expert's matrix (an ``[out, in]`` checkpoint tensor of a stacked param) in the
     model's weight format, as NumPy arrays: a GGUF block type the format holds
     exactly copied as it is, anything else quantized from its float values."""
@@ -271,7 +270,7 @@ def _quantized_expert(spec, read, quantization: quant.Quantization) -> dict:
     return quant.quantize_matrix(tensor if spec.transpose else tensor.T, fmt, name)
 
 
-def _quantized_matrix(spec, read, quantization: quant.Quantization) -> dict:
+def _quantized_matrix(spec, read, quantization: quant.Quantization) -> quant.QArray:
     """One checkpoint matrix as a quantized model stores it: a GGUF block type
     that the format holds exactly copied as it is (``read.blocks``), anything
     else quantized from its float values."""
@@ -282,10 +281,10 @@ def _quantized_matrix(spec, read, quantization: quant.Quantization) -> dict:
         fmt = getattr(quantization, quant.quantized_role(names, 2))
         exact = quant.from_gguf_blocks(type_name, raw, fmt)
         if exact is not None:
-            return {k: jnp.asarray(v) for k, v in exact.items()}
+            return jax.tree.map(jnp.asarray, exact)
     tensor = read()
     out = quant.quantize_leaf(names, tensor.T if spec.transpose else tensor, quantization)
-    return {k: jnp.asarray(v) for k, v in out.items()}
+    return jax.tree.map(jnp.asarray, out)
 
 
 def load_gguf(path: str, dtype: Any = None, *, quantize=None, progress: Progress = None, mesh=None,
