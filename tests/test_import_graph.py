@@ -200,11 +200,6 @@ def test_layers_import_only_downwards(graph):
 # Private names one library module takes from another, each with why it is not a plain name yet. A helper
 # two modules share gets a plain name in the module that owns it (docs/layout.md); add none here.
 PRIVATE_NAMES_ALLOWED = {
-    ("specjax._src.models.feature_head", "specjax._src.models.decoder._INIT_STD"): "decoder.py is being split; "
-    "its shared layers get plain names in models/layers.py",
-    ("specjax._src.models.feature_head", "specjax._src.models.decoder._dense"): "as _INIT_STD",
-    ("specjax._src.models.feature_head", "specjax._src.models.decoder._head_logits"): "as _INIT_STD",
-    ("specjax._src.models.feature_head", "specjax._src.models.decoder._norm"): "as _INIT_STD",
     ("specjax._src.quant", "specjax._src.kernels.cpu_matmul._TARGETS"): "the kernels' binding moves into kernels/",
 }
 

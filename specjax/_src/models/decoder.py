@@ -549,7 +549,7 @@ class Transformer(nn.Module):
         if cfg.has_reduced_head:
             head = self._head(cfg.head_vocab_size)
             ids = self.param("head_vocab_ids", _identity_ids, (cfg.head_vocab_size,))
-            logits = _softcap_logits(cfg, _head_logits(x, head, self.matmul))
+            logits = _softcap_logits(cfg, head_logits(x, head, self.matmul))
             if not reduced_logits:
                 logits = scatter_to_vocab(logits, ids, cfg.vocab_size)
         elif cfg.tie_word_embeddings:
@@ -559,9 +559,9 @@ class Transformer(nn.Module):
             # token for a 2048 x 64 table), and with the table on the right a
             # 4-token verification of SmolLM2's 49152 x 576 table took 1.3 ms
             # more (a 20.9 ms forward against 19.6 ms; 1 token: the same).
-            logits = _softcap_logits(cfg, _head_logits(x, embed.embedding, self.matmul, table=True))
+            logits = _softcap_logits(cfg, head_logits(x, embed.embedding, self.matmul, table=True))
         else:
-            logits = _softcap_logits(cfg, _head_logits(x, self._head(cfg.vocab_size), self.matmul))
+            logits = _softcap_logits(cfg, head_logits(x, self._head(cfg.vocab_size), self.matmul))
         return logits, tuple(block_outputs), tuple(new_caches)
 
     def _head(self, vocab: int):
@@ -578,7 +578,7 @@ def _softcap_logits(cfg: ModelConfig, logits: Array) -> Array:
     return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
-def _head_logits(x: Array, head: Array, matmul: str, table: bool = False) -> Array:
+def head_logits(x: Array, head: Array, matmul: str, table: bool = False) -> Array:
     """``x[B, T, H] @ head[H, V]`` (``table``: ``@ head[V, H].T``; quantized:
     always ``[V, H]``), accumulated in float32."""
     if quant.is_quantized(head):

@@ -54,18 +54,16 @@ from specjax._src import quant
 from specjax._src.models.lm import Array, KVCache, LMOutput, Model, Params, ReducedLogits
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import (
-    _INIT_STD,
     MLP,
     Attention,
     Block,
     Decoder,
-    _dense,
-    _head_logits,
-    _norm,
     attention_width_index,
+    head_logits,
     scatter_to_vocab,
     tree_attention_mask,
 )
+from specjax._src.models.layers import INIT_STD, dense, norm
 from specjax._src.models.files import load_tokenizer, write_directory
 from specjax._src.models.hf import write_safetensors
 
@@ -119,7 +117,7 @@ class _EagleFirstBlock(nn.Module):
         cfg = self.config
         attn, new_cache = Attention(cfg, name="attn")(x, positions, kv_cache, lengths, mask, width_index)
         x = x + attn
-        return x + MLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x)), new_cache
+        return x + MLP(cfg, name="mlp")(norm(cfg, "mlp_norm")(x)), new_cache
 
 
 class _Eagle3Block(nn.Module):
@@ -134,11 +132,11 @@ class _Eagle3Block(nn.Module):
     @nn.compact
     def __call__(self, embedded, hidden, positions, kv_cache, lengths, mask=None, width_index=None):
         cfg = self.config
-        normed = _norm(cfg, "hidden_norm")(hidden)
-        x = jnp.concatenate([_norm(cfg, "attn_norm")(embedded), normed], axis=-1)
+        normed = norm(cfg, "hidden_norm")(hidden)
+        x = jnp.concatenate([norm(cfg, "attn_norm")(embedded), normed], axis=-1)
         attn, new_cache = Attention(cfg, name="attn")(x, positions, kv_cache, lengths, mask, width_index)
         x = (normed if self.norm_before_residual else hidden) + attn
-        return x + MLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x)), new_cache
+        return x + MLP(cfg, name="mlp")(norm(cfg, "mlp_norm")(x)), new_cache
 
 
 class FeatureHeadModule(nn.Module):
@@ -164,10 +162,10 @@ class FeatureHeadModule(nn.Module):
         if eagle3:
             x = features.astype(dtype)  # already fused by ``reduce`` (target_features)
         elif self.variant == "eagle":  # cnets1.py: fc(cat(embeds, hidden)) with a bias, the feature as read
-            x = _dense(float_cfg, cfg.hidden_size, True, "fuse")(jnp.concatenate([embedded, features.astype(dtype)], -1))
+            x = dense(float_cfg, cfg.hidden_size, True, "fuse")(jnp.concatenate([embedded, features.astype(dtype)], -1))
         else:
-            feature = _norm(cfg, "feature_norm")(features.astype(dtype))
-            x = _dense(float_cfg, cfg.hidden_size, False, "fuse")(jnp.concatenate([embedded, feature], axis=-1))
+            feature = norm(cfg, "feature_norm")(features.astype(dtype))
+            x = dense(float_cfg, cfg.hidden_size, False, "fuse")(jnp.concatenate([embedded, feature], axis=-1))
         new_caches = []
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
@@ -184,12 +182,12 @@ class FeatureHeadModule(nn.Module):
             x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
         if self.variant == "eagle":  # the target's LM head on the prediction itself (no norm: cnets1.py)
             return self._target_head(x), f_hat, tuple(new_caches)
-        x = _norm(cfg, "final_norm")(x)
+        x = norm(cfg, "final_norm")(x)
         if cfg.quantization is not None:
             head = quant.quant_head(self, "lm_head", cfg.quant.embedding, cfg.hidden_size, cfg.head_vocab_size)
             logits = quant.qdot(x, head)
         else:
-            head = self.param("lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.head_vocab_size),
+            head = self.param("lm_head", nn.initializers.normal(INIT_STD), (cfg.hidden_size, cfg.head_vocab_size),
                               dtype)
             logits = jnp.einsum("bth,hv->btv", x, head, preferred_element_type=jnp.float32)
         self.param("head_vocab_ids", lambda k, s: jnp.arange(s[0], dtype=jnp.int32), (cfg.head_vocab_size,))
@@ -200,12 +198,12 @@ class FeatureHeadModule(nn.Module):
         target's) or ``lm_head_table [V, H]`` (a tied one's embedding table)."""
         cfg = self.config
         if self.has_variable("params", "lm_head_table"):
-            return _head_logits(x, self.get_variable("params", "lm_head_table"), "auto", table=True)
+            return head_logits(x, self.get_variable("params", "lm_head_table"), "auto", table=True)
         if self.has_variable("params", "lm_head"):
-            return _head_logits(x, self.get_variable("params", "lm_head"), "auto")
-        head = self.param("lm_head", nn.initializers.normal(_INIT_STD), (cfg.hidden_size, cfg.vocab_size),
+            return head_logits(x, self.get_variable("params", "lm_head"), "auto")
+        head = self.param("lm_head", nn.initializers.normal(INIT_STD), (cfg.hidden_size, cfg.vocab_size),
                           jnp.dtype(cfg.dtype))
-        return _head_logits(x, head, "auto")
+        return head_logits(x, head, "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,7 +434,7 @@ def _init_params(config: ModelConfig, key: Array, num_feature_layers: int = 1, v
         elif name == "embedding":
             out.append(jnp.zeros(leaf.shape, leaf.dtype))
         else:
-            out.append((_INIT_STD * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype))
+            out.append((INIT_STD * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
