@@ -23,6 +23,11 @@ CONFIGS = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                        norm_topk_prob=False, mlp_only_layers=[0])),
+    # DeepSeek-V3's routing (sigmoid scores, a choice bias, the best 1 of 2 groups, scaled weights), a
+    # shared expert and a dense first layer, with Qwen3's attention.
+    "dots1": ("Dots1Config", "Dots1ForCausalLM",
+              dict(n_routed_experts=4, moe_intermediate_size=16, n_shared_experts=2, n_group=2, topk_group=1,
+                   first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=8)),
     "qwen3_moe_unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                                dict(num_experts=4, moe_intermediate_size=16, head_dim=8, norm_topk_prob=False)),
 }
@@ -35,6 +40,9 @@ def _make(case: str, tmp_path):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_((0.1 if "norm" in name else 0.3) * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's choice bias: zero at init
+                b.copy_(0.3 * torch.randn_like(b))
     model = model.to(torch.float32).eval()
     model.config._attn_implementation = "eager"
     directory = str(tmp_path / case)
@@ -51,6 +59,9 @@ def test_moe_logits_decoding_and_export_match_transformers(case, tmp_path):
     assert cfg.norm_topk_prob == (case not in ("qwen3_moe_unnormalised", "qwen2_moe"))
     if case == "qwen2_moe":
         assert cfg.shared_expert_intermediate_size == 24 and cfg.dense_mlp_layers == (0,)
+    if case == "dots1":
+        assert (cfg.shared_expert_intermediate_size, cfg.dense_mlp_layers, cfg.router_scores, cfg.router_groups,
+                cfg.routed_scaling_factor) == (32, (0,), "sigmoid", 2, 2.5)
     ids = np.random.default_rng(0).integers(3, 96, (2, 12)).astype(np.int32)
     want = torch_logits(hf_model, ids)
     assert rel_err(specjax.logits(model, ids), want) < 1e-4

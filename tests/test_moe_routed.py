@@ -50,6 +50,16 @@ CASES = {
     "float": _config(),
     "float_top1": _config(num_experts_per_tok=1),
     "shared_expert": _config(model_type="qwen2_moe", shared_expert_intermediate_size=96, shared_expert_gate=True),
+    "deepseek_routing": _config(
+        model_type="dots1",
+        router_scores="sigmoid",
+        router_bias=True,
+        router_groups=2,
+        router_top_groups=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=64,
+    ),
     "int8": _config(quantization="int8"),
     "q4": _config(quantization="q4"),
 }

@@ -10,9 +10,11 @@ import dataclasses
 from typing import Optional
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text", "mixtral",
-                         "qwen2_moe", "qwen3_moe")
+                         "qwen2_moe", "qwen3_moe", "dots1")
 # Layouts whose MLP is a mixture of experts (num_experts > 0).
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "dots1")
+# How a router turns its logits into expert scores.
+ROUTER_SCORES = ("softmax", "sigmoid")
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Per-layer attention kinds (``ModelConfig.layer_types``), named as in Hugging Face configs.
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -103,6 +105,14 @@ class ModelConfig:
         ``shared_expert_gate``: its output scaled by ``sigmoid(x W)``.
       dense_mlp_layers: layers of a mixture of experts whose MLP is dense
         (``intermediate_size`` wide; Qwen2-MoE's ``mlp_only_layers``).
+      router_scores: ``"softmax"`` or ``"sigmoid"`` (DeepSeek-V3's routing,
+        ``dots1``): each expert's score. ``router_bias``: a learned per-expert
+        bias added to the scores for the choice only (DeepSeek-V3's
+        ``e_score_correction_bias``). ``router_groups`` / ``router_top_groups``:
+        the experts split into groups, the choice limited to the
+        ``router_top_groups`` groups whose two best scores sum highest.
+        ``routed_scaling_factor``: the chosen weights' factor, after any
+        renormalisation.
       quantization: how the matrices are stored (``specjax._src.quant``):
         ``"int8"``, ``"q4"``, ``"q4,embedding=int8/32"``, ...; None: in ``dtype``.
 
@@ -149,6 +159,11 @@ class ModelConfig:
     shared_expert_intermediate_size: Optional[int] = None
     shared_expert_gate: bool = False
     dense_mlp_layers: tuple[int, ...] = ()
+    router_scores: str = "softmax"
+    router_bias: bool = False
+    router_groups: int = 1
+    router_top_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         if self.quantization is not None:
@@ -189,6 +204,15 @@ class ModelConfig:
         if (self.shared_expert_intermediate_size or self.dense_mlp_layers) and not self.num_experts:
             raise ValueError("shared_expert_intermediate_size and dense_mlp_layers need a mixture of experts "
                              "(num_experts > 0).")
+        if self.router_scores not in ROUTER_SCORES:
+            raise ValueError(f"router_scores must be one of {', '.join(ROUTER_SCORES)}, got {self.router_scores!r}.")
+        if self.num_experts and (self.num_experts % self.router_groups
+                                 or not 1 <= self.router_top_groups <= self.router_groups
+                                 or self.num_experts_per_tok > self.router_top_groups * self.num_experts
+                                 // self.router_groups):
+            raise ValueError(f"router_groups={self.router_groups} must divide num_experts={self.num_experts}, and "
+                             f"router_top_groups={self.router_top_groups} groups (of at most router_groups) must "
+                             f"hold num_experts_per_tok={self.num_experts_per_tok} experts.")
         if any(not 0 <= i < self.num_layers for i in self.dense_mlp_layers):
             raise ValueError(f"dense_mlp_layers must name layers in [0, {self.num_layers}), "
                              f"got {self.dense_mlp_layers}.")

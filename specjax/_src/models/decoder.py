@@ -629,7 +629,7 @@ def _init_params(config: ModelConfig, key: Array) -> Params:
             value = jnp.arange(leaf.shape[0], dtype=leaf.dtype)
         elif name == "scale":  # Gemma's norms store the offset from 1
             value = (jnp.zeros if config.is_gemma else jnp.ones)(leaf.shape, leaf.dtype)
-        elif name == "bias":
+        elif name in ("bias", "router_bias"):
             value = jnp.zeros(leaf.shape, leaf.dtype)
         else:  # kernels, embeddings, lm_head
             value = noise[start:start + size].reshape(leaf.shape).astype(leaf.dtype)

@@ -36,6 +36,7 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "dots1": "Dots1ForCausalLM",
 }
 
 # Buffers some checkpoints carry that are recomputed, not learned.
@@ -200,6 +201,9 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
         "qwen3_moe": lambda: dict(attention_bias=attention_bias, attention_out_bias=attention_bias, qk_norm=True,
                                   moe_intermediate_size=int(hf["moe_intermediate_size"]),
                                   **_experts(hf, "num_experts", bool(hf.get("norm_topk_prob", False)))),
+        "dots1": lambda: dict(attention_bias=attention_bias, attention_out_bias=attention_bias, qk_norm=True,
+                              moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                              **_experts(hf, "n_routed_experts", bool(hf.get("norm_topk_prob", False)))),
     }[model_type]
     layout = layout() if callable(layout) else layout
     if hf.get(HEAD_VOCAB_KEY) is not None:
@@ -228,9 +232,19 @@ def _experts(hf: dict, count_key: str, renormalise: bool) -> dict:
     shared = hf.get("shared_expert_intermediate_size") if hf["model_type"] == "qwen2_moe" else None
     if hf.get("shared_expert_intermediate_size") and not shared:
         raise ValueError(f"{hf['model_type']} with a shared expert is not supported by specjax (Qwen2-MoE's is).")
-    return dict(num_experts=int(count), num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                norm_topk_prob=renormalise, dense_mlp_layers=tuple(dense),
-                shared_expert_intermediate_size=int(shared) if shared else None, shared_expert_gate=bool(shared))
+    out = dict(num_experts=int(count), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+               norm_topk_prob=renormalise, dense_mlp_layers=tuple(dense),
+               shared_expert_intermediate_size=int(shared) if shared else None, shared_expert_gate=bool(shared))
+    if hf["model_type"] == "dots1":  # DeepSeek-V3's routing and shared experts, Qwen3's attention
+        if "sliding_attention" in (hf.get("layer_types") or ()):
+            raise ValueError("dots1 with sliding-window layers (layer_types) is not supported by specjax.")
+        shared = int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"])
+        out.update(dense_mlp_layers=tuple(range(int(hf.get("first_k_dense_replace") or 0))),
+                   shared_expert_intermediate_size=shared or None, shared_expert_gate=False,
+                   router_scores="sigmoid", router_bias=True, router_groups=int(hf.get("n_group") or 1),
+                   router_top_groups=int(hf.get("topk_group") or 1),
+                   routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)))
+    return out
 
 
 def _decoder_shape(hf: dict, *, max_positions: int, tied: bool) -> dict:
@@ -334,14 +348,24 @@ def _check_expressible(cfg: ModelConfig) -> None:
         problems.append("qwen2 needs attention_bias=True")
     if cfg.model_type == "qwen2_moe" and cfg.shared_expert_intermediate_size and not cfg.shared_expert_gate:
         problems.append("qwen2_moe gates its shared expert")
-    if cfg.model_type in ("llama", "qwen3", "qwen3_moe") and cfg.attention_bias != cfg.attention_out_bias:
+    if cfg.model_type == "dots1" and (
+            cfg.dense_mlp_layers != tuple(range(len(cfg.dense_mlp_layers))) or not cfg.moe_intermediate_size
+            or (cfg.shared_expert_intermediate_size or 0) % cfg.moe_intermediate_size or cfg.shared_expert_gate
+            or (cfg.router_scores, cfg.router_bias) != ("sigmoid", True)):
+        problems.append("dots1 has its dense layers first, ungated shared experts as wide as a multiple of an expert, "
+                        "and sigmoid routing with a score bias")
+    if cfg.model_type in ("qwen2_moe", "qwen3_moe", "mixtral") and (
+            cfg.router_scores != "softmax" or cfg.router_bias or cfg.router_groups != 1
+            or cfg.routed_scaling_factor != 1.0):
+        problems.append(f"{cfg.model_type} routes by a plain softmax")
+    if cfg.model_type in ("llama", "qwen3", "qwen3_moe", "dots1") and cfg.attention_bias != cfg.attention_out_bias:
         problems.append(f"{cfg.model_type} biases q/k/v/o together")
     if cfg.model_type in ("mistral", "mixtral") and (cfg.attention_bias or cfg.attention_out_bias):
         problems.append(f"{cfg.model_type} has no attention biases")
     if cfg.mlp_bias and cfg.model_type != "llama":
         problems.append("mlp_bias (only llama has it)")
-    if cfg.qk_norm != (cfg.model_type in ("qwen3", "qwen3_moe")):
-        problems.append("qk_norm is on exactly for qwen3 and qwen3_moe")
+    if cfg.qk_norm != (cfg.model_type in ("qwen3", "qwen3_moe", "dots1")):
+        problems.append("qk_norm is on exactly for qwen3, qwen3_moe and dots1")
     if cfg.rope_scaling is not None and cfg.model_type == "gpt2":
         problems.append("gpt2 has no rope")
     if cfg.model_type == "gpt2" and (cfg.num_kv_heads != cfg.num_heads
@@ -434,6 +458,14 @@ def to_hf_config(cfg: ModelConfig) -> dict:
                    use_sliding_window=False, sliding_window=None)
     if cfg.model_type == "qwen2_moe":
         out.update(qkv_bias=cfg.attention_bias, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size or 0)
+    if cfg.model_type == "dots1":
+        out.update(attention_bias=cfg.attention_bias, n_routed_experts=cfg.num_experts,
+                   num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
+                   n_shared_experts=(cfg.shared_expert_intermediate_size or 0) // cfg.moe_intermediate_size,
+                   first_k_dense_replace=len(cfg.dense_mlp_layers), norm_topk_prob=cfg.norm_topk_prob,
+                   n_group=cfg.router_groups, topk_group=cfg.router_top_groups,
+                   routed_scaling_factor=cfg.routed_scaling_factor, sliding_window=None,
+                   layer_types=["full_attention"] * cfg.num_layers)
     return out
 
 
@@ -539,15 +571,18 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
 def _expert_specs(cfg: ModelConfig, h: str, l: str) -> list[TensorSpec]:
     """A mixture of experts' tensors: the router, and each expert's three projections
     (Mixtral names them w1 / w3 / w2 under ``block_sparse_moe``)."""
-    mixtral = cfg.model_type == "mixtral"
+    mixtral, dots1 = cfg.model_type == "mixtral", cfg.model_type == "dots1"
     moe = f"{h}block_sparse_moe." if mixtral else f"{h}mlp."
     names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {p: f"{p}_proj" for p in ("gate", "up", "down")}
     layer = l.rstrip("/").split("/")
     specs = [TensorSpec((*layer, "mlp", "router", "kernel"), moe + "gate.weight", True)]
-    if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: a gated MLP every token goes through, behind a sigmoid
+    if cfg.router_bias:  # DeepSeek-V3's e_score_correction_bias
+        specs.append(TensorSpec((*layer, "mlp", "router_bias"), moe + "gate.e_score_correction_bias", False))
+    if cfg.shared_expert_intermediate_size:  # an MLP every token goes through (Qwen2-MoE's behind a sigmoid gate)
+        shared = "shared_experts" if dots1 else "shared_expert"
         for proj in ("gate", "up", "down"):
             specs.append(TensorSpec((*layer, "mlp", "shared_expert", proj, "kernel"),
-                                    f"{moe}shared_expert.{proj}_proj.weight", True))
+                                    f"{moe}{shared}.{proj}_proj.weight", True))
         if cfg.shared_expert_gate:
             specs.append(TensorSpec((*layer, "mlp", "shared_expert_gate", "kernel"), moe + "shared_expert_gate.weight",
                                     True))

@@ -30,12 +30,14 @@ every expert for every token, the unpicked ones weighted 0.
 
 Layouts (``ModelConfig`` fields): Mixtral and Qwen3-MoE (softmax router, top
 ``k``, renormalised when ``norm_topk_prob``), Qwen2-MoE (a shared expert of
-width ``shared_expert_intermediate_size`` behind a sigmoid gate).
+width ``shared_expert_intermediate_size`` behind a sigmoid gate), DeepSeek-V3's
+routing as ``dots1`` uses it (sigmoid scores, a choice bias, group-limited
+choice, scaled weights, ungated shared experts).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -61,21 +63,48 @@ _NT = (((1,), (0,)), ((), ()))  # x[R, K] @ w[K, N]
 # --------------------------------------------------------------------------- #
 
 
-def route(logits: Array, k: int, norm_topk_prob: bool) -> tuple[Array, Array]:
+def route(
+    logits: Array,
+    k: int,
+    norm_topk_prob: bool,
+    *,
+    scores: str = "softmax",
+    bias: Optional[Array] = None,
+    groups: int = 1,
+    top_groups: int = 1,
+    scale: float = 1.0,
+) -> tuple[Array, Array]:
     """The top ``k`` experts of each token and their weights.
 
     Args:
       logits: ``[N, E]`` router logits.
       k: experts per token.
-      norm_topk_prob: renormalise the ``k`` softmax weights to sum to 1.
+      norm_topk_prob: renormalise the ``k`` weights to sum to 1.
+      scores: ``"softmax"`` (Mixtral, Qwen) or ``"sigmoid"`` (DeepSeek-V3) of the logits.
+      bias: ``[E]`` added to the scores to choose the experts, not to weight them (DeepSeek-V3).
+      groups, top_groups: the choice limited to the ``top_groups`` of ``groups`` equal groups of
+        experts whose two best (biased) scores sum highest (DeepSeek-V3's group-limited routing).
+      scale: the weights' factor, after any renormalisation (``routed_scaling_factor``).
 
     Returns:
       ``(weights [N, k] float32, experts [N, k] int32)``.
     """
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top, picked = jax.lax.top_k(probs, k)
+    logits = logits.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1) if scores == "softmax" else jax.nn.sigmoid(logits)
+    choice = probs if bias is None else probs + bias.astype(jnp.float32)
+    if groups > 1:
+        n, e = choice.shape
+        grouped = choice.reshape(n, groups, e // groups)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, groups]
+        _, kept = jax.lax.top_k(group_scores, top_groups)
+        keep = jnp.any(jnp.arange(groups)[None, :, None] == kept[:, None, :], axis=-1)  # [N, groups]
+        choice = jnp.where(jnp.repeat(keep, e // groups, axis=-1), choice, -jnp.inf)
+    _, picked = jax.lax.top_k(choice, k)
+    top = jnp.take_along_axis(probs, picked, axis=-1)
     if norm_topk_prob:
-        top = top / jnp.sum(top, axis=-1, keepdims=True)
+        top = top / (jnp.sum(top, axis=-1, keepdims=True) + (1e-20 if scores == "sigmoid" else 0.0))
+    if scale != 1.0:
+        top = top * scale
     return top, picked.astype(jnp.int32)
 
 
@@ -215,16 +244,16 @@ def quantized_expert_mlp(act: Callable, matmul: str) -> Callable:
 
 
 class MoE(nn.Module):
-    """A mixture of gated-MLP experts (Mixtral, Qwen3-MoE, Qwen2-MoE).
+    """A mixture of gated-MLP experts (Mixtral, Qwen2-MoE, Qwen3-MoE, dots1).
 
-    The router's softmax over ``num_experts`` picks the top
-    ``num_experts_per_tok`` (their weights renormalised when
-    ``norm_topk_prob``); the token's output is their weighted sum, computed
+    The router scores the ``num_experts`` (:func:`route`) and picks the top
+    ``num_experts_per_tok``; the token's output is their weighted sum, computed
     from the routed experts only (module docstring). With
     ``shared_expert_intermediate_size``, a shared expert (a gated MLP that
-    every token goes through) adds ``sigmoid(x W_gate) * shared(x)``.
+    every token goes through) adds ``shared(x)``, times ``sigmoid(x W_gate)``
+    with ``shared_expert_gate``.
 
-    Params: ``router/kernel [H, E]``, ``experts_gate`` / ``experts_up``
+    Params: ``router/kernel [H, E]``, ``router_bias [E]`` (float32, with ``router_bias``), ``experts_gate`` / ``experts_up``
     ``[E, H, I]`` and ``experts_down [E, I, H]`` (quantized: stacks ``[E, out,
     in]`` of the format's arrays), ``shared_expert/{gate,up,down}`` and
     ``shared_expert_gate/kernel [H, 1]``.
@@ -246,7 +275,21 @@ class MoE(nn.Module):
         lead, hidden = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, hidden)
         logits = dense(cfg, cfg.num_experts, False, "router", self.matmul)(x2)
-        weights, picked = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        bias = (
+            self.param("router_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32)
+            if cfg.router_bias
+            else None
+        )
+        weights, picked = route(
+            logits,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            scores=cfg.router_scores,
+            bias=bias,
+            groups=cfg.router_groups,
+            top_groups=cfg.router_top_groups,
+            scale=cfg.routed_scaling_factor,
+        )
         act = activation(cfg.activation)
         stack = self._stack()
         if cfg.quantization is not None:
