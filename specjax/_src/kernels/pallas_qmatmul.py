@@ -45,6 +45,13 @@ _NT = (((1,), (1,)), ((), ()))  # contract the last axes: x[M, K] . w[N, K] -> [
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def _dot(x: Array, w: Array) -> Array:
+    """``x[M, C] . w[N, C] -> [M, N]`` in float32; float32 operands at full precision (not TF32 or
+    one bf16 pass: a float32 model's product is the float32 product, as on the CPU)."""
+    precision = _HIGHEST if x.dtype == jnp.float32 else None
+    return jax.lax.dot_general(x, w, _NT, precision=precision, preferred_element_type=jnp.float32)
+
+
 def _block(size: int, candidates: tuple[int, ...]) -> int:
     """The largest candidate that divides ``size``, else ``size`` itself (one block)."""
     return next((c for c in candidates if size % c == 0), size)
@@ -83,12 +90,12 @@ def _tpu_kernel(kind: str, per_channel: bool, group: int, *refs):
 
     if kind == "int8" and per_channel:
         x = x_ref[...]
-        acc[...] += jax.lax.dot_general(x, w_ref[...].astype(x.dtype), _NT, preferred_element_type=jnp.float32)
+        acc[...] += _dot(x, w_ref[...].astype(x.dtype))
     elif kind == "int8":
         x = x_ref[...]
         d = _per_column(d_ref[...], w_ref.shape[1], group)
         w = (w_ref[...].astype(jnp.float32) * d).astype(x.dtype)
-        acc[...] += jax.lax.dot_general(x, w, _NT, preferred_element_type=jnp.float32)
+        acc[...] += _dot(x, w)
     else:  # a byte column holds inputs j and j + 16 of its block: group / 2 byte columns a group
         b = w_ref[...].astype(jnp.int32)
         d = _per_column(d_ref[...], w_ref.shape[1], group // 2)
@@ -96,8 +103,8 @@ def _tpu_kernel(kind: str, per_channel: bool, group: int, *refs):
         lo, hi = x_lo[...], x_hi[...]
         w_lo = ((b & 0xF).astype(jnp.float32) * d + m).astype(lo.dtype)
         w_hi = ((b >> 4).astype(jnp.float32) * d + m).astype(hi.dtype)
-        acc[...] += jax.lax.dot_general(lo, w_lo, _NT, preferred_element_type=jnp.float32)
-        acc[...] += jax.lax.dot_general(hi, w_hi, _NT, preferred_element_type=jnp.float32)
+        acc[...] += _dot(lo, w_lo)
+        acc[...] += _dot(hi, w_hi)
 
     @pl.when(k == pl.num_programs(1) - 1)
     def _():
@@ -192,12 +199,12 @@ def _gpu_kernel(kind: str, group: int, groups: int, *refs):
         d = d_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, tn]
         if kind == "int8":
             x = x_ref[:, pl.ds(g * cols, cols)]
-            part = jax.lax.dot_general(x, w.astype(x.dtype), _NT, preferred_element_type=jnp.float32)
+            part = _dot(x, w.astype(x.dtype))
             return acc + part * d
         b = w.astype(jnp.int32)
         lo, hi = x_lo[:, pl.ds(g * cols, cols)], x_hi[:, pl.ds(g * cols, cols)]
-        part = jax.lax.dot_general(lo, (b & 0xF).astype(lo.dtype), _NT, preferred_element_type=jnp.float32)
-        part += jax.lax.dot_general(hi, (b >> 4).astype(hi.dtype), _NT, preferred_element_type=jnp.float32)
+        part = _dot(lo, (b & 0xF).astype(lo.dtype))
+        part += _dot(hi, (b >> 4).astype(hi.dtype))
         m = m_ref[pl.ds(g, 1), :].astype(jnp.float32)
         s = sums[:, pl.ds(g, 1)]  # [rows, 1]: the group's sum of x
         return acc + part * d + s * m
