@@ -69,6 +69,8 @@ def test_enable_keeps_every_program_and_a_fresh_jit_cache_loads_it_back(tmp_path
     with compile_cache.count_programs() as first:
         expected = np.asarray(f(x))
     assert (first.built, first.compiled, first.loaded) == (1, 1, 0) and first.seconds > 0
+    ((name, programs, seconds),) = first.slowest()
+    assert "lambda" in name and programs == 1 and seconds == first.seconds
     assert any(directory.iterdir()), "the compiled program was not written to the cache"
     with compile_cache.count_programs() as again:
         f(x)

@@ -104,20 +104,30 @@ def enable(directory: Optional[str]) -> Optional[str]:
 @dataclasses.dataclass
 class ProgramCount:
     """Programs a job built: ``built`` in all, ``loaded`` of them from the persistent cache, the
-    rest compiled; ``seconds`` the wall time spent building them (compiling or loading)."""
+    rest compiled; ``seconds`` the wall time spent building them (compiling or loading);
+    ``by_name`` that time per jitted function's name (``[programs, seconds]``)."""
 
     built: int = 0
     loaded: int = 0
     seconds: float = 0.0
+    by_name: dict = dataclasses.field(default_factory=dict)
 
     @property
     def compiled(self) -> int:
         return self.built - self.loaded
 
+    def slowest(self, count: int = 3) -> list[tuple[str, int, float]]:
+        """``(name, programs, seconds)`` of the ``count`` functions whose programs took longest to build."""
+        ranked = sorted(self.by_name.items(), key=lambda item: -item[1][1])[:count]
+        return [(name, n, seconds) for name, (n, seconds) in ranked]
+
     def describe(self) -> str:
+        slowest = ", ".join(
+            f"{name} {seconds:.1f} s" + (f" ({n})" if n > 1 else "") for name, n, seconds in self.slowest()
+        )
         return (
             f"{self.built} programs built in {self.seconds:.1f} s: {self.compiled} compiled, "
-            f"{self.loaded} loaded from the compilation cache"
+            f"{self.loaded} loaded from the compilation cache" + (f"; slowest: {slowest}" if slowest else "")
         )
 
 
@@ -134,11 +144,14 @@ def count_programs() -> Iterator[ProgramCount]:
     count = ProgramCount()
 
     def on_duration(event, duration, **kwargs):
-        del kwargs
         if event == BUILT:
+            name = str(kwargs.get("fun_name", "?"))
             with _lock:
                 count.built += 1
                 count.seconds += duration
+                entry = count.by_name.setdefault(name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += duration
 
     def on_event(event, **kwargs):
         del kwargs
