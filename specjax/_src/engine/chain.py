@@ -52,7 +52,7 @@ from specjax._src.engine.cycle import (
     per_row_rule,
     with_greedy_rows,
 )
-from specjax._src.engine.ops import gather, row_at, warp, where_b
+from specjax._src.engine.ops import cond_in_place, gather, row_at, switch_in_place, warp, where_b
 from specjax._src.models.lm import KVCache, LMOutput
 from specjax._src.proposals.lookup import lookup_drafts
 from specjax._src.models.feature_head import is_feature_head
@@ -87,9 +87,10 @@ def _decode_cycle(
     if policy.may_draft_none and cfg.diagnostics is None:
         # A batch that drafts nothing runs a plain target step: one token verified, none of a
         # drafting cycle's work over K slots (so that choosing no drafts costs what generate does).
-        return jax.lax.cond(_plain(cfg, pair_params, policy, state, inputs.rows),
-                            lambda s: _plain_cycle(cfg, pair_params, policy, inputs, s),
-                            lambda s: _drafting_cycle(cfg, pair_params, rule, policy, inputs, s), state)
+        new_state = cond_in_place(_plain(cfg, pair_params, policy, state, inputs.rows),
+                                  lambda s: _plain_cycle(cfg, pair_params, policy, inputs, s)[0],
+                                  lambda s: _drafting_cycle(cfg, pair_params, rule, policy, inputs, s)[0], state)
+        return new_state, None
     return _drafting_cycle(cfg, pair_params, rule, policy, inputs, state)
 
 
@@ -252,15 +253,18 @@ def draft_chain(
     k_max = cfg.num_draft
     budget = _budgets(cfg, policy, state, rows)
     active0 = ~state.done & (budget > 0)
-    run = functools.partial(_draft_tokens, cfg, pair_params, policy, state, draft_uniforms, temperature, top_p,
-                            rows, hist, budget, active0)
+    def run(state):
+        return _draft_tokens(cfg, pair_params, policy, state, draft_uniforms, temperature, top_p, rows, hist,
+                             budget, active0)
+
     if not policy.may_draft_none:
-        return run()
+        return run(state)
     # Nothing to draft anywhere: skip the draft's forwards while its cache can still catch up later.
     batch, vocab = state.num_committed.shape[0], pair_params.vocab_size
     skip = ~active0.any() & _draft_can_wait(cfg, pair_params, state)
-    return jax.lax.cond(skip, lambda: (_no_drafts(batch, k_max, vocab)._replace(forwards=jnp.int32(0)),
-                                       state.draft_cache), run)
+    nothing = (_no_drafts(batch, k_max, vocab)._replace(forwards=jnp.int32(0)), state.draft_cache)
+    return cond_in_place(skip, lambda carry: carry, lambda carry: run(state.replace(draft_cache=carry[1])),
+                         nothing)
 
 
 def _draft_lag(state: DecodeState) -> Array:
@@ -318,10 +322,11 @@ def _draft_tokens(
     if is_feature_head(module):
         raw0, feature, cache, _ = first_head_logits(cfg, module, params, vocab, state)
     elif policy.may_draft_none:  # earlier cycles may have skipped the draft: catch up in one forward
-        raw0, cache = jax.lax.cond(
-            jnp.any(~state.done & (_draft_lag(state) > 0)),
-            lambda: _catch_up_logits(module, params, vocab, state, k_max + 2),
-            lambda: _catch_up_logits(module, params, vocab, state, 2))
+        def catch_up(width):
+            return lambda carry: _catch_up_logits(module, params, vocab, state.replace(draft_cache=carry[1]), width)
+
+        raw0, cache = cond_in_place(jnp.any(~state.done & (_draft_lag(state) > 0)), catch_up(k_max + 2), catch_up(2),
+                                    (jnp.zeros((batch, vocab), jnp.float32), state.draft_cache))
         feature = jnp.zeros((batch, 0))
     else:
         (raw0, cache), feature = first_draft_logits(module, params, vocab, state), jnp.zeros((batch, 0))
@@ -523,7 +528,10 @@ def _verify_forward(cfg: LoopConfig, forward, block_in: Array, cache: KVCache, v
         return at(widths[0])(block_in, cache), jnp.int32(widths[0])
     need = 1 + jnp.max(jnp.where(live, valid.sum(1), 0))
     index = jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)
-    out = jax.lax.switch(index, [at(w) for w in widths], block_in, cache)
+    shapes = jax.eval_shape(at(full), block_in, cache)
+    blank = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes._replace(cache=None))
+    out = switch_in_place(index, [lambda out, w=w: at(w)(block_in, out.cache) for w in widths],
+                          blank._replace(cache=cache))
     return out, jnp.asarray(widths, jnp.int32)[index]
 
 

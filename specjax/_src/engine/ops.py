@@ -34,6 +34,30 @@ def row_at(x: Array, index: Array) -> Array:
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
+def switch_in_place(index: Array, branches: Sequence[Callable[[Any], Any]], carry):
+    """``lax.switch(index, branches, carry)`` for branches that return a value
+    of ``carry``'s structure, run as while loops of zero or one trip.
+
+    Why not a conditional: XLA copies every buffer that a conditional's branch
+    updates in place (the same operand reaches each branch), so a switch
+    around a forward that writes the KV cache copied the whole cache on every
+    cycle (a fifth of a target forward for SmolLM2-135M at batch 4 on a
+    2-core CPU, per switch). A while loop's carried buffers are updated in place.
+    ``index`` is a traced int32 scalar in ``0 .. len(branches) - 1``.
+    """
+    index = jnp.asarray(index, jnp.int32)
+    for i, branch in enumerate(branches):
+        _, carry = jax.lax.while_loop(lambda c, i=i: c[0] == i,
+                                      lambda c, branch=branch: (jnp.int32(-1), branch(c[1])), (index, carry))
+    return carry
+
+
+def cond_in_place(pred: Array, true_fn: Callable[[Any], Any], false_fn: Callable[[Any], Any], carry):
+    """``lax.cond(pred, true_fn, false_fn, carry)`` without a copy of the
+    buffers the branches write (:func:`switch_in_place`)."""
+    return switch_in_place(jnp.where(pred, 0, 1), (true_fn, false_fn), carry)
+
+
 def where_b(mask: Array, new, old):
     """Per-sequence select over two pytrees with leading batch axes."""
 
