@@ -240,8 +240,10 @@ BAD = [
     ("completions", {"n": 0}, "n", "invalid_value"),
     ("completions", {"n": SLOTS + 1}, "n", "invalid_value"),
     ("completions", {"logprobs": LOGPROBS + 1}, "logprobs", "invalid_value"),
-    ("completions", {"logprobs": 1, "echo": True}, "echo", "unsupported"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt", "unsupported"),
+    ("completions", {"prompt": ["a", 5]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": [[5, 6], [10**7]]}, "prompt", "invalid_value"),
+    ("completions", {"max_tokens": -1}, "max_tokens", "invalid_value"),
+    ("completions", {"stop": ["a"] * 1025}, "stop", "invalid_value"),
     ("completions", {"temperature": 3}, "temperature", "invalid_value"),
     ("completions", {"top_k": 10**6}, "top_k", "invalid_value"),
     ("completions", {"presence_penalty": 5}, "presence_penalty", "invalid_value"),
@@ -492,23 +494,23 @@ def test_refusals_that_need_another_server(setup):
     the requests they cannot serve are refused with a 400 that says why (checked on the host, nothing compiles)."""
     import types
 
-    from specjax._src.serve import api
+    from specjax._src.serve import api, schemas, validation
 
     bare_config = ServerConfig(MODEL, setup["target"].replace(chat_template=None))
     with pytest.raises(api.ApiError) as e:
-        api._chat_prompt([{"role": "user", "content": "hi"}], bare_config, CAPACITY, True)
+        validation.chat_prompt([{"role": "user", "content": "hi"}], bare_config, CAPACITY, True)
     assert (e.value.status, e.value.param, e.value.code) == (400, "messages", "no_chat_template")
     assert "chat template" in e.value.message
     bare = Engine(setup["pair"], num_slots=1, capacity=64, num_draft=K, controls=False)
     config = ServerConfig(MODEL, setup["target"])
     for field, value in (("presence_penalty", 0.5), ("logit_bias", {"5": 1.0}), ("min_tokens", 3)):
-        body = api.CompletionRequest(model=MODEL, prompt=PROMPT, **{field: value})
+        body = schemas.CompletionRequest(model=MODEL, prompt=PROMPT, **{field: value})
         with pytest.raises(api.ApiError) as e:
-            api._settings(body, [5, 6], None, types.SimpleNamespace(engine=bare), config)
+            validation.request_settings(body, [5, 6], None, types.SimpleNamespace(engine=bare), config)
         assert (e.value.status, e.value.param, e.value.code) == (400, field, "unsupported")
         assert "--no-penalties" in e.value.message
-    body = api.CompletionRequest(model=MODEL, prompt=PROMPT, temperature=0.5, seed=3)
-    settings, stop = api._settings(body, [5, 6], None, types.SimpleNamespace(engine=bare), config)
+    body = schemas.CompletionRequest(model=MODEL, prompt=PROMPT, temperature=0.5, seed=3)
+    settings, stop = validation.request_settings(body, [5, 6], None, types.SimpleNamespace(engine=bare), config)
     assert settings.controls is None and (settings.temperature, settings.seed, stop) == (0.5, 3, ())
 
 
@@ -689,9 +691,9 @@ def test_max_queue_zero_serves_while_a_slot_is_free(setup):
 
 def test_tokenizing_runs_off_the_event_loop(setup, monkeypatch):
     """While a prompt is being tokenized, /health and other requests are answered."""
-    from specjax._src.serve import api
+    from specjax._src.serve import validation
 
-    url, tokenize = setup["url"], api._completion_prompt
+    url, tokenize = setup["url"], validation.completion_prompt
     tokenizing, release = threading.Event(), threading.Event()
 
     def held_tokenize(*args):  # tokenizing lasts until /health has answered (or WAIT passes)
@@ -699,7 +701,7 @@ def test_tokenizing_runs_off_the_event_loop(setup, monkeypatch):
         release.wait(WAIT)
         return tokenize(*args)
 
-    monkeypatch.setattr(api, "_completion_prompt", held_tokenize)
+    monkeypatch.setattr(validation, "completion_prompt", held_tokenize)
     result = {}
     thread = threading.Thread(target=lambda: result.update(r=httpx.post(
         url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, timeout=2 * WAIT)))
@@ -962,16 +964,21 @@ def test_shutdown_refuses_the_waiting_and_ends_late_streams_with_an_error(setup,
         lines = [s.__enter__().iter_lines() for s in streams]
         for it in lines:
             assert next(line for line in it if line.startswith("data: "))
-        thread = threading.Thread(target=lambda: waiting.update(r=httpx.post(
-            server.url + "/v1/completions", json=long, timeout=2 * WAIT), drained=scheduler._stop))
-        thread.start()
-        assert wait_for(lambda: scheduler.metrics()["queue_depth"] == 1)
+        # Two wait for a slot, one of them streamed: both get 503 (a stream's status waits for its first event).
+        threads = [threading.Thread(target=lambda key=key, body=body: waiting.update({key: httpx.post(
+            server.url + "/v1/completions", json=body, timeout=2 * WAIT), key + "_drained": scheduler._stop}))
+            for key, body in (("r", long), ("s", {**long, "stream": True}))]
+        for thread in threads:
+            thread.start()
+        assert wait_for(lambda: scheduler.metrics()["queue_depth"] == 2)
         steps.clear()
         server.server.should_exit = True
-        thread.join(2 * WAIT)
-        assert waiting["r"].status_code == 503 and waiting["r"].json()["error"]["code"] == "shutting_down"
-        assert waiting["r"].headers["retry-after"]
-        assert not waiting["drained"]  # refused before the drain ended, the streams still live
+        for thread in threads:
+            thread.join(2 * WAIT)
+        for key in ("r", "s"):
+            assert waiting[key].status_code == 503 and waiting[key].json()["error"]["code"] == "shutting_down"
+            assert waiting[key].headers["retry-after"]
+            assert not waiting[key + "_drained"]  # refused before the drain ended, the streams still live
         assert wait_for(lambda: scheduler._stop)  # the drain is over: the streams' steps go on, to their end
         steps.set()
         for it, s in zip(lines, streams):
@@ -1010,10 +1017,10 @@ def test_docs_list_every_field():
     """docs/server.md's compatibility table names every field the server honours, refuses or ignores."""
     from pathlib import Path
 
-    from specjax._src.serve import api, fields
+    from specjax._src.serve import fields, schemas
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
-    honoured = set(api.CompletionRequest.model_fields) | set(api.ChatRequest.model_fields)
+    honoured = set(schemas.CompletionRequest.model_fields) | set(schemas.ChatRequest.model_fields)
     missing = [f for f in sorted(honoured | set(fields.REFUSED) | set(fields.IGNORED)) if f"`{f}`" not in doc]
     assert not missing, f"docs/server.md does not list {missing}"
 
@@ -1023,7 +1030,7 @@ def test_probe_findings_of_the_second_round(setup, slow_steps, monkeypatch):
     back; a body without surrogate escapes is not walked; a stop string across steps counts the
     same tokens whatever the steps; an empty completion still has a logprobs object; chat
     logprobs carry a byte-level token's own bytes; no /docs; no trailing-slash redirect."""
-    from specjax._src.serve import api
+    from specjax._src.serve import validation
 
     url, scheduler = setup["url"], setup["scheduler"]
     # A client that leaves while queued: its place is free at once.
@@ -1039,7 +1046,7 @@ def test_probe_findings_of_the_second_round(setup, slow_steps, monkeypatch):
         assert wait_for(lambda: scheduler.metrics()["queue_depth"] == 0)  # admission is held: only leaving frees it
     assert scheduler.metrics()["requests_cancelled"] == before + 2
     # A body with no \u escape of a surrogate is never walked.
-    monkeypatch.setattr(api, "_check_strings", lambda obj: pytest.fail("walked a body without surrogate escapes"))
+    monkeypatch.setattr(validation, "check_strings", lambda obj: pytest.fail("walked a body without surrogate escapes"))
     junk = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "x": [{}] * 5000}
     assert httpx.post(url + "/v1/completions", json=junk, timeout=30).status_code == 200
     monkeypatch.undo()
@@ -1095,3 +1102,122 @@ def test_metrics_keep_every_digit():
              latency=_latency_histograms())
     text = prometheus_text(m)
     assert "specjax_prompt_tokens_total 12345678\n" in text and "specjax_step_seconds_total 1234567.25\n" in text
+
+
+def test_prompt_logprobs_are_the_targets_log_softmax(setup):
+    """echo with logprobs, as lm-evaluation-harness' loglikelihood requests send it (token ids, several
+    prompts, max_tokens 1 or 0, temperature 0): each prompt token's figure is target-only log-softmax at
+    the tokens before it, the first token's null (vLLM's), and the generated token follows."""
+    import numpy as np
+
+    target, config = setup["target"], setup["config"]
+    texts = [PROMPT + " return n", "x = [1, 2, 3]\nfor i in x:"]
+    ids = [target.tokenizer.encode(text).ids for text in texts]
+    body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 1, "temperature": 0}
+    r = httpx.post(setup["url"] + "/v1/completions", json=body, timeout=WAIT).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert r["usage"]["prompt_tokens"] == sum(map(len, ids)) and r["usage"]["completion_tokens"] == 2
+    for choice, prompt in zip(r["choices"], ids):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(prompt) + 1  # the prompt's, then the generated token's
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["tokens"][: len(prompt)] == [config.token_text(t) for t in prompt]
+        assert choice["text"].startswith(target.tokenizer.decode(prompt))
+        logits = np.asarray(specjax.logits(target, [prompt])[0], np.float64)
+        ref = logits - logits.max(-1, keepdims=True)
+        ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+        expected = ref[np.arange(len(prompt) - 1), prompt[1:]]
+        got = np.array(lp["token_logprobs"][1: len(prompt)])
+        np.testing.assert_allclose(got, expected, atol=2e-4)
+        assert np.abs(got - ref[np.arange(len(prompt) - 1), prompt[:-1]]).max() > 0.1  # the wrong position: differs
+        for i, top in enumerate(lp["top_logprobs"][1: len(prompt)]):
+            assert sorted(top.values(), reverse=True) == pytest.approx(np.sort(ref[i])[::-1][:2], abs=2e-4)
+            # What lm-eval's is_greedy compares: a token the target ranks first reports exactly its best figure.
+            assert (lp["token_logprobs"][i + 1] == max(top.values())) == (int(np.argmax(ref[i])) == prompt[i + 1])
+        generated = ref[len(prompt) - 1]
+        assert lp["token_logprobs"][-1] == pytest.approx(generated.max(), abs=2e-4)  # greedy: the best token
+        assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    # max_tokens 0: the prompt's figures alone (no slot is taken), streamed the same.
+    zero = httpx.post(setup["url"] + "/v1/completions", json={**body, "prompt": PROMPT, "max_tokens": 0},
+                      timeout=WAIT).json()
+    choice = zero["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length" and zero["usage"]["completion_tokens"] == 0
+    assert len(choice["logprobs"]["token_logprobs"]) == len(target.tokenizer.encode(PROMPT).ids)
+    chunks = []
+    with httpx.stream("POST", setup["url"] + "/v1/completions", json={**body, "prompt": PROMPT, "max_tokens": 0,
+                                                                      "stream": True}, timeout=WAIT) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == choice["logprobs"]["token_logprobs"]
+
+
+def test_several_prompts_in_one_request(setup):
+    """A list of prompts: each its own choices, prompt by prompt (choice p * n + j), each the text it
+    gets alone; usage counts each prompt once; streamed the same."""
+    client = setup["client"]
+    prompts = [PROMPT, "class Stack:", "x = [1, 2, 3]\nfor"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    r = client.completions.create(model=MODEL, prompt=prompts[:2], max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in r.choices] == list(range(4))
+    for p, single in enumerate(alone[:2]):
+        assert [r.choices[2 * p + j].text for j in range(2)] == [single.choices[0].text] * 2
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone[:2])
+    assert r.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone[:2])
+    texts = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {p: a.choices[0].text for p, a in enumerate(alone)}
+    # More prompts than the queue and the slots hold: refused whole (429), none of them queued.
+    before = setup["scheduler"].metrics()["prefilled_requests"]
+    many = httpx.post(setup["url"] + "/v1/completions", json={"model": MODEL, "prompt": [PROMPT] * (SLOTS + MAX_QUEUE + 1),
+                                                              "max_tokens": 2}, timeout=WAIT)
+    assert many.status_code == 429 and setup["scheduler"].metrics()["prefilled_requests"] == before
+
+
+def test_long_stop_lists(setup):
+    """As many stop strings as lm-evaluation-harness' tasks send (vLLM takes any number): the first one
+    that occurs ends the text."""
+    client = setup["client"]
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
+    stop = full[10:13]
+    decoys = [f"@@{i}@@" for i in range(40)]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stop=decoys + [stop])
+    assert r.choices[0].text == full[: full.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_the_prefix_cache_in_the_server(setup):
+    """A prompt sent again is read from the prefix cache (usage.prompt_tokens_details.cached_tokens),
+    with the text it got cold; /metrics reports the hit rate, blocks and bytes; a server without a
+    cache reports none cached. The CLI takes a budget, and --no-prefix-cache."""
+    from specjax._src.engine.prefix_cache import PrefixCache
+    from specjax.cli import serve
+    from specjax.cli.app import build_parser
+
+    engine, target = setup["engine"], setup["target"]
+    cache = PrefixCache(64 * 2**20, namespace=MODEL)
+    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=2, warmup_widths=(16,), prefix_cache=cache,
+                                eos_ids=[target.module.config.eos_token_id])
+    server = Server(create_app(scheduler, ServerConfig(MODEL, target)))
+    try:
+        server.wait_ready(240)
+        ids = (target.tokenizer.encode("def fib(n):\n    return n if n < 2 else fib(n - 1)\n" * 8).ids * 2)[:100]
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 8, "temperature": 0}
+        first, second = (httpx.post(server.url + "/v1/completions", json=body, timeout=WAIT).json() for _ in "ab")
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 64  # one block: (100 - 2) // 64
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        m = metrics(server.url)
+        assert m["specjax_prefix_cache_hit_tokens_total"] == 64 and m["specjax_prefix_cache_queried_tokens_total"] == 200
+        assert m["specjax_prefix_cache_hit_rate"] == pytest.approx(64 / 200)
+        assert m["specjax_prefix_cache_blocks"] == 1 and 0 < m["specjax_prefix_cache_bytes"] <= 64 * 2**20
+    finally:
+        server.stop()
+    plain = httpx.post(setup["url"] + "/v1/completions", json=body, timeout=WAIT).json()
+    assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert not any(name.startswith("specjax_prefix_cache") for name in metrics(setup["url"]))
+    args = build_parser().parse_args(["serve", "--prefix-cache", "512MiB"])
+    serve.check_args(args)
+    assert args.prefix_cache == "512MiB" and not build_parser().parse_args(["serve"]).no_prefix_cache
+    assert build_parser().parse_args(["serve", "--no-prefix-cache"]).no_prefix_cache
+    with pytest.raises(SystemExit, match="--prefix-cache: 'lots' is not a size"):
+        serve.check_args(build_parser().parse_args(["serve", "--prefix-cache", "lots"]))

@@ -24,6 +24,7 @@ def build(args):
     _require_server_packages()
     import specjax
     from specjax._src.serve.api import MAX_STOP_TOKEN_IDS, ServerConfig, create_app
+    from specjax._src.serve.config import parse_bytes
     from specjax._src.serve.scheduler import Scheduler
     from specjax.engine import Engine
 
@@ -68,9 +69,20 @@ def build(args):
     model_config = target.module.config
     eos = getattr(model_config, "eos_token_ids", None) or getattr(model_config, "eos_token_id", None)
     eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-    scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,
-                          eos_ids=eos, prefill_chunk=args.prefill_chunk)
     name = args.served_model_name or (args.target or common.pair_name(args))
+    prefix_cache = None
+    budget = 0 if args.no_prefix_cache else parse_bytes(args.prefix_cache)
+    if budget:
+        from specjax._src.engine.prefix_cache import PrefixCache
+
+        # Keyed by the models' identity (weights and format) and the chat template, beside the tokens.
+        prefix_cache = PrefixCache(budget, namespace=f"{name}\0{target.chat_template or ''}")
+        try:
+            prefix_cache.identity(engine)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,
+                          eos_ids=eos, prefill_chunk=args.prefill_chunk, prefix_cache=prefix_cache)
     api_key = args.api_key or os.environ.get("SPECJAX_API_KEY") or None
     config = ServerConfig(name, target, api_key=api_key, max_body_bytes=args.max_body_bytes, seed=args.seed)
     app = create_app(scheduler, config, drain_seconds=args.drain_seconds)
@@ -140,6 +152,13 @@ def check_args(args) -> None:
     if args.prefill_chunk < 0 or args.prefill_chunk % 64:
         raise SystemExit(f"error: --prefill-chunk must be 0 (off) or a positive multiple of 64, got "
                          f"{args.prefill_chunk}.")
+    if not getattr(args, "no_prefix_cache", False):
+        from specjax._src.serve.config import parse_bytes
+
+        try:
+            parse_bytes(args.prefix_cache)
+        except ValueError as e:
+            raise SystemExit(f"error: --prefix-cache: {e}") from None
     if args.drain_seconds < 0:
         raise SystemExit(f"error: --drain-seconds must be >= 0, got {args.drain_seconds}.")
     if args.seed is not None and not 0 <= args.seed < 2**63:
@@ -193,6 +212,10 @@ def add_arguments(p) -> None:
                    help="prefill a prompt longer than this many tokens this many at a time, between steps, so "
                         "that running streams keep going while it is prefilled (a multiple of 64; default 128; "
                         "0: prefill every prompt whole)")
+    p.add_argument("--prefix-cache", default="1GiB", metavar="SIZE",
+                   help="device memory for the prefix cache: prompts that begin with an earlier prompt's blocks "
+                        "of 64 tokens copy them instead of prefilling them (e.g. 512MiB, 2GB; default 1GiB; 0: off)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt from its first token")
     p.add_argument("--no-penalties", action="store_true",
                    help="compile the engine without the logits processors: faster cycles, and requests with "
                         "penalties, logit_bias or min_tokens are refused")

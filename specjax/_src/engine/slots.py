@@ -38,26 +38,23 @@ is per slot, so a request's draws do not depend on when it was inserted.
 
 from __future__ import annotations
 
-import secrets
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from specjax._src.proposals import lookup as lookup_lib
 from specjax._src.logits import processors as processors_lib
-from specjax._src.logits import sampling
-from specjax._src.checks import as_integer, check_positive_int
+from specjax._src.checks import as_integer
 from specjax._src.engine import costs as costs_lib
-from specjax._src.engine.config import DecodeState, LoopConfig, Logprobs
-from specjax._src.engine.cycle import LOGPROB_FLOOR, CycleInputs, run_cycles
-from specjax._src.engine.cycles import cycle_for
+from specjax._src.engine.config import LoopConfig
+from specjax._src.engine import slot_programs as programs
+from specjax._src.engine import slot_settings as settings_lib
 from specjax._src.engine.ops import PREFILL_BLOCK, SINGLE_PREFILL_BLOCK, prefill_block
-from specjax._src.engine.prepare import (BUCKETS, bucket_of, check_decode_args, check_min_temperature, check_tree,
-                                         prepare_prompts, resolve_eos_ids, verify_widths_for)
-from specjax._src.engine.state import empty_prefill_caches, init_state, prefill_pair_chunk, state_after_chunks
+from specjax._src.engine.prepare import (BUCKETS, bucket_of, check_decode_args, check_tree,
+                                         prepare_prompts, verify_widths_for)
+from specjax._src.engine.slot_programs import SlotsConfig, SlotState, StepOutput
+from specjax._src.engine.slot_settings import FieldError, SlotSettings
 from specjax._src.jit_keys import pytree_classes
 from specjax._src.models.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule
@@ -66,66 +63,8 @@ from specjax._src.rules.combinators import OneOf
 Array = jax.Array
 
 # ---------------------------------------------------------------------------
-# Per-request settings (host values)
+# Host values: a step's plan, a chunked insert
 # ---------------------------------------------------------------------------
-
-
-class SlotSettings(NamedTuple):
-    """One request's settings (host values; checked by :meth:`Engine.insert`).
-
-    Attributes:
-      temperature: 0 for greedy; else ``>= specjax.MIN_TEMPERATURE``.
-      top_p: in (0, 1]; 1 keeps every token.
-      top_k: a positive int up to the vocabulary size, or None.
-      seed: an int: the request samples what ``decode(key=jax.random.key(seed))``
-        samples for it alone. None with ``key`` None: a fresh random seed.
-      key: a typed PRNG key instead of ``seed`` (``decode(key=key[None])``).
-      max_new_tokens: tokens to generate at most (prompt + this must fit the
-        slot's capacity).
-      eos_token_id: an id or ids; None: the target's config; ``()``: none.
-      stop_token_ids: more ids that end the request (kept in the output, as EOS).
-      num_draft: the most drafts per cycle for this request, ``0 .. K``
-        (None: the engine's ``K``; 0: plain decoding, one target token per cycle).
-      controls: :class:`specjax.GenerationControls` (penalties, logit bias,
-        ``min_new_tokens``), or None.
-      rule: this request's acceptance rule: the engine's rule type with its
-        own numbers (e.g. ``mars(theta=0.7)`` in an engine built with
-        ``mars()``), or, in an engine built with ``rule=one_of(...)``, one of
-        its members with numbers of its own (``Engine.rule_for``), where the
-        engine holds per-slot rule numbers (every numeric field of its rule a
-        scalar); None: the engine's rule (a one_of's first member, unless
-        built with another ``index``).
-      logprobs: None: no log-probabilities; 0: each committed token's own
-        (``StepOutput.logprobs``); ``k`` in ``1 .. Engine(logprobs=N)``'s N:
-        also the ``k`` most likely tokens (``StepOutput.top_ids[..., :k]``).
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: Optional[int] = None
-    seed: Optional[int] = None
-    key: Any = None
-    max_new_tokens: int = 64
-    eos_token_id: Any = None
-    stop_token_ids: Sequence[int] = ()
-    num_draft: Optional[int] = None
-    controls: Optional[processors_lib.GenerationControls] = None
-    rule: Any = None
-    logprobs: Optional[int] = None
-
-
-class FieldError(NamedTuple):
-    """One problem with a request's settings (:meth:`Engine.validate`).
-
-    Attributes:
-      field: the :class:`SlotSettings` attribute at fault (``"top_p"``,
-        ``"controls.logit_bias"``, ...).
-      message: what is wrong and what would be accepted (the text that
-        :meth:`Engine.insert` raises).
-    """
-
-    field: str
-    message: str
 
 
 class StepPlan(NamedTuple):
@@ -151,9 +90,11 @@ class PrefillJob(NamedTuple):
       slot: the slot the request goes into when its last chunk is in.
       length: the prompt's tokens.
       chunk: prompt positions per call.
-      position: positions prefilled so far (a multiple of ``chunk``).
+      position: positions prefilled so far (``start`` + a multiple of ``chunk``).
       chunks: the calls the whole prefill takes.
       finished: the request is in its slot (the caches went into the state).
+      start: the positions the job began with, copied from a prefix cache
+        (``begin_insert(prefix=...)``; 0: none).
     """
 
     slot: int
@@ -167,317 +108,13 @@ class PrefillJob(NamedTuple):
     settings: SlotSettings
     row: dict
     caches: Any  # (target cache, draft cache) of batch 1, or None once finished
+    start: int = 0
 
     @property
     def chunks_left(self) -> int:
         """Calls of :meth:`Engine.continue_insert` still to make."""
-        return 0 if self.finished else self.chunks - self.position // self.chunk
+        return 0 if self.finished else self.chunks - (self.position - self.start) // self.chunk
 
-
-# ---------------------------------------------------------------------------
-# The state and the step's output
-# ---------------------------------------------------------------------------
-
-
-@struct.dataclass
-class SlotState:
-    """``S`` slots (every leaf's leading axis is ``S`` but the loop's two scalar counters).
-
-    Attributes:
-      loop: the draft-verify loop's state (``tokens [S, C + K + 1]``, caches of
-        ``C + K`` positions, ``num_committed``, ``done``, stats, ...), with a
-        per-slot cycle counter ``step [S]``.
-      occupied: ``[S]`` bool, a request holds the slot (finished ones too,
-        until released).
-      prompt_lengths, max_new, draft_cap, top_k: ``[S]`` int32.
-      temperature, top_p: ``[S]`` float32.
-      eos: ``[S, E]`` int32 EOS and stop ids, ``-1`` for none.
-      keys: ``[S, ...]`` uint32 key data.
-      controls: :class:`specjax._src.logits.processors.Controls` ``[S]``, or None.
-      rules: the engine's rule with each numeric field ``[S]`` (one set of
-        numbers per slot), or None where the numbers are shared.
-      logprobs: ``[S]`` int32 ``SlotSettings.logprobs`` (-1 for None) with
-        ``Engine(logprobs=N)``, N > 0; else None.
-    """
-
-    loop: DecodeState
-    occupied: Array
-    prompt_lengths: Array
-    max_new: Array
-    draft_cap: Array
-    top_k: Array
-    temperature: Array
-    top_p: Array
-    eos: Array
-    keys: Array
-    controls: Any = None
-    rules: Any = None
-    logprobs: Any = None
-
-
-@struct.dataclass
-class StepOutput:
-    """What one :meth:`Engine.step` committed.
-
-    Attributes:
-      tokens: ``[S, W]`` int32: row ``s``'s first ``counts[s]`` entries are the
-        tokens slot ``s`` committed in this step, in order; ``-1`` after them.
-        ``W`` is the token buffer's width, ``capacity + K + 1``.
-      counts: ``[S]`` int32.
-      done: ``[S]`` bool: the slot's request is finished (EOS, a stop id,
-        ``max_new_tokens``, or non-finite logits), or the slot is free.
-      lengths: ``[S]`` int32 tokens generated so far per slot.
-      bad: ``[S]`` int32: 0, or 1 / 2 when the target's / draft's logits went
-        non-finite (the request stopped before that cycle).
-      logprobs: ``[S, W]`` float32, aligned with ``tokens``: each token's
-        log-probability under the target's sampling distribution at its
-        position (after the logits processors, temperature, top-k and top-p;
-        a greedy row's: the processed logits at temperature 1), floored at
-        -9999.0 (a token those filters excluded); 0 after ``counts``. Only
-        with ``Engine(logprobs=N)``, N > 0; else None.
-      top_ids: ``[S, W, N]`` int32: the N most likely tokens at each position
-        under that distribution, most likely first (-1 after ``counts``, or
-        where no live slot asked for alternatives); None without ``logprobs``.
-      top_logprobs: ``[S, W, N]`` float32: their log-probabilities (floored).
-    """
-
-    tokens: Array
-    counts: Array
-    done: Array
-    lengths: Array
-    bad: Array
-    logprobs: Any = None
-    top_ids: Any = None
-    top_logprobs: Any = None
-
-
-class _EngineConfig(NamedTuple):
-    """The engine's static structure (a ``jit`` static)."""
-
-    loop: LoopConfig
-    num_slots: int
-    capacity: int
-    prompt_bucket: int
-    num_eos: int
-    num_bias: int
-    controls: bool
-    processors: tuple
-    per_slot_rule: bool
-    row_buckets: tuple = ()  # the leading rows a step may run, ascending, ending at num_slots
-    filters: bool = True  # per-row top-k compiled in (top-p: ``loop.use_top_p``)
-    logprobs: int = 0  # N: alternatives per token reported (0: no log-probs, nothing compiled in)
-
-
-# ---------------------------------------------------------------------------
-# The jitted pure functions
-# ---------------------------------------------------------------------------
-
-
-def _set_rows(full, part, slots: Array):
-    """``full`` with rows ``slots[n]`` replaced by ``part``'s ``n`` rows (scalar leaves kept)."""
-    return jax.tree_util.tree_map(lambda f, p: f if jnp.ndim(f) == 0 else f.at[slots].set(p), full, part)
-
-
-def _init_impl(params: ModelPair, rule, policy, *, cfg: _EngineConfig) -> SlotState:
-    s = cfg.num_slots
-    loop_cfg = cfg.loop._replace(max_new_tokens=cfg.capacity - 1)
-    ones = jnp.ones((s,), jnp.int32)
-    loop = init_state(loop_cfg, params, rule, policy, jnp.zeros((s, 1), jnp.int32), ones,
-                          jnp.zeros((s,), jnp.int32))
-    key_data = jax.random.key_data(jax.random.key(0))
-    controls = None
-    if cfg.controls:
-        rows = processors_lib.controls_rows([processors_lib.GenerationControls()] * s, cfg.num_bias)
-        controls = processors_lib.Controls(**{k: jnp.asarray(v) for k, v in rows.items()})
-    return SlotState(
-        loop=loop.replace(step=jnp.zeros((s,), jnp.int32), logprobs=_no_logprobs(loop.tokens.shape, cfg)),
-        occupied=jnp.zeros((s,), bool),
-        prompt_lengths=ones,
-        max_new=jnp.zeros((s,), jnp.int32),
-        draft_cap=jnp.zeros((s,), jnp.int32),
-        top_k=jnp.zeros((s,), jnp.int32),
-        temperature=jnp.ones((s,), jnp.float32),
-        top_p=jnp.ones((s,), jnp.float32),
-        eos=jnp.full((s, cfg.num_eos), -1, jnp.int32),
-        keys=jnp.broadcast_to(key_data, (s,) + key_data.shape),
-        controls=controls,
-        rules=(jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (s,) + jnp.shape(x)), rule)
-               if cfg.per_slot_rule else None),
-        logprobs=jnp.full((s,), -1, jnp.int32) if cfg.logprobs else None,
-    )
-
-
-def _no_logprobs(shape: tuple, cfg: _EngineConfig) -> Optional[Logprobs]:
-    """Log-prob buffers beside a token buffer of ``shape`` ``[B, L]`` (None without ``cfg.logprobs``)."""
-    if not cfg.logprobs:
-        return None
-    top = shape + (cfg.logprobs,)
-    return Logprobs(chosen=jnp.zeros(shape, jnp.float32), top_ids=jnp.full(top, -1, jnp.int32),
-                     top_logprobs=jnp.full(top, LOGPROB_FLOOR, jnp.float32))
-
-
-def _insert_impl(params: ModelPair, rule, policy, state: SlotState, slots, prompts, lengths, row: dict, *,
-                 cfg: _EngineConfig) -> SlotState:
-    loop_cfg = cfg.loop._replace(max_new_tokens=cfg.capacity - prompts.shape[1])
-    fresh = init_state(loop_cfg, params, rule, policy, prompts, lengths, row["max_new"])
-    return _write_requests(state, slots, fresh, lengths, row, cfg)
-
-
-def _prefill_start_impl(params: ModelPair, *, cfg: _EngineConfig):
-    """Both caches of one prompt before its first chunk (:meth:`Engine.begin_insert`)."""
-    return empty_prefill_caches(cfg.loop, params)
-
-
-def _prefill_chunk_impl(params: ModelPair, caches, prompt, length, width, start, *, cfg: _EngineConfig,
-                        chunk: int):
-    """One chunk that is not the prompt's last: the caches after it (:meth:`Engine.continue_insert`)."""
-    caches, _ = prefill_pair_chunk(cfg.loop, params, caches, prompt, length, width, start, chunk,
-                                    cfg.capacity % SINGLE_PREFILL_BLOCK)
-    return caches
-
-
-def _prefill_finish_impl(params: ModelPair, rule, policy, state: SlotState, caches, prompt, length, width, start,
-                         slots, row: dict, *, cfg: _EngineConfig, chunk: int) -> SlotState:
-    """The prompt's last chunk, then the request written into its slot as :func:`_insert_impl` writes it."""
-    caches, features = prefill_pair_chunk(cfg.loop, params, caches, prompt, length, width, start, chunk,
-                                           cfg.capacity % SINGLE_PREFILL_BLOCK)
-    loop_cfg = cfg.loop._replace(max_new_tokens=0)
-    fresh = state_after_chunks(loop_cfg, params, rule, policy, caches, features, prompt[:, : cfg.capacity],
-                                length, start, row["max_new"])
-    return _write_requests(state, slots, fresh, jnp.reshape(length, (1,)), row, cfg)
-
-
-def _write_requests(state: SlotState, slots, fresh, lengths, row: dict, cfg: _EngineConfig) -> SlotState:
-    """``state`` with the requests of ``fresh`` (their prefilled loop rows) and ``row`` (their settings) in ``slots``."""
-    fresh = fresh.replace(step=jnp.zeros_like(lengths), logprobs=_no_logprobs(fresh.tokens.shape, cfg))
-    loop = _set_rows(state.loop, fresh, slots)
-    controls, rules = state.controls, state.rules
-    if cfg.per_slot_rule:
-        rules = _set_rows(rules, row["rule"], slots)
-    if cfg.controls:
-        controls = _set_rows(controls, processors_lib.Controls(**row["controls"]), slots)
-    put = lambda name: getattr(state, name).at[slots].set(row[name])  # noqa: E731
-    # A seed's key is decode's key of sequence 0, derived here so that no host-side op compiles per insert.
-    seeded = jax.vmap(lambda seed: jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0)))(row["seed"])
-    keys = jnp.where(row["use_key"][:, None], row["keys"], seeded)
-    return state.replace(
-        loop=loop,
-        occupied=state.occupied.at[slots].set(True),
-        prompt_lengths=state.prompt_lengths.at[slots].set(lengths),
-        max_new=put("max_new"), draft_cap=put("draft_cap"), top_k=put("top_k"),
-        temperature=put("temperature"), top_p=put("top_p"), eos=put("eos"), keys=state.keys.at[slots].set(keys),
-        controls=controls,
-        rules=rules,
-        logprobs=put("logprobs") if cfg.logprobs else None,
-    )
-
-
-def _fork_impl(state: SlotState, source, slots, keys) -> SlotState:
-    """Rows ``slots [n]`` become copies of row ``source`` (its caches, tokens,
-    settings and counters), each with its own key data ``keys [n, ...]``."""
-    n = slots.shape[0]
-    copies = jax.tree_util.tree_map(
-        lambda x: x if jnp.ndim(x) == 0 else jnp.broadcast_to(x[source], (n,) + x.shape[1:]), state)
-    return _set_rows(state, copies.replace(keys=keys), slots)
-
-
-def _rows(state: SlotState, cfg: _EngineConfig) -> processors_lib.RowSettings:
-    return processors_lib.RowSettings(
-        greedy=state.temperature == 0.0, top_k=state.top_k if cfg.filters else None, draft_cap=state.draft_cap,
-        controls=state.controls if cfg.controls else None, rules=state.rules, processors=cfg.processors,
-        logprobs=state.logprobs if cfg.logprobs else None,
-    )
-
-
-def _leading_rows(tree, n: int):
-    """Every ``[S, ...]`` leaf of ``tree`` cut to its first ``n`` rows (scalar leaves kept)."""
-    return jax.tree_util.tree_map(lambda x: x if jnp.ndim(x) == 0 else x[:n], tree)
-
-
-def _with_leading_rows(full, part):
-    """``full`` with its first rows replaced by ``part``'s (scalar leaves: ``part``'s)."""
-    return jax.tree_util.tree_map(
-        lambda f, p: p if jnp.ndim(f) == 0 else jax.lax.dynamic_update_slice_in_dim(f, p, 0, axis=0), full, part)
-
-
-def _step_impl(params: ModelPair, rule, policy, state: SlotState, num_cycles, until_first_finish, *,
-               cfg: _EngineConfig, rows_run: int) -> tuple[SlotState, StepOutput]:
-    """Cycles for the first ``rows_run`` slots (static: the engine passes a row
-    bucket holding every occupied slot; the rows past it are free, so nothing
-    of theirs changes), then the step's output for all ``S``."""
-    start = state.loop.num_committed
-    part = state if rows_run == cfg.num_slots else _leading_rows(state, rows_run)
-    loop = _run_rows(params, rule, policy, part, num_cycles, until_first_finish, cfg)
-    if rows_run != cfg.num_slots:
-        loop = _with_leading_rows(state.loop, loop)
-    counts = loop.num_committed - start
-    width = loop.tokens.shape[1]
-    cols = jnp.arange(width)[None, :]
-    index = jnp.minimum(start[:, None] + cols, width - 1)
-
-    def new(x, fill):  # [S, W, ...]: this step's entries first, ``fill`` after them
-        at = index.reshape(index.shape + (1,) * (x.ndim - 2))
-        got = jnp.take_along_axis(x, jnp.broadcast_to(at, x.shape), axis=1)
-        return jnp.where((cols < counts[:, None]).reshape(at.shape), got, fill)
-
-    out = StepOutput(
-        tokens=new(loop.tokens, -1),
-        counts=counts,
-        done=loop.done,
-        lengths=loop.num_committed - state.prompt_lengths,
-        bad=loop.bad,
-    )
-    if cfg.logprobs:
-        out = out.replace(logprobs=new(loop.logprobs.chosen, 0.0), top_ids=new(loop.logprobs.top_ids, -1),
-                          top_logprobs=new(loop.logprobs.top_logprobs, 0.0))
-    return state.replace(loop=loop), out
-
-
-def _run_rows(params: ModelPair, rule, policy, state: SlotState, num_cycles, until_first_finish,
-              cfg: _EngineConfig) -> DecodeState:
-    """Up to ``num_cycles`` cycles of ``state``'s rows; returns the loop state after them."""
-    keys = jax.random.wrap_key_data(state.keys)
-    inputs = CycleInputs(state.prompt_lengths, state.max_new, state.eos, keys, state.temperature, state.top_p,
-                         _rows(state, cfg))
-    cycle = cycle_for(cfg.loop).bind(cfg.loop, params, rule, policy, inputs)
-    done_before = state.loop.done
-
-    def keep_going(loop: DecodeState, cycles_run):
-        finished = (loop.done & ~done_before).any()
-        return (cycles_run < num_cycles) & ~loop.done.all() & ~(until_first_finish & finished)
-
-    return run_cycles(cycle, state.loop, keep_going)
-
-
-_init_jit = jax.jit(_init_impl, static_argnames=("cfg",))
-_prefill_start_jit = jax.jit(_prefill_start_impl, static_argnames=("cfg",))
-_prefill_chunk_jit = jax.jit(_prefill_chunk_impl, static_argnames=("cfg", "chunk"))
-_prefill_finish_jit = jax.jit(_prefill_finish_impl, static_argnames=("cfg", "chunk"))
-_prefill_chunk_donating = jax.jit(_prefill_chunk_impl, static_argnames=("cfg", "chunk"), donate_argnames=("caches",))
-# (The last chunk's caches go into the state's rows: no output of its shape could reuse them.)
-_prefill_finish_donating = jax.jit(_prefill_finish_impl, static_argnames=("cfg", "chunk"), donate_argnames=("state",))
-_insert_jit = jax.jit(_insert_impl, static_argnames=("cfg",))
-_fork_jit = jax.jit(_fork_impl)
-_step_jit = jax.jit(_step_impl, static_argnames=("cfg", "rows_run"))
-# The same programs writing the new state into the old one's buffers: without
-# donation every call copies the whole state, both KV caches of every slot
-# included, to write a few rows of it.
-_insert_donating = jax.jit(_insert_impl, static_argnames=("cfg",), donate_argnames=("state",))
-_step_donating = jax.jit(_step_impl, static_argnames=("cfg", "rows_run"), donate_argnames=("state",))
-_fork_donating = jax.jit(_fork_impl, donate_argnames=("state",))
-
-
-def _with_entry(flags: Array, index: int, value) -> Array:
-    """A copy of ``flags`` ``[S]`` with entry ``index`` set to ``value``, written from the host.
-
-    A device transfer, not a program: it compiles nothing. The copy is placed
-    as ``flags`` was (its sharding, and committed or not: both are part of a
-    jitted program's cache key), so the insert and step programs that read it
-    are not compiled again.
-    """
-    host = np.array(flags)
-    host[index] = value
-    return jax.device_put(host, flags.sharding) if flags.committed else jax.device_put(host)
 
 
 # ---------------------------------------------------------------------------
@@ -605,21 +242,21 @@ class Engine:
         self.params, self.rule, self.drafting = params, rule, drafting
         self.donate_state = bool(donate_state)
         self._insert_fn, self._step_fn, self._fork_fn = (
-            (_insert_donating, _step_donating, _fork_donating) if self.donate_state
-            else (_insert_jit, _step_jit, _fork_jit))
-        self._chunk_fn, self._finish_fn = ((_prefill_chunk_donating, _prefill_finish_donating) if self.donate_state
-                                           else (_prefill_chunk_jit, _prefill_finish_jit))
+            (programs.insert_donating, programs.step_donating, programs.fork_donating) if self.donate_state
+            else (programs.insert_jit, programs.step_jit, programs.fork_jit))
+        self._chunk_fn, self._finish_fn = ((programs.prefill_chunk_donating, programs.prefill_finish_donating) if self.donate_state
+                                           else (programs.prefill_chunk_jit, programs.prefill_finish_jit))
         leaves = jax.tree_util.tree_leaves(rule)
         per_slot_rule = bool(leaves) and all(np.ndim(x) == 0 for x in leaves)
         self.vocab_size = params.vocab_size
         loop = LoopConfig(diagnostics=None, num_draft=num_draft, max_new_tokens=capacity - 1,
                        cache_length=capacity + cache_room, greedy=False, top_k=None, use_top_p=True, lookup=lookup,
                        tree=tree, classes=pytree_classes(rule, drafting), verify_widths=verify_widths)
-        self.cfg = _EngineConfig(loop=loop, num_slots=int(num_slots), capacity=int(capacity),
+        self.cfg = SlotsConfig(loop=loop, num_slots=int(num_slots), capacity=int(capacity),
                                  prompt_bucket=int(prompt_bucket), num_eos=int(max_eos), num_bias=int(max_bias),
                                  controls=bool(controls), processors=processors,
                                  per_slot_rule=per_slot_rule,
-                                 row_buckets=_check_row_buckets(row_buckets, int(num_slots)),
+                                 row_buckets=settings_lib.check_row_buckets(row_buckets, int(num_slots)),
                                  logprobs=num_logprobs)
         # The programs by name (:meth:`step_program`). Custom processors may change any row's logits
         # whatever the controls say: they always run, in the general program.
@@ -655,7 +292,7 @@ class Engine:
 
     def init(self) -> SlotState:
         """A state of ``num_slots`` free slots."""
-        return _init_jit(self.params, self.rule, self.drafting, cfg=self.cfg)
+        return programs.init_jit(self.params, self.rule, self.drafting, cfg=self.cfg)
 
     def free_slots(self, state: SlotState) -> list[int]:
         """The slots no request holds (reads ``state.occupied`` from the device)."""
@@ -699,7 +336,7 @@ class Engine:
                                lengths, row, cfg=self.cfg)
 
     def begin_insert(self, state: SlotState, slot: int, prompt, settings: Optional[SlotSettings] = None, *,
-                     chunk: int) -> PrefillJob:
+                     chunk: int, prefix=None) -> PrefillJob:
         """Starts an insert whose prompt is prefilled ``chunk`` positions per call.
 
         A long prompt inserted whole holds up every running slot for its
@@ -725,6 +362,13 @@ class Engine:
         One program per chunk width for the middle chunks and one for the last
         (plus one that makes the empty caches). Raises as :meth:`insert` does
         before anything runs.
+
+        ``prefix``: ``(caches, tokens)``, both caches of one prompt already
+        holding its first ``tokens`` positions (a multiple of 64 below the
+        prompt's length - 2), as :meth:`PrefixCache.restore` gives them; the
+        chunks then start at ``tokens``, and the request decodes what it would
+        from a cold start where those entries are the prefill's (consumed
+        with ``donate_state=True``).
         """
         self._check_state(state)
         slot = self._check_slot(slot)
@@ -741,11 +385,38 @@ class Engine:
         row = self._device_rows([self._check_settings(settings, length, 0)])
         padded = np.zeros((1, self.capacity + size + 1), np.int32)
         padded[0, :length] = tokens[0, :length]
-        caches = _prefill_start_jit(self.params, cfg=self.cfg)
-        chunks = max(1, -(-(length - 1) // size))
-        return PrefillJob(slot=slot, length=length, chunk=size, position=0, chunks=chunks, finished=False,
+        start = 0
+        if prefix is None:
+            caches = self.empty_prefill_caches()
+        else:
+            caches, start = self._check_prefix(prefix, length)
+        chunks = max(1, -(-(length - 1 - start) // size))
+        return PrefillJob(slot=slot, length=length, chunk=size, position=start, chunks=chunks, finished=False,
                           prompt=padded, width=self._insert_width(1, length), settings=settings, row=row,
-                          caches=caches)
+                          caches=caches, start=start)
+
+    def empty_prefill_caches(self):
+        """Both caches of one prompt before its first chunk (batch 1, ``capacity + K`` positions)."""
+        return programs.prefill_start_jit(self.params, cfg=self.cfg)
+
+    def _check_prefix(self, prefix, length: int):
+        """``(caches, start)`` of ``begin_insert``'s ``prefix``, checked against a prompt of ``length``."""
+        if not (isinstance(prefix, tuple) and len(prefix) == 2):
+            raise TypeError("prefix must be (caches, tokens): both caches of one prompt holding its first "
+                            "`tokens` positions (specjax.engine.PrefixCache.restore).")
+        caches, tokens = prefix
+        start, most = as_integer(tokens), (max(0, length - 2) // SINGLE_PREFILL_BLOCK) * SINGLE_PREFILL_BLOCK
+        if start is None or start < 0 or start % SINGLE_PREFILL_BLOCK or start > most:
+            raise ValueError(f"prefix tokens must be a multiple of {SINGLE_PREFILL_BLOCK} in 0 .. {most} (positions "
+                             f"below the prompt's length - 2, {length - 2}, that both caches keep), got {tokens!r}.")
+        want = jax.eval_shape(self.empty_prefill_caches)
+        same = jax.tree_util.tree_structure(caches) == jax.tree_util.tree_structure(want) and all(
+            np.shape(a) == b.shape and a.dtype == b.dtype
+            for a, b in zip(jax.tree_util.tree_leaves(caches), jax.tree_util.tree_leaves(want)))
+        if not same:
+            raise ValueError("prefix caches are not this engine's (their structure, shapes or dtypes differ from "
+                             "engine.empty_prefill_caches()).")
+        return caches, start
 
     def continue_insert(self, state: SlotState, job: PrefillJob) -> tuple[SlotState, PrefillJob]:
         """Prefills the next chunk of ``job`` (:meth:`begin_insert`); returns ``(state, job)``.
@@ -772,7 +443,7 @@ class Engine:
                              f"the insert again in a free slot ({self.free_slots(state)}).")
         state = self._finish_fn(self.params, self.rule, self.drafting, state, job.caches, *args,
                                 np.asarray([job.slot], np.int32), job.row, cfg=self.cfg, chunk=job.chunk)
-        return state, job._replace(position=job.chunks * job.chunk, finished=True, caches=None)
+        return state, job._replace(position=job.start + job.chunks * job.chunk, finished=True, caches=None)
 
     def _device_rows(self, rows: list) -> dict:
         """The checked settings of ``n`` requests stacked as the insert programs read them."""
@@ -939,7 +610,7 @@ class Engine:
         keys = list(keys)
         if len(keys) != len(slots):
             raise ValueError(f"fork: {len(slots)} slots and {len(keys)} keys: give one key per slot.")
-        data = np.stack([_key_fields(SlotSettings(key=key))["keys"] for key in keys])
+        data = np.stack([settings_lib.key_fields(SlotSettings(key=key))["keys"] for key in keys])
         return self._fork_fn(state, np.int32(source), np.asarray(slots, np.int32), data)
 
     def release(self, state: SlotState, slot: int) -> SlotState:
@@ -955,8 +626,8 @@ class Engine:
         self._check_state(state)
         slot = self._check_slot(slot)
         loop = state.loop
-        return state.replace(loop=loop.replace(done=_with_entry(loop.done, slot, True)),
-                             occupied=_with_entry(state.occupied, slot, False))
+        return state.replace(loop=loop.replace(done=programs.with_entry(loop.done, slot, True)),
+                             occupied=programs.with_entry(state.occupied, slot, False))
 
     # -- checks -------------------------------------------------------------
 
@@ -991,13 +662,13 @@ class Engine:
         length = as_integer(prompt_length)
         if length is None or length < 1:
             raise ValueError(f"prompt_length must be a positive integer, got {prompt_length!r}.")
-        problems, _ = self._settings_problems(settings, length, None)
+        problems, _ = settings_lib.settings_problems(self, settings, length, None)
         return tuple(FieldError(field, str(error)) for field, error in problems)
 
     def _check_settings(self, s: SlotSettings, prompt_length: int, index: int) -> dict:
         """The device row of one request's settings; raises the first problem :meth:`validate` finds."""
         self._check_settings_type(s)
-        problems, row = self._settings_problems(s, prompt_length, index)
+        problems, row = settings_lib.settings_problems(self, s, prompt_length, index)
         if problems:
             raise problems[0][1]
         return row
@@ -1007,116 +678,6 @@ class Engine:
         if not isinstance(s, SlotSettings):
             raise TypeError(f"settings must be specjax.engine.SlotSettings(...), got {type(s).__name__}.")
 
-    def _settings_problems(self, s: SlotSettings, prompt_length: int,
-                           index: Optional[int]) -> tuple[list[tuple[str, Exception]], Optional[dict]]:
-        """``([(field, error), ...], row)``: every problem, each with the
-        exception :meth:`insert` raises for it, and the device row (None when
-        there are problems). A check that depends on a bad field is skipped."""
-        vocab, k_max = self.vocab_size, self.num_draft
-        problems: list[tuple[str, Exception]] = []
-
-        def check(field: str, fn):
-            try:
-                return True, fn()
-            except (TypeError, ValueError) as error:
-                problems.append((field, error))
-                return False, None
-
-        top_p = 1.0 if s.top_p is None else s.top_p
-        # The order of the checks is the order insert has always raised them in.
-        temperature_ok, _ = check("temperature", lambda: sampling.check_sampling_args(s.temperature, None, None))
-        top_k_ok, _ = check("top_k", lambda: sampling.check_sampling_args(0.0, s.top_k, None))
-        check("top_p", lambda: sampling.check_sampling_args(0.0, None, top_p))
-        if temperature_ok:
-            check("temperature", lambda: check_min_temperature(s.temperature))
-        max_new_ok, _ = check("max_new_tokens", lambda: check_positive_int("max_new_tokens", s.max_new_tokens))
-        if top_k_ok and s.top_k is not None and s.top_k > vocab:
-            problems.append(("top_k", ValueError(f"top_k={s.top_k} exceeds the vocabulary ({vocab} tokens); pass at "
-                                                 f"most {vocab} or None.")))
-        if max_new_ok and prompt_length + s.max_new_tokens > self.capacity:
-            where = "" if index is None else f"request {index}: "
-            problems.append(("max_new_tokens", ValueError(
-                f"{where}the prompt ({prompt_length} tokens) + max_new_tokens ({s.max_new_tokens}) exceed the slot "
-                f"capacity ({self.capacity}); shorten the prompt, lower max_new_tokens, or build the Engine with a "
-                "larger capacity.")))
-        cap = k_max if s.num_draft is None else as_integer(s.num_draft)
-        if cap is None or not 0 <= cap <= k_max:
-            problems.append(("num_draft", ValueError(
-                f"num_draft must be an integer in 0 .. {k_max} (the engine's K), got {s.num_draft!r}.")))
-        eos_ok, eos = check("eos_token_id", lambda: resolve_eos_ids(s.eos_token_id, vocab, self.params.target.module))
-        stops_ok, stops = check("stop_token_ids", lambda: resolve_eos_ids(tuple(s.stop_token_ids), vocab)
-                                if len(tuple(s.stop_token_ids)) else ())
-        ends = ()
-        if eos_ok and stops_ok:
-            ends = tuple(dict.fromkeys(eos + stops))
-            if len(ends) > self.cfg.num_eos:
-                problems.append(("stop_token_ids" if stops else "eos_token_id", ValueError(
-                    f"eos_token_id and stop_token_ids name {len(ends)} ids; this engine holds {self.cfg.num_eos} per "
-                    "request (Engine(max_eos=...)).")))
-        controls = self._control_problems(s.controls, problems)
-        _, rule = check("rule", lambda: self._check_rule(s.rule))
-        _, keys = check("key" if s.key is not None else "seed", lambda: _key_fields(s))
-        _, logprobs = check("logprobs", lambda: self._check_logprobs(s.logprobs))
-        if problems:
-            return problems, None
-        eos_row = np.full((self.cfg.num_eos,), -1, np.int32)
-        eos_row[: len(ends)] = ends
-        return problems, dict(
-            max_new=np.int32(s.max_new_tokens),
-            draft_cap=np.int32(cap),
-            top_k=np.int32(0 if s.top_k is None else s.top_k),
-            temperature=np.float32(s.temperature),
-            top_p=np.float32(top_p),
-            eos=eos_row,
-            controls=controls,
-            rule=rule,
-            logprobs=np.int32(logprobs),
-            **keys,
-        )
-
-    def _control_problems(self, controls, problems: list) -> Optional[processors_lib.GenerationControls]:
-        """Appends each bad control to ``problems`` as ``("controls.<field>", error)``; returns the controls
-        (defaults for None), or None when one is bad."""
-        if controls is not None and not isinstance(controls, processors_lib.GenerationControls):
-            try:
-                processors_lib.check_controls(controls, self.vocab_size, "controls")
-            except (TypeError, ValueError) as error:
-                problems.append(("controls", error))
-            return None
-        controls = processors_lib.GenerationControls() if controls is None else controls
-        ok = True
-        # One field at a time (check_controls raises its first problem), in check_controls' order.
-        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logit_bias"):
-            try:
-                processors_lib.check_controls(
-                    processors_lib.GenerationControls(**{name: getattr(controls, name)}), self.vocab_size, "controls")
-            except (TypeError, ValueError) as error:
-                problems.append((f"controls.{name}", error))
-                ok = False
-        if not ok:
-            return None
-        if not self.cfg.controls and not processors_lib.is_default(controls):
-            problems.append(("controls", ValueError(
-                "controls: this Engine was built with controls=False; build it with controls=True to use penalties, "
-                "logit_bias or min_new_tokens.")))
-        elif controls.logit_bias and len(controls.logit_bias) > self.cfg.num_bias:
-            problems.append(("controls.logit_bias", ValueError(
-                f"controls.logit_bias has {len(controls.logit_bias)} entries; this engine holds {self.cfg.num_bias} "
-                "per request (Engine(max_bias=...)).")))
-        return controls
-
-    def _check_logprobs(self, logprobs) -> int:
-        """``SlotSettings.logprobs`` as the slot's int (-1 for None)."""
-        if logprobs is None:
-            return -1
-        if not self.cfg.logprobs:
-            raise ValueError("logprobs: this Engine was built with logprobs=0 (no log-probabilities); build it with "
-                             "Engine(logprobs=N) to report them, or leave SlotSettings.logprobs None.")
-        number = as_integer(logprobs)
-        if number is None or not 0 <= number <= self.cfg.logprobs:
-            raise ValueError(f"logprobs must be None or an integer in 0 .. {self.cfg.logprobs} (this engine's "
-                             f"Engine(logprobs=...)), got {logprobs!r}.")
-        return number
 
     @property
     def served_rules(self) -> tuple:
@@ -1137,91 +698,4 @@ class Engine:
         share its type). :meth:`insert` and :meth:`validate` apply it to a
         ``SlotSettings.rule`` themselves. Raises ``ValueError`` naming the
         served rules when ``rule`` is none of them."""
-        if not isinstance(rule, AcceptanceRule):
-            raise TypeError(f"rule: expected an AcceptanceRule (e.g. specjax.rules.mars(0.9)), got "
-                            f"{type(rule).__name__}.")
-        if _same_structure(rule, self.rule):
-            return rule
-        if isinstance(self.rule, OneOf):
-            members = self.rule.rules
-            matches = [i for i, member in enumerate(members) if _same_structure(member, rule)]
-            if matches:
-                exact = [i for i in matches if _same_values(members[i], rule)]
-                i = (exact or matches)[0]
-                return self.rule.replace(rules=members[:i] + (rule,) + members[i + 1:], index=i)
-        if not isinstance(self.rule, OneOf):
-            raise ValueError(f"rule: {rule} is not the engine's rule type with other numbers ({self.rule}); a "
-                             "request may change the rule's numbers, not its type or static fields (build the "
-                             "engine with rule=one_of(...) to serve several rules).")
-        served = ", ".join(str(r) for r in self.served_rules)
-        raise ValueError(f"rule: {rule} is not a rule this engine serves ({served}); a request may choose one of "
-                         "these, with numbers of its own, not another type or static setting.")
-
-    def _check_rule(self, rule):
-        """A request's rule as the slot's row: the engine's rule (its one_of member
-        chosen by :meth:`rule_for`) with the request's numbers (float32 / int32 scalars)."""
-        if rule is None:
-            rule = self.rule
-        elif not self.cfg.per_slot_rule:
-            if not (isinstance(rule, AcceptanceRule) and _same_structure(rule, self.rule)
-                    and _same_values(rule, self.rule)):
-                raise ValueError(f"rule: this engine's rule ({self.rule}) has no per-request numbers (it holds "
-                                 "arrays, such as PAD's pivot head, or no numbers), so every request uses it; leave "
-                                 "SlotSettings.rule unset.")
-        else:
-            rule = self.rule_for(rule)
-        if not self.cfg.per_slot_rule:
-            return None
-        return jax.tree_util.tree_map(lambda x, ref: np.asarray(x, _slot_dtype(ref)), rule, self.rule)
-
-
-def _slot_dtype(ref) -> np.dtype:
-    """The dtype a rule's number has in the state (JAX's default widths: float32, int32)."""
-    dtype = np.asarray(ref).dtype
-    return {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.int64): np.dtype(np.int32)}.get(dtype, dtype)
-
-
-def _same_structure(a, b) -> bool:
-    """Same pytree classes (``jit_keys``: equal treedefs may hide other classes) and static fields."""
-    return (jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-            and pytree_classes(a) == pytree_classes(b))
-
-
-def _same_values(a, b) -> bool:
-    """Equal numbers leaf for leaf (``a`` and ``b`` of the same structure)."""
-    return all(np.shape(x) == np.shape(y) and np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
-
-
-def _check_row_buckets(row_buckets, num_slots: int) -> tuple[int, ...]:
-    if row_buckets is None:
-        return (num_slots,)
-    if isinstance(row_buckets, str):
-        if row_buckets != "powers":
-            raise ValueError(f"row_buckets must be None, \"powers\" or slot counts, got {row_buckets!r}.")
-        row_buckets = [2**i for i in range(num_slots.bit_length()) if 2**i < num_slots]
-    numbers = [as_integer(b) for b in row_buckets]
-    if any(b is None or not 1 <= b <= num_slots for b in numbers):
-        raise ValueError(f"row_buckets must be slot counts in 1 .. num_slots ({num_slots}), got {row_buckets!r}.")
-    return tuple(sorted(set(numbers) | {num_slots}))
-
-
-_KEY_SHAPE = (2,)  # the default (threefry) key's data
-
-
-def _key_fields(s: SlotSettings) -> dict:
-    """``seed`` (uint32), ``keys`` (key data) and ``use_key``: a given key, or
-    decode's key of sequence 0 for ``seed`` (``fold_in(key(seed), 0)``, derived in ``insert``)."""
-    if s.key is not None and s.seed is not None:
-        raise ValueError("give seed or key, not both.")
-    if s.key is not None:
-        key = s.key
-        if not (hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 0
-                and jax.random.key_impl(key) == jax.random.key_impl(jax.random.key(0))):
-            raise TypeError(f"key must be one typed PRNG key of the default kind (jax.random.key(seed)), "
-                            f"got {key!r}.")
-        return dict(seed=np.uint32(0), keys=np.asarray(jax.random.key_data(key)), use_key=np.bool_(True))
-    seed = secrets.randbits(32) if s.seed is None else as_integer(s.seed)
-    if seed is None or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an integer in [0, 2**32), got {s.seed!r}.")
-    return dict(seed=np.uint32(seed), keys=np.zeros(_KEY_SHAPE, np.uint32), use_key=np.bool_(False))
+        return settings_lib.rule_for(self, rule)

@@ -72,7 +72,7 @@ IGNORED: dict[str, str] = {
     "store": "the server stores nothing",
     "service_tier": "the server has one tier",
     "parallel_tool_calls": "it qualifies tools, which are refused",
-    "prompt_cache_key": "the server keeps no prompt cache across requests",
+    "prompt_cache_key": "the prefix cache matches prompts by their tokens: it needs no key",
     "safety_identifier": "an end-user id for the caller's own abuse monitoring",
     "verbosity": "a hint for other models' reasoning; the served model takes none",
     "spaces_between_special_tokens": "special tokens are decoded as the tokenizer decodes them",

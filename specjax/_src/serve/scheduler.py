@@ -28,12 +28,13 @@ import itertools
 import secrets
 import threading
 import time
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
 
 from specjax._src.engine.ops import SINGLE_PREFILL_BLOCK
+from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, usable_blocks
 from specjax._src.engine.slots import Engine, PrefillJob, SlotSettings
 from specjax._src.engine.text import TextStream
 
@@ -77,6 +78,7 @@ class Done(NamedTuple):
         ``acceptance_rate`` (accepted / drafted), ``accepted_at`` (``[K]``
         drafts accepted at each position) and ``draft_lengths`` (``[K + 1]``
         cycles that drafted ``k = 0 .. K`` tokens: what the drafting policy chose).
+      cached_tokens: the prompt's tokens read from the prefix cache, not prefilled.
     """
 
     finish_reason: str
@@ -84,6 +86,7 @@ class Done(NamedTuple):
     completion_tokens: int
     stats: dict
     index: int = 0
+    cached_tokens: int = 0
 
 
 class Failed(NamedTuple):
@@ -130,6 +133,7 @@ class Request:
     cancelled: bool = False
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     remaining: int = 0  # choices not yet done (set at admission)
+    cached: int = 0  # prompt tokens read from the prefix cache (set at admission)
 
 
 @dataclasses.dataclass
@@ -258,6 +262,7 @@ class _Pending:
     job: PrefillJob
     slots: tuple
     keys: Optional[list] = None  # a request of n choices: the copies' keys
+    hit: Any = None  # the prefix cache's blocks it started from (pinned until its last chunk)
 
 
 class _Stopped(Exception):
@@ -316,17 +321,25 @@ class Scheduler:
         what a whole insert gives it. Its slots are held for it meanwhile;
         steps neither run nor plan them. Shorter prompts are prefilled whole,
         in groups, as before. 0: every prompt is prefilled whole.
+      prefix_cache: a :class:`specjax._src.engine.prefix_cache.PrefixCache`: every prefilled
+        prompt's blocks are kept in it, and a prompt that begins with cached blocks is copied
+        from them and prefilled from there on, chunk by chunk (``prefill_chunk`` positions a
+        call, 64 where that is 0). None: every prompt is prefilled from its first token.
     """
 
     def __init__(self, engine: Engine, tokenizer, *, max_queue: int = 64, num_cycles: int = 4,
                  warmup_widths: Optional[Sequence[int]] = None, eos_ids: Sequence[int] = (),
-                 prefill_groups: Optional[Sequence[int]] = None, prefill_chunk: int = 128):
+                 prefill_groups: Optional[Sequence[int]] = None, prefill_chunk: int = 128,
+                 prefix_cache: Optional[PrefixCache] = None):
         if int(max_queue) < 0 or int(num_cycles) < 1:
             raise ValueError(f"max_queue must be >= 0 and num_cycles >= 1, got {max_queue}, {num_cycles}.")
         if int(prefill_chunk) < 0 or int(prefill_chunk) % SINGLE_PREFILL_BLOCK:
             raise ValueError(f"prefill_chunk must be 0 (off) or a positive multiple of {SINGLE_PREFILL_BLOCK}, got "
                              f"{prefill_chunk}.")
         self.prefill_chunk = int(prefill_chunk)
+        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+            raise TypeError(f"prefix_cache must be a PrefixCache or None, got {type(prefix_cache).__name__}.")
+        self.prefix_cache = prefix_cache
         if prefill_groups is None:
             prefill_groups = [2**i for i in range(engine.num_slots.bit_length()) if 2**i <= engine.num_slots]
         groups = sorted({int(n) for n in prefill_groups})
@@ -362,18 +375,26 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         """Queues ``request``; raises :class:`QueueFull` or :class:`Closed` instead of waiting."""
-        if not 1 <= request.n <= self.engine.num_slots:
-            raise ValueError(f"n={request.n}: a request takes 1 .. {self.engine.num_slots} slots (one per choice).")
+        self.submit_many([request])
+
+    def submit_many(self, requests: Sequence[Request]) -> None:
+        """Queues ``requests`` (the prompts of one HTTP request) all or none: raises
+        :class:`QueueFull` or :class:`Closed`, queuing none of them, where they do not all fit."""
+        for request in requests:
+            if not 1 <= request.n <= self.engine.num_slots:
+                raise ValueError(f"n={request.n}: a request takes 1 .. {self.engine.num_slots} slots (one per "
+                                 "choice).")
         with self._cond:
             if self._closing:
                 raise Closed("the server is shutting down and takes no new requests.")
-            demand = sum(r.n for r in self._waiting) + request.n
+            demand = sum(r.n for r in self._waiting) + sum(r.n for r in requests)
             if demand > self.max_queue + len(self._free):
-                self.counters.requests_refused += 1
+                self.counters.requests_refused += len(requests)
                 raise QueueFull(f"the server is full: {len(self._live)} of {self.engine.num_slots} slots busy and "
                                 f"{len(self._waiting)} requests waiting (at most {self.max_queue} beyond the free "
-                                "slots); retry later.")
-            self._waiting.append(request)
+                                f"slots){'' if len(requests) == 1 else f'; this request holds {len(requests)} prompts'}"
+                                "; retry later.")
+            self._waiting.extend(requests)
             self._cond.notify()
 
     def cancel(self, request: Request) -> None:
@@ -455,7 +476,8 @@ class Scheduler:
         with self._cond:
             c = dataclasses.asdict(self.counters)
             c.update(queue_depth=len(self._waiting), live_slots=len(self._live), num_slots=self.engine.num_slots,
-                     ready=self.ready.is_set(), latency=copy.deepcopy(self.latency))
+                     ready=self.ready.is_set(), latency=copy.deepcopy(self.latency),
+                     prefix_cache=None if self.prefix_cache is None else self.prefix_cache.stats())
         busy = c["busy_seconds"]
         c["host_share"] = (busy - c["step_seconds"] - c["insert_seconds"]) / busy if busy > 0 else 0.0
         return c
@@ -530,6 +552,23 @@ class Scheduler:
             state, out = engine.step(state, self.num_cycles, plan=engine.plan({0: greedy}))
             jax.block_until_ready(out)
             state = engine.release(state, 0)
+        cache = self.prefix_cache
+        if cache is not None and usable_blocks(engine.capacity - 1):  # its copies, and a prefill from a hit
+            if self._stop:
+                raise _Stopped()
+            prompt = [0] * min(engine.capacity - 1, BLOCK + 3)
+            state = engine.insert(state, 0, prompt, greedy)
+            cache.store(engine, state, 0, prompt)
+            state = engine.release(state, 0)
+            job, hit = cache.begin_insert(engine, state, 0, prompt, greedy, chunk=self.prefill_chunk or BLOCK)
+            while not job.finished:
+                state, job = engine.continue_insert(state, job)
+            cache.release(hit)
+            state, out = engine.step(state, self.num_cycles, plan=engine.plan({0: greedy}))
+            jax.block_until_ready(out)
+            state = engine.release(state, 0)
+            cache.clear()
+            cache.reset_stats()
         for copies in range(1, engine.num_slots):  # a request of n choices: one fork program per n - 1
             state = serve_one(state, 0, [0], copies=copies)
         for rows in engine.row_buckets:  # the step that runs the first `rows` slots, in each program
@@ -577,7 +616,18 @@ class Scheduler:
     def _admit(self, state, admitted):
         """Prefills ``admitted`` (``(slots, request)`` pairs): requests of one choice in groups of
         ``prefill_groups`` sizes, a request of ``n`` alone, then copied into its other slots. A
-        prompt longer than ``prefill_chunk`` begins a chunked prefill instead (:meth:`_prefill_chunk`)."""
+        prompt longer than ``prefill_chunk``, or one that begins with blocks of the prefix cache,
+        begins a chunked prefill instead (:meth:`_prefill_chunk`)."""
+        if self.prefix_cache is not None:
+            cold = []
+            for slots, request in admitted:
+                hit = self.prefix_cache.match(self.engine, request.prompt)
+                if hit.tokens:
+                    self._begin(state, slots, request, hit)
+                else:
+                    self.prefix_cache.release(hit)
+                    cold.append((slots, request))
+            admitted = cold
         if self.prefill_chunk:
             long = [a for a in admitted if len(a[1].prompt) > self.prefill_chunk]
             admitted = [a for a in admitted if len(a[1].prompt) <= self.prefill_chunk]
@@ -593,21 +643,37 @@ class Scheduler:
                 state = self._insert(state, [(slots[0], request)], copies=slots[1:])
         return state
 
-    def _begin(self, state, slots, request) -> None:
-        """Starts the chunked prefill of ``request`` into ``slots`` (its chunks run between steps)."""
+    def _begin(self, state, slots, request, hit=None) -> None:
+        """Starts the chunked prefill of ``request`` into ``slots`` (its chunks run between steps),
+        from the prefix cache's blocks of ``hit`` where given."""
         t0 = time.perf_counter()
         settings, keys = request.settings, None
         if request.n > 1:
             keys = _choice_keys(settings, request.n)
             settings = settings._replace(seed=None, key=keys[0])
         try:
-            job = self.engine.begin_insert(state, slots[0], list(request.prompt), settings, chunk=self.prefill_chunk)
+            prefix = None
+            if hit is not None:
+                prefix = (self.prefix_cache.restore(self.engine, hit), hit.tokens)
+                request.cached = hit.tokens
+            job = self.engine.begin_insert(state, slots[0], list(request.prompt), settings,
+                                           chunk=self.prefill_chunk or BLOCK, prefix=prefix)
         except (ValueError, TypeError) as e:  # checked by the server before queuing; here as a last guard
             self.counters.insert_seconds += time.perf_counter() - t0
+            self._unpin(hit)
             self._refuse(request, slots, e)
             return
         self.counters.insert_seconds += time.perf_counter() - t0
-        self._pending[slots[0]] = _Pending(request, job, tuple(slots), keys)
+        self._pending[slots[0]] = _Pending(request, job, tuple(slots), keys, hit)
+
+    def _unpin(self, hit) -> None:
+        if hit is not None:
+            self.prefix_cache.release(hit)
+
+    def _store(self, state, slot: int, request: Request) -> None:
+        """Keeps the blocks of ``request``'s prompt, just prefilled into ``slot``, in the prefix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(self.engine, state, slot, request.prompt)
 
     def _prefill_chunk(self, state):
         """Prefills the next chunk of the oldest chunked prefill; at its last chunk the request
@@ -620,6 +686,7 @@ class Scheduler:
         request = pending.request
         if request.cancelled:
             del self._pending[first]
+            self._unpin(pending.hit)
             with self._cond:
                 self._free.extend(pending.slots)
             self.counters.requests_cancelled += 1
@@ -634,6 +701,7 @@ class Scheduler:
         except (ValueError, TypeError) as e:
             self.counters.insert_seconds += time.perf_counter() - t0
             del self._pending[first]
+            self._unpin(pending.hit)
             self._refuse(request, pending.slots, e)
             return state
         self.counters.insert_seconds += time.perf_counter() - t0
@@ -641,6 +709,8 @@ class Scheduler:
         pending.job = job
         if job.finished:
             del self._pending[first]
+            self._store(state, first, request)
+            self._unpin(pending.hit)
             self.counters.prefills += 1
             self.counters.prefilled_requests += 1
             self._start(first, request, pending.slots[1:])
@@ -691,6 +761,7 @@ class Scheduler:
         self.counters.prefills += 1
         self.counters.prefilled_requests += len(group)
         for slot, request in group:
+            self._store(state, slot, request)
             self._start(slot, request, copies)
         return state
 
@@ -780,7 +851,7 @@ class Scheduler:
                 self.latency["e2e_request_latency_seconds"].observe(now - request.arrived)
             _emit(request, Done("length" if length else "stop", len(request.prompt), n, dict(
                 cycles=c, drafted=d, accepted=a, tau=n / c if c else 0.0, acceptance_rate=a / d if d else 0.0,
-                accepted_at=at, draft_lengths=lengths), index))
+                accepted_at=at, draft_lengths=lengths), index, request.cached))
         return state
 
     def _fail(self, request: Request, event: Failed) -> None:
