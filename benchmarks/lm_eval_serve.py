@@ -141,7 +141,7 @@ def reference_loglikelihood(target, context: str, continuation: str) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pair", default="embedded")
+    p.add_argument("--pair", default="embedded", choices=["embedded", "smollm2", "smollm2-eagle"])
     p.add_argument("--lookup", default=None)
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=4, help="lm-eval's requests per HTTP request")
@@ -154,7 +154,9 @@ def main(argv=None) -> int:
         return 2
     import specjax
 
-    target = specjax.load(f"{args.pair}-target" if args.pair == "embedded" else "smollm2-135m-instruct")
+    # As the server loads it (float32, the CLI's default dtype), so that the figures compare.
+    name = {"embedded": "embedded-target", "smollm2": "smollm2-135m-instruct", "smollm2-eagle": "smollm2-135m-instruct"}
+    target = specjax.load(name[args.pair], dtype="float32")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = start_server(args, port)
