@@ -130,8 +130,8 @@ def test_the_tpu_kernel_in_interpret_mode_matches_the_float_product(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 16])
 def test_the_gpu_kernel_in_interpret_mode_matches_the_float_product(fmt, rows):
-    q = _q(64, 256, fmt, seed=2)
-    x = np.random.default_rng(rows).standard_normal((rows, 256)).astype(np.float32)
+    q = _q(64, 512, fmt, seed=2)  # per channel: two steps of 256 inputs, the scale applied after both
+    x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
     run = lambda w: pallas_qmatmul.gpu_qmatmul(  # noqa: E731
         jnp.asarray(x), w.qweight, w.qscale, w.qmin, interpret=True, block_n=32
     )

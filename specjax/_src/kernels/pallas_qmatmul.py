@@ -19,7 +19,8 @@ bytes is brought into on-chip memory and converted there.
 * :func:`gpu_qmatmul` (1-16 rows): one program per output tile, looping over
   the groups; each group's integers (exact in bf16) are multiplied with its
   inputs and the partial product scaled by the group's ``d`` on the output (plus
-  ``m`` times the group's sum of ``x`` for 4-bit).
+  ``m`` times the group's sum of ``x`` for 4-bit). Per-channel int8 loops over
+  slices of up to 256 inputs and applies its scale once, after the sum.
 
 Both run in Pallas's interpret mode on any backend (``interpret=True``), which
 is how they are tested on a CPU. The block sizes are defaults that fit a
@@ -135,7 +136,8 @@ def tpu_qmatmul(
     """``x[M, K] @ W^T`` as ``[M, N]`` float32 by the TPU kernel (``interpret``: on any backend).
 
     ``block_n`` / ``block_k`` (outputs / inputs per tile): defaults are the largest of 512, 256, 128
-    dividing ``N``, and of 2048, ..., 512 dividing ``K`` (a multiple of the group), else the whole axis.
+    dividing ``N``, and of 2048, 1024, 512 dividing ``K`` (and a multiple of the group), else the
+    whole axis.
     """
     from jax.experimental.pallas import tpu as pltpu
 
@@ -145,9 +147,8 @@ def tpu_qmatmul(
     kind = "int8" if qmin is None else "q4"
     per_channel = kind == "int8" and groups == 1
     tn = block_n or _block(n, (512, 256, 128))
-    tk = block_k or (
-        k if per_channel and k <= 4096 else _block(k, tuple(c for c in (2048, 1024, 512) if c % group == 0))
-    )
+    # Per channel the scale comes after the sum, so any input tile will do; a group must not straddle two.
+    tk = block_k or _block(k, tuple(c for c in (2048, 1024, 512) if per_channel or c % group == 0))
     if n % tn or k % tk or (not per_channel and tk % group):
         raise ValueError(f"blocks {tn} x {tk} do not tile a {n} x {k} matrix in groups of {group}.")
     grid = (n // tn, k // tk)
@@ -187,36 +188,45 @@ def tpu_qmatmul(
     )(*args)
 
 
-def _gpu_kernel(kind: str, group: int, groups: int, *refs):
+def _gpu_kernel(kind: str, cols: int, steps: int, per_channel: bool, *refs):
     if kind == "q4":
         x_lo, x_hi, sums, w_ref, d_ref, m_ref, o_ref = refs
     else:
         x_ref, w_ref, d_ref, o_ref = refs
-    cols = group // 2 if kind == "q4" else group  # weight columns (bytes) per group
 
-    def one_group(g, acc):
+    def one_step(g, acc):  # ``cols`` weight columns (bytes): one group, or a slice of a per-channel row
         w = w_ref[:, pl.ds(g * cols, cols)]  # [tn, cols] as stored
-        d = d_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, tn]
         if kind == "int8":
             x = x_ref[:, pl.ds(g * cols, cols)]
             part = _dot(x, w.astype(x.dtype))
-            return acc + part * d
+            return acc + part if per_channel else acc + part * d_ref[pl.ds(g, 1), :].astype(jnp.float32)
         b = w.astype(jnp.int32)
         lo, hi = x_lo[:, pl.ds(g * cols, cols)], x_hi[:, pl.ds(g * cols, cols)]
         part = _dot(lo, (b & 0xF).astype(lo.dtype))
         part += _dot(hi, (b >> 4).astype(hi.dtype))
+        d = d_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, tn]
         m = m_ref[pl.ds(g, 1), :].astype(jnp.float32)
         s = sums[:, pl.ds(g, 1)]  # [rows, 1]: the group's sum of x
         return acc + part * d + s * m
 
-    o_ref[...] = jax.lax.fori_loop(0, groups, one_group, jnp.zeros(o_ref.shape, jnp.float32))
+    acc = jax.lax.fori_loop(0, steps, one_step, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc * d_ref[...].astype(jnp.float32) if per_channel else acc  # per channel: the scale once
+
+
+def _gpu_columns(k: int, group: int, kind: str) -> Optional[int]:
+    """Weight columns per loop step of the GPU kernel: a group's (``group / 2`` bytes for 4-bit), or
+    per channel the largest power of two up to 256 dividing ``K``; None where no power of two >= 16
+    fits (a Triton dot's smallest side is 16)."""
+    if kind == "int8" and group == k:
+        return next((c for c in (256, 128, 64, 32, 16) if k % c == 0), None)
+    cols = group // 2 if kind == "q4" else group
+    return cols if cols >= 16 and cols & (cols - 1) == 0 else None
 
 
 def gpu_fits(rows: int, n: int, k: int, group: int, kind: str) -> bool:
-    """Whether :func:`gpu_qmatmul` takes this product: 1-16 rows, ``N`` a multiple of 16 and a
-    group of at least 32 columns (a Triton dot's smallest side is 16)."""
-    cols = group // 2 if kind == "q4" else group
-    return 0 < rows <= GPU_MAX_ROWS and n % 16 == 0 and cols >= 16 and cols & (cols - 1) == 0
+    """Whether :func:`gpu_qmatmul` takes this product: 1-16 rows, ``N`` a multiple of 16, and
+    groups (per channel: inputs) it can step through in powers of two of at least 16 columns."""
+    return 0 < rows <= GPU_MAX_ROWS and n % 16 == 0 and _gpu_columns(k, group, kind) is not None
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_n"))
@@ -230,7 +240,7 @@ def gpu_qmatmul(
     block_n: Optional[int] = None,
 ) -> Array:
     """``x[M, K] @ W^T`` as ``[M, N]`` float32 by the GPU (Triton) kernel, ``M`` at most 16
-    (``interpret``: on any backend). Per channel counts as one group of ``K``."""
+    (``interpret``: on any backend)."""
     from jax.experimental.pallas import triton as pltriton
 
     m, k = x.shape
@@ -240,7 +250,7 @@ def gpu_qmatmul(
     if not gpu_fits(m, n, k, group, kind):
         raise ValueError(
             f"the GPU kernel takes 1-{GPU_MAX_ROWS} rows, N a multiple of 16 and groups of a power "
-            f"of two >= 32 inputs; got {m} rows of a {n} x {k} {kind} matrix in groups of {group}."
+            f"of two >= 16 columns; got {m} rows of a {n} x {k} {kind} matrix in groups of {group}."
         )
     tn = block_n or _block(n, (64, 32, 16))
     rows = GPU_MAX_ROWS
@@ -263,8 +273,11 @@ def gpu_qmatmul(
             scale,
             scale,
         ]
+    cols = _gpu_columns(k, group, kind)
+    per_channel = kind == "int8" and groups == 1
+    steps = (k if kind == "int8" else k // 2) // cols
     out = pl.pallas_call(
-        functools.partial(_gpu_kernel, kind, group, groups),
+        functools.partial(_gpu_kernel, kind, cols, steps, per_channel),
         grid=(n // tn,),
         in_specs=specs,
         out_specs=pl.BlockSpec((rows, tn), lambda i: (0, i)),
