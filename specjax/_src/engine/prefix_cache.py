@@ -2,7 +2,7 @@
 
 Chat clients resend a conversation's whole history every turn, and many requests
 share one long system prompt. The cache keeps the KV entries of prompts already
-prefilled, in blocks of :data:`BLOCK` positions, and an insert whose prompt begins
+prefilled, in blocks of ``BLOCK`` (64) positions, and an insert whose prompt begins
 with cached blocks copies them in and prefills only the rest
 (:meth:`specjax.engine.Engine.begin_insert` with ``prefix=``).
 
@@ -61,7 +61,7 @@ class PrefixHit(NamedTuple):
     """The cached start of a prompt (:meth:`PrefixCache.match`).
 
     Attributes:
-      tokens: prompt positions the cached blocks cover (a multiple of :data:`BLOCK`; 0: none).
+      tokens: prompt positions the cached blocks cover (a multiple of ``BLOCK`` (64); 0: none).
       keys: the blocks' keys, first to last (pinned until :meth:`PrefixCache.release`).
     """
 
@@ -165,7 +165,7 @@ class PrefixCache:
     """Blocks of prefilled prompts' KV entries, on the device, under a memory budget.
 
     One cache may serve several engines: each engine's blocks are keyed under its
-    own identity (:func:`engine_identity`), so none is reused by another.
+    own identity (``engine_identity``), so none is reused by another.
 
     Args:
       budget_bytes: the most bytes the blocks may hold (device memory, beside the engine's state).

@@ -21,6 +21,12 @@ as data (:class:`FieldError`), and :meth:`Engine.plan` picks a step's program
 from the settings the host already holds (:class:`StepPlan`), so that a step
 need not read them back from the device. ``Engine(logprobs=N)`` also reports
 each committed token's log-probability and its ``N`` most likely alternatives.
+:meth:`Engine.begin_insert` takes a prompt's start from a prefix cache
+(:mod:`specjax._src.engine.prefix_cache`).
+
+This module holds the :class:`Engine` (its checks and entry points); the
+state and the jitted programs are in :mod:`specjax._src.engine.slot_programs`,
+a request's settings and their checks in :mod:`specjax._src.engine.slot_settings`.
 
 Per-request data (traced, so mixed traffic shares one program): temperature
 (0 = greedy), top_p, top_k, the PRNG key, ``max_new_tokens``, EOS and stop
