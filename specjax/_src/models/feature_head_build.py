@@ -23,8 +23,7 @@ from specjax._src import quant
 from specjax._src.checks import check_positive_int
 from specjax._src.models.lm import Array, Model, Params
 from specjax._src.models.config import ModelConfig
-from specjax._src.models.feature_head import (BORROWED_HEAD, EMBED_PATH, TARGET_NORM, FeatureHead,
-                                              require_head)
+from specjax._src.models.feature_head import BORROWED_HEAD, EMBED_PATH, TARGET_NORM, FeatureHead, require_head
 
 
 def head_config(target_config: ModelConfig, *, head_vocab_size: int, num_layers: int = 1) -> ModelConfig:
@@ -32,7 +31,10 @@ def head_config(target_config: ModelConfig, *, head_vocab_size: int, num_layers:
     if target_config.is_gpt2:
         raise ValueError("A FeatureHead needs a rotary (Llama-family) target; GPT-2 layouts are not supported.")
     return target_config.replace(
-        num_layers=num_layers, head_vocab_size=int(head_vocab_size), tie_word_embeddings=False, quantization=None,
+        num_layers=num_layers,
+        head_vocab_size=int(head_vocab_size),
+        tie_word_embeddings=False,
+        quantization=None,
         layer_types=_last_layer_kinds(target_config.layer_types, num_layers),
     )
 
@@ -97,8 +99,10 @@ def eagle3_default_layers(num_layers: int) -> tuple[int, ...]:
     """
     layers = (1, num_layers // 2 - 1, num_layers - 4)
     if num_layers < 7 or len(set(layers)) != 3:
-        raise ValueError(f"EAGLE-3's default feature layers need a target of at least 7 blocks; this one has "
-                         f"{num_layers}. Give the head eagle_config.eagle_aux_hidden_state_layer_ids.")
+        raise ValueError(
+            f"EAGLE-3's default feature layers need a target of at least 7 blocks; this one has "
+            f"{num_layers}. Give the head eagle_config.eagle_aux_hidden_state_layer_ids."
+        )
     return layers
 
 
@@ -106,8 +110,10 @@ def _borrowed_from_target(target: Model) -> Params:
     """An EAGLE-1/2 head's borrowed params: the target's final norm and LM head."""
     tcfg = target.module.config
     if tcfg.is_gemma or tcfg.is_gpt2 or tcfg.has_reduced_head or tcfg.final_logit_softcapping is not None:
-        raise ValueError("An EAGLE-1/2 head reads a Llama-family target's final norm and full LM head; this "
-                         f"target ({tcfg.model_type}) has another kind.")
+        raise ValueError(
+            "An EAGLE-1/2 head reads a Llama-family target's final norm and full LM head; this "
+            f"target ({tcfg.model_type}) has another kind."
+        )
     tp = target.params
     out = {TARGET_NORM: {"scale": tp["final_norm"]["scale"]}}
     if tcfg.tie_word_embeddings:
@@ -117,8 +123,7 @@ def _borrowed_from_target(target: Model) -> Params:
     return out
 
 
-def init_from_target(target: Model, key: Array, head_vocab_ids, *, num_layers: int = 1,
-                     feature_layers=(-1,)) -> Model:
+def init_from_target(target: Model, key: Array, head_vocab_ids, *, num_layers: int = 1, feature_layers=(-1,)) -> Model:
     """A head to train, started from its target.
 
     The block copies the target's last block, the final norm the target's,
@@ -147,8 +152,9 @@ def init_from_target(target: Model, key: Array, head_vocab_ids, *, num_layers: i
     h = cfg.hidden_size
     fuse = params["fuse"]["kernel"].at[h:].set(jnp.eye(h, dtype=dtype))
     params["fuse"] = {"kernel": fuse}
-    head = attach_embedding(Model(params=params, module=module, tokenizer=target.tokenizer,
-                                  chat_template=target.chat_template), target)
+    head = attach_embedding(
+        Model(params=params, module=module, tokenizer=target.tokenizer, chat_template=target.chat_template), target
+    )
     return with_feature_layers(head, feature_layers)
 
 
@@ -180,7 +186,7 @@ def with_feature_layers(head: Model, feature_layers) -> Model:
     h = cfg.hidden_size
     kernel = np.zeros((len(layers) * h, h), np.float32)
     at = layers.index(module.feature_layers[0])
-    kernel[at * h:(at + 1) * h] = np.eye(h, dtype=np.float32)
+    kernel[at * h : (at + 1) * h] = np.eye(h, dtype=np.float32)
     params = {**head.params, "reduce": {"kernel": jnp.asarray(kernel, jnp.dtype(cfg.dtype))}}
     return head.replace(params=params, module=FeatureHead(cfg, feature_layers=layers))
 
@@ -203,13 +209,16 @@ def with_num_layers(head: Model, num_layers: int) -> Model:
     num_layers = check_positive_int("with_num_layers: num_layers", num_layers)
     _check_own_variant(head.module, "with_num_layers")
     if num_layers < cfg.num_layers:
-        raise ValueError(f"with_num_layers: the head has {cfg.num_layers} blocks; it can grow, not shrink to "
-                         f"{num_layers}.")
+        raise ValueError(
+            f"with_num_layers: the head has {cfg.num_layers} blocks; it can grow, not shrink to {num_layers}."
+        )
     if num_layers == cfg.num_layers:
         return head
     if cfg.quantization is not None:  # zero projections in a quantized layout would train nothing
-        raise ValueError(f"with_num_layers: this head's matrices are quantized ({cfg.quantization}); grow its float "
-                         "version: heads.with_num_layers(specjax.dequantize(head), num_layers).")
+        raise ValueError(
+            f"with_num_layers: this head's matrices are quantized ({cfg.quantization}); grow its float "
+            "version: heads.with_num_layers(specjax.dequantize(head), num_layers)."
+        )
     top = head.params[f"layer_{cfg.num_layers - 1}"]
     params = dict(head.params)
     for i in range(cfg.num_layers, num_layers):
@@ -217,8 +226,10 @@ def with_num_layers(head: Model, num_layers: int) -> Model:
         block["attn"]["o"] = {"kernel": jnp.zeros_like(top["attn"]["o"]["kernel"])}
         block["mlp"]["down"] = {"kernel": jnp.zeros_like(top["mlp"]["down"]["kernel"])}
         params[f"layer_{i}"] = block
-    module = FeatureHead(cfg.replace(num_layers=num_layers, layer_types=_last_layer_kinds(cfg.layer_types, num_layers)),
-                         feature_layers=head.module.feature_layers)
+    module = FeatureHead(
+        cfg.replace(num_layers=num_layers, layer_types=_last_layer_kinds(cfg.layer_types, num_layers)),
+        feature_layers=head.module.feature_layers,
+    )
     return head.replace(params=params, module=module)
 
 
@@ -239,13 +250,17 @@ def with_head_vocab(head: Model, ids) -> Model:
     """
     require_head(head, "with_head_vocab")
     if head.module.variant == "eagle":
-        raise ValueError("with_head_vocab: an EAGLE-1/2 head scores with its target's full LM head; it has no "
-                         "reduced vocabulary to narrow.")
+        raise ValueError(
+            "with_head_vocab: an EAGLE-1/2 head scores with its target's full LM head; it has no "
+            "reduced vocabulary to narrow."
+        )
     old = np.asarray(jax.device_get(head.params["head_vocab_ids"]))
     ids = np.asarray(ids)
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"with_head_vocab: ids must be a non-empty 1-D array of token ids; got shape {ids.shape}, "
-                         f"dtype {ids.dtype}.")
+        raise ValueError(
+            f"with_head_vocab: ids must be a non-empty 1-D array of token ids; got shape {ids.shape}, "
+            f"dtype {ids.dtype}."
+        )
     ids = np.sort(ids)
     if np.any(ids[1:] == ids[:-1]):
         raise ValueError("with_head_vocab: ids repeat a token; pass each id once.")
@@ -254,8 +269,10 @@ def with_head_vocab(head: Model, ids) -> Model:
     cols = order[np.minimum(at, old.size - 1)]
     missing = ids[old[cols] != ids]
     if missing.size:
-        raise ValueError(f"with_head_vocab: {missing.size} ids are not in the head's vocabulary (e.g. "
-                         f"{missing[:5].tolist()}); the head can only drop tokens it has.")
+        raise ValueError(
+            f"with_head_vocab: {missing.size} ids are not in the head's vocabulary (e.g. "
+            f"{missing[:5].tolist()}); the head can only drop tokens it has."
+        )
     lm_head = head.params["lm_head"]  # [H, V'] float, or quantized with the ids on the first axis
     lm_head = jax.tree.map(lambda a: a[cols], lm_head) if quant.is_quantized(lm_head) else lm_head[:, cols]
     params = {**head.params, "lm_head": lm_head, "head_vocab_ids": jnp.asarray(ids, jnp.int32)}
@@ -269,14 +286,17 @@ def _block_indices(feature_layers, what: str) -> tuple[int, ...]:
         layers = tuple(feature_layers)
     except TypeError:
         layers = None
-    if (not layers or any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) for x in layers)
-            or len(set(layers)) != len(layers)):
-        raise ValueError(f"{what}: feature_layers must be distinct int block indices such as (2, 15, -1); "
-                         f"got {feature_layers!r}.")
+    if (
+        not layers
+        or any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) for x in layers)
+        or len(set(layers)) != len(layers)
+    ):
+        raise ValueError(
+            f"{what}: feature_layers must be distinct int block indices such as (2, 15, -1); got {feature_layers!r}."
+        )
     return tuple(int(x) for x in layers)
 
 
 def _check_own_variant(module, what: str) -> None:
     if getattr(module, "variant", "specjax") != "specjax":
         raise ValueError(f"{what}: only specjax's own heads grow; this is a published {module.variant!r} head.")
-
