@@ -16,7 +16,7 @@ gemma3*    gemma2's norms and scaling + q/k norms, no soft-capping,
 =========  ==========================================================
 
 (``gemma3*``: ``model_type`` ``"gemma3_text"``.) The mixtures of experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE) are these blocks with :class:`~specjax._src.models.moe.MoE`
+(Mixtral, Qwen2-MoE, Qwen3-MoE, dots1) are these blocks with :class:`~specjax._src.models.moe.MoE`
 for the MLP. A sliding layer's mask
 (``attention_mask``) hides keys ``sliding_window`` or more positions back.
 
