@@ -593,16 +593,20 @@ def speculative(target, draft, name: str, num_draft: int, width: int, new: int, 
 
 
 def weight_variants(cfg: ModelConfig, args):
-    """``(label, model)`` in the order they are timed: bf16, then each ``--quantize`` format by
-    XLA's product and (``--pallas``) by the Pallas kernels; a variant is built when first used."""
-    yield "bf16", lambda: random_model(cfg.replace(dtype="bfloat16"))
+    """``(label, build)`` in the order they are timed: bf16, then each ``--quantize`` format by
+    XLA's product and (``--pallas``) by the Pallas kernels; ``build(models)`` makes the model,
+    a Pallas row from its format's weights in ``models`` (one copy of them on the device)."""
+
+    def quantized(fmt):
+        return lambda models: (
+            models[fmt] if fmt in models else random_model(cfg.replace(dtype="bfloat16", quantization=fmt))
+        )
+
+    yield "bf16", lambda models: random_model(cfg.replace(dtype="bfloat16"))
     for fmt in args.quantize:
-        yield fmt, lambda f=fmt: random_model(cfg.replace(dtype="bfloat16", quantization=f))
+        yield fmt, quantized(fmt)
         if args.pallas:
-            yield (
-                f"{fmt} pallas",
-                lambda f=fmt: with_matmul(random_model(cfg.replace(dtype="bfloat16", quantization=f)), "pallas"),
-            )
+            yield f"{fmt} pallas", lambda models, f=fmt: with_matmul(quantized(f)(models), "pallas")
 
 
 class ShapeRun:
@@ -634,7 +638,7 @@ class ShapeRun:
 
     def model(self, label, build):
         if label not in self.models:
-            self.models[label] = build()
+            self.models[label] = build(self.models)
         return self.models[label]
 
     def step(self, label, build, batch):
