@@ -19,7 +19,7 @@ occurred before (prompt lookup decoding), slot by slot ahead of the drafter::
     out.stats.copied, out.stats.copied_accepted
 """
 
-from specjax._src.drafting import (
+from specjax._src.proposals.drafting import (
     AdaSDEntropyState,
     Auto,
     AutoState,

@@ -213,7 +213,7 @@ def test_verification_widths():
     assert verify_widths_for(specjax.Buckets(), drafting.combine(drafting.fixed(2), conf), 4) == (2, 3)
     assert verify_widths_for(specjax.Buckets(), drafting.combine(drafting.fixed(1), conf), 4) == (2,)
 
-    from specjax._src.drafting import Fixed
+    from specjax._src.proposals.drafting import Fixed
 
     class Greedier(Fixed):  # a subclass may draft more than its k: no static width for it
         def budget(self, state, num_draft):

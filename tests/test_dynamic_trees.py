@@ -21,7 +21,7 @@ import pytest
 import specjax
 from specjax._src.logits import sampling
 from specjax._src.proposals import trees as trees_lib
-from specjax._src.drafting import fixed
+from specjax._src.proposals.drafting import fixed
 from specjax._src.engine import tree as tree_cycle
 from specjax._src.engine.tree import draft_dynamic
 from specjax.engine import CycleInputs, LoopConfig, init_state

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 import specjax
 from specjax._src.engine.chain import draft_chain
-from specjax._src.drafting import fixed
+from specjax._src.proposals.drafting import fixed
 from specjax._src.models import feature_head as fh
 from specjax._src.models import feature_head_build as fhb
 from specjax.engine import CHAIN, CycleInputs, LoopConfig, init_state

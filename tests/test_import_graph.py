@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     )),
     ("models and rules: checkpoints and their formats, model pairs and meshes, acceptance rules, drafting", (
         "specjax._src.models*", "specjax._src.rules*",
-        "specjax._src.proposals*", "specjax._src.drafting",
+        "specjax._src.proposals*",
         "specjax._src.theory*",
     )),
     ("engine: the decode loop, its cycles and the slots", (

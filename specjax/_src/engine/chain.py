@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax._src import drafting as drafting_lib
+from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.logits import processors as processors_lib
 from specjax._src.logits import sampling
 from specjax._src.engine.config import DecodeState, LoopConfig

@@ -19,7 +19,7 @@ the costs are measured where the engine runs, with the shapes it will run:
 Each is jitted on its own, warmed up, then timed in turns (``repeats``
 rounds, every contender once a round, so a slow spell of a shared machine
 hits them alike); the medians, divided by the one-token forward's, form a
-:class:`~specjax._src.drafting.CostModel`. Only shapes and dtypes matter, so
+:class:`~specjax._src.proposals.drafting.CostModel`. Only shapes and dtypes matter, so
 a measurement is kept per (models, shapes, batch, ``K``, widths, cache
 length, platform) for the life of the process (:func:`cached_costs`).
 """
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src import drafting as drafting_lib
+from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.logits import sampling
 from specjax._src.checks import check_positive_int
 from specjax._src.models.feature_head import is_feature_head
@@ -65,7 +65,7 @@ def measure_costs(params: ModelPair, *, batch: int = 1, num_draft: int = 4,
         a one-token forward takes under 7 ms, so that about 50 ms is timed).
 
     Returns:
-      A :class:`~specjax._src.drafting.CostModel` in units of the target's
+      A :class:`~specjax._src.proposals.drafting.CostModel` in units of the target's
       one-token forward at this batch.
     """
     batch = check_positive_int("batch", batch)

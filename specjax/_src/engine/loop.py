@@ -97,7 +97,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src import drafting as drafting_lib
+from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.proposals import lookup as lookup_lib
 from specjax._src.logits import processors as processors_lib
 from specjax._src.engine import costs as costs_lib

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax._src import drafting as drafting_lib
+from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.models import multihost
 from specjax._src.logits import sampling
 from specjax._src.models import sharding as sharding_lib

@@ -19,7 +19,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from specjax._src import drafting as drafting_lib
+from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.engine.config import DecodeState, LoopConfig
 from specjax._src.engine.ops import batched_init, prefill, prefill_chunk, row_at
 from specjax._src.models.lm import KVCache

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from specjax._src import drafting as drafting_lib
+from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.engine import stats as stats_lib
 from specjax._src.engine.loop import Buckets, decode, generate
 from specjax._src.evaluation.rules import is_lossless, row_drafting

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from specjax._src import drafting as drafting_lib
+from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.rules.parse import parse_rule
 
 # Rules of the default comparison, as spec strings (the CLI's syntax).
