@@ -821,10 +821,12 @@ def markdown(report: dict) -> str:
             "",
             "Decoding step (1 token after 128 cached; tok/s = batch / step time):",
             "",
-            "| shape | weights | MB | batch | ms | tok/s | vs bf16 | roofline tok/s | of roofline | launches |",
+            "| shape | weights | MB | batch | ms | tok/s | vs float | roofline tok/s | of roofline | launches |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        base = {(shape, r["batch"]): r["tok_s"] for shape, r in steps if r["weights"] in ("bf16", "bfloat16")}
+        base = {
+            (shape, r["batch"]): r["tok_s"] for shape, r in steps if r["weights"] in ("bf16", "bfloat16", "float32")
+        }
         for shape, r in steps:
             vs = r["tok_s"] / base[(shape, r["batch"])] if (shape, r["batch"]) in base else float("nan")
             lines.append(
