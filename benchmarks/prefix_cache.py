@@ -86,7 +86,7 @@ def start_server(args, port: int, extra: list, template: Path) -> subprocess.Pop
     return subprocess.Popen(cmd, cwd=ROOT, env=env)
 
 
-def wait_ready(httpx, url: str, proc: subprocess.Popen, timeout: float = 1800.0) -> None:
+def wait_ready(httpx, url: str, proc: subprocess.Popen, timeout: float = 3600.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -215,7 +215,11 @@ def serve_and_measure(httpx, args, label: str, extra: list, template: Path) -> d
                 {"role": "user", "content": qs[(c * args.requests_per_client + r) % len(qs)]},
             ],
         )
-        print(f"[{label}] shared system prompt done", flush=True)
+        print(
+            f"[{label}] shared system prompt: TTFT "
+            + "; ".join(", ".join(f"{r['ttft']:.2f}" for r in reqs) for reqs in out["shared"]),
+            flush=True,
+        )
         offset = args.turns + args.clients * args.requests_per_client
         own = questions()[offset:] + questions()[:offset]
         out["unshared"], out["unshared_wall"] = run_clients(
@@ -226,6 +230,8 @@ def serve_and_measure(httpx, args, label: str, extra: list, template: Path) -> d
                 {"role": "user", "content": f"Request {c}-{r}. " + own[(c * args.requests_per_client + r) % len(own)]}
             ],
         )
+        tokens = sum(r["usage"]["completion_tokens"] for reqs in out["unshared"] for r in reqs)
+        print(f"[{label}] nothing shared: {tokens} tokens in {out['unshared_wall']:.1f} s", flush=True)
         out["metrics"] = metrics(httpx, url)
         out["rss"] = peak_rss_mib(proc.pid)
         print(f"[{label}] done; {common.load_average()}", flush=True)
@@ -343,6 +349,8 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             runs.append(serve_and_measure(httpx, args, "prefix cache", ["--prefix-cache", args.prefix_cache], template))
             runs.append(serve_and_measure(httpx, args, "no prefix cache", ["--no-prefix-cache"], template))
+    if args.markdown:  # the raw figures first: a report that fails leaves them
+        Path(args.markdown).with_suffix(".json").write_text(json.dumps(runs))
     text = report(runs, args)
     print(text)
     if args.markdown:
