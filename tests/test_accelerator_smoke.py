@@ -12,6 +12,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "accelerator.py"
 
 
@@ -22,6 +24,9 @@ def _script():
     return script
 
 
+# Slow: a minute on a 2-core CPU, and it sets the process's compilation cache (run it with -m slow,
+# on its own or first).
+@pytest.mark.slow
 def test_smoke_run_writes_every_section(tmp_path):
     script = _script()
     # One quantized format (and its Pallas row): each format's timing is one code path.

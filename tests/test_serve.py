@@ -539,6 +539,8 @@ def test_cli_parses_serve(setup):
             serve.build(build_parser().parse_args(["serve"] + flags))
 
 
+# Slow (3-4 minutes on a busy 2-core CPU); the slots engine's trees are checked in test_slots_trees.py.
+@pytest.mark.slow
 def test_serve_with_a_token_tree():
     """`specjax serve --tree`: each request drafts a token tree in its slot; greedy requests get what
     decode(tree=...) gives them alone with the rule they pick, penalties and logit_bias included,
