@@ -91,7 +91,7 @@ close_to_float64(product(x, w), x, w, "float32 product")
 
 for fmt in ("int8", "q4"):
     w_q = (rng.standard_normal((70, 128)) * 0.1).astype(np.float32)  # [N, K]
-    leaves = {k: jnp.asarray(v) for k, v in quant.quantize_matrix(w_q, quant.parse_format(fmt)).items()}
+    leaves = jax.tree_util.tree_map(jnp.asarray, quant.quantize_matrix(w_q, quant.parse_format(fmt)))  # a QArray
     w_hat = np.asarray(quant.dequantize_matrix(leaves))
     xq = rng.standard_normal((4, 128)).astype(np.float32)
     qdot = jax.jit(quant.qdot)
