@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax._src import quant  # noqa: E402
+from specjax._src.kernels import quant  # noqa: E402
 from specjax._src.kernels import cpu_matmul  # noqa: E402
 from specjax.testing import llama_config, peaked_target_and_draft  # noqa: E402
 

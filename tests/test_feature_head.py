@@ -561,7 +561,7 @@ def test_specjax_load_keeps_an_int8_stored_head_int8(tmp_path, target, head, gro
 
 
 def test_an_int8_stored_head_runs_float_where_the_kernels_cannot_be_built(tmp_path, head, monkeypatch, request):
-    from specjax._src import quant
+    from specjax._src.kernels import quant
     from specjax._src.kernels import cpu_matmul
 
     path = tmp_path / "int8"

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "specjax._src", "specjax._src.models.lm", "specjax._src.checks", "specjax._src.models.chat",
         "specjax._src.models.multihost",
         "specjax._src.jit_keys",
-        "specjax._src.logits*", "specjax._src.kernels*", "specjax._src.quant",
+        "specjax._src.logits*", "specjax._src.kernels*",
     )),
     ("models and rules: checkpoints and their formats, model pairs and meshes, acceptance rules, drafting", (
         "specjax._src.models*", "specjax._src.rules*",

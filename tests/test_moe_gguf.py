@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import specjax  # noqa: E402
-from specjax._src import quant  # noqa: E402
+from specjax._src.kernels import quant  # noqa: E402
 from specjax._src.models import gguf as gguf_lib  # noqa: E402
 from tests._hf_models import rel_err, torch_logits  # noqa: E402
 from tests.test_moe import _make  # noqa: E402

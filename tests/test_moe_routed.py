@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax._src import quant
+from specjax._src.kernels import quant
 from specjax._src.models import moe
 from specjax._src.models.config import ModelConfig
 

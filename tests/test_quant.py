@@ -13,7 +13,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 import specjax
-from specjax._src import quant
+from specjax._src.kernels import quant
 from specjax._src.kernels import cpu_matmul, qmatmul
 from specjax.testing import llama_config, peaked_target_and_draft
 
@@ -358,7 +358,7 @@ _ISA_CHECK = """
 import sys
 import numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, {tests!r})
-from specjax._src import quant
+from specjax._src.kernels import quant
 from test_quant import _error_bound, _fingerprint, _leaves, _matrix
 for fmt in ("int8", "int8/32", "q4", "q4/64"):
     for rows in (1, 4, 6):

@@ -1,6 +1,6 @@
 """Quantized products for a GPU or TPU, checked on the CPU.
 
-* The :class:`~specjax._src.quant.QArray` type: a pytree whose paths are the
+* The :class:`~specjax._src.kernels.quant.QArray` type: a pytree whose paths are the
   stored arrays' names and whose format is static.
 * XLA's formulation (``dot_general`` on the int8 / 4-bit weights, scales on
   the output) and the Pallas kernels (TPU Mosaic, GPU Triton) in Pallas's
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax._src import quant
+from specjax._src.kernels import quant
 from specjax._src.kernels import pallas_qmatmul, qmatmul
 
 FORMATS = ["int8", "int8/32", "q4", "q4/64"]

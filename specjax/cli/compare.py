@@ -453,7 +453,7 @@ def _with_weights(contenders, quantize: Optional[str]) -> tuple[Contender, ...]:
 def _check_quantize(spec: Optional[str]) -> Optional[str]:
     if spec is None or spec in ("none", "gguf"):
         return spec
-    from specjax._src import quant
+    from specjax._src.kernels import quant
 
     try:
         return str(quant.parse_quantization(spec))

@@ -53,7 +53,7 @@ MIN_ROWS, MAX_ROWS = 2, 16
 MATMUL_MODES = ("auto", "xla", "kernel", "pallas")
 
 # cpu_qmatmul.cc: the same products with int8 and 4-bit weights
-# (specjax._src.quant); both are built into one library.
+# (specjax._src.kernels.quant); both are built into one library.
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "cpu_matmul.cc", _HERE / "cpu_qmatmul.cc")
 _HEADERS = (_HERE / "parallel_columns.h", _HERE / "cpu_qmatmul_body.inc")

@@ -1,7 +1,7 @@
 """Products with quantized weights, on raw arrays: the CPU kernel's binding and XLA's formulation.
 
 Every function here takes one ``[N, K]`` matrix as its stored arrays (the
-layout of :mod:`specjax._src.quant`; a GGUF file's) and rows ``x[M, K]``, and
+layout of :mod:`specjax._src.kernels.quant`; a GGUF file's) and rows ``x[M, K]``, and
 returns ``x @ W^T`` as ``[M, N]`` float32, ``W = q * d (+ m)``:
 
 * ``qweight``: int8 ``[N, K]`` (``int8``), or uint8 ``[N, K/2]`` (``q4``: a

@@ -113,7 +113,7 @@ class ModelConfig:
         ``router_top_groups`` groups whose two best scores sum highest.
         ``routed_scaling_factor``: the chosen weights' factor, after any
         renormalisation.
-      quantization: how the matrices are stored (``specjax._src.quant``):
+      quantization: how the matrices are stored (``specjax._src.kernels.quant``):
         ``"int8"``, ``"q4"``, ``"q4,embedding=int8/32"``, ...; None: in ``dtype``.
 
     The Gemma layouts (``GEMMA_MODEL_TYPES``) also scale the embeddings by
@@ -167,7 +167,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.quantization is not None:
-            from specjax._src import quant
+            from specjax._src.kernels import quant
 
             object.__setattr__(self, "quantization", str(quant.parse_quantization(self.quantization)))
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -235,10 +235,10 @@ class ModelConfig:
 
     @property
     def quant(self):
-        """The parsed ``quantization`` (a ``specjax._src.quant.Quantization``), or None."""
+        """The parsed ``quantization`` (a ``specjax._src.kernels.quant.Quantization``), or None."""
         if self.quantization is None:
             return None
-        from specjax._src import quant
+        from specjax._src.kernels import quant
 
         return quant.parse_quantization(self.quantization)
 

@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src import quant
+from specjax._src.kernels import quant
 from specjax._src.kernels import cpu_matmul
 from specjax._src.models.lm import Array, KVCache, LMOutput, Params
 from specjax._src.models.config import ModelConfig

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from specjax._src import quant
+from specjax._src.kernels import quant
 from specjax._src.models.lm import Array, KVCache, LMOutput, Model, Params, ReducedLogits
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import (
@@ -474,7 +474,7 @@ def save_head(head: Model, path: str, *, overwrite: bool = False, extra: Optiona
     Stored in the head's dtype, or with ``weights_format="int8"`` the block's
     and LM head's matrices as int8 with a float16 scale per output channel
     (``"int8/32"``: per 32 inputs of one, GGUF's Q8_0) in ``NAME.qweight`` /
-    ``NAME.qscale`` (:func:`specjax._src.quant.quantize_matrix`), the fusion
+    ``NAME.qscale`` (:func:`specjax._src.kernels.quant.quantize_matrix`), the fusion
     layers in the head's dtype: about 60% of the bytes of bfloat16, loaded
     back as float weights in the config's dtype.
     ``extra`` adds keys to the JSON (e.g. which target it was trained for). An

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src import quant
+from specjax._src.kernels import quant
 from specjax._src.checks import check_positive_int
 from specjax._src.models.lm import Array, Model, Params
 from specjax._src.models.config import ModelConfig

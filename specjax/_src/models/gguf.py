@@ -549,13 +549,13 @@ def _tokenizer(reader, path: str):
 
 
 def file_quantization(path: str) -> Optional[str]:
-    """The quantization nearest a GGUF file's own (``specjax._src.quant``):
+    """The quantization nearest a GGUF file's own (``specjax._src.kernels.quant``):
     the format of its most common matrix type for the attention and MLP
     matrices, the token embedding's (or the output head's) for the vocabulary
     ones; None for a float file."""
     from collections import Counter
 
-    from specjax._src import quant
+    from specjax._src.kernels import quant
 
     gguf = _require_gguf()
     reader = gguf.GGUFReader(path)

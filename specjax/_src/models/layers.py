@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specjax._src import quant
+from specjax._src.kernels import quant
 from specjax._src.kernels import cpu_matmul
 from specjax._src.models.lm import Array
 from specjax._src.models.config import ModelConfig

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src import quant
+from specjax._src.kernels import quant
 from specjax._src.models import sharding as sharding_lib
 from specjax._src.models.lm import Model
 from specjax._src.models import feature_head, hf, published_heads
@@ -298,7 +298,7 @@ def load_gguf(path: str, dtype: Any = None, *, quantize=None, progress: Progress
     the bytes every decoding step reads. Logits are float32 either way.
 
     ``quantize="gguf"`` keeps the file's own quantization: each matrix in the
-    format nearest its block type (:func:`specjax._src.quant.gguf_format`),
+    format nearest its block type (:func:`specjax._src.kernels.quant.gguf_format`),
     Q4_0, Q4_1 and Q8_0 blocks copied bit for bit. Any other ``quantize``
     value as for :func:`load_hf` (exact copies where the blocks match it).
     """

@@ -12,7 +12,7 @@ experts' weights, with static shapes:
    bound): each reads one expert's matrices (a dynamic index into the stacked
    ``[E, ...]`` params) and multiplies its tile, with the product the dense
    layers use (:func:`~specjax._src.kernels.cpu_matmul.dense_dot_general` in
-   float, :func:`~specjax._src.quant.qdot` for quantized experts).
+   float, :func:`~specjax._src.kernels.quant.qdot` for quantized experts).
 
 With ``N <= GROUP_ROWS`` tokens (a decode step, a verification block, a draft
 step) every routed expert is one tile: a step reads the distinct experts its
@@ -43,7 +43,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specjax._src import quant
+from specjax._src.kernels import quant
 from specjax._src.kernels import cpu_matmul
 from specjax._src.models.lm import Array
 from specjax._src.models.config import ModelConfig
