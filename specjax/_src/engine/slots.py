@@ -693,15 +693,6 @@ class Engine:
         return tuple(self.rule.rules) if isinstance(self.rule, OneOf) else (self.rule,)
 
     def rule_for(self, rule) -> AcceptanceRule:
-        """The value of ``SlotSettings.rule`` that has ``rule`` judge a request.
-
-        ``rule``: one of :attr:`served_rules` with the same type and static
-        fields and numbers of its own (``mars(theta=0.7)`` where ``mars()`` is
-        served), or the engine's own rule type with other numbers. In an engine
-        built with ``rule=one_of(...)`` it returns that ``one_of`` with
-        ``index`` pointing at the member and the member's numbers replaced by
-        ``rule``'s (the member whose numbers are ``rule``'s, where several
-        share its type). :meth:`insert` and :meth:`validate` apply it to a
-        ``SlotSettings.rule`` themselves. Raises ``ValueError`` naming the
-        served rules when ``rule`` is none of them."""
+        """The value of ``SlotSettings.rule`` that has ``rule`` judge a request
+        (:func:`specjax._src.engine.slot_settings.rule_for`, which says how)."""
         return settings_lib.rule_for(self, rule)
