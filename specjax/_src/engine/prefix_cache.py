@@ -2,8 +2,9 @@
 
 Chat clients resend a conversation's whole history every turn, and many requests
 share one long system prompt. The cache keeps the KV entries of prompts already
-prefilled, in blocks of ``BLOCK`` (64) positions, and an insert whose prompt begins
-with cached blocks copies them in and prefills only the rest
+prefilled, and of finished requests' prompts and generated tokens (a conversation's
+next turn resends the reply), in blocks of ``BLOCK`` (64) positions, and an insert
+whose prompt begins with cached blocks copies them in and prefills only the rest
 (:meth:`specjax.engine.Engine.begin_insert` with ``prefix=``).
 
 **The index** (host side) is a chain of hashes, as in vLLM's automatic prefix
@@ -31,7 +32,8 @@ those positions; copied in, they leave the job's caches as the chunks before
 would have, so a prompt inserted alone decodes the same tokens from a cached
 prefix as from a cold cache (bit for bit when the block came from an insert of
 one prompt, which runs ``B``-wide blocks as the chunks do; within float
-rounding when it came from a group prefill, which runs 16-wide blocks).
+rounding when it came from a group prefill, which runs 16-wide blocks, or from a
+finished request's generated tokens, whose entries the verifications computed).
 
 **Memory**: blocks live on the device, under ``budget_bytes``; when a new block
 would exceed it, the least recently used unpinned block with no cached
@@ -46,7 +48,7 @@ import dataclasses
 import hashlib
 import itertools
 import weakref
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -248,15 +250,25 @@ class PrefixCache:
 
     # -- writing ------------------------------------------------------------
 
-    def store(self, engine, state, slot: int, prompt: Sequence[int]) -> int:
-        """Adds the blocks of ``prompt`` that are not cached yet, read from ``slot`` of ``state``
-        right after its insert (before a step: the entries are the prefill's). Returns the blocks
-        added; stops at the first that the budget cannot hold without evicting a pinned block."""
+    def store(self, engine, state, slot: int, prompt: Sequence[int], *, cached: Optional[int] = None) -> int:
+        """Adds the blocks of ``prompt`` that are not cached yet, read from ``slot`` of ``state``.
+
+        ``prompt``: the tokens the slot holds from its first position on. ``cached``: how many
+        leading positions both of the slot's caches hold entries of; None: ``len(prompt) - 2``,
+        what an insert leaves (store right after it, before a step: the entries are the
+        prefill's). A finished request stores its prompt and generated tokens with the caches'
+        lengths (``target_cache.lengths`` and ``draft_cache.lengths`` at the slot, the smaller):
+        its entries past the prompt are the verifications', within float rounding of what a
+        prefill of those tokens computes. Only whole blocks whose positions all lie below
+        ``cached`` (and below the last token: a block's key holds the token after it) are stored.
+        Returns the blocks added; stops at the first that the budget cannot hold without evicting
+        a pinned block. Dispatches device copies only (no wait for the device)."""
         tokens = np.asarray(prompt, np.int32)
         caches = (state.loop.target_cache, state.loop.draft_cache)
         parent, added, now = self.identity(engine), 0, next(self._clock)
+        count = usable_blocks(len(tokens)) if cached is None else max(0, min(int(cached), len(tokens) - 1) // BLOCK)
         chain = []
-        for j in range(usable_blocks(len(tokens))):
+        for j in range(count):
             span = tokens[j * BLOCK : (j + 1) * BLOCK + 1]
             key = _block_key(parent, span)
             chain.append(key)

@@ -263,6 +263,7 @@ class _Pending:
     slots: tuple
     keys: Optional[list] = None  # a request of n choices: the copies' keys
     hit: Any = None  # the prefix cache's blocks it started from (pinned until its last chunk)
+    passed: int = 0  # chunks of other prompts run since it began (its priority grows with them)
 
 
 class _Stopped(Exception):
@@ -322,9 +323,11 @@ class Scheduler:
         steps neither run nor plan them. Shorter prompts are prefilled whole,
         in groups, as before. 0: every prompt is prefilled whole.
       prefix_cache: a :class:`specjax._src.engine.prefix_cache.PrefixCache`: every prefilled
-        prompt's blocks are kept in it, and a prompt that begins with cached blocks is copied
-        from them and prefilled from there on, chunk by chunk (``prefill_chunk`` positions a
-        call, 64 where that is 0). None: every prompt is prefilled from its first token.
+        prompt's blocks are kept in it, and at its release every finished request's prompt and
+        generated tokens (up to the positions both caches hold); a prompt that begins with
+        cached blocks is copied from them and prefilled from there on, chunk by chunk
+        (``prefill_chunk`` positions a call, 64 where that is 0), the chunked prefill with the
+        fewest chunks left first. None: every prompt is prefilled from its first token.
     """
 
     def __init__(self, engine: Engine, tokenizer, *, max_queue: int = 64, num_cycles: int = 4,
@@ -675,13 +678,30 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.store(self.engine, state, slot, request.prompt)
 
+    def _store_finished(self, state, slot: int, request: Request, generated, lengths) -> None:
+        """Keeps the blocks of a finished request's prompt and generated tokens (``slot`` of
+        ``state``, before its release) in the prefix cache, up to the positions both caches hold
+        (``lengths``: the target's and the draft's, per slot): a conversation's next turn, which
+        resends this reply, finds its whole history cached."""
+        target, draft = lengths
+        tokens = list(request.prompt) + [int(t) for t in generated]
+        self.prefix_cache.store(self.engine, state, slot, tokens, cached=min(int(target[slot]), int(draft[slot])))
+
     def _prefill_chunk(self, state):
-        """Prefills the next chunk of the oldest chunked prefill; at its last chunk the request
-        goes live (its copies forked) and its first tokens come with the next step. A cancelled
-        one's slots are freed instead."""
+        """Prefills the next chunk of the chunked prefill with the fewest chunks left, less the
+        chunks of others run while it waited (the oldest of a tie): a prompt that the prefix cache
+        mostly covers gets its first token without waiting for a long cold one, and a long one
+        passed over ``c`` times ranks as one ``c`` chunks shorter, so none waits forever. At its
+        last chunk the request goes live (its copies forked) and its first tokens come with the
+        next step. A cancelled one's slots are freed instead."""
         if not self._pending:
             return state
-        first = next(iter(self._pending))
+        cancelled = [s for s, p in self._pending.items() if p.request.cancelled]  # their slots go first
+        first = cancelled[0] if cancelled else min(
+            self._pending, key=lambda s: self._pending[s].job.chunks_left - self._pending[s].passed)
+        for slot, other in self._pending.items():
+            if slot != first:
+                other.passed += 1
         pending = self._pending[first]
         request = pending.request
         if request.cancelled:
@@ -799,9 +819,12 @@ class Scheduler:
         # its last tokens go out at once and its slot is free for the next one.
         cycles = 1 if free and not waiting else self.num_cycles
         state, out = self.engine.step(state, cycles, until_first_finish=True, plan=self._plan())
-        stats = state.loop.stats
-        out, cycles, drafted, accepted, accepted_at, drafted_at = jax.device_get(
-            (out, stats.cycles, stats.drafted, stats.accepted, stats.accepted_at, stats.drafted_at))
+        stats, loop = state.loop.stats, state.loop
+        # With a prefix cache, the caches' lengths too (read with the rest): a finished request's
+        # entries are stored up to them.
+        lengths = None if self.prefix_cache is None else (loop.target_cache.lengths, loop.draft_cache.lengths)
+        out, cycles, drafted, accepted, accepted_at, drafted_at, lengths = jax.device_get(
+            (out, stats.cycles, stats.drafted, stats.accepted, stats.accepted_at, stats.drafted_at, lengths))
         now = time.perf_counter()
         self.counters.step_seconds += now - t0
         self.counters.steps += 1
@@ -831,6 +854,8 @@ class Scheduler:
                 _emit(request, delta)
             if not finishing:
                 continue
+            if lengths is not None:
+                self._store_finished(state, slot, request, stream.tokens, lengths)
             state = self._release(state, slot)
             n = stream.covered_tokens()
             length = (not stream.stopped and n >= request.settings.max_new_tokens

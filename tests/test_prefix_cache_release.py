@@ -1,0 +1,182 @@
+"""A finished request's generated tokens go into the prefix cache too, and a prompt the cache mostly
+covers is prefilled before a long cold one: a conversation's next turn, which resends the reply,
+decodes from its whole cached history what it decodes from a cold cache."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax._src.engine.prefix_cache import BLOCK, PrefixCache
+from specjax._src.models import feature_head_build as fhb
+from specjax._src.serve import scheduler as sched
+from specjax.engine import Engine, SlotSettings
+from specjax.testing import llama_config, peaked_target_and_draft
+
+K, CAPACITY, LOGPROBS = 3, 248, 2
+GREEDY = SlotSettings(temperature=0.0, max_new_tokens=32, logprobs=LOGPROBS, eos_token_id=())
+SAMPLED = SlotSettings(temperature=0.8, seed=5, max_new_tokens=16, logprobs=LOGPROBS, eos_token_id=())
+BIG = 1 << 30
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 96, n).tolist()
+
+
+A = prompt(170)  # its insert stores 2 blocks ((170 - 2) // 64); with 32 generated tokens, a third is whole
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """A feature head (its cache reads the target's features) and a draft model with the n-gram lookup."""
+    pair = specjax.pair(*peaked_target_and_draft(llama_config(max_position_embeddings=320)))
+    head = specjax.pair(pair.target, fhb.init_from_target(pair.target, jax.random.key(1), np.arange(80)[::-1]))
+    return {
+        "head": Engine(head, num_slots=2, capacity=CAPACITY, num_draft=K, logprobs=LOGPROBS),
+        "draft+lookup": Engine(pair, num_slots=2, capacity=CAPACITY, num_draft=K, logprobs=LOGPROBS,
+                               lookup=specjax.drafting.ngram_lookup()),
+    }
+
+
+def run(engine, state, slot: int):
+    """Steps until ``slot`` is done: the state, its tokens and their log-probabilities."""
+    tokens, logprobs = [], []
+    for _ in range(100):
+        state, out = engine.step(state, 2)
+        out = jax.device_get(out)
+        count = int(out.counts[slot])
+        tokens += out.tokens[slot, :count].tolist()
+        logprobs += out.logprobs[slot, :count].tolist()
+        if out.done[slot]:
+            return state, tokens, np.array(logprobs)
+    raise AssertionError("the request did not finish")
+
+
+def cached_lengths(state, slot: int) -> int:
+    loop = state.loop
+    return min(int(loop.target_cache.lengths[slot]), int(loop.draft_cache.lengths[slot]))
+
+
+def from_cache(engine, cache, ids, settings):
+    job, hit = cache.begin_insert(engine, engine.init(), 1, ids, settings, chunk=64)
+    state = engine.init()
+    while not job.finished:
+        state, job = engine.continue_insert(state, job)
+    cache.release(hit)
+    return hit, run(engine, state, 1)[1:]
+
+
+@pytest.mark.parametrize("kind", ["head", "draft+lookup"])
+def test_a_finished_request_stores_its_reply_and_the_next_turn_decodes_exactly(engines, kind):
+    """The blocks of a finished request's prompt and reply (up to the caches' lengths) serve the next
+    turn's prompt, which decodes the tokens and log-probabilities it decodes cold; the negative
+    control (blocks read from a slot that holds other tokens past the prompt) does not."""
+    engine = engines[kind]
+    state, reply, _ = run(engine, engine.insert(engine.init(), 0, A, GREEDY), 0)
+    assert len(reply) == 32
+    history = A + reply
+    cached = cached_lengths(state, 0)
+    assert len(A) + 16 < cached < len(history)  # the caches hold the reply's entries but its last
+    cache = PrefixCache(BIG)
+    assert cache.store(engine, state, 0, history, cached=cached) == 3  # blocks 0, 1 and 2 (positions 0 .. 191)
+    nxt = history + prompt(20, seed=7)  # the next turn: the history resent, a question added
+    for settings in (GREEDY._replace(max_new_tokens=16), SAMPLED):
+        hit, (tokens, logprobs) = from_cache(engine, cache, nxt, settings)
+        assert hit.tokens == 3 * BLOCK
+        _, ref_tokens, ref_logprobs = run(engine, engine.insert(engine.init(), 0, nxt, settings), 0)
+        assert tokens == ref_tokens
+        np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-5)
+    # Negative control: a slot that holds A then other tokens, its blocks stored as A's history.
+    other = engine.insert(engine.init(), 0, A + prompt(40, seed=8), GREEDY)
+    wrong = PrefixCache(BIG)
+    assert wrong.store(engine, other, 0, history, cached=len(A) + 38) == 3
+    hit, (tokens, logprobs) = from_cache(engine, wrong, nxt, GREEDY._replace(max_new_tokens=16))
+    _, ref_tokens, ref_logprobs = run(engine, engine.insert(engine.init(), 0, nxt, GREEDY._replace(max_new_tokens=16)),
+                                      0)
+    assert hit.tokens == 3 * BLOCK
+    assert tokens != ref_tokens or np.abs(logprobs - ref_logprobs).max() > 1e-3
+
+
+def test_store_takes_only_whole_blocks_below_the_cached_positions(engines):
+    engine = engines["head"]
+    state = engine.insert(engine.init(), 0, A, GREEDY)
+    cache = PrefixCache(BIG)
+    assert cache.store(engine, state, 0, A, cached=BLOCK - 1) == 0
+    assert cache.store(engine, state, 0, A, cached=BLOCK) == 1
+    assert cache.store(engine, state, 0, A[: BLOCK + 1], cached=10 * BLOCK) == 0  # no token after block 0
+    assert cache.store(engine, state, 0, A) == 1  # the default: len - 2 positions, block 1 joins
+    assert cache.num_blocks == 2
+
+
+class _NoText:
+    """A tokenizer stand-in that decodes every id to one character (the scheduler's text streams)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def _request(ids, settings):
+    events = []
+    return sched.Request(prompt=ids, settings=settings, emit=events.append), events
+
+
+def _wait(events, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = [e for e in events if isinstance(e, (sched.Done, sched.Failed))]
+        if done:
+            assert isinstance(done[0], sched.Done), done[0]
+            return [t for e in events if isinstance(e, sched.Delta) for t in e.tokens], done[0]
+        time.sleep(0.02)
+    raise AssertionError("the request did not finish")
+
+
+def test_the_scheduler_serves_a_conversation_from_its_whole_history(engines):
+    """Turn 2 of a conversation reads turn 1's prompt and reply from the cache (three blocks, where
+    the prompt alone gives two), and decodes what a cold engine decodes."""
+    engine = engines["head"]
+    settings = GREEDY._replace(logprobs=0)  # (the events then carry their tokens)
+    scheduler = sched.Scheduler(engine, _NoText(), num_cycles=2, warmup_widths=(16,), prefill_chunk=64,
+                                prefill_groups=[1], prefix_cache=PrefixCache(BIG)).start()
+    try:
+        assert scheduler.ready.wait(300)
+        request, events = _request(A, settings)
+        scheduler.submit(request)
+        reply, done = _wait(events)
+        assert done.cached_tokens == 0 and len(reply) == 32
+        nxt = A + reply + prompt(20, seed=7)
+        request, events = _request(nxt, settings._replace(max_new_tokens=16))
+        scheduler.submit(request)
+        tokens, done = _wait(events)
+        assert done.cached_tokens == 3 * BLOCK
+    finally:
+        scheduler.close(drain_seconds=5)
+    _, ref, _ = run(engine, engine.insert(engine.init(), 0, nxt, GREEDY._replace(max_new_tokens=16)), 0)
+    assert tokens == ref
+
+
+def test_a_mostly_cached_prompt_is_prefilled_before_a_long_cold_one(engines):
+    """Of two chunked prefills, the one with fewer chunks left runs first though it began later; the
+    one passed over gains a chunk of priority each time, so it is not starved."""
+    engine = engines["head"]
+    state, reply, _ = run(engine, engine.insert(engine.init(), 0, A, GREEDY), 0)
+    cache = PrefixCache(BIG)
+    cache.store(engine, state, 0, A + reply, cached=cached_lengths(state, 0))
+    scheduler = sched.Scheduler(engine, _NoText(), prefill_chunk=64, prefill_groups=[1], prefix_cache=cache)
+    settings = GREEDY._replace(logprobs=None, max_new_tokens=4)
+    cold, _ = _request(prompt(200, seed=9), settings)
+    warm, _ = _request(A + reply + prompt(20, seed=7), settings)
+    state = engine.init()
+    scheduler._begin(state, [0], cold)  # older: begun first
+    scheduler._begin(state, [1], warm, cache.match(engine, warm.prompt))
+    assert [p.job.chunks_left for p in scheduler._pending.values()] == [4, 1]
+    state = scheduler._prefill_chunk(state)
+    assert list(scheduler._live) == [1] and scheduler._pending[0].job.chunks_left == 4  # the cached one went live
+    assert scheduler._pending[0].passed == 1
+    while scheduler._pending:
+        state = scheduler._prefill_chunk(state)
+    assert sorted(scheduler._live) == [0, 1]
