@@ -71,6 +71,10 @@ def test_greedy_with_a_head_on_a_gemma3_target_is_target_greedy(head_pair, draft
     assert int(np.sum(out.stats.accepted)) > 0  # the head's drafts were used
 
 
+# Slow-only (about 17 s): the head's sampling law is checked by default on a Llama target
+# (test_feature_head.py::test_lossless_sampling_with_a_head_follows_the_target), and a head on a
+# Gemma 3 target drafts by default in test_greedy_with_a_head_on_a_gemma3_target_is_target_greedy.
+@pytest.mark.slow
 def test_lossless_sampling_with_a_head_on_a_gemma3_target_follows_the_target():
     vocab, prompt, samples = 16, [5, 3], 20000
     target = gemma3_target(vocab, scale=3.0)  # flatter laws: many cells are tested

@@ -197,6 +197,10 @@ def _chi_square(counts, probs):
     return scipy_stats.chisquare(f_obs, f_exp * f_obs.sum() / f_exp.sum()).pvalue
 
 
+# Slow-only (about 12 s): decoding with a quantized target is checked by default in
+# test_greedy_speculative_decoding_is_the_quantized_targets_own_greedy_output (token for token
+# against the quantized target's own output), and the sampling law in test_decode.py.
+@pytest.mark.slow
 @needs_kernels
 def test_sampled_speculative_decoding_follows_the_quantized_targets_law():
     cfg = llama_config(vocab_size=16, hidden_size=32, intermediate_size=64)
