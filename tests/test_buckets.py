@@ -127,10 +127,11 @@ def cast_pair(dtype):
     return specjax.pair(cast(target), cast(draft))
 
 
-# Both dtypes and both temperatures in the default run; the other two
-# combinations (about 35 s of compiling) run with -m slow.
+# bfloat16 greedy in the default run (bf16 rounds every product: a reduction whose order followed the
+# padded width would show); the other three combinations (about 45 s of compiling) run with -m slow.
+# Sampling at T=1 under bucketing is checked by default in test_buckets_do_not_change_results[1.0].
 @pytest.mark.parametrize("dtype,temperature", [
-    ("float32", 1.0), ("bfloat16", 0.0),
+    pytest.param("float32", 1.0, marks=pytest.mark.slow), ("bfloat16", 0.0),
     pytest.param("float32", 0.0, marks=pytest.mark.slow), pytest.param("bfloat16", 1.0, marks=pytest.mark.slow),
 ])
 def test_a_sequence_ignores_its_companions_across_buckets(dtype, temperature):

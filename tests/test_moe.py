@@ -50,10 +50,13 @@ def _make(case: str, tmp_path):
     return directory, model
 
 
-# qwen3_moe_unnormalised is slow-only: it differs from qwen3_moe by norm_topk_prob=False alone,
-# which qwen2_moe runs by default.
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "qwen3_moe_unnormalised" else c
-                                  for c in CONFIGS])
+# Slow-only (about 18 s): qwen3_moe_unnormalised differs from qwen3_moe by norm_topk_prob=False
+# alone, which qwen2_moe runs by default; qwen3_moe's parts run by default in mixtral (softmax
+# routing, normalised) and dots1 (Qwen3's attention, the same checkpoint names), and its checkpoint
+# loads and decodes by default in test_moe_gguf.py (test_quantize_a_mixture_of_experts[q4], and its
+# logits against transformers' GGUF loader).
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
+                                  if c in ("qwen3_moe", "qwen3_moe_unnormalised") else c for c in CONFIGS])
 def test_moe_logits_decoding_and_export_match_transformers(case, tmp_path):
     directory, hf_model = _make(case, tmp_path)
     model = specjax.load(directory, dtype="float32")
