@@ -3,7 +3,10 @@
 Started by the test as a subprocess because ``--xla_force_host_platform_device_count``
 must be set before JAX initialises. Also runnable alone::
 
-    python tests/_sharding_worker.py /tmp/result.json
+    python tests/_sharding_worker.py /tmp/result.json [8x1,4x2,2x4,1x8]
+
+The optional second argument names the meshes of the per-mesh loop (default:
+all four); ``tests/test_sharding.py`` passes the ones its selected tests check.
 
 Writes a JSON report; the test asserts on it. Compile time bounds this file
 (about ten decode programs), so every mesh shares one tiny model and one batch
@@ -196,7 +199,7 @@ def errors(pair, prompts, kw) -> dict:
     return out
 
 
-def main(path: str) -> None:
+def main(path: str, meshes=MESHES) -> None:
     t0 = time.time()
     report: dict = {"devices": jax.device_count()}
     pair = tiny_pair()
@@ -217,7 +220,7 @@ def main(path: str) -> None:
         "t1_accept_rate": float(np.sum(ref_t1.stats.accepted) / max(1, np.sum(ref_t1.stats.drafted))),
     }
     report["meshes"] = {}
-    for data, model in MESHES:
+    for data, model in meshes:
         mesh = sharding.make_mesh(data, model)
         name = f"{data}x{model}"
         entry: dict = {}
@@ -405,7 +408,10 @@ def loading(model: Model, mesh) -> dict:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1])
+        chosen = MESHES
+        if len(sys.argv) > 2:
+            chosen = tuple(tuple(map(int, m.split("x"))) for m in sys.argv[2].split(",") if m)
+        main(sys.argv[1], chosen)
     except Exception:
         traceback.print_exc()
         sys.exit(1)
