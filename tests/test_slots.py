@@ -353,7 +353,9 @@ def test_specialized_steps_switch_programs_and_decode_the_same(llama_pair):
     the programs as sampled ones come and go, and each sampled one, get what they get alone."""
     fast = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, specialized_steps=True)
     assert fast.specialized_steps and not Engine(llama_pair, num_slots=4, capacity=CAPACITY).specialized_steps
-    long_greedy = SlotSettings(temperature=0.0, max_new_tokens=40)
+    # MIXED[0] (20 tokens): its reference alone is the program test_mixed_settings_each_equal_decode_alone
+    # compiled. The zero-draft request of slot 1 (12 cycles) outlasts both visitors (4 tokens each).
+    long_greedy = MIXED[0]
     visitors = [SlotSettings(temperature=0.7, seed=3, max_new_tokens=4),  # only a temperature: "sampled"
                 SlotSettings(temperature=0.7, top_p=0.9, seed=5, max_new_tokens=4)]  # top-p: "general"
     state = fast.insert_many(fast.init(), [0, 1], [PROMPTS[0], PROMPTS[3]], [long_greedy, MIXED[3]])
