@@ -23,6 +23,9 @@ CAPACITY = 48
 RULES = (speculative_sampling(), mars(theta=0.5), ears(beta=0.5), typical(eps=0.3, delta=0.3))
 PROMPTS = [[5, 9, 3], [7] * 12, [1, 2, 3, 4, 5, 6], [11, 12]]
 PENALTIES = specjax.GenerationControls(repetition_penalty=1.4, frequency_penalty=0.5, logit_bias={3: 2.0})
+# PENALTIES' fields at values that change no logit: decode runs it with PENALTIES' program (the
+# numbers are traced), a no-penalty reference that compiles nothing new.
+NO_PENALTIES = specjax.GenerationControls(repetition_penalty=1.0, frequency_penalty=0.0, logit_bias={3: 0.0})
 REQUESTS = [
     SlotSettings(temperature=0.0, max_new_tokens=20, controls=PENALTIES),  # the lossless member, greedy, penalised
     SlotSettings(temperature=0.0, max_new_tokens=20, rule=mars(theta=0.3)),  # relaxed, greedy, its own number
@@ -70,7 +73,7 @@ def test_each_request_decodes_as_decode_alone_on_its_tree(llama_pair, head_pair,
     # MARS at theta 0.3 relaxed something on the tree: the slot did not run the lossless default.
     assert got[1] != alone(pair, tree, PROMPTS[1], REQUESTS[0])
     # The penalties changed what the greedy request got.
-    assert got[0] != alone(pair, tree, PROMPTS[0], REQUESTS[0]._replace(controls=None))
+    assert got[0] != alone(pair, tree, PROMPTS[0], REQUESTS[0]._replace(controls=NO_PENALTIES))
     state = engine.release(state, 0)
     with count_compilations() as compiled:
         state = engine.insert(state, 0, PROMPTS[0], SlotSettings(temperature=0.6, seed=1, max_new_tokens=4,
@@ -85,7 +88,9 @@ def test_draft_cap_limits_the_path_depth(llama_pair):
     own (cap 0, 1 or the full depth); cap 1 accepts at most one draft per cycle (tau <= 2, as
     decode on the tree's first level), cap 0 none; beyond the tree's depth it is refused by name."""
     tree = static_tree((2, 2, 1))
-    engine = Engine(llama_pair, num_slots=3, capacity=CAPACITY, tree=tree)
+    # Four slots (the last stays free), as in test_fork_on_a_tree_samples_what_decode_samples_per_row:
+    # one step program for both.
+    engine = Engine(llama_pair, num_slots=4, capacity=CAPACITY, tree=tree)
     requests = [SlotSettings(temperature=0.0, max_new_tokens=20, num_draft=cap) for cap in (0, 1, None)]
     state = engine.insert_many(engine.init(), [0, 1, 2], [PROMPTS[2]] * 3, requests)
     got, state = run_to_end(engine, state)
@@ -124,7 +129,11 @@ def test_logprobs_on_trees_are_the_targets_sampling_distribution(llama_pair):
 VOCAB = 8
 
 
-@pytest.mark.parametrize("tree", [static_tree((3, 2)), dynamic_tree(2, 3, 4, sampled=False)],
+# The static tree is slow-only (about 12 s): a static tree samples in slots what decode samples
+# per row (test_fork_on_a_tree_samples_what_decode_samples_per_row), and decode's law on static
+# trees runs by default in test_tree_decode.py::test_tree_sampling_is_lossless.
+@pytest.mark.parametrize("tree", [pytest.param(static_tree((3, 2)), marks=pytest.mark.slow),
+                                  dynamic_tree(2, 3, 4, sampled=False)],
                          ids=["static", "dynamic-point-mass"])
 def test_lossless_slots_in_a_mixed_state_sample_the_targets_law(tree):
     """Slots judged by the lossless rule and by typical in one state, at T=1, on trees: the
@@ -156,25 +165,28 @@ def test_tree_engine_refuses_what_trees_do_not_take(llama_pair):
     assert [e.field for e in errors] == ["controls"] and "controls=False" in errors[0].message
 
 
-def test_a_prompt_prefilled_in_chunks_decodes_as_a_whole_insert_on_a_tree(head_pair):
+# The sampled request is slow-only (about 5 s, a decode program of its own for the reference): a
+# sampled request after a chunked insert runs by default in test_chunked_prefill.py.
+@pytest.mark.parametrize("s", [SlotSettings(temperature=0.0, max_new_tokens=12),
+                               pytest.param(SlotSettings(temperature=0.9, seed=4, max_new_tokens=12),
+                                            marks=pytest.mark.slow)], ids=["greedy", "sampled"])
+def test_a_prompt_prefilled_in_chunks_decodes_as_a_whole_insert_on_a_tree(head_pair, s):
     """Chunked prefill into a tree engine (a feature head, whose pending features the last chunk
-    builds): the request decodes what decode(tree=...) gives it alone, greedy and sampled, while a
-    neighbour steps between the chunks."""
+    builds): the request decodes what decode(tree=...) gives it alone, while a neighbour steps
+    between the chunks."""
     tree = dynamic_tree(3, 2, 5)
     engine = Engine(head_pair, num_slots=2, capacity=120, tree=tree)
     prompt = [(7 * i) % 90 + 1 for i in range(100)]
-    for s in (SlotSettings(temperature=0.0, max_new_tokens=12), SlotSettings(temperature=0.9, seed=4,
-                                                                              max_new_tokens=12)):
-        state = engine.insert(engine.init(), 0, PROMPTS[0], SlotSettings(temperature=0.0, max_new_tokens=40))
-        job = engine.begin_insert(state, 1, prompt, s, chunk=64)
-        while not job.finished:
-            state, _ = engine.step(state, 1)
-            state, job = engine.continue_insert(state, job)
-        got, _ = run_to_end(engine, state)
-        key = None if s.seed is None else jax.random.key(s.seed)
-        ref = specjax.decode(head_pair, [prompt], tree=tree, max_new_tokens=12, temperature=s.temperature, key=key,
-                             max_length=120 + tree.num_nodes).to_lists()[0]
-        assert got[1] == ref, s
+    state = engine.insert(engine.init(), 0, PROMPTS[0], SlotSettings(temperature=0.0, max_new_tokens=40))
+    job = engine.begin_insert(state, 1, prompt, s, chunk=64)
+    while not job.finished:
+        state, _ = engine.step(state, 1)
+        state, job = engine.continue_insert(state, job)
+    got, _ = run_to_end(engine, state)
+    key = None if s.seed is None else jax.random.key(s.seed)
+    ref = specjax.decode(head_pair, [prompt], tree=tree, max_new_tokens=12, temperature=s.temperature, key=key,
+                         max_length=120 + tree.num_nodes).to_lists()[0]
+    assert got[1] == ref, s
 
 
 def test_fork_on_a_tree_samples_what_decode_samples_per_row(llama_pair):
