@@ -1,5 +1,6 @@
 """Shared helpers of the benchmark scripts: alternating timed runs, machine
-facts, the embedded pair and its prompts, and plain/markdown tables.
+facts, the embedded pair and its prompts, plain/markdown tables, and a
+``specjax serve`` process to send requests to.
 
 Timing discipline (the machine is a shared 2-core CPU): every contender runs
 once to compile / warm up, then the contenders alternate ``rounds`` times
@@ -13,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -278,3 +281,93 @@ class Report:
             self.md.append(f"_{load_average()} (at end)_")
             Path(path).write_text("\n\n".join(self.md) + "\n")
             print(f"\nwrote {path}")
+
+
+# ---------------------------------------------------------------------------
+# A `specjax serve` process
+# ---------------------------------------------------------------------------
+
+# `specjax serve` by the CLI's entry point, so that a checkout's own package (first on PYTHONPATH)
+# serves, installed or not.
+SERVE = "import sys; from specjax.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_rss_mib(pid: int) -> float:
+    """Process ``pid``'s peak resident memory so far (``VmHWM``), in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Server:
+    """``specjax serve FLAGS`` of ``checkout`` (its own package first on the path) as a subprocess
+    on a free port of 127.0.0.1, its model named ``bench``, logging warnings only. ``url`` is its
+    base URL, ``proc`` the process. As a context manager it stops the server on exit."""
+
+    def __init__(self, flags, checkout: Path = ROOT, stop_timeout: float = 90.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.stop_timeout = stop_timeout
+        cmd = [sys.executable, "-c", SERVE, "serve", *flags, "--port", str(self.port), "--log-level", "warning",
+               "--served-model-name", "bench"]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen(cmd, cwd=checkout, env=env)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float = 900.0) -> float:
+        """Waits until ``GET /health`` answers 200 (the server has loaded and compiled); returns the
+        seconds waited. Raises if the server exits first or ``timeout`` passes."""
+        import httpx
+
+        began = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} before it was ready")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - began
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the server was not ready in time")
+
+    def metrics(self) -> dict:
+        """``GET /metrics`` as ``{name: value}``."""
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+    def peak_rss_mib(self) -> float:
+        return peak_rss_mib(self.proc.pid)
+
+    def stop(self) -> int:
+        """SIGTERM (the server refuses waiting requests and drains live ones), then a kill after
+        ``stop_timeout`` seconds; returns the exit status (``-SIGTERM`` is a clean exit: uvicorn
+        shuts down, then re-raises the signal it caught)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 # Arithmetic (the embedded pair's own domain) and plain facts: lm-eval needs a few documents, not many.
 QUESTIONS = [
@@ -55,19 +52,19 @@ def write_tasks(directory: Path) -> None:
     with data.open("w") as f:
         for question, choices, answer in QUESTIONS:
             f.write(json.dumps({"question": question, "choices": choices, "answer": answer}) + "\n")
-    common = (
+    shared = (
         f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
         'doc_to_text: "{{question}}"\n'
     )
     (directory / "specjax_mc.yaml").write_text(
         "task: specjax_mc\noutput_type: multiple_choice\n"
-        + common
+        + shared
         + 'doc_to_choice: "{{choices}}"\ndoc_to_target: answer\ntarget_delimiter: ""\n'
         "metric_list:\n  - metric: acc\n"
     )
     (directory / "specjax_gen.yaml").write_text(
         "task: specjax_gen\noutput_type: generate_until\n"
-        + common
+        + shared
         + 'doc_to_target: "{{choices[answer]}}"\ntarget_delimiter: ""\n'
         f"generation_kwargs:\n  until: {json.dumps(STOPS)}\n  max_gen_toks: 16\n  do_sample: false\n"
         "metric_list:\n  - metric: exact_match\n"
@@ -82,47 +79,9 @@ def write_tokenizer(target, directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, port: int) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from specjax.cli import main; sys.exit(main(sys.argv[1:]))",
-        "serve",
-        "--pair",
-        args.pair,
-        "--slots",
-        str(args.slots),
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--served-model-name",
-        "bench",
-    ] + (["--lookup", args.lookup] if args.lookup else [])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen(cmd, cwd=ROOT, env=env)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server was not ready in time")
+def start_server(args) -> common.Server:
+    flags = ["--pair", args.pair, "--slots", str(args.slots)] + (["--lookup", args.lookup] if args.lookup else [])
+    return common.Server(flags)
 
 
 def reference_loglikelihood(target, context: str, continuation: str) -> float:
@@ -157,11 +116,9 @@ def main(argv=None) -> int:
     # As the server loads it (float32, the CLI's default dtype), so that the figures compare.
     name = {"embedded": "embedded-target", "smollm2": "smollm2-135m-instruct", "smollm2-eagle": "smollm2-135m-instruct"}
     target = specjax.load(name[args.pair], dtype="float32")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(args, port)
-    try:
-        wait_ready(url, server)
+    with start_server(args) as server:
+        url = server.url
+        server.wait_ready()
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             write_tasks(tmp)
@@ -180,9 +137,6 @@ def main(argv=None) -> int:
                 batch_size=args.batch_size,
             )
             seconds = time.perf_counter() - began
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=90)
     print(
         f"lm-eval {lm_eval.__version__ if hasattr(lm_eval, '__version__') else ''} local-completions against "
         f"specjax serve --pair {args.pair}: {seconds:.1f} s"

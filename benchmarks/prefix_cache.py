@@ -9,7 +9,7 @@ completions streamed as a chat client sends them:
   chat prompts as the user's messages, the server's greedy replies as the assistant's): the time
   to the first token of each turn;
 * ``shared system prompt``: ``--clients`` clients at once, each sending ``--requests-per-client``
-  requests with one system prompt of about ``--system-tokens`` tokens and a question of its own:
+  requests with one system prompt of ``--system-words`` words and a question of its own:
   the time to first token of each client's first request (the cache is cold for the first one to
   arrive) and of the later ones (steady state);
 * ``nothing shared``: ``--clients`` clients, each sending ``--requests-per-client`` requests with a
@@ -22,18 +22,14 @@ cache's hit rate, blocks, bytes and budget; the server's peak RSS. Every request
 two servers generate the same text (checked: the conversation's replies must agree).
 
     python benchmarks/prefix_cache.py --pair smollm2-eagle --lookup 2 --slots 8 --capacity 2048
-    python benchmarks/prefix_cache.py --pair embedded --capacity 250 --turns 4 --system-tokens 150  # smoke
+    python benchmarks/prefix_cache.py --pair embedded --capacity 250 --turns 3 --system-words 40  # smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,7 +38,6 @@ from pathlib import Path
 
 import common
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout_chat_64.jsonl"
 # The embedded pair has no chat template of its own (the server takes one).
 TEMPLATE = (
@@ -51,53 +46,14 @@ TEMPLATE = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, port: int, extra: list, template: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from specjax.cli import main; sys.exit(main(sys.argv[1:]))",
-        "serve",
-        "--pair",
-        args.pair,
-        "--slots",
-        str(args.slots),
-        "--capacity",
-        str(args.capacity),
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--served-model-name",
-        "bench",
-        "--max-queue",
-        "256",
-    ] + extra
+def start_server(args, extra: list, template: Path) -> common.Server:
+    flags = ["--pair", args.pair, "--slots", str(args.slots), "--capacity", str(args.capacity), "--max-queue", "256",
+             *extra]
     if args.lookup:
-        cmd += ["--lookup", args.lookup]
+        flags += ["--lookup", args.lookup]
     if args.pair == "embedded":
-        cmd += ["--chat-template", str(template)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen(cmd, cwd=ROOT, env=env)
-
-
-def wait_ready(httpx, url: str, proc: subprocess.Popen, timeout: float = 3600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server was not ready in time")
+        flags += ["--chat-template", str(template)]
+    return common.Server(flags, stop_timeout=120)
 
 
 def chat(http, url: str, messages: list, max_tokens: int) -> dict:
@@ -128,11 +84,6 @@ def chat(http, url: str, messages: list, max_tokens: int) -> dict:
                     first = first or time.perf_counter()
                     text.append(content)
     return {"text": "".join(text), "ttft": (first or time.perf_counter()) - began, "usage": usage}
-
-
-def metrics(httpx, url: str) -> dict:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
 
 
 def questions() -> list[str]:
@@ -182,22 +133,10 @@ def run_clients(httpx, url: str, args, make_messages) -> tuple[list[list[dict]],
     return results, time.perf_counter() - began
 
 
-def peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def serve_and_measure(httpx, args, label: str, extra: list, template: Path) -> dict:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args, port, extra, template)
-    try:
-        t0 = time.perf_counter()
-        wait_ready(httpx, url, proc)
-        print(f"[{label}] ready after {time.perf_counter() - t0:.0f} s; {common.load_average()}", flush=True)
+    with start_server(args, extra, template) as server:
+        url = server.url
+        print(f"[{label}] ready after {server.wait_ready(3600.0):.0f} s; {common.load_average()}", flush=True)
         out = {"label": label}
         out["conversation"] = run_conversation(httpx, url, args)
         print(
@@ -232,17 +171,10 @@ def serve_and_measure(httpx, args, label: str, extra: list, template: Path) -> d
         )
         tokens = sum(r["usage"]["completion_tokens"] for reqs in out["unshared"] for r in reqs)
         print(f"[{label}] nothing shared: {tokens} tokens in {out['unshared_wall']:.1f} s", flush=True)
-        out["metrics"] = metrics(httpx, url)
-        out["rss"] = peak_rss_mib(proc.pid)
+        out["metrics"] = server.metrics()
+        out["rss"] = server.peak_rss_mib()
         print(f"[{label}] done; {common.load_average()}", flush=True)
         return out
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def spread(xs) -> str:

@@ -58,9 +58,7 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -122,24 +120,14 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, port: int, checkout: Path = ROOT, extra: list | tuple = ()) -> subprocess.Popen:
-    """``specjax serve`` of ``checkout`` (its own package first on the path) on ``port``, with
-    ``extra`` flags; a ``--tree`` among them drafts that tree instead of chains with the lookup."""
-    cmd = [sys.executable, "-c", "import sys; from specjax.cli import main; sys.exit(main(sys.argv[1:]))", "serve",
-           "--pair", args.pair, "--rule", args.rule, "--slots", str(args.slots), "--capacity", str(args.capacity),
-           "--max-queue", str(max(64, max(args.clients) * args.requests_per_client)), "--port", str(port),
-           "--log-level", "warning", "--served-model-name", "bench"]
+def start_server(args, checkout: Path = ROOT, extra: list | tuple = ()) -> common.Server:
+    """``specjax serve`` of ``checkout`` with the run's flags and ``extra``; a ``--tree`` among them
+    drafts that tree instead of chains with the lookup."""
+    flags = ["--pair", args.pair, "--rule", args.rule, "--slots", str(args.slots), "--capacity", str(args.capacity),
+             "--max-queue", str(max(64, max(args.clients) * args.requests_per_client))]
     if args.lookup and "--tree" not in extra:
-        cmd += ["--lookup", args.lookup]
-    cmd += list(extra)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen(cmd, cwd=checkout, env=env)
+        flags += ["--lookup", args.lookup]
+    return common.Server(flags + list(extra), checkout)
 
 
 def second_server(args) -> tuple:
@@ -155,37 +143,6 @@ def second_server(args) -> tuple:
     return None, None, ()
 
 
-def stop_server(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
-def wait_ready(httpx, url: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server was not ready in time")
-
-
-def peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def cpu_seconds(pid: int) -> float:
     """User and system CPU time of process ``pid``, all its threads, so far."""
     with open(f"/proc/{pid}/stat") as f:
@@ -197,11 +154,6 @@ def own_cpu_seconds() -> float:
     """This process's CPU time (the client threads' during a server row)."""
     t = os.times()
     return t.user + t.system
-
-
-def scrape(httpx, url: str) -> dict:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
 
 
 # ---------------------------------------------------------------------------
@@ -243,7 +195,7 @@ def one_request(httpx, client, url: str, body: dict) -> dict:
                 gaps=list(np.diff(arrivals)))
 
 
-def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_draft, server_pid: int) -> dict:
+def run_load(httpx, server: common.Server, requests: list[dict], clients: int, args, num_draft) -> dict:
     """``clients`` threads share ``requests`` round-robin; each waits an exponential gap before each one."""
     results, lock = [], threading.Lock()
     deadline = time.monotonic() + args.max_seconds
@@ -267,13 +219,13 @@ def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_dra
             if num_draft is not None:
                 body["num_draft"] = num_draft
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-            r = one_request(httpx, http, base + path, body)
+            r = one_request(httpx, http, server.url + path, body)
             r["long"] = long
             with lock:
                 results.append(r)
 
-    before = scrape(httpx, base)
-    cpu0, own0 = cpu_seconds(server_pid), own_cpu_seconds()
+    before = server.metrics()
+    cpu0, own0 = cpu_seconds(server.pid), own_cpu_seconds()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     for t in threads:
@@ -281,8 +233,8 @@ def run_load(httpx, base: str, requests: list[dict], clients: int, args, num_dra
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    server_cpu, client_cpu = cpu_seconds(server_pid) - cpu0, own_cpu_seconds() - own0
-    after = scrape(httpx, base)
+    server_cpu, client_cpu = cpu_seconds(server.pid) - cpu0, own_cpu_seconds() - own0
+    after = server.metrics()
     ok = [r for r in results if not r["error"] and r["done"]]
     timed = [r for r in ok if r["first"] is not None]
     busy = after["specjax_busy_seconds_total"] - before["specjax_busy_seconds_total"]
@@ -400,23 +352,15 @@ def main(argv=None) -> int:
             requests[i] = dict(requests[i], _long=True,
                                **{key: [{"role": "user", "content": long}] if key == "messages" else long})
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = start_server(args, port)
-    other = other_base = None
+    server = start_server(args)
+    other = None
     rows = []
     try:
-        t0 = time.perf_counter()
-        wait_ready(httpx, base, proc)
-        print(f"server ready after {time.perf_counter() - t0:.0f} s (load and compile)", flush=True)
+        print(f"server ready after {server.wait_ready():.0f} s (load and compile)", flush=True)
         second, checkout, extra = second_server(args)
         if second:  # started after the first is ready: the two do not compile at once
-            other_port = free_port()
-            other_base = f"http://127.0.0.1:{other_port}"
-            other = start_server(args, other_port, checkout, extra)
-            t0 = time.perf_counter()
-            wait_ready(httpx, other_base, other)
-            print(f"{second} server ({args.baseline or ' '.join(extra)}) ready after {time.perf_counter() - t0:.0f} s",
+            other = start_server(args, checkout, extra)
+            print(f"{second} server ({args.baseline or ' '.join(extra)}) ready after {other.wait_ready():.0f} s",
                   flush=True)
         static = None if args.skip_decode else static_runner(args, texts)
         for rnd in range(args.rounds):
@@ -430,20 +374,18 @@ def main(argv=None) -> int:
                         if static is None:
                             continue
                         row = static(clients)
-                    elif mode == second:
-                        row = run_load(httpx, other_base, share, clients, args, num_draft, other.pid)
                     else:
-                        row = run_load(httpx, base, share, clients, args, num_draft, proc.pid)
+                        row = run_load(httpx, other if mode == second else server, share, clients, args, num_draft)
                     rows.append(dict(mode=mode, clients=clients, round=rnd, **row))
                     print(f"  {mode:13s} C={clients} round {rnd}: {row['tok_s']:.1f} tok/s, {row['tokens']} tokens, "
                           f"{row['completed']}/{row['requests']} completed, lost {row['lost']}", flush=True)
-        health = httpx.get(base + "/health", timeout=10).status_code
-        rss = peak_rss_mib(proc.pid)
-        other_rss = peak_rss_mib(other.pid) if other is not None else None
+        health = httpx.get(server.url + "/health", timeout=10).status_code
+        rss = server.peak_rss_mib()
+        other_rss = other.peak_rss_mib() if other is not None else None
     finally:
-        code = stop_server(proc)
+        code = server.stop()
         if other is not None:
-            stop_server(other)
+            other.stop()
     # uvicorn shuts down gracefully, then re-raises the signal it caught: -SIGTERM is a clean exit.
     clean = code in (0, -signal.SIGTERM)
     print(f"server: peak RSS {rss:.0f} MiB; /health after the load: {health}; after SIGTERM it exited "
