@@ -22,9 +22,15 @@ def small_model():
     return specjax.load(DRAFT_DIR)
 
 
-def test_compare_lossless_greedy_agrees_with_target_only(small_model, tmp_path):
-    eval_set = evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=6, num_code=2)
-    assert eval_set.task_mask.sum() == 6 and len(eval_set.prompts) == 8
+@pytest.fixture(scope="module")
+def eval_set(small_model):
+    """4 task questions and 2 code prompts, for every comparison here: one batch bucket (8) and one
+    prompt width, so that the rows they share (target-only, the K=4 chain at T=0) compile once."""
+    return evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=4, num_code=2)
+
+
+def test_compare_lossless_greedy_agrees_with_target_only(small_model, eval_set, tmp_path):
+    assert eval_set.task_mask.sum() == 4 and len(eval_set.prompts) == 6
     rows = evaluation.run_comparison(
         small_model, small_model, eval_set, rules=("speculative_sampling",), temperatures=(0.0,),
         max_new_tokens=8, progress=False,
@@ -78,6 +84,11 @@ def test_task_scoring_reads_the_first_line():
     assert not evaluation.task_correct("", "85")
 
 
+# Slow-only (about 11 s of compiling): by default the generate commands of
+# test_compare_and_generate_draft_trees (with --rule) and
+# test_compare_and_generate_copy_drafts_from_the_context print the prompt, its text and the stats, as
+# does tests/test_streaming.py::test_cli_generate_streams.
+@pytest.mark.slow
 def test_generate_prints_text_and_stats(small_model, capsys):
     code = main(["generate", "--target", str(DRAFT_DIR), "--draft", str(DRAFT_DIR), "--rule", "mars:theta=0.9",
                  "--prompt", "assert 2 + 3 ==", "--max-new-tokens", "6"])
@@ -174,47 +185,48 @@ def test_adasd_rows_draft_with_the_entropy_stop():
     assert eval_rules.row_drafting("mars:theta=0.9", 4) == (None, 4)
 
 
-def test_compare_in_groups_gives_the_same_greedy_text(small_model):
-    eval_set = evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=5, num_code=0)
+def test_compare_in_groups_gives_the_same_greedy_text(small_model, eval_set):
     kw = dict(rules=("speculative_sampling",), temperatures=(0.0,), max_new_tokens=6, progress=False)
     whole = evaluation.run_comparison(small_model, small_model, eval_set, **kw)
-    grouped = evaluation.run_comparison(small_model, small_model, eval_set, batch_size=2, rounds=2, **kw)
-    assert [r.batch for r in whole] == [5, 5] and [r.batch for r in grouped] == [2, 2]
-    # Speed per group of prompts (2, 2, 1) and per round, timed alternately.
+    grouped = evaluation.run_comparison(small_model, small_model, eval_set, batch_size=4, rounds=2, **kw)
+    assert [r.batch for r in whole] == [6, 6] and [r.batch for r in grouped] == [4, 4]
+    # Speed per group of prompts (4, 2) and per round, timed alternately.
     sd = grouped[1]
-    assert sd.units == 3 and len(sd.unit_speedups) == 3 and len(sd.round_speedups) == 2
-    assert sd.speedup_p10 <= sd.speedup_median <= sd.speedup_p90 and 0 <= sd.faster_units <= 3
+    assert sd.units == 2 and len(sd.unit_speedups) == 2 and len(sd.round_speedups) == 2
+    assert sd.speedup_p10 <= sd.speedup_median <= sd.speedup_p90 and 0 <= sd.faster_units <= 2
     assert grouped[1].agreement == 1.0 and grouped[1].task_accuracy == whole[1].task_accuracy
     assert grouped[1].tau == whole[1].tau
 
 
-def test_compare_and_generate_draft_trees(small_model, capsys):
+def test_compare_and_generate_draft_trees(small_model, eval_set, capsys):
     from specjax.trees import static_tree
 
-    eval_set = evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=3, num_code=0)
     rows = evaluation.run_comparison(small_model, small_model, eval_set, rules=("speculative_sampling", "adasd"),
                                   temperatures=(0.0,), max_new_tokens=9, tree=static_tree((2, 1)), progress=False)
     assert [r.method for r in rows] == ["target-only", "speculative_sampling", "adasd"]
     # Draft == target: the tree's best path is always accepted, 3 tokens a cycle (the chain's K=4 would give 5).
     assert rows[1].agreement == 1.0 and rows[1].tau == 3.0 and rows[1].drafted_per_cycle == 2.0
     code = main(["generate", "--target", str(DRAFT_DIR), "--draft", str(DRAFT_DIR), "--tree", "dynamic:2,2,3",
-                 "--prompt", "assert 2 + 3 ==", "--max-new-tokens", "6", "--temperature", "1"])
-    assert code == 0 and "tau" in capsys.readouterr().out
+                 "--rule", "mars:theta=0.9", "--prompt", "assert 2 + 3 ==", "--max-new-tokens", "6",
+                 "--temperature", "1"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("assert 2 + 3 ==") and "tau" in out
 
 
-def test_compare_and_generate_copy_drafts_from_the_context(small_model, capsys):
+def test_compare_and_generate_copy_drafts_from_the_context(small_model, eval_set, capsys):
     from specjax.drafting import ngram_lookup
 
-    eval_set = evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=3, num_code=0)
-    kw = dict(rules=("speculative_sampling",), temperatures=(0.0,), max_new_tokens=9, num_draft=3, progress=False)
+    kw = dict(rules=("speculative_sampling",), temperatures=(0.0,), max_new_tokens=9, num_draft=4, progress=False)
     plain = evaluation.run_comparison(small_model, small_model, eval_set, **kw)
     copied = evaluation.run_comparison(small_model, small_model, eval_set, lookup=ngram_lookup(1), **kw)
-    # Draft == target: every draft is accepted, copied or not, and the output is the target's.
+    # Draft == target: every model draft is accepted and the output is the target's, copied or not
+    # (a copy from the code prompts' context can be rejected, so the copied row's tau is lower).
     assert copied[1].agreement == plain[1].agreement == 1.0
-    assert copied[1].tau == plain[1].tau > 2.0 and copied[1].drafted_per_cycle == 3.0
+    assert plain[1].tau > 4.0 and copied[1].tau > 1.0 and copied[1].drafted_per_cycle == 4.0
     code = main(["generate", "--target", str(DRAFT_DIR), "--draft", str(DRAFT_DIR), "--lookup", "1,4",
                  "--prompt", "assert 2 + 3 == 2 + 3 ==", "--max-new-tokens", "6", "--temperature", "0"])
-    assert code == 0 and "tau" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("assert 2 + 3 == 2 + 3 ==") and "tau" in out
     for bad in ("0", "3,1", "x"):
         with pytest.raises(SystemExit, match="--lookup"):
             common.lookup(build_parser().parse_args(["generate", "--prompt", "x", "--lookup", bad]))
@@ -390,26 +402,24 @@ def test_the_plot_labels_every_row(tmp_path, monkeypatch):
     assert sorted(labels) == sorted({r.method for r in rows})
 
 
-def test_untimed_task_questions_score_target_only_and_relaxed_rows(small_model):
+def test_untimed_task_questions_score_target_only_and_relaxed_rows(small_model, eval_set):
     """Where task questions run untimed (the chat set), a lossless row is not scored (its law is
     the target's: recovery 1 by construction), target-only and a relaxed row are."""
-    base = evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=3, num_code=2)
-    eval_set = dataclasses.replace(base, timed_open_only=True)
+    eval_set = dataclasses.replace(eval_set, timed_open_only=True)
     contenders = (evaluation.Contender(1.0), evaluation.Contender(1.0, "speculative_sampling"),
                   evaluation.Contender(1.0, "ears:beta=0.5"))
     rows = evaluation.run_comparison(small_model, small_model, eval_set, contenders=contenders, max_new_tokens=6,
                                   progress=False)
     target_only, lossless, relaxed = rows
-    assert target_only.task_total == relaxed.task_total == 3
+    assert target_only.task_total == relaxed.task_total == 4
     assert lossless.task_total == 0 and lossless.recovery == 1.0
     assert "not scored" in compare.quality_notes(rows)
 
 
-def test_compare_runs_quantized_rows_against_the_float_target(small_model):
+def test_compare_runs_quantized_rows_against_the_float_target(small_model, eval_set):
     """Quantized rows share the float target-only row as their baseline; a quantized
     lossless row reproduces its own (quantized) target-only greedy text."""
     require_kernels("quantizing on the CPU needs the kernels")
-    eval_set = evaluation.load_eval_set(small_model.tokenizer, compare.DEFAULT_EVAL, num_task=4, num_code=2)
     q = specjax.quantize(small_model, "q4")
     contenders = (evaluation.Contender(0.0), evaluation.Contender(0.0, weights="q4"),
                   evaluation.Contender(0.0, "speculative_sampling", weights="q4"))
@@ -425,11 +435,18 @@ def test_compare_runs_quantized_rows_against_the_float_target(small_model):
                                progress=False)
 
 
-def test_generate_with_quantized_weights_and_a_bad_format(capsys):
+# Slow-only (about 15 s, the embedded pair's int8 programs): --quantize reaches specjax.quantize by
+# default in test_generate_names_a_bad_weight_format, and quantized decoding runs by default in
+# test_compare_runs_quantized_rows_against_the_float_target and tests/test_quant.py.
+@pytest.mark.slow
+def test_generate_with_quantized_weights(capsys):
     require_kernels("quantizing on the CPU needs the kernels")
     assert main(["generate", "--pair", "embedded", "--quantize", "int8", "--prompt", "def add(a, b):",
                  "--max-new-tokens", "12"]) == 0
     assert "tau=" in capsys.readouterr().out
+
+
+def test_generate_names_a_bad_weight_format():
     with pytest.raises(SystemExit, match="--quantize q3: Unknown weight format 'q3'"):
         main(["generate", "--pair", "embedded", "--quantize", "q3", "--prompt", "x"])
 
