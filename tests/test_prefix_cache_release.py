@@ -180,3 +180,27 @@ def test_a_mostly_cached_prompt_is_prefilled_before_a_long_cold_one(engines):
     while scheduler._pending:
         state = scheduler._prefill_chunk(state)
     assert sorted(scheduler._live) == [0, 1]
+
+
+def test_requests_finishing_in_one_step_each_store_their_reply(engines):
+    """Two requests that finish in the same cycle (one token a cycle, admitted together) each leave
+    their prompt and reply in the cache; the next turn of either reads it."""
+    engine = engines["head"]
+    cache = PrefixCache(BIG)
+    scheduler = sched.Scheduler(engine, _NoText(), num_cycles=2, warmup_widths=(16,), prefill_chunk=64,
+                                prefill_groups=[1, 2], prefix_cache=cache).start()
+    settings = GREEDY._replace(logprobs=0, num_draft=0)
+    try:
+        assert scheduler.ready.wait(300)
+        first = [prompt(60, seed=11), prompt(60, seed=12)]  # under one block each: only their replies give one
+        with scheduler.paused():
+            pending = [_request(ids, settings) for ids in first]
+            for request, _ in pending:
+                scheduler.submit(request)
+        replies = [_wait(events)[0] for _, events in pending]
+        assert scheduler.error is None and cache.num_blocks == 2
+        request, events = _request(first[1] + replies[1] + prompt(5, seed=13), settings._replace(max_new_tokens=4))
+        scheduler.submit(request)
+        assert _wait(events)[1].cached_tokens == BLOCK
+    finally:
+        scheduler.close(drain_seconds=5)

@@ -822,9 +822,9 @@ class Scheduler:
         stats, loop = state.loop.stats, state.loop
         # With a prefix cache, the caches' lengths too (read with the rest): a finished request's
         # entries are stored up to them.
-        lengths = None if self.prefix_cache is None else (loop.target_cache.lengths, loop.draft_cache.lengths)
-        out, cycles, drafted, accepted, accepted_at, drafted_at, lengths = jax.device_get(
-            (out, stats.cycles, stats.drafted, stats.accepted, stats.accepted_at, stats.drafted_at, lengths))
+        cache_lengths = None if self.prefix_cache is None else (loop.target_cache.lengths, loop.draft_cache.lengths)
+        out, cycles, drafted, accepted, accepted_at, drafted_at, cache_lengths = jax.device_get(
+            (out, stats.cycles, stats.drafted, stats.accepted, stats.accepted_at, stats.drafted_at, cache_lengths))
         now = time.perf_counter()
         self.counters.step_seconds += now - t0
         self.counters.steps += 1
@@ -854,8 +854,8 @@ class Scheduler:
                 _emit(request, delta)
             if not finishing:
                 continue
-            if lengths is not None:
-                self._store_finished(state, slot, request, stream.tokens, lengths)
+            if cache_lengths is not None:
+                self._store_finished(state, slot, request, stream.tokens, cache_lengths)
             state = self._release(state, slot)
             n = stream.covered_tokens()
             length = (not stream.stopped and n >= request.settings.max_new_tokens
