@@ -65,6 +65,9 @@ PRIVATE_IMPORTS_ALLOWED = {
     "benchmarks/profile_decode.py": "wraps the decode loop's private jitted function to read its compiled HLO",
     "benchmarks/chunked_prefill.py": "drives the server's scheduler in process, to time the streams' gaps without "
                                      "HTTP; the scheduler's public face is `specjax serve`",
+    "benchmarks/prefix_cache_engine.py": "drives two of the server's schedulers in process, paired, with and without "
+                                         "the prefix cache, and turns on the persistent compilation cache as "
+                                         "`specjax serve` does; their public face is `specjax serve`",
 }
 
 
