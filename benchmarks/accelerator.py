@@ -20,7 +20,8 @@ short keeps what it measured. Sections, in order:
    speculative decoding equals the target's own greedy output on a random
    Llama pair, on that pair quantized (q4 target, int8 draft) and on it with
    the Pallas kernels.
-4. **The largest shape's decoding step at batch 1** (by default Llama-3.1-8B,
+4. **The first shape's decoding step at batch 1** (by default Llama-3.2-1B, which
+   compiles in a fraction of the 8B's time, so the call reaches the real pair;
    random weights drawn on the device, the final norm scaled x30 so that greedy
    choices are not near-ties): a 1-token forward after 128 cached tokens in
    bf16 and in each ``--quantize`` format (default int8, q4), each by XLA and
@@ -35,7 +36,8 @@ short keeps what it measured. Sections, in order:
    on held-out chat prompts, alternating, ``--real-rounds`` rounds: tok/s,
    speedup, tau, how many outputs agree, and what the first calls compiled.
    Skipped, with the reason, where the target cannot be loaded.
-6. **The rest of the largest shape**: the step at the other ``--batches``
+6. **The rest of each shape** (Llama-3.2-1B, then Llama-3.1-8B, then the real
+   pair's SmolLM2 shape, while the time budget lasts): the step at the other ``--batches``
    (Pallas rows up to 16 rows), target-only ``generate`` tok/s at batch 1, the
    cost of a (K+1)-token verification against a 1-token forward, speculative
    decoding with an oracle draft (the target) and a small one (its first L/8
@@ -309,7 +311,7 @@ def main(argv=None) -> dict:
         report["copy_bandwidth_gb_s"] = copy_bandwidth(args.copy_mib, max(args.repeats, 3)) / 1e9
         bandwidth = report["copy_bandwidth_gb_s"] * 1e9
         # Sections by value: the quantized products and decoding checked on the device, each shape's
-        # batch-1 decoding step in every format (the largest shape first), the real pair, then the rest.
+        # batch-1 decoding step in every format (SHAPES' order: the 1B first), the real pair, then the rest.
         report["quantized_products"] = quantized_products(args.smoke)
         save()
         # Float32 products at full precision (GPUs would otherwise use TF32): greedy equality
