@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fixed", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--cap", type=int, default=3, help="auto's num_draft (the most drafts per cycle)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--timed", action="store_true",
+                    help="also run auto(timed=True), whose costs are timed in the loop itself")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
 
@@ -60,6 +62,8 @@ def main(argv=None) -> int:
                 f"K={args.cap}")
     contenders = {"target-only": None, **{f"fixed K={k}": (drafting.fixed(), k) for k in args.fixed},
                   f"auto (cap {args.cap})": (drafting.auto(), args.cap)}
+    if args.timed:
+        contenders[f"auto timed (cap {args.cap})"] = (drafting.auto(timed=True), args.cap)
 
     for batch in args.batch:
         groups = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]

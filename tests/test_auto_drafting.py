@@ -81,6 +81,31 @@ def test_expected_tokens_and_the_best_length():
     assert int(drafting.best_draft_length(poor, costs.cycle_costs(K))) == 0
 
 
+def test_a_longer_draft_never_costs_less():
+    # Timed as on a busy machine: k = 3 below k = 2. Read as timed, the policy drafts 3 where
+    # neither 2 nor 3 pays; the costs it uses are a running maximum over k.
+    noisy = cost_model().replace(measured=jnp.asarray([1.0, 1.9, 2.3, 2.0], jnp.float32))
+    np.testing.assert_allclose(noisy.cycle_costs(K), [1.0, 1.9, 2.3, 2.3], rtol=1e-6)
+    likely = drafting.expected_tokens(jnp.asarray([0.6, 0.6, 0.6]))  # 1, 1.6, 1.96, 2.18
+    assert int(drafting.best_draft_length(likely, noisy.cycle_costs(K))) == 0
+    assert int(drafting.best_draft_length(likely, noisy.measured)) == 3  # the raw times would draft 3
+    parts = cost_model(first=0.2, step=0.1, verify=[1.0, 1.6, 1.4, 1.4])  # a noisy width-2 forward
+    np.testing.assert_allclose(parts.cycle_costs(K), [1.0 + 0.2 / 3, 1.8, 1.8, 1.8], rtol=1e-6)
+
+
+def test_drafting_must_beat_a_plain_step_by_the_margin():
+    costs = jnp.asarray([1.0, 1.5, 1.9, 2.3])
+    even = drafting.expected_tokens(jnp.asarray([0.55, 0.6, 0.6]))  # goodput 1, 1.03, 1.0, 0.94
+    assert int(drafting.best_draft_length(even, costs)) == 1
+    assert int(drafting.best_draft_length(even, costs, 0.1)) == 0
+    strong = drafting.expected_tokens(jnp.asarray([0.9, 0.9, 0.9]))  # 1, 1.27, 1.45, 1.49
+    assert int(drafting.best_draft_length(strong, costs, 0.1)) == 3
+    state = drafting.AutoState(jnp.asarray([5.5, 0.0, 0.0]), jnp.asarray([10.0, 0.0, 0.0]))
+    model = cost_model(first=0.0, step=0.0, verify=[1.0, 1.5, 9.0, 9.0])  # one slot at 0.55: 1.55 / 1.5
+    assert int(drafting.auto(model, prior_weight=1e-6, margin=0.0).budget(state, K)) > 0
+    assert int(drafting.auto(model, prior_weight=1e-6).budget(state, K)) == 0  # the default margin, 0.1
+
+
 def test_acceptance_estimates_per_slot():
     policy = drafting.auto(cost_model(), memory=0.5, prior=0.5, prior_weight=1.0)
     state = policy.init(K)
@@ -115,6 +140,8 @@ def test_bad_settings_get_clear_errors():
         drafting.auto(memory=1.5)
     with pytest.raises(ValueError, match=r"auto\(prior_weight\)"):
         drafting.auto(prior_weight=0.0)
+    with pytest.raises(ValueError, match=r"auto\(margin\)"):
+        drafting.auto(margin=-0.1)
     with pytest.raises(TypeError, match="CostModel"):
         drafting.auto(costs={"verify": 1})
     pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB)))
@@ -125,6 +152,11 @@ def test_bad_settings_get_clear_errors():
                        temperature=0.0)
     assert isinstance(drafting.parse_drafting("auto:memory=0.8"), drafting.Auto)
     assert drafting.parse_drafting("auto:prior=0.3").prior == 0.3
+    assert drafting.parse_drafting("auto:timed=true").timed and not drafting.parse_drafting("auto").timed
+    with pytest.raises(ValueError, match="timed='maybe' is not a boolean"):
+        drafting.parse_drafting("auto:timed=maybe")
+    with pytest.raises(TypeError, match=r"auto\(timed=...\) takes True or False"):
+        drafting.auto(timed="yes")
 
 
 # ---------------------------------------------------------------------------
@@ -133,7 +165,7 @@ def test_bad_settings_get_clear_errors():
 
 # Reacts to the last cycle alone: a rejection at slot 0 turns drafting off, a
 # first_acceptance or an accepted draft turns it back on, so runs switch often.
-SWITCHING = dict(memory=0.0, prior=0.5, prior_weight=0.25)
+SWITCHING = dict(memory=0.0, prior=0.5, prior_weight=0.25, margin=0.0)
 
 
 def switching_policy(k=K):
@@ -250,8 +282,13 @@ def test_decode_measures_costs_once_and_new_costs_compile_nothing(bigram_pair, m
     assert int(first.lengths[0]) == int(second.lengths[0]) == 8
     measured = next(iter(costs_lib._MEASURED.values()))
     assert measured.verify.shape == (K + 1,) and float(measured.verify[0]) == 1.0
-    # and timed in the loop's own program, once per program (a bigram's cycles take microseconds,
-    # so whether its timing is kept is up to the machine's noise; the arithmetic is tested below)
+    assert calibrations == [] and not np.asarray(specjax.engine.last_measured_costs().measured).any()
+    # auto(timed=True): also timed in the loop's own program, once per program (a bigram's cycles
+    # take microseconds, so whether its timing is kept is up to the machine's noise; the
+    # arithmetic is tested below)
+    timed_kw = {**kw, "drafting": drafting.auto(timed=True)}
+    specjax.decode(bigram_pair, [[1, 2]], **timed_kw)
+    specjax.decode(bigram_pair, [[3]], **timed_kw)
     assert len(calibrations) == 1
     timed = np.asarray(specjax.engine.last_measured_costs().measured)
     assert timed.shape == (K + 1,) and (timed[0] == 1.0 or not timed.any())

@@ -275,6 +275,14 @@ def needs_costs(policy: drafting_lib.DraftingPolicy) -> bool:
     return isinstance(policy, drafting_lib.Combine) and any(map(needs_costs, policy.policies))
 
 
+def wants_timing(policy: drafting_lib.DraftingPolicy) -> bool:
+    """Whether ``policy`` holds an :func:`~specjax.drafting.auto` without
+    costs that asks to be timed in the loop (``auto(timed=True)``)."""
+    if isinstance(policy, drafting_lib.Auto):
+        return policy.costs is None and policy.timed
+    return isinstance(policy, drafting_lib.Combine) and any(map(wants_timing, policy.policies))
+
+
 def set_costs(policy: drafting_lib.DraftingPolicy, costs: drafting_lib.CostModel) -> drafting_lib.DraftingPolicy:
     """``policy`` with every :func:`~specjax.drafting.auto` inside it given ``costs``."""
     if isinstance(policy, drafting_lib.Auto):

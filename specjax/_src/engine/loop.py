@@ -397,7 +397,7 @@ def decode(
     cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree, lookup=lookup,
                             verify_widths=None if tree is not None else verify_widths_for(buckets, drafting, num_draft),
                             classes=pytree_classes(rule, drafting))
-    calibrate = tree is None and costs_lib.needs_costs(drafting) and cfg.layout is None
+    calibrate = tree is None and costs_lib.wants_timing(drafting) and cfg.layout is None
     if tree is None:  # auto() without costs: measured once per shape on this machine
         measured_pair = params.replace(target=call.models["target"], draft=call.models["draft"])
         drafting = costs_lib.with_costs(drafting, lambda: costs_lib.cached_costs(

@@ -372,13 +372,19 @@ class CostModel:
         """``[K + 1]``: the cost of a cycle that drafts ``k = 0 .. K`` tokens.
         ``k = 0`` verifies one token and skips the draft, whose cache then
         catches up in one first step at most every ``K`` cycles (counted as
-        ``draft_first / K`` a cycle)."""
+        ``draft_first / K`` a cycle).
+
+        Made non-decreasing in ``k`` (a running maximum): a cycle drafting
+        ``k + 1`` tokens does all the work of one drafting ``k`` and more, so
+        a longer draft timed as cheaper is noise (on a busy 2-core machine
+        ``k = 3`` once timed below ``k = 2``, and the policy then drafted 3
+        where neither paid)."""
         k = jnp.arange(num_draft + 1, dtype=jnp.float32)
         steps = jnp.maximum(k - 1.0, 0.0) * self.draft_step
         first = jnp.where(k > 0, self.draft_first + self.cycle, self.draft_first / num_draft)
         parts = first + steps + self.verify[: num_draft + 1]
         timed = self.measured[: num_draft + 1]
-        return jnp.where(jnp.all(timed > 0), timed, parts)
+        return jax.lax.cummax(jnp.where(jnp.all(timed > 0), timed, parts), axis=0)
 
     def describe(self) -> str:
         """One line: the unit and each cost relative to it."""
@@ -402,10 +408,13 @@ def expected_tokens(acceptance: Array) -> Array:
     return 1.0 + jnp.concatenate([zero, jnp.cumsum(runs, axis=-1)], axis=-1)
 
 
-def best_draft_length(expected: Array, costs: Array) -> Array:
+def best_draft_length(expected: Array, costs: Array, margin=0.0) -> Array:
     """The ``k`` that maximises committed tokens per unit of cost,
-    ``expected[k] / costs[k]`` (the smallest such ``k`` on ties). int32 scalar."""
-    return jnp.argmax(expected / costs).astype(jnp.int32)
+    ``expected[k] / costs[k]`` (the smallest such ``k`` on ties), where drafting
+    (``k > 0``) must beat a plain step's ratio by the factor ``1 + margin``.
+    int32 scalar."""
+    goodput = expected / costs
+    return jnp.argmax(goodput.at[0].multiply(1.0 + jnp.asarray(margin, goodput.dtype))).astype(jnp.int32)
 
 
 class AutoState(NamedTuple):
@@ -429,13 +438,16 @@ class Auto(DraftingPolicy):
     memory: float = 0.9
     prior: float = 0.6
     prior_weight: float = 2.0
+    margin: float = 0.1
+    timed: bool = struct.field(pytree_node=False, default=False)
     name = "auto"
     may_draft_none = True
 
     @property
     def spec(self) -> PolicySpec:  # the measured costs are the machine's, not the policy's settings
         return PolicySpec(self.name, tuple((n, spec_value(getattr(self, n))) for n in ("memory", "prior",
-                                                                                     "prior_weight")))
+                                                                                     "prior_weight", "margin",
+                                                                                     "timed")))
 
     def init(self, num_draft: int) -> AutoState:
         zeros = jnp.zeros((num_draft,), jnp.float32)
@@ -460,7 +472,7 @@ class Auto(DraftingPolicy):
 
     def budget(self, state: AutoState, num_draft: int) -> Array:
         """This sequence alone: the best ``k`` in ``0 .. K`` (the batch's is :meth:`plan`)."""
-        return best_draft_length(expected_tokens(self.acceptance(state)), self._cycle_costs(num_draft))
+        return best_draft_length(expected_tokens(self.acceptance(state)), self._cycle_costs(num_draft), self.margin)
 
     def plan(self, states: AutoState, live: Array, num_draft: int) -> Array:
         """One ``k`` for the whole batch: the verification's width, and so its
@@ -468,7 +480,7 @@ class Auto(DraftingPolicy):
         The expected tokens of the live rows are summed per ``k``."""
         expected = expected_tokens(jax.vmap(self.acceptance)(states))  # [B, K + 1]
         total = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
-        k = best_draft_length(total, self._cycle_costs(num_draft))
+        k = best_draft_length(total, self._cycle_costs(num_draft), self.margin)
         return jnp.full(live.shape, jnp.where(live.any(), k, 0), jnp.int32)
 
     def update(self, state: AutoState, outcome: DraftOutcome) -> AutoState:
@@ -489,7 +501,7 @@ class Auto(DraftingPolicy):
 
 
 def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float = 0.6,
-         prior_weight: float = 2.0) -> Auto:
+         prior_weight: float = 2.0, margin: float = 0.1, timed: bool = False) -> Auto:
     """Each cycle, draft the ``k`` in ``0 .. num_draft`` that maximises the
     batch's expected committed tokens per unit of measured cost (goodput);
     ``k = 0`` is a plain target step inside the same program.
@@ -499,7 +511,14 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
     shrunk towards ``prior`` with the weight of ``prior_weight`` cycles); the
     cost of each ``k`` from ``costs`` (:class:`CostModel`, measured on this
     machine: ``decode`` and the slots engine measure it once per shape when
-    ``costs`` is None). The choice depends only on past cycles, so a lossless
+    ``costs`` is None). Drafting must promise ``1 + margin`` times a plain
+    step's tokens per unit of cost: the costs and estimates are measured, not
+    known, and a draft that only breaks even on paper loses where they err
+    (at batch 8 on a 2-core CPU a drafting cycle cost about a tenth more than
+    its parts). ``timed=True``: ``decode`` also times its own loop
+    forced to each ``k`` (:func:`specjax.engine.calibrate_costs`) and chooses
+    by those times; slower to start and, on a busy machine, noisier than the
+    parts (see docs/drafting.md). The choice depends only on past cycles, so a lossless
     rule stays lossless and greedy output stays the target's. The idea is
     vLLM's and SGLang's adaptive draft length: "Optimizing Speculative
     Decoding for Serving Large Language Models Using Goodput" (SmartSpec,
@@ -508,9 +527,12 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
     check_interval("auto(memory)", memory, 0.0, 1.0)
     check_interval("auto(prior)", prior, 0.0, 1.0)
     check_interval("auto(prior_weight)", prior_weight, 0.0, 1e6, open_lo=True)
+    check_interval("auto(margin)", margin, 0.0, 10.0)
     if costs is not None and not isinstance(costs, CostModel):
         raise TypeError(f"auto(costs=...) takes a CostModel (specjax.engine.measure_costs), got {type(costs).__name__}.")
-    return Auto(costs=costs, memory=memory, prior=prior, prior_weight=prior_weight)
+    if not isinstance(timed, bool):
+        raise TypeError(f"auto(timed=...) takes True or False, got {timed!r}.")
+    return Auto(costs=costs, memory=memory, prior=prior, prior_weight=prior_weight, margin=margin, timed=timed)
 
 
 def max_fixed_k(policy: DraftingPolicy) -> Optional[int]:
@@ -529,12 +551,22 @@ def max_fixed_k(policy: DraftingPolicy) -> Optional[int]:
     return max(found) if found else None
 
 
+def boolean(value: str) -> bool:
+    """``"true"``/``"1"``/``"yes"`` or ``"false"``/``"0"``/``"no"`` (any case), as the CLI's specs write a flag."""
+    word = value.strip().lower()
+    if word in ("true", "1", "yes"):
+        return True
+    if word in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{value!r} is not true or false")
+
+
 _POLICIES = {
     "fixed": (fixed, {"k": int}),
     "adasd_entropy": (adasd_entropy, {"window": int}),
     "heuristic": (heuristic, {"initial": int}),
     "confidence": (confidence, {"threshold": float}),
-    "auto": (auto, {"memory": float, "prior": float, "prior_weight": float}),
+    "auto": (auto, {"memory": float, "prior": float, "prior_weight": float, "margin": float, "timed": boolean}),
 }
 
 
