@@ -129,12 +129,8 @@ def _budgets(cfg: LoopConfig, policy: drafting_lib.DraftingPolicy, state: Decode
 
 
 def _plain(cfg: LoopConfig, pair_params: ModelPair, policy, state: DecodeState, rows) -> Array:
-    """Scalar bool: no live sequence drafts this cycle, and the draft can wait
-    (:func:`_draft_can_wait`) or is a feature head, which a plain cycle
-    catches up itself (:func:`_plain_cycle`)."""
+    """Scalar bool: no live sequence drafts this cycle, and the draft can wait (:func:`_draft_can_wait`)."""
     drafting_rows = ~state.done & (_budgets(cfg, policy, state, rows) > 0)
-    if is_feature_head(pair_params.draft.module):
-        return ~drafting_rows.any()
     return ~drafting_rows.any() & _draft_can_wait(cfg, pair_params, state)
 
 
@@ -145,14 +141,7 @@ def _plain_cycle(cfg: LoopConfig, pair_params: ModelPair, policy: drafting_lib.D
     token after no drafts (the same uniform, greedy rows, processors,
     non-finite checks, log-probabilities), the draft skipped (its cache
     waits; a head's features are kept pending), the rule's state unchanged
-    (nothing judged). Returns ``(state, None)``.
-
-    A feature head whose pending target features would overflow
-    (:func:`_draft_can_wait`) runs its first step here, over them, instead of
-    a drafting cycle with no drafts: a plain run then pays one head step
-    every ``K + 1`` cycles, not a drafting cycle's K-wide work (at batch 8 on
-    a 2-core CPU those made a plain run 0.88x ``generate``). That step drafts
-    the token this cycle emits, so slot 0's acceptance is still learnt."""
+    (nothing judged). Returns ``(state, None)``."""
     prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows = inputs
     batch, vocab, k_max = state.num_committed.shape[0], pair_params.vocab_size, cfg.num_draft
     if rows is not None:
@@ -161,17 +150,6 @@ def _plain_cycle(cfg: LoopConfig, pair_params: ModelPair, policy: drafting_lib.D
     _, _, emit_uniform = _cycle_uniforms(cfg, seq_keys, state.step, batch)
     head = pair_params.draft.module
     head_layers = head.feature_layers if is_feature_head(head) else ()
-    catch_up = jnp.bool_(False)
-    draft_raw, draft_cache = jnp.zeros((batch, vocab), jnp.float32), state.draft_cache
-    if head_layers:
-        catch_up = ~_draft_can_wait(cfg, pair_params, state)
-
-        def head_step(carry):
-            raw0, _, cache, _ = first_head_logits(cfg, head, pair_params.draft.params, vocab,
-                                                  state.replace(draft_cache=carry[1]))
-            return raw0.astype(jnp.float32), cache
-
-        draft_raw, draft_cache = cond_in_place(catch_up, head_step, lambda carry: carry, (draft_raw, draft_cache))
     last = gather(state.tokens, state.num_committed - 1)
     out = pair_params.target.module.apply(pair_params.target.params, last[:, None], state.target_cache,
                                           hidden_layers=head_layers)
@@ -193,7 +171,7 @@ def _plain_cycle(cfg: LoopConfig, pair_params: ModelPair, policy: drafting_lib.D
     new_nc = state.num_committed + n_commit
     committed = Committed(tokens=tokens, num_committed=new_nc, num_new=n_commit,
                           done=state.done | (new_bad > 0) | finished, target_cache=out.cache.rollback(new_nc - 1),
-                          draft_cache=draft_cache)
+                          draft_cache=state.draft_cache)
     logprobs = None
     if state.logprobs is not None:
         padded = jnp.pad(target_logits, [(0, 0), (0, k_max), (0, 0)])
@@ -202,35 +180,17 @@ def _plain_cycle(cfg: LoopConfig, pair_params: ModelPair, policy: drafting_lib.D
     outcome = drafting_lib.DraftOutcome(num_drafted=none, num_accepted=none, valid=unused,
                                         entropies=jnp.zeros((batch, k_max), jnp.float32),
                                         token_probs=jnp.zeros((batch, k_max), jnp.float32),
-                                        first_acceptance=_caught_up_acceptance(cfg, catch_up, draft_raw,
-                                                                               target_logits, emitted,
-                                                                               temperature, top_p, rows))
+                                        first_acceptance=jnp.full((batch,), -1.0, jnp.float32))
     policy_state = where_b(live, jax.vmap(policy.update)(state.policy_state, outcome), state.policy_state)
     stats = record_cycle(state.stats, live=live, valid=unused, num_accepted=none, num_committed=n_commit,
-                         paths=no_drafts, draft_forwards=catch_up.astype(jnp.int32), copied=unused,
-                         verified=jnp.int32(1))
+                         paths=no_drafts, draft_forwards=jnp.int32(0), copied=unused, verified=jnp.int32(1))
     features = None
     if head_layers:
         hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)
         own = head.target_features(pair_params.draft.params, hidden)  # [B, 1, H]
-        features = _pending_after_skip(state.replace(draft_cache=draft_cache),
-                                       jnp.pad(own, [(0, 0), (0, k_max), (0, 0)]))
+        features = _pending_after_skip(state, jnp.pad(own, [(0, 0), (0, k_max), (0, 0)]))
     return next_state(state, committed, bad=bad, rule_state=state.rule_state, policy_state=policy_state,
                       stats=stats, draft_features=features, logprobs=logprobs), None
-
-
-def _caught_up_acceptance(cfg: LoopConfig, ran: Array, draft_raw: Array, target_logits: Array, emitted: Array,
-                          temperature, top_p, rows) -> Array:
-    """``[B]``: a plain cycle's :func:`_first_acceptance` where the head caught
-    up (its step drafted the token the cycle emits): whether its pick is the
-    target's (greedy) or the overlap ``sum(min(p, q))``; -1 where it did not run.
-    An estimate for the policy only (the draft's logits processors are not applied)."""
-    if cfg.greedy:
-        overlap = (sampling.argmax(draft_raw) == emitted).astype(jnp.float32)
-    else:
-        q = jax.nn.softmax(warp(cfg, draft_raw[:, None], temperature, top_p, rows)[:, 0], axis=-1)
-        overlap = jnp.minimum(jax.nn.softmax(target_logits[:, 0], axis=-1), q).sum(-1)
-    return jnp.where(ran, overlap, -1.0)
 
 
 def _next_features(state: DecodeState, drafts: _Drafts, verified: _Verified):
