@@ -105,7 +105,7 @@ def measure_costs(params: ModelPair, *, batch: int = 1, num_draft: int = 4,
     at_width = [median[next(w for w in widths if w >= need)] / unit for need in range(1, num_draft + 2)]
     slot = median["slot_work"]  # each drafted slot is also warped, sampled and scored over the vocabulary
     return drafting_lib.CostModel(
-        verify=jnp.asarray(at_width, jnp.float32),
+        verify=jnp.asarray(nondecreasing(at_width), jnp.float32),
         draft_first=jnp.float32((median["draft_first"] + slot) / unit),
         draft_step=jnp.float32((median["draft_step"] + slot) / unit),
         cycle=jnp.float32(median["cycle_work"] / unit),
@@ -265,7 +265,16 @@ def calibrate_costs(costs: drafting_lib.CostModel, run, *, short: int = 2, long:
         per_cycle.append((t_long - t_short) / (c_long - c_short))
     if min(per_cycle) <= 0:  # a noisy machine timed a longer run as shorter: keep the parts' estimate
         return costs
-    return costs.replace(measured=jnp.asarray(np.array(per_cycle) / per_cycle[0], jnp.float32))
+    return costs.replace(measured=jnp.asarray(nondecreasing(np.array(per_cycle) / per_cycle[0]), jnp.float32))
+
+
+def nondecreasing(costs) -> np.ndarray:
+    """``costs`` by draft length or width, made non-decreasing (a running
+    maximum): a cycle drafting ``k + 1`` tokens, or a forward over one more
+    token, does all the work of the shorter one, so timing it as cheaper is
+    noise (on a busy 2-core machine ``k = 3`` once timed below ``k = 2``, and
+    the policy then drafted 3 where neither paid)."""
+    return np.maximum.accumulate(np.asarray(costs, np.float64))
 
 
 def needs_costs(policy: drafting_lib.DraftingPolicy) -> bool:

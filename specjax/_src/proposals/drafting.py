@@ -372,19 +372,13 @@ class CostModel:
         """``[K + 1]``: the cost of a cycle that drafts ``k = 0 .. K`` tokens.
         ``k = 0`` verifies one token and skips the draft, whose cache then
         catches up in one first step at most every ``K`` cycles (counted as
-        ``draft_first / K`` a cycle).
-
-        Made non-decreasing in ``k`` (a running maximum): a cycle drafting
-        ``k + 1`` tokens does all the work of one drafting ``k`` and more, so
-        a longer draft timed as cheaper is noise (on a busy 2-core machine
-        ``k = 3`` once timed below ``k = 2``, and the policy then drafted 3
-        where neither paid)."""
+        ``draft_first / K`` a cycle)."""
         k = jnp.arange(num_draft + 1, dtype=jnp.float32)
         steps = jnp.maximum(k - 1.0, 0.0) * self.draft_step
         first = jnp.where(k > 0, self.draft_first + self.cycle, self.draft_first / num_draft)
         parts = first + steps + self.verify[: num_draft + 1]
         timed = self.measured[: num_draft + 1]
-        return jax.lax.cummax(jnp.where(jnp.all(timed > 0), timed, parts), axis=0)
+        return jnp.where(jnp.all(timed > 0), timed, parts)
 
     def describe(self) -> str:
         """One line: the unit and each cost relative to it."""
