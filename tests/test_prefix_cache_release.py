@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from _slot_runs import run_until_done
 import specjax
 from specjax._src.engine.prefix_cache import BLOCK, PrefixCache
 from specjax._src.models import feature_head_build as fhb
@@ -43,17 +44,8 @@ def engines():
 
 
 def run(engine, state, slot: int):
-    """Steps until ``slot`` is done: the state, its tokens and their log-probabilities."""
-    tokens, logprobs = [], []
-    for _ in range(100):
-        state, out = engine.step(state, 2)
-        out = jax.device_get(out)
-        count = int(out.counts[slot])
-        tokens += out.tokens[slot, :count].tolist()
-        logprobs += out.logprobs[slot, :count].tolist()
-        if out.done[slot]:
-            return state, tokens, np.array(logprobs)
-    raise AssertionError("the request did not finish")
+    """Steps until ``slot`` is done (:func:`_slot_runs.run_until_done`)."""
+    return run_until_done(engine, state, slot)
 
 
 def cached_lengths(state, slot: int) -> int:

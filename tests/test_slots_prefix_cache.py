@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from _slot_runs import run_until_done
 import specjax
 from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, usable_blocks
 from specjax._src.models import feature_head_build as fhb
@@ -50,17 +51,8 @@ def engines(draft_pair):
 
 
 def run(engine, state, slot: int):
-    """Steps until ``slot`` is done: its tokens and their log-probabilities."""
-    tokens, logprobs = [], []
-    for _ in range(100):
-        state, out = engine.step(state, 2)
-        out = jax.device_get(out)
-        count = int(out.counts[slot])
-        tokens += out.tokens[slot, :count].tolist()
-        logprobs += out.logprobs[slot, :count].tolist()
-        if out.done[slot]:
-            return tokens, np.array(logprobs)
-    raise AssertionError("the request did not finish")
+    """Steps until ``slot`` is done (:func:`_slot_runs.run_until_done`)."""
+    return run_until_done(engine, state, slot)[1:]
 
 
 def cold(engine, ids, settings):
