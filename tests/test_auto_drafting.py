@@ -263,6 +263,25 @@ def test_lossless_law_under_the_policy(bigram_pair):
     assert pvalue < 1e-6, f"the wrong residual passed: p={pvalue:.2e}, TV={tv:.4f}"
 
 
+def test_a_call_that_would_open_without_drafts_runs_plain_decodings_program(bigram_pair):
+    """Costs under which drafts accepted at the prior do not pay: ``decode``
+    runs ``generate``'s program, so its sampled tokens are generate's for the
+    same key and no draft forward runs; costs under which they pay (the
+    control) take the drafting program."""
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    kw = dict(max_new_tokens=12, temperature=1.0, key=jax.random.key(7), buckets=NO_BUCKETS)
+    ref = specjax.generate(bigram_pair, prompts, **kw)
+    costly = drafting.auto(cost_model(first=0.5, verify=[1.0, 2.0, 3.0, 4.0]))  # at 0.6: 1.6 tokens for 2.5
+    cheap = drafting.auto(cost_model(first=0.0, step=0.0, verify=[1.0, 1.0, 1.0, 1.0]))
+    assert not drafting.drafts_before_evidence(costly, K) and drafting.drafts_before_evidence(cheap, K)
+    assert drafting.drafts_before_evidence(drafting.fixed(), K)
+    out = specjax.decode(bigram_pair, prompts, drafting=costly, num_draft=K, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert int(out.stats.draft_forwards) == 0 and (np.asarray(out.stats.cycles) == np.asarray(out.lengths)).all()
+    control = specjax.decode(bigram_pair, prompts, drafting=cheap, num_draft=K, **kw)
+    assert int(control.stats.draft_forwards) > 0
+
+
 def test_decode_measures_costs_once_and_new_costs_compile_nothing(bigram_pair, monkeypatch):
     calls = []
     real = costs_lib.measure_costs

@@ -1095,13 +1095,13 @@ def test_routes_outside_the_api_are_errors(setup):
 
 def test_metrics_keep_every_digit():
     from specjax._src.serve.api import prometheus_text
-    from specjax._src.serve.scheduler import _latency_histograms
+    from specjax._src.serve.metrics import latency_histograms
 
     m = {key: 0 for key in ("requests_finished", "requests_failed", "requests_cancelled", "requests_refused",
                             "completion_tokens", "drafted", "accepted", "cycles", "steps", "prefills",
                             "prefilled_requests", "prefill_chunks", "queue_depth", "live_slots", "num_slots")}
     m.update(prompt_tokens=12345678, step_seconds=1234567.25, insert_seconds=0.0, busy_seconds=0.0, host_share=0.0,
-             latency=_latency_histograms())
+             latency=latency_histograms())
     text = prometheus_text(m)
     assert "specjax_prompt_tokens_total 12345678\n" in text and "specjax_step_seconds_total 1234567.25\n" in text
 

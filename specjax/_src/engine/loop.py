@@ -413,9 +413,17 @@ def decode(
     cfg = cfg._replace(stream=on_tokens is not None)
     params = params.replace(target=call.models["target"], draft=call.models["draft"])
     if calibrate:  # the cycle's cost by draft length, timed in this very program (compiled once anyway)
-        key = (costs_lib.shape_key(params), cfg, call.prompts.shape, rows is None)
+        shape = (costs_lib.shape_key(params), cfg, call.prompts.shape, rows is None)
         drafting = costs_lib.set_costs(drafting, costs_lib.cached_calibration(
-            key, costs_lib.auto_costs(drafting), _timed_loop(params, rule, drafting, call, cfg, rows)))
+            shape, costs_lib.auto_costs(drafting), _timed_loop(params, rule, drafting, call, cfg, rows)))
+    if tree is None and diagnostics is None and not drafting_lib.drafts_before_evidence(drafting, num_draft):
+        # auto() would open with plain steps: run them in generate's program, not in the drafting one,
+        # whose plain steps still carry the draft (its prefill, and a catch-up every K cycles) and
+        # cost 0.85-0.93 of a generate step on a 2-core CPU at batch 4 and 8.
+        return generate(params, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, eos_token_id=eos_token_id, key=key, max_length=max_length,
+                        prompt_lengths=prompt_lengths, pad_token_id=pad_token_id, mesh=mesh, buckets=buckets,
+                        on_tokens=on_tokens, controls=controls)
     args = (params, rule, drafting, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id, call.key,
             call.temperature, call.top_p)
     out, bad = run_streaming(

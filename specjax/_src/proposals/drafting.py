@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax._src.checks import check_interval, check_positive_int
@@ -513,7 +514,10 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
     forced to each ``k`` (:func:`specjax.engine.calibrate_costs`) and chooses
     by those times; slower to start and, on a busy machine, noisier than the
     parts (see docs/drafting.md). The choice depends only on past cycles, so a lossless
-    rule stays lossless and greedy output stays the target's. The idea is
+    rule stays lossless and greedy output stays the target's. A ``decode``
+    call whose first cycle would draft nothing at the prior
+    (:func:`drafts_before_evidence`) runs ``generate``'s program instead,
+    which carries no draft. The idea is
     vLLM's and SGLang's adaptive draft length: "Optimizing Speculative
     Decoding for Serving Large Language Models Using Goodput" (SmartSpec,
     arXiv:2406.14066).
@@ -527,6 +531,18 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
     if not isinstance(timed, bool):
         raise TypeError(f"auto(timed=...) takes True or False, got {timed!r}.")
     return Auto(costs=costs, memory=memory, prior=prior, prior_weight=prior_weight, margin=margin, timed=timed)
+
+
+def drafts_before_evidence(policy: DraftingPolicy, num_draft: int) -> bool:
+    """Whether ``policy`` drafts in its first cycle, before any acceptance
+    has been seen (its initial state, one live sequence). Only a policy that
+    ``may_draft_none`` can answer False: :func:`auto` whose costs say that
+    drafts accepted at its prior do not pay (``decode`` then runs the
+    target-only program)."""
+    if not policy.may_draft_none:
+        return True
+    state = jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], policy.init(num_draft))
+    return bool(np.asarray(policy.plan(state, jnp.ones((1,), bool), num_draft))[0] > 0)
 
 
 def max_fixed_k(policy: DraftingPolicy) -> Optional[int]:

@@ -1,6 +1,86 @@
-"""``GET /metrics``: the scheduler's counters, gauges and histograms in Prometheus' text format."""
+"""The scheduler's counters and histograms, and ``GET /metrics``: them in Prometheus' text format."""
 
 from __future__ import annotations
+
+import bisect
+import dataclasses
+
+# Prometheus histogram bounds (seconds), vLLM's with finer steps below 10 ms: a speculative
+# step on a small model delivers a token every few milliseconds.
+TTFT_BOUNDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BOUNDS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+              2.5, 5.0, 10.0)
+# Tokens per target forward of a finished choice (1: nothing accepted).
+TAU_BOUNDS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+E2E_BOUNDS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+              240.0, 480.0, 960.0)
+
+
+@dataclasses.dataclass
+class Histogram:
+    """Counts of observations per bucket (``counts[i]``: at most ``bounds[i]``, not cumulative;
+    the last entry: above every bound), their sum and number."""
+
+    bounds: tuple
+    counts: list = None
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self):
+        if self.counts is None:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.total += value * times
+        self.count += times
+
+
+def latency_histograms() -> dict:
+    return {"time_to_first_token_seconds": Histogram(TTFT_BOUNDS),
+            "inter_token_latency_seconds": Histogram(ITL_BOUNDS),
+            "e2e_request_latency_seconds": Histogram(E2E_BOUNDS),
+            "request_tau": Histogram(TAU_BOUNDS)}
+
+
+@dataclasses.dataclass
+class Counters:
+    """What the loop has done since it started (read with :meth:`Scheduler.metrics`)."""
+
+    requests_finished: int = 0
+    requests_failed: int = 0
+    requests_cancelled: int = 0
+    requests_refused: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    prefills: int = 0  # insert calls that succeeded (a group of requests counts once)
+    prefilled_requests: int = 0
+    prefill_chunks: int = 0  # chunks of long prompts prefilled (Scheduler(prefill_chunk=...))
+    step_seconds: float = 0.0  # engine.step and reading its output back
+    insert_seconds: float = 0.0  # engine.insert (prefill, waited for), fork and release
+    busy_seconds: float = 0.0  # the loop's wall time while a request was waiting or live
+    accepted_at: list = dataclasses.field(default_factory=list)  # [K] drafts accepted at each position
+    draft_lengths: list = dataclasses.field(default_factory=list)  # [K + 1] cycles that drafted k = 0 .. K
+
+
+def add_into(total: list, values) -> None:
+    """``total += values`` elementwise, ``total`` grown to ``values``' length."""
+    total.extend([0] * (len(values) - len(total)))
+    for i, v in enumerate(values):
+        total[i] += int(v)
+
+
+def draft_lengths(cycles: int, drafted_at) -> list:
+    """``[K + 1]``: how many of ``cycles`` drafted exactly ``k`` tokens, from
+    ``drafted_at [K]`` (cycles that drafted slot ``j``: a prefix of slots each cycle)."""
+    reached = [int(cycles)] + [int(x) for x in drafted_at] + [0]
+    return [reached[k] - reached[k + 1] for k in range(len(reached) - 1)]
+
 
 _METRICS = (
     ("specjax_requests_finished_total", "counter", "requests_finished", "Requests that completed."),

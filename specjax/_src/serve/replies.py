@@ -21,6 +21,7 @@ from specjax._src.engine.cycle import LOGPROB_FLOOR
 from specjax._src.serve import scheduler as sched
 from specjax._src.serve.config import ServerConfig
 from specjax._src.serve.errors import failure
+from specjax._src.serve.metrics import add_into
 
 NO_STATS = dict(cycles=0, drafted=0, accepted=0, tau=0.0, acceptance_rate=0.0, accepted_at=[], draft_lengths=[])
 
@@ -207,8 +208,8 @@ class Reply:
         tokens = sum(x.completion_tokens for x in done)
         at, lengths = [], []
         for x in done:
-            sched.add_into(at, x.stats["accepted_at"])
-            sched.add_into(lengths, x.stats["draft_lengths"])
+            add_into(at, x.stats["accepted_at"])
+            add_into(lengths, x.stats["draft_lengths"])
         return dict(
             rule=self.rule,
             cycles=c,
