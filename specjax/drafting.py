@@ -39,6 +39,7 @@ from specjax._src.proposals.drafting import (
     fixed,
     heuristic,
     parse_drafting,
+    stack_costs,
 )
 from specjax._src.proposals.lookup import NgramLookup, lookup_drafts, ngram_lookup
 
@@ -52,6 +53,7 @@ __all__ = (
     "Auto",
     "AutoState",
     "CostModel",
+    "stack_costs",
     "expected_tokens",
     "best_draft_length",
     "drafts_before_evidence",

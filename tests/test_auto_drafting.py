@@ -422,6 +422,29 @@ def test_the_slots_engine_drafts_automatically_and_stays_exact(bigram_pair):
     assert measured.costs is not None and int(measured.costs.batch) == 2
 
 
+def test_each_row_bucket_reads_its_own_costs(bigram_pair):
+    """Costs stacked by batch size: a step of one row drafts where its costs
+    say drafts pay; a step of four rows of the same engine decodes plainly,
+    its costs saying they do not."""
+    from specjax.engine import Engine, SlotSettings
+
+    one = cost_model(first=0.0, step=0.0, verify=[1.0, 1.0, 1.0, 1.0])
+    four = cost_model(first=0.5, verify=[1.0, 3.0, 5.0, 7.0]).replace(batch=jnp.float32(4))
+    costs = drafting.stack_costs([one, four])
+    assert [int(costs.at_batch(rows).batch) for rows in (1, 2, 4, 9)] == [1, 4, 4, 4]
+    engine = Engine(bigram_pair, num_slots=4, capacity=32, num_draft=K, drafting=drafting.auto(costs),
+                    row_buckets=(1, 4))
+    settings = SlotSettings(temperature=0.0, max_new_tokens=20)
+    state = engine.insert(engine.init(), 0, [1, 2, 3], settings)
+    state, _ = engine.step(state, num_cycles=2)
+    assert np.asarray(state.loop.stats.drafted_at)[0, 0] > 0  # one row: drafts are free
+    for slot in (1, 2, 3):
+        state = engine.insert(state, slot, [slot + 3], settings)
+    state, _ = engine.step(state, num_cycles=2)
+    stats = state.loop.stats
+    assert (np.asarray(stats.cycles)[1:] > 0).all() and (np.asarray(stats.drafted_at)[1:, 0] == 0).all()
+
+
 def test_plain_cycles_keep_log_probabilities_and_controls(bigram_pair):
     """The slots engine's plain cycles (nothing drafted) give each token the
     log-probability and the processed logits a drafting cycle gives: a

@@ -29,7 +29,7 @@ def build(args):
     from specjax.engine import Engine
 
     tree, lookup = common.tree(args), common.lookup(args)
-    # Chains default to drafting.auto(): costs measured at the engine's slots, K chosen per cycle.
+    # Chains default to drafting.auto(): costs measured at each row bucket of the engine's slots, K chosen per cycle.
     drafting = common.drafting_policy(args, None if tree is not None else specjax.drafting.auto())
     if tree is not None and args.num_draft is not None and args.num_draft != tree.max_depth:
         raise SystemExit(f"error: --num-draft {args.num_draft} with --tree {args.tree!r}: the tree's depth "

@@ -203,6 +203,17 @@ def cached_costs(params: ModelPair, *, batch: int, num_draft: int, verify_widths
     return _MEASURED[key]
 
 
+def cached_costs_by_batch(params: ModelPair, *, batches: Sequence[int], num_draft: int,
+                          verify_widths: Optional[Sequence[int]], cache_length: int) -> drafting_lib.CostModel:
+    """:func:`cached_costs` at each of ``batches`` (ascending), stacked
+    (:func:`~specjax.drafting.stack_costs`): the slots engine's steps run at
+    its row buckets, and whether a draft pays differs between 1 and 8 rows."""
+    costs = drafting_lib.stack_costs([cached_costs(params, batch=b, num_draft=num_draft, verify_widths=verify_widths,
+                                                   cache_length=cache_length) for b in batches])
+    _LAST[:] = [costs]
+    return costs
+
+
 def cached_calibration(key, costs: drafting_lib.CostModel, run) -> drafting_lib.CostModel:
     """:func:`calibrate_costs` once per ``key`` (the loop's static settings and shapes) in this process."""
     if key not in _CALIBRATED:

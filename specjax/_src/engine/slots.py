@@ -238,13 +238,14 @@ class Engine:
             raise TypeError("processors must be functions (logits [V], TokenContext) -> logits [V].")
         if capacity < 2:
             raise ValueError(f"Engine: capacity must hold a prompt token and a generated one (>= 2), got {capacity}.")
-        # auto(): a verification as narrow as the drafts (one token when none), and costs measured at the slots.
+        # auto(): a verification as narrow as the drafts (one token when none), and costs measured at each
+        # row bucket (a step of one live request runs one row, where drafting pays most).
         verify_widths = None
         if tree is None and drafting.may_draft_none:
             verify_widths = verify_widths_for(BUCKETS, drafting, num_draft)
-            drafting = costs_lib.with_costs(drafting, lambda: costs_lib.cached_costs(
-                params, batch=int(num_slots), num_draft=num_draft, verify_widths=verify_widths,
-                cache_length=capacity + cache_room))
+            drafting = costs_lib.with_costs(drafting, lambda: costs_lib.cached_costs_by_batch(
+                params, batches=settings_lib.check_row_buckets(row_buckets, int(num_slots)), num_draft=num_draft,
+                verify_widths=verify_widths, cache_length=capacity + cache_room))
         self.params, self.rule, self.drafting = params, rule, drafting
         self.donate_state = bool(donate_state)
         self._insert_fn, self._step_fn, self._fork_fn = (

@@ -354,6 +354,10 @@ class CostModel:
         timed, the policy reads these instead of the sum of the parts above:
         they hold everything the parts miss (the loop's control flow, copies,
         fusions).
+
+    Costs measured at several batch sizes (:func:`stack_costs`; the slots
+    engine's row buckets) carry a leading ``[R]`` axis on every field, and
+    :meth:`at_batch` picks the row of the batch a program runs.
     """
 
     verify: Array
@@ -369,6 +373,15 @@ class CostModel:
         """The largest ``K`` these costs cover."""
         return int(self.verify.shape[-1]) - 1
 
+    def at_batch(self, rows: int) -> "CostModel":
+        """The costs measured at the smallest batch of at least ``rows``
+        sequences (the largest measured where none is); unstacked costs as they are."""
+        if self.verify.ndim == 1:
+            return self
+        fits = self.batch >= rows
+        index = jnp.where(fits.any(), jnp.argmax(fits), self.batch.shape[0] - 1)
+        return jax.tree_util.tree_map(lambda x: x[index], self)
+
     def cycle_costs(self, num_draft: int) -> Array:
         """``[K + 1]``: the cost of a cycle that drafts ``k = 0 .. K`` tokens.
         ``k = 0`` verifies one token and skips the draft, whose cache then
@@ -382,7 +395,10 @@ class CostModel:
         return jnp.where(jnp.all(timed > 0), timed, parts)
 
     def describe(self) -> str:
-        """One line: the unit and each cost relative to it."""
+        """One line: the unit and each cost relative to it (one line per batch size when stacked)."""
+        if self.verify.ndim == 2:
+            return "\n".join(jax.tree_util.tree_map(lambda x, i=i: x[i], self).describe()
+                             for i in range(self.verify.shape[0]))
         widths = ", ".join(f"{w + 1}: {float(c):.2f}" for w, c in enumerate(self.verify))
         return (f"target forward {float(self.forward_ms):.2f} ms at batch {int(self.batch)}; verify by tokens "
                 f"{{{widths}}}; draft first step {float(self.draft_first):.3f}, further step "
@@ -390,6 +406,17 @@ class CostModel:
                 "(in target forwards)"
                 + ("" if not (self.measured > 0).all() else "; timed in the loop, a cycle drafting k costs {"
                    + ", ".join(f"{k}: {float(c):.2f}" for k, c in enumerate(self.measured)) + "} plain cycles"))
+
+
+def stack_costs(costs) -> CostModel:
+    """Costs measured at several batch sizes (ascending), as one
+    :class:`CostModel` whose fields have a leading axis (:meth:`CostModel.at_batch`)."""
+    costs = list(costs)
+    if len(costs) == 1:
+        return costs[0]
+    if any(c.verify.ndim != 1 for c in costs) or len({c.verify.shape for c in costs}) != 1:
+        raise ValueError("stack_costs takes unstacked costs measured with the same num_draft.")
+    return jax.tree_util.tree_map(lambda *x: jnp.stack(x), *costs)
 
 
 def expected_tokens(acceptance: Array) -> Array:
@@ -456,14 +483,14 @@ class Auto(DraftingPolicy):
         w = jnp.asarray(self.prior_weight, jnp.float32)
         return jnp.clip((state.accepted + self.prior * w) / (state.judged + w), 0.0, 1.0)
 
-    def _cycle_costs(self, num_draft: int) -> Array:
+    def _cycle_costs(self, num_draft: int, rows: int = 1) -> Array:
         if self.costs is None:
             raise ValueError("drafting.auto() has no measured costs: decode and Engine measure them when "
                              "given auto(); elsewhere pass auto(costs=specjax.engine.measure_costs(...)).")
         if self.costs.max_draft < num_draft:
             raise ValueError(f"auto(costs=...) covers drafts up to {self.costs.max_draft}, but num_draft is "
                              f"{num_draft}; measure the costs with num_draft={num_draft}.")
-        return self.costs.cycle_costs(num_draft)
+        return self.costs.at_batch(rows).cycle_costs(num_draft)
 
     def budget(self, state: AutoState, num_draft: int) -> Array:
         """This sequence alone: the best ``k`` in ``0 .. K`` (the batch's is :meth:`plan`)."""
@@ -475,7 +502,7 @@ class Auto(DraftingPolicy):
         The expected tokens of the live rows are summed per ``k``."""
         expected = expected_tokens(jax.vmap(self.acceptance)(states))  # [B, K + 1]
         total = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
-        k = best_draft_length(total, self._cycle_costs(num_draft), self.margin)
+        k = best_draft_length(total, self._cycle_costs(num_draft, live.shape[0]), self.margin)
         return jnp.full(live.shape, jnp.where(live.any(), k, 0), jnp.int32)
 
     def update(self, state: AutoState, outcome: DraftOutcome) -> AutoState:
