@@ -38,12 +38,13 @@ def _add_compare(sub) -> None:
     p = sub.add_parser(
         "compare", help="what speculative decoding buys: acceptance rules against target-only decoding",
         description="Times target-only decoding and speculative decoding with acceptance rules on one model pair "
-                    "(default: SmolLM2-135M-Instruct with its EAGLE-style head, about 5 minutes on 2 CPU cores), "
+                    "(default: SmolLM2-135M-Instruct with its EAGLE-style head, about 8 minutes on 2 CPU cores), "
                     "alternating the rows on each prompt over rounds, and scores their output. Without --rules, "
-                    "--tree, --lookup or --drafting the smollm2 pairs run target-only, lossless speculative "
-                    "sampling alone and with context lookup, MARS and PAD at T=0, the same target-only and lookup rows "
-                    "on the GGUF's own 4-bit weights, and target-only, speculative sampling, block verification, "
-                    "EARS, AdaSD and the typical-set criterion at T=1.")
+                    "--tree, --lookup or --drafting the smollm2 pairs run, at T=0: target-only, lossless "
+                    "speculative sampling alone, with context lookup, and with lookup and drafting auto (the draft "
+                    "length chosen each cycle from measured costs), MARS with lookup, PAD and FLy, and the "
+                    "target-only and lookup rows on the GGUF's own 4-bit weights; at T=1: target-only, speculative "
+                    "sampling, block verification fixed and auto, EARS, AdaSD and the typical-set criterion.")
     common.add_model_args(p, default_pair="smollm2-eagle", default_num_draft=None)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="few prompts and rules (smoke run)")

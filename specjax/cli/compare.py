@@ -77,7 +77,7 @@ SMOLLM2_QUICK_RULES = ("speculative_sampling", "mars:theta=0.9")
 SMOLLM2_DEFAULT_RULES = ("speculative_sampling", "block_verification", "mars:theta=0.9")
 
 
-# The real pair's default rows, chosen to show in about 6 minutes on 2 CPU cores what a
+# The real pair's default rows, chosen to show in about 8 minutes on 2 CPU cores what a
 # user gets: lossless decoding with the head, alone and with drafts copied from the
 # context (T=0), fixed K beside drafting.auto() (each cycle the K that pays on this
 # machine, from measured costs and live acceptance); at T=1 block verification, which accepts more of a sampled block than
