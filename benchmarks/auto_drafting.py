@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--fixed", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--cap", type=int, default=3, help="auto's num_draft (the most drafts per cycle)")
+    ap.add_argument("--margin", type=float, help="auto's margin (default: auto()'s)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timed", action="store_true",
                     help="also run auto(timed=True), whose costs are timed in the loop itself")
@@ -60,10 +61,11 @@ def main(argv=None) -> int:
     report.text(f"float32, {len(prompts)} held-out chat prompts, up to {n} new tokens, EOS {eos}, lossless "
                 f"speculative sampling, {args.rounds} alternating rounds; fixed K in {args.fixed}, auto capped at "
                 f"K={args.cap}")
+    margin = {} if args.margin is None else {"margin": args.margin}
     contenders = {"target-only": None, **{f"fixed K={k}": (drafting.fixed(), k) for k in args.fixed},
-                  f"auto (cap {args.cap})": (drafting.auto(), args.cap)}
+                  f"auto (cap {args.cap})": (drafting.auto(**margin), args.cap)}
     if args.timed:
-        contenders[f"auto timed (cap {args.cap})"] = (drafting.auto(timed=True), args.cap)
+        contenders[f"auto timed (cap {args.cap})"] = (drafting.auto(timed=True, **margin), args.cap)
 
     for batch in args.batch:
         groups = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]

@@ -109,7 +109,7 @@ def test_drafting_must_beat_a_plain_step_by_the_margin():
     state = drafting.AutoState(jnp.asarray([5.5, 0.0, 0.0]), jnp.asarray([10.0, 0.0, 0.0]))
     model = cost_model(first=0.0, step=0.0, verify=[1.0, 1.5, 9.0, 9.0])  # one slot at 0.55: 1.55 / 1.5
     assert int(drafting.auto(model, prior_weight=1e-6, margin=0.0).budget(state, K)) > 0
-    assert int(drafting.auto(model, prior_weight=1e-6).budget(state, K)) == 0  # the default margin, 0.1
+    assert int(drafting.auto(model, prior_weight=1e-6).budget(state, K)) == 0  # the default margin, 0.2
 
 
 def test_acceptance_estimates_per_slot():

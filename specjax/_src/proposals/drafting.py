@@ -460,7 +460,7 @@ class Auto(DraftingPolicy):
     memory: float = 0.9
     prior: float = 0.6
     prior_weight: float = 2.0
-    margin: float = 0.1
+    margin: float = 0.2
     timed: bool = struct.field(pytree_node=False, default=False)
     name = "auto"
     may_draft_none = True
@@ -523,7 +523,7 @@ class Auto(DraftingPolicy):
 
 
 def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float = 0.6,
-         prior_weight: float = 2.0, margin: float = 0.1, timed: bool = False) -> Auto:
+         prior_weight: float = 2.0, margin: float = 0.2, timed: bool = False) -> Auto:
     """Each cycle, draft the ``k`` in ``0 .. num_draft`` that maximises the
     batch's expected committed tokens per unit of measured cost (goodput);
     ``k = 0`` is a plain target step inside the same program.
@@ -536,8 +536,8 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
     ``costs`` is None). Drafting must promise ``1 + margin`` times a plain
     step's tokens per unit of cost: the costs and estimates are measured, not
     known, and a draft that only breaks even on paper loses where they err
-    (at batch 8 on a 2-core CPU a drafting cycle cost about a tenth more than
-    its parts). ``timed=True``: ``decode`` also times its own loop
+    (at batch 4 on a 2-core CPU the loop's drafting cycles cost a fifth to a
+    quarter more than their parts). ``timed=True``: ``decode`` also times its own loop
     forced to each ``k`` (:func:`specjax.engine.calibrate_costs`) and chooses
     by those times; slower to start and, on a busy machine, noisier than the
     parts (see docs/drafting.md). The choice depends only on past cycles, so a lossless
