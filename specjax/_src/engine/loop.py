@@ -254,7 +254,11 @@ def decode(
         int array (with ``prompt_lengths`` unless every row is full).
       rule: acceptance rule (default ``speculative_sampling()``, lossless).
       drafting: drafting policy (default ``specjax.drafting.fixed()``, i.e.
-        always ``num_draft`` tokens).
+        always ``num_draft`` tokens). With :func:`specjax.drafting.auto`, a
+        call whose first cycle would draft nothing
+        (:func:`specjax.drafting.drafts_before_evidence`) runs :func:`generate`
+        instead: the same law, no draft work, ``generate``'s ``stats`` and
+        ``on_tokens`` widths.
       num_draft: K, the most tokens drafted per cycle (buffer shapes); default 4,
         or the tree's depth with ``tree=``.
       max_new_tokens: N, tokens generated per sequence at most.
