@@ -60,7 +60,9 @@ def alone(pair, prompt, s: SlotSettings, **kw):
 
 MIXED = [
     SlotSettings(temperature=0.0, max_new_tokens=20),
-    SlotSettings(temperature=0.7, top_p=0.9, seed=3, max_new_tokens=18),
+    # 16, not more: its reference alone shares the program of the top-p visitor's in
+    # test_specialized_steps_switch_programs_and_decode_the_same (max_new_tokens is bucketed, 16 and 4 alike).
+    SlotSettings(temperature=0.7, top_p=0.9, seed=3, max_new_tokens=16),
     SlotSettings(temperature=1.0, top_k=20, seed=5, max_new_tokens=20),
     SlotSettings(temperature=0.0, num_draft=0, max_new_tokens=12),  # plain decoding in a speculative state
 ]
