@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import specjax  # noqa: E402
 from specjax import drafting  # noqa: E402
-from specjax._src.engine import costs as costs_lib  # noqa: E402
 from specjax.engine import Engine, SlotSettings  # noqa: E402
 
 rows = common.read_prompt_file(common.ROOT / "benchmarks/prompts/heldout_chat_64.jsonl", None)[:6]
@@ -32,9 +31,7 @@ print(common.header("one request on an 8-slot engine: auto's costs by row bucket
 kw = dict(num_slots=8, capacity=512, num_draft=3, row_buckets="powers", prompt_bucket=512)
 by_rows = Engine(pair, drafting=drafting.auto(), **kw)
 print("costs by row bucket:\n" + by_rows.drafting.costs.describe())
-eight = costs_lib.cached_costs(
-    pair, batch=8, num_draft=3, verify_widths=by_rows.cfg.loop.verify_widths, cache_length=512 + 3
-)
+eight = by_rows.drafting.costs.at_batch(8)  # the same measurement, its 8-row entry
 engines = {
     "auto, costs by rows": by_rows,
     "auto, 8 rows' costs": Engine(pair, drafting=drafting.auto(costs=eight), **kw),
