@@ -432,6 +432,12 @@ def test_each_row_bucket_reads_its_own_costs(bigram_pair):
     four = cost_model(first=0.5, verify=[1.0, 3.0, 5.0, 7.0]).replace(batch=jnp.float32(4))
     costs = drafting.stack_costs([one, four])
     assert [int(costs.at_batch(rows).batch) for rows in (1, 2, 4, 9)] == [1, 4, 4, 4]
+    with pytest.raises(ValueError, match="ascending order of batch size"):
+        drafting.stack_costs([four, one])
+    with pytest.raises(ValueError, match="same num_draft"):
+        drafting.stack_costs([one, cost_model(k=2).replace(batch=jnp.float32(4))])
+    with pytest.raises(TypeError, match="one or more CostModels"):
+        drafting.stack_costs([])
     engine = Engine(bigram_pair, num_slots=4, capacity=32, num_draft=K, drafting=drafting.auto(costs),
                     row_buckets=(1, 4))
     settings = SlotSettings(temperature=0.0, max_new_tokens=20)

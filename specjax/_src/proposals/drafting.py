@@ -412,10 +412,15 @@ def stack_costs(costs) -> CostModel:
     """Costs measured at several batch sizes (ascending), as one
     :class:`CostModel` whose fields have a leading axis (:meth:`CostModel.at_batch`)."""
     costs = list(costs)
+    if not costs or not all(isinstance(c, CostModel) for c in costs):
+        raise TypeError("stack_costs takes one or more CostModels (specjax.engine.measure_costs).")
     if len(costs) == 1:
         return costs[0]
     if any(c.verify.ndim != 1 for c in costs) or len({c.verify.shape for c in costs}) != 1:
         raise ValueError("stack_costs takes unstacked costs measured with the same num_draft.")
+    batches = [float(c.batch) for c in costs]
+    if batches != sorted(set(batches)):
+        raise ValueError(f"stack_costs takes costs in ascending order of batch size, got batches {batches}.")
     return jax.tree_util.tree_map(lambda *x: jnp.stack(x), *costs)
 
 
