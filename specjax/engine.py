@@ -42,6 +42,7 @@ from specjax._src.engine.config import DecodeState, LoopConfig, Logprobs
 from specjax._src.engine.costs import calibrate_costs, last_measured as last_measured_costs, measure_costs
 from specjax._src.engine.cycle import Cycle, CycleInputs, run_cycles
 from specjax._src.engine.cycles import CHAIN, TARGET_ONLY, TREE, cycle_for
+from specjax._src.engine.live_costs import LiveCosts
 from specjax._src.engine.prefix_cache import PrefixCache, PrefixHit
 from specjax._src.engine.slots import Engine, FieldError, PrefillJob, SlotSettings, SlotState, StepOutput, StepPlan
 from specjax._src.engine.state import init_state
@@ -80,6 +81,7 @@ __all__ = [
     "measure_costs",
     "calibrate_costs",
     "last_measured_costs",
+    "LiveCosts",
     "GenerationControls",
     "TokenContext",
     "BUILTIN_PROCESSORS",

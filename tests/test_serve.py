@@ -430,10 +430,10 @@ def test_a_waiting_request_takes_a_slot_as_soon_as_one_frees(setup, monkeypatch)
     calls, inserts, step, insert_many = [], [], engine.step, engine.insert_many
     scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=16, warmup_widths=(16,))
 
-    def recording_step(state, num_cycles=1, *, until_first_finish=False, plan=None):
+    def recording_step(state, num_cycles=1, *, until_first_finish=False, plan=None, costs=None):
         free = engine.num_slots - len(scheduler._live)
         calls.append((num_cycles, until_first_finish, bool(free and scheduler._waiting)))
-        return step(state, num_cycles, until_first_finish=until_first_finish, plan=plan)
+        return step(state, num_cycles, until_first_finish=until_first_finish, plan=plan, costs=costs)
 
     def recording_insert_many(state, slots, prompts, settings=None):
         inserts.append([len(p) for p in prompts])

@@ -82,7 +82,8 @@ def build(args):
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
     scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,
-                          eos_ids=eos, prefill_chunk=args.prefill_chunk, prefix_cache=prefix_cache)
+                          eos_ids=eos, prefill_chunk=args.prefill_chunk, prefix_cache=prefix_cache,
+                          live_costs=not args.no_live_costs)
     api_key = args.api_key or os.environ.get("SPECJAX_API_KEY") or None
     config = ServerConfig(name, target, api_key=api_key, max_body_bytes=args.max_body_bytes, seed=args.seed)
     app = create_app(scheduler, config, drain_seconds=args.drain_seconds)
@@ -216,6 +217,10 @@ def add_arguments(p) -> None:
                    help="device memory for the prefix cache: prompts that begin with an earlier prompt's blocks "
                         "of 64 tokens copy them instead of prefilling them (e.g. 512MiB, 2GB; default 1GiB; 0: off)")
     p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt from its first token")
+    p.add_argument("--no-live-costs", action="store_true",
+                   help="with drafting auto, plan with the costs measured at start only; by default the server's "
+                        "own steps re-time every draft length per row bucket (one step in 32 runs the length "
+                        "timed longest ago) and auto plans with those times (/metrics: specjax_cycle_seconds)")
     p.add_argument("--no-penalties", action="store_true",
                    help="compile the engine without the logits processors: faster cycles, and requests with "
                         "penalties, logit_bias or min_tokens are refused")

@@ -15,6 +15,8 @@
 * :mod:`.streaming`: ``on_tokens=`` reports from inside the loop;
 * :mod:`.stats`: per-sequence decode statistics (``DecodeStats``) that every cycle records;
 * :mod:`.slots`: many requests in one state, advanced by a jitted step;
+* :mod:`.costs`: what a cycle's parts cost on this machine, for ``auto``;
+  :mod:`.live_costs`: the same refreshed from the slots engine's own steps;
 * :mod:`.text`: stop strings on the detokenized text.
 
 ``specjax.engine`` exports the engine tier (``LoopConfig``, ``DecodeState``,

@@ -49,6 +49,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 import jax
 import numpy as np
 
+from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.proposals import lookup as lookup_lib
 from specjax._src.logits import processors as processors_lib
 from specjax._src.checks import as_integer
@@ -477,7 +478,8 @@ class Engine:
         return tuple(sorted(alone - grouped))
 
     def step(self, state: SlotState, num_cycles: int = 1, *, until_first_finish: bool = False,
-             plan: Optional[StepPlan] = None) -> tuple[SlotState, StepOutput]:
+             plan: Optional[StepPlan] = None,
+             costs: Optional[drafting_lib.CostModel] = None) -> tuple[SlotState, StepOutput]:
         """Runs up to ``num_cycles`` draft-verify cycles for every live slot
         (fewer when every slot is done).
 
@@ -492,16 +494,45 @@ class Engine:
         whose rows leave out an occupied slot stalls it, and the greedy or
         sampled program decodes rows that need more (top-k, top-p, controls)
         without it. None: chosen from the state (:meth:`step_program`).
+
+        ``costs``: with :func:`~specjax.drafting.auto`, the costs this step
+        plans with instead of :attr:`costs` (same shapes, traced: no new
+        program), e.g. ``LiveCosts.forced_costs(k)`` to time a length.
         """
         self._check_state(state)
+        drafting = self.drafting if costs is None else costs_lib.set_costs(self.drafting, self._check_costs(costs))
         n = as_integer(num_cycles)
         if n is None or n < 1:
             raise ValueError(f"num_cycles must be a positive integer, got {num_cycles!r}.")
         if not isinstance(until_first_finish, (bool, np.bool_)):
             raise TypeError(f"until_first_finish must be True or False, got {until_first_finish!r}.")
         program, rows_run = self._step_program(state) if plan is None else self._check_plan(plan)
-        return self._step_fn(self.params, self.rule, self.drafting, state, np.int32(n),
+        return self._step_fn(self.params, self.rule, drafting, state, np.int32(n),
                              np.bool_(until_first_finish), cfg=self._programs[program], rows_run=rows_run)
+
+    @property
+    def costs(self) -> Optional[drafting_lib.CostModel]:
+        """The costs :func:`~specjax.drafting.auto` plans with (measured at each
+        row bucket when the engine was built), or None without ``auto``."""
+        return costs_lib.auto_costs(self.drafting)
+
+    def set_costs(self, costs: drafting_lib.CostModel) -> None:
+        """Plans later steps with ``costs`` (e.g. ``LiveCosts.costs()``): the
+        same shapes as :attr:`costs`, so no step compiles again."""
+        self.drafting = costs_lib.set_costs(self.drafting, self._check_costs(costs))
+
+    def _check_costs(self, costs) -> drafting_lib.CostModel:
+        current = self.costs
+        if current is None:
+            raise ValueError("costs= applies to an Engine built with drafting=auto(); this one drafts with "
+                             f"{self.drafting.spec.name}.")
+        if not isinstance(costs, drafting_lib.CostModel):
+            raise TypeError(f"costs must be a CostModel (Engine.costs, LiveCosts.costs()), got {type(costs).__name__}.")
+        shapes = lambda c: [np.shape(x) for x in jax.tree_util.tree_leaves(c)]  # noqa: E731
+        if shapes(costs) != shapes(current):
+            raise ValueError(f"costs cover shapes {shapes(costs)}, the engine's {shapes(current)} (one row per row "
+                             f"bucket {self.row_buckets}, num_draft {self.num_draft}); derive them from Engine.costs.")
+        return costs
 
     @property
     def row_buckets(self) -> tuple[int, ...]:

@@ -190,6 +190,8 @@ def prometheus_text(m: dict) -> str:
                 f"# TYPE {name} {kind}",
                 f"{name} {_number(m['prefix_cache'][key])}",
             ]
+    if m.get("cycle_costs") is not None:
+        lines += _cycle_cost_lines(m["cycle_costs"])
     for name, key, label, help_text in _VECTORS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
         first = 1 if key == "accepted_at" else 0
@@ -203,6 +205,22 @@ def prometheus_text(m: dict) -> str:
             lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
         lines += [f"{name}_sum {_number(h.total)}", f"{name}_count {h.count}"]
     return "\n".join(lines) + "\n"
+
+
+def _cycle_cost_lines(report: dict) -> list:
+    """``LiveCosts.report()`` as two gauges by row bucket and draft length."""
+    lines = []
+    for name, key, help_text in (
+        ("specjax_cycle_seconds", "seconds",
+         "Median seconds per draft-verify cycle in the server's own steps, by row bucket and draft length."),
+        ("specjax_cycle_cost", "relative",
+         "The cost by draft length that drafting=auto plans with, in plain cycles (timed, else the parts)."),
+    ):
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+        for rows, values in zip(report["rows"], report[key]):
+            lines += [f'{name}{{rows="{rows}",draft_length="{k}"}} {_number(x)}'
+                      for k, x in enumerate(values) if x is not None]
+    return lines
 
 
 def _number(value) -> str:

@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import jax
 import numpy as np
 
+from specjax._src.engine.live_costs import LiveCosts, step_draft_length
 from specjax._src.engine.ops import SINGLE_PREFILL_BLOCK
 from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, usable_blocks
 from specjax._src.engine.slots import Engine, PrefillJob, SlotSettings
@@ -149,6 +150,8 @@ class _Live:
     logprobs: Optional[list] = None
     top: Optional[list] = None
     reported: int = 0
+    seen_cycles: int = 0  # the slot's cycle and drafted-slot counters at the last step (for LiveCosts)
+    seen_drafted_at: Any = 0
 
     def keep_logprobs(self, out, slot: int) -> None:
         """Keeps this step's tokens' log-probabilities (their text may still be held back)."""
@@ -256,7 +259,7 @@ class Scheduler:
     def __init__(self, engine: Engine, tokenizer, *, max_queue: int = 64, num_cycles: int = 4,
                  warmup_widths: Optional[Sequence[int]] = None, eos_ids: Sequence[int] = (),
                  prefill_groups: Optional[Sequence[int]] = None, prefill_chunk: int = 128,
-                 prefix_cache: Optional[PrefixCache] = None):
+                 prefix_cache: Optional[PrefixCache] = None, live_costs: bool = True):
         if int(max_queue) < 0 or int(num_cycles) < 1:
             raise ValueError(f"max_queue must be >= 0 and num_cycles >= 1, got {max_queue}, {num_cycles}.")
         if int(prefill_chunk) < 0 or int(prefill_chunk) % SINGLE_PREFILL_BLOCK:
@@ -266,6 +269,9 @@ class Scheduler:
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             raise TypeError(f"prefix_cache must be a PrefixCache or None, got {type(prefix_cache).__name__}.")
         self.prefix_cache = prefix_cache
+        # auto(): refresh its costs from the steps' own wall times (see LiveCosts).
+        self.live_costs = LiveCosts(engine.costs) if live_costs and engine.costs is not None else None
+        self._timed_steps = 0
         if prefill_groups is None:
             prefill_groups = [2**i for i in range(engine.num_slots.bit_length()) if 2**i <= engine.num_slots]
         groups = sorted({int(n) for n in prefill_groups})
@@ -403,7 +409,8 @@ class Scheduler:
             c = dataclasses.asdict(self.counters)
             c.update(queue_depth=len(self._waiting), live_slots=len(self._live), num_slots=self.engine.num_slots,
                      ready=self.ready.is_set(), latency=copy.deepcopy(self.latency),
-                     prefix_cache=None if self.prefix_cache is None else self.prefix_cache.stats())
+                     prefix_cache=None if self.prefix_cache is None else self.prefix_cache.stats(),
+                     cycle_costs=None if self.live_costs is None else self.live_costs.report())
         busy = c["busy_seconds"]
         c["host_share"] = (busy - c["step_seconds"] - c["insert_seconds"]) / busy if busy > 0 else 0.0
         return c
@@ -729,6 +736,25 @@ class Scheduler:
                 _emit(request, Failed("cancelled", "cancelled"))
         return state
 
+    def _time_step(self, rows: int, asked: int, cycles, drafted_at, seconds: float) -> None:
+        """Gives :attr:`live_costs` the step's seconds per cycle and the length its cycles
+        drafted (from each slot's counters since the last step), and every 8 timed steps
+        hands the engine the refreshed costs."""
+        slots = list(self._live)
+        if not slots:
+            return
+        ran = np.array([int(cycles[s]) - self._live[s].seen_cycles for s in slots])
+        lengths = np.array([np.asarray(drafted_at[s]) - self._live[s].seen_drafted_at for s in slots])
+        for s in slots:
+            self._live[s].seen_cycles, self._live[s].seen_drafted_at = int(cycles[s]), np.asarray(drafted_at[s])
+        k = step_draft_length(ran, lengths, asked)
+        if k is None:
+            return
+        self.live_costs.observe(rows, k, seconds / int(ran.max()))
+        self._timed_steps += 1
+        if self._timed_steps % 8 == 0:
+            self.engine.set_costs(self.live_costs.costs())
+
     def _plan(self):
         return self.engine.plan({slot: live.request.settings for slot, live in self._live.items()})
 
@@ -740,8 +766,11 @@ class Scheduler:
         # A free slot and nobody waiting: one cycle, so that a request that arrives meanwhile takes
         # the slot after at most one cycle. Otherwise the full step, cut short when a request ends:
         # its last tokens go out at once and its slot is free for the next one.
-        cycles = 1 if free and not waiting else self.num_cycles
-        state, out = self.engine.step(state, cycles, until_first_finish=True, plan=self._plan())
+        asked = 1 if free and not waiting else self.num_cycles
+        plan = self._plan()
+        forced = None if self.live_costs is None else self.live_costs.explore(plan.rows)
+        costs = None if forced is None else self.live_costs.forced_costs(forced)
+        state, out = self.engine.step(state, asked, until_first_finish=True, plan=plan, costs=costs)
         stats, loop = state.loop.stats, state.loop
         # With a prefix cache, the caches' lengths too (read with the rest): a finished request's
         # entries are stored up to them.
@@ -751,6 +780,8 @@ class Scheduler:
         now = time.perf_counter()
         self.counters.step_seconds += now - t0
         self.counters.steps += 1
+        if self.live_costs is not None:
+            self._time_step(plan.rows, asked, cycles, drafted_at, now - t0)
         for slot in list(self._live):
             live = self._live[slot]
             request, stream, index = live.request, live.stream, live.index

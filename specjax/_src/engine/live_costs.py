@@ -1,0 +1,188 @@
+"""Cycle costs timed while serving: the slots engine's own steps refresh what
+:func:`specjax.drafting.auto` believes a draft costs.
+
+The costs measured at start-up (:func:`specjax.engine.measure_costs`) are a
+sum of parts timed in isolation, once. They miss what the loop adds (on a
+2-core CPU a drafting cycle cost a fifth to a quarter more than its parts), and
+they go stale when the machine's load changes (with another process keeping
+one core busy, a two-token verification was timed at 1.63 one-token forwards
+and ``auto`` drafted too little). A server steps the engine from the host, so
+every step's wall time is known: :class:`LiveCosts` keeps, per row bucket and
+draft length ``k``, the recent seconds per cycle of the steps that drafted
+``k``, and once every length has been timed, sets
+:attr:`~specjax.drafting.CostModel.measured` to their ratios to a plain cycle.
+
+Lengths the policy stops choosing would never be timed again, so every
+``explore_every`` steps of a row bucket one step is run at the length timed
+longest ago (every ``warmup_explore_every`` steps while some length has too
+few samples). A forced step is an ordinary cycle with another draft length:
+the sampled law and greedy output do not change, only its speed, by at most
+one step in ``explore_every``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax._src.checks import check_positive_int
+from specjax._src.engine.costs import forcing
+from specjax._src.proposals import drafting as drafting_lib
+
+
+class LiveCosts:
+    """Seconds per cycle by row bucket and draft length, from the engine's own steps.
+
+    Args:
+      costs: the start-up :class:`~specjax.drafting.CostModel` (stacked over
+        the row buckets for an engine with several; ``Engine.costs``).
+      window: the most recent samples kept per row bucket and length (their
+        median is used: a step that compiled or met a busy spell is one sample).
+      min_samples: samples every length of a row bucket needs before that
+        bucket's costs are taken from the timings instead of the parts.
+      explore_every: once every length has ``min_samples``, one step in this
+        many (per row bucket) runs at the length timed longest ago.
+      warmup_explore_every: the same while some length has fewer samples.
+    """
+
+    def __init__(
+        self,
+        costs: drafting_lib.CostModel,
+        *,
+        window: int = 16,
+        min_samples: int = 3,
+        explore_every: int = 32,
+        warmup_explore_every: int = 4,
+    ):
+        if not isinstance(costs, drafting_lib.CostModel):
+            raise TypeError(f"LiveCosts takes a CostModel (Engine.costs), got {type(costs).__name__}.")
+        self.window = check_positive_int("window", window)
+        self.min_samples = check_positive_int("min_samples", min_samples)
+        self.explore_every = check_positive_int("explore_every", explore_every)
+        self.warmup_explore_every = check_positive_int("warmup_explore_every", warmup_explore_every)
+        if self.min_samples > self.window:
+            raise ValueError(f"min_samples ({min_samples}) cannot exceed window ({window}).")
+        self.start = costs
+        self.batches = tuple(int(b) for b in np.atleast_1d(np.asarray(costs.batch)))
+        self.num_lengths = costs.max_draft + 1
+        self._samples = [[collections.deque(maxlen=self.window) for _ in range(self.num_lengths)] for _ in self.batches]
+        self._last_seen = np.full((len(self.batches), self.num_lengths), -1, np.int64)
+        self._steps = np.zeros(len(self.batches), np.int64)
+        self._costs: Optional[drafting_lib.CostModel] = None
+        self._lock = threading.Lock()  # a server's metrics are read from other threads
+
+    def bucket(self, rows: int) -> int:
+        """The index of the costs a step of ``rows`` rows reads (as :meth:`CostModel.at_batch`)."""
+        return next((i for i, b in enumerate(self.batches) if b >= rows), len(self.batches) - 1)
+
+    def explore(self, rows: int) -> Optional[int]:
+        """Counts a step of ``rows`` rows about to run; returns the draft length
+        it should be forced to (:meth:`forced_costs`), or None to let the policy choose."""
+        i = self.bucket(rows)
+        self._steps[i] += 1
+        counts = np.array([len(s) for s in self._samples[i]])
+        every = self.warmup_explore_every if (counts < self.min_samples).any() else self.explore_every
+        if self._steps[i] % every:
+            return None
+        # Fewest samples first (a length never timed), then the one timed longest ago.
+        return int(np.lexsort((self._last_seen[i], np.minimum(counts, self.min_samples)))[0])
+
+    def observe(self, rows: int, draft_length: int, seconds_per_cycle: float) -> None:
+        """Records a step of ``rows`` rows whose cycles all drafted ``draft_length`` tokens."""
+        k = int(draft_length)
+        if not 0 <= k < self.num_lengths:
+            raise ValueError(f"draft_length must lie in 0 .. {self.num_lengths - 1}, got {draft_length}.")
+        if not np.isfinite(seconds_per_cycle) or seconds_per_cycle <= 0:
+            return  # a clock that went backwards tells nothing
+        i = self.bucket(rows)
+        with self._lock:
+            self._samples[i][k].append(float(seconds_per_cycle))
+            self._last_seen[i, k] = self._steps[i]
+            self._costs = None
+
+    def seconds(self) -> np.ndarray:
+        """``[R, K + 1]`` median seconds per cycle by row bucket and draft length (NaN: not timed)."""
+        with self._lock:
+            return np.array([[np.median(s) if s else np.nan for s in row] for row in self._samples])
+
+    def samples(self) -> np.ndarray:
+        """``[R, K + 1]`` samples held by row bucket and draft length."""
+        with self._lock:
+            return np.array([[len(s) for s in row] for row in self._samples])
+
+    def costs(self) -> drafting_lib.CostModel:
+        """The start-up costs with ``measured`` set, for every row bucket whose
+        lengths all have ``min_samples``, to each length's median time over
+        the plain cycle's (non-decreasing); other buckets keep their parts."""
+        if self._costs is not None:
+            return self._costs
+        start = self.start
+        measured = np.array(
+            np.broadcast_to(np.asarray(start.measured, np.float64), (len(self.batches), self.num_lengths))
+        )
+        seconds, counts = self.seconds(), self.samples()
+        for i in range(len(self.batches)):
+            if (counts[i] >= self.min_samples).all():
+                measured[i] = np.maximum.accumulate(seconds[i] / seconds[i, 0])
+        measured = measured.reshape(np.shape(start.measured))
+        self._costs = start.replace(measured=jnp.asarray(measured, jnp.float32))
+        return self._costs
+
+    def forced_costs(self, draft_length: int) -> drafting_lib.CostModel:
+        """Costs under which :func:`~specjax.drafting.auto` drafts ``draft_length`` tokens."""
+        return forcing(self.costs(), draft_length)
+
+    def report(self) -> dict:
+        """What a server's metrics show: per row bucket (``rows``), the median
+        ``seconds`` per cycle and ``samples`` by draft length (None: not
+        timed), and the ``relative`` cost by length that ``auto`` plans with
+        now (timed where every length is, else the parts)."""
+        costs, seconds = self.costs(), self.seconds()
+        k = self.num_lengths - 1
+        return {
+            "rows": list(self.batches),
+            "seconds": [[None if np.isnan(x) else float(x) for x in row] for row in seconds],
+            "samples": self.samples().tolist(),
+            "relative": [[float(x) for x in np.asarray(costs.at_batch(b).cycle_costs(k))] for b in self.batches],
+        }
+
+    def describe(self) -> str:
+        """One line per row bucket: samples and median milliseconds per cycle by draft length."""
+        seconds, counts = self.seconds(), self.samples()
+        return "\n".join(
+            f"rows {b}: "
+            + ", ".join(
+                f"k={k}: " + ("-" if counts[i, k] == 0 else f"{1e3 * seconds[i, k]:.1f} ms x{counts[i, k]}")
+                for k in range(self.num_lengths)
+            )
+            for i, b in enumerate(self.batches)
+        )
+
+
+def step_draft_length(cycles, drafted_at, steps_asked: int) -> Optional[int]:
+    """The draft length every cycle of a step drafted, or None when it cannot be told.
+
+    ``cycles [S]`` and ``drafted_at [S, K]`` are the step's increments per
+    slot (``SlotState.loop.stats``' counters after the step minus before).
+    The policy plans one length for the batch, so the step's length is the
+    largest any slot drafted; None when a slot's cycles drafted several
+    lengths, when slots ran unequal numbers of cycles, or when a slot counted
+    more cycles than the step may run (a forked slot's copied counts).
+    """
+    cycles, drafted_at = np.asarray(cycles), np.asarray(drafted_at)
+    ran = cycles > 0
+    if not ran.any():
+        return None
+    n = cycles[ran]
+    if (n != n[0]).any() or n[0] > steps_asked:
+        return None
+    per_slot = drafted_at[ran]
+    # drafted_at[j] counts cycles that drafted slot j: one length for all n cycles means
+    # every count is n (drafted) or 0 (not).
+    if ((per_slot != 0) & (per_slot != n[0])).any():
+        return None
+    return int((per_slot == n[0]).sum(axis=1).max())

@@ -1,0 +1,183 @@
+"""LiveCosts: drafting.auto()'s costs refreshed from the slots engine's own step times.
+
+The estimator is checked on synthetic timings (no clock, nothing compiled);
+one engine and one scheduler check that a forced length runs as forced,
+that serving records the step times, and that output stays the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import drafting
+from specjax._src.engine.live_costs import step_draft_length
+from specjax._src.serve import scheduler as sched
+from specjax._src.serve.metrics import Counters, latency_histograms, prometheus_text
+from specjax.engine import Engine, LiveCosts, SlotSettings
+
+from bigram import bigram_model, random_table
+from test_auto_drafting import cost_model
+from test_decode import VOCAB
+
+K = 3
+EXPENSIVE = cost_model(first=0.5, step=0.5, verify=[1.0, 3.0, 5.0, 7.0])  # the parts say: never draft
+
+
+def stacked(one=EXPENSIVE, four=EXPENSIVE):
+    return drafting.stack_costs([one, four.replace(batch=jnp.float32(4))])
+
+
+def sure_drafts(rows: int = 1):
+    """An auto state whose drafts were always accepted, for ``rows`` sequences."""
+    state = drafting.AutoState(jnp.full((rows, K), 50.0), jnp.full((rows, K), 50.0))
+    return state, jnp.ones((rows,), bool)
+
+
+def feed(live, rows, seconds_by_length, times):
+    for _ in range(times):
+        for k, seconds in enumerate(seconds_by_length):
+            live.observe(rows, k, seconds)
+
+
+def test_costs_come_from_the_steps_once_every_length_is_timed():
+    """Where the parts say a draft never pays but the steps say it costs 10% a token, auto drafts
+    K at that row bucket, and not before every length has its samples (the negative control)."""
+    live = LiveCosts(stacked(), min_samples=3)
+    policy = lambda costs: drafting.auto(costs)  # noqa: E731
+    state, alive = sure_drafts()
+    assert int(policy(live.costs()).plan(state, alive, K)[0]) == 0
+    feed(live, 1, [0.010, 0.011, 0.012, 0.013], times=2)
+    live.observe(1, 0, 0.010)  # k = 0 has 3, the others 2: still the parts
+    assert (np.asarray(live.costs().measured) == 0).all()
+    assert int(policy(live.costs()).plan(state, alive, K)[0]) == 0
+    feed(live, 1, [0.010, 0.011, 0.012, 0.013], times=1)
+    measured = np.asarray(live.costs().measured)
+    np.testing.assert_allclose(measured[0], [1.0, 1.1, 1.2, 1.3], rtol=1e-6)
+    assert (measured[1] == 0).all()  # four rows: nothing timed, its parts stand
+    assert int(policy(live.costs()).plan(state, alive, K)[0]) == K
+    four_state, four_alive = sure_drafts(4)
+    assert int(policy(live.costs()).plan(four_state, four_alive, K)[0]) == 0
+
+
+def test_timings_are_medians_and_never_cheaper_for_a_longer_draft():
+    """A step that compiled (100x) is one sample of the window; a length timed below a shorter one
+    costs as much as the shorter one (it does all its work)."""
+    live = LiveCosts(EXPENSIVE, min_samples=3)
+    feed(live, 1, [0.010, 0.020, 0.015, 0.030], times=3)
+    live.observe(1, 3, 3.0)
+    np.testing.assert_allclose(np.asarray(live.costs().measured), [1.0, 2.0, 2.0, 3.0], rtol=1e-6)
+    assert live.samples().tolist() == [[3, 3, 3, 4]]
+    report = live.report()
+    assert report["rows"] == [1] and report["samples"] == [[3, 3, 3, 4]]
+    np.testing.assert_allclose(report["relative"][0], [1.0, 2.0, 2.0, 3.0], rtol=1e-6)
+    text = prometheus_text(_metrics_with(report))
+    assert 'specjax_cycle_seconds{rows="1",draft_length="2"} 0.015' in text
+    assert 'specjax_cycle_cost{rows="1",draft_length="3"} 3.0' in text
+
+
+def _metrics_with(report):
+    m = dataclasses.asdict(Counters())
+    m.update(queue_depth=0, live_slots=0, num_slots=1, latency=latency_histograms(), host_share=0.0, cycle_costs=report)
+    return m
+
+
+def test_exploration_times_every_length_then_one_step_in_explore_every():
+    """A policy that always drafts K: forced steps time the other lengths, four apart until each has
+    its samples, then one in ``explore_every``, each time the length timed longest ago."""
+    live = LiveCosts(EXPENSIVE, min_samples=2, explore_every=10, warmup_explore_every=4)
+    forced = []
+    for step in range(1, 101):
+        k = live.explore(1)
+        forced.append((step, k))
+        live.observe(1, K if k is None else k, 0.01)
+    forced = [(step, k) for step, k in forced if k is not None]
+    assert [k for _, k in forced[:6]] == [0, 1, 2, 0, 1, 2]  # never timed first, then the oldest
+    assert [step for step, _ in forced[:6]] == [4, 8, 12, 16, 20, 24]
+    after = [(step, k) for step, k in forced if step > 24]
+    assert [step for step, _ in after] == [30, 40, 50, 60, 70, 80, 90, 100]
+    assert [k for _, k in after] == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert (live.samples() >= 2).all()
+
+
+def test_a_steps_draft_length_from_the_slots_counters():
+    asked = 4
+    assert step_draft_length([2, 2, 0], [[2, 2, 0], [2, 0, 0], [0, 0, 0]], asked) == 2  # a slot capped lower
+    assert step_draft_length([2, 2], [[0, 0, 0], [0, 0, 0]], asked) == 0
+    assert step_draft_length([2, 2], [[2, 1, 0], [2, 2, 0]], asked) is None  # two lengths in one slot
+    assert step_draft_length([2, 1], [[2, 2, 0], [1, 1, 0]], asked) is None  # unequal cycles
+    assert step_draft_length([9, 2], [[9, 0, 0], [2, 0, 0]], asked) is None  # a fork's copied counts
+    assert step_draft_length([0, 0], [[0, 0, 0], [0, 0, 0]], asked) is None  # nothing ran
+
+
+def test_bad_arguments_get_clear_errors(bigram_pair):
+    with pytest.raises(TypeError, match="CostModel"):
+        LiveCosts({"verify": 1})
+    with pytest.raises(ValueError, match="min_samples .* cannot exceed window"):
+        LiveCosts(EXPENSIVE, window=2, min_samples=3)
+    with pytest.raises(ValueError, match="draft_length must lie in 0 .. 3"):
+        LiveCosts(EXPENSIVE).observe(1, 4, 0.01)
+    fixed = Engine(bigram_pair, num_slots=2, capacity=32, num_draft=K)
+    assert fixed.costs is None
+    with pytest.raises(ValueError, match="drafting=auto"):
+        fixed.set_costs(EXPENSIVE)
+    engine = Engine(bigram_pair, num_slots=2, capacity=32, num_draft=K, drafting=drafting.auto(EXPENSIVE))
+    with pytest.raises(ValueError, match="derive them from Engine.costs"):
+        engine.set_costs(cost_model(k=2))
+    with pytest.raises(TypeError, match="CostModel"):
+        engine.step(engine.init(), costs="cheap")
+
+
+@pytest.fixture(scope="module")
+def bigram_pair():
+    table, other = random_table(0, VOCAB), random_table(1, VOCAB, scale=1.0)
+    draft = np.where((np.arange(VOCAB) % 2 == 1)[:, None], table, other)
+    return specjax.pair(bigram_model(table), bigram_model(draft))
+
+
+def test_forced_steps_draft_as_forced_and_serving_times_its_steps(bigram_pair):
+    """``step(costs=forced_costs(k))`` drafts ``k`` whatever the engine's costs say, in the same
+    program; a scheduler with live costs records its steps' lengths and keeps greedy output the
+    target's."""
+    engine = Engine(bigram_pair, num_slots=2, capacity=48, num_draft=K, drafting=drafting.auto(EXPENSIVE), logprobs=1)
+    live = LiveCosts(engine.costs)
+    settings = SlotSettings(temperature=0.0, max_new_tokens=40, eos_token_id=(), logprobs=0)  # events carry tokens
+    state = engine.insert(engine.init(), 0, [1, 2, 3], settings)
+    before = np.asarray(state.loop.stats.drafted_at)[0].copy()
+    for k in (K, 0, 2):
+        state, _ = engine.step(state, num_cycles=2, costs=live.forced_costs(k))
+        after = np.asarray(state.loop.stats.drafted_at)[0]
+        assert step_draft_length([2], [after - before], 2) == k
+        before = after.copy()
+
+    scheduler = sched.Scheduler(engine, _NoText(), num_cycles=2, warmup_widths=(16,), prefill_groups=[1]).start()
+    prompt = [1, 2, 3]
+    events = []
+    try:
+        assert scheduler.ready.wait(300) and scheduler.live_costs is not None
+        scheduler.submit(sched.Request(prompt=prompt, settings=settings, emit=events.append))
+        deadline = time.monotonic() + 300
+        while not any(isinstance(e, (sched.Done, sched.Failed)) for e in events) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        metrics = scheduler.metrics()
+    finally:
+        scheduler.close(drain_seconds=5)
+    assert isinstance(events[-1], sched.Done), events[-1]
+    tokens = [t for e in events if isinstance(e, sched.Delta) for t in e.tokens]
+    ref = specjax.generate(bigram_pair.target, [prompt], max_new_tokens=40, temperature=0.0)
+    assert tokens == np.asarray(ref.tokens)[0].tolist()
+    samples = np.asarray(metrics["cycle_costs"]["samples"])
+    # The parts say never draft: every length but 0 was timed only in forced steps.
+    assert samples[0, 0] > 0 and samples[0, 1:].sum() > 0
+
+
+class _NoText:
+    """A tokenizer stand-in that decodes every id to one character."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i % 26) for i in ids)
