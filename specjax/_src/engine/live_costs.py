@@ -31,7 +31,7 @@ import numpy as np
 
 from specjax._src.checks import check_positive_int
 from specjax._src.engine.costs import forcing
-from specjax._src.proposals import drafting as drafting_lib
+from specjax._src.proposals.drafting import CostModel
 
 
 class LiveCosts:
@@ -51,14 +51,14 @@ class LiveCosts:
 
     def __init__(
         self,
-        costs: drafting_lib.CostModel,
+        costs: CostModel,
         *,
         window: int = 16,
         min_samples: int = 3,
         explore_every: int = 32,
         warmup_explore_every: int = 4,
     ):
-        if not isinstance(costs, drafting_lib.CostModel):
+        if not isinstance(costs, CostModel):
             raise TypeError(f"LiveCosts takes a CostModel (Engine.costs), got {type(costs).__name__}.")
         self.window = check_positive_int("window", window)
         self.min_samples = check_positive_int("min_samples", min_samples)
@@ -72,11 +72,11 @@ class LiveCosts:
         self._samples = [[collections.deque(maxlen=self.window) for _ in range(self.num_lengths)] for _ in self.batches]
         self._last_seen = np.full((len(self.batches), self.num_lengths), -1, np.int64)
         self._steps = np.zeros(len(self.batches), np.int64)
-        self._costs: Optional[drafting_lib.CostModel] = None
+        self._costs: Optional[CostModel] = None
         self._lock = threading.Lock()  # a server's metrics are read from other threads
 
     def bucket(self, rows: int) -> int:
-        """The index of the costs a step of ``rows`` rows reads (as :meth:`CostModel.at_batch`)."""
+        """The index of the costs a step of ``rows`` rows reads (as :meth:`specjax.drafting.CostModel.at_batch`)."""
         return next((i for i, b in enumerate(self.batches) if b >= rows), len(self.batches) - 1)
 
     def explore(self, rows: int) -> Optional[int]:
@@ -114,7 +114,7 @@ class LiveCosts:
         with self._lock:
             return np.array([[len(s) for s in row] for row in self._samples])
 
-    def costs(self) -> drafting_lib.CostModel:
+    def costs(self) -> CostModel:
         """The start-up costs with ``measured`` set, for every row bucket whose
         lengths all have ``min_samples``, to each length's median time over
         the plain cycle's (non-decreasing); other buckets keep their parts."""
@@ -132,7 +132,7 @@ class LiveCosts:
         self._costs = start.replace(measured=jnp.asarray(measured, jnp.float32))
         return self._costs
 
-    def forced_costs(self, draft_length: int) -> drafting_lib.CostModel:
+    def forced_costs(self, draft_length: int) -> CostModel:
         """Costs under which :func:`~specjax.drafting.auto` drafts ``draft_length`` tokens."""
         return forcing(self.costs(), draft_length)
 

@@ -49,7 +49,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 import jax
 import numpy as np
 
-from specjax._src.proposals import drafting as drafting_lib
+from specjax._src.proposals.drafting import CostModel
 from specjax._src.proposals import lookup as lookup_lib
 from specjax._src.logits import processors as processors_lib
 from specjax._src.checks import as_integer
@@ -479,7 +479,7 @@ class Engine:
 
     def step(self, state: SlotState, num_cycles: int = 1, *, until_first_finish: bool = False,
              plan: Optional[StepPlan] = None,
-             costs: Optional[drafting_lib.CostModel] = None) -> tuple[SlotState, StepOutput]:
+             costs: Optional[CostModel] = None) -> tuple[SlotState, StepOutput]:
         """Runs up to ``num_cycles`` draft-verify cycles for every live slot
         (fewer when every slot is done).
 
@@ -511,22 +511,22 @@ class Engine:
                              np.bool_(until_first_finish), cfg=self._programs[program], rows_run=rows_run)
 
     @property
-    def costs(self) -> Optional[drafting_lib.CostModel]:
+    def costs(self) -> Optional[CostModel]:
         """The costs :func:`~specjax.drafting.auto` plans with (measured at each
         row bucket when the engine was built), or None without ``auto``."""
         return costs_lib.auto_costs(self.drafting)
 
-    def set_costs(self, costs: drafting_lib.CostModel) -> None:
+    def set_costs(self, costs: CostModel) -> None:
         """Plans later steps with ``costs`` (e.g. ``LiveCosts.costs()``): the
         same shapes as :attr:`costs`, so no step compiles again."""
         self.drafting = costs_lib.set_costs(self.drafting, self._check_costs(costs))
 
-    def _check_costs(self, costs) -> drafting_lib.CostModel:
+    def _check_costs(self, costs) -> CostModel:
         current = self.costs
         if current is None:
             raise ValueError("costs= applies to an Engine built with drafting=auto(); this one drafts with "
                              f"{self.drafting.spec.name}.")
-        if not isinstance(costs, drafting_lib.CostModel):
+        if not isinstance(costs, CostModel):
             raise TypeError(f"costs must be a CostModel (Engine.costs, LiveCosts.costs()), got {type(costs).__name__}.")
         shapes = lambda c: [np.shape(x) for x in jax.tree_util.tree_leaves(c)]  # noqa: E731
         if shapes(costs) != shapes(current):

@@ -1,0 +1,139 @@
+"""Served requests with auto's costs refreshed from the server's own steps, against the start-up costs.
+
+    python benchmarks/live_costs.py [--busy] [--prompts 8] [--rounds 2] [--markdown FILE]
+
+The real pair (SmolLM2-135M-Instruct float32 and its EAGLE-3-style head), the
+held-out chat prompts, greedy, up to 64 new tokens, one client: each request
+is submitted to a :class:`Scheduler` (the loop ``specjax serve`` runs, in
+this process, without HTTP) and waited for before the next. Contenders, each
+its own engine and scheduler (4 slots, row buckets 1 and 4, K=3):
+
+* ``off``: requests with ``num_draft=0`` on the fixed-K engine (what a client
+  gets that turns speculation off);
+* ``fixed K=3``;
+* ``auto, start-up costs``: ``--no-live-costs``;
+* ``auto, live costs``: the server's default.
+
+Every scheduler serves two prompts untimed first (compiles; the live costs
+start learning there, as a running server's would). Then, for each round and
+prompt, every contender serves it once, their order turned each prompt. With
+``--busy`` a Python loop keeps one core busy for the whole run, the engines'
+cost measurement included. Printed: the start-up costs, what the live costs
+timed, then per contender tok/s (median and range over requests), its ratio
+to ``off``'s, tokens and drafts per cycle.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+import specjax  # noqa: E402
+from specjax import drafting  # noqa: E402
+from specjax._src.serve import scheduler as sched  # noqa: E402
+from specjax.engine import Engine, SlotSettings  # noqa: E402
+
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("--busy", action="store_true", help="keep one core busy with a Python loop for the whole run")
+ap.add_argument("--prompts", type=int, default=8)
+ap.add_argument("--rounds", type=int, default=2)
+ap.add_argument("--max-new-tokens", type=int, default=64)
+ap.add_argument("--markdown", help="also write the output to this file")
+args = ap.parse_args()
+
+busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
+lines = []
+
+
+def say(text=""):
+    print(text, flush=True)
+    lines.append(text)
+
+
+try:
+    rows = common.read_prompt_file(common.ROOT / "benchmarks/prompts/heldout_chat_64.jsonl", ap)[: args.prompts]
+    target = specjax.load("smollm2-135m-instruct", dtype="float32")
+    pair = specjax.pair(target, specjax.load("smollm2-135m-instruct-eagle", dtype="float32"))
+    prompts = [specjax.encode_chat(target, r["prompt"]) for r in rows]
+    say(common.header("served requests, one client: auto with live costs against start-up costs"
+                      + (" (one core kept busy)" if busy else "")))
+    kw = dict(num_slots=4, capacity=256, num_draft=3, row_buckets=(1, 4), prompt_bucket=64)
+    fixed = Engine(pair, drafting=drafting.fixed(), **kw)
+    auto_start, auto_live = Engine(pair, drafting=drafting.auto(), **kw), Engine(pair, drafting=drafting.auto(), **kw)
+    say("start-up costs by row bucket:\n" + auto_start.costs.describe())
+    eos = [target.module.config.eos_token_id]
+    settings = SlotSettings(temperature=0.0, max_new_tokens=args.max_new_tokens)
+    contenders = {
+        "off": (fixed, True, settings._replace(num_draft=0)),
+        "fixed K=3": (fixed, True, settings),
+        "auto, start-up costs": (auto_start, False, settings),
+        "auto, live costs": (auto_live, True, settings),
+    }
+    schedulers = {}
+    for name, (engine, live, _) in contenders.items():
+        key = (id(engine), live)
+        if key not in schedulers:
+            schedulers[key] = sched.Scheduler(engine, target.tokenizer, num_cycles=4, eos_ids=eos, warmup_widths=(64,),
+                                              prefill_groups=[1], live_costs=live).start()
+
+    def serve(name, prompt):
+        """One request to its end: (tok/s, tokens, cycles, drafts)."""
+        engine, live, s = contenders[name]
+        scheduler = schedulers[(id(engine), live)]
+        done = threading.Event()
+        events = []
+
+        def emit(event):
+            events.append(event)
+            if isinstance(event, (sched.Done, sched.Failed)):
+                done.set()
+
+        start = time.perf_counter()
+        scheduler.submit(sched.Request(prompt=prompt, settings=s, emit=emit))
+        if not done.wait(600) or not isinstance(events[-1], sched.Done):
+            raise SystemExit(f"{name}: the request failed: {events[-1:]}")
+        seconds = time.perf_counter() - start
+        d = events[-1]
+        return d.completion_tokens / seconds, d.completion_tokens, d.stats["cycles"], d.stats["drafted"]
+
+    for scheduler in schedulers.values():
+        if not scheduler.ready.wait(3600):
+            raise SystemExit("a scheduler did not warm up")
+    for name in contenders:
+        for p in prompts[:2]:
+            serve(name, p)
+    results = {name: [] for name in contenders}
+    names = list(contenders)
+    turn = 0
+    for _ in range(args.rounds):
+        for p in prompts:
+            order = names[turn % len(names):] + names[: turn % len(names)]
+            turn += 1
+            for name in order:
+                results[name].append(serve(name, p))
+    live_scheduler = schedulers[(id(auto_live), True)]
+    say("live costs timed (median ms per cycle, samples):\n" + live_scheduler.live_costs.describe())
+    say("auto with live costs plans with:\n" + auto_live.costs.describe())
+    off = np.array(results["off"])[:, 0]
+    say(f"\n{'contender':24s} {'tok/s median [range]':>24s} {'x off':>6s} {'[range]':>14s} {'tok/cyc':>8s} "
+        f"{'drafts/cyc':>10s}")
+    for name, v in results.items():
+        a = np.array(v, np.float64)
+        ratio = a[:, 0] / off
+        say(f"{name:24s} {np.median(a[:, 0]):10.1f} [{a[:, 0].min():5.1f}-{a[:, 0].max():5.1f}] "
+            f"{np.median(ratio):6.2f} [{ratio.min():.2f}-{ratio.max():.2f}] {a[:, 1].sum() / a[:, 2].sum():8.2f} "
+            f"{a[:, 3].sum() / a[:, 2].sum():10.2f}")
+    for scheduler in schedulers.values():
+        scheduler.close(drain_seconds=5)
+finally:
+    if busy is not None:
+        busy.kill()
+    if args.markdown and lines:
+        with open(args.markdown, "w") as f:
+            f.write("```\n" + "\n".join(lines) + "\n```\n")
