@@ -1,11 +1,12 @@
 """Served requests with auto's costs refreshed from the server's own steps, against the start-up costs.
 
-    python benchmarks/live_costs.py [--busy] [--prompts 8] [--rounds 2] [--markdown FILE]
+    python benchmarks/live_costs.py [--clients 1] [--busy] [--prompts 8] [--rounds 2] [--markdown FILE]
 
 The real pair (SmolLM2-135M-Instruct float32 and its EAGLE-3-style head), the
-held-out chat prompts, greedy, up to 64 new tokens, one client: each request
-is submitted to a :class:`Scheduler` (the loop ``specjax serve`` runs, in
-this process, without HTTP) and waited for before the next. Contenders, each
+held-out chat prompts, greedy, up to 64 new tokens: ``--clients N`` requests
+(consecutive prompts) are submitted together to a :class:`Scheduler` (the
+loop ``specjax serve`` runs, in this process, without HTTP) and all waited for
+before the next N; tok/s is their tokens over that wall time. Contenders, each
 its own engine and scheduler (4 slots, row buckets 1 and 4, K=3):
 
 * ``off``: requests with ``num_draft=0`` on the fixed-K engine (what a client
@@ -40,6 +41,7 @@ from specjax._src.serve import scheduler as sched  # noqa: E402
 from specjax.engine import Engine, SlotSettings  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("--clients", type=int, default=1, help="requests served at once (default 1)")
 ap.add_argument("--busy", action="store_true", help="keep one core busy with a Python loop for the whole run")
 ap.add_argument("--prompts", type=int, default=8)
 ap.add_argument("--rounds", type=int, default=2)
@@ -61,7 +63,7 @@ try:
     target = specjax.load("smollm2-135m-instruct", dtype="float32")
     pair = specjax.pair(target, specjax.load("smollm2-135m-instruct-eagle", dtype="float32"))
     prompts = [specjax.encode_chat(target, r["prompt"]) for r in rows]
-    say(common.header("served requests, one client: auto with live costs against start-up costs"
+    say(common.header(f"served requests, {args.clients} at once: auto with live costs against start-up costs"
                       + (" (one core kept busy)" if busy else "")))
     kw = dict(num_slots=4, capacity=256, num_draft=3, row_buckets=(1, 4), prompt_bucket=64)
     fixed = Engine(pair, drafting=drafting.fixed(), **kw)
@@ -82,41 +84,46 @@ try:
             schedulers[key] = sched.Scheduler(engine, target.tokenizer, num_cycles=4, eos_ids=eos, warmup_widths=(64,),
                                               prefill_groups=[1], live_costs=live).start()
 
-    def serve(name, prompt):
-        """One request to its end: (tok/s, tokens, cycles, drafts)."""
+    def serve(name, first):
+        """``--clients`` requests from prompt ``first`` on, together, to their ends: (tok/s, and their
+        tokens, cycles and drafts summed)."""
         engine, live, s = contenders[name]
         scheduler = schedulers[(id(engine), live)]
-        done = threading.Event()
-        events = []
+        finished = threading.Semaphore(0)
+        ends = []
 
         def emit(event):
-            events.append(event)
             if isinstance(event, (sched.Done, sched.Failed)):
-                done.set()
+                ends.append(event)
+                finished.release()
 
         start = time.perf_counter()
-        scheduler.submit(sched.Request(prompt=prompt, settings=s, emit=emit))
-        if not done.wait(600) or not isinstance(events[-1], sched.Done):
-            raise SystemExit(f"{name}: the request failed: {events[-1:]}")
+        for i in range(args.clients):
+            scheduler.submit(sched.Request(prompt=prompts[(first + i) % len(prompts)], settings=s, emit=emit))
+        for _ in range(args.clients):
+            if not finished.acquire(timeout=600):
+                raise SystemExit(f"{name}: a request did not finish")
         seconds = time.perf_counter() - start
-        d = events[-1]
-        return d.completion_tokens / seconds, d.completion_tokens, d.stats["cycles"], d.stats["drafted"]
+        if not all(isinstance(d, sched.Done) for d in ends):
+            raise SystemExit(f"{name}: a request failed: {ends}")
+        tokens = sum(d.completion_tokens for d in ends)
+        return tokens / seconds, tokens, sum(d.stats["cycles"] for d in ends), sum(d.stats["drafted"] for d in ends)
 
     for scheduler in schedulers.values():
         if not scheduler.ready.wait(3600):
             raise SystemExit("a scheduler did not warm up")
     for name in contenders:
-        for p in prompts[:2]:
-            serve(name, p)
+        for first in range(2):
+            serve(name, first)
     results = {name: [] for name in contenders}
     names = list(contenders)
     turn = 0
     for _ in range(args.rounds):
-        for p in prompts:
+        for first in range(0, len(prompts), args.clients):
             order = names[turn % len(names):] + names[: turn % len(names)]
             turn += 1
             for name in order:
-                results[name].append(serve(name, p))
+                results[name].append(serve(name, first))
     live_scheduler = schedulers[(id(auto_live), True)]
     say("live costs timed (median ms per cycle, samples):\n" + live_scheduler.live_costs.describe())
     say("auto with live costs plans with:\n" + auto_live.costs.describe())

@@ -141,10 +141,12 @@ def bigram_pair():
 
 
 def test_forced_steps_draft_as_forced_and_serving_times_its_steps(bigram_pair):
-    """``step(costs=forced_costs(k))`` drafts ``k`` whatever the engine's costs say, in the same
-    program; a scheduler with live costs records its steps' lengths and keeps greedy output the
+    """``step(costs=forced_costs(k))`` drafts ``k`` whatever the engine's costs (stacked by row
+    bucket) say, in the same program; a scheduler with live costs records its steps' lengths and keeps greedy output the
     target's."""
-    engine = Engine(bigram_pair, num_slots=2, capacity=48, num_draft=K, drafting=drafting.auto(EXPENSIVE), logprobs=1)
+    two_rows = drafting.stack_costs([EXPENSIVE, EXPENSIVE.replace(batch=jnp.float32(2))])
+    engine = Engine(bigram_pair, num_slots=2, capacity=48, num_draft=K, drafting=drafting.auto(two_rows), logprobs=1,
+                    row_buckets=(1, 2))
     live = LiveCosts(engine.costs)
     settings = SlotSettings(temperature=0.0, max_new_tokens=40, eos_token_id=(), logprobs=0)  # events carry tokens
     state = engine.insert(engine.init(), 0, [1, 2, 3], settings)

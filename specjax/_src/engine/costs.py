@@ -240,7 +240,8 @@ def forcing(costs: drafting_lib.CostModel, k: int) -> drafting_lib.CostModel:
     """Costs of ``costs``' shapes under which :func:`~specjax.drafting.auto`
     always drafts ``k`` tokens (every other length costs a million cycles)."""
     lengths = jnp.arange(costs.verify.shape[-1])
-    return costs.replace(verify=jnp.where(lengths == k, 1.0, 1e6).astype(jnp.float32),
+    verify = jnp.broadcast_to(jnp.where(lengths == k, 1.0, 1e6), costs.verify.shape)  # stacked: every row bucket
+    return costs.replace(verify=verify.astype(jnp.float32),
                          draft_first=jnp.zeros_like(costs.draft_first), draft_step=jnp.zeros_like(costs.draft_step),
                          cycle=jnp.zeros_like(costs.cycle), measured=jnp.zeros_like(costs.measured))
 
