@@ -7,7 +7,9 @@ held-out chat prompts, greedy, up to 64 new tokens: ``--clients N`` requests
 (consecutive prompts) are submitted together to a :class:`Scheduler` (the
 loop ``specjax serve`` runs, in this process, without HTTP) and all waited for
 before the next N; tok/s is their tokens over that wall time. Contenders, each
-its own engine and scheduler (4 slots, row buckets 1 and 4, K=3):
+its own engine and scheduler (4 slots, row buckets 1 and 4, K=3, a donated
+state as the server's; not its specialized steps, which would compile three
+programs per bucket):
 
 * ``off``: requests with ``num_draft=0`` on the fixed-K engine (what a client
   gets that turns speculation off);
@@ -65,7 +67,8 @@ try:
     prompts = [specjax.encode_chat(target, r["prompt"]) for r in rows]
     say(common.header(f"served requests, {args.clients} at once: auto with live costs against start-up costs"
                       + (" (one core kept busy)" if busy else "")))
-    kw = dict(num_slots=4, capacity=256, num_draft=3, row_buckets=(1, 4), prompt_bucket=64)
+    # As specjax serve builds its engine (donated state, row buckets), with fewer slots and one program per bucket.
+    kw = dict(num_slots=4, capacity=256, num_draft=3, row_buckets=(1, 4), prompt_bucket=64, donate_state=True)
     fixed = Engine(pair, drafting=drafting.fixed(), **kw)
     auto_start, auto_live = Engine(pair, drafting=drafting.auto(), **kw), Engine(pair, drafting=drafting.auto(), **kw)
     say("start-up costs by row bucket:\n" + auto_start.costs.describe())
