@@ -68,6 +68,8 @@ PRIVATE_IMPORTS_ALLOWED = {
     "benchmarks/prefix_cache_engine.py": "drives two of the server's schedulers in process, paired, with and without "
                                          "the prefix cache, and turns on the persistent compilation cache as "
                                          "`specjax serve` does; their public face is `specjax serve`",
+    "benchmarks/live_costs.py": "drives the server's schedulers in process (with and without live costs) to time "
+                                "served requests without HTTP; their public face is `specjax serve`",
 }
 
 
