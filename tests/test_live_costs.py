@@ -21,9 +21,7 @@ from specjax._src.serve import scheduler as sched
 from specjax._src.serve.metrics import Counters, latency_histograms, prometheus_text
 from specjax.engine import Engine, LiveCosts, SlotSettings
 
-from bigram import bigram_model, random_table
 from test_auto_drafting import cost_model
-from test_decode import VOCAB
 
 K = 3
 EXPENSIVE = cost_model(first=0.5, step=0.5, verify=[1.0, 3.0, 5.0, 7.0])  # the parts say: never draft
@@ -133,20 +131,20 @@ def test_bad_arguments_get_clear_errors(bigram_pair):
         engine.step(engine.init(), costs="cheap")
 
 
-@pytest.fixture(scope="module")
-def bigram_pair():
-    table, other = random_table(0, VOCAB), random_table(1, VOCAB, scale=1.0)
-    draft = np.where((np.arange(VOCAB) % 2 == 1)[:, None], table, other)
-    return specjax.pair(bigram_model(table), bigram_model(draft))
-
-
 def test_forced_steps_draft_as_forced_and_serving_times_its_steps(bigram_pair):
     """``step(costs=forced_costs(k))`` drafts ``k`` whatever the engine's costs (stacked by row
     bucket) say, in the same program; a scheduler with live costs records its steps' lengths and keeps greedy output the
     target's."""
     two_rows = drafting.stack_costs([EXPENSIVE, EXPENSIVE.replace(batch=jnp.float32(2))])
-    engine = Engine(bigram_pair, num_slots=2, capacity=48, num_draft=K, drafting=drafting.auto(two_rows), logprobs=1,
-                    row_buckets=(1, 2))
+    engine = Engine(
+        bigram_pair,
+        num_slots=2,
+        capacity=48,
+        num_draft=K,
+        drafting=drafting.auto(two_rows),
+        logprobs=1,
+        row_buckets=(1, 2),
+    )
     live = LiveCosts(engine.costs)
     settings = SlotSettings(temperature=0.0, max_new_tokens=40, eos_token_id=(), logprobs=0)  # events carry tokens
     state = engine.insert(engine.init(), 0, [1, 2, 3], settings)
