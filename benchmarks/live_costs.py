@@ -7,7 +7,7 @@ held-out chat prompts, greedy, up to 64 new tokens: ``--clients N`` requests
 (consecutive prompts) are submitted together to a :class:`Scheduler` (the
 loop ``specjax serve`` runs, in this process, without HTTP) and all waited for
 before the next N; tok/s is their tokens over that wall time. Contenders, each
-its own engine and scheduler (4 slots, row buckets 1 and 4, K=3, a donated
+its own engine and scheduler (``--slots``: 4 slots, row buckets 1 and 4; K=3, a donated
 state as the server's; not its specialized steps, which would compile three
 programs per bucket):
 
@@ -48,6 +48,7 @@ from specjax.engine import Engine, SlotSettings  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--clients", type=int, default=1, help="requests served at once (default 1)")
+ap.add_argument("--slots", type=int, default=4, help="the engines' slots; row buckets 1 and this (default 4)")
 ap.add_argument("--busy", action="store_true", help="keep one core busy with a Python loop for the whole run")
 ap.add_argument("--prompts", type=int, default=8)
 ap.add_argument("--rounds", type=int, default=2)
@@ -72,7 +73,8 @@ try:
     say(common.header(f"served requests, {args.clients} at once: auto with live costs against start-up costs"
                       + (" (one core kept busy)" if busy else "")))
     # As specjax serve builds its engine (donated state, row buckets), with fewer slots and one program per bucket.
-    kw = dict(num_slots=4, capacity=256, num_draft=3, row_buckets=(1, 4), prompt_bucket=64, donate_state=True)
+    kw = dict(num_slots=args.slots, capacity=256, num_draft=3, row_buckets=(1, args.slots), prompt_bucket=64,
+              donate_state=True)
     fixed = Engine(pair, drafting=drafting.fixed(), **kw)
     auto_start, auto_live = Engine(pair, drafting=drafting.auto(), **kw), Engine(pair, drafting=drafting.auto(), **kw)
     say("start-up costs by row bucket:\n" + auto_start.costs.describe())
