@@ -11,6 +11,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -421,14 +422,70 @@ def test_shutdown_finishes_a_live_stream(setup):
     server.sock.close()
 
 
+def test_a_lone_request_runs_the_cycles_that_fit_the_admission_wait(setup, monkeypatch):
+    """While a slot is free and nobody waits, a step runs as many cycles as fit in
+    ``admission_wait`` at the cycles' timed seconds: one before any step is timed, then up to
+    ``num_cycles``; a long wait gives every later step all of them, none gives one each. The
+    text is ``decode``'s either way."""
+    engine, target, pair = setup["engine"], setup["target"], setup["pair"]
+    prompt = target.tokenizer.encode("def fib(n):").ids
+    ref = specjax.decode(pair, [prompt], num_draft=K, max_new_tokens=40, temperature=0.0, eos_token_id=(),
+                         max_length=CAPACITY + K).to_lists()[0]
+    step = engine.step
+    for wait, later_steps in ((60.0, {8}), (0.0, {1})):
+        calls = []
+
+        def recording_step(state, num_cycles=1, **kwargs):
+            calls.append(num_cycles)
+            return step(state, num_cycles, **kwargs)
+
+        monkeypatch.setattr(engine, "step", recording_step)
+        scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=8, warmup_widths=(16,), admission_wait=wait)
+        scheduler.start()
+        assert scheduler.ready.wait(120)
+        calls.clear()
+        got = []
+        scheduler.submit(sched.Request(prompt=prompt, emit=got.append,
+                                       settings=SlotSettings(temperature=0.0, max_new_tokens=40, eos_token_id=())))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (got and isinstance(got[-1], sched.Done)):
+            time.sleep(0.02)
+        scheduler.close(drain_seconds=5)
+        assert calls[0] == 1 and set(calls[1:]) == later_steps, (wait, calls)
+        assert "".join(e.text for e in got if isinstance(e, sched.Delta)) == target.tokenizer.decode(ref)
+
+
+def test_the_admission_wait_sizes_steps_from_their_timed_cycles(setup):
+    """The arithmetic behind it: a running mean of each row bucket's seconds per cycle; a
+    forked slot's copied counts (more cycles than the step asked) are not a timing; a full
+    server or a waiting request gets every cycle; a wait that is not seconds is refused."""
+    engine, target = setup["engine"], setup["target"]
+    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=8, warmup_widths=(16,), admission_wait=0.1)
+    rows = engine.row_buckets[0]
+    assert scheduler._cycles_to_ask(rows, free=True, waiting=False) == 1  # nothing timed yet
+    scheduler._time_cycles(rows, 2, np.array([2, 0]), 0.06)  # 30 ms a cycle
+    assert scheduler._cycles_to_ask(rows, free=True, waiting=False) == 3
+    assert scheduler._cycles_to_ask(rows, free=False, waiting=False) == 8
+    assert scheduler._cycles_to_ask(rows, free=True, waiting=True) == 8
+    scheduler._time_cycles(rows, 2, np.array([9]), 0.001)  # copied counts: not a timing
+    assert scheduler._cycles_to_ask(rows, free=True, waiting=False) == 3
+    scheduler._time_cycles(rows, 4, np.array([4, 4]), 0.008)  # 2 ms a cycle: the mean is 16 ms
+    assert scheduler._cycles_to_ask(rows, free=True, waiting=False) == 6
+    scheduler._time_cycles(rows, 4, np.array([4]), 0.0)
+    assert scheduler._cycles_to_ask(rows, free=True, waiting=False) == 8  # never more than num_cycles
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="admission_wait"):
+            sched.Scheduler(engine, target.tokenizer, admission_wait=bad)
+
+
 def test_a_waiting_request_takes_a_slot_as_soon_as_one_frees(setup, monkeypatch):
     """Steps stop at the first request that finishes (``until_first_finish``) instead of running
-    all their cycles; while a slot is free and nobody waits they run one cycle, so an arrival
-    waits at most one; requests admitted together are prefilled together; every request still
-    gets the text ``decode`` gives it alone."""
+    all their cycles; with ``admission_wait=0``, while a slot is free and nobody waits they run
+    one cycle, so an arrival waits at most one; requests admitted together are prefilled
+    together; every request still gets the text ``decode`` gives it alone."""
     engine, target, pair = setup["engine"], setup["target"], setup["pair"]
     calls, inserts, step, insert_many = [], [], engine.step, engine.insert_many
-    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=16, warmup_widths=(16,))
+    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=16, warmup_widths=(16,), admission_wait=0.0)
 
     def recording_step(state, num_cycles=1, *, until_first_finish=False, plan=None, costs=None):
         free = engine.num_slots - len(scheduler._live)
@@ -853,7 +910,6 @@ def test_echo(setup):
 def reference_logprobs(setup, prompt_ids, tokens, temperature=1.0, top_k=None):
     """log-softmax of the target's logits at each generated position, as target-only decoding's
     sampling sees them (temperature, then top-k; temperature 0: the raw logits)."""
-    import numpy as np
 
     seq = [list(prompt_ids) + list(tokens)]
     logits = np.asarray(specjax.logits(setup["target"], seq)[0], np.float64)
@@ -871,7 +927,6 @@ def test_logprobs_are_the_targets(setup):
     """Chat and completions, streamed or not: each token's log-probability is target-only
     log-softmax at its prefix, after the request's temperature and top-k; the alternatives are
     the most likely tokens."""
-    import numpy as np
 
     client, target, pair, config = setup["client"], setup["target"], setup["pair"], setup["config"]
     ids = target.tokenizer.encode(PROMPT).ids
@@ -1110,7 +1165,6 @@ def test_prompt_logprobs_are_the_targets_log_softmax(setup):
     """echo with logprobs, as lm-evaluation-harness' loglikelihood requests send it (token ids, several
     prompts, max_tokens 1 or 0, temperature 0): each prompt token's figure is target-only log-softmax at
     the tokens before it, the first token's null (vLLM's), and the generated token follows."""
-    import numpy as np
 
     target, config = setup["target"], setup["config"]
     texts = [PROMPT + " return n", "x = [1, 2, 3]\nfor i in x:"]

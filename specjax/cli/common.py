@@ -55,9 +55,10 @@ def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True, defau
                             help="also draft by context lookup: copy what followed the last MIN..MAX tokens "
                                  "(default MAX 8) where they occurred earlier in the text; the draft fills the other "
                                  "slots. Chains only (specjax.drafting.ngram_lookup)")
-        parser.add_argument("--drafting", help='drafting policy: "fixed", "adasd_entropy[:window=20]", "heuristic", '
-                            '"confidence[:threshold=0.4]" (default: fixed K; AdaSD rows of compare use its '
-                            'entropy stop)')
+        parser.add_argument("--drafting", help='drafting policy: "auto", "fixed", "adasd_entropy[:window=20]", '
+                            '"heuristic", "confidence[:threshold=0.4]" (default: auto on chains in generate and '
+                            'serve, each cycle the K that pays on this machine; fixed K in compare, whose AdaSD '
+                            'rows use its entropy stop)')
     parser.add_argument("--seed", type=int, default=0)
     # bf16 storage keeps the embedded pair small, but bf16 compute lets the K+1-token verify
     # forward and the 1-token forward round differently, so greedy near-ties can flip (measured:

@@ -83,7 +83,7 @@ def build(args):
             raise SystemExit(f"error: {e}") from None
     scheduler = Scheduler(engine, target.tokenizer, max_queue=args.max_queue, num_cycles=args.cycles_per_step,
                           eos_ids=eos, prefill_chunk=args.prefill_chunk, prefix_cache=prefix_cache,
-                          live_costs=not args.no_live_costs)
+                          live_costs=not args.no_live_costs, admission_wait=args.admission_wait_ms / 1e3)
     api_key = args.api_key or os.environ.get("SPECJAX_API_KEY") or None
     config = ServerConfig(name, target, api_key=api_key, max_body_bytes=args.max_body_bytes, seed=args.seed)
     app = create_app(scheduler, config, drain_seconds=args.drain_seconds)
@@ -147,6 +147,8 @@ def check_args(args) -> None:
                         ("--cycles-per-step", args.cycles_per_step), ("--max-body-bytes", args.max_body_bytes)):
         if value is not None and value < 1:
             raise SystemExit(f"error: {flag} must be a positive integer, got {value}.")
+    if not 0.0 <= args.admission_wait_ms < 3.6e6:
+        raise SystemExit(f"error: --admission-wait-ms must be milliseconds >= 0, got {args.admission_wait_ms}.")
     for flag, value in (("--max-queue", args.max_queue), ("--max-logprobs", args.max_logprobs)):
         if value < 0:
             raise SystemExit(f"error: {flag} must be >= 0, got {value}.")
@@ -208,7 +210,13 @@ def add_arguments(p) -> None:
                                      "$SPECJAX_API_KEY, else no key)")
     p.add_argument("--cycles-per-step", type=int, default=4,
                    help="the most draft-verify cycles between two admissions / stream flushes; a step ends "
-                        "sooner when a request finishes, and runs one cycle while a slot is free (default 4)")
+                        "sooner when a request finishes (default 4)")
+    p.add_argument("--admission-wait-ms", type=float, default=100.0, metavar="MS",
+                   help="while a slot is free and no request waits, a step runs as many cycles as fit in MS "
+                        "milliseconds, timed from the server's own steps (at least 1): a request that arrives "
+                        "meanwhile waits about that long at most for its slot. Lower starts requests sooner; "
+                        "higher spreads each step's fixed cost (dispatch, reading back, detokenizing) over more "
+                        "tokens (default 100; 0: one cycle)")
     p.add_argument("--prefill-chunk", type=int, default=128,
                    help="prefill a prompt longer than this many tokens this many at a time, between steps, so "
                         "that running streams keep going while it is prefilled (a multiple of 64; default 128; "

@@ -215,15 +215,18 @@ class Scheduler:
         delivers its tokens at its end and returns as soon as a request
         finishes (``until_first_finish``), so that a finished request's last
         tokens go out and its slot takes the next request at once; while a
-        slot is free and no request waits, steps run one cycle, so that a
-        request arriving then waits at most one cycle for its slot. Fewer
-        cycles stream sooner; more cycles spread the loop's fixed cost per
-        step (dispatch, reading the output back, detokenizing) over more
-        tokens. At 4 that cost measured 0.1 to 2% of the loop's busy
-        time (``host_share``; the embedded and smollm2-eagle pairs on a
-        shared 2-core CPU, ``benchmarks/serve_load.py`` smoke runs of
-        2026-11-26): the loop's cost is small beside a step's either way, so
-        lower it where steps are slow and a stream's latency matters.
+        slot is free and no request waits, steps run as many cycles as fit in
+        ``admission_wait``. Fewer cycles stream sooner; more cycles spread
+        the loop's fixed cost per step (dispatch, reading the output back,
+        detokenizing) over more tokens: with the smollm2-eagle pair's 4-bit
+        target on a 2-core CPU a one-cycle step cost about 36 ms where a
+        cycle of a four-cycle step cost 26 (dispatching a step alone takes
+        5 to 7 ms of the host's time).
+      admission_wait: while a slot is free and no request waits, a step
+        runs as many cycles as fit in this many seconds, timed from the
+        last steps of its row bucket (at least 1, at most ``num_cycles``):
+        a request that arrives meanwhile waits about that long at most for
+        its slot. 0: one cycle (the soonest admission, the most steps).
       warmup_widths: prompt widths to compile ``insert`` for before
         :attr:`ready` (None: every width bucket up to the capacity).
       prefill_groups: how many requests one prefill may take (None: 1, 2,
@@ -259,13 +262,18 @@ class Scheduler:
     def __init__(self, engine: Engine, tokenizer, *, max_queue: int = 64, num_cycles: int = 4,
                  warmup_widths: Optional[Sequence[int]] = None, eos_ids: Sequence[int] = (),
                  prefill_groups: Optional[Sequence[int]] = None, prefill_chunk: int = 128,
-                 prefix_cache: Optional[PrefixCache] = None, live_costs: bool = True):
+                 prefix_cache: Optional[PrefixCache] = None, live_costs: bool = True,
+                 admission_wait: float = 0.1):
         if int(max_queue) < 0 or int(num_cycles) < 1:
             raise ValueError(f"max_queue must be >= 0 and num_cycles >= 1, got {max_queue}, {num_cycles}.")
         if int(prefill_chunk) < 0 or int(prefill_chunk) % SINGLE_PREFILL_BLOCK:
             raise ValueError(f"prefill_chunk must be 0 (off) or a positive multiple of {SINGLE_PREFILL_BLOCK}, got "
                              f"{prefill_chunk}.")
         self.prefill_chunk = int(prefill_chunk)
+        if not 0.0 <= float(admission_wait) < 3600.0:
+            raise ValueError(f"admission_wait must be seconds in [0, 3600), got {admission_wait!r}.")
+        self.admission_wait = float(admission_wait)
+        self._cycle_seconds: dict[int, float] = {}  # seconds per cycle of the last steps, by row bucket
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             raise TypeError(f"prefix_cache must be a PrefixCache or None, got {type(prefix_cache).__name__}.")
         self.prefix_cache = prefix_cache
@@ -736,17 +744,43 @@ class Scheduler:
                 _emit(request, Failed("cancelled", "cancelled"))
         return state
 
-    def _time_step(self, rows: int, asked: int, cycles, drafted_at, seconds: float) -> None:
-        """Gives :attr:`live_costs` the step's seconds per cycle and the length its cycles
-        drafted (from each slot's counters since the last step), and every 8 timed steps
-        hands the engine the refreshed costs."""
+    def _since_last_step(self, cycles, drafted_at) -> tuple[np.ndarray, np.ndarray]:
+        """Each live slot's cycles ``[L]`` and drafted-slot counts ``[L, K]`` since the last step
+        (from its counters after this step, which become the ones seen)."""
         slots = list(self._live)
-        if not slots:
-            return
-        ran = np.array([int(cycles[s]) - self._live[s].seen_cycles for s in slots])
+        ran = np.array([int(cycles[s]) - self._live[s].seen_cycles for s in slots], np.int64)
         lengths = np.array([np.asarray(drafted_at[s]) - self._live[s].seen_drafted_at for s in slots])
         for s in slots:
             self._live[s].seen_cycles, self._live[s].seen_drafted_at = int(cycles[s]), np.asarray(drafted_at[s])
+        return ran, lengths
+
+    def _time_cycles(self, rows: int, asked: int, ran: np.ndarray, seconds: float) -> None:
+        """Keeps the step's seconds per cycle for its row bucket (a running mean), which sizes
+        the next steps that run while a slot is free (:meth:`_cycles_to_ask`)."""
+        counted = ran[(ran > 0) & (ran <= asked)]  # a forked slot's copied counts exceed the step's
+        if counted.size:
+            per_cycle = seconds / int(counted.max())
+            before = self._cycle_seconds.get(rows)
+            self._cycle_seconds[rows] = per_cycle if before is None else 0.5 * (before + per_cycle)
+
+    def _cycles_to_ask(self, rows: int, free: bool, waiting: bool) -> int:
+        """The cycles the next step may run: all ``num_cycles`` while every slot is taken or a
+        request waits; while a slot is free and nobody waits, as many as fit in
+        ``admission_wait`` seconds at this row bucket's timed cycles (at least 1), so that a
+        request arriving meanwhile waits about that long at most for its slot."""
+        if waiting or not free:
+            return self.num_cycles
+        per_cycle = self._cycle_seconds.get(rows)
+        if per_cycle is None or per_cycle <= 0.0:
+            return 1
+        return int(min(self.num_cycles, max(1, self.admission_wait // per_cycle)))
+
+    def _time_step(self, rows: int, asked: int, ran: np.ndarray, lengths: np.ndarray, seconds: float) -> None:
+        """Gives :attr:`live_costs` the step's seconds per cycle and the length its cycles
+        drafted (``ran``, ``lengths``: :meth:`_since_last_step`), and every 8 timed steps
+        hands the engine the refreshed costs."""
+        if not ran.size:
+            return
         k = step_draft_length(ran, lengths, asked)
         if k is None:
             return
@@ -763,11 +797,10 @@ class Scheduler:
         with self._cond:
             waiting = bool(self._waiting) and not self._paused
             free = bool(self._free)
-        # A free slot and nobody waiting: one cycle, so that a request that arrives meanwhile takes
-        # the slot after at most one cycle. Otherwise the full step, cut short when a request ends:
-        # its last tokens go out at once and its slot is free for the next one.
-        asked = 1 if free and not waiting else self.num_cycles
+        # Every step is cut short when a request ends: its last tokens go out at once and its slot
+        # is free for the next one.
         plan = self._plan()
+        asked = self._cycles_to_ask(plan.rows, free, waiting)
         forced = None if self.live_costs is None else self.live_costs.explore(plan.rows)
         costs = None if forced is None else self.live_costs.forced_costs(forced)
         state, out = self.engine.step(state, asked, until_first_finish=True, plan=plan, costs=costs)
@@ -780,8 +813,10 @@ class Scheduler:
         now = time.perf_counter()
         self.counters.step_seconds += now - t0
         self.counters.steps += 1
+        ran, lengths = self._since_last_step(cycles, drafted_at)
+        self._time_cycles(plan.rows, asked, ran, now - t0)
         if self.live_costs is not None:
-            self._time_step(plan.rows, asked, cycles, drafted_at, now - t0)
+            self._time_step(plan.rows, asked, ran, lengths, now - t0)
         for slot in list(self._live):
             live = self._live[slot]
             request, stream, index = live.request, live.stream, live.index
