@@ -299,6 +299,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid``, all its threads, so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_rss_mib(pid: int) -> float:
     """Process ``pid``'s peak resident memory so far (``VmHWM``), in MiB."""
     with open(f"/proc/{pid}/status") as f:

@@ -143,13 +143,6 @@ def second_server(args) -> tuple:
     return None, None, ()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of process ``pid``, all its threads, so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def own_cpu_seconds() -> float:
     """This process's CPU time (the client threads' during a server row)."""
     t = os.times()
@@ -225,7 +218,7 @@ def run_load(httpx, server: common.Server, requests: list[dict], clients: int, a
                 results.append(r)
 
     before = server.metrics()
-    cpu0, own0 = cpu_seconds(server.pid), own_cpu_seconds()
+    cpu0, own0 = common.cpu_seconds(server.pid), own_cpu_seconds()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     for t in threads:
@@ -233,7 +226,7 @@ def run_load(httpx, server: common.Server, requests: list[dict], clients: int, a
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    server_cpu, client_cpu = cpu_seconds(server.pid) - cpu0, own_cpu_seconds() - own0
+    server_cpu, client_cpu = common.cpu_seconds(server.pid) - cpu0, own_cpu_seconds() - own0
     after = server.metrics()
     ok = [r for r in results if not r["error"] and r["done"]]
     timed = [r for r in ok if r["first"] is not None]
