@@ -424,9 +424,9 @@ def test_shutdown_finishes_a_live_stream(setup):
 
 def test_a_lone_request_runs_the_cycles_that_fit_the_admission_wait(setup, monkeypatch):
     """While a slot is free and nobody waits, a step runs as many cycles as fit in
-    ``admission_wait`` at the cycles' timed seconds: one before any step is timed, then up to
-    ``num_cycles``; a long wait gives every later step all of them, none gives one each. The
-    text is ``decode``'s either way."""
+    ``admission_wait`` at the cycles' timed seconds: one before any step is timed and while
+    the request has no tokens yet, then up to ``num_cycles``; a long wait gives every later
+    step all of them, none gives one each. The text is ``decode``'s either way."""
     engine, target, pair = setup["engine"], setup["target"], setup["pair"]
     prompt = target.tokenizer.encode("def fib(n):").ids
     ref = specjax.decode(pair, [prompt], num_draft=K, max_new_tokens=40, temperature=0.0, eos_token_id=(),
@@ -467,6 +467,7 @@ def test_the_admission_wait_sizes_steps_from_their_timed_cycles(setup):
     assert scheduler._cycles_to_ask(rows, free=True, waiting=False) == 3
     assert scheduler._cycles_to_ask(rows, free=False, waiting=False) == 8
     assert scheduler._cycles_to_ask(rows, free=True, waiting=True) == 8
+    assert scheduler._cycles_to_ask(rows, free=True, waiting=False, fresh=True) == 1  # a request's first tokens
     scheduler._time_cycles(rows, 2, np.array([9]), 0.001)  # copied counts: not a timing
     assert scheduler._cycles_to_ask(rows, free=True, waiting=False) == 3
     scheduler._time_cycles(rows, 4, np.array([4, 4]), 0.008)  # 2 ms a cycle: the mean is 16 ms

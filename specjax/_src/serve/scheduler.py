@@ -763,15 +763,16 @@ class Scheduler:
             before = self._cycle_seconds.get(rows)
             self._cycle_seconds[rows] = per_cycle if before is None else 0.5 * (before + per_cycle)
 
-    def _cycles_to_ask(self, rows: int, free: bool, waiting: bool) -> int:
+    def _cycles_to_ask(self, rows: int, free: bool, waiting: bool, fresh: bool = False) -> int:
         """The cycles the next step may run: all ``num_cycles`` while every slot is taken or a
         request waits; while a slot is free and nobody waits, as many as fit in
         ``admission_wait`` seconds at this row bucket's timed cycles (at least 1), so that a
-        request arriving meanwhile waits about that long at most for its slot."""
+        request arriving meanwhile waits about that long at most for its slot, and one while
+        a request has had no tokens yet (``fresh``), so that its first ones go out after one."""
         if waiting or not free:
             return self.num_cycles
         per_cycle = self._cycle_seconds.get(rows)
-        if per_cycle is None or per_cycle <= 0.0:
+        if fresh or per_cycle is None or per_cycle <= 0.0:
             return 1
         return int(min(self.num_cycles, max(1, self.admission_wait // per_cycle)))
 
@@ -800,7 +801,8 @@ class Scheduler:
         # Every step is cut short when a request ends: its last tokens go out at once and its slot
         # is free for the next one.
         plan = self._plan()
-        asked = self._cycles_to_ask(plan.rows, free, waiting)
+        fresh = any(live.last is None for live in self._live.values())
+        asked = self._cycles_to_ask(plan.rows, free, waiting, fresh)
         forced = None if self.live_costs is None else self.live_costs.explore(plan.rows)
         costs = None if forced is None else self.live_costs.forced_costs(forced)
         state, out = self.engine.step(state, asked, until_first_finish=True, plan=plan, costs=costs)
