@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -293,8 +292,7 @@ def main(argv=None) -> int:
     lines = [
         f"# `specjax serve` against llama.cpp's server, one streaming client ({began})",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-        f"load average at start {os.getloadavg()[0]:.2f}. GGUF: {gguf}.",
+        f"Machine: {common.machine()}; {common.load_average()} at start. GGUF: {gguf}.",
         f"{len(prompts)} held-out chat prompts, {args.rounds} rounds, {args.max_new_tokens} tokens each "
         f"(end of turn banned), greedy.",
         "",
