@@ -320,6 +320,8 @@ class Server:
     on a free port of 127.0.0.1, its model named ``bench``, logging warnings only. ``url`` is its
     base URL, ``proc`` the process. As a context manager it stops the server on exit."""
 
+    ready_path = "/health"  # answers 200 once the server has loaded and compiled
+
     def __init__(self, flags, checkout: Path = ROOT, stop_timeout: float = 90.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -334,8 +336,8 @@ class Server:
         return self.proc.pid
 
     def wait_ready(self, timeout: float = 900.0) -> float:
-        """Waits until ``GET /health`` answers 200 (the server has loaded and compiled); returns the
-        seconds waited. Raises if the server exits first or ``timeout`` passes."""
+        """Waits until ``GET`` of :attr:`ready_path` answers 200 (the server has loaded and compiled);
+        returns the seconds waited. Raises if the server exits first or ``timeout`` passes."""
         import httpx
 
         began = time.perf_counter()
@@ -344,7 +346,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode} before it was ready")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     return time.perf_counter() - began
             except httpx.HTTPError:
                 pass

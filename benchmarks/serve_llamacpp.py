@@ -101,6 +101,8 @@ def parse_args(argv=None):
 class LlamaCppServer(common.Server):
     """``python -m llama_cpp.server`` on the GGUF, on a free port of 127.0.0.1."""
 
+    ready_path = "/v1/models"
+
     def __init__(self, gguf: str, threads: int):
         try:
             import llama_cpp  # noqa: F401
@@ -135,22 +137,6 @@ class LlamaCppServer(common.Server):
             "False",
         ]
         self.proc = subprocess.Popen(cmd)
-
-    def wait_ready(self, timeout: float = 300.0) -> float:
-        import httpx
-
-        began = time.perf_counter()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama.cpp's server exited with {self.proc.returncode} before it was ready")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return time.perf_counter() - began
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("llama.cpp's server was not ready in time")
 
 
 def stream_chat(client, url: str, body: dict) -> dict:
