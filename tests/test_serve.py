@@ -453,30 +453,39 @@ def test_a_lone_request_runs_the_cycles_that_fit_the_admission_wait(setup, monke
         scheduler.close(drain_seconds=5)
         assert calls[0] == 1 and set(calls[1:]) == later_steps, (wait, calls)
         assert "".join(e.text for e in got if isinstance(e, sched.Delta)) == target.tokenizer.decode(ref)
+    with pytest.raises(ValueError, match="admission_wait"):
+        sched.Scheduler(engine, target.tokenizer, admission_wait=-0.1)
 
 
-def test_the_admission_wait_sizes_steps_from_their_timed_cycles(setup):
+def test_the_admission_wait_sizes_steps_from_their_timed_cycles():
     """The arithmetic behind it: a running mean of each row bucket's seconds per cycle; a
     forked slot's copied counts (more cycles than the step asked) are not a timing; a full
-    server or a waiting request gets every cycle; a wait that is not seconds is refused."""
-    engine, target = setup["engine"], setup["target"]
-    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=8, warmup_widths=(16,), admission_wait=0.1)
-    rows = engine.row_buckets[0]
-    assert scheduler._cycles_to_ask(rows, free=True, waiting=False) == 1  # nothing timed yet
-    scheduler._time_cycles(rows, 2, np.array([2, 0]), 0.06)  # 30 ms a cycle
-    assert scheduler._cycles_to_ask(rows, free=True, waiting=False) == 3
-    assert scheduler._cycles_to_ask(rows, free=False, waiting=False) == 8
-    assert scheduler._cycles_to_ask(rows, free=True, waiting=True) == 8
-    assert scheduler._cycles_to_ask(rows, free=True, waiting=False, fresh=True) == 1  # a request's first tokens
-    scheduler._time_cycles(rows, 2, np.array([9]), 0.001)  # copied counts: not a timing
-    assert scheduler._cycles_to_ask(rows, free=True, waiting=False) == 3
-    scheduler._time_cycles(rows, 4, np.array([4, 4]), 0.008)  # 2 ms a cycle: the mean is 16 ms
-    assert scheduler._cycles_to_ask(rows, free=True, waiting=False) == 6
-    scheduler._time_cycles(rows, 4, np.array([4]), 0.0)
-    assert scheduler._cycles_to_ask(rows, free=True, waiting=False) == 8  # never more than num_cycles
+    server or a waiting request gets every cycle; a wait that is not seconds is refused, by
+    the scheduler's own check and by `specjax serve`'s before anything loads."""
+    from specjax._src.serve.step_length import StepLength
+    from specjax.cli import serve
+    from specjax.cli.app import build_parser
+
+    steps = StepLength(num_cycles=8, admission_wait=0.1)
+    rows = 1
+    assert steps.cycles(rows, free=True, waiting=False) == 1  # nothing timed yet
+    steps.observe(rows, 2, np.array([2, 0]), 0.06)  # 30 ms a cycle
+    assert steps.cycles(rows, free=True, waiting=False) == 3
+    assert steps.cycles(rows, free=False, waiting=False) == 8
+    assert steps.cycles(rows, free=True, waiting=True) == 8
+    assert steps.cycles(rows, free=True, waiting=False, fresh=True) == 1  # a request's first tokens
+    steps.observe(rows, 2, np.array([9]), 0.001)  # copied counts: not a timing
+    assert steps.cycles(rows, free=True, waiting=False) == 3
+    steps.observe(rows, 4, np.array([4, 4]), 0.008)  # 2 ms a cycle: the mean is 16 ms
+    assert steps.cycles(rows, free=True, waiting=False) == 6
+    steps.observe(rows, 4, np.array([4]), 0.0)
+    assert steps.cycles(rows, free=True, waiting=False) == 8  # never more than num_cycles
+    assert steps.cycles(2, free=True, waiting=False) == 1  # another row bucket: timed apart
     for bad in (-0.1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="admission_wait"):
-            sched.Scheduler(engine, target.tokenizer, admission_wait=bad)
+            StepLength(8, bad)
+    with pytest.raises(SystemExit, match="--admission-wait-ms must be milliseconds >= 0"):
+        serve.check_args(build_parser().parse_args(["serve", "--admission-wait-ms", "-5"]))
 
 
 def test_a_waiting_request_takes_a_slot_as_soon_as_one_frees(setup, monkeypatch):

@@ -38,6 +38,7 @@ from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, usable_blocks
 from specjax._src.engine.slots import Engine, PrefillJob, SlotSettings
 from specjax._src.engine.text import TextStream
 from specjax._src.serve.metrics import Counters, add_into, draft_lengths, latency_histograms
+from specjax._src.serve.step_length import StepLength
 
 
 # ---------------------------------------------------------------------------
@@ -216,17 +217,9 @@ class Scheduler:
         finishes (``until_first_finish``), so that a finished request's last
         tokens go out and its slot takes the next request at once; while a
         slot is free and no request waits, steps run as many cycles as fit in
-        ``admission_wait``. Fewer cycles stream sooner; more cycles spread
-        the loop's fixed cost per step (dispatch, reading the output back,
-        detokenizing) over more tokens: with the smollm2-eagle pair's 4-bit
-        target on a 2-core CPU a one-cycle step cost about 36 ms where a
-        cycle of a four-cycle step cost 26 (dispatching a step alone takes
-        5 to 7 ms of the host's time).
-      admission_wait: while a slot is free and no request waits, a step
-        runs as many cycles as fit in this many seconds, timed from the
-        last steps of its row bucket (at least 1, at most ``num_cycles``):
-        a request that arrives meanwhile waits about that long at most for
-        its slot. 0: one cycle (the soonest admission, the most steps).
+        ``admission_wait`` (``serve.step_length.StepLength``).
+      admission_wait: seconds a request arriving while a slot is free may wait
+        for it at most (about): the cycles a step then runs. 0: one cycle.
       warmup_widths: prompt widths to compile ``insert`` for before
         :attr:`ready` (None: every width bucket up to the capacity).
       prefill_groups: how many requests one prefill may take (None: 1, 2,
@@ -270,10 +263,6 @@ class Scheduler:
             raise ValueError(f"prefill_chunk must be 0 (off) or a positive multiple of {SINGLE_PREFILL_BLOCK}, got "
                              f"{prefill_chunk}.")
         self.prefill_chunk = int(prefill_chunk)
-        if not 0.0 <= float(admission_wait) < 3600.0:
-            raise ValueError(f"admission_wait must be seconds in [0, 3600), got {admission_wait!r}.")
-        self.admission_wait = float(admission_wait)
-        self._cycle_seconds: dict[int, float] = {}  # seconds per cycle of the last steps, by row bucket
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             raise TypeError(f"prefix_cache must be a PrefixCache or None, got {type(prefix_cache).__name__}.")
         self.prefix_cache = prefix_cache
@@ -289,6 +278,7 @@ class Scheduler:
         self.prefill_groups = tuple(groups)
         self.engine, self.tokenizer = engine, tokenizer
         self.max_queue, self.num_cycles = int(max_queue), int(num_cycles)
+        self.step_length = StepLength(self.num_cycles, admission_wait)
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.warmup_widths = warmup_widths
         self.counters = Counters()
@@ -754,28 +744,6 @@ class Scheduler:
             self._live[s].seen_cycles, self._live[s].seen_drafted_at = int(cycles[s]), np.asarray(drafted_at[s])
         return ran, lengths
 
-    def _time_cycles(self, rows: int, asked: int, ran: np.ndarray, seconds: float) -> None:
-        """Keeps the step's seconds per cycle for its row bucket (a running mean), which sizes
-        the next steps that run while a slot is free (:meth:`_cycles_to_ask`)."""
-        counted = ran[(ran > 0) & (ran <= asked)]  # a forked slot's copied counts exceed the step's
-        if counted.size:
-            per_cycle = seconds / int(counted.max())
-            before = self._cycle_seconds.get(rows)
-            self._cycle_seconds[rows] = per_cycle if before is None else 0.5 * (before + per_cycle)
-
-    def _cycles_to_ask(self, rows: int, free: bool, waiting: bool, fresh: bool = False) -> int:
-        """The cycles the next step may run: all ``num_cycles`` while every slot is taken or a
-        request waits; while a slot is free and nobody waits, as many as fit in
-        ``admission_wait`` seconds at this row bucket's timed cycles (at least 1), so that a
-        request arriving meanwhile waits about that long at most for its slot, and one while
-        a request has had no tokens yet (``fresh``), so that its first ones go out after one."""
-        if waiting or not free:
-            return self.num_cycles
-        per_cycle = self._cycle_seconds.get(rows)
-        if fresh or per_cycle is None or per_cycle <= 0.0:
-            return 1
-        return int(min(self.num_cycles, max(1, self.admission_wait // per_cycle)))
-
     def _time_step(self, rows: int, asked: int, ran: np.ndarray, lengths: np.ndarray, seconds: float) -> None:
         """Gives :attr:`live_costs` the step's seconds per cycle and the length its cycles
         drafted (``ran``, ``lengths``: :meth:`_since_last_step`), and every 8 timed steps
@@ -802,7 +770,7 @@ class Scheduler:
         # is free for the next one.
         plan = self._plan()
         fresh = any(live.last is None for live in self._live.values())
-        asked = self._cycles_to_ask(plan.rows, free, waiting, fresh)
+        asked = self.step_length.cycles(plan.rows, free, waiting, fresh)
         forced = None if self.live_costs is None else self.live_costs.explore(plan.rows)
         costs = None if forced is None else self.live_costs.forced_costs(forced)
         state, out = self.engine.step(state, asked, until_first_finish=True, plan=plan, costs=costs)
@@ -816,7 +784,7 @@ class Scheduler:
         self.counters.step_seconds += now - t0
         self.counters.steps += 1
         ran, lengths = self._since_last_step(cycles, drafted_at)
-        self._time_cycles(plan.rows, asked, ran, now - t0)
+        self.step_length.observe(plan.rows, asked, ran, now - t0)
         if self.live_costs is not None:
             self._time_step(plan.rows, asked, ran, lengths, now - t0)
         for slot in list(self._live):
