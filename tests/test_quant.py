@@ -92,7 +92,7 @@ _SHAPES = [
 
 @needs_kernels
 @pytest.mark.parametrize("fmt,n,k", _SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 17])
 def test_the_cpu_kernel_matches_the_float_product_of_the_dequantized_weights(fmt, rows, n, k):
     w = _matrix(n, k, seed=rows)
     leaves = _leaves(w, fmt)

@@ -42,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "parallel_columns.h"
@@ -139,6 +140,7 @@ namespace avx512 {
 struct Ops {
   using V = __m512;
   static constexpr int kWidth = 16;
+  static constexpr int kRegisters = 32;
   static V Zero() { return _mm512_setzero_ps(); }
   static V Set(float v) { return _mm512_set1_ps(v); }
   static V Load(const float* x) { return _mm512_loadu_ps(x); }
@@ -149,12 +151,16 @@ struct Ops {
   static void Int8(const int8_t* q, V* out) {
     out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
   }
-  // One 32-input block: inputs 0-15 (low nibbles), 16-31 (high nibbles).
-  static void Nibbles(const uint8_t* block, V* out) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+  // One 32-input block's weights q * d + m: inputs 0-15 (low nibbles), 16-31
+  // (high ones). The group's 16 possible values fill one vector, computed
+  // by the same fma as one weight, so each weight is a lane of it: two
+  // permutations where converting the nibbles took six instructions.
+  // vpermps reads an index's low 4 bits only: the low nibble needs no mask.
+  static void Q4Block(const uint8_t* block, V d, V m, V* out) {
+    const V table = _mm512_fmadd_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), d, m);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    out[0] = _mm512_permutexvar_ps(bytes, table);
+    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
   }
 };
 #include "cpu_qmatmul_body.inc"
@@ -167,6 +173,7 @@ namespace avx2 {
 struct Ops {
   using V = __m256;
   static constexpr int kWidth = 8;
+  static constexpr int kRegisters = 16;
   static V Zero() { return _mm256_setzero_ps(); }
   static V Set(float v) { return _mm256_set1_ps(v); }
   static V Load(const float* x) { return _mm256_loadu_ps(x); }
@@ -182,16 +189,17 @@ struct Ops {
   static void Int8(const int8_t* q, V* out) {
     out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
   }
-  // One 32-input block as four vectors, in input order.
-  static void Nibbles(const uint8_t* block, V* out) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(bytes, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  // One 32-input block's weights q * d + m as four vectors, in input order;
+  // each half of the bytes is widened once, then split.
+  static void Q4Block(const uint8_t* block, V d, V m, V* out) {
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8)));
+    out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));
+    out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
+    out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+    for (int v = 0; v < 4; ++v) out[v] = _mm256_fmadd_ps(out[v], d, m);
   }
 };
 #include "cpu_qmatmul_body.inc"
