@@ -20,6 +20,7 @@ The trainers in ``training/``, the scripts in ``benchmarks/`` and
 import jax
 
 from specjax._src.kernels import cpu_matmul as _cpu_matmul
+from specjax._src.kernels.platforms import exporting_for
 from specjax._src.models.decoder import (
     Block,
     RMSNorm,
@@ -86,6 +87,7 @@ __all__ = (
     "cpu_matmul",
     "CPU_MATMUL_MAX_ROWS",
     "build_cpu_kernels",
+    "exporting_for",
     "check_output_dir",
     "write_directory",
     "unpacked_dir",

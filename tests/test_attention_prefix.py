@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax.models import exporting_for
 from specjax._src.models import feature_head_build as fhb
 from specjax._src.models.decoder import Decoder, attention_widths
 from specjax.testing import llama_config, peaked_target_and_draft
@@ -111,7 +112,8 @@ def test_what_each_platform_reads(reads, want):
     step = jax.jit(lambda p, c: model.apply(p, jnp.ones((1, 1), jnp.int32), c).logits)
     got = {}
     for platform in ("tpu", "cuda"):
-        text = jax.export.export(step, platforms=(platform,))(params, cache).mlir_module()
+        with exporting_for(platform):
+            text = jax.export.export(step, platforms=(platform,))(params, cache).mlir_module()
         # the scores' shapes [B, K, G, T, width] (2 kv heads of 2 queries each)
         got[platform] = tuple(sorted({int(w) for w in re.findall(r"tensor<1x2x2x1x(\d+)xf32>", text)}
                                      & set(attention_widths(LONG))))

@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax.models import exporting_for
 from specjax._src.engine import loop as decode_lib
 from specjax._src.kernels import cpu_matmul
 from specjax._src.models import feature_head_build as fhb
@@ -98,7 +99,8 @@ def stablehlo_for(call, platforms=PLATFORMS) -> str:
     # jax.export refuses custom calls without a stability guarantee; let the
     # CPU kernels through so that the assertions below name what leaked.
     allow = [jax.export.DisabledSafetyCheck.custom_call(t) for t in CPU_KERNEL_TARGETS]
-    exported = jax.export.export(c.program, platforms=platforms, disabled_checks=allow)(*c.args, **c.kwargs)
+    with exporting_for(*platforms):
+        exported = jax.export.export(c.program, platforms=platforms, disabled_checks=allow)(*c.args, **c.kwargs)
     return exported.mlir_module()
 
 

@@ -13,6 +13,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 import specjax
+from specjax.models import exporting_for
 from specjax._src.kernels import quant
 from specjax._src.kernels import cpu_matmul, qmatmul
 from specjax.testing import llama_config, peaked_target_and_draft
@@ -126,7 +127,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt):
 def test_quantized_products_lower_without_the_cpu_kernel_for_accelerators():
     leaves = _leaves(_matrix(64, 64), "q4")
     x = jnp.ones((4, 64), jnp.float32)
-    exported = jax.export.export(jax.jit(quant.qdot), platforms=("cuda", "tpu"))(x, leaves)
+    with exporting_for("cuda", "tpu"):
+        exported = jax.export.export(jax.jit(quant.qdot), platforms=("cuda", "tpu"))(x, leaves)
     text = exported.mlir_module()
     assert "specjax_qmatmul" not in text
     if cpu_matmul.is_available():  # the premise: for the CPU the same function calls the kernel
@@ -136,6 +138,25 @@ def test_quantized_products_lower_without_the_cpu_kernel_for_accelerators():
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("specjax_qmatmul_q4")],
         )(x, leaves).mlir_module()
         assert "specjax_qmatmul_q4" in cpu
+
+
+@needs_kernels
+def test_a_cpu_trace_holds_only_the_cpu_branch_and_an_export_context_holds_every_asked_one():
+    leaves = _leaves(_matrix(64, 64), "q4")
+    x = jnp.ones((4, 64), jnp.float32)
+    # Traced for this CPU: the kernel alone, no switch on the platform and no XLA formulation.
+    plain = str(jax.make_jaxpr(quant.qdot)(x, leaves))
+    assert "platform_index" not in plain and "dot_general" not in plain and "specjax_qmatmul_q4" in plain
+    # Negative control: traced for a CPU and a GPU, both branches are there.
+    with exporting_for("cpu", "cuda"):
+        both = str(jax.make_jaxpr(quant.qdot)(x, leaves))
+    assert "platform_index" in both and "dot_general" in both and "specjax_qmatmul_q4" in both
+    # Outside the context an export for a GPU would carry the CPU kernel: jax.export names it.
+    with pytest.raises(ValueError, match="specjax_qmatmul_q4"):
+        jax.export.export(jax.jit(quant.qdot), platforms=("cuda",))(x, leaves)
+    with pytest.raises(ValueError, match="platform names"):
+        with exporting_for("gpu"):
+            pass
 
 
 # --------------------------------------------------------------------------- #

@@ -23,6 +23,7 @@ import pytest
 
 from specjax._src.kernels import quant
 from specjax._src.kernels import pallas_qmatmul, qmatmul
+from specjax.models import exporting_for
 
 FORMATS = ["int8", "int8/32", "q4", "q4/64"]
 S = jax.ShapeDtypeStruct
@@ -162,9 +163,10 @@ def _abstract(fmt: str) -> quant.QArray:
 
 def _lowered(fn, platform: str, fmt: str, rows: int = 8) -> str:
     checks = [_TRITON] if platform == "cuda" else []
-    exported = jax.export.export(jax.jit(fn), platforms=(platform,), disabled_checks=checks)(
-        S((rows, _K), jnp.bfloat16), _abstract(fmt)
-    )
+    with exporting_for(platform):
+        exported = jax.export.export(jax.jit(fn), platforms=(platform,), disabled_checks=checks)(
+            S((rows, _K), jnp.bfloat16), _abstract(fmt)
+        )
     return exported.mlir_module()
 
 

@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from specjax._src.kernels import platforms
+
 Array = jax.Array
 
 #: Rows (the product of every dimension but the last) that ``applies`` sends
@@ -220,7 +222,7 @@ def _xla(kind: str, x: Array, w: Array) -> Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rows_matmul(kind: str, x: Array, w: Array) -> Array:
     # The kernel on the CPU; XLA's dot wherever else the program is lowered.
-    return jax.lax.platform_dependent(x, w, cpu=functools.partial(_ffi, kind), default=functools.partial(_xla, kind))
+    return platforms.platform_dependent(x, w, cpu=functools.partial(_ffi, kind), default=functools.partial(_xla, kind))
 
 
 def _rows_matmul_fwd(kind, x, w):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax._src.kernels import cpu_matmul
+from specjax._src.kernels import cpu_matmul, platforms
 
 Array = jax.Array
 
@@ -67,7 +67,7 @@ def _dot(x: Array, w: Array, dims) -> Array:
     def converted(a, b):
         return jax.lax.dot_general(a, b.astype(a.dtype), dims, preferred_element_type=jnp.float32)
 
-    return jax.lax.platform_dependent(x, w, tpu=mixed, default=converted)
+    return platforms.platform_dependent(x, w, tpu=mixed, default=converted)
 
 
 def xla_qmatmul(x: Array, qweight: Array, qscale: Array, qmin: Array | None = None) -> Array:

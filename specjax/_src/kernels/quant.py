@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src.kernels import cpu_matmul, pallas_qmatmul, qmatmul
+from specjax._src.kernels import cpu_matmul, pallas_qmatmul, platforms, qmatmul
 
 Array = jax.Array
 
@@ -521,7 +521,7 @@ def qdot(x: Array, q: QArray, matmul: str = "auto") -> Array:
     branches = _accelerator(q, matmul)
     if rows and kernel_applies(x, matmul):
         branches = {**branches, "cpu": lambda a, w: qmatmul.cpu_qmatmul(a, w.qweight, w.qscale, w.qmin)}
-    out = jax.lax.platform_dependent(flat, q, **branches) if len(branches) > 1 else branches["default"](flat, q)
+    out = platforms.platform_dependent(flat, q, **branches) if len(branches) > 1 else branches["default"](flat, q)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -72,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src.kernels import quant
-from specjax._src.kernels import cpu_matmul
+from specjax._src.kernels import cpu_matmul, platforms
 from specjax._src.models.lm import Array, KVCache, LMOutput, Params
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.layers import MLP, RMSNorm  # noqa: F401 (RMSNorm: re-exported)
@@ -403,7 +403,7 @@ def cache_attention(q: Array, keys: Array, values: Array, mask_at, scale: float,
     if reads == "prefix":
         return prefix(q, keys, values)
     branches = {platform: prefix for platform in _PREFIX_READ_PLATFORMS}
-    return jax.lax.platform_dependent(q, keys, values, default=at(capacity), **branches)
+    return platforms.platform_dependent(q, keys, values, default=at(capacity), **branches)
 
 
 def write_cache(buffer: Array, new: Array, offsets: Array) -> Array:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax._src.kernels import quant
-from specjax._src.kernels import cpu_matmul
+from specjax._src.kernels import cpu_matmul, platforms
 from specjax._src.models.lm import Array
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.layers import INIT_STD, MLP, activation, dense
@@ -305,7 +305,7 @@ class MoE(nn.Module):
             tile = min(x2.shape[0], GROUP_ROWS)
             y = routed_experts(xin, weights, picked, stack, expert_mlp, tile)
             if cfg.quantization is None and x2.shape[0] > GROUP_ROWS:
-                y = jax.lax.platform_dependent(
+                y = platforms.platform_dependent(
                     xin,
                     weights,
                     picked,
