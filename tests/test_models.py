@@ -300,3 +300,38 @@ def test_config_errors_name_the_problem():
         tiny_config("llama", num_kv_heads=3)
     with pytest.raises(ValueError, match="Unsupported dtype 'int8'"):
         tiny_config("llama", dtype="int8")
+
+
+def _attention_traces(config: ModelConfig) -> int:
+    """How many times tracing one cached forward of ``config`` runs an attention's body."""
+    from specjax._src.models import decoder
+
+    model = Decoder(config)
+    params = model.init(jax.random.key(0))
+    cache = model.init_cache(1, 16)
+    calls = []
+    original = decoder.Attention.__call__
+
+    def counting(self, *args, **kwargs):
+        calls.append(self.layer)
+        return original(self, *args, **kwargs)
+
+    decoder.Attention.__call__ = counting
+    try:
+        jax.jit(lambda p, c, t: model.apply(p, t, c).logits).trace(params, cache, jnp.ones((1, 3), jnp.int32))
+    finally:
+        decoder.Attention.__call__ = original
+    return len(calls)
+
+
+def test_a_forward_traces_one_block_per_kind_of_layer():
+    llama = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, num_layers=5, num_heads=4,
+                        num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128)
+    assert [llama.representative_layer(i) for i in range(5)] == [0] * 5
+    assert _attention_traces(llama) == 1
+    # Negative control: layers of two attention kinds (Gemma 3's sliding and full) trace two blocks.
+    gemma = llama.replace(model_type="gemma3_text", sliding_window=8, rope_local_theta=10_000.0,
+                          layer_types=("sliding_attention",) * 2 + ("full_attention",) + ("sliding_attention",) * 2,
+                          query_pre_attn_scalar=8)
+    assert [gemma.representative_layer(i) for i in range(5)] == [0, 0, 2, 0, 0]
+    assert _attention_traces(gemma) == 2

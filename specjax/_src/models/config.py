@@ -269,6 +269,15 @@ class ModelConfig:
         """The sliding window of ``layer``, or None for full attention."""
         return self.sliding_window if self.is_sliding(layer) else None
 
+    def representative_layer(self, layer: int) -> int:
+        """The first layer built as ``layer`` is: the same attention kind (its window and
+        RoPE base) and the same MLP kind. Layers with one representative compute the
+        same function of their own weights."""
+        def kind(i: int):
+            return (self.is_sliding(i), self.layer_types[i] if self.layer_types else None, self.is_moe_layer(i))
+
+        return next(i for i in range(layer + 1) if kind(i) == kind(layer))
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts."""
         return bool(self.num_experts) and layer not in self.dense_mlp_layers
