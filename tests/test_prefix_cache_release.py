@@ -12,7 +12,7 @@ import pytest
 
 from _slot_runs import run_until_done
 import specjax
-from specjax._src.engine.prefix_cache import BLOCK, PrefixCache
+from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, blocks_in_common
 from specjax._src.models import feature_head_build as fhb
 from specjax._src.serve import scheduler as sched
 from specjax.engine import Engine, SlotSettings
@@ -196,3 +196,30 @@ def test_requests_finishing_in_one_step_each_store_their_reply(engines):
         assert _wait(events)[1].cached_tokens == BLOCK
     finally:
         scheduler.close(drain_seconds=5)
+
+
+def test_requests_sent_at_once_with_one_long_prefix_prefill_it_once(engines):
+    """Three requests admitted together whose prompts share a 3-block system prompt: the first
+    prefills it cold, the other two wait for its blocks and read them from the cache (the old
+    scheduler prefilled all three cold: cached tokens 0), and each decodes what it decodes alone."""
+    engine = engines["head"]
+    system = prompt(200, seed=21)
+    prompts = [system + prompt(10, seed=30 + i) for i in range(3)]
+    assert blocks_in_common(prompts[0], prompts[1]) == 3 and blocks_in_common(prompts[0], prompt(200)) == 0
+    settings = GREEDY._replace(logprobs=0, max_new_tokens=6)
+    scheduler = sched.Scheduler(engine, _NoText(), num_cycles=2, warmup_widths=(16,), prefill_chunk=64,
+                                prefill_groups=[1], prefix_cache=PrefixCache(BIG)).start()
+    try:
+        assert scheduler.ready.wait(300)
+        with scheduler.paused():
+            pending = [_request(ids, settings) for ids in prompts]
+            for request, _ in pending:
+                scheduler.submit(request)
+        results = [_wait(events) for _, events in pending]
+    finally:
+        scheduler.close(drain_seconds=5)
+    assert scheduler.error is None
+    assert [done.cached_tokens for _, done in results] == [0, 3 * BLOCK, 3 * BLOCK]
+    for ids, (tokens, _) in zip(prompts, results):
+        _, ref, _ = run(engine, engine.insert(engine.init(), 0, ids, settings), 0)
+        assert tokens == ref

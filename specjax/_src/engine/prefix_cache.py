@@ -158,6 +158,18 @@ def usable_blocks(length: int) -> int:
     return max(0, (int(length) - 2) // BLOCK)
 
 
+def blocks_in_common(prompt: Sequence[int], other: Sequence[int]) -> int:
+    """The leading blocks of ``prompt`` that ``other``'s would key alike (the same tokens through the
+    token after each block), among those both may give to the cache (:func:`usable_blocks`)."""
+    a, b = np.asarray(prompt), np.asarray(other)
+    n = min(usable_blocks(len(a)), usable_blocks(len(b))) * BLOCK
+    if not n:
+        return 0
+    differs = np.flatnonzero(a[: n + 1] != b[: n + 1])
+    first = int(differs[0]) if differs.size else n + 1
+    return max(first - 1, 0) // BLOCK
+
+
 # ---------------------------------------------------------------------------
 # The cache
 # ---------------------------------------------------------------------------

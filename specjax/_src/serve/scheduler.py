@@ -34,7 +34,7 @@ import numpy as np
 
 from specjax._src.engine.live_costs import LiveCosts, step_draft_length
 from specjax._src.engine.ops import SINGLE_PREFILL_BLOCK
-from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, usable_blocks
+from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, blocks_in_common, usable_blocks
 from specjax._src.engine.slots import Engine, PrefillJob, SlotSettings
 from specjax._src.engine.text import TextStream
 from specjax._src.serve.metrics import Counters, add_into, draft_lengths, latency_histograms
@@ -548,17 +548,27 @@ class Scheduler:
         """Prefills ``admitted`` (``(slots, request)`` pairs): requests of one choice in groups of
         ``prefill_groups`` sizes, a request of ``n`` alone, then copied into its other slots. A
         prompt longer than ``prefill_chunk``, or one that begins with blocks of the prefix cache,
-        begins a chunked prefill instead (:meth:`_prefill_chunk`)."""
+        begins a chunked prefill instead (:meth:`_prefill_chunk`); one that another under way will
+        give cached blocks waits for them, back at the queue's head (:meth:`_waits_for_a_prefill`)."""
         if self.prefix_cache is not None:
-            cold = []
+            cold, deferred = [], []
             for slots, request in admitted:
+                if self._waits_for_a_prefill(request):
+                    deferred.append((slots, request))
+                    continue
                 hit = self.prefix_cache.match(self.engine, request.prompt)
                 if hit.tokens:
                     self._begin(state, slots, request, hit)
+                    continue
+                self.prefix_cache.release(hit)
+                if self.prefill_chunk and len(request.prompt) > self.prefill_chunk:
+                    self._begin(state, slots, request)  # now, so that the requests after it wait for its blocks
                 else:
-                    self.prefix_cache.release(hit)
                     cold.append((slots, request))
             admitted = cold
+            with self._cond:  # back to the queue's head, in order; their slots freed
+                self._free.extend(s for slots, _ in deferred for s in slots)
+                self._waiting.extendleft(request for _, request in reversed(deferred))
         if self.prefill_chunk:
             long = [a for a in admitted if len(a[1].prompt) > self.prefill_chunk]
             admitted = [a for a in admitted if len(a[1].prompt) <= self.prefill_chunk]
@@ -573,6 +583,13 @@ class Scheduler:
             if request.n > 1:
                 state = self._insert(state, [(slots[0], request)], copies=slots[1:])
         return state
+
+    def _waits_for_a_prefill(self, request) -> bool:
+        """Whether a chunked prefill under way computes blocks of ``request``'s prompt that the cache
+        lacks: the request waits for them (stored at that prefill's end) instead of computing them
+        beside it, so that clients sending one system prompt at once prefill it once."""
+        return any(blocks_in_common(request.prompt, p.request.prompt) * BLOCK > (p.hit.tokens if p.hit else 0)
+                   for p in self._pending.values())
 
     def _begin(self, state, slots, request, hit=None) -> None:
         """Starts the chunked prefill of ``request`` into ``slots`` (its chunks run between steps),
