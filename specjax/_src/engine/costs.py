@@ -314,11 +314,13 @@ def set_costs(policy: drafting_lib.DraftingPolicy, costs: drafting_lib.CostModel
 
 
 def shape_key(params: ModelPair) -> tuple:
-    """What costs depend on in a pair: its modules and its parameters' shapes and dtypes."""
-    shapes = jax.tree_util.tree_map(lambda x: (tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))),
-                                    (params.target.params, params.draft.params))
-    return (repr(params.target.module), repr(params.draft.module), str(jax.tree_util.tree_structure(shapes)),
-            str(jax.tree_util.tree_leaves(shapes)), jax.default_backend())
+    """What costs depend on in a pair: its modules and its parameters' shapes and dtypes.
+
+    Hashable as built (no strings formatted per leaf): ``decode`` asks for it at every call, and
+    formatting the real pair's 718 leaves took 8-18 ms of a call's host time."""
+    leaves, structure = jax.tree_util.tree_flatten((params.target.params, params.draft.params))
+    shapes = tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
+    return (repr(params.target.module), repr(params.draft.module), structure, shapes, jax.default_backend())
 
 
 def with_costs(policy: drafting_lib.DraftingPolicy, measure) -> drafting_lib.DraftingPolicy:

@@ -25,11 +25,11 @@ forwards.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from specjax._src.checks import check_interval, check_positive_int
@@ -573,8 +573,15 @@ def drafts_before_evidence(policy: DraftingPolicy, num_draft: int) -> bool:
     target-only program)."""
     if not policy.may_draft_none:
         return True
+    return bool(_first_plan(policy, num_draft) > 0)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _first_plan(policy: DraftingPolicy, num_draft: int) -> Array:
+    """The draft length ``policy`` plans for one live sequence in its initial state. Jitted: ``decode``
+    asks at every call, and run op by op the plan took about 5 ms of host time."""
     state = jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], policy.init(num_draft))
-    return bool(np.asarray(policy.plan(state, jnp.ones((1,), bool), num_draft))[0] > 0)
+    return policy.plan(state, jnp.ones((1,), bool), num_draft)[0]
 
 
 def max_fixed_k(policy: DraftingPolicy) -> Optional[int]:
