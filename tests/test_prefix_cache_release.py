@@ -5,6 +5,7 @@ decodes from its whole cached history what it decodes from a cold cache."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -223,3 +224,25 @@ def test_requests_sent_at_once_with_one_long_prefix_prefill_it_once(engines):
     for ids, (tokens, _) in zip(prompts, results):
         _, ref, _ = run(engine, engine.insert(engine.init(), 0, ids, settings), 0)
         assert tokens == ref
+
+
+def test_a_request_waits_only_for_a_prefill_that_gives_it_enough(engines):
+    """A request waits for an in-flight prefill when it would read at least half as many of its
+    positions as that prefill has left; not for one block of a long prompt, not for blocks already
+    cached, not for a prompt it shares nothing with."""
+    scheduler = sched.Scheduler(engines["head"], _NoText(), prefill_chunk=64, prefix_cache=PrefixCache(BIG))
+    system = prompt(600, seed=40)
+
+    def pending(ids, chunks_left, cached=0):
+        return SimpleNamespace(request=SimpleNamespace(prompt=ids), job=SimpleNamespace(chunks_left=chunks_left, chunk=64),
+                               hit=SimpleNamespace(tokens=cached) if cached else None)
+
+    request = SimpleNamespace(prompt=system[:500] + prompt(10, seed=41))  # 7 blocks in common
+    short = SimpleNamespace(prompt=system[:70] + prompt(10, seed=42))  # 1 block in common
+    scheduler._pending = {0: pending(system, chunks_left=9)}  # 576 positions left
+    assert scheduler._waits_for_a_prefill(request)  # 448 to read: 2 x 448 >= 576
+    assert not scheduler._waits_for_a_prefill(short)  # 64 to read
+    scheduler._pending = {0: pending(system, chunks_left=9, cached=7 * BLOCK)}
+    assert not scheduler._waits_for_a_prefill(request)
+    scheduler._pending = {0: pending(prompt(600, seed=43), chunks_left=1)}
+    assert not scheduler._waits_for_a_prefill(request)

@@ -548,8 +548,7 @@ class Scheduler:
         """Prefills ``admitted`` (``(slots, request)`` pairs): requests of one choice in groups of
         ``prefill_groups`` sizes, a request of ``n`` alone, then copied into its other slots. A
         prompt longer than ``prefill_chunk``, or one that begins with blocks of the prefix cache,
-        begins a chunked prefill instead (:meth:`_prefill_chunk`); one that another under way will
-        give cached blocks waits for them, back at the queue's head (:meth:`_waits_for_a_prefill`)."""
+        begins a chunked prefill instead (:meth:`_prefill_chunk`), or waits (:meth:`_waits_for_a_prefill`)."""
         if self.prefix_cache is not None:
             cold, deferred = [], []
             for slots, request in admitted:
@@ -585,11 +584,13 @@ class Scheduler:
         return state
 
     def _waits_for_a_prefill(self, request) -> bool:
-        """Whether a chunked prefill under way computes blocks of ``request``'s prompt that the cache
-        lacks: the request waits for them (stored at that prefill's end) instead of computing them
-        beside it, so that clients sending one system prompt at once prefill it once."""
-        return any(blocks_in_common(request.prompt, p.request.prompt) * BLOCK > (p.hit.tokens if p.hit else 0)
-                   for p in self._pending.values())
+        """Whether a chunked prefill under way computes uncached blocks of ``request``'s prompt, at least
+        half its positions left: the request waits for them (stored at its end) rather than computing
+        them beside it; clients sending one system prompt at once prefill it once."""
+        def worth(p):
+            gain = blocks_in_common(request.prompt, p.request.prompt) * BLOCK - (p.hit.tokens if p.hit else 0)
+            return gain > 0 and 2 * gain >= p.job.chunks_left * p.job.chunk
+        return any(worth(p) for p in self._pending.values())
 
     def _begin(self, state, slots, request, hit=None) -> None:
         """Starts the chunked prefill of ``request`` into ``slots`` (its chunks run between steps),
