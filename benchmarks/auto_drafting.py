@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timed", action="store_true",
                     help="also run auto(timed=True), whose costs are timed in the loop itself")
+    ap.add_argument("--parts", action="store_true",
+                    help="also run auto(timed=False), which plans with the parts' costs alone")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
 
@@ -76,6 +78,8 @@ def main(argv=None) -> int:
         contenders[f"auto (cap {args.cap}) + lookup"] = (drafting.auto(**margin), args.cap, drafting.ngram_lookup())
     if args.timed:
         contenders[f"auto timed (cap {args.cap})"] = (drafting.auto(timed=True, **margin), args.cap, None)
+    if args.parts:
+        contenders[f"auto parts (cap {args.cap})"] = (drafting.auto(timed=False, **margin), args.cap, None)
 
     for batch in args.batch:
         groups = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]

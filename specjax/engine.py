@@ -39,7 +39,12 @@ See ``docs/engine.md``.
 """
 
 from specjax._src.engine.config import DecodeState, LoopConfig, Logprobs
-from specjax._src.engine.costs import calibrate_costs, last_measured as last_measured_costs, measure_costs
+from specjax._src.engine.costs import (
+    calibrate_costs,
+    last_measured as last_measured_costs,
+    measure_costs,
+    parts_undecided,
+)
 from specjax._src.engine.cycle import Cycle, CycleInputs, run_cycles
 from specjax._src.engine.cycles import CHAIN, TARGET_ONLY, TREE, cycle_for
 from specjax._src.engine.live_costs import LiveCosts
@@ -80,6 +85,7 @@ __all__ = [
     "run_cycles",
     "measure_costs",
     "calibrate_costs",
+    "parts_undecided",
     "last_measured_costs",
     "LiveCosts",
     "GenerationControls",

@@ -161,7 +161,7 @@ def test_bad_settings_get_clear_errors():
     assert drafting.parse_drafting("auto:timed=true").timed and not drafting.parse_drafting("auto").timed
     with pytest.raises(ValueError, match="timed='maybe' is not a boolean"):
         drafting.parse_drafting("auto:timed=maybe")
-    with pytest.raises(TypeError, match=r"auto\(timed=...\) takes True or False"):
+    with pytest.raises(TypeError, match=r"auto\(timed=...\) takes True, False or None"):
         drafting.auto(timed="yes")
 
 
@@ -300,7 +300,7 @@ def test_decode_measures_costs_once_and_new_costs_compile_nothing(bigram_pair, m
         return calibrate(costs, run, **kwargs)
 
     monkeypatch.setattr(costs_lib, "calibrate_costs", counting_calibration)
-    kw = dict(drafting=drafting.auto(), num_draft=K, max_new_tokens=8, temperature=0.0)
+    kw = dict(drafting=drafting.auto(timed=False), num_draft=K, max_new_tokens=8, temperature=0.0)
     first = specjax.decode(bigram_pair, [[1, 2]], **kw)
     second = specjax.decode(bigram_pair, [[3]], **kw)
     assert len(calls) == 1 and calls[0]["num_draft"] == K and calls[0]["verify_widths"][0] == 1
@@ -320,8 +320,48 @@ def test_decode_measures_costs_once_and_new_costs_compile_nothing(bigram_pair, m
     assert float(measured.draft_first) > 0 and float(measured.forward_ms) > 0 and float(measured.cycle) > 0
     # the costs are traced: a policy with other numbers runs the same program
     with count_compilations() as counter:
-        specjax.decode(bigram_pair, [[3]], **{**kw, "drafting": drafting.auto(cost_model(first=9.0), memory=0.5)})
+        specjax.decode(bigram_pair, [[3]], **{**kw, "drafting": drafting.auto(cost_model(first=9.0), memory=0.5,
+                                                                             timed=False)})
     assert counter["n"] == 0
+
+
+def test_decode_times_its_loop_where_the_parts_cannot_decide(bigram_pair, monkeypatch):
+    """``auto()`` times ``decode``'s loop only where the parts' gain at the
+    prior lies within their error of the margin. Parts shaped as measured on
+    a 4-bit target at batch 1 (a one-draft cycle 1.53 forwards against 1.07
+    for a plain one: gain 1.12, short of 1.2) open plain; timed, a one-draft
+    cycle costs 1.15 plain ones and the call drafts. Clear parts either way
+    are not timed, and ``timed=False`` never is."""
+    calibrations = []
+
+    def timed_costs(costs, run, **kwargs):
+        calibrations.append(run)
+        return costs.replace(measured=jnp.asarray([1.0, 1.15, 1.45, 1.55], jnp.float32))
+
+    monkeypatch.setattr(costs_lib, "calibrate_costs", timed_costs)
+    undecided = cost_model(first=0.2, step=0.1, verify=[1.0, 1.22, 1.48, 1.48], cycle=0.11)
+    cheap = cost_model(first=0.0, step=0.0, verify=[1.0, 1.0, 1.0, 1.0])
+    costly = cost_model(first=0.5, verify=[1.0, 2.0, 3.0, 4.0])
+    prompts = [[1, 2]]
+    kw = dict(num_draft=K, max_new_tokens=10, temperature=0.0, buckets=NO_BUCKETS)
+    reference = specjax.generate(bigram_pair, prompts, max_new_tokens=10, temperature=0.0, buckets=NO_BUCKETS)
+
+    def run(parts, policy):
+        monkeypatch.setattr(costs_lib, "cached_costs", lambda *a, **k: parts)
+        monkeypatch.setattr(costs_lib, "_CALIBRATED", {})
+        calibrations.clear()
+        out = specjax.decode(bigram_pair, prompts, drafting=policy, **kw)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
+        return len(calibrations), int(out.stats.draft_forwards) > 0
+
+    assert costs_lib.parts_undecided(drafting.auto(undecided), K, 1)
+    assert not costs_lib.parts_undecided(drafting.auto(cheap), K, 1)
+    assert not costs_lib.parts_undecided(drafting.auto(costly), K, 1)
+    assert run(undecided, drafting.auto()) == (1, True)  # timed: drafts
+    assert run(undecided, drafting.auto(timed=False)) == (0, False)  # the parts alone: plain
+    assert run(cheap, drafting.auto()) == (0, True)
+    assert run(costly, drafting.auto()) == (0, False)
+    assert run(costly, drafting.auto(timed=True)) == (1, True)
 
 
 def test_measure_costs_covers_every_width():

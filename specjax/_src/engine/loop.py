@@ -401,7 +401,7 @@ def decode(
     cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree, lookup=lookup,
                             verify_widths=None if tree is not None else verify_widths_for(buckets, drafting, num_draft),
                             classes=pytree_classes(rule, drafting))
-    calibrate = tree is None and costs_lib.wants_timing(drafting) and cfg.layout is None
+    timing = costs_lib.timing_asked(drafting) if tree is None and cfg.layout is None else False
     if tree is None:  # auto() without costs: measured once per shape on this machine
         measured_pair = params.replace(target=call.models["target"], draft=call.models["draft"])
         drafting = costs_lib.with_costs(drafting, lambda: costs_lib.cached_costs(
@@ -416,7 +416,8 @@ def decode(
     rows = _controls_rows(controls, params.vocab_size, call.batch, call.prompts.shape[0], cfg.layout)
     cfg = cfg._replace(stream=on_tokens is not None)
     params = params.replace(target=call.models["target"], draft=call.models["draft"])
-    if calibrate:  # the cycle's cost by draft length, timed in this very program (compiled once anyway)
+    if timing or (timing is None and costs_lib.parts_undecided(drafting, num_draft, call.prompts.shape[0])):
+        # the cycle's cost by draft length, timed in this very program (compiled once anyway)
         shape = (costs_lib.shape_key(params), cfg, call.prompts.shape, rows is None)
         drafting = costs_lib.set_costs(drafting, costs_lib.cached_calibration(
             shape, costs_lib.auto_costs(drafting), _timed_loop(params, rule, drafting, call, cfg, rows)))

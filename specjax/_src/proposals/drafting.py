@@ -466,7 +466,7 @@ class Auto(DraftingPolicy):
     prior: float = 0.6
     prior_weight: float = 2.0
     margin: float = 0.2
-    timed: bool = struct.field(pytree_node=False, default=False)
+    timed: Optional[bool] = struct.field(pytree_node=False, default=None)
     name = "auto"
     may_draft_none = True
 
@@ -528,7 +528,7 @@ class Auto(DraftingPolicy):
 
 
 def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float = 0.6,
-         prior_weight: float = 2.0, margin: float = 0.2, timed: bool = False) -> Auto:
+         prior_weight: float = 2.0, margin: float = 0.2, timed: Optional[bool] = None) -> Auto:
     """Each cycle, draft the ``k`` in ``0 .. num_draft`` that maximises the
     batch's expected committed tokens per unit of measured cost (goodput);
     ``k = 0`` is a plain target step inside the same program.
@@ -542,10 +542,14 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
     step's tokens per unit of cost: the costs and estimates are measured, not
     known, and a draft that only breaks even on paper loses where they err
     (at batch 4 on a 2-core CPU the loop's drafting cycles cost a fifth to a
-    quarter more than their parts). ``timed=True``: ``decode`` also times its own loop
-    forced to each ``k`` (:func:`specjax.engine.calibrate_costs`) and chooses
-    by those times; slower to start and, on a busy machine, noisier than the
-    parts (see docs/drafting.md). The choice depends only on past cycles, so a lossless
+    quarter more than their parts; at batch 1 on a 4-bit target they cost a
+    tenth to a fifth less). ``timed``: whether ``decode`` also times its own
+    loop forced to each ``k`` (:func:`specjax.engine.calibrate_costs`, once per
+    program in a process) and chooses by those times: None (the default) only
+    where the parts cannot decide, their best draft's gain over a plain step
+    at the prior lying within the parts' error of ``1 + margin``
+    (:func:`specjax.engine.parts_undecided`); True always; False never (see
+    docs/drafting.md). The choice depends only on past cycles, so a lossless
     rule stays lossless and greedy output stays the target's. A ``decode``
     call whose first cycle would draft nothing at the prior
     (:func:`drafts_before_evidence`) runs ``generate``'s program instead,
@@ -560,8 +564,8 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
     check_interval("auto(margin)", margin, 0.0, 10.0)
     if costs is not None and not isinstance(costs, CostModel):
         raise TypeError(f"auto(costs=...) takes a CostModel (specjax.engine.measure_costs), got {type(costs).__name__}.")
-    if not isinstance(timed, bool):
-        raise TypeError(f"auto(timed=...) takes True or False, got {timed!r}.")
+    if timed is not None and not isinstance(timed, bool):
+        raise TypeError(f"auto(timed=...) takes True, False or None (where the parts cannot decide), got {timed!r}.")
     return Auto(costs=costs, memory=memory, prior=prior, prior_weight=prior_weight, margin=margin, timed=timed)
 
 
