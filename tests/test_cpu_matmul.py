@@ -87,6 +87,30 @@ def test_gradient_and_vmap_match_xla():
                                np.asarray(xs @ w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_an_expert_of_a_stack_is_multiplied_where_it_lies(rows):
+    """``expert_dot`` reads expert ``e`` inside the ``[E, K, N]`` stack (the kernel is
+    in the program, no dynamic slice copies it out), equals ``x @ stack[e]`` for each
+    ``e``, clamps the index as XLA does, and differentiates like the indexed product."""
+    rng = np.random.default_rng(rows)
+    stack = jnp.asarray(rng.standard_normal((6, 40, 24), np.float32))
+    x = jnp.asarray(rng.standard_normal((rows, 40), np.float32))
+    f = jax.jit(lambda a, s, e: cpu_matmul.expert_dot(a, s, e))
+    text = f.lower(x, stack, 0).as_text()
+    assert "specjax_matmul_expert" in text and "dynamic_slice" not in text
+    got = [np.asarray(f(x, stack, e)) for e in range(6)]
+    for e in range(6):
+        np.testing.assert_allclose(got[e], np.asarray(x, np.float64) @ np.asarray(stack[e]), rtol=1e-5, atol=1e-5)
+    assert np.abs(got[1] - got[2]).max() > 1e-2  # each index reads its own expert
+    np.testing.assert_array_equal(np.asarray(f(x, stack, 9)), got[5])
+    np.testing.assert_array_equal(np.asarray(f(x, stack, -3)), got[0])
+    loss = lambda g: lambda a, s: jnp.sum(jnp.sin(g(a, s)))  # noqa: E731
+    want = jax.grad(loss(lambda a, s: a @ s[3]), argnums=(0, 1))(x, stack)
+    have = jax.grad(loss(lambda a, s: cpu_matmul.expert_dot(a, s, jnp.int32(3))), argnums=(0, 1))(x, stack)
+    for h, w in zip(have, want):
+        np.testing.assert_allclose(np.asarray(h), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
 def test_bad_operands_are_refused():
     x, w = jnp.ones((4, 8)), jnp.ones((8, 3))
     with pytest.raises(TypeError, match="float32"):

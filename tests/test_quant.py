@@ -442,3 +442,26 @@ def test_a_bfloat16_load_keeps_its_norms_in_bfloat16_and_its_scales_as_stored(tm
     kernel = cast.params["layer_0"]["mlp"]["down"]["kernel"]
     assert kernel["qscale"].dtype == kernel["qmin"].dtype == jnp.float16 and kernel["qweight"].dtype == jnp.uint8
     assert np.isfinite(np.asarray(specjax.logits(cast, [[1, 2, 3]]))).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["int8/32", "q4"])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_an_expert_of_a_quantized_stack_is_multiplied_where_it_lies(fmt, rows):
+    """``qdot_expert`` reads expert ``e``'s arrays inside the stack (the kernel is in the
+    program and no dynamic slice copies them out), equals ``qdot`` of the indexed matrix
+    for each ``e`` and clamps the index as XLA does; each index reads its own expert."""
+    matrices = [quant.quantize_matrix(_matrix(40, 128, seed), quant.parse_format(fmt)) for seed in range(5)]
+    stack = jax.tree.map(jnp.asarray, quant.stack_matrices(matrices))
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 128), np.float32))
+    f = jax.jit(lambda a, w, e: quant.qdot_expert(a, w, e))
+    text = f.lower(x, stack, 0).as_text()
+    assert "_expert" in text and "dynamic_slice" not in text
+    got = [np.asarray(f(x, stack, e)) for e in range(5)]
+    for e in range(5):
+        one = jax.tree.map(lambda v: v[e], stack)
+        np.testing.assert_allclose(got[e], np.asarray(quant.qdot(x, one)), rtol=1e-5, atol=1e-5)
+    assert np.abs(got[1] - got[2]).max() > 1e-2
+    np.testing.assert_array_equal(np.asarray(f(x, stack, 7)), got[4])
+    np.testing.assert_array_equal(np.asarray(f(x, stack, -1)), got[0])
+

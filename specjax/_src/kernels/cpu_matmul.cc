@@ -13,6 +13,7 @@
 //
 // specjax_matmul:    y[M, N] = x[M, K] @ w[K, N]    (Dense kernels, [in, out])
 // specjax_matmul_nt: y[M, N] = x[M, K] @ w[N, K]^T  (a tied LM head, [V, H])
+// specjax_matmul_expert: y[M, N] = x[M, K] @ w[e][K, N]  (one expert of a stack)
 //
 // XLA's intra-op thread pool and the calling thread claim work from a shared
 // counter, so a task never waits for a pool thread that is busy elsewhere.
@@ -311,10 +312,7 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F3
 // y = x @ w (kTransposed: x @ w^T). Both column kernels zero y first, so an
 // empty contraction (K = 0) gives zeros.
 template <bool kTransposed>
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  Problem p;
-  if (auto err = CheckShapes(x, w, y, kTransposed, &p); !err.success()) return err;
+ffi::Error Run(ffi::ThreadPool& pool, const Problem& p) {
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
 #ifdef SPECJAX_X86
   if (!kTransposed && HasAvx2()) {
@@ -335,6 +333,33 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+template <bool kTransposed>
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  Problem p;
+  if (auto err = CheckShapes(x, w, y, kTransposed, &p); !err.success()) return err;
+  return Run<kTransposed>(pool, p);
+}
+
+// y = x @ w[e]: one expert's [K, N] matrix of a stack w[E, K, N], read where
+// it lies. The same product through a dynamic index would first copy the
+// expert's matrix out of the stack, a copy as large as the read itself, for
+// every routed expert of every token (a mixture of experts' decode step).
+// The index is clamped into the stack, as XLA clamps a dynamic index.
+ffi::Error ExpertMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                            ffi::Buffer<ffi::S32> index, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || index.element_count() != 1)
+    return ffi::Error::InvalidArgument("specjax expert matmul: x[M, K], w[E, K, N] and a scalar index");
+  const int64_t m = xd[0], k = xd[1], experts = wd[0], n = wd[2];
+  if (wd[1] != k || yd[0] != m || yd[1] != n || experts == 0)
+    return ffi::Error::InvalidArgument("specjax expert matmul: inconsistent shapes");
+  const int64_t e = std::clamp<int64_t>(index.typed_data()[0], 0, experts - 1);
+  return Run<false>(pool, Problem{x.typed_data(), w.typed_data() + e * k * n, y->typed_data(), m, n, k});
+}
+
 }  // namespace
 
 // Both handlers: XLA's intra-op thread pool, x, w -> y.
@@ -344,3 +369,10 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmul, MatmulImpl<false>, SPECJAX_MATMUL_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmulNt, MatmulImpl<true>, SPECJAX_MATMUL_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmulExpert, ExpertMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -64,6 +64,9 @@ _TARGETS = {
     "nt": ("specjax_matmul_nt", "SpecjaxMatmulNt"),
     "int8": ("specjax_qmatmul_int8", "SpecjaxQMatmulInt8"),
     "q4": ("specjax_qmatmul_q4", "SpecjaxQMatmulQ4"),
+    "expert": ("specjax_matmul_expert", "SpecjaxMatmulExpert"),
+    "int8_expert": ("specjax_qmatmul_int8_expert", "SpecjaxQMatmulInt8Expert"),
+    "q4_expert": ("specjax_qmatmul_q4_expert", "SpecjaxQMatmulQ4Expert"),
 }
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 
@@ -283,6 +286,53 @@ def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_ele
     return jax.lax.dot_general(
         lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type
     )
+
+
+def _expert_ffi(x: Array, stack: Array, index: Array) -> Array:
+    call = jax.ffi.ffi_call(_TARGETS["expert"][0], jax.ShapeDtypeStruct((x.shape[0], stack.shape[2]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, stack, index.astype(jnp.int32))
+
+
+def _expert_xla(x: Array, stack: Array, index: Array) -> Array:
+    return _xla("nn", x, jax.lax.dynamic_index_in_dim(stack, index, keepdims=False))
+
+
+@jax.custom_vjp
+def _expert_matmul(x: Array, stack: Array, index: Array) -> Array:
+    return platforms.platform_dependent(x, stack, index, cpu=_expert_ffi, default=_expert_xla)
+
+
+def _expert_matmul_fwd(x, stack, index):
+    return _expert_matmul(x, stack, index), (x, stack, index)
+
+
+def _expert_matmul_bwd(residuals, g):
+    x, stack, index = residuals
+    w = jax.lax.dynamic_index_in_dim(stack, index, keepdims=False)
+    grad_stack = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(stack), x.T @ g, index, 0)
+    return g @ w.T, grad_stack, np.zeros(np.shape(index), jax.dtypes.float0)
+
+
+_expert_matmul.defvjp(_expert_matmul_fwd, _expert_matmul_bwd)
+
+
+def expert_dot(x: Array, stack: Array, index: Array, *, preferred_element_type=None, matmul_mode: str = "auto"):
+    """``x[R, K] @ stack[index]``, one expert's ``[K, N]`` matrix of a stack ``[E, K, N]``.
+
+    With float32 operands and 1 to :data:`MAX_ROWS` rows (``matmul_mode``
+    permitting), the kernel reads the expert's matrix inside the stack: a
+    dynamic index would copy it out first, doubling the bytes a routed
+    expert's product moves. Otherwise (and on other platforms) the index and
+    :func:`dense_dot_general`. ``index`` is clamped into the stack.
+    """
+    rows = x.shape[0]
+    if (x.ndim == 2 and stack.ndim == 3 and x.dtype == jnp.float32 and stack.dtype == jnp.float32
+            and 0 < rows <= MAX_ROWS and kernel_wanted(matmul_mode)):
+        return _expert_matmul(x, stack, jnp.asarray(index, jnp.int32)).astype(preferred_element_type or x.dtype)
+    w = jax.lax.dynamic_index_in_dim(stack, index, keepdims=False)
+    return dense_dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=preferred_element_type,
+                             matmul_mode=matmul_mode)
 
 
 def _reset_for_tests(error: Optional[str] = None) -> None:

@@ -302,7 +302,79 @@ ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return Run(pool, p, true);
 }
 
+// The same products with one expert of a stack, each array [E, ...] read at
+// expert e where it lies: a dynamic index would copy the expert's arrays out
+// first (cpu_matmul.cc's expert handler says why that matters). The index is
+// clamped into the stack, as XLA clamps a dynamic index.
+ffi::Error ExpertShapes(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> dd, const ffi::Buffer<ffi::S32>& index,
+                        int64_t* experts) {
+  if (qd.size() != 3 || dd.size() != 3 || qd[0] != dd[0] || qd[0] == 0 || index.element_count() != 1)
+    return ffi::Error::InvalidArgument("specjax qmatmul expert: stacks [E, N, ...] and a scalar index");
+  *experts = qd[0];
+  return ffi::Error::Success();
+}
+
+int64_t ExpertIndex(const ffi::Buffer<ffi::S32>& index, int64_t experts) {
+  return std::clamp<int64_t>(index.typed_data()[0], 0, experts - 1);
+}
+
+ffi::Error Int8ExpertImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                          ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::S32> index, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  int64_t experts = 0;
+  if (auto err = ExpertShapes(q.dimensions(), d.dimensions(), index, &experts); !err.success()) return err;
+  QProblem p{};
+  if (auto err = Shapes(x.dimensions(), q.dimensions().last(2), d.dimensions().last(2), y->dimensions(), 1, 16, &p);
+      !err.success())
+    return err;
+  const int64_t e = ExpertIndex(index, experts);
+  p.x = x.typed_data();
+  p.q = static_cast<const uint8_t*>(q.untyped_data()) + e * p.n * p.row_bytes;
+  p.d = static_cast<const uint16_t*>(d.untyped_data()) + e * p.n * p.groups;
+  p.y = y->typed_data();
+  return Run(pool, p, false);
+}
+
+ffi::Error Q4ExpertImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
+                        ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::F16> mn, ffi::Buffer<ffi::S32> index,
+                        ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  int64_t experts = 0;
+  if (auto err = ExpertShapes(q.dimensions(), d.dimensions(), index, &experts); !err.success()) return err;
+  QProblem p{};
+  if (auto err = Shapes(x.dimensions(), q.dimensions().last(2), d.dimensions().last(2), y->dimensions(), 2, 32, &p);
+      !err.success())
+    return err;
+  const auto md = mn.dimensions();
+  if (md.size() != 3 || md[0] != experts || md[1] != p.n || md[2] != p.groups)
+    return ffi::Error::InvalidArgument("specjax qmatmul: the minimums' shape differs from the scales'");
+  const int64_t e = ExpertIndex(index, experts);
+  p.x = x.typed_data();
+  p.q = static_cast<const uint8_t*>(q.untyped_data()) + e * p.n * p.row_bytes;
+  p.d = static_cast<const uint16_t*>(d.untyped_data()) + e * p.n * p.groups;
+  p.mn = static_cast<const uint16_t*>(mn.untyped_data()) + e * p.n * p.groups;
+  p.y = y->typed_data();
+  return Run(pool, p, true);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQMatmulInt8Expert, Int8ExpertImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQMatmulQ4Expert, Q4ExpertImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQMatmulInt8, Int8Impl,
                               ffi::Ffi::Bind()

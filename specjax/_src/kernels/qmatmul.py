@@ -48,6 +48,18 @@ def cpu_qmatmul(x: Array, qweight: Array, qscale: Array, qmin: Array | None = No
     return call(x, qweight, qscale, *(() if qmin is None else (qmin,)))
 
 
+def cpu_qmatmul_expert(x: Array, qweight: Array, qscale: Array, qmin: Array | None, index: Array) -> Array:
+    """``x[M, K] @ W[index]^T`` for one matrix of stacked arrays (``[E, N, ...]`` each), on the CPU
+    kernel that reads it inside the stack; the index is clamped into the stack."""
+    kind = "int8_expert" if qmin is None else "q4_expert"
+    call = jax.ffi.ffi_call(
+        cpu_matmul.ffi_target(kind),
+        jax.ShapeDtypeStruct((x.shape[0], qweight.shape[1]), jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(x, qweight, qscale, *(() if qmin is None else (qmin,)), jnp.asarray(index, jnp.int32))
+
+
 def unpack_q4(qweight: Array) -> Array:
     """uint8 ``[..., N, K/2]`` blocks as 4-bit values ``[..., N, K/32, 16, 2]``, without moving a byte:
     element ``[n, b, j, h]`` is input ``32 b + 16 h + j`` (a bitcast to ``uint4``, low nibble first)."""

@@ -525,6 +525,25 @@ def qdot(x: Array, q: QArray, matmul: str = "auto") -> Array:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def qdot_expert(x: Array, stack: QArray, index: Array, matmul: str = "auto") -> Array:
+    """``x[R, K] @ W[index]^T`` in float32, one matrix of a quantized stack ``W[E, N, K]``.
+
+    On a CPU the few-row kernel reads the expert's arrays inside the stack (a dynamic
+    index would copy them out first, as many bytes again as the product reads); else
+    the indexed matrix's :func:`qdot`. ``index`` is clamped into the stack."""
+
+    def indexed(a, w, e):
+        return qdot(a, jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, e, keepdims=False), w), matmul)
+
+    if x.ndim != 2 or not x.shape[0] or not kernel_applies(x, matmul):
+        return indexed(x, stack, index)
+
+    def cpu(a, w, e):
+        return qmatmul.cpu_qmatmul_expert(a, w.qweight, w.qscale, w.qmin, e)
+
+    return platforms.platform_dependent(x, stack, jnp.asarray(index, jnp.int32), cpu=cpu, default=indexed)
+
+
 def qdot_experts(x: Array, q: QArray, matmul: str = "auto", *, per_expert: bool = False) -> Array:
     """Every expert's product with the stack ``W[E, N, K]``: ``[E, ..., N]`` in float32,
     from ``x[..., K]`` (one input for every expert) or, with ``per_expert``, ``x[E, ..., K]``.

@@ -9,10 +9,13 @@ experts' weights, with static shapes:
 1. The ``N * k`` (token, expert) assignments are sorted by expert, and each
    expert's rows are cut into tiles of ``min(N, GROUP_ROWS)`` rows.
 2. A loop runs over the tiles that hold rows (a traced trip count, a static
-   bound): each reads one expert's matrices (a dynamic index into the stacked
-   ``[E, ...]`` params) and multiplies its tile, with the product the dense
-   layers use (:func:`~specjax._src.kernels.cpu_matmul.dense_dot_general` in
-   float, :func:`~specjax._src.kernels.quant.qdot` for quantized experts).
+   bound): each multiplies its tile by one expert's matrices of the stacked
+   ``[E, ...]`` params. Float experts go to a CPU kernel that reads the
+   expert's matrix where it lies in the stack
+   (:func:`~specjax._src.kernels.cpu_matmul.expert_dot`): a dynamic index
+   would copy it out first, and at batch 1 those copies cost as much as the
+   products; quantized experts likewise
+   (:func:`~specjax._src.kernels.quant.qdot_expert`).
 
 With ``N <= GROUP_ROWS`` tokens (a decode step, a verification block, a draft
 step) every routed expert is one tile: a step reads the distinct experts its
@@ -149,7 +152,7 @@ def routed_experts(x: Array, weights: Array, experts: Array, stack, expert_mlp: 
       x: ``[N, H]`` tokens.
       weights, experts: ``[N, k]`` from :func:`route`.
       stack: the experts' params, a pytree of ``[E, ...]`` arrays.
-      expert_mlp: ``(one expert's params, rows [T, H]) -> [T, H]`` float32.
+      expert_mlp: ``(stack, expert index, rows [T, H]) -> [T, H]`` float32.
       tile: rows per tile (:func:`tile_schedule`).
 
     Returns:
@@ -164,8 +167,7 @@ def routed_experts(x: Array, weights: Array, experts: Array, stack, expert_mlp: 
 
     def one_tile(j, out):
         e, start = tile_expert[j], tile_start[j]
-        params = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=False), stack)
-        y = expert_mlp(params, jax.lax.dynamic_slice_in_dim(rows, start, tile))
+        y = expert_mlp(stack, e, jax.lax.dynamic_slice_in_dim(rows, start, tile))
         # A tile's last rows may belong to the next expert: keep what they hold.
         keep = jnp.arange(tile)[:, None] < tile_rows[j]
         y = jnp.where(keep, y, jax.lax.dynamic_slice_in_dim(out, start, tile))
@@ -198,7 +200,7 @@ def all_experts(x: Array, weights: Array, experts: Array, stack, expert_mlp: Cal
     """The reference: every expert on every token, the unpicked ones weighted 0 (reads every
     expert's weights). Arguments as :func:`routed_experts`; returns ``[N, H]`` float32."""
     num_experts = jax.tree_util.tree_leaves(stack)[0].shape[0]
-    ys = jax.lax.map(lambda params: expert_mlp(params, x), stack)  # [E, N, H]
+    ys = jax.lax.map(lambda e: expert_mlp(stack, e, x), jnp.arange(num_experts))  # [E, N, H]
     dense_weights = jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(experts, num_experts, dtype=jnp.float32))
     return jnp.einsum("enh,ne->nh", ys, dense_weights)
 
@@ -215,25 +217,27 @@ def all_float_experts(
 
 
 def float_expert_mlp(act: Callable, matmul: str) -> Callable:
-    """One float expert's gated MLP, ``{"gate", "up": [H, I], "down": [I, H]}``, on rows ``[T, H]``."""
+    """Expert ``e``'s gated MLP of a float stack ``{"gate", "up": [E, H, I], "down": [E, I, H]}``,
+    on rows ``[T, H]``: few float32 rows by the CPU kernel that reads the expert inside the stack
+    (:func:`~specjax._src.kernels.cpu_matmul.expert_dot`), without copying it out."""
 
-    def mlp(params, x):
-        def dot(a, w, out_dtype):
-            return cpu_matmul.dense_dot_general(a, w, _NT, preferred_element_type=out_dtype, matmul_mode=matmul)
+    def mlp(stack, e, x):
+        def dot(a, name, out_dtype):
+            return cpu_matmul.expert_dot(a, stack[name], e, preferred_element_type=out_dtype, matmul_mode=matmul)
 
-        h = act(dot(x, params["gate"], x.dtype)) * dot(x, params["up"], x.dtype)
-        return dot(h, params["down"], jnp.float32)
+        h = act(dot(x, "gate", x.dtype)) * dot(x, "up", x.dtype)
+        return dot(h, "down", jnp.float32)
 
     return mlp
 
 
 def quantized_expert_mlp(act: Callable, matmul: str) -> Callable:
-    """One quantized expert's gated MLP (each matrix the format's arrays, ``[out, in]``), on
-    rows ``[T, H]``: the product every quantized matrix uses (:func:`quant.qdot`)."""
+    """Expert ``e``'s gated MLP of a quantized stack (each matrix the format's arrays,
+    ``[E, out, in]``), on rows ``[T, H]``: read inside the stack (:func:`quant.qdot_expert`)."""
 
-    def mlp(params, x):
-        h = act(quant.qdot(x, params["gate"], matmul)) * quant.qdot(x, params["up"], matmul)
-        return quant.qdot(h.astype(x.dtype), params["down"], matmul)
+    def mlp(stack, e, x):
+        h = act(quant.qdot_expert(x, stack["gate"], e, matmul)) * quant.qdot_expert(x, stack["up"], e, matmul)
+        return quant.qdot_expert(h.astype(x.dtype), stack["down"], e, matmul)
 
     return mlp
 
