@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 HELDOUT_64 = common.ROOT / "benchmarks" / "prompts" / "heldout_chat_64.jsonl"
+WORKLOADS = ("short", "long", "shared", "conversation")
 
 
 class Result:
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--budget-mib", type=int, default=1024)
+    ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                    help="the workloads to run (default: all four)")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
 
@@ -195,6 +198,7 @@ def main(argv=None) -> int:
 
     workloads = {"short": lambda n, r: nothing_shared(n, r, False), "long": lambda n, r: nothing_shared(n, r, True),
                  "shared": shared, "conversation": conversation}
+    workloads = {w: fn for w, fn in workloads.items() if w in args.workloads}
     names = list(schedulers)
     t0 = time.perf_counter()
     for name in names:  # untimed: builds every program the workloads run (round -1: prompts of its own)
@@ -220,6 +224,8 @@ def main(argv=None) -> int:
 
     rows = []
     for w, label in (("short", "nothing shared, short prompts"), ("long", "nothing shared, ~130-token prompts")):
+        if w not in workloads:
+            continue
         c = [x["tok_s"] for x in results[w][cache_name]]
         n = [x["tok_s"] for x in results[w][none_name]]
         rr = ratios(c, n)
@@ -227,41 +233,47 @@ def main(argv=None) -> int:
                      f"{med(rr):.3f} [{min(rr):.3f}-{max(rr):.3f}] (cache / none; per round "
                      + ", ".join(f"{x:.3f}" for x in rr) + ")",
                      f"{med([x['cached'] for x in results[w][cache_name]]):.0f}"])
-    first_c = [x["ttft"][0] for x in results["shared"][cache_name]]
-    first_n = [x["ttft"][0] for x in results["shared"][none_name]]
-    later_c = [t for x in results["shared"][cache_name] for t in x["ttft"][1:]]
-    later_n = [t for x in results["shared"][none_name] for t in x["ttft"][1:]]
-    later_r = ratios([med(x["ttft"][1:]) for x in results["shared"][none_name]],
-                     [med(x["ttft"][1:]) for x in results["shared"][cache_name]])
-    prompt = results["shared"][cache_name][0]["prompt"]
-    rows.append(["shared system prompt, first request TTFT (s)", fmt(first_c), fmt(first_n),
-                 f"{med(ratios(first_n, first_c)):.2f} (none / cache)", "0"])
-    rows.append([f"shared system prompt, later requests TTFT (s; ~{prompt}-token prompts)", fmt(later_c),
-                 fmt(later_n), f"{med(later_r):.2f}x [{min(later_r):.2f}-{max(later_r):.2f}] (none / cache; per "
-                 "round " + ", ".join(f"{x:.2f}" for x in later_r) + ")",
-                 f"{med([c for x in results['shared'][cache_name] for c in x['cached'][1:]]):.0f} of ~{prompt}"])
-    conv_c, conv_n = results["conversation"][cache_name], results["conversation"][none_name]
-    for turn in sorted({0, 1, args.turns // 2, args.turns - 1}):
-        c = [x["ttft"][turn] for x in conv_c]
-        n = [x["ttft"][turn] for x in conv_n]
-        rr = ratios(n, c)
-        rows.append([f"conversation turn {turn + 1} TTFT (s; {med([x['prompt'][turn] for x in conv_c]):.0f}-token "
-                     "prompt)", fmt(c), fmt(n),
-                     f"{med(rr):.2f}x [{min(rr):.2f}-{max(rr):.2f}] (none / cache; per round "
-                     + ", ".join(f"{x:.2f}" for x in rr) + ")",
-                     f"{med([x['cached'][turn] for x in conv_c]):.0f}"])
+    if "shared" in workloads:
+        first_c = [x["ttft"][0] for x in results["shared"][cache_name]]
+        first_n = [x["ttft"][0] for x in results["shared"][none_name]]
+        later_c = [t for x in results["shared"][cache_name] for t in x["ttft"][1:]]
+        later_n = [t for x in results["shared"][none_name] for t in x["ttft"][1:]]
+        later_r = ratios([med(x["ttft"][1:]) for x in results["shared"][none_name]],
+                         [med(x["ttft"][1:]) for x in results["shared"][cache_name]])
+        prompt = results["shared"][cache_name][0]["prompt"]
+        rows.append(["shared system prompt, first request TTFT (s)", fmt(first_c), fmt(first_n),
+                     f"{med(ratios(first_n, first_c)):.2f} (none / cache)", "0"])
+        rows.append([f"shared system prompt, later requests TTFT (s; ~{prompt}-token prompts)", fmt(later_c),
+                     fmt(later_n), f"{med(later_r):.2f}x [{min(later_r):.2f}-{max(later_r):.2f}] (none / cache; per "
+                     "round " + ", ".join(f"{x:.2f}" for x in later_r) + ")",
+                     f"{med([c for x in results['shared'][cache_name] for c in x['cached'][1:]]):.0f} of ~{prompt}"])
+    if "conversation" in workloads:
+        conv_c, conv_n = results["conversation"][cache_name], results["conversation"][none_name]
+        for turn in sorted({0, 1, args.turns // 2, args.turns - 1}):
+            c = [x["ttft"][turn] for x in conv_c]
+            n = [x["ttft"][turn] for x in conv_n]
+            rr = ratios(n, c)
+            rows.append([f"conversation turn {turn + 1} TTFT (s; {med([x['prompt'][turn] for x in conv_c]):.0f}-token "
+                         "prompt)", fmt(c), fmt(n),
+                         f"{med(rr):.2f}x [{min(rr):.2f}-{max(rr):.2f}] (none / cache; per round "
+                         + ", ".join(f"{x:.2f}" for x in rr) + ")",
+                         f"{med([x['cached'][turn] for x in conv_c]):.0f}"])
     report.table("paired figures (median [range] over rounds, or over requests for the shared prompt's later ones)",
                  ["workload", "prefix cache", "no prefix cache", "ratio", "prompt tokens read from the cache"], rows)
-    per_turn = []
-    for name in names:
-        xs = results["conversation"][name]
-        per_turn.append([name] + [f"{med([x['ttft'][t] for x in xs]):.2f}" for t in range(args.turns)])
-    report.table("conversation: median TTFT per turn (s)", ["engine"] + [str(t + 1) for t in range(args.turns)],
-                 per_turn)
-    report.text("cached prompt tokens per turn (prefix cache, round 1): "
-                + ", ".join(f"{c}/{p}" for c, p in zip(conv_c[0]["cached"], conv_c[0]["prompt"])))
-    agree = all(a["replies"] == b["replies"] for a, b in zip(conv_c, conv_n))
-    report.text(f"the conversations' replies agree between the engines: {agree}")
+    if "conversation" in workloads:
+        per_turn = []
+        for name in names:
+            xs = results["conversation"][name]
+            per_turn.append([name] + [f"{med([x['ttft'][t] for x in xs]):.2f}" for t in range(args.turns)])
+        report.table("conversation: median TTFT per turn (s)", ["engine"] + [str(t + 1) for t in range(args.turns)],
+                     per_turn)
+        report.text("cached prompt tokens per turn (prefix cache, round 1): "
+                    + ", ".join(f"{c}/{p}" for c, p in zip(conv_c[0]["cached"], conv_c[0]["prompt"])))
+        agree = all(a["replies"] == b["replies"] for a, b in zip(conv_c, conv_n))
+        report.text(f"the conversations' replies agree between the engines: {agree}")
+    report.text("scheduler time over the whole run (warm-up included), prefix cache / none: steps "
+                + " / ".join(f"{schedulers[n].counters.step_seconds:.2f} s" for n in names) + "; inserts "
+                + " / ".join(f"{schedulers[n].counters.insert_seconds:.2f} s" for n in names))
     stats = caches[cache_name].stats()
     report.text(f"prefix cache at the end: {stats['blocks']} blocks, {stats['bytes'] / 2**20:.0f} MiB, "
                 f"{stats['evictions']} evictions; load average at start of the run: {began_load}; at the end: "
