@@ -306,89 +306,69 @@ ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 // expert e where it lies: a dynamic index would copy the expert's arrays out
 // first (cpu_matmul.cc's expert handler says why that matters). The index is
 // clamped into the stack, as XLA clamps a dynamic index.
-ffi::Error ExpertShapes(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> dd, const ffi::Buffer<ffi::S32>& index,
-                        int64_t* experts) {
+//
+// Fills p for expert `index` (clamped) of the stacks q[E, N, K'] and d[E, N, G]: the
+// shapes without their leading axis, the pointers at that expert's arrays. *offset: the
+// expert's first element in an [E, N, G] array (the 4-bit minimums).
+ffi::Error ExpertProblem(const ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> qd, const void* q,
+                         ffi::Span<const int64_t> dd, const void* d, const ffi::Buffer<ffi::S32>& index,
+                         ffi::Result<ffi::Buffer<ffi::F32>>& y, int64_t inputs_per_byte, int64_t group_multiple,
+                         QProblem* p, int64_t* offset) {
   if (qd.size() != 3 || dd.size() != 3 || qd[0] != dd[0] || qd[0] == 0 || index.element_count() != 1)
     return ffi::Error::InvalidArgument("specjax qmatmul expert: stacks [E, N, ...] and a scalar index");
-  *experts = qd[0];
+  if (auto err = Shapes(x.dimensions(), qd.last(2), dd.last(2), y->dimensions(), inputs_per_byte, group_multiple, p);
+      !err.success())
+    return err;
+  const int64_t e = std::clamp<int64_t>(index.typed_data()[0], 0, qd[0] - 1);
+  *offset = e * p->n * p->groups;
+  p->x = x.typed_data();
+  p->q = static_cast<const uint8_t*>(q) + e * p->n * p->row_bytes;
+  p->d = static_cast<const uint16_t*>(d) + *offset;
+  p->y = y->typed_data();
   return ffi::Error::Success();
-}
-
-int64_t ExpertIndex(const ffi::Buffer<ffi::S32>& index, int64_t experts) {
-  return std::clamp<int64_t>(index.typed_data()[0], 0, experts - 1);
 }
 
 ffi::Error Int8ExpertImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                           ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::S32> index, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  int64_t experts = 0;
-  if (auto err = ExpertShapes(q.dimensions(), d.dimensions(), index, &experts); !err.success()) return err;
   QProblem p{};
-  if (auto err = Shapes(x.dimensions(), q.dimensions().last(2), d.dimensions().last(2), y->dimensions(), 1, 16, &p);
+  int64_t offset = 0;
+  if (auto err = ExpertProblem(x, q.dimensions(), q.untyped_data(), d.dimensions(), d.untyped_data(), index, y, 1,
+                               16, &p, &offset);
       !err.success())
     return err;
-  const int64_t e = ExpertIndex(index, experts);
-  p.x = x.typed_data();
-  p.q = static_cast<const uint8_t*>(q.untyped_data()) + e * p.n * p.row_bytes;
-  p.d = static_cast<const uint16_t*>(d.untyped_data()) + e * p.n * p.groups;
-  p.y = y->typed_data();
   return Run(pool, p, false);
 }
 
 ffi::Error Q4ExpertImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
                         ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::F16> mn, ffi::Buffer<ffi::S32> index,
                         ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  int64_t experts = 0;
-  if (auto err = ExpertShapes(q.dimensions(), d.dimensions(), index, &experts); !err.success()) return err;
   QProblem p{};
-  if (auto err = Shapes(x.dimensions(), q.dimensions().last(2), d.dimensions().last(2), y->dimensions(), 2, 32, &p);
+  int64_t offset = 0;
+  if (auto err = ExpertProblem(x, q.dimensions(), q.untyped_data(), d.dimensions(), d.untyped_data(), index, y, 2,
+                               32, &p, &offset);
       !err.success())
     return err;
   const auto md = mn.dimensions();
-  if (md.size() != 3 || md[0] != experts || md[1] != p.n || md[2] != p.groups)
+  if (md.size() != 3 || md[0] != q.dimensions()[0] || md[1] != p.n || md[2] != p.groups)
     return ffi::Error::InvalidArgument("specjax qmatmul: the minimums' shape differs from the scales'");
-  const int64_t e = ExpertIndex(index, experts);
-  p.x = x.typed_data();
-  p.q = static_cast<const uint8_t*>(q.untyped_data()) + e * p.n * p.row_bytes;
-  p.d = static_cast<const uint16_t*>(d.untyped_data()) + e * p.n * p.groups;
-  p.mn = static_cast<const uint16_t*>(mn.untyped_data()) + e * p.n * p.groups;
-  p.y = y->typed_data();
+  p.mn = static_cast<const uint16_t*>(mn.untyped_data()) + offset;
   return Run(pool, p, true);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQMatmulInt8Expert, Int8ExpertImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// Every handler: XLA's intra-op thread pool and x, then the weight's arrays
+// (and, for one expert of a stack, its index) -> y.
+#define SPECJAX_QMATMUL_HANDLER(name, impl, weight_args) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                        \
+      name, impl,                                       \
+      ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>() weight_args.Ret<ffi::Buffer<ffi::F32>>())
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQMatmulQ4Expert, Q4ExpertImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define SPECJAX_INT8_ARGS .Arg<ffi::Buffer<ffi::S8>>().Arg<ffi::Buffer<ffi::F16>>()
+#define SPECJAX_Q4_ARGS .Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::F16>>().Arg<ffi::Buffer<ffi::F16>>()
+#define SPECJAX_INDEX_ARG .Arg<ffi::Buffer<ffi::S32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQMatmulInt8, Int8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQMatmulQ4, Q4Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+SPECJAX_QMATMUL_HANDLER(SpecjaxQMatmulInt8, Int8Impl, SPECJAX_INT8_ARGS);
+SPECJAX_QMATMUL_HANDLER(SpecjaxQMatmulQ4, Q4Impl, SPECJAX_Q4_ARGS);
+SPECJAX_QMATMUL_HANDLER(SpecjaxQMatmulInt8Expert, Int8ExpertImpl, SPECJAX_INT8_ARGS SPECJAX_INDEX_ARG);
+SPECJAX_QMATMUL_HANDLER(SpecjaxQMatmulQ4Expert, Q4ExpertImpl, SPECJAX_Q4_ARGS SPECJAX_INDEX_ARG);
