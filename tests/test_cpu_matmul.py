@@ -109,6 +109,8 @@ def test_an_expert_of_a_stack_is_multiplied_where_it_lies(rows):
     have = jax.grad(loss(lambda a, s: cpu_matmul.expert_dot(a, s, jnp.int32(3))), argnums=(0, 1))(x, stack)
     for h, w in zip(have, want):
         np.testing.assert_allclose(np.asarray(h), np.asarray(w), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"stack \[E, K, N\]; got x"):
+        cpu_matmul.expert_dot(x[:, :24], stack, 0)
 
 
 def test_bad_operands_are_refused():

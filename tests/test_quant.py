@@ -464,4 +464,6 @@ def test_an_expert_of_a_quantized_stack_is_multiplied_where_it_lies(fmt, rows):
     assert np.abs(got[1] - got[2]).max() > 1e-2
     np.testing.assert_array_equal(np.asarray(f(x, stack, 7)), got[4])
     np.testing.assert_array_equal(np.asarray(f(x, stack, -1)), got[0])
+    with pytest.raises(ValueError, match=r"quantized stack \[E, N, K\]; got x"):
+        quant.qdot_expert(x[:, :64], stack, 0)
 

@@ -326,9 +326,11 @@ def expert_dot(x: Array, stack: Array, index: Array, *, preferred_element_type=N
     expert's product moves. Otherwise (and on other platforms) the index and
     :func:`dense_dot_general`. ``index`` is clamped into the stack.
     """
+    if x.ndim != 2 or stack.ndim != 3 or x.shape[1] != stack.shape[1]:
+        raise ValueError(f"expert_dot multiplies rows x[R, K] by one expert of a stack [E, K, N]; got x {x.shape} "
+                         f"and a stack {stack.shape}.")
     rows = x.shape[0]
-    if (x.ndim == 2 and stack.ndim == 3 and x.dtype == jnp.float32 and stack.dtype == jnp.float32
-            and 0 < rows <= MAX_ROWS and kernel_wanted(matmul_mode)):
+    if x.dtype == jnp.float32 and stack.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and kernel_wanted(matmul_mode):
         return _expert_matmul(x, stack, jnp.asarray(index, jnp.int32)).astype(preferred_element_type or x.dtype)
     w = jax.lax.dynamic_index_in_dim(stack, index, keepdims=False)
     return dense_dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=preferred_element_type,

@@ -532,10 +532,14 @@ def qdot_expert(x: Array, stack: QArray, index: Array, matmul: str = "auto") -> 
     index would copy them out first, as many bytes again as the product reads); else
     the indexed matrix's :func:`qdot`. ``index`` is clamped into the stack."""
 
+    if x.ndim != 2 or len(stack.shape) != 3 or x.shape[1] != stack.shape[2]:
+        raise ValueError(f"qdot_expert multiplies rows x[R, K] by one matrix of a quantized stack [E, N, K]; got x "
+                         f"{x.shape} and a stack {stack.shape}.")
+
     def indexed(a, w, e):
         return qdot(a, jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, e, keepdims=False), w), matmul)
 
-    if x.ndim != 2 or not x.shape[0] or not kernel_applies(x, matmul):
+    if not x.shape[0] or not kernel_applies(x, matmul):
         return indexed(x, stack, index)
 
     def cpu(a, w, e):
