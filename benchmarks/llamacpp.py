@@ -25,7 +25,10 @@ Contenders (``--contenders``, comma-separated; default all):
   ``--head-quantize``), ``--num-draft`` drafts per cycle;
 * ``specjax-q4-head-lookup``: the same plus context lookup drafting
   (``decode(lookup=specjax.drafting.ngram_lookup(MIN[, MAX]))``, ``--lookup``,
-  as ``benchmarks/real_pair.py --lookup``).
+  as ``benchmarks/real_pair.py --lookup``);
+* ``specjax-q4-head-auto``: ``specjax-q4-head`` with ``drafting.auto()``, the
+  draft length chosen each cycle (0 to ``--auto-cap``), as ``decode``'s users
+  run it without choosing K.
 
 Prompts: the first ``--prompts`` of ``--prompt-file`` (default the 64 held-out
 chat prompts, ``benchmarks/prompts/heldout_chat_64.jsonl``), rendered with the
@@ -92,12 +95,13 @@ HEAD = common.MODELS / "smollm2-eagle"
 HELDOUT_64 = common.ROOT / "benchmarks" / "prompts" / "heldout_chat_64.jsonl"
 N_CTX = 2048
 CONTENDERS = ("llamacpp-q4", "specjax-f32", "specjax-q4", "specjax-int8", "specjax-q4-head",
-              "specjax-q4-head-lookup")
-SPECULATIVE = ("specjax-q4-head", "specjax-q4-head-lookup")
+              "specjax-q4-head-lookup", "specjax-q4-head-auto")
+SPECULATIVE = ("specjax-q4-head", "specjax-q4-head-lookup", "specjax-q4-head-auto")
 # The target-only contender with the same weights as each speculative one: its output is the reference.
-SAME_WEIGHTS = {"specjax-q4-head": "specjax-q4", "specjax-q4-head-lookup": "specjax-q4"}
+SAME_WEIGHTS = {"specjax-q4-head": "specjax-q4", "specjax-q4-head-lookup": "specjax-q4",
+                "specjax-q4-head-auto": "specjax-q4"}
 LOAD_QUANTIZE = {"specjax-f32": None, "specjax-int8": "int8", "specjax-q4": "gguf",
-                 "specjax-q4-head": "gguf", "specjax-q4-head-lookup": "gguf"}
+                 "specjax-q4-head": "gguf", "specjax-q4-head-lookup": "gguf", "specjax-q4-head-auto": "gguf"}
 INSTALL = ('llama-cpp-python is not installed: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36 '
            "(a source build, about 15 minutes on 2 cores; cmake and a C++ compiler needed)")
 
@@ -211,6 +215,10 @@ class SpecjaxRunner:
             target_bytes = _nbytes(self.target.params, draft_params)
             detail += (f"; head {Path(args.head).name} ({args.head_quantize if args.head_quantize != 'none' else 'float32'}), "
                        f"K={self.K}")
+            self.drafting = None
+            if name.endswith("-auto"):  # the draft length chosen each cycle, up to --auto-cap
+                self.drafting, self.K = specjax.drafting.auto(), args.auto_cap
+                detail += f", drafting auto() capped at K={self.K}"
             if name.endswith("-lookup"):
                 self.lookup = specjax.drafting.ngram_lookup(*(int(x) for x in args.lookup.split(",")))
                 detail += f", ngram_lookup(min_match={self.lookup.min_match}, max_match={self.lookup.max_match})"
@@ -228,7 +236,8 @@ class SpecjaxRunner:
             out = self._generate(ids)
         else:
             out = self.specjax.decode(self.pair, [ids], rule=self.rule, num_draft=self.K, max_new_tokens=self.N,
-                                      temperature=0.0, eos_token_id=(), lookup=self.lookup)
+                                      temperature=0.0, eos_token_id=(), lookup=self.lookup,
+                                      **({} if self.drafting is None else {"drafting": self.drafting}))
         jax.block_until_ready(out.tokens)
         dt = time.perf_counter() - t0
         n = int(np.asarray(out.lengths)[0])
@@ -389,6 +398,7 @@ def parse_args(argv=None):
     # K=2: the 4-bit target's best on a 2-core CPU, where each verified row costs its multiply-adds
     # (K=3: 1.22x llama.cpp, K=4: 1.00x, K=2: 1.32-1.33x; BENCHMARKS.md).
     ap.add_argument("--num-draft", type=int, default=2, help="K, drafts per cycle of the speculative contenders")
+    ap.add_argument("--auto-cap", type=int, default=3, help="K cap of specjax-q4-head-auto (drafting.auto())")
     ap.add_argument("--head-quantize", default="int8",
                     help='specjax.quantize format of the head ("int8", "q4", ...; "none": float32)')
     ap.add_argument("--lookup", default="2", metavar="MIN[,MAX]",
