@@ -21,6 +21,11 @@ experts: a worst case for the verification's cost next to trained routers.
    table lookup, so drafting costs next to nothing: the figures isolate the
    target's verification cost). Tokens are checked equal to target-only's.
 
+With ``--mesh M`` everything runs on a ``(1, M)`` mesh whose ``'model'`` axis
+splits the experts (on the CPU, ``M`` host devices sharing its cores), and the
+step table gains ``moe-all``: every device computing every token on each of its
+experts, what a mesh ran before routed compute worked across it.
+
 Figures on the shared 2-core CPU VM are noisy; the spreads say how much.
 """
 
@@ -40,8 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 
-def configs(hidden: int, layers: int, vocab: int):
-    """``(moe, dense)`` ModelConfigs with Qwen3-30B-A3B's expert layout scaled to ``hidden``."""
+def configs(hidden: int, layers: int, vocab: int, kv_heads: int = 1):
+    """``(moe, dense)`` ModelConfigs with Qwen3-30B-A3B's expert layout scaled to ``hidden``
+    (``kv_heads``: 1, or one per device of a mesh's 'model' axis)."""
     from specjax import ModelConfig
 
     heads, head_dim = 8, hidden // 8
@@ -51,7 +57,7 @@ def configs(hidden: int, layers: int, vocab: int):
         hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=1,
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=1024,
         qk_norm=True,
@@ -128,8 +134,9 @@ def step_fns(model, widths: Sequence[int], prefix: int):
     import jax.numpy as jnp
 
     cache = model.module.init_cache(1, prefix + max(widths) + 8)
-    out = model.module.apply(model.params, jnp.arange(3, 3 + prefix, dtype=jnp.int32)[None], cache)
-    cache = out.cache
+    # Jitted, so that on a mesh the cache comes back in the layout the step's program takes.
+    prefill = jax.jit(lambda p, toks, c: model.module.apply(p, toks, c).cache)
+    cache = prefill(model.params, jnp.arange(3, 3 + prefix, dtype=jnp.int32)[None], cache)
     fwd = jax.jit(lambda p, toks, c: model.module.apply(p, toks, c).logits)
     fns = {}
     for w in widths:
@@ -160,12 +167,19 @@ def ratio(a: Sequence[float], b: Sequence[float]) -> float:
     return statistics.median([x / y for x, y in zip(a, b)])
 
 
+def on_mesh(model, mesh, experts: Any = None):
+    """``model`` with its params split over ``mesh`` and XLA's products (as ``decode`` on a mesh
+    runs it); ``experts`` overrides how its experts compute (default: routed, each device its own)."""
+    from specjax import sharding
+
+    placed = sharding.shard_params(model, mesh)
+    fields = {"matmul": "xla"}
+    if model.module.config.num_experts:
+        fields["experts"] = sharding.ExpertMesh(mesh) if experts is None else experts
+    return placed.replace(module=dataclasses.replace(model.module, **fields))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    import jax
-
-    import specjax
-    from specjax import Decoder, Model
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--formats", nargs="+", default=["float32", "int8"], help="float32 and/or a quantize= format")
     ap.add_argument("--hidden", type=int, default=512)
@@ -176,10 +190,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=10, help="forwards per timed step measurement")
+    ap.add_argument("--mesh", type=int, default=0, help="split the experts over this many devices (host devices on a CPU)")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
+    if args.mesh > 1 and "jax" not in sys.modules:  # host devices must be asked for before jax starts
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.mesh}"
+        ).strip()
+    import jax
 
-    moe_cfg, dense_cfg = configs(args.hidden, args.layers, args.vocab)
+    import specjax
+    from specjax import Decoder, Model, sharding
+
+    mesh = sharding.make_mesh(1, args.mesh) if args.mesh > 1 else None
+
+    moe_cfg, dense_cfg = configs(args.hidden, args.layers, args.vocab, max(1, args.mesh))
     lines = [
         common.header(
             "benchmarks/moe.py: a mixture of experts against the dense model of its active "
@@ -198,12 +223,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     emit(
         f"moe: {moe_cfg.num_layers} layers, hidden {moe_cfg.hidden_size}, {moe_cfg.num_experts} experts of width "
         f"{moe_cfg.moe_intermediate_size}, {moe_cfg.num_experts_per_tok} routed; dense: MLP width "
-        f"{dense_cfg.intermediate_size}; vocabulary {moe_cfg.vocab_size}; batch 1, greedy"
+        f"{dense_cfg.intermediate_size}; {moe_cfg.num_kv_heads} kv heads; vocabulary {moe_cfg.vocab_size}; batch 1, greedy"
     )
     widths = list(range(1, args.max_k + 2))
     prompt = [list(range(3, 19))]
+    if mesh is not None:
+        emit(f"on a (1, {args.mesh}) mesh: the experts split over 'model' ({jax.device_count()} {jax.devices()[0].platform} devices)")
     for fmt in args.formats:
         models = base if fmt == "float32" else {n: specjax.quantize(m, fmt) for n, m in base.items()}
+        if mesh is not None:
+            models = {**{n: on_mesh(m, mesh) for n, m in models.items()}, "moe-all": on_mesh(models["moe"], mesh, "all")}
         emit()
         emit(f"## {fmt}")
         emit()
@@ -212,13 +241,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             for w, fn in step_fns(model, widths, prefix=32).items():
                 fns[(name, w)] = fn
         times = timed_steps(fns, args.rounds, args.repeats)
-        emit("| width | moe ms | dense ms | moe / dense | moe / its 1-token step | dense / its 1-token step |")
-        emit("|---|---|---|---|---|---|")
+        every = "moe-all" in models
+        emit(
+            "| width | moe ms | dense ms | moe / dense | moe / its 1-token step | dense / its 1-token step |"
+            + (" moe-all ms | moe-all / moe |" if every else "")
+        )
+        emit("|---|---|---|---|---|---|" + ("---|---|" if every else ""))
         for w in widths:
             m, d = times[("moe", w)], times[("dense", w)]
             emit(
                 f"| {w} | {spread(m)} | {spread(d)} | {ratio(m, d):.2f}x | {ratio(m, times[('moe', 1)]):.2f}x | "
                 f"{ratio(d, times[('dense', 1)]):.2f}x |"
+                + (f" {spread(times[('moe-all', w)])} | {ratio(times[('moe-all', w)], m):.2f}x |" if every else "")
             )
         emit()
 
@@ -228,9 +262,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         greedy = np.concatenate([np.asarray(prompt[0]), alone])
         draft = agreeing_draft(greedy, target.vocab_size, args.agree)
         pair = specjax.pair(target, draft)
-        runs = {"target-only": lambda: specjax.generate(target, prompt, **kw)}
+        placement = {} if mesh is None else {"mesh": mesh}
+        runs = {"target-only": lambda: specjax.generate(target, prompt, **kw, **placement)}
         for k in range(1, args.max_k + 1):
-            runs[f"K={k}"] = lambda k=k: specjax.decode(pair, prompt, num_draft=k, **kw)
+            runs[f"K={k}"] = lambda k=k: specjax.decode(pair, prompt, num_draft=k, **kw, **placement)
         outs = {name: fn() for name, fn in runs.items()}  # compile, and check the tokens
         for name, out in outs.items():
             if not np.array_equal(np.asarray(out.tokens)[0], alone):

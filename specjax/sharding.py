@@ -12,13 +12,16 @@
 
 Tensor parallel over heads, MLP width and vocabulary on ``'model'``; data
 parallel over sequences on ``'data'``; XLA's SPMD partitioner inserts the
-collectives. See ``docs/sharding.md``.
+collectives. A mixture of experts whose experts the ``'model'`` axis splits
+computes, on each device, the routed tokens of the experts it holds
+(:class:`ExpertMesh`, which ``decode`` sets). See ``docs/sharding.md``.
 """
 
 from specjax._src.models.sharding import (
     DATA,
     MODEL,
     DecodeLayout,
+    ExpertMesh,
     cache_spec,
     check_batch,
     check_divisible,
@@ -33,6 +36,7 @@ __all__ = (
     "DATA",
     "MODEL",
     "DecodeLayout",
+    "ExpertMesh",
     "cache_spec",
     "check_batch",
     "check_divisible",

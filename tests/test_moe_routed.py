@@ -137,20 +137,23 @@ def test_ragged_dot_path_equals_the_tiles():
 def test_an_unknown_experts_mode_is_refused():
     cfg = CASES["float"]
     params, x = _layer(cfg, 2)
-    with pytest.raises(ValueError, match="'routed' or 'all'"):
+    with pytest.raises(ValueError, match="'routed', 'all' or a moe.ExpertMesh"):
         moe.MoE(cfg, experts="some").apply({"params": params}, x)
 
 
 _MESH_SCRIPT = r"""
 import json, re, sys
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import specjax
 from specjax import sharding
 from specjax._src.models import moe, sharding as sharding_rules
 from specjax.testing import llama_config, peaked_target_and_draft
+sys.path.insert(0, "tests")
+from test_moe_routed import CASES, _layer
 
-cfg = llama_config(model_type="mixtral", num_kv_heads=4, num_experts=4, num_experts_per_tok=2)
+report = {}
+cfg = llama_config(model_type="mixtral", num_kv_heads=4, num_experts=8, num_experts_per_tok=2)
 target, _ = peaked_target_and_draft(cfg)
 mesh = sharding.make_mesh(1, 4)
 placed, _ = sharding_rules.prepare({"target": target}, 1, mesh)
@@ -158,24 +161,64 @@ prompt = [[3, 1, 4, 1, 5]]
 alone = specjax.generate(target, prompt, max_new_tokens=8, temperature=0.0, eos_token_id=())
 on_mesh = specjax.generate(sharding.shard_params(target, mesh), prompt, max_new_tokens=8, temperature=0.0,
                            eos_token_id=())
-layer = target.params["layer_0"]["mlp"]
-spec = {"router": {"kernel": P()}, **{f"experts_{p}": P("model", None, None) for p in ("gate", "up", "down")}}
-layer = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), layer, spec)
-x = jnp.ones((1, 2, cfg.hidden_size))
-gathers = {}
-for mode in ("routed", "all"):
-    f = jax.jit(lambda p, x: moe.MoE(cfg, experts=mode).apply({"params": p}, x))
-    gathers[mode] = len(re.findall(r"all-gather", f.lower(layer, x).compile().as_text()))
-json.dump({"experts": placed["target"].module.experts, "match": alone.to_lists() == on_mesh.to_lists(),
-           "gathers": gathers}, sys.stdout)
+report["decoder"] = {"mesh": isinstance(placed["target"].module.experts, moe.ExpertMesh),
+                     "match": alone.to_lists() == on_mesh.to_lists()}
+
+
+def on(mesh, params):
+    def spec(path, leaf):
+        split = any(str(getattr(k, "key", k)).startswith("experts_") for k in path)
+        return NamedSharding(mesh, P("model") if split else P())
+    return jax.tree_util.tree_map_with_path(lambda p, a: jax.device_put(a, spec(p, a)), params)
+
+
+def run(cfg, params, x, experts):
+    # The layer's output, and how many whole expert stacks [E, >= 16, >= 16] the program all-gathers.
+    f = jax.jit(lambda p, x: moe.MoE(cfg, "xla", experts).apply({"params": p}, x))
+    shapes = re.findall(r"= \w+\[(\d+),(\d+),(\d+)\]\S* all-gather\(", f.lower(params, x).compile().as_text())
+    return np.asarray(f(params, x)), sum(int(e) == cfg.num_experts and min(int(a), int(b)) >= 16 for e, a, b in shapes)
+
+
+layers = {}
+split = sharding.make_mesh(2, 2)
+for case in ("float", "deepseek_routing", "int8", "q4"):
+    for tokens in (2, 40):
+        params, x = _layer(CASES[case], tokens)
+        ref, _ = run(CASES[case], params, x, "routed")
+        got, gathers = run(CASES[case], on(split, params), x, moe.ExpertMesh(split))
+        layers[f"{case}/{tokens}"] = {"error": float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))),
+                                      "gathers": gathers}
+report["layers"] = layers
+params, x = _layer(CASES["float"], 2)
+mesh_layer = jax.jit(lambda p, x: moe.MoE(CASES["float"], "xla", moe.ExpertMesh(split)).apply({"params": p}, x))
+report["kernel_in_place"] = "specjax_matmul_expert" in mesh_layer.lower(on(split, params), x).compile().as_text()
+_, report["routed_gathers"] = run(CASES["float"], on(split, _layer(CASES["float"], 2)[0]), _layer(CASES["float"], 2)[1],
+                                  "routed")
+
+# Experts no token routes to, poisoned with NaN: reading one would show.
+lone = CASES["float_top1"]
+params, x = _layer(lone, 2)
+picked = moe.route(x.reshape(-1, lone.hidden_size) @ params["router"]["kernel"], lone.num_experts_per_tok, False)[1]
+unrouted = np.setdiff1d(np.arange(lone.num_experts), np.asarray(picked))
+poisoned = {k: (v.at[unrouted].set(jnp.nan) if k.startswith("experts_") else v) for k, v in params.items()}
+ref, _ = run(lone, poisoned, x, "routed")
+got, _ = run(lone, on(split, poisoned), x, moe.ExpertMesh(split))
+every, _ = run(lone, on(split, poisoned), x, "all")
+report["poisoned"] = {"unrouted": len(unrouted), "finite": bool(np.isfinite(got).all()),
+                      "match": bool(np.allclose(got, ref, rtol=1e-5, atol=1e-5)),
+                      "every_expert_finite": bool(np.isfinite(every).all())}
+json.dump(report, sys.stdout)
 """
 
 
-def test_a_mesh_that_splits_the_experts_computes_each_devices_own():
-    """On 4 host devices with the experts split over 'model': decoding runs every expert on
-    its own device (``experts="all"``: no expert stack gathered, one all-reduce), and gives
-    the single-device tokens. Control: the routed path, whose traced expert index makes XLA
-    gather the stacks, is what the mesh avoids."""
+def test_a_mesh_that_splits_the_experts_computes_each_devices_routed_experts():
+    """On 4 host devices with the experts split over 'model': each device computes the routed
+    tokens of the experts it holds (``moe.ExpertMesh``, one all-reduce, no expert stack
+    gathered; each expert read in place by the CPU kernel), equal to one device's routed
+    experts for float, DeepSeek-routed, int8 and q4 stacks, one to 40 tokens, tokens split over 'data' too; decoding gives the single-device
+    tokens. Experts no token picked are poisoned with NaN and never read. Controls: every
+    expert on every token reads the poison; the routed path left to XLA's partitioner gathers
+    the stacks."""
     import json
     import os
     import subprocess
@@ -192,6 +235,12 @@ def test_a_mesh_that_splits_the_experts_computes_each_devices_own():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["experts"] == "all"
-    assert report["match"]
-    assert report["gathers"]["all"] == 0 and report["gathers"]["routed"] > 0
+    assert report["decoder"] == {"mesh": True, "match": True}
+    for name, layer in report["layers"].items():
+        assert layer["error"] < 1e-5, (name, layer)
+        assert layer["gathers"] == 0, (name, layer)
+    assert report["routed_gathers"] > 0
+    assert report["kernel_in_place"]  # each device reads its experts where they lie (a CPU kernel)
+    poisoned = report["poisoned"]
+    assert poisoned["unrouted"] >= 4 and poisoned["finite"] and poisoned["match"]
+    assert not poisoned["every_expert_finite"]

@@ -80,7 +80,7 @@ from specjax._src.models.layers import INIT_STD as _INIT_STD
 from specjax._src.models.layers import dense as _dense
 from specjax._src.models.layers import float_embed as _float_embed
 from specjax._src.models.layers import norm as _norm
-from specjax._src.models.moe import MoE
+from specjax._src.models.moe import ExpertMesh, MoE, check_experts
 
 
 # --------------------------------------------------------------------------- #
@@ -485,7 +485,7 @@ class Block(nn.Module):
     matmul: str = "auto"
     attention_reads: str = "auto"
     layer: int = 0
-    experts: str = "routed"
+    experts: str | ExpertMesh = "routed"
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, lengths, mask=None, width_index=None):
@@ -520,7 +520,7 @@ class Transformer(nn.Module):
     config: ModelConfig
     matmul: str = "auto"
     attention_reads: str = "auto"
-    experts: str = "routed"
+    experts: str | ExpertMesh = "routed"
 
     @nn.compact
     def __call__(self, tokens, positions, kv_caches, lengths, logits_at=None, reduced_logits=False, mask=None,
@@ -686,14 +686,14 @@ class Decoder:
 
     ``experts`` picks how a mixture of experts computes: ``"routed"`` (default)
     only the experts each token is routed to (:mod:`~specjax._src.models.moe`),
-    ``"all"`` every expert for every token (what a mesh that splits the experts
-    runs: ``specjax.sharding`` sets it).
+    ``"all"`` every expert for every token (the reference), or a ``moe.ExpertMesh``:
+    the routed ones on a mesh that splits the experts (``specjax.sharding`` sets it).
     """
 
     config: ModelConfig
     matmul: str = "auto"
     attention_reads: str = "auto"
-    experts: str = "routed"
+    experts: str | ExpertMesh = "routed"
 
     # ``apply(..., logits_at=)`` is implemented (the optional protocol extension).
     supports_logits_at = True
@@ -702,8 +702,7 @@ class Decoder:
     def __post_init__(self):
         cpu_matmul.check_mode(self.matmul)
         check_attention_reads(self.attention_reads)
-        if self.experts not in ("routed", "all"):
-            raise ValueError(f"Decoder experts must be 'routed' or 'all', got {self.experts!r}.")
+        check_experts(self.experts)
 
     @property
     def vocab_size(self) -> int:

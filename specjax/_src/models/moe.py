@@ -40,11 +40,13 @@ choice, scaled weights, ungated shared experts).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
 from specjax._src.kernels import quant
 from specjax._src.kernels import cpu_matmul, platforms
@@ -120,7 +122,7 @@ def tile_schedule(experts: Array, num_experts: int, tile: int):
     """The tiles of a grouped product: the assignments sorted by expert, cut into tiles.
 
     Args:
-      experts: ``[N, k]`` int32, each token's experts.
+      experts: ``[N, k]`` int32, each token's experts; ``E`` marks an assignment to skip.
       num_experts: ``E``.
       tile: rows per tile.
 
@@ -134,7 +136,8 @@ def tile_schedule(experts: Array, num_experts: int, tile: int):
     flat = experts.reshape(-1)
     r = flat.shape[0]
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    # Id ``num_experts`` (an expert another device holds) sorts last and gets no tile.
+    sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[flat].add(1)[:num_experts]
     ends = jnp.cumsum(sizes)
     tiles = (sizes + tile - 1) // tile
     tile_ends = jnp.cumsum(tiles)
@@ -178,6 +181,63 @@ def routed_experts(x: Array, weights: Array, experts: Array, stack, expert_mlp: 
     return jnp.einsum("nkh,nk->nh", per_slot, weights)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertMesh:
+    """Where a mesh splits the expert stacks: ``Decoder(experts=ExpertMesh(mesh))``.
+
+    Each device holds ``E / mesh.shape[axis]`` experts and computes, from the
+    routed assignments, only those of its own experts (the routed tiles on its
+    shard, under :func:`jax.shard_map`); one all-reduce over ``axis``
+    sums the devices' parts. A step thus reads, on each device, the routed
+    experts it holds and nothing else. ``data_axis`` splits the tokens, as the
+    batch is split outside the layer.
+    """
+
+    mesh: Mesh
+    axis: str = "model"
+    data_axis: Optional[str] = "data"
+
+
+def check_experts(experts) -> None:
+    """Raises ``ValueError`` unless ``experts`` is ``"routed"``, ``"all"`` or an :class:`ExpertMesh`."""
+    if not isinstance(experts, ExpertMesh) and experts not in ("routed", "all"):
+        raise ValueError(f"experts must be 'routed', 'all' or a moe.ExpertMesh, got {experts!r}.")
+
+
+def mesh_routed_experts(compute: Callable, x: Array, weights: Array, experts: Array, stack, where: ExpertMesh) -> Array:
+    """``compute`` (routed experts) with the expert stacks split over ``where.axis`` (:class:`ExpertMesh`).
+
+    Each device maps its experts ``[i * E_local, (i + 1) * E_local)`` to local
+    ids and the others to ``E_local`` (skipped, weight 0), computes the routed
+    tokens of its own experts, and the parts are summed over the axis.
+
+    Args:
+      compute: ``(x, weights, experts, stack) -> [N, H]`` float32, e.g. :func:`routed_experts`
+        (it must skip id ``E`` of its ``E`` experts).
+      x, weights, experts, stack: as :func:`routed_experts`, the stack split or splittable over the axis.
+
+    Returns:
+      ``[N, H]`` float32, the same on every device of the axis.
+    """
+    mesh, axis = where.mesh, where.axis
+    data = where.data_axis if where.data_axis in mesh.shape and x.shape[0] % mesh.shape[where.data_axis] == 0 else None
+    rows = P(data, None)
+
+    def local(x, weights, experts, stack):
+        count = jax.tree_util.tree_leaves(stack)[0].shape[0]
+        ids = experts - jax.lax.axis_index(axis) * count
+        mine = (ids >= 0) & (ids < count)
+        return jax.lax.psum(compute(x, jnp.where(mine, weights, 0.0), jnp.where(mine, ids, count), stack), axis)
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, jax.tree_util.tree_map(lambda _: P(axis), stack)),
+        out_specs=rows,
+        check_vma=False,
+    )(x, weights, experts, stack)
+
+
 def ragged_experts(
     x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array, act: Callable
 ) -> Array:
@@ -193,6 +253,7 @@ def ragged_experts(
     rows = x[order // k]
     h = act(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
     y = jax.lax.ragged_dot(h, down, sizes, preferred_element_type=jnp.float32)
+    y = jnp.where((flat[order] < gate.shape[0])[:, None], y, 0.0)  # rows past the groups: ids to skip
     return jnp.einsum("nkh,nk->nh", y[jnp.argsort(order)].reshape(n, k, -1), weights)
 
 
@@ -263,18 +324,18 @@ class MoE(nn.Module):
     ``shared_expert_gate/kernel [H, 1]``.
 
     ``experts="all"`` computes every expert for every token instead (the
-    reference, :func:`all_experts`).
+    reference, :func:`all_experts`); an :class:`ExpertMesh` computes the routed
+    experts on a mesh that splits them (:func:`mesh_routed_experts`).
     """
 
     config: ModelConfig
     matmul: str = "auto"
-    experts: str = "routed"
+    experts: str | ExpertMesh = "routed"
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.config
-        if self.experts not in ("routed", "all"):
-            raise ValueError(f"MoE experts must be 'routed' or 'all', got {self.experts!r}.")
+        check_experts(self.experts)
         dtype = jnp.dtype(cfg.dtype)
         lead, hidden = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, hidden)
@@ -305,26 +366,38 @@ class MoE(nn.Module):
             y = all_float_experts(xin, weights, picked, stack["gate"], stack["up"], stack["down"], act)
         elif self.experts == "all":
             y = all_experts(xin, weights, picked, stack, expert_mlp)
+        elif isinstance(self.experts, ExpertMesh):
+            # Inside shard_map each device's stack is a local array, so the CPU kernels that read an
+            # expert in place serve there even when the model runs XLA's products on the mesh.
+            local_mlp = (quantized_expert_mlp if cfg.quantization is not None else float_expert_mlp)(act, "auto")
+            y = mesh_routed_experts(self._routed(local_mlp, act), xin, weights, picked, stack, self.experts)
         else:
-            tile = min(x2.shape[0], GROUP_ROWS)
-            y = routed_experts(xin, weights, picked, stack, expert_mlp, tile)
-            if cfg.quantization is None and x2.shape[0] > GROUP_ROWS:
-                y = platforms.platform_dependent(
-                    xin,
-                    weights,
-                    picked,
-                    y,
-                    cpu=lambda a, w, p, tiles: tiles,
-                    default=lambda a, w, p, tiles: ragged_experts(
-                        a, w, p, stack["gate"], stack["up"], stack["down"], act
-                    ),
-                )
+            y = self._routed(expert_mlp, act)(xin, weights, picked, stack)
         if cfg.shared_expert_intermediate_size:
             shared = MLP(cfg, self.matmul, cfg.shared_expert_intermediate_size, name="shared_expert")(xin)
             if cfg.shared_expert_gate:
                 shared = jax.nn.sigmoid(dense(cfg, 1, False, "shared_expert_gate", self.matmul)(xin)) * shared
             y = y + shared.astype(jnp.float32)
         return y.astype(dtype).reshape(*lead, hidden)
+
+    def _routed(self, expert_mlp: Callable, act: Callable) -> Callable:
+        """``(x, weights, experts, stack) -> [N, H]``: the routed experts' tiles, or on GPUs and TPUs
+        :func:`ragged_experts` for float experts over more than ``GROUP_ROWS`` tokens."""
+
+        def compute(x, weights, experts, stack):
+            y = routed_experts(x, weights, experts, stack, expert_mlp, min(x.shape[0], GROUP_ROWS))
+            if self.config.quantization is not None or x.shape[0] <= GROUP_ROWS:
+                return y
+            return platforms.platform_dependent(
+                x,
+                weights,
+                experts,
+                y,
+                cpu=lambda a, w, p, tiles: tiles,
+                default=lambda a, w, p, tiles: ragged_experts(a, w, p, stack["gate"], stack["up"], stack["down"], act),
+            )
+
+        return compute
 
     def _stack(self) -> dict:
         """The experts' matrices ``{"gate", "up", "down"}``, each ``[E, ...]``."""

@@ -2,8 +2,10 @@
 
 JAX's SPMD partitioner is the distributed engine. specjax only says where
 things live — ``NamedSharding``\\ s over a :class:`jax.sharding.Mesh` with axes
-``('data', 'model')`` — and XLA inserts the collectives. There are no
-hand-written collectives and no ``shard_map``.
+``('data', 'model')`` — and XLA inserts the collectives, in every layer but
+one: a mixture of experts' routed experts, whose data-dependent choice the
+partitioner cannot split, run under ``shard_map`` with one all-reduce
+(:func:`~specjax._src.models.moe.mesh_routed_experts`).
 
 Layout (Megatron-style tensor parallelism over ``'model'``, data parallelism
 over ``'data'``):
@@ -50,6 +52,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from specjax._src.models.lm import KVCache, Model
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
+from specjax._src.models.moe import ExpertMesh
 from specjax._src.checks import check_positive_int
 from specjax._src.models.pairing import ModelPair
 
@@ -182,7 +185,7 @@ def _leaf_spec(names: tuple[str, ...], ndim: int, config: ModelConfig, m: int) -
         return _vocab_spec(config, m, 0)
     if names == ("lm_head",):
         return _vocab_spec(config, m, 1)
-    if names[-1].startswith("experts_") and ndim == 3:  # experts over 'model': expert parallelism
+    if any(n.startswith("experts_") for n in names[-2:]) and ndim == 3:  # experts over 'model' (quantized too)
         return P(MODEL, None, None)
     if len(names) >= 2 and names[-1] == "kernel":
         if names[-2] in _COLUMN:
@@ -416,12 +419,13 @@ def _xla_matmuls(model: Model) -> Model:
 
 
 def _mesh_experts(model: Model, mesh: Mesh) -> Model:
-    """A mixture of experts whose experts a 'model' axis splits computes every expert: each
-    device its own, then one all-reduce. The routed path indexes the expert stacks with
-    traced ids, for which XLA's partitioner gathers every expert onto every device."""
+    """A mixture of experts whose experts a 'model' axis splits computes, on each device, the
+    routed tokens of the experts it holds, then one all-reduce (:class:`moe.ExpertMesh`). Left
+    to the partitioner, the routed path's traced expert ids would gather every expert onto
+    every device."""
     module = model.module
     if isinstance(module, Decoder) and module.config.num_experts and _axis(mesh, MODEL) > 1:
-        return model.replace(module=dataclasses.replace(module, experts="all"))
+        return model.replace(module=dataclasses.replace(module, experts=ExpertMesh(mesh, MODEL, DATA)))
     return model
 
 
