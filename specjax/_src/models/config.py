@@ -1,4 +1,5 @@
-"""Static configuration of the decoder family (Llama, Mistral, Qwen2, Qwen3, GPT-2, Gemma 1/2/3).
+"""Static configuration of the decoder family (Llama, Mistral, Qwen2, Qwen3, GPT-2, Gemma 1/2/3,
+the mixtures of experts and DeepSeek-V3).
 
 A frozen, hashable dataclass: it is closed over by jitted functions as a
 static, so two models with equal configs share compiled programs.
@@ -10,9 +11,12 @@ import dataclasses
 from typing import Optional
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text", "mixtral",
-                         "qwen2_moe", "qwen3_moe", "dots1")
+                         "qwen2_moe", "qwen3_moe", "dots1", "deepseek_v3")
 # Layouts whose MLP is a mixture of experts (num_experts > 0).
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "dots1")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "dots1", "deepseek_v3")
+# Layouts whose attention is multi-head latent attention (``kv_lora_rank`` set).
+LATENT_ATTENTION_MODEL_TYPES = ("deepseek_v3",)
+ROPE_TYPES = ("llama3", "linear", "yarn")
 # How a router turns its logits into expert scores.
 ROUTER_SCORES = ("softmax", "sigmoid")
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -26,25 +30,41 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Rope scaling: ``rope_type`` ``"llama3"`` (Llama 3.1: low frequencies
-    divided by ``factor``, high ones kept, a blend between) or ``"linear"``
+    divided by ``factor``, high ones kept, a blend between), ``"linear"``
     (every frequency divided by ``factor``: positions interpolated, as Gemma 3's
-    larger models do on their global layers; the other fields unused)."""
+    larger models do on their global layers; the other fields unused) or
+    ``"yarn"`` (YaRN, arXiv:2309.00071, as DeepSeek-V2/V3 use it: frequencies
+    that turn fewer than ``beta_slow`` times over ``original_max_position_embeddings``
+    divided by ``factor``, those that turn more than ``beta_fast`` times kept, a
+    linear ramp between (its ends rounded outwards when ``truncate``); cos and sin
+    times ``attention_factor`` (None: from ``factor``, ``mscale`` and
+    ``mscale_all_dim`` as transformers infers it); and with ``mscale_all_dim``,
+    DeepSeek's softmax scale times ``(0.1 * mscale_all_dim * ln(factor) + 1) ** 2``.
+    Only multi-head latent attention (``deepseek_v3``) takes yarn)."""
 
     factor: float
     low_freq_factor: Optional[float] = None
     high_freq_factor: Optional[float] = None
     original_max_position_embeddings: Optional[int] = None
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    attention_factor: Optional[float] = None
+    truncate: bool = True
 
     def __post_init__(self):
-        if self.rope_type not in ("llama3", "linear"):
-            raise ValueError(f"Unsupported rope scaling type {self.rope_type!r}; use 'llama3' or 'linear'.")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"Unsupported rope scaling type {self.rope_type!r}; use one of {', '.join(ROPE_TYPES)}.")
         if not self.factor > 0:
             raise ValueError(f"rope scaling factor must be positive, got {self.factor}.")
         if self.rope_type == "llama3" and None in (self.low_freq_factor, self.high_freq_factor,
                                                     self.original_max_position_embeddings):
             raise ValueError("llama3 rope scaling needs low_freq_factor, high_freq_factor and "
                              "original_max_position_embeddings.")
+        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
+            raise ValueError("yarn rope scaling needs original_max_position_embeddings.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +82,7 @@ class ModelConfig:
       intermediate_size: MLP width.
       max_position_embeddings: positions the model supports (GPT-2: table size).
       rope_theta: RoPE base (rotary layouts only).
-      rope_scaling: Llama 3 scaling, or None.
+      rope_scaling: a ``RopeScaling`` (Llama 3, linear or YaRN), or None.
       norm_eps: RMSNorm / LayerNorm epsilon.
       tie_word_embeddings: the LM head reuses the embedding table.
       attention_bias: q/k/v projections carry biases (Qwen2; GPT-2 has all biases).
@@ -115,6 +135,17 @@ class ModelConfig:
         renormalisation.
       quantization: how the matrices are stored (``specjax._src.kernels.quant``):
         ``"int8"``, ``"q4"``, ``"q4,embedding=int8/32"``, ...; None: in ``dtype``.
+      kv_lora_rank: multi-head latent attention (DeepSeek-V2/V3, ``deepseek_v3``)
+        when set: keys and values come from a ``kv_lora_rank``-wide latent
+        (``kv_a`` then ``kv_a_norm`` then ``kv_b``), queries through a
+        ``q_lora_rank``-wide one (``q_a``, ``q_a_norm``, ``q_b``; None: one
+        ``q`` projection). Each head's query and key are ``qk_nope_head_dim``
+        unrotated features then ``qk_rope_head_dim`` rotated ones (the key's
+        rotated part one head shared by all), its value ``v_head_dim`` wide.
+        The cache holds the per-head keys and the values zero-padded to the
+        same width: ``head_dim = qk_nope_head_dim + qk_rope_head_dim``,
+        ``num_kv_heads = num_heads``. ``rope_interleave``: the rotated features
+        come in interleaved pairs (DeepSeek's checkpoints) rather than halves.
 
     The Gemma layouts (``GEMMA_MODEL_TYPES``) also scale the embeddings by
     ``sqrt(hidden_size)``, use ``(1 + weight)`` RMSNorms and a GeGLU MLP;
@@ -164,6 +195,12 @@ class ModelConfig:
     router_groups: int = 1
     router_top_groups: int = 1
     routed_scaling_factor: float = 1.0
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self):
         if self.quantization is not None:
@@ -216,6 +253,7 @@ class ModelConfig:
         if any(not 0 <= i < self.num_layers for i in self.dense_mlp_layers):
             raise ValueError(f"dense_mlp_layers must name layers in [0, {self.num_layers}), "
                              f"got {self.dense_mlp_layers}.")
+        self._check_latent_attention()
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}.")
         if not isinstance(self.layer_types, tuple):
@@ -232,6 +270,43 @@ class ModelConfig:
                     f"layer_types has {len(self.layer_types)} entries but the model has "
                     f"{self.num_layers} layers (num_hidden_layers)."
                 )
+
+    def _check_latent_attention(self) -> None:
+        """Raises ``ValueError`` naming the field unless the latent-attention fields agree."""
+        latent = self.kv_lora_rank is not None
+        if latent != (self.model_type in LATENT_ATTENTION_MODEL_TYPES):
+            raise ValueError(f"{self.model_type} {'has no' if latent else 'needs'} multi-head latent attention "
+                             f"(kv_lora_rank={self.kv_lora_rank}).")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "yarn" and not latent:
+            raise ValueError("rope scaling type 'yarn' is supported for multi-head latent attention (deepseek_v3) "
+                             f"only, not {self.model_type}.")
+        if not latent:
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"multi-head latent attention needs {name} >= 1, got {getattr(self, name)!r}.")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank must be >= 1 or None, got {self.q_lora_rank}.")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even (rotated in pairs), got {self.qk_rope_head_dim}.")
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if (self.head_dim, self.num_kv_heads) != (qk, self.num_heads):
+            raise ValueError(f"multi-head latent attention caches one key per head: head_dim must be "
+                             f"qk_nope_head_dim + qk_rope_head_dim = {qk} and num_kv_heads num_heads = "
+                             f"{self.num_heads}, got {self.head_dim} and {self.num_kv_heads}.")
+        if self.v_head_dim > qk:  # values share the keys' cache width, zero-padded up to it
+            raise ValueError(f"v_head_dim={self.v_head_dim} wider than the query/key head ({qk}) is not "
+                             "supported: the cache holds values padded to the key width.")
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether attention is multi-head latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated width of a head: ``qk_rope_head_dim`` under latent attention, else ``head_dim``."""
+        return self.qk_rope_head_dim if self.latent_attention else self.head_dim
 
     @property
     def quant(self):

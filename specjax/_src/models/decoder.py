@@ -17,7 +17,8 @@ gemma3*    gemma2's norms and scaling + q/k norms, no soft-capping,
 
 (``gemma3*``: ``model_type`` ``"gemma3_text"``.) The mixtures of experts
 (Mixtral, Qwen2-MoE, Qwen3-MoE, dots1) are these blocks with :class:`~specjax._src.models.moe.MoE`
-for the MLP. A sliding layer's mask
+for the MLP; DeepSeek-V3 (``deepseek_v3``) also swaps the attention for
+:class:`~specjax._src.models.latent_attention.LatentAttention`. A sliding layer's mask
 (``attention_mask``) hides keys ``sliding_window`` or more positions back.
 
 All of them support GQA (``num_kv_heads < num_heads``), tied or untied
@@ -72,9 +73,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src.kernels import quant
-from specjax._src.kernels import cpu_matmul, platforms
+from specjax._src.kernels import cpu_matmul
 from specjax._src.models.lm import Array, KVCache, LMOutput, Params
 from specjax._src.models.config import ModelConfig
+from specjax._src.models.attention_ops import (  # noqa: F401 (re-exported: the decoder's public helpers)
+    ATTENTION_READS, apply_rope, attention_mask, attention_width_index, attention_widths, cache_attention,
+    check_attention_reads, grouped_attention, rope_cos_sin, rope_inv_freq, rotate, write_cache,
+)
+from specjax._src.models.latent_attention import LatentAttention
 from specjax._src.models.layers import MLP, RMSNorm  # noqa: F401 (RMSNorm: re-exported)
 from specjax._src.models.layers import INIT_STD as _INIT_STD
 from specjax._src.models.layers import dense as _dense
@@ -86,102 +92,6 @@ from specjax._src.models.moe import ExpertMesh, MoE, check_experts
 # --------------------------------------------------------------------------- #
 # Small pure helpers
 # --------------------------------------------------------------------------- #
-
-
-def rope_inv_freq(config: ModelConfig, layer: Optional[int] = None) -> np.ndarray:
-    """Inverse RoPE frequencies ``[head_dim // 2]`` float32, Llama 3 or linear scaling applied.
-
-    Computed on the host with NumPy (a compile-time constant), in float32 like
-    Hugging Face's reference so that angles agree to the last bit or two.
-    With ``layer``, that layer's: a sliding layer of a config with
-    ``rope_local_theta`` (Gemma 3) uses that base, unscaled.
-    """
-    dim = config.head_dim
-    theta, scaling = config.rope_theta, config.rope_scaling
-    if (layer is not None and config.rope_local_theta is not None and config.layer_types
-            and config.layer_types[layer] == "sliding_attention"):
-        theta, scaling = config.rope_local_theta, None
-    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":  # positions interpolated: every angle divided by `factor`
-        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, and blend
-    # linearly in between (the reference's `_compute_llama3_parameters`).
-    old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return np.where(is_medium, smoothed, scaled).astype(np.float32)
-
-
-# Longest table of rotary sines/cosines embedded as a constant (rows x D/2 x 2
-# float32: 4 MiB at head_dim 128); longer caches compute them on the fly.
-_ROPE_TABLE_MAX_ROWS = 4096
-
-
-@functools.lru_cache(maxsize=32)
-def _rope_table(num_positions: int, inv_freq: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
-    # float32 angles then float32 cos/sin: the same arithmetic as the on-device path.
-    angles = np.arange(num_positions, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None]
-    return np.cos(angles), np.sin(angles)
-
-
-def rope_cos_sin(
-    positions: Array, inv_freq: np.ndarray, num_positions: Optional[int] = None
-) -> tuple[Array, Array]:
-    """``cos, sin`` of the rotary angles, each ``[B, T, 1, D/2]`` float32.
-
-    With ``num_positions`` (a static bound: every position is below it, e.g.
-    the cache length) and at most ``_ROPE_TABLE_MAX_ROWS`` of them, rows are
-    gathered from a table computed once on the host. Computed on device
-    instead, XLA's CPU backend fuses the sines and cosines into every consumer
-    and evaluates them once per head and per half of ``x``: a third of a
-    5-token, batch-32 forward.
-    """
-    if num_positions is not None and num_positions <= _ROPE_TABLE_MAX_ROWS:
-        cos_table, sin_table = _rope_table(int(num_positions), tuple(np.asarray(inv_freq, np.float32).tolist()))
-        cos, sin = jnp.asarray(cos_table)[positions], jnp.asarray(sin_table)[positions]
-    else:
-        angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, T, D/2]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
-    return cos[:, :, None, :], sin[:, :, None, :]
-
-
-def rotate(x: Array, cos: Array, sin: Array) -> Array:
-    """Rotates ``x[B, T, N, D]`` by precomputed ``cos, sin`` (rotate-half convention)."""
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
-    """Rotates ``x[B, T, N, D]`` by ``positions[B, T]`` (rotate-half convention).
-
-    Angles, sines and cosines are computed in float32, then the result is cast
-    back to ``x.dtype``.
-    """
-    return rotate(x, *rope_cos_sin(positions, inv_freq))
-
-
-def attention_mask(q_pos: Array, kv_len: int, sliding_window: Optional[int]) -> Array:
-    """``[B, T, S]`` bool: query at absolute position ``q_pos[b, t]`` may see key ``s``."""
-    kv_pos = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
-    q = q_pos[:, :, None]
-    mask = kv_pos <= q
-    if sliding_window is not None:
-        # The reference (HF `sliding_window_overlay`) keeps `kv > q - window`:
-        # the query itself and the `window - 1` positions before it.
-        mask &= kv_pos > q - sliding_window
-    return mask
 
 
 def tree_ancestors(parents: Array) -> Array:
@@ -259,162 +169,6 @@ def tree_attention_mask(
     return mask, positions
 
 
-def grouped_attention(q: Array, k: Array, v: Array, mask: Array, scale: float,
-                      softcap: Optional[float] = None) -> Array:
-    """Multi-head attention with grouped key/value heads.
-
-    Args:
-      q: ``[B, T, N, D]`` queries.
-      k, v: ``[B, K, S, D]`` keys and values, heads-major (the cache layout),
-        ``N % K == 0``.
-      mask: ``[B, T, S]`` bool.
-      scale: multiplies the scores.
-      softcap: if set, scores become ``softcap * tanh(scores / softcap)``
-        after scaling, before masking (Gemma 2).
-
-    Returns:
-      ``[B, T, N * D]`` in ``v.dtype``. Scores and softmax run in float32.
-    """
-    b, t, n, d = q.shape
-    kv_heads = k.shape[1]
-    # Group query heads by their kv head instead of repeating k/v (no copy).
-    # Heads-major k/v make both dots plain batched matmuls over (b, k): with
-    # [B, S, K, D] buffers XLA transposed the whole cache before every dot,
-    # 60% of a batch-32 decode step on CPU.
-    # The small q / output tensors are transposed to heads-major outside the
-    # dots: a dot whose output must come out [b, t, k, g, d] ran 4x slower for
-    # a 5-token block on CPU.
-    q = q.reshape(b, t, kv_heads, n // kv_heads, d).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * scale
-    if softcap is not None:
-        scores = jnp.tanh(scores / softcap) * softcap
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n * d)
-
-
-# A cache with fewer slots than 4/3 of this is read whole: a narrower read
-# would save too little to be worth compiled branches (256 positions of K and
-# V are a few percent of a one-row step's weight bytes for the models specjax
-# runs; every short-capacity ``decode`` and test program keeps one branch).
-_LADDER_FROM = 256
-# A longer cache (a server's slots) is read in steps of this many slots up to
-# ``_LADDER_FROM``, then in powers of two. Eight rows of a 4-token verify block
-# read 1.5 MB of K and V per layer at 256 slots: on a 2-core CPU the slots
-# engine's cycle on SmolLM2-135M at T=0.7 (384 slots, rows at 40-170
-# positions) cost 1.05x [1.03-1.07] the cycle of ``decode`` with its 195-slot
-# cache when it read 256 slots, 1.00x [0.98-1.13] with these steps
-# (``benchmarks/serve_programs.py``). On TPU, whose lanes hold 128, the widths
-# 64 and 192 are expected to run padded to 128 and 256: a branch that saves
-# nothing there, not a wrong result (unmeasured: no TPU was at hand).
-_ATTENTION_STEP = 64
-
-
-def attention_widths(capacity: int) -> tuple[int, ...]:
-    """The static key widths :func:`cache_attention` may read from ``capacity`` slots.
-
-    ``(capacity,)`` below 342 slots. From 342 on, multiples of 64 up to 256,
-    then powers of two, each saving at least a quarter of the capacity, then
-    the capacity itself: ``(64, 128, 192, 256, 384)`` for 384, ``(64, 128,
-    192, 256, 512, 1024, 2048)`` for 2048. Below the last, a width depends on
-    the positions needed only, so a short sequence reads the same slots in any
-    long cache.
-    """
-    capacity = int(capacity)
-    if 4 * _LADDER_FROM > 3 * capacity:
-        return (capacity,)
-    widths = []
-    width = _ATTENTION_STEP
-    while 4 * width <= 3 * capacity:
-        widths.append(width)
-        width = width + _ATTENTION_STEP if width < _LADDER_FROM else 2 * width
-    return tuple(widths) + (capacity,)
-
-
-def attention_width_index(capacity: int, lengths: Array, num_new: int) -> Optional[Array]:
-    """Which of :func:`attention_widths` ``(capacity)`` holds every row's
-    ``lengths[b] + num_new`` positions: an int32 scalar, the same for the
-    whole batch (the longest row decides), or ``None`` when there is one width.
-    Past the capacity (which ``specjax.decode`` rules out before tracing) it
-    names the capacity, the whole buffer, as a full read would.
-    """
-    widths = attention_widths(capacity)
-    if len(widths) == 1:
-        return None
-    needed = jnp.max(lengths).astype(jnp.int32) + num_new
-    narrower = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < needed).astype(jnp.int32)
-    return narrower  # widths[narrower] is the first width >= needed, else the capacity
-
-
-# Where ``attention_reads="auto"`` reads a prefix: the platforms on which a
-# conditional is a branch on the device (not on GPUs; see cache_attention).
-_PREFIX_READ_PLATFORMS = ("cpu", "tpu")
-ATTENTION_READS = ("auto", "prefix", "whole")
-
-
-def check_attention_reads(mode: str) -> None:
-    if mode not in ATTENTION_READS:
-        raise ValueError(f"attention_reads must be one of {ATTENTION_READS}, got {mode!r}: 'auto' reads the "
-                         "needed cache prefix on CPU and TPU and the whole buffer on GPUs.")
-
-
-def cache_attention(q: Array, keys: Array, values: Array, mask_at, scale: float,
-                    width_index: Optional[Array], reads: str = "auto",
-                    softcap: Optional[float] = None) -> Array:
-    """:func:`grouped_attention` over the first ``attention_widths(S)[width_index]``
-    slots of ``keys, values`` ``[B, K, S, D]``; ``mask_at(width)`` gives the
-    ``[B, T, width]`` mask. Every slot past that width is masked for every
-    query (the index holds the batch's longest row), so the output is the
-    full read's: masked slots only add exact zeros. ``reads``: ``"prefix"``
-    on every platform, ``"whole"`` never (every slot, as with no index),
-    ``"auto"`` on CPU and TPU only.
-
-    Why a ``lax.switch`` per layer that only reads (the cache is written
-    before it): XLA copies a buffer that a conditional's branch updates in
-    place, so one switch around the whole forward, whose blocks write the
-    cache, copied the whole 2048-slot cache on every step; a loop over cache
-    chunks with an online softmax would round differently from one softmax
-    (and a sequence's tokens would depend on the chunking). On CPU and TPU a
-    conditional is a branch on the device. XLA's GPU runtime copies the
-    branch index to the host and waits for the stream before running a
-    branch, draining the queue of launched kernels once per layer and step;
-    at batch 1 that is expected to cost more than a short cache saves, so
-    with ``"auto"`` GPUs read the whole buffer (``benchmarks/accelerator.py``
-    measures both on a GPU).
-    """
-    capacity = keys.shape[2]
-    widths = attention_widths(capacity)
-
-    def at(width: int):
-        def run(q, keys, values):
-            if width < capacity:
-                keys, values = keys[:, :, :width], values[:, :, :width]
-            return grouped_attention(q, keys, values, mask_at(width), scale, softcap)
-        return run
-
-    if width_index is None or len(widths) == 1 or reads == "whole":
-        return at(capacity)(q, keys, values)
-
-    def prefix(q, keys, values):
-        return jax.lax.switch(width_index, [at(w) for w in widths], q, keys, values)
-
-    if reads == "prefix":
-        return prefix(q, keys, values)
-    branches = {platform: prefix for platform in _PREFIX_READ_PLATFORMS}
-    return platforms.platform_dependent(q, keys, values, default=at(capacity), **branches)
-
-
-def write_cache(buffer: Array, new: Array, offsets: Array) -> Array:
-    """Writes ``new[b]`` (``[K, T, D]``) into ``buffer[b]`` (``[K, S, D]``) at ``offsets[b]``."""
-
-    def one(buf, upd, off):
-        return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), (0, off, 0))
-
-    return jax.vmap(one)(buffer, new, offsets)
-
-
 # --------------------------------------------------------------------------- #
 # Flax modules
 # --------------------------------------------------------------------------- #
@@ -490,7 +244,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, positions, kv_cache, lengths, mask=None, width_index=None):
         cfg = self.config
-        attn, new_cache = Attention(cfg, self.matmul, self.attention_reads, self.layer, name="attn")(
+        attention = LatentAttention if cfg.latent_attention else Attention  # DeepSeek-V3's MLA
+        attn, new_cache = attention(cfg, self.matmul, self.attention_reads, self.layer, name="attn")(
             _norm(cfg, "attn_norm")(x), positions, kv_cache, lengths, mask, width_index
         )
         if cfg.sandwich_norms:

@@ -118,8 +118,9 @@ def _field(reader, key: str, default: Any = None) -> Any:
 def _config(reader, path: str) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        shared = " (a mixture of experts with shared experts, which specjax does not run)" if arch in (
-            "deepseek", "deepseek2") else ""
+        shared = {"deepseek": " (a mixture of experts with shared experts, which specjax does not run)",
+                  "deepseek2": " (DeepSeek-V2/V3's multi-head latent attention, which specjax reads from Hugging "
+                               "Face directories only)"}.get(arch, "")
         raise ValueError(
             f"GGUF file {path} holds a {arch!r} model{shared}; specjax reads GGUF architectures "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}."

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from typing import Any, Iterator, NamedTuple, Optional
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from specjax._src.models.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")  # and "yarn" for deepseek_v3
 
 # A draft with a reduced-vocabulary head (``ModelConfig.head_vocab_size``)
 # stores it under these names; transformers cannot load such a checkpoint.
@@ -37,6 +38,7 @@ _ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "dots1": "Dots1ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 # Buffers some checkpoints carry that are recomputed, not learned.
@@ -56,10 +58,12 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, Optional[Rop
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
+    if rope_type == "yarn" and hf.get("model_type") == "deepseek_v3":
+        return theta, _yarn(hf, params)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"Unsupported rope scaling type {rope_type!r}; specjax supports "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}."
+            f"{', '.join(SUPPORTED_ROPE_TYPES)} (and yarn for deepseek_v3)."
         )
     if rope_type == "linear":
         return theta, RopeScaling(factor=float(params["factor"]), rope_type="linear")
@@ -68,6 +72,19 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, Optional[Rop
         low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _yarn(hf: dict, params: dict) -> RopeScaling:
+    """YaRN scaling from ``rope_parameters`` / ``rope_scaling``, with transformers' defaults."""
+    optional = {key: float(params[key]) for key in ("mscale", "mscale_all_dim", "attention_factor")
+                if params.get(key) is not None}
+    return RopeScaling(
+        factor=float(params["factor"]),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings")
+                                             or hf.get("max_position_embeddings", 4096)),
+        rope_type="yarn", beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)), **optional,
     )
 
 
@@ -90,6 +107,8 @@ REQUIRED_FIELDS = {
     "default": ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers",
                 "intermediate_size"),
 }
+REQUIRED_FIELDS["deepseek_v3"] = REQUIRED_FIELDS["default"] + (
+    "moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def check_required_fields(hf: Any, source: str = "config.json") -> None:
@@ -204,18 +223,35 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
         "dots1": lambda: dict(attention_bias=attention_bias, attention_out_bias=attention_bias, qk_norm=True,
                               moe_intermediate_size=int(hf["moe_intermediate_size"]),
                               **_experts(hf, "n_routed_experts", bool(hf.get("norm_topk_prob", False)))),
+        "deepseek_v3": lambda: dict(attention_bias=attention_bias, attention_out_bias=attention_bias,
+                                    moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                                    **_experts(hf, "n_routed_experts", bool(hf.get("norm_topk_prob", True))),
+                                    **_latent_attention(hf)),
     }[model_type]
     layout = layout() if callable(layout) else layout
     if hf.get(HEAD_VOCAB_KEY) is not None:
         common["head_vocab_size"] = int(hf[HEAD_VOCAB_KEY])
     return ModelConfig(
-        **_decoder_shape(hf, max_positions=2048, tied=False),
+        **{**_decoder_shape(hf, max_positions=2048, tied=False), **layout},
         rope_theta=theta,
         rope_scaling=scaling,
         activation=hf.get("hidden_act", "silu"),
-        **layout,
         **common,
     )
+
+
+def _latent_attention(hf: dict) -> dict:
+    """DeepSeek-V3's multi-head latent attention fields; the cache's heads and head width
+    follow from them (one key per head, ``qk_nope_head_dim + qk_rope_head_dim`` wide)."""
+    heads = int(hf["num_attention_heads"])
+    if int(hf.get("num_key_value_heads") or heads) != heads:
+        raise ValueError(f"deepseek_v3 with num_key_value_heads={hf['num_key_value_heads']} other than "
+                         f"num_attention_heads={heads} is not supported by specjax (nor run by transformers).")
+    fields = {k: int(hf[k]) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    q_rank = hf.get("q_lora_rank")
+    return dict(**fields, q_lora_rank=None if q_rank is None else int(q_rank), num_kv_heads=heads,
+                head_dim=fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"],
+                rope_interleave=bool(hf.get("rope_interleave", True)))
 
 
 def _experts(hf: dict, count_key: str, renormalise: bool) -> dict:
@@ -235,15 +271,21 @@ def _experts(hf: dict, count_key: str, renormalise: bool) -> dict:
     out = dict(num_experts=int(count), num_experts_per_tok=int(hf["num_experts_per_tok"]),
                norm_topk_prob=renormalise, dense_mlp_layers=tuple(dense),
                shared_expert_intermediate_size=int(shared) if shared else None, shared_expert_gate=bool(shared))
-    if hf["model_type"] == "dots1":  # DeepSeek-V3's routing and shared experts, Qwen3's attention
+    if hf["model_type"] in ("dots1", "deepseek_v3"):  # DeepSeek-V3's routing and shared experts
         if "sliding_attention" in (hf.get("layer_types") or ()):
-            raise ValueError("dots1 with sliding-window layers (layer_types) is not supported by specjax.")
-        shared = int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"])
-        out.update(dense_mlp_layers=tuple(range(int(hf.get("first_k_dense_replace") or 0))),
+            raise ValueError(f"{hf['model_type']} with sliding-window layers (layer_types) is not supported by "
+                             "specjax.")
+        # A key missing from config.json takes its transformers config class's default.
+        default = dict(n_shared_experts=1, first_k_dense_replace=3, n_group=8, topk_group=4,
+                       routed_scaling_factor=2.5) if hf["model_type"] == "deepseek_v3" else dict(
+                       n_shared_experts=0, first_k_dense_replace=0, n_group=1, topk_group=1, routed_scaling_factor=1.0)
+        get = lambda key: default[key] if hf.get(key) is None else hf[key]  # noqa: E731
+        shared = int(get("n_shared_experts")) * int(hf["moe_intermediate_size"])
+        out.update(dense_mlp_layers=tuple(range(int(get("first_k_dense_replace")))),
                    shared_expert_intermediate_size=shared or None, shared_expert_gate=False,
-                   router_scores="sigmoid", router_bias=True, router_groups=int(hf.get("n_group") or 1),
-                   router_top_groups=int(hf.get("topk_group") or 1),
-                   routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)))
+                   router_scores="sigmoid", router_bias=True, router_groups=int(get("n_group") or 1),
+                   router_top_groups=int(get("topk_group") or 1),
+                   routed_scaling_factor=float(get("routed_scaling_factor")))
     return out
 
 
@@ -348,17 +390,18 @@ def _check_expressible(cfg: ModelConfig) -> None:
         problems.append("qwen2 needs attention_bias=True")
     if cfg.model_type == "qwen2_moe" and cfg.shared_expert_intermediate_size and not cfg.shared_expert_gate:
         problems.append("qwen2_moe gates its shared expert")
-    if cfg.model_type == "dots1" and (
+    if cfg.model_type in ("dots1", "deepseek_v3") and (
             cfg.dense_mlp_layers != tuple(range(len(cfg.dense_mlp_layers))) or not cfg.moe_intermediate_size
             or (cfg.shared_expert_intermediate_size or 0) % cfg.moe_intermediate_size or cfg.shared_expert_gate
             or (cfg.router_scores, cfg.router_bias) != ("sigmoid", True)):
-        problems.append("dots1 has its dense layers first, ungated shared experts as wide as a multiple of an expert, "
-                        "and sigmoid routing with a score bias")
+        problems.append(f"{cfg.model_type} has its dense layers first, ungated shared experts as wide as a multiple "
+                        "of an expert, and sigmoid routing with a score bias")
     if cfg.model_type in ("qwen2_moe", "qwen3_moe", "mixtral") and (
             cfg.router_scores != "softmax" or cfg.router_bias or cfg.router_groups != 1
             or cfg.routed_scaling_factor != 1.0):
         problems.append(f"{cfg.model_type} routes by a plain softmax")
-    if cfg.model_type in ("llama", "qwen3", "qwen3_moe", "dots1") and cfg.attention_bias != cfg.attention_out_bias:
+    if cfg.model_type in ("llama", "qwen3", "qwen3_moe", "dots1", "deepseek_v3") and (
+            cfg.attention_bias != cfg.attention_out_bias):
         problems.append(f"{cfg.model_type} biases q/k/v/o together")
     if cfg.model_type in ("mistral", "mixtral") and (cfg.attention_bias or cfg.attention_out_bias):
         problems.append(f"{cfg.model_type} has no attention biases")
@@ -410,6 +453,12 @@ def to_hf_config(cfg: ModelConfig) -> dict:
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "linear":
         rope.update(rope_type="linear", factor=cfg.rope_scaling.factor)
+    elif cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "yarn":
+        s = cfg.rope_scaling
+        rope.update(rope_type="yarn", factor=s.factor, original_max_position_embeddings=s.original_max_position_embeddings,
+                    beta_fast=s.beta_fast, beta_slow=s.beta_slow, truncate=s.truncate,
+                    **{k: getattr(s, k) for k in ("mscale", "mscale_all_dim", "attention_factor")
+                       if getattr(s, k) is not None})
     elif cfg.rope_scaling is not None:
         s = cfg.rope_scaling
         rope.update(
@@ -458,7 +507,7 @@ def to_hf_config(cfg: ModelConfig) -> dict:
                    use_sliding_window=False, sliding_window=None)
     if cfg.model_type == "qwen2_moe":
         out.update(qkv_bias=cfg.attention_bias, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size or 0)
-    if cfg.model_type == "dots1":
+    if cfg.model_type in ("dots1", "deepseek_v3"):
         out.update(attention_bias=cfg.attention_bias, n_routed_experts=cfg.num_experts,
                    num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
                    n_shared_experts=(cfg.shared_expert_intermediate_size or 0) // cfg.moe_intermediate_size,
@@ -466,6 +515,11 @@ def to_hf_config(cfg: ModelConfig) -> dict:
                    n_group=cfg.router_groups, topk_group=cfg.router_top_groups,
                    routed_scaling_factor=cfg.routed_scaling_factor, sliding_window=None,
                    layer_types=["full_attention"] * cfg.num_layers)
+    if cfg.latent_attention:  # transformers' DeepseekV3Config names the rotated width head_dim
+        out.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                   qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim,
+                   rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=0)
+        del out["layer_types"], out["sliding_window"]
     return out
 
 
@@ -545,10 +599,12 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
                 add(l + "post_mlp_norm/scale", h + "post_feedforward_layernorm.weight")
             else:
                 add(l + "mlp_norm/scale", h + "post_attention_layernorm.weight")
-            for proj in "qkvo":
+            for proj in "qkvo" if not cfg.latent_attention else ():
                 add(f"{l}attn/{proj}/kernel", f"{h}self_attn.{proj}_proj.weight", True)
                 if cfg.attention_out_bias if proj == "o" else cfg.attention_bias:
                     add(f"{l}attn/{proj}/bias", f"{h}self_attn.{proj}_proj.bias")
+            if cfg.latent_attention:
+                specs.extend(_latent_attention_specs(cfg, h, l))
             if cfg.qk_norm:
                 add(l + "attn/q_norm/scale", h + "self_attn.q_norm.weight")
                 add(l + "attn/k_norm/scale", h + "self_attn.k_norm.weight")
@@ -568,10 +624,26 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
     return specs
 
 
+def _latent_attention_specs(cfg: ModelConfig, h: str, l: str) -> list[TensorSpec]:
+    """Multi-head latent attention's tensors (DeepSeek-V3's ``self_attn``)."""
+    layer, attn = tuple(l.rstrip("/").split("/")) + ("attn",), f"{h}self_attn."
+    projections = [("q", "q_proj", False)] if cfg.q_lora_rank is None else [
+        ("q_a", "q_a_proj", cfg.attention_bias), ("q_b", "q_b_proj", False)]
+    projections += [("kv_a", "kv_a_proj_with_mqa", cfg.attention_bias), ("kv_b", "kv_b_proj", False),
+                    ("o", "o_proj", cfg.attention_out_bias)]
+    specs = []
+    for ours, theirs, bias in projections:
+        specs.append(TensorSpec((*layer, ours, "kernel"), f"{attn}{theirs}.weight", True))
+        if bias:
+            specs.append(TensorSpec((*layer, ours, "bias"), f"{attn}{theirs}.bias", False))
+    norms = ([] if cfg.q_lora_rank is None else [("q_a_norm", "q_a_layernorm")]) + [("kv_a_norm", "kv_a_layernorm")]
+    return specs + [TensorSpec((*layer, ours, "scale"), f"{attn}{theirs}.weight", False) for ours, theirs in norms]
+
+
 def _expert_specs(cfg: ModelConfig, h: str, l: str) -> list[TensorSpec]:
     """A mixture of experts' tensors: the router, and each expert's three projections
     (Mixtral names them w1 / w3 / w2 under ``block_sparse_moe``)."""
-    mixtral, dots1 = cfg.model_type == "mixtral", cfg.model_type == "dots1"
+    mixtral, dots1 = cfg.model_type == "mixtral", cfg.model_type in ("dots1", "deepseek_v3")
     moe = f"{h}block_sparse_moe." if mixtral else f"{h}mlp."
     names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {p: f"{p}_proj" for p in ("gate", "up", "down")}
     layer = l.rstrip("/").split("/")
@@ -604,6 +676,10 @@ def is_ignored(name: str, cfg: ModelConfig) -> bool:
     """Tensors we skip: recomputed buffers, and a tied head saved anyway."""
     if name.endswith(_IGNORED_SUFFIXES):
         return True
+    if cfg.model_type == "deepseek_v3":  # DeepSeek-V3's multi-token-prediction layers, after the last
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer and int(layer.group(1)) >= cfg.num_layers:
+            return True
     return cfg.tie_word_embeddings and name == "lm_head.weight"
 
 

@@ -17,6 +17,7 @@ tensor                         shape               spec
 ``lm_head``                    ``[H, V]``          ``(None, 'model')`` (vocab)
 ``attn/{q,k,v}/kernel``        ``[H, heads*D]``    ``(None, 'model')`` (heads)
 ``attn/qkv/kernel`` (GPT-2)    ``[H, 3*heads*D]``  ``(None, 'model')``
+``attn/{q_b,kv_b}/kernel``     ``[r, heads*D]``    ``(None, 'model')`` (latent attention)
 ``attn/o/kernel``              ``[heads*D, H]``    ``('model', None)``
 ``mlp/{gate,up,fc}/kernel``    ``[H, I]``          ``(None, 'model')``
 ``mlp/{down,proj}/kernel``     ``[I, H]``          ``('model', None)``
@@ -59,7 +60,7 @@ from specjax._src.models.pairing import ModelPair
 DATA = "data"
 MODEL = "model"
 
-_COLUMN = ("q", "k", "v", "qkv", "gate", "up", "fc")  # kernels split on their output axis
+_COLUMN = ("q", "k", "v", "qkv", "gate", "up", "fc", "q_b", "kv_b")  # kernels split on their output axis
 _ROW = ("o", "down", "proj")  # kernels split on their input axis
 
 
