@@ -10,7 +10,8 @@ first ``--prompts`` held-out chat prompts (``benchmarks/prompts/heldout_chat_64.
 lossless speculative sampling. Per (batch, temperature), the contenders are
 specjax's target-only ``generate``, ``fixed`` K for each ``--fixed`` K, and
 ``auto()`` capped at ``--cap``, and with ``--lookup N`` also fixed K=N and
-auto each copying drafts from the context (``ngram_lookup()``): every program compiles first, then the
+auto copying drafts from the context (``ngram_lookup()``), auto both choosing per sequence whether to take
+the copies (its default) and always taking them: every program compiles first, then the
 contenders alternate over the prompt groups ``--rounds`` times, their order turning by one
 each group. Reported:
 tok/s, the speedup over target-only (median of the per-round ratios, their
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
     if args.lookup:
         contenders[f"fixed K={args.lookup} + lookup"] = (drafting.fixed(), args.lookup, drafting.ngram_lookup())
         contenders[f"auto (cap {args.cap}) + lookup"] = (drafting.auto(**margin), args.cap, drafting.ngram_lookup())
+        contenders[f"auto (cap {args.cap}) + lookup, always copying"] = (
+            drafting.auto(choose_copies=False, **margin), args.cap, drafting.ngram_lookup())
     if args.timed:
         contenders[f"auto timed (cap {args.cap})"] = (drafting.auto(timed=True, **margin), args.cap, None)
     if args.parts:

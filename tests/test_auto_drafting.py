@@ -127,6 +127,32 @@ def test_acceptance_estimates_per_slot():
     assert float(policy.acceptance(state)[0]) > float(before[0])  # only the decay towards 0.5 moved it
 
 
+def test_copies_are_taken_while_accepted_as_often_as_the_drafters_tokens():
+    """Each cycle adds the lookup's first-slot proposal's acceptance and the drafter's own first
+    token's to their evidence (-1: not observed); copying stops once the proposals fall below the
+    drafter's, and resumes when the drafter falls below them. ``choose_copies=False`` always
+    copies (the other policies' behaviour)."""
+    policy = drafting.auto(cost_model(), memory=0.5, prior=0.5, prior_weight=1.0)
+    state = policy.init(K)
+    assert bool(policy.copies(state))  # no evidence: copy
+
+    def seen(own, copy):
+        return outcome(num_accepted=1, num_drafted=3, first_acceptance=own)._replace(
+            copy_acceptance=jnp.float32(copy))
+
+    state = policy.update(policy.update(state, seen(0.9, 0.1)), seen(0.8, -1.0))  # no proposal the second time
+    np.testing.assert_allclose(state.copies, [0.05, 0.5], rtol=1e-6)  # decayed once by memory 0.5
+    np.testing.assert_allclose(state.own, [1.25, 1.5], rtol=1e-6)
+    assert not bool(policy.copies(state))
+    assert bool(drafting.auto(cost_model(), choose_copies=False).copies(state))
+    for _ in range(4):
+        state = policy.update(state, seen(0.2, 0.7))
+    assert bool(policy.copies(state))
+    assert bool(drafting.combine(policy, drafting.fixed()).copies((state, ())))  # fixed always copies
+    with pytest.raises(TypeError, match="choose_copies"):
+        drafting.auto(choose_copies="yes")
+
+
 def test_plan_chooses_one_length_for_the_batch():
     policy = drafting.auto(cost_model(first=0.3, step=0.1, verify=[1.0, 1.0, 1.0, 1.0]), prior_weight=1e-3)
     good = policy.update(policy.init(K), outcome(3, 3))  # every draft accepted
@@ -259,6 +285,39 @@ def test_lossless_law_under_the_policy(bigram_pair):
     pvalue, tv = goodness_of_fit(c, expected)
     assert pvalue > 1e-3 and tv < 0.03, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
     c, _ = counts(wrong_residual_rule())
+    pvalue, tv = goodness_of_fit(c, expected)
+    assert pvalue < 1e-6, f"the wrong residual passed: p={pvalue:.2e}, TV={tv:.4f}"
+
+
+def test_lossless_law_while_choosing_whether_to_copy(bigram_pair):
+    """With a context lookup whose copies the target rarely accepts, auto() stops taking them
+    after a rejection (fewer copies than with ``choose_copies=False``, the control), and the
+    first two sampled tokens still follow the target's law: the choice depends only on past
+    cycles. The same statistic rejects a wrong residual under the same policy."""
+    table = np.asarray(bigram_pair.target.params["table"])
+    expected = exact_two_token_distribution(table, 3, 1.0, None, None)
+    # Every prompt ends in 3 after an earlier 3 followed by 7: the lookup copies 7 first.
+    prompts = np.array([[3, 7, 3, 0], [5, 3, 7, 3]] * 10000, np.int32)
+    lengths = np.array([3, 4] * 10000, np.int32)
+    costs = cost_model(first=0.0, step=0.0, verify=[1.0, 1.0], k=1)  # always draft: only the copies are chosen
+
+    def run(rule, choose_copies=True):
+        policy = drafting.auto(costs, choose_copies=choose_copies, **SWITCHING)
+        out = specjax.decode(bigram_pair, prompts, prompt_lengths=lengths, rule=rule, drafting=policy,
+                             lookup=drafting.ngram_lookup(min_match=1), num_draft=1, max_new_tokens=2,
+                             temperature=1.0, key=jax.random.key(5), buckets=NO_BUCKETS)
+        c = np.zeros((VOCAB, VOCAB))
+        np.add.at(c, (np.asarray(out.tokens)[:, 0], np.asarray(out.tokens)[:, 1]), 1)
+        return c, out.stats
+
+    c, stats = run(speculative_sampling())
+    _, always = run(speculative_sampling(), choose_copies=False)
+    first = len(prompts)  # every first cycle copies (no evidence yet)
+    later, later_always = (int(np.asarray(s.copied).sum()) - first for s in (stats, always))
+    assert later_always > 1000 and later < later_always / 2, (later, later_always)
+    pvalue, tv = goodness_of_fit(c, expected)
+    assert pvalue > 1e-3 and tv < 0.03, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
+    c, _ = run(wrong_residual_rule())
     pvalue, tv = goodness_of_fit(c, expected)
     assert pvalue < 1e-6, f"the wrong residual passed: p={pvalue:.2e}, TV={tv:.4f}"
 

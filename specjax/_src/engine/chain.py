@@ -180,7 +180,8 @@ def _plain_cycle(cfg: LoopConfig, pair_params: ModelPair, policy: drafting_lib.D
     outcome = drafting_lib.DraftOutcome(num_drafted=none, num_accepted=none, valid=unused,
                                         entropies=jnp.zeros((batch, k_max), jnp.float32),
                                         token_probs=jnp.zeros((batch, k_max), jnp.float32),
-                                        first_acceptance=jnp.full((batch,), -1.0, jnp.float32))
+                                        first_acceptance=jnp.full((batch,), -1.0, jnp.float32),
+                                        copy_acceptance=jnp.full((batch,), -1.0, jnp.float32))
     policy_state = where_b(live, jax.vmap(policy.update)(state.policy_state, outcome), state.policy_state)
     stats = record_cycle(state.stats, live=live, valid=unused, num_accepted=none, num_committed=n_commit,
                          paths=no_drafts, draft_forwards=jnp.int32(0), copied=unused, verified=jnp.int32(1))
@@ -232,6 +233,10 @@ class _Drafts(NamedTuple):
     bad: Array  # [B, K] the draft logits of that slot were non-finite
     forwards: Array  # scalar int32
     copied: Array  # [B, K] the slot's token was copied from the context (a point mass)
+    own_token0: Array  # [B] the drafter's own token at slot 0, before any copy took the slot
+    own_probs0: Array  # [B, V] the drafter's own distribution at slot 0
+    copy_token0: Array  # [B] the lookup's proposal for slot 0, taken or not
+    copy_valid0: Array  # [B] bool: the lookup proposed one
 
 
 def draft_chain(
@@ -330,14 +335,18 @@ def _draft_tokens(
         feature = jnp.zeros((batch, 0))
     else:
         (raw0, cache), feature = first_draft_logits(module, params, vocab, state), jnp.zeros((batch, 0))
-    copied = None
+    copied, bufs = None, _no_drafts(batch, k_max, vocab)
     if cfg.lookup is not None:
-        copied = lookup_drafts(state.tokens, state.num_committed, k_max, cfg.lookup)
+        copy_tokens, copy_valid = lookup_drafts(state.tokens, state.num_committed, k_max, cfg.lookup)
+        copies = jax.vmap(policy.copies, axis_size=batch)(state.policy_state)  # [B]: the policy may decline
+        copied = (copy_tokens, copy_valid & jnp.asarray(copies, bool)[:, None])
+        # Slot 0's proposal, taken or not: the verification tells how likely it was to be accepted.
+        bufs = bufs._replace(copy_token0=copy_tokens[:, 0], copy_valid0=copy_valid[:, 0] & active0)
     slot = functools.partial(
         _draft_slot, cfg, policy, state.policy_state, budget, draft_uniforms, temperature, top_p, copied,
         rows=rows, hist=hist,
     )
-    active, bufs = slot(0, raw0, active0, _no_drafts(batch, k_max, vocab))
+    active, bufs = slot(0, raw0, active0, bufs)
     # copied_rest[b, j]: slots j.. are all copies, so no head forward from slot j on is read. (A head's
     # cache is rewritten from the target's features next cycle; a draft model keeps the entries these
     # forwards write, so it runs them all.)
@@ -399,6 +408,7 @@ def _draft_slot(
         tok = sampling.sample_categorical(probs, u)
         if rows is not None and rows.greedy is not None:
             tok = jnp.where(rows.greedy, sampling.argmax(raw), tok)
+    own = {"own_token0": tok, "own_probs0": probs} if isinstance(j, int) and j == 0 else {}
     is_copy = jnp.zeros((batch,), bool)
     if copied is not None:
         copy_tok, copy_ok = (jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False) for x in copied)
@@ -424,6 +434,10 @@ def _draft_slot(
         bad=bufs.bad.at[:, j].set(active & sampling.nonfinite_rows(unprocessed)),
         forwards=bufs.forwards,
         copied=bufs.copied.at[:, j].set(active & is_copy),
+        own_token0=own.get("own_token0", bufs.own_token0),
+        own_probs0=own.get("own_probs0", bufs.own_probs0),
+        copy_token0=bufs.copy_token0,
+        copy_valid0=bufs.copy_valid0,
     )
     next_active = active & (j + 1 < budget) & jnp.asarray(go, bool)
     return next_active, bufs
@@ -441,6 +455,10 @@ def _no_drafts(batch: int, k_max: int, vocab: int) -> _Drafts:
         bad=jnp.zeros((batch, k_max), bool),
         forwards=jnp.int32(1),
         copied=jnp.zeros((batch, k_max), bool),
+        own_token0=jnp.zeros((batch,), jnp.int32),
+        own_probs0=jnp.zeros((batch, vocab), jnp.float32),
+        copy_token0=jnp.zeros((batch,), jnp.int32),
+        copy_valid0=jnp.zeros((batch,), bool),
     )
 
 
@@ -657,6 +675,7 @@ def _record(
         entropies=drafts.entropies,
         token_probs=drafts.token_probs,
         first_acceptance=_first_acceptance(cfg, drafts, verified),
+        copy_acceptance=_copy_acceptance(cfg, drafts, verified),
     )
     policy_state = jax.vmap(policy.update)(state.policy_state, outcome)
     policy_state = where_b(live, policy_state, state.policy_state)
@@ -674,10 +693,21 @@ def _first_acceptance(cfg: LoopConfig, drafts: _Drafts, verified: _Verified) -> 
     whether the draft's pick is the target's; -1 where the draft did not run."""
     if cfg.greedy:
         target_pick = sampling.argmax(verified.inputs.target_logits[:, 0])
-        overlap = (target_pick == drafts.tokens[:, 0]).astype(jnp.float32)
+        overlap = (target_pick == drafts.own_token0).astype(jnp.float32)
     else:
-        overlap = jnp.minimum(verified.inputs.target_probs[:, 0], drafts.probs[:, 0]).sum(-1)
+        overlap = jnp.minimum(verified.inputs.target_probs[:, 0], drafts.own_probs0).sum(-1)
     return jnp.where(drafts.forwards > 0, overlap, -1.0)  # -1: the draft did not run, nothing learnt
+
+
+def _copy_acceptance(cfg: LoopConfig, drafts: _Drafts, verified: _Verified) -> Array:
+    """``[B]``: how likely the lossless rule was to accept the lookup's proposal for slot 0, taken
+    or not (a point mass: the target's probability of it; greedy: whether it is the target's
+    pick); -1 where the lookup proposed nothing."""
+    if cfg.greedy:
+        p = (sampling.argmax(verified.inputs.target_logits[:, 0]) == drafts.copy_token0).astype(jnp.float32)
+    else:
+        p = jnp.take_along_axis(verified.inputs.target_probs[:, 0], drafts.copy_token0[:, None], axis=-1)[:, 0]
+    return jnp.where(drafts.copy_valid0, p, -1.0)
 
 
 CHAIN = Cycle("chain", _decode_cycle)

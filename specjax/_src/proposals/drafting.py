@@ -77,6 +77,12 @@ class DraftOutcome(NamedTuple):
         nothing (where its first draft step ran), so a policy that turned
         drafting off keeps learning whether to turn it on; -1 where the draft
         did not run at all, None where a cycle does not compute it.
+      copy_acceptance: float32 scalar, how likely the lossless rule was to
+        accept the context lookup's proposal for the first slot, taken or not
+        (the target's probability of the copied token; greedy: 1 if it is the
+        target's pick); -1 where the lookup proposed nothing, None where a
+        cycle does not compute it. ``first_acceptance`` is the drafter's own
+        first token's, even where a copy took the slot, so the two compare.
     """
 
     num_drafted: Array
@@ -85,6 +91,7 @@ class DraftOutcome(NamedTuple):
     entropies: Array
     token_probs: Array
     first_acceptance: Optional[Array] = None
+    copy_acceptance: Optional[Array] = None
 
 
 class DraftingPolicy:
@@ -104,6 +111,8 @@ class DraftingPolicy:
       (no drafts: the cycle is a plain target step) where it sets
       ``may_draft_none``;
     * ``proceed(state, DraftStep) -> bool``, draft another token after this one?
+    * ``copies(state) -> bool``, whether this cycle's slots may take the
+      context lookup's copies (with ``lookup=``; default: always);
     * ``update(state, DraftOutcome) -> state``, once per cycle;
     * ``spec``: name and parameters (a :class:`specjax.rules.RuleSpec`).
     """
@@ -127,6 +136,10 @@ class DraftingPolicy:
     def update(self, state: PolicyState, outcome: DraftOutcome) -> PolicyState:
         del outcome
         return state
+
+    def copies(self, state: PolicyState) -> Array:
+        del state
+        return jnp.bool_(True)
 
     def plan(self, states: PolicyState, live: Array, num_draft: int) -> Array:
         """``[B]`` int32 budgets for the batch (``states``: the ``[B]``-batched
@@ -293,6 +306,9 @@ class Combine(DraftingPolicy):
     def update(self, state, outcome: DraftOutcome):
         return tuple(p.update(s, outcome) for p, s in zip(self.policies, state))
 
+    def copies(self, state) -> Array:
+        return jnp.all(jnp.stack([jnp.asarray(p.copies(s), bool) for p, s in zip(self.policies, state)]))
+
     def plan(self, states, live: Array, num_draft: int) -> Array:
         plans = [p.plan(s, live, num_draft) for p, s in zip(self.policies, states)]
         return jnp.min(jnp.stack(plans), axis=0)
@@ -445,15 +461,22 @@ def best_draft_length(expected: Array, costs: Array, margin=0.0) -> Array:
 
 
 class AutoState(NamedTuple):
-    """One sequence's acceptance evidence per draft slot, each a decayed count.
+    """One sequence's acceptance evidence, each a decayed count.
 
     Attributes:
       accepted: ``[K]`` float32, accepted drafts at slot ``j``.
       judged: ``[K]`` float32, drafts judged at slot ``j`` (those after an accepted run).
+      copies: ``[2]`` float32, the context lookup's first-slot proposals: their summed
+        acceptance probabilities and their count (``DraftOutcome.copy_acceptance``);
+        None: no evidence (a state built by hand).
+      own: ``[2]`` float32, the same for the drafter's own first tokens
+        (``DraftOutcome.first_acceptance``).
     """
 
     accepted: Array
     judged: Array
+    copies: Optional[Array] = None
+    own: Optional[Array] = None
 
 
 @struct.dataclass
@@ -467,6 +490,7 @@ class Auto(DraftingPolicy):
     prior_weight: float = 2.0
     margin: float = 0.2
     timed: Optional[bool] = struct.field(pytree_node=False, default=None)
+    choose_copies: bool = struct.field(pytree_node=False, default=True)
     name = "auto"
     may_draft_none = True
 
@@ -474,11 +498,25 @@ class Auto(DraftingPolicy):
     def spec(self) -> PolicySpec:  # the measured costs are the machine's, not the policy's settings
         return PolicySpec(self.name, tuple((n, spec_value(getattr(self, n))) for n in ("memory", "prior",
                                                                                      "prior_weight", "margin",
-                                                                                     "timed")))
+                                                                                     "timed", "choose_copies")))
 
     def init(self, num_draft: int) -> AutoState:
         zeros = jnp.zeros((num_draft,), jnp.float32)
-        return AutoState(zeros, zeros)
+        return AutoState(zeros, zeros, jnp.zeros((2,), jnp.float32), jnp.zeros((2,), jnp.float32))
+
+    def _shrunk(self, counts: Array) -> Array:
+        """``(accepted + prior * w) / (judged + w)`` of ``counts = [accepted, judged]``."""
+        w = jnp.asarray(self.prior_weight, jnp.float32)
+        return (counts[0] + self.prior * w) / (counts[1] + w)
+
+    def copies(self, state: AutoState) -> Array:
+        """Copy from the context unless the lookup's first-slot proposals would have been accepted
+        less often than the drafter's own first tokens (both observed every drafting cycle,
+        whichever took the slot, and shrunk towards ``prior``): a copy takes the drafter's slot,
+        so a worse one costs accepted tokens. Without evidence either way, copy."""
+        if not self.choose_copies or state.copies is None:
+            return jnp.bool_(True)
+        return self._shrunk(state.copies) >= self._shrunk(state.own)
 
     def acceptance(self, state: AutoState) -> Array:
         """``[K]`` the estimated acceptance of each slot given the slots before it:
@@ -513,7 +551,8 @@ class Auto(DraftingPolicy):
     def update(self, state: AutoState, outcome: DraftOutcome) -> AutoState:
         """Slot ``j`` is judged when it was drafted and slots ``0 .. j - 1``
         were accepted; it counts as accepted when ``j < num_accepted``. A cycle
-        that drafted nothing still judges slot 0 by ``first_acceptance``."""
+        that drafted nothing still judges slot 0 by ``first_acceptance``. The
+        copies' and the drafter's own first-slot acceptance add to their evidence."""
         k = outcome.valid.shape[0]
         slots = jnp.arange(k)
         judged = outcome.valid & (slots <= outcome.num_accepted)
@@ -523,12 +562,22 @@ class Auto(DraftingPolicy):
             none = (outcome.num_drafted == 0) & (outcome.first_acceptance >= 0)
             judged = judged.at[0].set(jnp.where(none, 1.0, judged[0]))
             accepted = accepted.at[0].set(jnp.where(none, outcome.first_acceptance, accepted[0]))
+
+        def evidence(p):  # [acceptance, 1] where observed (p >= 0), else nothing
+            if p is None:
+                return jnp.zeros((2,), jnp.float32)
+            return jnp.where(p >= 0, jnp.stack([p, 1.0]), 0.0).astype(jnp.float32)
+
         m = jnp.asarray(self.memory, jnp.float32)
-        return AutoState(m * state.accepted + accepted, m * state.judged + judged)
+        copies = jnp.zeros((2,), jnp.float32) if state.copies is None else state.copies
+        own = jnp.zeros((2,), jnp.float32) if state.own is None else state.own
+        return AutoState(m * state.accepted + accepted, m * state.judged + judged,
+                         m * copies + evidence(outcome.copy_acceptance), m * own + evidence(outcome.first_acceptance))
 
 
 def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float = 0.6,
-         prior_weight: float = 2.0, margin: float = 0.2, timed: Optional[bool] = None) -> Auto:
+         prior_weight: float = 2.0, margin: float = 0.2, timed: Optional[bool] = None,
+         choose_copies: bool = True) -> Auto:
     """Each cycle, draft the ``k`` in ``0 .. num_draft`` that maximises the
     batch's expected committed tokens per unit of measured cost (goodput);
     ``k = 0`` is a plain target step inside the same program.
@@ -549,7 +598,12 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
     where the parts cannot decide, their best draft's gain over a plain step
     at the prior lying within the parts' error of ``1 + margin``
     (:func:`specjax.engine.parts_undecided`); True always; False never (see
-    docs/drafting.md). The choice depends only on past cycles, so a lossless
+    docs/drafting.md). With a context lookup (``decode(..., lookup=)``), each
+    sequence also chooses whether to take its copies: only while the lookup's
+    first-slot proposals would have been accepted at least as often as the
+    drafter's own first tokens (each cycle's verification tells both, whichever
+    took the slot; decayed by ``memory`` and shrunk towards ``prior``;
+    ``choose_copies=False`` always copies, as other policies do). The choice depends only on past cycles, so a lossless
     rule stays lossless and greedy output stays the target's. A ``decode``
     call whose first cycle would draft nothing at the prior
     (:func:`drafts_before_evidence`) runs ``generate``'s program instead,
@@ -566,7 +620,10 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
         raise TypeError(f"auto(costs=...) takes a CostModel (specjax.engine.measure_costs), got {type(costs).__name__}.")
     if timed is not None and not isinstance(timed, bool):
         raise TypeError(f"auto(timed=...) takes True, False or None (where the parts cannot decide), got {timed!r}.")
-    return Auto(costs=costs, memory=memory, prior=prior, prior_weight=prior_weight, margin=margin, timed=timed)
+    if not isinstance(choose_copies, bool):
+        raise TypeError(f"auto(choose_copies=...) takes True or False, got {choose_copies!r}.")
+    return Auto(costs=costs, memory=memory, prior=prior, prior_weight=prior_weight, margin=margin, timed=timed,
+                choose_copies=choose_copies)
 
 
 def drafts_before_evidence(policy: DraftingPolicy, num_draft: int) -> bool:
