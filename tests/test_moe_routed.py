@@ -41,6 +41,11 @@ def _layer(cfg: ModelConfig, tokens: int, seed: int = 0):
     params = moe.MoE(cfg.replace(quantization=None)).init(jax.random.key(seed + 1), x)["params"]
     # Weights larger than the 0.02 init, so that experts differ by more than rounding.
     params = jax.tree.map(lambda p: p * 20.0, params)
+    if cfg.expert_bias:  # gpt-oss's router and expert biases, zero at init: random, so that they count
+        keys = iter(jax.random.split(jax.random.key(seed + 2), 8))
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, p: jax.random.normal(next(keys), p.shape, p.dtype) if str(path[-1].key).endswith("bias")
+            else p, params)
     if cfg.quantization is not None:
         params = quant.quantize_params(params, cfg.quant)
     return params, x
@@ -62,6 +67,24 @@ CASES = {
     ),
     "int8": _config(quantization="int8"),
     "q4": _config(quantization="q4"),
+    # gpt-oss: a biased router, a softmax over the top-k logits, expert biases and the clamped SwiGLU.
+    "gpt_oss": _config(
+        model_type="gpt_oss",
+        router_scores="topk_softmax",
+        router_logit_bias=True,
+        expert_bias=True,
+        activation="swiglu_oai",
+        attention_sinks=True,
+    ),
+    "gpt_oss_int8": _config(
+        model_type="gpt_oss",
+        router_scores="topk_softmax",
+        router_logit_bias=True,
+        expert_bias=True,
+        activation="swiglu_oai",
+        attention_sinks=True,
+        quantization="int8",
+    ),
 }
 
 
@@ -89,7 +112,7 @@ def test_a_wrong_routing_is_detected():
     logits = x2 @ params["router"]["kernel"]
     weights, picked = moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     stack = {"gate": params["experts_gate"], "up": params["experts_up"], "down": params["experts_down"]}
-    mlp = moe.float_expert_mlp(jax.nn.silu, "auto")
+    mlp = moe.float_expert_mlp(moe.gated(jax.nn.silu), "auto")
     want = moe.all_experts(x2, weights, picked, stack, mlp)
     right = moe.routed_experts(x2, weights, picked, stack, mlp, tile=10)
     wrong = moe.routed_experts(x2, weights, (picked + 1) % cfg.num_experts, stack, mlp, tile=10)
@@ -128,8 +151,8 @@ def test_ragged_dot_path_equals_the_tiles():
     x2 = x.reshape(-1, cfg.hidden_size)
     weights, picked = moe.route(x2 @ params["router"]["kernel"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     stack = {"gate": params["experts_gate"], "up": params["experts_up"], "down": params["experts_down"]}
-    tiles = moe.routed_experts(x2, weights, picked, stack, moe.float_expert_mlp(jax.nn.silu, "xla"), tile=16)
-    ragged = moe.ragged_experts(x2, weights, picked, stack["gate"], stack["up"], stack["down"], jax.nn.silu)
+    tiles = moe.routed_experts(x2, weights, picked, stack, moe.float_expert_mlp(moe.gated(jax.nn.silu), "xla"), tile=16)
+    ragged = moe.ragged_experts(x2, weights, picked, stack["gate"], stack["up"], stack["down"], moe.gated(jax.nn.silu))
     scale = float(jnp.max(jnp.abs(tiles)))
     np.testing.assert_allclose(np.asarray(ragged), np.asarray(tiles), atol=2e-6 * scale, rtol=0)
 
@@ -181,7 +204,7 @@ def run(cfg, params, x, experts):
 
 layers = {}
 split = sharding.make_mesh(2, 2)
-for case in ("float", "deepseek_routing", "int8", "q4"):
+for case in ("float", "deepseek_routing", "int8", "q4", "gpt_oss"):
     for tokens in (2, 40):
         params, x = _layer(CASES[case], tokens)
         ref, _ = run(CASES[case], params, x, "routed")

@@ -161,7 +161,8 @@ def attention_mask(q_pos: Array, kv_len: int, sliding_window: Optional[int]) -> 
 
 
 def grouped_attention(
-    q: Array, k: Array, v: Array, mask: Array, scale: float, softcap: Optional[float] = None
+    q: Array, k: Array, v: Array, mask: Array, scale: float, softcap: Optional[float] = None,
+    sinks: Optional[Array] = None,
 ) -> Array:
     """Multi-head attention with grouped key/value heads.
 
@@ -173,6 +174,9 @@ def grouped_attention(
       scale: multiplies the scores.
       softcap: if set, scores become ``softcap * tanh(scores / softcap)``
         after scaling, before masking (Gemma 2).
+      sinks: ``[N]`` attention sinks (gpt-oss), or None: head ``n``'s logit joins
+        every query's softmax as one more key without a value, so the weights
+        of the real keys sum to less than 1 (``softmax_with_sinks``).
 
     Returns:
       ``[B, T, N * D]`` in ``v.dtype``. Scores and softmax run in float32.
@@ -192,9 +196,23 @@ def grouped_attention(
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    else:  # query head n = kv head * G + g, as the reshape above groups them
+        probs = softmax_with_sinks(scores, sinks.reshape(kv_heads, n // kv_heads)[None, :, :, None, None]).astype(v.dtype)
     out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n * d)
+
+
+def softmax_with_sinks(scores: Array, sinks: Array) -> Array:
+    """``softmax([scores, sink])`` over the last axis with the sink's column dropped:
+    ``exp(s_j) / (sum_i exp(s_i) + exp(sink))`` (gpt-oss's attention sinks, as
+    transformers' ``eager_attention_forward`` computes them, in float32).
+
+    ``scores``: ``[..., S]``; ``sinks``: broadcastable to ``scores[..., :1]``.
+    """
+    sinks = jnp.broadcast_to(sinks.astype(jnp.float32), scores.shape[:-1] + (1,))
+    return jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
 
 
 # A cache with fewer slots than 4/3 of this is read whole: a narrower read
@@ -273,6 +291,7 @@ def cache_attention(
     width_index: Optional[Array],
     reads: str = "auto",
     softcap: Optional[float] = None,
+    sinks: Optional[Array] = None,
 ) -> Array:
     """:func:`grouped_attention` over the first ``attention_widths(S)[width_index]``
     slots of ``keys, values`` ``[B, K, S, D]``; ``mask_at(width)`` gives the
@@ -280,7 +299,8 @@ def cache_attention(
     query (the index holds the batch's longest row), so the output is the
     full read's: masked slots only add exact zeros. ``reads``: ``"prefix"``
     on every platform, ``"whole"`` never (every slot, as with no index),
-    ``"auto"`` on CPU and TPU only.
+    ``"auto"`` on CPU and TPU only. ``softcap``, ``sinks``: as in
+    :func:`grouped_attention`, at every width.
 
     Why a ``lax.switch`` per layer that only reads (the cache is written
     before it): XLA copies a buffer that a conditional's branch updates in
@@ -302,7 +322,7 @@ def cache_attention(
         def run(q, keys, values):
             if width < capacity:
                 keys, values = keys[:, :, :width], values[:, :, :width]
-            return grouped_attention(q, keys, values, mask_at(width), scale, softcap)
+            return grouped_attention(q, keys, values, mask_at(width), scale, softcap, sinks)
 
         return run
 

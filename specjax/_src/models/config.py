@@ -1,5 +1,5 @@
 """Static configuration of the decoder family (Llama, Mistral, Qwen2, Qwen3, GPT-2, Gemma 1/2/3,
-the mixtures of experts and DeepSeek-V3).
+the mixtures of experts, DeepSeek-V3 and gpt-oss).
 
 A frozen, hashable dataclass: it is closed over by jitted functions as a
 static, so two models with equal configs share compiled programs.
@@ -11,20 +11,24 @@ import dataclasses
 from typing import Optional
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text", "mixtral",
-                         "qwen2_moe", "qwen3_moe", "dots1", "deepseek_v3")
+                         "qwen2_moe", "qwen3_moe", "dots1", "deepseek_v3", "gpt_oss")
 # Layouts whose MLP is a mixture of experts (num_experts > 0).
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "dots1", "deepseek_v3")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "dots1", "deepseek_v3", "gpt_oss")
 # Layouts whose attention is multi-head latent attention (``kv_lora_rank`` set).
 LATENT_ATTENTION_MODEL_TYPES = ("deepseek_v3",)
 ROPE_TYPES = ("llama3", "linear", "yarn")
-# How a router turns its logits into expert scores.
-ROUTER_SCORES = ("softmax", "sigmoid")
+# Layouts that take YaRN rope scaling (``rope_type: yarn``).
+YARN_MODEL_TYPES = LATENT_ATTENTION_MODEL_TYPES + ("gpt_oss",)
+# How a router turns its logits into expert scores: a softmax over all experts, sigmoids, or a
+# softmax over the top k logits only (gpt-oss).
+ROUTER_SCORES = ("softmax", "sigmoid", "topk_softmax")
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Per-layer attention kinds (``ModelConfig.layer_types``), named as in Hugging Face configs.
 LAYER_TYPES = ("sliding_attention", "full_attention")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # "gelu_new" / "gelu_pytorch_tanh" are the tanh approximation GPT-2 uses; "gelu" is exact.
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
+# "swiglu_oai": gpt-oss's clamped SwiGLU of its experts (``swiglu_alpha``, ``swiglu_limit``).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu", "swiglu_oai")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +44,7 @@ class RopeScaling:
     times ``attention_factor`` (None: from ``factor``, ``mscale`` and
     ``mscale_all_dim`` as transformers infers it); and with ``mscale_all_dim``,
     DeepSeek's softmax scale times ``(0.1 * mscale_all_dim * ln(factor) + 1) ** 2``.
-    Only multi-head latent attention (``deepseek_v3``) takes yarn)."""
+    Only ``YARN_MODEL_TYPES`` (``deepseek_v3``, ``gpt_oss``) take yarn)."""
 
     factor: float
     low_freq_factor: Optional[float] = None
@@ -132,7 +136,17 @@ class ModelConfig:
         the experts split into groups, the choice limited to the
         ``router_top_groups`` groups whose two best scores sum highest.
         ``routed_scaling_factor``: the chosen weights' factor, after any
-        renormalisation.
+        renormalisation. ``"topk_softmax"`` (gpt-oss): the top ``k`` raw logits
+        chosen, their weights a softmax over those ``k`` logits only.
+        ``router_logit_bias``: the router is a linear layer with a bias
+        (``router/bias [E]``, gpt-oss), added to the logits.
+      expert_bias: each expert's three products add a bias (gpt-oss):
+        ``experts_gate_bias`` / ``experts_up_bias [E, I]``, ``experts_down_bias [E, H]``.
+      swiglu_alpha / swiglu_limit: the ``"swiglu_oai"`` activation's (gpt-oss's
+        experts): ``gate = min(gate, limit)``, ``up = clip(up, -limit, limit)``,
+        ``h = (up + 1) * gate * sigmoid(alpha * gate)``; ``swiglu_limit`` None: no clamp.
+      attention_sinks: a learned logit per query head (``attn/sinks [num_heads]``,
+        gpt-oss) joins each query's softmax denominator and is dropped after.
       quantization: how the matrices are stored (``specjax._src.kernels.quant``):
         ``"int8"``, ``"q4"``, ``"q4,embedding=int8/32"``, ...; None: in ``dtype``.
       kv_lora_rank: multi-head latent attention (DeepSeek-V2/V3, ``deepseek_v3``)
@@ -201,6 +215,11 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    router_logit_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: Optional[float] = 7.0
+    attention_sinks: bool = False
 
     def __post_init__(self):
         if self.quantization is not None:
@@ -254,6 +273,14 @@ class ModelConfig:
             raise ValueError(f"dense_mlp_layers must name layers in [0, {self.num_layers}), "
                              f"got {self.dense_mlp_layers}.")
         self._check_latent_attention()
+        if self.activation == "swiglu_oai" and (not self.num_experts or self.dense_mlp_layers
+                                                or self.shared_expert_intermediate_size):
+            raise ValueError("activation 'swiglu_oai' is gpt-oss's expert activation: it needs a mixture of "
+                             "experts with no dense layers and no shared expert.")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be positive or None, got {self.swiglu_limit}.")
+        if self.expert_bias and not self.num_experts:
+            raise ValueError("expert_bias needs a mixture of experts (num_experts > 0).")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}.")
         if not isinstance(self.layer_types, tuple):
@@ -277,9 +304,10 @@ class ModelConfig:
         if latent != (self.model_type in LATENT_ATTENTION_MODEL_TYPES):
             raise ValueError(f"{self.model_type} {'has no' if latent else 'needs'} multi-head latent attention "
                              f"(kv_lora_rank={self.kv_lora_rank}).")
-        if self.rope_scaling is not None and self.rope_scaling.rope_type == "yarn" and not latent:
+        if (self.rope_scaling is not None and self.rope_scaling.rope_type == "yarn"
+                and self.model_type not in YARN_MODEL_TYPES):
             raise ValueError("rope scaling type 'yarn' is supported for multi-head latent attention (deepseek_v3) "
-                             f"only, not {self.model_type}.")
+                             f"and gpt_oss only, not {self.model_type}.")
         if not latent:
             return
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):

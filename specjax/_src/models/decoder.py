@@ -16,8 +16,8 @@ gemma3*    gemma2's norms and scaling + q/k norms, no soft-capping,
 =========  ==========================================================
 
 (``gemma3*``: ``model_type`` ``"gemma3_text"``.) The mixtures of experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE, dots1) are these blocks with :class:`~specjax._src.models.moe.MoE`
-for the MLP; DeepSeek-V3 (``deepseek_v3``) also swaps the attention for
+(Mixtral, Qwen2-MoE, Qwen3-MoE, dots1, gpt-oss) are these blocks with :class:`~specjax._src.models.moe.MoE`
+for the MLP (gpt-oss's attention adds per-head sinks and YaRN's cos/sin factor); DeepSeek-V3 (``deepseek_v3``) also swaps the attention for
 :class:`~specjax._src.models.latent_attention.LatentAttention`. A sliding layer's mask
 (``attention_mask``) hides keys ``sliding_window`` or more positions back.
 
@@ -78,7 +78,7 @@ from specjax._src.models.lm import Array, KVCache, LMOutput, Params
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.attention_ops import (  # noqa: F401 (re-exported: the decoder's public helpers)
     ATTENTION_READS, apply_rope, attention_mask, attention_width_index, attention_widths, cache_attention,
-    check_attention_reads, grouped_attention, rope_cos_sin, rope_inv_freq, rotate, write_cache,
+    check_attention_reads, grouped_attention, rope_attention_factor, rope_cos_sin, rope_inv_freq, rotate, write_cache,
 )
 from specjax._src.models.latent_attention import LatentAttention
 from specjax._src.models.layers import MLP, RMSNorm  # noqa: F401 (RMSNorm: re-exported)
@@ -210,6 +210,9 @@ class Attention(nn.Module):
             # Every position indexes the cache (or the block, without one).
             bound = t if kv_cache is None else kv_cache[0].shape[2]
             cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg, self.layer), bound)
+            factor = rope_attention_factor(cfg.rope_scaling)  # YaRN's (gpt-oss); 1 otherwise
+            if factor != 1.0:
+                cos, sin = cos * factor, sin * factor
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
 
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # heads-major [B, K, T, D]
@@ -224,9 +227,10 @@ class Attention(nn.Module):
         else:
             mask_at = lambda width: mask[:, :, :width]  # noqa: E731
         scale = d**-0.5 if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
+        sinks = self.param("sinks", nn.initializers.zeros, (n,), jnp.dtype(cfg.dtype)) if cfg.attention_sinks else None
         out = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask_at, scale,
                               None if kv_cache is None else width_index, self.attention_reads,
-                              cfg.attn_logit_softcapping)
+                              cfg.attn_logit_softcapping, sinks)
         out = _dense(cfg, cfg.hidden_size, cfg.is_gpt2 or cfg.attention_out_bias, "o", self.matmul)(out)
         return out, new_cache
 

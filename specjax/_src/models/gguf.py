@@ -120,7 +120,9 @@ def _config(reader, path: str) -> dict:
     if arch not in SUPPORTED_ARCHITECTURES:
         shared = {"deepseek": " (a mixture of experts with shared experts, which specjax does not run)",
                   "deepseek2": " (DeepSeek-V2/V3's multi-head latent attention, which specjax reads from Hugging "
-                               "Face directories only)"}.get(arch, "")
+                               "Face directories only)",
+                  "gpt-oss": " (gpt-oss, which specjax reads from Hugging Face directories only, float or "
+                             "MXFP4)"}.get(arch, "")
         raise ValueError(
             f"GGUF file {path} holds a {arch!r} model{shared}; specjax reads GGUF architectures "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}."

@@ -16,9 +16,11 @@ from typing import Any, Iterator, NamedTuple, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src.models.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
+from specjax._src.models import gpt_oss
+from specjax._src.models.config import (GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, YARN_MODEL_TYPES, ModelConfig,
+                                        RopeScaling)
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")  # and "yarn" for deepseek_v3
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")  # and "yarn" for deepseek_v3 and gpt_oss
 
 # A draft with a reduced-vocabulary head (``ModelConfig.head_vocab_size``)
 # stores it under these names; transformers cannot load such a checkpoint.
@@ -39,6 +41,7 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "dots1": "Dots1ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 # Buffers some checkpoints carry that are recomputed, not learned.
@@ -58,12 +61,12 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, Optional[Rop
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type == "yarn" and hf.get("model_type") == "deepseek_v3":
+    if rope_type == "yarn" and hf.get("model_type") in YARN_MODEL_TYPES:
         return theta, _yarn(hf, params)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"Unsupported rope scaling type {rope_type!r}; specjax supports "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)} (and yarn for deepseek_v3)."
+            f"{', '.join(SUPPORTED_ROPE_TYPES)} (and yarn for {' and '.join(YARN_MODEL_TYPES)})."
         )
     if rope_type == "linear":
         return theta, RopeScaling(factor=float(params["factor"]), rope_type="linear")
@@ -202,7 +205,9 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
                 f"{model_type} with use_sliding_window=True (per-layer sliding windows) "
                 "is not supported by specjax."
             )
-    theta, scaling = _rope(hf)
+    if model_type == "gpt_oss":
+        hf = gpt_oss.hf_rope(hf)
+    theta, scaling = _rope(hf, gpt_oss.DEFAULT_THETA if model_type == "gpt_oss" else 10000.0)
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported by specjax.")
     attention_bias = bool(hf.get("attention_bias", False))
@@ -227,15 +232,15 @@ def _from_hf_config(hf: dict, model_type: str, dtype: Optional[str]) -> ModelCon
                                     moe_intermediate_size=int(hf["moe_intermediate_size"]),
                                     **_experts(hf, "n_routed_experts", bool(hf.get("norm_topk_prob", True))),
                                     **_latent_attention(hf)),
+        "gpt_oss": lambda: gpt_oss.config_fields(hf),
     }[model_type]
     layout = layout() if callable(layout) else layout
     if hf.get(HEAD_VOCAB_KEY) is not None:
         common["head_vocab_size"] = int(hf[HEAD_VOCAB_KEY])
     return ModelConfig(
-        **{**_decoder_shape(hf, max_positions=2048, tied=False), **layout},
+        **{**_decoder_shape(hf, max_positions=2048, tied=False), "activation": hf.get("hidden_act", "silu"), **layout},
         rope_theta=theta,
         rope_scaling=scaling,
-        activation=hf.get("hidden_act", "silu"),
         **common,
     )
 
@@ -380,8 +385,9 @@ def _check_expressible(cfg: ModelConfig) -> None:
             raise ValueError(f"This config cannot be written as a Hugging Face {_ARCHITECTURES[cfg.model_type]}: "
                              + "; ".join(problems) + ".")
         return
-    if cfg.model_type not in ("mistral", "mixtral") and cfg.sliding_window is not None:
-        problems.append("sliding_window (only mistral and mixtral have it)")
+    problems += gpt_oss.expressible_problems(cfg)
+    if cfg.model_type not in ("mistral", "mixtral", "gpt_oss") and cfg.sliding_window is not None:
+        problems.append("sliding_window (only mistral, mixtral and gpt_oss have it)")
     if cfg.model_type == "mixtral" and not cfg.norm_topk_prob:
         problems.append("mixtral always renormalises its top-k weights")
     if cfg.model_type in ("qwen2", "qwen2_moe") and cfg.attention_out_bias:
@@ -400,7 +406,7 @@ def _check_expressible(cfg: ModelConfig) -> None:
             cfg.router_scores != "softmax" or cfg.router_bias or cfg.router_groups != 1
             or cfg.routed_scaling_factor != 1.0):
         problems.append(f"{cfg.model_type} routes by a plain softmax")
-    if cfg.model_type in ("llama", "qwen3", "qwen3_moe", "dots1", "deepseek_v3") and (
+    if cfg.model_type in ("llama", "qwen3", "qwen3_moe", "dots1", "deepseek_v3", "gpt_oss") and (
             cfg.attention_bias != cfg.attention_out_bias):
         problems.append(f"{cfg.model_type} biases q/k/v/o together")
     if cfg.model_type in ("mistral", "mixtral") and (cfg.attention_bias or cfg.attention_out_bias):
@@ -520,6 +526,8 @@ def to_hf_config(cfg: ModelConfig) -> dict:
                    qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim,
                    rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=0)
         del out["layer_types"], out["sliding_window"]
+    if cfg.model_type == "gpt_oss":
+        out.update(gpt_oss.hf_fields(cfg))
     return out
 
 
@@ -605,6 +613,8 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
                     add(f"{l}attn/{proj}/bias", f"{h}self_attn.{proj}_proj.bias")
             if cfg.latent_attention:
                 specs.extend(_latent_attention_specs(cfg, h, l))
+            if cfg.attention_sinks:
+                add(l + "attn/sinks", h + "self_attn.sinks")
             if cfg.qk_norm:
                 add(l + "attn/q_norm/scale", h + "self_attn.q_norm.weight")
                 add(l + "attn/k_norm/scale", h + "self_attn.k_norm.weight")
@@ -643,6 +653,8 @@ def _latent_attention_specs(cfg: ModelConfig, h: str, l: str) -> list[TensorSpec
 def _expert_specs(cfg: ModelConfig, h: str, l: str) -> list[TensorSpec]:
     """A mixture of experts' tensors: the router, and each expert's three projections
     (Mixtral names them w1 / w3 / w2 under ``block_sparse_moe``)."""
+    if cfg.model_type == "gpt_oss":  # fused experts, split into per-expert slices on load (gpt_oss.split_tensors)
+        return [TensorSpec(*spec) for spec in gpt_oss.expert_specs(cfg, h, tuple(l.rstrip("/").split("/")))]
     mixtral, dots1 = cfg.model_type == "mixtral", cfg.model_type in ("dots1", "deepseek_v3")
     moe = f"{h}block_sparse_moe." if mixtral else f"{h}mlp."
     names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {p: f"{p}_proj" for p in ("gate", "up", "down")}

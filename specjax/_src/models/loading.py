@@ -34,7 +34,7 @@ import numpy as np
 from specjax._src.kernels import quant
 from specjax._src.models import sharding as sharding_lib
 from specjax._src.models.lm import Model
-from specjax._src.models import feature_head, hf, published_heads
+from specjax._src.models import feature_head, gpt_oss, hf, published_heads
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
 from specjax._src.models.files import (
@@ -142,8 +142,11 @@ def load_hf(
     cfg = hf.from_hf_config(read_hf_config(path), _dtype_name(dtype))
     quantization = _check_quantize(quantize, mesh, shardings)
     files = hf.find_weight_files(path)
+    tensors = hf.iter_tensors(files, cfg)
+    if cfg.model_type == "gpt_oss":  # fused (and MXFP4) experts to the per-expert slices tensor_specs names
+        tensors = gpt_oss.split_tensors(tensors, cfg)
     params = _params_from_tensors(
-        cfg, path, hf.iter_tensors(files, cfg), hf.count_tensors(files), progress,
+        cfg, path, tensors, hf.count_tensors(files), progress,
         _target_shardings(cfg, mesh, shardings), quantization,
     )
     return Model(
@@ -633,6 +636,8 @@ def _write_hf(model: Model, path: str, *, progress: Progress = None) -> None:
         shape = tuple(reversed(leaf.shape)) if spec.transpose else tuple(leaf.shape)
         make = functools.partial(_hf_tensor, leaf, spec.transpose)
         entries.append((spec.hf_name, shape, leaf.dtype, make))
+    if cfg.model_type == "gpt_oss":  # the per-expert slices fused again, as transformers stores them
+        entries = gpt_oss.fused_entries(cfg, model.params, entries)
     written = hf.write_safetensors(os.path.join(path, "model.safetensors"), entries)
     if progress is not None:
         written = progress(written, total=len(entries))

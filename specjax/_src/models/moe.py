@@ -35,7 +35,9 @@ Layouts (``ModelConfig`` fields): Mixtral and Qwen3-MoE (softmax router, top
 ``k``, renormalised when ``norm_topk_prob``), Qwen2-MoE (a shared expert of
 width ``shared_expert_intermediate_size`` behind a sigmoid gate), DeepSeek-V3's
 routing as ``dots1`` uses it (sigmoid scores, a choice bias, group-limited
-choice, scaled weights, ungated shared experts).
+choice, scaled weights, ungated shared experts), gpt-oss (a router with a bias,
+a softmax over the top ``k`` logits, experts with biases and a clamped SwiGLU:
+"gpt-oss-120b & gpt-oss-20b Model Card", arXiv:2508.10925).
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ def route(
       logits: ``[N, E]`` router logits.
       k: experts per token.
       norm_topk_prob: renormalise the ``k`` weights to sum to 1.
-      scores: ``"softmax"`` (Mixtral, Qwen) or ``"sigmoid"`` (DeepSeek-V3) of the logits.
+      scores: ``"softmax"`` (Mixtral, Qwen) or ``"sigmoid"`` (DeepSeek-V3) of the logits, or
+        ``"topk_softmax"`` (gpt-oss): the top ``k`` logits chosen, weighted by a softmax over them only.
       bias: ``[E]`` added to the scores to choose the experts, not to weight them (DeepSeek-V3).
       groups, top_groups: the choice limited to the ``top_groups`` of ``groups`` equal groups of
         experts whose two best (biased) scores sum highest (DeepSeek-V3's group-limited routing).
@@ -95,6 +98,9 @@ def route(
       ``(weights [N, k] float32, experts [N, k] int32)``.
     """
     logits = logits.astype(jnp.float32)
+    if scores == "topk_softmax":
+        top, picked = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1) * scale, picked.astype(jnp.int32)
     probs = jax.nn.softmax(logits, axis=-1) if scores == "softmax" else jax.nn.sigmoid(logits)
     choice = probs if bias is None else probs + bias.astype(jnp.float32)
     if groups > 1:
@@ -111,6 +117,41 @@ def route(
     if scale != 1.0:
         top = top * scale
     return top, picked.astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- #
+# Gated units
+# --------------------------------------------------------------------------- #
+
+
+def gated(act: Callable) -> Callable:
+    """The gated unit ``(gate, up) -> act(gate) * up`` of Mixtral's, Qwen's and DeepSeek's experts."""
+    return lambda gate, up: act(gate) * up
+
+
+def swiglu_oai(alpha: float, limit: Optional[float]) -> Callable:
+    """gpt-oss's clamped SwiGLU ``(gate, up) -> (up + 1) * gate * sigmoid(alpha * gate)``, with
+    ``gate`` clipped above and ``up`` on both sides at ``limit`` (None: unclamped), as
+    transformers' ``GptOssExperts._apply_gate``."""
+
+    def glu(gate, up):
+        if limit is not None:
+            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+    return glu
+
+
+def glu_of(config: ModelConfig) -> Callable:
+    """The experts' gated unit ``(gate, up) -> h`` that ``config.activation`` names."""
+    if config.activation == "swiglu_oai":
+        return swiglu_oai(config.swiglu_alpha, config.swiglu_limit)
+    return gated(activation(config.activation))
+
+
+def _biased(y: Array, stack, name: str, e) -> Array:
+    """``y`` plus expert ``e``'s row of the bias stack ``stack[name]`` ``[E, F]``, if the stack has one."""
+    return y if name not in stack else y + stack[name][e].astype(y.dtype)
 
 
 # --------------------------------------------------------------------------- #
@@ -239,20 +280,30 @@ def mesh_routed_experts(compute: Callable, x: Array, weights: Array, experts: Ar
 
 
 def ragged_experts(
-    x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array, act: Callable
+    x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array, glu: Callable,
+    biases: Optional[dict] = None,
 ) -> Array:
     """:func:`routed_experts` for float experts by :func:`jax.lax.ragged_dot` (the tokens
     sorted by expert, one group per expert): the GPU and TPU path for many tokens.
 
-    ``gate``, ``up``: ``[E, H, I]``; ``down``: ``[E, I, H]``. Returns ``[N, H]`` float32.
+    ``gate``, ``up``: ``[E, H, I]``; ``down``: ``[E, I, H]``; ``glu``: ``(gate, up) -> h``;
+    ``biases``: the bias stacks (``gate_bias``, ``up_bias`` ``[E, I]``, ``down_bias`` ``[E, H]``),
+    each optional. Returns ``[N, H]`` float32.
     """
     n, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.zeros((gate.shape[0],), jnp.int32).at[flat].add(1)
     rows = x[order // k]
-    h = act(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-    y = jax.lax.ragged_dot(h, down, sizes, preferred_element_type=jnp.float32)
+    ids = jnp.minimum(flat[order], gate.shape[0] - 1)  # each sorted row's expert (ids to skip: any row)
+    biases = biases or {}
+
+    def biased(y, name):
+        return _biased(y, biases, name, ids)
+
+    h = glu(biased(jax.lax.ragged_dot(rows, gate, sizes), "gate_bias"),
+            biased(jax.lax.ragged_dot(rows, up, sizes), "up_bias"))
+    y = biased(jax.lax.ragged_dot(h, down, sizes, preferred_element_type=jnp.float32), "down_bias")
     y = jnp.where((flat[order] < gate.shape[0])[:, None], y, 0.0)  # rows past the groups: ids to skip
     return jnp.einsum("nkh,nk->nh", y[jnp.argsort(order)].reshape(n, k, -1), weights)
 
@@ -267,38 +318,54 @@ def all_experts(x: Array, weights: Array, experts: Array, stack, expert_mlp: Cal
 
 
 def all_float_experts(
-    x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array, act: Callable
+    x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array, glu: Callable,
+    biases: Optional[dict] = None,
 ) -> Array:
     """:func:`all_experts` for float experts as einsums over the expert axis: on a mesh that splits
-    the experts, each device computes its own and one all-reduce sums them. Returns ``[N, H]`` float32."""
+    the experts, each device computes its own and one all-reduce sums them. Arguments as
+    :func:`ragged_experts`; returns ``[N, H]`` float32."""
     dense_weights = jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(experts, gate.shape[0], dtype=jnp.float32))
-    h = act(jnp.einsum("nh,ehi->nei", x, gate)) * jnp.einsum("nh,ehi->nei", x, up)
-    y = jnp.einsum("nei,eih->neh", h, down, preferred_element_type=jnp.float32)
+    every = jnp.arange(gate.shape[0])
+    biases = biases or {}
+
+    def biased(y, name):  # y [N, E, F]: every expert's bias row on its own slice
+        return _biased(y, biases, name, every)
+
+    h = glu(biased(jnp.einsum("nh,ehi->nei", x, gate), "gate_bias"), biased(jnp.einsum("nh,ehi->nei", x, up), "up_bias"))
+    y = biased(jnp.einsum("nei,eih->neh", h, down, preferred_element_type=jnp.float32), "down_bias")
     return jnp.einsum("neh,ne->nh", y, dense_weights)
 
 
-def float_expert_mlp(act: Callable, matmul: str) -> Callable:
-    """Expert ``e``'s gated MLP of a float stack ``{"gate", "up": [E, H, I], "down": [E, I, H]}``,
-    on rows ``[T, H]``: few float32 rows by the CPU kernel that reads the expert inside the stack
-    (:func:`~specjax._src.kernels.cpu_matmul.expert_dot`), without copying it out."""
+def float_expert_mlp(glu: Callable, matmul: str) -> Callable:
+    """Expert ``e``'s gated MLP of a float stack ``{"gate", "up": [E, H, I], "down": [E, I, H]}``
+    (and the optional bias stacks ``gate_bias``, ``up_bias`` ``[E, I]``, ``down_bias`` ``[E, H]``,
+    added after each product), on rows ``[T, H]``; ``glu``: ``(gate, up) -> h`` (:func:`glu_of`).
+    Few float32 rows go to the CPU kernel that reads the expert inside the stack
+    (:func:`~specjax._src.kernels.cpu_matmul.expert_dot`), without copying it out; a bias row is
+    small enough to index out."""
 
     def mlp(stack, e, x):
         def dot(a, name, out_dtype):
-            return cpu_matmul.expert_dot(a, stack[name], e, preferred_element_type=out_dtype, matmul_mode=matmul)
+            y = cpu_matmul.expert_dot(a, stack[name], e, preferred_element_type=out_dtype, matmul_mode=matmul)
+            return _biased(y, stack, f"{name}_bias", e)
 
-        h = act(dot(x, "gate", x.dtype)) * dot(x, "up", x.dtype)
+        h = glu(dot(x, "gate", x.dtype), dot(x, "up", x.dtype))
         return dot(h, "down", jnp.float32)
 
     return mlp
 
 
-def quantized_expert_mlp(act: Callable, matmul: str) -> Callable:
+def quantized_expert_mlp(glu: Callable, matmul: str) -> Callable:
     """Expert ``e``'s gated MLP of a quantized stack (each matrix the format's arrays,
-    ``[E, out, in]``), on rows ``[T, H]``: read inside the stack (:func:`quant.qdot_expert`)."""
+    ``[E, out, in]``; the bias stacks float, as :func:`float_expert_mlp`), on rows ``[T, H]``:
+    read inside the stack (:func:`quant.qdot_expert`)."""
 
     def mlp(stack, e, x):
-        h = act(quant.qdot_expert(x, stack["gate"], e, matmul)) * quant.qdot_expert(x, stack["up"], e, matmul)
-        return quant.qdot_expert(h.astype(x.dtype), stack["down"], e, matmul)
+        def dot(a, name):
+            return _biased(quant.qdot_expert(a, stack[name], e, matmul), stack, f"{name}_bias", e)
+
+        h = glu(dot(x, "gate"), dot(x, "up"))
+        return dot(h.astype(x.dtype), "down")
 
     return mlp
 
@@ -339,7 +406,7 @@ class MoE(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         lead, hidden = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, hidden)
-        logits = dense(cfg, cfg.num_experts, False, "router", self.matmul)(x2)
+        logits = dense(cfg, cfg.num_experts, cfg.router_logit_bias, "router", self.matmul)(x2)
         bias = (
             self.param("router_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32)
             if cfg.router_bias
@@ -355,24 +422,24 @@ class MoE(nn.Module):
             top_groups=cfg.router_top_groups,
             scale=cfg.routed_scaling_factor,
         )
-        act = activation(cfg.activation)
+        glu = glu_of(cfg)
         stack = self._stack()
         if cfg.quantization is not None:
-            expert_mlp = quantized_expert_mlp(act, self.matmul)
+            expert_mlp = quantized_expert_mlp(glu, self.matmul)
         else:
-            expert_mlp = float_expert_mlp(act, self.matmul)
+            expert_mlp = float_expert_mlp(glu, self.matmul)
         xin = x2.astype(dtype)
         if self.experts == "all" and cfg.quantization is None:
-            y = all_float_experts(xin, weights, picked, stack["gate"], stack["up"], stack["down"], act)
+            y = all_float_experts(xin, weights, picked, stack["gate"], stack["up"], stack["down"], glu, stack)
         elif self.experts == "all":
             y = all_experts(xin, weights, picked, stack, expert_mlp)
         elif isinstance(self.experts, ExpertMesh):
             # Inside shard_map each device's stack is a local array, so the CPU kernels that read an
             # expert in place serve there even when the model runs XLA's products on the mesh.
-            local_mlp = (quantized_expert_mlp if cfg.quantization is not None else float_expert_mlp)(act, "auto")
-            y = mesh_routed_experts(self._routed(local_mlp, act), xin, weights, picked, stack, self.experts)
+            local_mlp = (quantized_expert_mlp if cfg.quantization is not None else float_expert_mlp)(glu, "auto")
+            y = mesh_routed_experts(self._routed(local_mlp, glu), xin, weights, picked, stack, self.experts)
         else:
-            y = self._routed(expert_mlp, act)(xin, weights, picked, stack)
+            y = self._routed(expert_mlp, glu)(xin, weights, picked, stack)
         if cfg.shared_expert_intermediate_size:
             shared = MLP(cfg, self.matmul, cfg.shared_expert_intermediate_size, name="shared_expert")(xin)
             if cfg.shared_expert_gate:
@@ -380,7 +447,7 @@ class MoE(nn.Module):
             y = y + shared.astype(jnp.float32)
         return y.astype(dtype).reshape(*lead, hidden)
 
-    def _routed(self, expert_mlp: Callable, act: Callable) -> Callable:
+    def _routed(self, expert_mlp: Callable, glu: Callable) -> Callable:
         """``(x, weights, experts, stack) -> [N, H]``: the routed experts' tiles, or on GPUs and TPUs
         :func:`ragged_experts` for float experts over more than ``GROUP_ROWS`` tokens."""
 
@@ -394,26 +461,33 @@ class MoE(nn.Module):
                 experts,
                 y,
                 cpu=lambda a, w, p, tiles: tiles,
-                default=lambda a, w, p, tiles: ragged_experts(a, w, p, stack["gate"], stack["up"], stack["down"], act),
+                default=lambda a, w, p, tiles: ragged_experts(a, w, p, stack["gate"], stack["up"], stack["down"], glu,
+                                                              stack),
             )
 
         return compute
 
     def _stack(self) -> dict:
-        """The experts' matrices ``{"gate", "up", "down"}``, each ``[E, ...]``."""
+        """The experts' matrices ``{"gate", "up", "down"}``, each ``[E, ...]``, and with
+        ``expert_bias`` their float bias stacks ``{"gate_bias", "up_bias": [E, I], "down_bias": [E, H]}``."""
         cfg = self.config
         e, hidden = cfg.num_experts, cfg.hidden_size
         inner = cfg.moe_intermediate_size or cfg.intermediate_size
+        init, dtype = nn.initializers.normal(INIT_STD), jnp.dtype(cfg.dtype)
         if cfg.quantization is not None:
             fmt = cfg.quant.weights
-            return {
+            stack = {
                 "gate": quant.quant_experts(self, "experts_gate", fmt, e, hidden, inner),
                 "up": quant.quant_experts(self, "experts_up", fmt, e, hidden, inner),
                 "down": quant.quant_experts(self, "experts_down", fmt, e, inner, hidden),
             }
-        init, dtype = nn.initializers.normal(INIT_STD), jnp.dtype(cfg.dtype)
-        return {
-            "gate": self.param("experts_gate", init, (e, hidden, inner), dtype),
-            "up": self.param("experts_up", init, (e, hidden, inner), dtype),
-            "down": self.param("experts_down", init, (e, inner, hidden), dtype),
-        }
+        else:
+            stack = {
+                "gate": self.param("experts_gate", init, (e, hidden, inner), dtype),
+                "up": self.param("experts_up", init, (e, hidden, inner), dtype),
+                "down": self.param("experts_down", init, (e, inner, hidden), dtype),
+            }
+        if cfg.expert_bias:
+            for name, width in (("gate", inner), ("up", inner), ("down", hidden)):
+                stack[f"{name}_bias"] = self.param(f"experts_{name}_bias", nn.initializers.zeros, (e, width), dtype)
+        return stack

@@ -22,6 +22,7 @@ tensor                         shape               spec
 ``mlp/{gate,up,fc}/kernel``    ``[H, I]``          ``(None, 'model')``
 ``mlp/{down,proj}/kernel``     ``[I, H]``          ``('model', None)``
 ``mlp/experts_*`` (MoE)        ``[E, ..]``         ``('model', None, None)``
+``mlp/experts_*_bias``         ``[E, F]``          ``('model', None)`` (gpt-oss)
 norms, biases, ``pos_embed``   any                 replicated
 KV cache (per layer)           ``[B, KVH, S, D]``  ``('data', 'model', None, None)``
 tokens, lengths, loop state    ``[B, ...]``        ``('data', ...)``
@@ -188,6 +189,8 @@ def _leaf_spec(names: tuple[str, ...], ndim: int, config: ModelConfig, m: int) -
         return _vocab_spec(config, m, 1)
     if any(n.startswith("experts_") for n in names[-2:]) and ndim == 3:  # experts over 'model' (quantized too)
         return P(MODEL, None, None)
+    if names[-1].startswith("experts_") and names[-1].endswith("_bias") and ndim == 2:  # gpt-oss's [E, F] biases
+        return P(MODEL, None)  # split with their experts (ExpertMesh gives every stack leaf P(axis))
     if len(names) >= 2 and names[-1] == "kernel":
         if names[-2] in _COLUMN:
             return P(None, MODEL)
