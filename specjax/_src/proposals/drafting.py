@@ -510,13 +510,14 @@ class Auto(DraftingPolicy):
         return (counts[0] + self.prior * w) / (counts[1] + w)
 
     def copies(self, state: AutoState) -> Array:
-        """Copy from the context unless the lookup's first-slot proposals would have been accepted
-        less often than the drafter's own first tokens (both observed every drafting cycle,
-        whichever took the slot, and shrunk towards ``prior``): a copy takes the drafter's slot,
-        so a worse one costs accepted tokens. Without evidence either way, copy."""
+        """Copy from the context only where the lookup's first-slot proposals would have been
+        accepted more often than the drafter's own first tokens (both observed every drafting
+        cycle, whichever took the slot, and shrunk towards ``prior``): a copy takes the drafter's
+        slot, so a worse one costs accepted tokens. Without evidence, do not copy: the evidence
+        comes whether or not the copies are taken."""
         if not self.choose_copies or state.copies is None:
             return jnp.bool_(True)
-        return self._shrunk(state.copies) >= self._shrunk(state.own)
+        return self._shrunk(state.copies) > self._shrunk(state.own)
 
     def acceptance(self, state: AutoState) -> Array:
         """``[K]`` the estimated acceptance of each slot given the slots before it:
@@ -600,7 +601,7 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
     (:func:`specjax.engine.parts_undecided`); True always; False never (see
     docs/drafting.md). With a context lookup (``decode(..., lookup=)``), each
     sequence also chooses whether to take its copies: only while the lookup's
-    first-slot proposals would have been accepted at least as often as the
+    first-slot proposals would have been accepted more often than the
     drafter's own first tokens (each cycle's verification tells both, whichever
     took the slot; decayed by ``memory`` and shrunk towards ``prior``;
     ``choose_copies=False`` always copies, as other policies do). The choice depends only on past cycles, so a lossless
