@@ -211,7 +211,8 @@ def test_bad_latent_attention_configs_are_named(tmp_path):
         specjax.load(directory)
 
 
-def test_a_deepseek2_gguf_is_refused_by_name(tmp_path):
+def test_a_deepseek2_gguf_without_its_metadata_is_named(tmp_path):
+    """``deepseek2`` GGUF files are read (``test_deepseek_gguf.py``); one lacking a required key is named."""
     gguf = pytest.importorskip("gguf")
     path = tmp_path / "deepseek2.gguf"
     writer = gguf.GGUFWriter(str(path), "deepseek2")
@@ -221,7 +222,7 @@ def test_a_deepseek2_gguf_is_refused_by_name(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'deepseek2'.*multi-head latent attention.*Hugging Face"):
+    with pytest.raises(ValueError, match="lacks the metadata key deepseek2.embedding_length"):
         specjax.load(str(path))
 
 

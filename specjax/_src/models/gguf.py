@@ -25,6 +25,12 @@ them. Qwen2-MoE (``qwen2moe``) adds a shared expert,
 ``blk.N.ffn_gate_inp_shexp.weight`` (a vector of ``n_embd``; Hugging Face's
 ``[1, H]``); its graph does not renormalise (``norm_topk_prob`` off, as the
 Hugging Face config's default).
+
+DeepSeek-V3 (``deepseek2``, llama.cpp's architecture for DeepseekV2/V3ForCausalLM) loads as
+``deepseek_v3``: the latent attention's tensors map one to one, except that the current converter
+splits ``kv_b_proj`` per head into ``attn_k_b`` (transposed) and ``attn_v_b``, joined again here
+(:func:`_kv_b_of`); its rotary rows are not permuted (llama.cpp's NORM rope on ``deepseek2`` is
+DeepSeek's interleaved layout, ``rope_interleave``). DeepSeek-V2's softmax routing is refused.
 """
 
 from __future__ import annotations
@@ -37,16 +43,26 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import numpy as np
 
 # Architectures whose GGUF tensor names and metadata map onto ours.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma", "gemma2", "gemma3",
+                           "deepseek2")
 _GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # Hugging Face model_type of each GGUF architecture where the two differ.
-_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v3"}
 # The Hugging Face model_type of an architecture whose blocks hold experts
 # (llama.cpp writes Mixtral as ``llama`` with an expert count).
 _MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_STACKED_EXPERT_TYPES = (*_MOE_MODEL_TYPES.values(), "deepseek_v3")
 # A block's stacked experts, one tensor per projection: [E, out, in] in NumPy order.
 _EXPERT_STACK = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _MIXTRAL_EXPERT_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
+# deepseek2 block tensors by GGUF kind (attn_k_b + attn_v_b, newer files' split of attn_kv_b: _kv_b_of).
+_DEEPSEEK2_NAMES = {
+    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj", "ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.gate.e_score_correction_bias",
+    **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")},
+}
+_KV_B_SPLIT = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
 _log = logging.getLogger(__name__)
 # What llama.cpp hard-codes for Gemma 2 and 3 rather than storing it in the
 # file: which layers attend globally (every 2nd, every 6th), Gemma 3's local
@@ -71,7 +87,14 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+# DeepSeek-V3's three splits in turn (llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEEPSEEK3_LLM, tokenizer.json's Sequence).
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
+           "deepseek-v3": _DEEPSEEK3_SPLITS}
 # Vocabularies trained with single-digit pre-splitting before GPT-2's regex
 # (SmolLM's tokenizer.json: Digits(individual_digits=True), ByteLevel).
 _DIGIT_SPLIT = ("smollm", "starcoder")
@@ -119,8 +142,6 @@ def _config(reader, path: str) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         shared = {"deepseek": " (a mixture of experts with shared experts, which specjax does not run)",
-                  "deepseek2": " (DeepSeek-V2/V3's multi-head latent attention, which specjax reads from Hugging "
-                               "Face directories only)",
                   "gpt-oss": " (gpt-oss, which specjax reads from Hugging Face directories only, float or "
                              "MXFP4)"}.get(arch, "")
         raise ValueError(
@@ -169,7 +190,7 @@ def _config(reader, path: str) -> dict:
     scaling = get("rope.scaling.type", None, required=False)
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling not in (None, "none"):
+    elif scaling not in (None, "none") and arch != "deepseek2":  # DeepSeek's yarn: _deepseek2_config
         raise ValueError(
             f"GGUF file {path} uses rope scaling {scaling!r}, which specjax's GGUF reader does "
             "not map; convert the original Hugging Face checkpoint instead."
@@ -182,6 +203,8 @@ def _config(reader, path: str) -> dict:
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
     elif arch in _GEMMA_ARCHITECTURES:
         cfg.update(_gemma_config(arch, get, cfg))
+    elif arch == "deepseek2":
+        cfg.update(_deepseek2_config(get, names, path, cfg))
     if arch in _MOE_MODEL_TYPES and (arch != "llama" or get("expert_count", 0, required=False)):
         cfg.update(_moe_config(arch, get, names, path, cfg["num_hidden_layers"]))
     return cfg
@@ -219,6 +242,59 @@ def _moe_config(arch: str, get, names: set, path: str, layers: int) -> dict:
                 "sliding_window": None}
     return {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": True,
             "moe_intermediate_size": int(get("expert_feed_forward_length"))}
+
+
+def _deepseek2_config(get, names: set, path: str, cfg: dict) -> dict:
+    """DeepSeek-V3's config fields from a ``deepseek2`` file (llama.cpp's converter for
+    DeepseekV2/V3ForCausalLM). Newer files write the absorbed form's widths as
+    ``attention.key_length`` / ``value_length`` (``kv_lora_rank + rope``, ``kv_lora_rank``, with
+    ``head_count_kv`` 1) and the per-head ones as ``key_length_mla`` / ``value_length_mla``; older
+    files only the per-head ones, as ``key_length`` / ``value_length``."""
+    gating = get("expert_gating_func", None, required=False)
+    if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID; absent: DeepSeek-V2's softmax
+        raise ValueError(f"GGUF file {path} routes its experts with {'softmax' if gating in (None, 1) else gating!r} "
+                         "scores (deepseek2.expert_gating_func, DeepSeek-V2's routing); specjax's deepseek2 "
+                         "reader runs DeepSeek-V3's sigmoid routing (expert_gating_func 2) only.")
+    rope = int(get("rope.dimension_count"))
+    mla = get("attention.key_length_mla", None, required=False) is not None
+    key = int(get("attention.key_length_mla" if mla else "attention.key_length"))
+    out = {
+        "num_key_value_heads": cfg["num_attention_heads"], "head_dim": key, "rope_interleave": True,
+        "q_lora_rank": get("attention.q_lora_rank", None, required=False),
+        "kv_lora_rank": int(get("attention.kv_lora_rank")), "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope,
+        "v_head_dim": int(get("attention.value_length_mla" if mla else "attention.value_length")),
+        "n_routed_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "n_shared_experts": int(get("expert_shared_count", 0, required=False)),
+        "first_k_dense_replace": int(get("leading_dense_block_count", 0, required=False)),
+        "n_group": int(get("expert_group_count", 1, required=False) or 1),
+        "topk_group": int(get("expert_group_used_count", 1, required=False) or 1),
+        # llama.cpp scales the routing weights only when the factor is set (and not 0)
+        "routed_scaling_factor": float(get("expert_weights_scale", 0.0, required=False) or 1.0),
+        "norm_topk_prob": bool(get("expert_weights_norm", False, required=False)),
+    }
+    if out["q_lora_rank"] is not None:
+        out["q_lora_rank"] = int(out["q_lora_rank"])
+    missing = [n for n in (f"blk.{out['first_k_dense_replace']}.exp_probs_b.bias",) if n not in names]
+    if out["first_k_dense_replace"] < cfg["num_hidden_layers"] and missing:
+        raise ValueError(f"GGUF file {path} lacks the tensor {missing[0]} (DeepSeek-V3's expert score correction "
+                         "bias); specjax runs DeepSeek-V3's routing, which adds it.")
+    scaling = get("rope.scaling.type", None, required=False)
+    if scaling == "yarn":
+        # llama.cpp's deepseek2 graph multiplies the softmax scale by (1 + yarn_log_multiplier * ln(factor))^2
+        # and leaves the rotation unscaled: transformers' DeepSeek yarn with mscale = mscale_all_dim =
+        # yarn_log_multiplier / 0.1 (the converter writes 0.1 * mscale_all_dim).
+        mscale = float(get("rope.scaling.yarn_log_multiplier")) / 0.1
+        out["rope_scaling"] = {
+            "rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+            "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
+            "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
+            "mscale": mscale, "mscale_all_dim": mscale, "rope_theta": cfg["rope_theta"]}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"GGUF file {path} uses rope scaling {scaling!r}, which specjax's deepseek2 reader does "
+                         "not map (it maps yarn).")
+    return out
 
 
 def _gemma_config(arch: str, get, cfg: dict) -> dict:
@@ -281,6 +357,10 @@ def _hf_name(gguf_name: str, arch: str = "llama", model_type: str = "") -> Optio
     if moe and kind in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"):
         shared = {"ffn_gate_inp_shexp": "shared_expert_gate"}.get(kind, f"shared_expert.{kind[4:-6]}_proj")
         return f"model.layers.{layer}.mlp.{shared}.{suffix}"
+    if arch == "deepseek2":  # multi-head latent attention, DeepSeek-V3's router and shared experts
+        inner = _DEEPSEEK2_NAMES.get(kind)
+        if inner is not None:
+            return f"model.layers.{layer}.{inner}" + ("" if kind == "exp_probs_b" else f".{suffix}")
     if arch in ("gemma2", "gemma3"):  # norms before and after attention and the MLP
         inner = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}.get(kind)
@@ -357,9 +437,14 @@ def _tensor_iter(reader, cfg: dict, path: str):
 
     def iterate():
         for tensor in reader.tensors:
-            stack = _EXPERT_STACK.fullmatch(tensor.name) if arch in _MOE_MODEL_TYPES.values() else None
+            stack = _EXPERT_STACK.fullmatch(tensor.name) if arch in _STACKED_EXPERT_TYPES else None
             if stack is not None:
                 yield from _experts_of(gguf, tensor, arch, stack.group(1), stack.group(2), path)
+                continue
+            split = _KV_B_SPLIT.fullmatch(tensor.name) if reader_arch == "deepseek2" else None
+            if split is not None:
+                if split.group(2) == "k":  # read once, with its v half, as kv_b_proj
+                    yield _kv_b_of(gguf, reader, split.group(1), cfg, path)
                 continue
             name = _hf_name(tensor.name, reader_arch, arch)
             if name is None:
@@ -414,6 +499,28 @@ def _experts_of(gguf, tensor, model_type: str, layer: str, proj: str, path: str)
 
         read.blocks = blocks
         yield _expert_name(model_type, layer, proj, j), read, shape[1:]
+
+
+def _kv_b_of(gguf, reader, layer: str, cfg: dict, path: str):
+    """Hugging Face's ``kv_b_proj`` (``[heads * (nope + v), kv_lora_rank]``, each head's key rows
+    then its value rows) from the two tensors llama.cpp's converter splits it into for its
+    absorbed attention: ``attn_k_b`` (``[heads, kv_lora_rank, nope]``, each head's key rows
+    transposed) and ``attn_v_b`` (``[heads, v, kv_lora_rank]``)."""
+    by_name = {t.name: t for t in reader.tensors if t.name in (f"blk.{layer}.attn_k_b.weight",
+                                                               f"blk.{layer}.attn_v_b.weight")}
+    for half in ("k", "v"):
+        if f"blk.{layer}.attn_{half}_b.weight" not in by_name:
+            raise ValueError(f"GGUF file {path} lacks the tensor blk.{layer}.attn_{half}_b.weight (the other half "
+                             f"of blk.{layer}.attn_{'v' if half == 'k' else 'k'}_b.weight).")
+    heads, rank = cfg["num_attention_heads"], cfg["kv_lora_rank"]
+    nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+
+    def read():
+        k_b = _dequantize(gguf, by_name[f"blk.{layer}.attn_k_b.weight"], path).reshape(heads, rank, nope)
+        v_b = _dequantize(gguf, by_name[f"blk.{layer}.attn_v_b.weight"], path).reshape(heads, v, rank)
+        return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(heads * (nope + v), rank)
+
+    return f"model.layers.{layer}.self_attn.kv_b_proj.weight", read, (heads * (nope + v), rank)
 
 
 class _Slice(NamedTuple):
@@ -480,7 +587,8 @@ def _byte_level_tokenizer(reader, path: str):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
     if pre in _SPLITS:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level]
+            [*(pre_tokenizers.Split(Regex(split), behavior="isolated")
+               for split in ((_SPLITS[pre],) if isinstance(_SPLITS[pre], str) else _SPLITS[pre])), byte_level]
         )
     elif pre in _DIGIT_SPLIT:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -598,7 +706,9 @@ def read_gguf(path: str) -> GGUFCheckpoint:
         hf_config=cfg,
         tensors=_tensor_iter(reader, cfg, path),
         # a stacked expert tensor is read as one tensor per expert
-        num_tensors=sum(int(t.shape[-1]) if _EXPERT_STACK.fullmatch(t.name) else 1 for t in reader.tensors),
+        # (and a deepseek2 file's attn_k_b + attn_v_b as one kv_b_proj)
+        num_tensors=sum(int(t.shape[-1]) if _EXPERT_STACK.fullmatch(t.name) else
+                        0 if re.fullmatch(r"blk\.\d+\.attn_v_b\.weight", t.name) else 1 for t in reader.tensors),
         tokenizer=_tokenizer(reader, path),
         chat_template=_chat_template(reader, path, end_of_turn is not None),
     )
