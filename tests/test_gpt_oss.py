@@ -237,20 +237,6 @@ def test_bad_gpt_oss_configs_are_named(checkpoint, tmp_path):
         specjax.export_hf(_variant(specjax.load(directory), attention_sinks=False), str(tmp_path / "x"))
 
 
-def test_a_gpt_oss_gguf_is_refused_by_name(tmp_path):
-    gguf = pytest.importorskip("gguf")
-    path = tmp_path / "gpt-oss.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="'gpt-oss'.*Hugging Face directories only"):
-        specjax.load(str(path))
-
-
 def test_the_expert_paths_agree_with_biases_and_the_clamped_glu(checkpoint):
     """On a gpt-oss layer: the routed tiles (1 and 16 rows a tile), jax.lax.ragged_dot (the GPU/TPU
     path) and every expert for every token give one result; dropping the biases changes it. The

@@ -31,6 +31,16 @@ DeepSeek-V3 (``deepseek2``, llama.cpp's architecture for DeepseekV2/V3ForCausalL
 splits ``kv_b_proj`` per head into ``attn_k_b`` (transposed) and ``attn_v_b``, joined again here
 (:func:`_kv_b_of`); its rotary rows are not permuted (llama.cpp's NORM rope on ``deepseek2`` is
 DeepSeek's interleaved layout, ``rope_interleave``). DeepSeek-V2's softmax routing is refused.
+
+gpt-oss (``gpt-oss``, llama.cpp's architecture for GptOssForCausalLM) loads as ``gpt_oss``
+(:func:`_gpt_oss_config`): the converter de-interleaves Hugging Face's ``gate_up_proj`` into
+``ffn_gate_exps`` and ``ffn_up_exps`` (``[E, I, H]``; or, with ``--fuse-gate-up-exps``, one
+``ffn_gate_up_exps`` of the gate rows then the up rows) plus their ``.bias`` stacks, transposes
+``down_proj`` into ``ffn_down_exps`` (``[E, H, I]``), keeps MXFP4 experts as GGML's MXFP4 blocks,
+and writes the sinks as ``attn_sinks.weight``; they are read back as the per-expert slices
+:func:`specjax._src.models.gpt_oss.expert_specs` names (:func:`_gpt_oss_experts`). The file does not
+record what llama.cpp hard-codes: sliding and full layers alternating, sliding first
+(``set_swa_pattern(2)``), and the clamped SwiGLU's alpha 1.702 and limit 7.
 """
 
 from __future__ import annotations
@@ -44,10 +54,11 @@ import numpy as np
 
 # Architectures whose GGUF tensor names and metadata map onto ours.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma", "gemma2", "gemma3",
-                           "deepseek2")
+                           "deepseek2", "gpt-oss")
 _GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # Hugging Face model_type of each GGUF architecture where the two differ.
-_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v3"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v3",
+               "gpt-oss": "gpt_oss"}
 # The Hugging Face model_type of an architecture whose blocks hold experts
 # (llama.cpp writes Mixtral as ``llama`` with an expert count).
 _MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
@@ -62,6 +73,10 @@ _DEEPSEEK2_NAMES = {
     "attn_kv_b": "self_attn.kv_b_proj", "ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.gate.e_score_correction_bias",
     **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")},
 }
+# gpt-oss's expert stacks and their biases (gate_up: the converter's --fuse-gate-up-exps, gate rows then up).
+_GPT_OSS_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias)")
+# llama.cpp's gpt-oss graph: swiglu_oai with these constants (the file has no key for them).
+_GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 _KV_B_SPLIT = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
 _log = logging.getLogger(__name__)
 # What llama.cpp hard-codes for Gemma 2 and 3 rather than storing it in the
@@ -93,8 +108,14 @@ _DEEPSEEK3_SPLITS = (
     r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
+# GPT-4o's (o200k; gpt-oss's tokenizer.json, llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O).
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
-           "deepseek-v3": _DEEPSEEK3_SPLITS}
+           "deepseek-v3": _DEEPSEEK3_SPLITS, "gpt-4o": _GPT4O_SPLIT}
 # Vocabularies trained with single-digit pre-splitting before GPT-2's regex
 # (SmolLM's tokenizer.json: Digits(individual_digits=True), ByteLevel).
 _DIGIT_SPLIT = ("smollm", "starcoder")
@@ -141,9 +162,7 @@ def _field(reader, key: str, default: Any = None) -> Any:
 def _config(reader, path: str) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        shared = {"deepseek": " (a mixture of experts with shared experts, which specjax does not run)",
-                  "gpt-oss": " (gpt-oss, which specjax reads from Hugging Face directories only, float or "
-                             "MXFP4)"}.get(arch, "")
+        shared = {"deepseek": " (a mixture of experts with shared experts, which specjax does not run)"}.get(arch, "")
         raise ValueError(
             f"GGUF file {path} holds a {arch!r} model{shared}; specjax reads GGUF architectures "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}."
@@ -174,7 +193,7 @@ def _config(reader, path: str) -> dict:
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length", 0, required=arch != "gpt-oss")),
         "max_position_embeddings": int(get("context_length", 2048)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
@@ -190,7 +209,7 @@ def _config(reader, path: str) -> dict:
     scaling = get("rope.scaling.type", None, required=False)
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling not in (None, "none") and arch != "deepseek2":  # DeepSeek's yarn: _deepseek2_config
+    elif scaling not in (None, "none") and arch not in ("deepseek2", "gpt-oss"):  # their yarn: _*_config
         raise ValueError(
             f"GGUF file {path} uses rope scaling {scaling!r}, which specjax's GGUF reader does "
             "not map; convert the original Hugging Face checkpoint instead."
@@ -205,6 +224,8 @@ def _config(reader, path: str) -> dict:
         cfg.update(_gemma_config(arch, get, cfg))
     elif arch == "deepseek2":
         cfg.update(_deepseek2_config(get, names, path, cfg))
+    elif arch == "gpt-oss":
+        cfg.update(_gpt_oss_config(get, names, path, cfg))
     if arch in _MOE_MODEL_TYPES and (arch != "llama" or get("expert_count", 0, required=False)):
         cfg.update(_moe_config(arch, get, names, path, cfg["num_hidden_layers"]))
     return cfg
@@ -297,6 +318,40 @@ def _deepseek2_config(get, names: set, path: str, cfg: dict) -> dict:
     return out
 
 
+def _gpt_oss_config(get, names: set, path: str, cfg: dict) -> dict:
+    """gpt-oss's config fields from a ``gpt-oss`` file (llama.cpp's converter for GptOssForCausalLM),
+    with what llama.cpp's graph hard-codes: the layer pattern and the SwiGLU constants."""
+    layers = cfg["num_hidden_layers"]
+    for i in range(layers):  # what the gpt_oss layout needs beyond a llama block, named by its GGUF name
+        fused = f"blk.{i}.ffn_gate_up_exps.weight" in names
+        need = ["attn_sinks.weight", "ffn_gate_inp.weight", "ffn_gate_inp.bias", "ffn_down_exps.weight",
+                "ffn_down_exps.bias", *([f"ffn_gate_up_exps.{k}" for k in ("weight", "bias")] if fused else
+                                        [f"ffn_{p}_exps.{k}" for p in ("gate", "up") for k in ("weight", "bias")])]
+        missing = [f"blk.{i}.{n}" for n in need if f"blk.{i}.{n}" not in names]
+        if missing:
+            raise ValueError(f"GGUF file {path} lacks the tensor {missing[0]}, which every gpt-oss block has.")
+    theta = cfg["rope_theta"]
+    scaling = get("rope.scaling.type", None, required=False)
+    if scaling == "yarn":  # as transformers' gpt-oss YaRN (its attention factor 0.1 ln(factor) + 1, llama.cpp's too)
+        rope = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+                "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+                "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
+                "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
+                "truncate": False, "rope_theta": theta}
+    elif scaling in (None, "none"):  # named, or transformers' gpt_oss default YaRN would fill it in
+        rope = {"rope_type": "default", "rope_theta": theta}
+    else:
+        raise ValueError(f"GGUF file {path} uses rope scaling {scaling!r}, which specjax's gpt-oss reader does "
+                         "not map (it maps yarn).")
+    return {
+        "intermediate_size": int(get("expert_feed_forward_length")), "rope_scaling": rope,
+        "num_local_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+        "sliding_window": int(get("attention.sliding_window")), "attention_bias": True,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), **_GPT_OSS_SWIGLU,
+    }
+
+
 def _gemma_config(arch: str, get, cfg: dict) -> dict:
     """Gemma's config fields from its GGUF metadata and llama.cpp's fixed choices."""
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
@@ -361,6 +416,11 @@ def _hf_name(gguf_name: str, arch: str = "llama", model_type: str = "") -> Optio
         inner = _DEEPSEEK2_NAMES.get(kind)
         if inner is not None:
             return f"model.layers.{layer}.{inner}" + ("" if kind == "exp_probs_b" else f".{suffix}")
+    if arch == "gpt-oss":  # the norm before the MLP, the sinks and the biased router
+        inner = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router",
+                 "attn_sinks": "self_attn.sinks"}.get(kind)
+        if inner is not None:
+            return f"model.layers.{layer}.{inner}" + ("" if kind == "attn_sinks" else f".{suffix}")
     if arch in ("gemma2", "gemma3"):  # norms before and after attention and the MLP
         inner = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}.get(kind)
@@ -437,6 +497,10 @@ def _tensor_iter(reader, cfg: dict, path: str):
 
     def iterate():
         for tensor in reader.tensors:
+            experts = _GPT_OSS_EXPERTS.fullmatch(tensor.name) if arch == "gpt_oss" else None
+            if experts is not None:
+                yield from _gpt_oss_experts(gguf, tensor, experts.group(1), experts.group(2), experts.group(3), path)
+                continue
             stack = _EXPERT_STACK.fullmatch(tensor.name) if arch in _STACKED_EXPERT_TYPES else None
             if stack is not None:
                 yield from _experts_of(gguf, tensor, arch, stack.group(1), stack.group(2), path)
@@ -499,6 +563,44 @@ def _experts_of(gguf, tensor, model_type: str, layer: str, proj: str, path: str)
 
         read.blocks = blocks
         yield _expert_name(model_type, layer, proj, j), read, shape[1:]
+
+
+def _gpt_oss_experts(gguf, tensor, layer: str, proj: str, kind: str, path: str):
+    """One gpt-oss expert stack (``[E, out, in]``) or bias stack (``[E, out]``) as the per-expert
+    slices of Hugging Face's fused tensors that :func:`specjax._src.models.gpt_oss.expert_specs`
+    names: each expert's gate and up ``[H, I]`` (``gate_up_proj[j][:, 0::2]`` / ``[:, 1::2]``, the
+    columns the converter de-interleaved) and down ``[I, H]``; the bias stacks whole."""
+    base = f"model.layers.{layer}.mlp.experts."
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    halves = {"gate": ("[:, 0::2]",), "up": ("[:, 1::2]",), "gate_up": ("[:, 0::2]", "[:, 1::2]"), "down": ()}[proj]
+    if kind == "bias":
+        if proj == "down":
+            yield f"{base}down_proj_bias", (lambda: _dequantize(gguf, tensor, path)), shape
+        for k, columns in enumerate(halves):  # fused: the gate half, then the up half
+            def read_bias(k=k, n=len(halves)):
+                w = _dequantize(gguf, tensor, path)
+                return w[:, k * w.shape[1] // n:(k + 1) * w.shape[1] // n]
+            yield f"{base}gate_up_proj_bias{columns}", read_bias, (shape[0], shape[1] // len(halves))
+        return
+    for j in range(shape[0]):
+        def blocks(j=j):
+            raw = np.asarray(tensor.data[j])
+            return tensor.tensor_type.name, raw.reshape(raw.shape[0], -1).view(np.uint8)
+
+        if proj == "down":
+            def read(j=j):
+                return _dequantize(gguf, _Slice(tensor, j), path).T
+
+            read.blocks = blocks
+            yield f"{base}down_proj[{j}]", read, (shape[2], shape[1])
+        for k, columns in enumerate(halves):
+            def read_half(j=j, k=k, n=len(halves)):
+                w = _dequantize(gguf, _Slice(tensor, j), path)
+                return w[k * w.shape[0] // n:(k + 1) * w.shape[0] // n].T
+
+            if len(halves) == 1:
+                read_half.blocks = blocks
+            yield f"{base}gate_up_proj[{j}]{columns}", read_half, (shape[2], shape[1] // len(halves))
 
 
 def _kv_b_of(gguf, reader, layer: str, cfg: dict, path: str):
@@ -707,7 +809,9 @@ def read_gguf(path: str) -> GGUFCheckpoint:
         tensors=_tensor_iter(reader, cfg, path),
         # a stacked expert tensor is read as one tensor per expert
         # (and a deepseek2 file's attn_k_b + attn_v_b as one kv_b_proj)
-        num_tensors=sum(int(t.shape[-1]) if _EXPERT_STACK.fullmatch(t.name) else
+        num_tensors=sum(2 * int(t.shape[-1]) if t.name.endswith("_gate_up_exps.weight") else
+                        2 if t.name.endswith("_gate_up_exps.bias") else
+                        int(t.shape[-1]) if _EXPERT_STACK.fullmatch(t.name) else
                         0 if re.fullmatch(r"blk\.\d+\.attn_v_b\.weight", t.name) else 1 for t in reader.tensors),
         tokenizer=_tokenizer(reader, path),
         chat_template=_chat_template(reader, path, end_of_turn is not None),
