@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import specjax  # noqa: E402
+from tests._gguf_files import assert_same_params, gguf_writer, write_tensors  # noqa: E402
 from tests._hf_models import rel_err, torch_logits  # noqa: E402
 from tests.test_deepseek import IDS, _make  # noqa: E402
 
@@ -78,26 +79,8 @@ def write_deepseek2_gguf(path, directory: str, *, split_kv_b: bool = True, qtype
         keys.update({"rope.scaling.type": "yarn", "rope.scaling.factor": float(rope["factor"]),
                      "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
                      "rope.scaling.yarn_log_multiplier": 0.1 * rope["mscale_all_dim"]})
-    writer = gguf.GGUFWriter(str(path), "deepseek2")
-    for key, value in keys.items():
-        if key in skip_keys:
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(f"deepseek2.{key}", value)
-        elif isinstance(value, str):
-            writer.add_string(f"deepseek2.{key}", value)
-        else:
-            (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"deepseek2.{key}", value)
-    if tokenizer:  # token i < V - 1 is the i-th printable character, the last one merges the first two
-        tokens, merges, pre = (tokenizer if isinstance(tokenizer, tuple) else
-                               ([chr(0x21 + i) for i in range(c["vocab_size"] - 1)] + ['!"'], ['! "'], "default"))
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(pre)
-        writer.add_token_list(tokens)
-        writer.add_token_types([1] * len(tokens))
-        writer.add_token_merges(merges)
-        writer.add_bos_token_id(1)
-        writer.add_add_bos_token(False)
+    writer = gguf_writer(path, "deepseek2", keys, skip_keys=skip_keys, tokenizer=tokenizer,
+                         vocab_size=c["vocab_size"])
     tensors = load_file(os.path.join(directory, "model.safetensors"))
     out: dict[str, np.ndarray] = {}
     stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
@@ -123,28 +106,8 @@ def write_deepseek2_gguf(path, directory: str, *, split_kv_b: bool = True, qtype
         out[f"blk.{layer}.{_BLOCK[inner]}.weight"] = w
     for (layer, proj), experts in stacks.items():
         out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack([experts[j] for j in sorted(experts)])
-    for name, w in out.items():
-        if name in drop:
-            continue
-        w = np.ascontiguousarray(transform(name, w) if transform else w)
-        if w.ndim >= 2 and qtype != F32 and w.shape[-1] % 32 == 0:
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def _assert_same_params(a, b):
-    import jax
-
-    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
-    flat_b = dict(jax.tree_util.tree_flatten_with_path(b)[0])
-    assert len(flat_a) == len(flat_b)
-    for path, leaf in flat_a:
-        np.testing.assert_array_equal(np.asarray(flat_b[path]), np.asarray(leaf), err_msg=str(path))
+    write_tensors(writer, out, drop=drop, transform=transform,
+                  qtype_of=lambda name, w: qtype if w.ndim >= 2 and qtype != F32 and w.shape[-1] % 32 == 0 else None)
 
 
 @pytest.mark.parametrize("case, split_kv_b", [("q_lora", True), ("q_proj_narrow_values", True), ("q_lora", False)])
@@ -156,7 +119,7 @@ def test_deepseek2_gguf_gives_the_transformers_logits(case, split_kv_b, tmp_path
     assert (cfg.model_type, cfg.q_lora_rank, cfg.rope_interleave, cfg.router_scores, cfg.router_groups) == (
         "deepseek_v3", hf_model.config.q_lora_rank, True, "sigmoid", 2)
     # The same params, bit for bit, as from the Hugging Face directory the file was written from.
-    _assert_same_params(specjax.load(directory, dtype="float32").params, model.params)
+    assert_same_params(specjax.load(directory, dtype="float32").params, model.params)
     want = torch_logits(hf_model, IDS)
     got = np.asarray(specjax.logits(model, IDS))
     print(f"{case} (split kv_b {split_kv_b}): rel |specjax - transformers| = {rel_err(got, want):.2e}")

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import specjax  # noqa: E402
+from tests._gguf_files import assert_same_params, gguf_writer, write_tensors  # noqa: E402
 from tests._hf_models import rel_err, torch_logits  # noqa: E402
 from tests.test_gpt_oss import IDS, _hf_model  # noqa: E402
 
@@ -70,24 +71,8 @@ def write_gpt_oss_gguf(path, directory: str, *, experts=F32, fuse_gate_up=False,
         "rope.scaling.type": "yarn", "rope.scaling.factor": float(rope["factor"]),
         "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
     }
-    writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    for key, value in keys.items():
-        if key in skip_keys:
-            continue
-        if isinstance(value, str):
-            writer.add_string(f"gpt-oss.{key}", value)
-        else:
-            (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"gpt-oss.{key}", value)
-    if tokenizer:  # token i < V - 1 is the i-th printable character, the last one merges the first two
-        tokens, merges, pre = (tokenizer if isinstance(tokenizer, tuple) else
-                               ([chr(0x21 + i) for i in range(c["vocab_size"] - 1)] + ['!"'], ['! "'], "default"))
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(pre)
-        writer.add_token_list(tokens)
-        writer.add_token_types([1] * len(tokens))
-        writer.add_token_merges(merges)
-        writer.add_bos_token_id(1)
-        writer.add_add_bos_token(False)
+    writer = gguf_writer(path, "gpt-oss", keys, skip_keys=skip_keys, tokenizer=tokenizer,
+                         vocab_size=c["vocab_size"])
     out: dict[str, np.ndarray] = {}
     for name, w in load_file(os.path.join(directory, "model.safetensors")).items():
         w = w.astype(np.float32)
@@ -112,28 +97,8 @@ def write_gpt_oss_gguf(path, directory: str, *, experts=F32, fuse_gate_up=False,
             out[f"{blk}ffn_gate_up_exps.{kind}"] = np.concatenate([gate, up], axis=1)
         else:
             out[f"{blk}ffn_gate_exps.{kind}"], out[f"{blk}ffn_up_exps.{kind}"] = gate, up
-    for name, w in out.items():
-        if name in drop:
-            continue
-        w = np.ascontiguousarray(transform(name, w) if transform else w)
-        if experts != F32 and name.endswith("_exps.weight"):
-            writer.add_tensor(name, gguf.quants.quantize(w, experts), raw_dtype=experts)
-        else:
-            writer.add_tensor(name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def _assert_same_params(a, b):
-    import jax
-
-    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
-    flat_b = dict(jax.tree_util.tree_flatten_with_path(b)[0])
-    assert len(flat_a) == len(flat_b)
-    for path, leaf in flat_a:
-        np.testing.assert_array_equal(np.asarray(flat_b[path]), np.asarray(leaf), err_msg=str(path))
+    write_tensors(writer, out, drop=drop, transform=transform,
+                  qtype_of=lambda name, w: experts if experts != F32 and name.endswith("_exps.weight") else None)
 
 
 @pytest.mark.parametrize("fuse_gate_up", [False, True])
@@ -146,7 +111,7 @@ def test_gpt_oss_gguf_gives_the_transformers_logits(fuse_gate_up, checkpoint, tm
         "gpt_oss", ("sliding_attention", "full_attention"), 4, 7.0, 1.702)
     assert cfg.rope_scaling.rope_type == "yarn" and not cfg.rope_scaling.truncate
     # The same params, bit for bit, as from the Hugging Face directory the file was written from.
-    _assert_same_params(specjax.load(directory, dtype="float32").params, model.params)
+    assert_same_params(specjax.load(directory, dtype="float32").params, model.params)
     want = torch_logits(hf_model, IDS)
     got = np.asarray(specjax.logits(model, IDS))
     print(f"gpt-oss GGUF (fused gate_up {fuse_gate_up}): rel |specjax - transformers| = {rel_err(got, want):.2e}")

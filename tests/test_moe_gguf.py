@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 import specjax  # noqa: E402
 from specjax._src.kernels import quant  # noqa: E402
 from specjax._src.models import gguf as gguf_lib  # noqa: E402
+from tests._gguf_files import assert_same_params, write_tensors  # noqa: E402
 from tests._hf_models import rel_err, torch_logits  # noqa: E402
 from tests.test_moe import _make  # noqa: E402
 
@@ -91,32 +92,12 @@ def write_moe_gguf(path, directory: str, *, qtype=F32, stacked: bool = True, met
             out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack([experts[j] for j in sorted(experts)])
         else:
             out.update({f"blk.{layer}.ffn_{proj}.{j}.weight": experts[j] for j in sorted(experts)})
-    for name, w in {**out, **(extra or {})}.items():
-        if name in drop:
-            continue
-        w = np.ascontiguousarray(w)
-        if w.ndim >= 2 and qtype != F32 and w.shape[-1] % 32 == 0:
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensors(writer, {**out, **(extra or {})}, drop=drop,
+                  qtype_of=lambda name, w: qtype if w.ndim >= 2 and qtype != F32 and w.shape[-1] % 32 == 0 else None)
 
 
 def _ids():
     return np.random.default_rng(0).integers(3, 96, (2, 12)).astype(np.int32)
-
-
-def _assert_same_params(a, b):
-    import jax
-
-    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
-    flat_b = dict(jax.tree_util.tree_flatten_with_path(b)[0])
-    assert len(flat_a) == len(flat_b)
-    for path, leaf in flat_a:
-        np.testing.assert_array_equal(np.asarray(flat_b[path]), np.asarray(leaf), err_msg=str(path))
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
@@ -127,7 +108,7 @@ def test_moe_gguf_gives_the_transformers_logits(case, tmp_path, monkeypatch):
     cfg = model.module.config
     assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (case, 4, 2, True)
     # The same params, bit for bit, as from the Hugging Face directory the file was written from.
-    _assert_same_params(specjax.load(directory, dtype="float32").params, model.params)
+    assert_same_params(specjax.load(directory, dtype="float32").params, model.params)
     ids = _ids()
     want = torch_logits(hf_model, ids)
     got = np.asarray(specjax.logits(model, ids))
@@ -183,9 +164,9 @@ def test_quantized_mixtral_gguf_keeps_every_block_with_its_experts(tmp_path):
     write_moe_gguf(tmp_path / "q8.gguf", directory, qtype=q8)
     write_moe_gguf(tmp_path / "q8_per_expert.gguf", directory, qtype=q8, stacked=False)
     floats = specjax.load(str(tmp_path / "q8.gguf"), dtype="float32")
-    _assert_same_params(floats.params, specjax.load(str(tmp_path / "q8_per_expert.gguf"), dtype="float32").params)
+    assert_same_params(floats.params, specjax.load(str(tmp_path / "q8_per_expert.gguf"), dtype="float32").params)
     model = specjax.load(str(tmp_path / "q8.gguf"), quantize="gguf")
-    _assert_same_params(model.params, specjax.load(str(tmp_path / "q8_per_expert.gguf"), quantize="gguf").params)
+    assert_same_params(model.params, specjax.load(str(tmp_path / "q8_per_expert.gguf"), quantize="gguf").params)
     assert model.module.config.quantization == "int8/32"
     mlp = model.params["layer_0"]["mlp"]
     assert quant.is_quantized(mlp["router"]["kernel"]) and quant.is_quantized(mlp["experts_gate"])
