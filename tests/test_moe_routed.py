@@ -51,6 +51,9 @@ def _layer(cfg: ModelConfig, tokens: int, seed: int = 0):
     return params, x
 
 
+# gpt-oss: a biased router, a softmax over the top-k logits, expert biases and the clamped SwiGLU.
+_GPT_OSS = dict(model_type="gpt_oss", router_scores="topk_softmax", router_logit_bias=True, expert_bias=True,
+                activation="swiglu_oai", attention_sinks=True)
 CASES = {
     "float": _config(),
     "float_top1": _config(num_experts_per_tok=1),
@@ -67,24 +70,8 @@ CASES = {
     ),
     "int8": _config(quantization="int8"),
     "q4": _config(quantization="q4"),
-    # gpt-oss: a biased router, a softmax over the top-k logits, expert biases and the clamped SwiGLU.
-    "gpt_oss": _config(
-        model_type="gpt_oss",
-        router_scores="topk_softmax",
-        router_logit_bias=True,
-        expert_bias=True,
-        activation="swiglu_oai",
-        attention_sinks=True,
-    ),
-    "gpt_oss_int8": _config(
-        model_type="gpt_oss",
-        router_scores="topk_softmax",
-        router_logit_bias=True,
-        expert_bias=True,
-        activation="swiglu_oai",
-        attention_sinks=True,
-        quantization="int8",
-    ),
+    "gpt_oss": _config(**_GPT_OSS),
+    "gpt_oss_int8": _config(**_GPT_OSS, quantization="int8"),
 }
 
 

@@ -24,7 +24,7 @@ the device helpers it shares with ``generate`` are in :mod:`specjax._src.engine.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -233,10 +233,11 @@ class _Drafts(NamedTuple):
     bad: Array  # [B, K] the draft logits of that slot were non-finite
     forwards: Array  # scalar int32
     copied: Array  # [B, K] the slot's token was copied from the context (a point mass)
-    own_token0: Array  # [B] the drafter's own token at slot 0, before any copy took the slot
-    own_probs0: Array  # [B, V] the drafter's own distribution at slot 0
-    copy_token0: Array  # [B] the lookup's proposal for slot 0, taken or not
-    copy_valid0: Array  # [B] bool: the lookup proposed one
+    # With a lookup only (None otherwise: without copies slot 0 is the drafter's own):
+    own_token0: Optional[Array] = None  # [B] the drafter's own token at slot 0, before any copy took the slot
+    own_probs0: Optional[Array] = None  # [B, V] the drafter's own distribution at slot 0
+    copy_token0: Optional[Array] = None  # [B] the lookup's proposal for slot 0, taken or not
+    copy_valid0: Optional[Array] = None  # [B] bool: the lookup proposed one
 
 
 def draft_chain(
@@ -267,7 +268,7 @@ def draft_chain(
     # Nothing to draft anywhere: skip the draft's forwards while its cache can still catch up later.
     batch, vocab = state.num_committed.shape[0], pair_params.vocab_size
     skip = ~active0.any() & _draft_can_wait(cfg, pair_params, state)
-    nothing = (_no_drafts(batch, k_max, vocab)._replace(forwards=jnp.int32(0)), state.draft_cache)
+    nothing = (_no_drafts(batch, k_max, vocab, cfg.lookup is not None)._replace(forwards=jnp.int32(0)), state.draft_cache)
     return cond_in_place(skip, lambda carry: carry, lambda carry: run(state.replace(draft_cache=carry[1])),
                          nothing)
 
@@ -335,7 +336,7 @@ def _draft_tokens(
         feature = jnp.zeros((batch, 0))
     else:
         (raw0, cache), feature = first_draft_logits(module, params, vocab, state), jnp.zeros((batch, 0))
-    copied, bufs = None, _no_drafts(batch, k_max, vocab)
+    copied, bufs = None, _no_drafts(batch, k_max, vocab, cfg.lookup is not None)
     if cfg.lookup is not None:
         copy_tokens, copy_valid = lookup_drafts(state.tokens, state.num_committed, k_max, cfg.lookup)
         copies = jax.vmap(policy.copies, axis_size=batch)(state.policy_state)  # [B]: the policy may decline
@@ -408,7 +409,7 @@ def _draft_slot(
         tok = sampling.sample_categorical(probs, u)
         if rows is not None and rows.greedy is not None:
             tok = jnp.where(rows.greedy, sampling.argmax(raw), tok)
-    own = {"own_token0": tok, "own_probs0": probs} if isinstance(j, int) and j == 0 else {}
+    own = {"own_token0": tok, "own_probs0": probs} if copied is not None and isinstance(j, int) and j == 0 else {}
     is_copy = jnp.zeros((batch,), bool)
     if copied is not None:
         copy_tok, copy_ok = (jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False) for x in copied)
@@ -443,8 +444,13 @@ def _draft_slot(
     return next_active, bufs
 
 
-def _no_drafts(batch: int, k_max: int, vocab: int) -> _Drafts:
-    """Empty draft buffers (no slot valid); one draft forward counted, the first."""
+def _no_drafts(batch: int, k_max: int, vocab: int, lookup: bool = False) -> _Drafts:
+    """Empty draft buffers (no slot valid); one draft forward counted, the first. ``lookup``: with
+    the slot-0 fields a context lookup needs."""
+    slot0 = {}
+    if lookup:
+        slot0 = dict(own_token0=jnp.zeros((batch,), jnp.int32), own_probs0=jnp.zeros((batch, vocab), jnp.float32),
+                     copy_token0=jnp.zeros((batch,), jnp.int32), copy_valid0=jnp.zeros((batch,), bool))
     return _Drafts(
         tokens=jnp.zeros((batch, k_max), jnp.int32),
         logits=jnp.zeros((batch, k_max, vocab), jnp.float32),
@@ -455,10 +461,7 @@ def _no_drafts(batch: int, k_max: int, vocab: int) -> _Drafts:
         bad=jnp.zeros((batch, k_max), bool),
         forwards=jnp.int32(1),
         copied=jnp.zeros((batch, k_max), bool),
-        own_token0=jnp.zeros((batch,), jnp.int32),
-        own_probs0=jnp.zeros((batch, vocab), jnp.float32),
-        copy_token0=jnp.zeros((batch,), jnp.int32),
-        copy_valid0=jnp.zeros((batch,), bool),
+        **slot0,
     )
 
 
@@ -693,16 +696,20 @@ def _first_acceptance(cfg: LoopConfig, drafts: _Drafts, verified: _Verified) -> 
     whether the draft's pick is the target's; -1 where the draft did not run."""
     if cfg.greedy:
         target_pick = sampling.argmax(verified.inputs.target_logits[:, 0])
-        overlap = (target_pick == drafts.own_token0).astype(jnp.float32)
+        own = drafts.tokens[:, 0] if drafts.own_token0 is None else drafts.own_token0
+        overlap = (target_pick == own).astype(jnp.float32)
     else:
-        overlap = jnp.minimum(verified.inputs.target_probs[:, 0], drafts.own_probs0).sum(-1)
+        own = drafts.probs[:, 0] if drafts.own_probs0 is None else drafts.own_probs0
+        overlap = jnp.minimum(verified.inputs.target_probs[:, 0], own).sum(-1)
     return jnp.where(drafts.forwards > 0, overlap, -1.0)  # -1: the draft did not run, nothing learnt
 
 
 def _copy_acceptance(cfg: LoopConfig, drafts: _Drafts, verified: _Verified) -> Array:
     """``[B]``: how likely the lossless rule was to accept the lookup's proposal for slot 0, taken
     or not (a point mass: the target's probability of it; greedy: whether it is the target's
-    pick); -1 where the lookup proposed nothing."""
+    pick); -1 where the lookup proposed nothing. None without a lookup."""
+    if drafts.copy_valid0 is None:
+        return None
     if cfg.greedy:
         p = (sampling.argmax(verified.inputs.target_logits[:, 0]) == drafts.copy_token0).astype(jnp.float32)
     else:
