@@ -199,7 +199,7 @@ def errors(pair, prompts, kw) -> dict:
     return out
 
 
-def main(path: str, meshes=MESHES) -> None:
+def main(path: str, meshes=MESHES, skip=()) -> None:
     t0 = time.time()
     report: dict = {"devices": jax.device_count()}
     pair = tiny_pair()
@@ -260,8 +260,10 @@ def main(path: str, meshes=MESHES) -> None:
     report["lookup"] = lookup_on_mesh(pair, prompts, key, spy_decode, weights, caches)
     report["narrow"] = narrow_verification_on_mesh(pair, prompts, key, spy_decode, weights, caches)
     report["bigram"] = bigram_on_mesh()
-    report["experts"] = experts_on_mesh(prompts, kw)
-    report["heads_and_controls"] = heads_and_controls_on_mesh(pair, prompts, key, spy_decode, weights, caches)
+    if "experts" not in skip:
+        report["experts"] = experts_on_mesh(prompts, kw)
+    report["heads_and_controls"] = heads_and_controls_on_mesh(pair, prompts, key, spy_decode, weights, caches,
+                                                              skip)
     report["loading"] = loading(pair.target, mesh)
     report["seconds"] = round(time.time() - t0, 1)
     with open(path, "w") as f:
@@ -288,7 +290,7 @@ def trees_on_mesh(pair, prompts, key, spy, weights, caches) -> dict:
     return out
 
 
-def heads_and_controls_on_mesh(pair, prompts, key, spy, weights, caches) -> dict:
+def heads_and_controls_on_mesh(pair, prompts, key, spy, weights, caches, skip=()) -> dict:
     """A feature head (reduced draft vocabulary) on tensor-parallel meshes,
     replicated beside the sharded target: a chain on (2, 4), and a dynamic tree
     with penalties on (4, 2); and penalties on a chain with the sharded draft
@@ -310,6 +312,8 @@ def heads_and_controls_on_mesh(pair, prompts, key, spy, weights, caches) -> dict
          dict(tree=dynamic_tree(2, 2, 3, sampled=True), temperature=1.0, key=key, controls=penalties)),
         ("penalties_t1", (2, 4), pair, dict(num_draft=NUM_DRAFT, temperature=1.0, key=key, controls=penalties)),
     ):
+        if name in skip:
+            continue
         mesh = sharding.make_mesh(data, model)
         ref = specjax.decode(p, prompts, max_new_tokens=NEW, **kw)
         got = specjax.decode(p.replace(target=sharding.shard_params(p.target, mesh)), prompts, max_new_tokens=NEW,
@@ -411,7 +415,8 @@ if __name__ == "__main__":
         chosen = MESHES
         if len(sys.argv) > 2:
             chosen = tuple(tuple(map(int, m.split("x"))) for m in sys.argv[2].split(",") if m)
-        main(sys.argv[1], chosen)
+        skipped = tuple(s for s in sys.argv[3].split(",") if s) if len(sys.argv) > 3 else ()
+        main(sys.argv[1], chosen, skipped)
     except Exception:
         traceback.print_exc()
         sys.exit(1)

@@ -90,7 +90,9 @@ def chunked(engine, prompt, settings, chunk):
 CASES = [(200, GREEDY, 64), (200, SAMPLED, 128), (130, SAMPLED, 64), (140, GREEDY, 128)]
 
 
-@pytest.mark.parametrize("which", ["draft", "head"])
+# With a draft model slow-only: the scheduler test below prefills a draft model's pair in chunks
+# by default, and tests/test_slots_prefix_cache.py a draft model's from a cached prefix.
+@pytest.mark.parametrize("which", [pytest.param("draft", marks=pytest.mark.slow), "head"])
 def test_a_chunked_insert_decodes_what_a_whole_insert_decodes(which, draft_pair, head_pair):
     """Greedy and seeded sampling, a draft model and a feature head, prompts with and without the
     tail block, chunks of 64 and 128: the long request's tokens equal a whole insert's, and the

@@ -31,6 +31,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MESHES = ("4x2", "1x8")
 MESHES = (pytest.param("8x1", marks=pytest.mark.slow), "4x2",
           pytest.param("2x4", marks=pytest.mark.slow), "1x8")
+# Worker sections that only slow tests read, computed only when one of them is selected: the
+# experts split over 'model' (tests/test_moe_routed.py decodes a mixture of experts on a mesh by
+# default), and a head's dynamic tree with penalties (a head and penalties each run by default).
+SLOW_SECTIONS = {"experts": "test_experts_split_over_the_model_axis_decode_as_on_one_device",
+                 "head_tree_penalties": "head_tree_penalties"}
+
+
+def _selected(request) -> list:
+    return [item for item in request.session.items if getattr(item, "module", None) is request.module]
 
 
 def _meshes_to_run(request) -> list[str]:
@@ -38,11 +47,18 @@ def _meshes_to_run(request) -> list[str]:
     (``-m slow`` selects the other two), so the worker compiles no mesh that
     no test reads."""
     meshes = set(DEFAULT_MESHES)
-    for item in request.session.items:
+    for item in _selected(request):
         callspec = getattr(item, "callspec", None)
-        if getattr(item, "module", None) is request.module and callspec is not None and "mesh" in callspec.params:
+        if callspec is not None and "mesh" in callspec.params:
             meshes.add(callspec.params["mesh"])
     return sorted(meshes)
+
+
+def _sections_to_skip(request) -> list[str]:
+    """The slow-only sections that no selected test reads (by test name or case)."""
+    names = {item.originalname for item in _selected(request)}
+    cases = {str(item.callspec.params.get("case")) for item in _selected(request) if hasattr(item, "callspec")}
+    return sorted(s for s, reader in SLOW_SECTIONS.items() if reader not in names | cases)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +68,8 @@ def report(tmp_path_factory, request):
     env.pop("XLA_FLAGS", None)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_sharding_worker.py"), str(out), ",".join(_meshes_to_run(request))],
+        [sys.executable, os.path.join(HERE, "_sharding_worker.py"), str(out), ",".join(_meshes_to_run(request)),
+         ",".join(_sections_to_skip(request))],
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -139,6 +156,7 @@ def test_second_call_on_a_mesh_compiles_nothing(report, mesh):
     assert report["meshes"][mesh]["recompiles"] == 0
 
 
+@pytest.mark.slow
 def test_experts_split_over_the_model_axis_decode_as_on_one_device(report):
     experts = report["experts"]
     assert experts["match"]
@@ -146,7 +164,8 @@ def test_experts_split_over_the_model_axis_decode_as_on_one_device(report):
     assert "num_experts=3 is not divisible by it (3 % 2 = 1)" in experts["indivisible"]
 
 
-@pytest.mark.parametrize("case", ["head_t1", "head_tree_penalties", "penalties_t1"])
+@pytest.mark.parametrize("case", ["head_t1", pytest.param("head_tree_penalties", marks=pytest.mark.slow),
+                                  "penalties_t1"])
 def test_feature_heads_and_penalties_on_a_mesh_match_one_device(report, case):
     entry = report["heads_and_controls"][case]
     assert entry["match"] and entry["accepted"] == entry["accepted_ref"] and sum(entry["accepted"]) > 0, entry

@@ -131,7 +131,10 @@ def test_relaxed_rules_sampling_on_trees_collapse_to_lossless(llama_pair, tree, 
     assert out.stats.accepted_by_path_total["exact"] == ref.stats.accepted_by_path_total["exact"] > 0
 
 
-@pytest.mark.parametrize("tree", [STATIC, DRAWN, TOPK], ids=["static", "dynamic", "dynamic-topk"])
+# On a top-k tree slow-only: static and drawn trees run by default, and
+# test_mars_first_token_law_on_a_tree samples MARS on a top-k tree.
+@pytest.mark.parametrize("tree", [STATIC, DRAWN, pytest.param(TOPK, marks=pytest.mark.slow)],
+                         ids=["static", "dynamic", "dynamic-topk"])
 def test_mars_sampling_on_a_tree_accepts_more(llama_pair, tree):
     kw = dict(tree=tree, max_new_tokens=20, temperature=1.0, eos_token_id=(), key=jax.random.key(4))
     lossless = specjax.decode(llama_pair, PROMPTS, **kw)
