@@ -224,6 +224,12 @@ def test_verification_widths():
     assert verify_widths_for(specjax.Buckets(), drafting.fixed(2), 4) == (3,)
     assert verify_widths_for(specjax.Buckets(verify=None), conf, 4) is None
     assert verify_widths_for(None, conf, 4) is None
+    # auto() verifies each draft length at its own width up to 8 tokens, then doubles.
+    assert verify_widths_for(specjax.Buckets(), drafting.auto(), 3) == (1, 2, 3, 4)
+    assert verify_widths_for(specjax.Buckets(), drafting.auto(), 8) == (1, 2, 3, 4, 5, 6, 7, 8, 9)
+    assert verify_widths_for(specjax.Buckets(), drafting.auto(), 20) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 21)
+    assert verify_widths_for(specjax.Buckets(verify=3), drafting.auto(), 4) == (1, 3, 4, 5)
+    assert verify_widths_for(specjax.Buckets(), drafting.auto(), 1) == (1, 2)
     with pytest.raises(ValueError, match="Buckets.verify"):
         specjax.decode(specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(1, VOCAB))),
                        [[1]], drafting=conf, temperature=0.0, buckets=specjax.Buckets(verify=0))
