@@ -9,9 +9,11 @@ and the run replays on one device from the recorded key, also where the
 model axis spans processes (a seed per process hangs there); ``save_orbax``
 from both processes and ``load(mesh=)`` give the same values, its checksums
 pass, and decoding with it matches; different prompts or settings on the two
-processes raise the same clear error on both. The slow part adds greedy
+processes raise the same clear error on both. A second job adds greedy
 decoding, generate, a token tree and the lookup.
 
+The whole file is slow-only (``-m slow``): its two jobs start two JAX processes each, about 30 s
+and 60 s of a 2-core CPU, and the meshes of one process run by default in tests/test_sharding.py.
 The processes are bounded by a timeout and ended by their PIDs.
 """
 
@@ -24,6 +26,8 @@ import subprocess
 import sys
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 240
