@@ -180,3 +180,31 @@ def test_a_long_cache_decodes_what_a_short_one_does(pair, case):
     short = run(pair, batch, **kw)
     long = run(pair, batch, max_length=LONG, **kw)
     np.testing.assert_array_equal(np.asarray(long.tokens), np.asarray(short.tokens))
+
+
+def widened(cache, rows: int):
+    """``cache``'s buffers as the first rows of ``rows``-row buffers whose other rows are NaN
+    (its lengths kept: the batch is still ``cache``'s)."""
+    def wide(x):
+        return jnp.full((rows,) + x.shape[1:], jnp.nan, x.dtype).at[: x.shape[0]].set(x)
+    return cache.replace(keys=tuple(map(wide, cache.keys)), values=tuple(map(wide, cache.values)))
+
+
+@pytest.mark.parametrize("batch,rows,t", [(1, 4, 1), (2, 4, 4), (9, 12, 2)])
+def test_a_batch_steps_the_leading_rows_of_wider_buffers(batch, rows, t):
+    """The slots engine steps its leading rows over its whole cache buffers: a batch of
+    ``batch`` rows with buffers of ``rows`` rows reads and writes only the first ``batch``
+    (NaN in the others stays out of the logits and stays where it was), and gives the
+    logits and cache rows of its own buffers (9 rows: the looped writer, past 8)."""
+    model = Decoder(config())
+    params = model.init(jax.random.key(0))
+    cache = prefilled(model, params, batch, 20)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, VOCAB, (batch, t)), jnp.int32)
+    step = jax.jit(lambda c: model.apply(params, tokens, c))
+    own, wide = step(cache), step(widened(cache, rows))
+    assert np.isfinite(np.asarray(wide.logits)).all(), "attention read rows past the batch"
+    np.testing.assert_array_equal(np.asarray(wide.logits), np.asarray(own.logits))
+    for got, want in zip(wide.cache.keys + wide.cache.values, own.cache.keys + own.cache.values):
+        assert got.shape[0] == rows
+        np.testing.assert_array_equal(np.asarray(got[:batch]), np.asarray(want))
+        assert np.isnan(np.asarray(got[batch:])).all(), "a write reached rows past the batch"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import specjax
 from specjax.drafting import ngram_lookup
 from specjax.engine import Engine, GenerationControls, SlotSettings
 from specjax.rules import speculative_sampling
+from specjax.trees import static_tree
 from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
 from specjax._src.models import feature_head_build as fhb
 from test_decode import count_compilations, exact_two_token_distribution, goodness_of_fit
@@ -325,6 +328,30 @@ def test_a_donating_engine_decodes_the_same_and_refuses_a_consumed_state(llama_p
     state = donating.release(state, 0)
     with pytest.raises(ValueError, match="consumed"):
         donating.insert(first, 1, PROMPTS[1], MIXED[1])
+
+
+def step_hlo(engine, state, plan) -> str:
+    """The optimised HLO of ``engine``'s step program for ``plan``."""
+    cfg = engine._programs[plan.program]
+    return engine._step_fn.lower(engine.params, engine.rule, engine.drafting, state, np.int32(2), np.bool_(False),
+                                 cfg=cfg, rows_run=plan.rows).compile().as_text()
+
+
+@pytest.mark.parametrize("tree", [None, static_tree((2,))], ids=["chain", "tree"])
+def test_a_step_of_leading_rows_carries_whole_cache_buffers(llama_pair, tree):
+    """A chain's step of the first row of four carries the whole cache buffers through its
+    loops (each forward writes and reads its row in place, ``write_cache``) rather than a
+    copy of the row, copied out and back every step. A tree's cycle moves entries within a
+    row's buffer, so it steps a cut row: the negative control."""
+    engine = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=None if tree else K, tree=tree,
+                    row_buckets="powers")
+    state = engine.insert(engine.init(), 0, PROMPTS[0], MIXED[0])
+    plan = engine.plan({0: MIXED[0]})
+    assert plan.rows == 1
+    buffer = ",".join(map(str, state.loop.target_cache.keys[0].shape[1:]))
+    carried = " ".join(re.findall(r"^\s*\S+ = \((.*)\) while\(", step_hlo(engine, state, plan), re.M))
+    whole, cut = f"f32[4,{buffer}]" in carried, f"f32[1,{buffer}]" in carried
+    assert (whole, cut) == ((False, True) if tree else (True, False))
 
 
 def test_row_buckets_run_the_occupied_rows_and_decode_the_same(llama_pair):

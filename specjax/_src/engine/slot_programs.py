@@ -286,6 +286,43 @@ def _with_leading_rows(full, part):
     )
 
 
+def _without_caches(loop: DecodeState) -> DecodeState:
+    return loop.replace(target_cache=None, draft_cache=None)
+
+
+def _leading_state_rows(state: SlotState, n: int, cfg: SlotsConfig) -> SlotState:
+    """``state``'s first ``n`` rows, a chain's KV buffers whole (only their lengths cut).
+
+    Cutting the buffers copies them: at one live slot of 8, the real pair's
+    4-bit step spent about 6 ms copying its 24 MB of cache rows out and back,
+    a quarter of a cycle. A chain's forwards write and read the first ``n``
+    rows of wider buffers in place (``write_cache``, ``cache_attention``). A
+    tree's cycle moves its accepted path within each row's buffer
+    (``KVCache.keep_path``), so trees step cut buffers.
+    """
+    if cfg.loop.tree is not None:
+        return _leading_rows(state, n)
+    loop = state.loop
+    part = _leading_rows(state.replace(loop=_without_caches(loop)), n)
+    cut = lambda c: None if c is None else c.replace(lengths=c.lengths[:n])  # noqa: E731
+    return part.replace(loop=part.loop.replace(target_cache=cut(loop.target_cache), draft_cache=cut(loop.draft_cache)))
+
+
+def _with_leading_loop_rows(full: DecodeState, part: DecodeState, cfg: SlotsConfig) -> DecodeState:
+    """``full`` with its first rows replaced by ``part``'s (:func:`_leading_state_rows`' inverse)."""
+    if cfg.loop.tree is not None:
+        return _with_leading_rows(full, part)
+    merged = _with_leading_rows(_without_caches(full), _without_caches(part))
+
+    def widen(whole, cut):  # the buffers are already whole: only the lengths go back
+        if whole is None:
+            return None
+        return cut.replace(lengths=jax.lax.dynamic_update_slice_in_dim(whole.lengths, cut.lengths, 0, axis=0))
+
+    return merged.replace(target_cache=widen(full.target_cache, part.target_cache),
+                          draft_cache=widen(full.draft_cache, part.draft_cache))
+
+
 def _step_impl(
     params: ModelPair,
     rule,
@@ -301,10 +338,10 @@ def _step_impl(
     bucket holding every occupied slot; the rows past it are free, so nothing
     of theirs changes), then the step's output for all ``S``."""
     start = state.loop.num_committed
-    part = state if rows_run == cfg.num_slots else _leading_rows(state, rows_run)
+    part = state if rows_run == cfg.num_slots else _leading_state_rows(state, rows_run, cfg)
     loop = _run_rows(params, rule, policy, part, num_cycles, until_first_finish, cfg)
     if rows_run != cfg.num_slots:
-        loop = _with_leading_rows(state.loop, loop)
+        loop = _with_leading_loop_rows(state.loop, loop, cfg)
     counts = loop.num_committed - start
     width = loop.tokens.shape[1]
     cols = jnp.arange(width)[None, :]

@@ -294,7 +294,8 @@ def cache_attention(
     sinks: Optional[Array] = None,
 ) -> Array:
     """:func:`grouped_attention` over the first ``attention_widths(S)[width_index]``
-    slots of ``keys, values`` ``[B, K, S, D]``; ``mask_at(width)`` gives the
+    slots of ``keys, values`` ``[R, K, S, D]`` (their first ``B`` rows, those of
+    ``q [B, ...]``; cast to ``q``'s dtype); ``mask_at(width)`` gives the
     ``[B, T, width]`` mask. Every slot past that width is masked for every
     query (the index holds the batch's longest row), so the output is the
     full read's: masked slots only add exact zeros. ``reads``: ``"prefix"``
@@ -315,13 +316,16 @@ def cache_attention(
     with ``"auto"`` GPUs read the whole buffer (``benchmarks/accelerator.py``
     measures both on a GPU).
     """
-    capacity = keys.shape[2]
+    capacity, rows = keys.shape[2], q.shape[0]
     widths = attention_widths(capacity)
 
     def at(width: int):
         def run(q, keys, values):
-            if width < capacity:
-                keys, values = keys[:, :, :width], values[:, :, :width]
+            # One slice for the rows and the width: the buffers may hold more rows than the batch
+            # (write_cache), and a slice is copied, so only what is read is.
+            if width < capacity or keys.shape[0] != rows:
+                keys, values = keys[:rows, :, :width], values[:rows, :, :width]
+            keys, values = keys.astype(q.dtype), values.astype(q.dtype)
             return grouped_attention(q, keys, values, mask_at(width), scale, softcap, sinks)
 
         return run
@@ -339,9 +343,28 @@ def cache_attention(
 
 
 def write_cache(buffer: Array, new: Array, offsets: Array) -> Array:
-    """Writes ``new[b]`` (``[K, T, D]``) into ``buffer[b]`` (``[K, S, D]``) at ``offsets[b]``."""
+    """Writes ``new[b]`` (``[K, T, D]``) into ``buffer[b]`` (``[K, S, D]``) at ``offsets[b]``.
+
+    ``buffer`` may hold more rows than ``new`` (``[R, K, S, D]``, ``R >= B``):
+    its first ``B`` rows are written, each in place, and the rest kept. The
+    slots engine steps its leading rows over its whole caches this way, so
+    that a step copies no cache rows in or out (each row a dynamic update, as
+    the ``vmap`` of a batch's own buffer is).
+    """
 
     def one(buf, upd, off):
         return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), (0, off, 0))
 
-    return jax.vmap(one)(buffer, new, offsets)
+    rows = new.shape[0]
+    if buffer.shape[0] == rows:
+        return jax.vmap(one)(buffer, new, offsets)
+
+    def row(b, buf):
+        upd = jax.lax.dynamic_index_in_dim(new, b, keepdims=True).astype(buf.dtype)
+        return jax.lax.dynamic_update_slice(buf, upd, (b, 0, offsets[b], 0))
+
+    if rows <= 8:  # unrolled: a few updates, no loop per layer
+        for b in range(rows):
+            buffer = row(b, buffer)
+        return buffer
+    return jax.lax.fori_loop(0, rows, row, buffer)

@@ -228,7 +228,7 @@ class Attention(nn.Module):
             mask_at = lambda width: mask[:, :, :width]  # noqa: E731
         scale = d**-0.5 if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         sinks = self.param("sinks", nn.initializers.zeros, (n,), jnp.dtype(cfg.dtype)) if cfg.attention_sinks else None
-        out = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask_at, scale,
+        out = cache_attention(q, keys, values, mask_at, scale,
                               None if kv_cache is None else width_index, self.attention_reads,
                               cfg.attn_logit_softcapping, sinks)
         out = _dense(cfg, cfg.hidden_size, cfg.is_gpt2 or cfg.attention_out_bias, "o", self.matmul)(out)

@@ -114,8 +114,8 @@ class LatentAttention(nn.Module):
             mask_at = lambda width: mask[:, :, :width]  # noqa: E731
         out = cache_attention(
             q,
-            keys.astype(q.dtype),
-            values.astype(q.dtype),
+            keys,
+            values,
             mask_at,
             softmax_scale(cfg),
             None if kv_cache is None else width_index,
