@@ -176,6 +176,19 @@ def test_forced_steps_draft_as_forced_and_serving_times_its_steps(bigram_pair):
     assert samples[0, 0] > 0 and samples[0, 1:].sum() > 0
 
 
+def test_only_steps_that_ran_every_cycle_asked_are_timed(bigram_pair):
+    """A step cut short by a finish spreads its fixed host work over fewer cycles: it is not
+    timed (its length would look dearer); one that ran every cycle it was asked is."""
+    engine = Engine(bigram_pair, num_slots=2, capacity=48, num_draft=K, drafting=drafting.auto(EXPENSIVE))
+    scheduler = sched.Scheduler(engine, _NoText(), num_cycles=4)
+    two_drafts = np.array([[3, 3, 0]])  # three cycles, each drafting slots 0 and 1
+    scheduler._time_step(1, 4, np.array([3]), two_drafts, 0.03)
+    assert scheduler.live_costs.samples()[0].sum() == 0
+    scheduler._time_step(1, 3, np.array([3]), two_drafts, 0.03)
+    assert scheduler.live_costs.samples()[0].tolist() == [0, 0, 1, 0]
+    np.testing.assert_allclose(scheduler.live_costs.seconds()[0, 2], 0.01)
+
+
 class _NoText:
     """A tokenizer stand-in that decodes every id to one character."""
 
