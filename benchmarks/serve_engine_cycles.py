@@ -8,7 +8,7 @@ row buckets, the logits processors compiled in; ``--flags`` adds server flags), 
 scheduler drives one client: the request in slot 0 (a step runs one row), steps of
 ``--cycles-per-step`` cycles until it finishes. ``decode`` runs the same prompt ids with the same
 pair at batch 1. Both are forced to draft ``k`` tokens every cycle (``auto`` with costs under which
-only ``k`` pays, ``specjax.engine.forcing``), so each contender's cycles are the same in number.
+only ``k`` pays, ``LiveCosts.forced_costs``), so each contender's cycles are the same in number.
 Per ``k``: the median over (prompt, round) of milliseconds per cycle, the engine's whole steps
 (with their host work: dispatch, reading back what each step made) over its cycles, and
 ``decode``'s wall time less its prefill and first cycle over its other cycles. Contenders alternate
@@ -51,15 +51,14 @@ def main(argv=None):
     import specjax
     from specjax.cli import common as cli_common
     from specjax.cli import serve as cli_serve
-    from specjax.engine import SlotSettings
-    from specjax._src.engine.costs import forcing
+    from specjax.engine import LiveCosts, SlotSettings
 
     cli_serve.use_compilation_cache(None)
     parser = argparse.ArgumentParser()
     cli_serve.add_arguments(parser)
     flags = ["--pair", "smollm2-eagle", "--quantize", "gguf", *shlex.split(args.flags)]
     engine = cli_serve.build(parser.parse_args(flags))[1].engine
-    costs = engine.costs
+    forcing = LiveCosts(engine.costs).forced_costs  # the costs under which auto drafts k, every step
     target, draft = cli_common.load_pair(argparse.Namespace(pair="smollm2-eagle", target=None, draft=None,
                                                             dtype="float32"), quantize="gguf")
     pair = specjax.pair(target, draft)
@@ -73,7 +72,7 @@ def main(argv=None):
         nonlocal state
         state = engine.insert(state, 0, prompt, settings)
         jax.block_until_ready(state.occupied)
-        plan, forced = engine.plan({0: settings}), forcing(costs, k)
+        plan, forced = engine.plan({0: settings}), forcing(k)
         t0 = time.perf_counter()
         while True:
             state, out = engine.step(state, per_step, until_first_finish=True, plan=plan, costs=forced)
@@ -85,7 +84,7 @@ def main(argv=None):
         return seconds, int(cycles[0])
 
     def decoded(k: int, prompt, tokens: int = n) -> tuple[float, int]:
-        policy = specjax.drafting.auto(costs=forcing(costs, k), timed=False)
+        policy = specjax.drafting.auto(costs=forcing(k), timed=False)
         t0 = time.perf_counter()
         out = specjax.decode(pair, [prompt], num_draft=engine.num_draft, drafting=policy, max_new_tokens=tokens,
                              temperature=0.0, eos_token_id=())

@@ -212,8 +212,10 @@ def test_the_scheduler_streams_on_while_a_long_prompt_is_prefilled():
     k, capacity = 4, 252
     engine = Engine(pair, num_slots=2, capacity=capacity, num_draft=k, prompt_bucket=capacity, row_buckets="powers",
                     donate_state=True, specialized_steps=True)
-    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=2, prefill_chunk=64,
-                                eos_ids=[target.module.config.eos_token_id]).start()
+    # One width of grouped inserts: each prompt here is inserted alone (its own width, always
+    # compiled) or in chunks, so the others would only add compilation.
+    scheduler = sched.Scheduler(engine, target.tokenizer, num_cycles=2, prefill_chunk=64, warmup_widths=(16,),
+                                prefill_groups=[1], eos_ids=[target.module.config.eos_token_id]).start()
     tok = target.tokenizer
     short_ids = tok.encode("def fib(n):").ids
     short = SlotSettings(temperature=0.8, seed=3, max_new_tokens=120, eos_token_id=())
