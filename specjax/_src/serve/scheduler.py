@@ -627,11 +627,9 @@ class Scheduler:
     def _store_finished(self, state, slot: int, request: Request, generated, lengths) -> None:
         """Keeps the blocks of a finished request's prompt and generated tokens (``slot`` of
         ``state``, before its release) in the prefix cache, up to the positions both caches hold
-        (``lengths``: the target's and the draft's, per slot): a conversation's next turn, which
-        resends this reply, finds its whole history cached."""
-        target, draft = lengths
+        (``lengths``: the target's and the draft's, per slot): a conversation's next turn finds its history."""
         tokens = list(request.prompt) + [int(t) for t in generated]
-        self.prefix_cache.store(self.engine, state, slot, tokens, cached=min(int(target[slot]), int(draft[slot])))
+        self.prefix_cache.store(self.engine, state, slot, tokens, cached=min(int(c[slot]) for c in lengths))
 
     def _prefill_chunk(self, state):
         """Prefills the next chunk of the chunked prefill with the fewest chunks left, less the
@@ -765,11 +763,8 @@ class Scheduler:
     def _time_step(self, rows: int, asked: int, ran: np.ndarray, lengths: np.ndarray, seconds: float) -> None:
         """Gives :attr:`live_costs` the step's seconds per cycle and the length its cycles
         drafted (``ran``, ``lengths``: :meth:`_since_last_step`), and every 8 timed steps
-        hands the engine the refreshed costs. Only a step that ran every cycle it was asked
-        is timed: one cut short by a finish spreads the step's fixed host work over fewer
-        cycles, and its length would look dearer than the others (on the real pair's 4-bit
-        target, with such steps counted, one-draft cycles timed at 1.29 plain ones, dearer
-        than two- and three-draft ones at 1.05 and 1.07)."""
+        hands the engine the refreshed costs. A step cut short by a finish is not timed: its
+        fixed host work, over fewer cycles, would make its length look dear (docs/drafting.md)."""
         if not ran.size or int(ran.max()) != asked:
             return
         k = step_draft_length(ran, lengths, asked)
@@ -793,9 +788,7 @@ class Scheduler:
         plan = self._plan()
         fresh = any(live.last is None for live in self._live.values())
         asked = self.step_length.cycles(plan.rows, free, waiting, fresh)
-        # A fresh request's first step runs one cycle: its fixed share of host work, spread over
-        # fewer cycles than other steps, would time its draft length dear. It is neither forced
-        # nor timed (_time_step).
+        # A new request's one-cycle first step is neither forced nor timed (see _time_step).
         forced = None if self.live_costs is None or fresh else self.live_costs.explore(plan.rows)
         costs = None if forced is None else self.live_costs.forced_costs(forced)
         state, out = self.engine.step(state, asked, until_first_finish=True, plan=plan, costs=costs)
