@@ -113,6 +113,24 @@ def test_drafting_must_beat_a_plain_step_by_the_margin():
     assert int(drafting.auto(model, prior_weight=1e-6).budget(state, K)) == 0  # the default margin, 0.2
 
 
+
+def test_costs_timed_in_the_loop_need_only_the_timed_margin():
+    # One slot accepted at 0.3: a one-draft cycle commits 1.3 tokens. At 1.15 plain cycles that is
+    # a gain of 1.13, under the parts' margin (1.2) but over the timed one (1.05).
+    state = drafting.AutoState(jnp.asarray([3.0, 0.0, 0.0]), jnp.asarray([10.0, 0.0, 0.0]))
+    parts = cost_model(first=0.0, step=0.0, verify=[1.0, 1.15, 9.0, 9.0])
+    timed = parts.replace(measured=jnp.asarray([1.0, 1.15, 9.0, 9.0], jnp.float32))
+    np.testing.assert_allclose(parts.cycle_costs(K), timed.cycle_costs(K))  # the same costs either way
+    assert not bool(parts.is_timed(K)) and bool(timed.is_timed(K))
+    live = jnp.asarray([True])
+    batch = jax.tree_util.tree_map(lambda x: x[None], state)
+    for policy in (drafting.auto(parts, prior_weight=1e-6), drafting.auto(timed, prior_weight=1e-6, timed_margin=0.2)):
+        assert int(policy.budget(state, K)) == 0 and int(policy.plan(batch, live, K)[0]) == 0
+    policy = drafting.auto(timed, prior_weight=1e-6)  # the default timed margin, 0.05
+    assert int(policy.budget(state, K)) == 1 and int(policy.plan(batch, live, K)[0]) == 1
+    with pytest.raises(ValueError, match=r"auto\(timed_margin\)"):
+        drafting.auto(timed_margin=-0.1)
+
 def test_acceptance_estimates_per_slot():
     policy = drafting.auto(cost_model(), memory=0.5, prior=0.5, prior_weight=1.0)
     state = policy.init(K)

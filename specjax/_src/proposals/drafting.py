@@ -407,8 +407,12 @@ class CostModel:
         steps = jnp.maximum(k - 1.0, 0.0) * self.draft_step
         first = jnp.where(k > 0, self.draft_first + self.cycle, self.draft_first / num_draft)
         parts = first + steps + self.verify[: num_draft + 1]
-        timed = self.measured[: num_draft + 1]
-        return jnp.where(jnp.all(timed > 0), timed, parts)
+        return jnp.where(self.is_timed(num_draft), self.measured[: num_draft + 1], parts)
+
+    def is_timed(self, num_draft: int) -> Array:
+        """bool scalar: whether cycles drafting ``0 .. num_draft`` were timed in the loop
+        (``measured``), so that :meth:`cycle_costs` reads those times, not the parts' sum."""
+        return jnp.all(self.measured[: num_draft + 1] > 0)
 
     def describe(self) -> str:
         """One line: the unit and each cost relative to it (one line per batch size when stacked)."""
@@ -489,6 +493,7 @@ class Auto(DraftingPolicy):
     prior: float = 0.6
     prior_weight: float = 2.0
     margin: float = 0.2
+    timed_margin: float = 0.05
     timed: Optional[bool] = struct.field(pytree_node=False, default=None)
     choose_copies: bool = struct.field(pytree_node=False, default=True)
     name = "auto"
@@ -498,7 +503,8 @@ class Auto(DraftingPolicy):
     def spec(self) -> PolicySpec:  # the measured costs are the machine's, not the policy's settings
         return PolicySpec(self.name, tuple((n, spec_value(getattr(self, n))) for n in ("memory", "prior",
                                                                                      "prior_weight", "margin",
-                                                                                     "timed", "choose_copies")))
+                                                                                     "timed_margin", "timed",
+                                                                                     "choose_copies")))
 
     def init(self, num_draft: int) -> AutoState:
         zeros = jnp.zeros((num_draft,), jnp.float32)
@@ -527,18 +533,22 @@ class Auto(DraftingPolicy):
         w = jnp.asarray(self.prior_weight, jnp.float32)
         return jnp.clip((state.accepted + self.prior * w) / (state.judged + w), 0.0, 1.0)
 
-    def _cycle_costs(self, num_draft: int, rows: int = 1) -> Array:
+    def _choice_costs(self, num_draft: int, rows: int = 1) -> tuple[Array, Array]:
+        """``[K + 1]`` the cost of a cycle drafting ``k = 0 .. K`` at ``rows`` rows, and the margin
+        drafting must beat: ``timed_margin`` where those costs were timed in the loop, else ``margin``."""
         if self.costs is None:
             raise ValueError("drafting.auto() has no measured costs: decode and Engine measure them when "
                              "given auto(); elsewhere pass auto(costs=specjax.engine.measure_costs(...)).")
         if self.costs.max_draft < num_draft:
             raise ValueError(f"auto(costs=...) covers drafts up to {self.costs.max_draft}, but num_draft is "
                              f"{num_draft}; measure the costs with num_draft={num_draft}.")
-        return self.costs.at_batch(rows).cycle_costs(num_draft)
+        costs = self.costs.at_batch(rows)
+        margin = jnp.where(costs.is_timed(num_draft), self.timed_margin, self.margin)
+        return costs.cycle_costs(num_draft), margin
 
     def budget(self, state: AutoState, num_draft: int) -> Array:
         """This sequence alone: the best ``k`` in ``0 .. K`` (the batch's is :meth:`plan`)."""
-        return best_draft_length(expected_tokens(self.acceptance(state)), self._cycle_costs(num_draft), self.margin)
+        return best_draft_length(expected_tokens(self.acceptance(state)), *self._choice_costs(num_draft))
 
     def plan(self, states: AutoState, live: Array, num_draft: int) -> Array:
         """One ``k`` for the whole batch: the verification's width, and so its
@@ -546,7 +556,7 @@ class Auto(DraftingPolicy):
         The expected tokens of the live rows are summed per ``k``."""
         expected = expected_tokens(jax.vmap(self.acceptance)(states))  # [B, K + 1]
         total = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
-        k = best_draft_length(total, self._cycle_costs(num_draft, live.shape[0]), self.margin)
+        k = best_draft_length(total, *self._choice_costs(num_draft, live.shape[0]))
         return jnp.full(live.shape, jnp.where(live.any(), k, 0), jnp.int32)
 
     def update(self, state: AutoState, outcome: DraftOutcome) -> AutoState:
@@ -577,8 +587,8 @@ class Auto(DraftingPolicy):
 
 
 def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float = 0.6,
-         prior_weight: float = 2.0, margin: float = 0.2, timed: Optional[bool] = None,
-         choose_copies: bool = True) -> Auto:
+         prior_weight: float = 2.0, margin: float = 0.2, timed_margin: float = 0.05,
+         timed: Optional[bool] = None, choose_copies: bool = True) -> Auto:
     """Each cycle, draft the ``k`` in ``0 .. num_draft`` that maximises the
     batch's expected committed tokens per unit of measured cost (goodput);
     ``k = 0`` is a plain target step inside the same program.
@@ -593,8 +603,10 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
     known, and a draft that only breaks even on paper loses where they err
     (at batch 4 on a 2-core CPU the loop's drafting cycles cost a fifth to a
     quarter more than their parts; at batch 1 on a 4-bit target they cost a
-    tenth to a fifth less). ``timed``: whether ``decode`` also times its own
-    loop forced to each ``k`` (:func:`specjax.engine.calibrate_costs`, once per
+    tenth to a fifth less). Costs timed in the loop itself (``CostModel.measured``:
+    ``timed`` below, or the server's live step times) hold what the parts miss,
+    and drafting must then promise only ``1 + timed_margin``. ``timed``:
+    whether ``decode`` also times its own loop forced to each ``k`` (:func:`specjax.engine.calibrate_costs`, once per
     program in a process) and chooses by those times: None (the default) only
     where the parts cannot decide, their best draft's gain over a plain step
     at the prior lying within the parts' error of ``1 + margin``
@@ -617,14 +629,15 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
     check_interval("auto(prior)", prior, 0.0, 1.0)
     check_interval("auto(prior_weight)", prior_weight, 0.0, 1e6, open_lo=True)
     check_interval("auto(margin)", margin, 0.0, 10.0)
+    check_interval("auto(timed_margin)", timed_margin, 0.0, 10.0)
     if costs is not None and not isinstance(costs, CostModel):
         raise TypeError(f"auto(costs=...) takes a CostModel (specjax.engine.measure_costs), got {type(costs).__name__}.")
     if timed is not None and not isinstance(timed, bool):
         raise TypeError(f"auto(timed=...) takes True, False or None (where the parts cannot decide), got {timed!r}.")
     if not isinstance(choose_copies, bool):
         raise TypeError(f"auto(choose_copies=...) takes True or False, got {choose_copies!r}.")
-    return Auto(costs=costs, memory=memory, prior=prior, prior_weight=prior_weight, margin=margin, timed=timed,
-                choose_copies=choose_copies)
+    return Auto(costs=costs, memory=memory, prior=prior, prior_weight=prior_weight, margin=margin,
+                timed_margin=timed_margin, timed=timed, choose_copies=choose_copies)
 
 
 def drafts_before_evidence(policy: DraftingPolicy, num_draft: int) -> bool:
@@ -677,7 +690,8 @@ _POLICIES = {
     "adasd_entropy": (adasd_entropy, {"window": int}),
     "heuristic": (heuristic, {"initial": int}),
     "confidence": (confidence, {"threshold": float}),
-    "auto": (auto, {"memory": float, "prior": float, "prior_weight": float, "margin": float, "timed": boolean}),
+    "auto": (auto, {"memory": float, "prior": float, "prior_weight": float, "margin": float,
+                     "timed_margin": float, "timed": boolean}),
 }
 
 
