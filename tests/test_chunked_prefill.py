@@ -128,6 +128,26 @@ def test_the_state_a_chunked_insert_leaves_is_a_whole_inserts(draft_pair, head_p
                     np.testing.assert_array_equal(a[1], b[1], err_msg=jax.tree_util.keystr(path))
 
 
+
+def test_a_prompt_shorter_than_a_block_inserted_in_chunks_is_a_whole_insert(draft_pair, head_pair):
+    """A prompt of at most 48 tokens is prefilled at its own width (16, 32 or 48), narrower than
+    the chunks' 64-token blocks: its one call must still fill both caches as a whole insert does
+    (before, it filled neither, and the request decoded from empty caches)."""
+    for pair in (draft_pair, head_pair):
+        engine = Engine(pair, num_slots=2, capacity=CAPACITY, num_draft=K, controls=False)
+        for n in (5, 20, 48):
+            prompt, settings = long_prompt(n, seed=2), GREEDY._replace(seed=11)
+            ref = jax.device_get(engine.insert(engine.init(), 1, prompt, settings))
+            job = engine.begin_insert(engine.init(), 1, prompt, settings, chunk=64)
+            state, job = engine.continue_insert(engine.init(), job)
+            assert job.finished
+            got = jax.device_get(state)
+            assert int(np.count_nonzero(got.loop.target_cache.keys[0][1])) > 0, n
+            paths = jax.tree_util.tree_flatten_with_path(ref)[0]
+            for (path, a), b in zip(paths, jax.tree_util.tree_leaves(got)):
+                if np.ndim(a) and np.shape(a)[0] == 2:
+                    np.testing.assert_array_equal(a[1], b[1], err_msg=f"{n}: {jax.tree_util.keystr(path)}")
+
 def test_chunked_insert_checks_and_a_donating_engine(draft_pair):
     """Bad chunks, busy slots and a slot taken meanwhile are refused before anything runs; with
     ``donate_state=True`` the chunks reuse the job's buffers and the tokens are the same."""

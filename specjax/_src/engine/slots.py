@@ -368,8 +368,9 @@ class Engine:
 
         ``chunk``: a positive multiple of ``SINGLE_PREFILL_BLOCK`` (64).
         One program per chunk width for the middle chunks and one for the last
-        (plus one that makes the empty caches). Raises as :meth:`insert` does
-        before anything runs.
+        (plus one that makes the empty caches); a prompt of at most 48 tokens,
+        which a whole insert prefills at its own narrower width, takes one
+        call, that insert. Raises as :meth:`insert` does before anything runs.
 
         ``prefix``: ``(caches, tokens)``, both caches of one prompt already
         holding its first ``tokens`` positions (a multiple of 64 below the
@@ -449,8 +450,13 @@ class Engine:
         if bool(np.asarray(state.occupied)[job.slot]):
             raise ValueError(f"slot {job.slot} was taken while its prompt was prefilled: release it, or begin "
                              f"the insert again in a free slot ({self.free_slots(state)}).")
-        state = self._finish_fn(self.params, self.rule, self.drafting, state, job.caches, *args,
-                                np.asarray([job.slot], np.int32), job.row, cfg=self.cfg, chunk=job.chunk)
+        if job.width < SINGLE_PREFILL_BLOCK:
+            # A prompt shorter than a prefill block runs as one block of its own width, which the
+            # chunk programs (whole 64-token blocks) do not run: its one call is the whole insert.
+            state = self.insert(state, job.slot, job.prompt[0, : job.length].tolist(), job.settings)
+        else:
+            state = self._finish_fn(self.params, self.rule, self.drafting, state, job.caches, *args,
+                                    np.asarray([job.slot], np.int32), job.row, cfg=self.cfg, chunk=job.chunk)
         return state, job._replace(position=job.start + job.chunks * job.chunk, finished=True, caches=None)
 
     def _device_rows(self, rows: list) -> dict:
