@@ -23,7 +23,7 @@ from specjax._src.models.decoder import Decoder, attention_widths
 from specjax.testing import llama_config, peaked_target_and_draft
 from specjax.trees import static_tree
 
-LONG = 2048  # widths 64, 128, 192, 256, 512, 1024, 2048
+LONG = 2048  # widths 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048
 VOCAB = 96
 
 
@@ -44,13 +44,18 @@ def prefilled(module, params, batch: int, length: int, **kw):
     return module.apply(params, prompt, module.init_cache(batch, LONG), **kw).cache
 
 
-def test_widths_step_by_64_then_double_then_the_capacity():
+def test_widths_step_by_64_then_by_half_and_whole_powers_of_two_then_the_capacity():
     assert attention_widths(64) == (64,)
     assert attention_widths(341) == (341,)
     assert attention_widths(342) == (64, 128, 192, 256, 342)
     assert attention_widths(384) == (64, 128, 192, 256, 384)
-    assert attention_widths(2048) == (64, 128, 192, 256, 512, 1024, 2048)
-    assert attention_widths(2052) == (64, 128, 192, 256, 512, 1024, 2052)
+    assert attention_widths(516) == (64, 128, 192, 256, 384, 516)  # the server's default slots
+    assert attention_widths(2048) == (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert attention_widths(2052) == (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2052)
+    for capacity in (342, 516, 1284, 2052, 5000):  # each width below the capacity saves a quarter of it
+        widths = attention_widths(capacity)
+        assert widths[-1] == capacity and all(4 * w <= 3 * capacity for w in widths[:-1])
+        assert all(b <= 1.5 * a for a, b in zip(widths[3:-1], widths[4:-1]))  # past 256: at most 1.5x apart
 
 
 @pytest.mark.parametrize("case", ["one token", "verify block", "tree", "sliding window", "rows of unequal length"])
@@ -86,14 +91,14 @@ def test_a_feature_head_step_reads_no_slot_past_the_width():
 
 
 def test_a_row_past_a_width_reads_the_next_one():
-    """A row at 300 cached tokens needs 512 slots: NaN from 512 stays out, and
-    the slots between 300 and 512 are read (NaN there shows up, masked or not)."""
+    """A row at 300 cached tokens needs 384 slots: NaN from 384 stays out, and
+    the slots between 300 and 384 are read (NaN there shows up, masked or not)."""
     model = Decoder(config())
     params = model.init(jax.random.key(0))
     cache = prefilled(model, params, 1, 20).replace(lengths=jnp.asarray([300], jnp.int32))
     step = jax.jit(lambda c: model.apply(params, jnp.ones((1, 1), jnp.int32), c).logits)
-    assert np.isfinite(np.asarray(step(poisoned(cache, 512)))).all()
-    assert not np.isfinite(np.asarray(step(poisoned(cache, 400)))).all()
+    assert np.isfinite(np.asarray(step(poisoned(cache, 384)))).all()
+    assert not np.isfinite(np.asarray(step(poisoned(cache, 350)))).all()
 
 
 @pytest.mark.parametrize("reads,want", [

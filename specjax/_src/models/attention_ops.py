@@ -221,14 +221,18 @@ def softmax_with_sinks(scores: Array, sinks: Array) -> Array:
 # runs; every short-capacity ``decode`` and test program keeps one branch).
 _LADDER_FROM = 256
 # A longer cache (a server's slots) is read in steps of this many slots up to
-# ``_LADDER_FROM``, then in powers of two. Eight rows of a 4-token verify block
-# read 1.5 MB of K and V per layer at 256 slots: on a 2-core CPU the slots
-# engine's cycle on SmolLM2-135M at T=0.7 (384 slots, rows at 40-170
-# positions) cost 1.05x [1.03-1.07] the cycle of ``decode`` with its 195-slot
-# cache when it read 256 slots, 1.00x [0.98-1.13] with these steps
-# (``benchmarks/serve_programs.py``). On TPU, whose lanes hold 128, the widths
-# 64 and 192 are expected to run padded to 128 and 256: a branch that saves
-# nothing there, not a wrong result (unmeasured: no TPU was at hand).
+# ``_LADDER_FROM``, then at 1.5 and 2 times each power of two. Eight rows of a
+# 4-token verify block read 1.5 MB of K and V per layer at 256 slots: on a
+# 2-core CPU the slots engine's cycle on SmolLM2-135M at T=0.7 (384 slots, rows
+# at 40-170 positions) cost 1.05x [1.03-1.07] the cycle of ``decode`` with its
+# 195-slot cache when it read 256 slots, 1.00x [0.98-1.13] with these steps
+# (``benchmarks/serve_programs.py``). Past 256 a doubling ladder read up to
+# twice the slots needed, and attention is no small part of a step on a CPU:
+# one token of the GGUF's 4-bit SmolLM2-135M over 250 cached entries cost 15.9
+# ms reading 256 slots and 20.1 ms reading the server's whole 516. On TPU,
+# whose lanes hold 128, the widths 64 and 192 are expected to run padded to 128
+# and 256: a branch that saves nothing there, not a wrong result (unmeasured:
+# no TPU was at hand).
 _ATTENTION_STEP = 64
 
 
@@ -236,11 +240,12 @@ def attention_widths(capacity: int) -> tuple[int, ...]:
     """The static key widths :func:`cache_attention` may read from ``capacity`` slots.
 
     ``(capacity,)`` below 342 slots. From 342 on, multiples of 64 up to 256,
-    then powers of two, each saving at least a quarter of the capacity, then
-    the capacity itself: ``(64, 128, 192, 256, 384)`` for 384, ``(64, 128,
-    192, 256, 512, 1024, 2048)`` for 2048. Below the last, a width depends on
-    the positions needed only, so a short sequence reads the same slots in any
-    long cache.
+    then 1.5 and 2 times each power of two (384, 512, 768, 1024, ...), each
+    saving at least a quarter of the capacity, then the capacity itself:
+    ``(64, 128, 192, 256, 384)`` for 384, ``(64, 128, 192, 256, 384, 516)``
+    for 516, ``(64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)`` for
+    2048. Below the last, a width depends on the positions needed only, so a
+    short sequence reads the same slots in any long cache.
     """
     capacity = int(capacity)
     if 4 * _LADDER_FROM > 3 * capacity:
@@ -249,7 +254,10 @@ def attention_widths(capacity: int) -> tuple[int, ...]:
     width = _ATTENTION_STEP
     while 4 * width <= 3 * capacity:
         widths.append(width)
-        width = width + _ATTENTION_STEP if width < _LADDER_FROM else 2 * width
+        if width < _LADDER_FROM:
+            width += _ATTENTION_STEP
+        else:  # 256 -> 384 -> 512 -> 768 -> 1024: up to 1.5 times the slots needed, not 2
+            width = width * 3 // 2 if width & (width - 1) == 0 else width * 4 // 3
     return tuple(widths) + (capacity,)
 
 

@@ -49,9 +49,9 @@ before attending, ``s <= p`` covers both "cached entries before
 ``lengths[b]``" and "causal within the block", and stale entries beyond the
 block are never read: rollback is a length reset. The prefix is the narrowest
 of a few static widths that holds ``max(lengths) + T`` (:func:`attention_widths`:
-steps of 64 up to 256, then powers of two, then the capacity), so a step over short sequences in
-a long cache reads only their part of it (:func:`cache_attention`; on CPU and
-TPU, while GPUs read the whole buffer).
+steps of 64 up to 256, then 1.5 and 2 times each power of two, then the
+capacity), so a step over short sequences in a long cache reads only their part
+of it (:func:`cache_attention`; on CPU and TPU, while GPUs read the whole buffer).
 
 Only shapes can be checked here (this code runs under ``jit``): a block longer
 than the cache, a cache longer than GPT-2's position table, or a full forward
