@@ -42,11 +42,10 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     import specjax
-    from specjax._src.models.attention_ops import attention_widths
 
     print(common.header("attention_widths: a 516-slot cache read whole against the width that holds the row"))
-    print(f"widths of a {CAPACITY}-slot cache: {attention_widths(CAPACITY)}")
     target = specjax.load("smollm2-135m-instruct", dtype="float32", quantize="gguf")
+    print(f"widths of a {CAPACITY}-slot cache: {target.module.attention_widths(CAPACITY)}")
     head = specjax.load("smollm2-135m-instruct-eagle", dtype="float32")
 
     def reading(reads):
