@@ -51,7 +51,6 @@ def build_contenders(capacity: int, reads: str | None = None) -> tuple[tuple[str
     import importlib.util
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     import common
@@ -69,20 +68,7 @@ def build_contenders(capacity: int, reads: str | None = None) -> tuple[tuple[str
     prompt = np.random.default_rng(0).integers(5, 1000, size=24).tolist()
 
     def target_step(batch, cap, cached):
-        module, params = target.module, target.params
-        lengths = np.full((batch,), cached, np.int32)  # host ints: a fresh buffer each call (the cache is donated)
-        # The cache is donated and carried, as the decode loop carries it: without donation each
-        # call would copy the whole buffer to write one token.
-        fwd = jax.jit(lambda p, c, t: (lambda out: (out.logits, out.cache))(module.apply(p, t, c)), donate_argnums=1)
-        tokens = jnp.ones((batch, 1), jnp.int32)
-        state = {"cache": module.init_cache(batch, cap)}
-
-        def run():
-            t0 = time.perf_counter()
-            logits, state["cache"] = fwd(params, state["cache"].replace(lengths=lengths), tokens)
-            logits.block_until_ready()
-            return time.perf_counter() - t0
-        return run
+        return common.cached_step_timer(target, batch, cap, cached)
 
     def engine_cycle(slots, cap, cycles=16):
         engine = Engine(pair, num_slots=slots, capacity=cap - K, num_draft=K)

@@ -39,7 +39,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import jax
-    import jax.numpy as jnp
 
     import specjax
 
@@ -52,19 +51,7 @@ def main(argv=None) -> int:
         return target.replace(module=dataclasses.replace(target.module, attention_reads=reads))
 
     def one_token(reads, cached):
-        t = reading(reads)
-        module, params = t.module, t.params
-        lengths = np.full((1,), cached, np.int32)  # host ints: the cache is donated, its lengths set each call
-        fwd = jax.jit(lambda p, c, tok: (lambda out: (out.logits, out.cache))(module.apply(p, tok, c)),
-                      donate_argnums=1)
-        tokens, state = jnp.ones((1, 1), jnp.int32), {"cache": module.init_cache(1, CAPACITY)}
-
-        def run():
-            t0 = time.perf_counter()
-            logits, state["cache"] = fwd(params, state["cache"].replace(lengths=lengths), tokens)
-            logits.block_until_ready()
-            return time.perf_counter() - t0
-        return run
+        return common.cached_step_timer(reading(reads), 1, CAPACITY, cached)
 
     prompt = np.random.default_rng(0).integers(100, 5000, size=args.prompt).tolist()
 

@@ -97,6 +97,29 @@ def timed_once(fn: Callable[[], object]) -> tuple[object, float]:
     return out, time.perf_counter() - t0
 
 
+def cached_step_timer(model, batch: int, capacity: int, cached: int) -> Callable[[], float]:
+    """A ``run()`` that times one token per row of ``model`` (a loaded model: ``module``,
+    ``params``) at ``batch`` rows over a ``capacity``-slot cache holding ``cached`` entries per row:
+    seconds per call. The cache is donated and carried, as the decode loop carries it (without
+    donation each call would copy the whole buffer to write one token); its lengths are reset
+    from host ints each call."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    module, params = model.module, model.params
+    lengths = np.full((batch,), cached, np.int32)
+    fwd = jax.jit(lambda p, c, t: (lambda out: (out.logits, out.cache))(module.apply(p, t, c)), donate_argnums=1)
+    tokens, state = jnp.ones((batch, 1), jnp.int32), {"cache": module.init_cache(batch, capacity)}
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        logits, state["cache"] = fwd(params, state["cache"].replace(lengths=lengths), tokens)
+        logits.block_until_ready()
+        return time.perf_counter() - t0
+    return run
+
+
 def engine_step_timer(engine, prompt: Sequence[int], live: int, settings, cycles: int) -> Callable[[], float]:
     """A ``run()`` that inserts ``prompt`` into slots ``0 .. live - 1`` of a fresh state, then times one
     ``engine.step`` of ``cycles`` cycles: seconds per cycle (the insert is not timed). ``settings``:
