@@ -606,8 +606,9 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
     tenth to a fifth less). Costs timed in the loop itself (``CostModel.measured``:
     ``timed`` below, or the server's live step times) hold what the parts miss,
     and drafting must then promise only ``1 + timed_margin``. ``timed``:
-    whether ``decode`` also times its own loop forced to each ``k`` (:func:`specjax.engine.calibrate_costs`, once per
-    program in a process) and chooses by those times: None (the default) only
+    whether ``decode`` also times its own loop forced to each ``k``
+    (:func:`specjax.engine.calibrate_costs`, once per program in a process)
+    and chooses by those times: None (the default) only
     where the parts cannot decide, their best draft's gain over a plain step
     at the prior lying within the parts' error of ``1 + margin``
     (:func:`specjax.engine.parts_undecided`); True always; False never (see
