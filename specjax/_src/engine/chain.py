@@ -53,6 +53,7 @@ from specjax._src.engine.cycle import (
     with_greedy_rows,
 )
 from specjax._src.engine.ops import cond_in_place, gather, row_at, switch_in_place, warp, where_b
+from specjax._src.engine.plain import draft_can_wait, first_draft_step, pending_after_skip, plain_cycle
 from specjax._src.models.lm import KVCache, LMOutput
 from specjax._src.proposals.lookup import lookup_drafts
 from specjax._src.models.feature_head import is_feature_head
@@ -88,7 +89,7 @@ def _decode_cycle(
         # A batch that drafts nothing runs a plain target step: one token verified, none of a
         # drafting cycle's work over K slots (so that choosing no drafts costs what generate does).
         new_state = cond_in_place(_plain(cfg, pair_params, policy, state, inputs.rows),
-                                  lambda s: _plain_cycle(cfg, pair_params, policy, inputs, s)[0],
+                                  lambda s: _plain_cycle(cfg, pair_params, policy, inputs, s),
                                   lambda s: _drafting_cycle(cfg, pair_params, rule, policy, inputs, s)[0], state)
         return new_state, None
     return _drafting_cycle(cfg, pair_params, rule, policy, inputs, state)
@@ -129,69 +130,26 @@ def _budgets(cfg: LoopConfig, policy: drafting_lib.DraftingPolicy, state: Decode
 
 
 def _plain(cfg: LoopConfig, pair_params: ModelPair, policy, state: DecodeState, rows) -> Array:
-    """Scalar bool: no live sequence drafts this cycle, and the draft can wait (:func:`_draft_can_wait`)."""
+    """Scalar bool: no live sequence drafts this cycle, and the draft can wait
+    (:func:`specjax._src.engine.plain.draft_can_wait`)."""
     drafting_rows = ~state.done & (_budgets(cfg, policy, state, rows) > 0)
-    return ~drafting_rows.any() & _draft_can_wait(cfg, pair_params, state)
+    return ~drafting_rows.any() & draft_can_wait(cfg, pair_params, state)
 
 
 def _plain_cycle(cfg: LoopConfig, pair_params: ModelPair, policy: drafting_lib.DraftingPolicy, inputs: CycleInputs,
-                 state: DecodeState):
-    """A cycle that drafts nothing: one target forward over each sequence's
-    last token, its token emitted as a drafting cycle would emit its bonus
-    token after no drafts (the same uniform, greedy rows, processors,
-    non-finite checks, log-probabilities), the draft skipped (its cache
-    waits; a head's features are kept pending), the rule's state unchanged
-    (nothing judged). Returns ``(state, None)``."""
-    prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows = inputs
-    batch, vocab, k_max = state.num_committed.shape[0], pair_params.vocab_size, cfg.num_draft
-    if rows is not None:
-        rows, top_p = live_settings(rows, top_p, ~state.done)
-    hist = cycle_history(rows, state, prompt_lengths, eos_ids, vocab)
-    _, _, emit_uniform = _cycle_uniforms(cfg, seq_keys, state.step, batch)
-    head = pair_params.draft.module
-    head_layers = head.feature_layers if is_feature_head(head) else ()
-    last = gather(state.tokens, state.num_committed - 1)
-    out = pair_params.target.module.apply(pair_params.target.params, last[:, None], state.target_cache,
-                                          hidden_layers=head_layers)
-    raw = out.logits[..., :vocab]  # [B, 1, V]
-    no_drafts = jnp.zeros((batch, k_max), jnp.int32)
-    processed = raw if hist is None else processors_lib.process(rows.processors, rows.controls, hist, raw,
-                                                                no_drafts, 0)
-    target_logits = warp(cfg, processed, temperature, top_p, rows)
-    if cfg.greedy:
-        emitted = sampling.argmax(target_logits[:, 0])
-    else:
-        emitted = sampling.sample_categorical(jax.nn.softmax(target_logits[:, 0], axis=-1), emit_uniform)
-        if greedy_rows(cfg, rows) is not None:
-            emitted = jnp.where(rows.greedy, sampling.argmax(target_logits[:, 0]), emitted)
-    new_bad, bad = nonfinite_codes(state, jnp.zeros((batch,), bool), sampling.nonfinite_rows(raw)[:, 0])
-    live = ~state.done & (new_bad == 0)
-    none = jnp.zeros((batch,), jnp.int32)
-    tokens, n_commit, finished = commit_block(state, no_drafts, none, emitted, live, prompt_lengths, max_new, eos_ids)
-    new_nc = state.num_committed + n_commit
-    committed = Committed(tokens=tokens, num_committed=new_nc, num_new=n_commit,
-                          done=state.done | (new_bad > 0) | finished, target_cache=out.cache.rollback(new_nc - 1),
-                          draft_cache=state.draft_cache)
-    logprobs = None
-    if state.logprobs is not None:
-        padded = jnp.pad(target_logits, [(0, 0), (0, k_max), (0, 0)])
-        logprobs = cycle_logprobs(state, padded, committed_block(no_drafts, none, emitted), rows)
-    unused = jnp.zeros((batch, k_max), bool)
+                 state: DecodeState) -> DecodeState:
+    """A chain's plain step (:func:`specjax._src.engine.plain.plain_cycle`), with the uniform a
+    drafting cycle emits its bonus token with; the policy learns that nothing was drafted."""
+    batch, k_max = state.num_committed.shape[0], cfg.num_draft
+    _, _, emit_uniform = _cycle_uniforms(cfg, inputs.keys, state.step, batch)
+    none, unused = jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, k_max), bool)
     outcome = drafting_lib.DraftOutcome(num_drafted=none, num_accepted=none, valid=unused,
                                         entropies=jnp.zeros((batch, k_max), jnp.float32),
                                         token_probs=jnp.zeros((batch, k_max), jnp.float32),
                                         first_acceptance=jnp.full((batch,), -1.0, jnp.float32),
                                         copy_acceptance=jnp.full((batch,), -1.0, jnp.float32))
-    policy_state = where_b(live, jax.vmap(policy.update)(state.policy_state, outcome), state.policy_state)
-    stats = record_cycle(state.stats, live=live, valid=unused, num_accepted=none, num_committed=n_commit,
-                         paths=no_drafts, draft_forwards=jnp.int32(0), copied=unused, verified=jnp.int32(1))
-    features = None
-    if head_layers:
-        hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)
-        own = head.target_features(pair_params.draft.params, hidden)  # [B, 1, H]
-        features = _pending_after_skip(state, jnp.pad(own, [(0, 0), (0, k_max), (0, 0)]))
-    return next_state(state, committed, bad=bad, rule_state=state.rule_state, policy_state=policy_state,
-                      stats=stats, draft_features=features, logprobs=logprobs), None
+    return plain_cycle(cfg, pair_params, inputs, state, emit_uniform,
+                       lambda live: jax.vmap(policy.update)(state.policy_state, outcome))
 
 
 def _next_features(state: DecodeState, drafts: _Drafts, verified: _Verified):
@@ -200,7 +158,7 @@ def _next_features(state: DecodeState, drafts: _Drafts, verified: _Verified):
     if verified.features is None:
         return None
     return jax.lax.cond(drafts.forwards > 0, lambda: verified.features,
-                        lambda: _pending_after_skip(state, verified.features))
+                        lambda: pending_after_skip(state, verified.features))
 
 
 def _cycle_uniforms(cfg: LoopConfig, seq_keys, step, batch: int):
@@ -267,54 +225,10 @@ def draft_chain(
         return run(state)
     # Nothing to draft anywhere: skip the draft's forwards while its cache can still catch up later.
     batch, vocab = state.num_committed.shape[0], pair_params.vocab_size
-    skip = ~active0.any() & _draft_can_wait(cfg, pair_params, state)
+    skip = ~active0.any() & draft_can_wait(cfg, pair_params, state)
     nothing = (_no_drafts(batch, k_max, vocab, cfg.lookup is not None)._replace(forwards=jnp.int32(0)), state.draft_cache)
     return cond_in_place(skip, lambda carry: carry, lambda carry: run(state.replace(draft_cache=carry[1])),
                          nothing)
-
-
-def _draft_lag(state: DecodeState) -> Array:
-    """``[B]`` committed tokens a draft model's cache is behind its invariant
-    (``num_committed - 2`` entries): 0 unless cycles skipped its forwards."""
-    return jnp.maximum(state.num_committed - 2, 0) - state.draft_cache.lengths
-
-
-def _draft_can_wait(cfg: LoopConfig, pair_params: ModelPair, state: DecodeState) -> Array:
-    """Scalar bool: every live sequence can skip this cycle's draft forwards
-    and still be caught up by one first draft step later. A draft model
-    catches up ``K`` tokens (:func:`_catch_up_logits`); a feature head reads
-    at most ``K + 1`` pending target features (:func:`_pending_after_skip`)."""
-    live = ~state.done
-    if is_feature_head(pair_params.draft.module):
-        after = state.num_committed - state.draft_cache.lengths  # pending features after one more token
-        return jnp.all(~live | (after <= cfg.num_draft + 1))
-    return jnp.all(~live | (_draft_lag(state) + 1 <= cfg.num_draft))
-
-
-def _catch_up_logits(module, params, vocab: int, state: DecodeState, width: int) -> tuple[Array, KVCache]:
-    """The first draft step of a draft model whose cache holds ``L <=
-    num_committed - 2`` entries: one forward over the ``width`` tokens from
-    position ``L``, read at the last committed token. With ``width = 2`` and
-    no lag it is :func:`specjax._src.engine.cycle.first_draft_logits`."""
-    nc, tokens, start = state.num_committed, state.tokens, state.draft_cache.lengths
-    index = jnp.minimum(start[:, None] + jnp.arange(width)[None, :], tokens.shape[1] - 1)
-    block, row = jnp.take_along_axis(tokens, index, axis=1), jnp.clip(nc - 1 - start, 0, width - 1)
-    if getattr(module, "supports_logits_at", False):
-        raw0 = module.apply(params, block, state.draft_cache, logits_at=row)
-        return raw0.logits[:, 0, :vocab], raw0.cache.rollback(nc)
-    out = module.apply(params, block, state.draft_cache)
-    return row_at(out.logits[..., :vocab], row), out.cache.rollback(nc)
-
-
-def _pending_after_skip(state: DecodeState, verified_features: Array) -> Array:
-    """A feature head's pending target features after a cycle that skipped
-    its forwards: the ones still pending (``f_m .. f_{nc-2}``), then the
-    verification's (``f_{nc-1}``, its only row). ``[B, K + 1, H]``."""
-    count = state.num_committed - 1 - state.draft_cache.lengths
-    slots = jnp.arange(verified_features.shape[1])
-    shifted = jnp.take_along_axis(verified_features, jnp.maximum(slots[None, :] - count[:, None], 0)[..., None],
-                                  axis=1)
-    return jnp.where((slots[None, :] < count[:, None])[..., None], state.draft_features, shifted)
 
 
 def _draft_tokens(
@@ -328,11 +242,7 @@ def _draft_tokens(
     if is_feature_head(module):
         raw0, feature, cache, _ = first_head_logits(cfg, module, params, vocab, state)
     elif policy.may_draft_none:  # earlier cycles may have skipped the draft: catch up in one forward
-        def catch_up(width):
-            return lambda carry: _catch_up_logits(module, params, vocab, state.replace(draft_cache=carry[1]), width)
-
-        raw0, cache = cond_in_place(jnp.any(~state.done & (_draft_lag(state) > 0)), catch_up(k_max + 2), catch_up(2),
-                                    (jnp.zeros((batch, vocab), jnp.float32), state.draft_cache))
+        raw0, cache = first_draft_step(cfg, module, params, vocab, state)
         feature = jnp.zeros((batch, 0))
     else:
         (raw0, cache), feature = first_draft_logits(module, params, vocab, state), jnp.zeros((batch, 0))
