@@ -601,9 +601,15 @@ def test_cli_parses_serve(setup):
     assert serve.default_capacity(setup["target"], setup["pair"].draft, K) == 256 - K
     for flags, message in ((["--tree", "2,1", "--num-draft", "3"], "the tree's depth \\(2\\) is its K"),
                            (["--tree", "2,1", "--lookup", "2"], "--lookup applies to chains"),
+                           (["--tree", "2,1", "--drafting", "auto"], "auto chooses a dynamic tree's size"),
+                           (["--tree", "dynamic:2,2,3", "--drafting", "heuristic"], "--drafting applies to chains"),
                            (["--tree", "2,x"], "--tree: tree '2,x'")):
         with pytest.raises(SystemExit, match=message):
             serve.build(build_parser().parse_args(["serve"] + flags))
+    from specjax.cli import common
+
+    sized = build_parser().parse_args(["serve", "--tree", "dynamic:2,2,3", "--drafting", "auto"])
+    assert common.sizes_tree(sized) and common.drafting_policy(sized).name == "auto"
 
 
 # Slow (3-4 minutes on a busy 2-core CPU); the slots engine's trees are checked in test_slots_trees.py.
@@ -641,6 +647,31 @@ def test_serve_with_a_token_tree():
         ref = specjax.decode(scheduler.engine.params, [ids], tree=tree, max_new_tokens=20, temperature=0.0,
                              controls=controls, max_length=64 + tree.num_nodes).to_lists()[0]
         assert penalised.choices[0].text == target.tokenizer.decode(ref) != r.choices[0].text
+    finally:
+        server.stop()
+    jax.clear_caches()
+
+
+@pytest.mark.slow
+def test_serve_sizes_a_dynamic_tree_with_auto():
+    """`specjax serve --tree dynamic:... --drafting auto`: each cycle verifies the tree's best-ranked
+    nodes that pay, or runs a plain step; a greedy request gets the target's own greedy tokens."""
+    from specjax.cli import serve
+    from specjax.cli.app import build_parser
+
+    args = build_parser().parse_args(["serve", "--tree", "dynamic:2,2,3", "--drafting", "auto", "--slots", "2",
+                                      "--capacity", "64", "--cycles-per-step", "2"])
+    app, scheduler = serve.build(args)
+    assert scheduler.engine.drafting.name == "auto" and scheduler.live_costs is None
+    server = Server(app)
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        target = scheduler.engine.params.target
+        ids = target.tokenizer.encode(PROMPT).ids
+        r = client.completions.create(model="embedded", prompt=PROMPT, max_tokens=20, temperature=0)
+        ref = specjax.generate(target, [ids], max_new_tokens=20, temperature=0.0).to_lists()[0]
+        assert r.choices[0].text == target.tokenizer.decode(ref)
     finally:
         server.stop()
     jax.clear_caches()

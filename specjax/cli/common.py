@@ -58,7 +58,8 @@ def add_model_args(parser: argparse.ArgumentParser, drafting: bool = True, defau
         parser.add_argument("--drafting", help='drafting policy: "auto", "fixed", "adasd_entropy[:window=20]", '
                             '"heuristic", "confidence[:threshold=0.4]" (default: auto on chains in generate and '
                             'serve, each cycle the K that pays on this machine; fixed K in compare, whose AdaSD '
-                            'rows use its entropy stop)')
+                            'rows use its entropy stop). With a dynamic --tree only "auto", which verifies each '
+                            'cycle the best-ranked nodes that pay, or none')
     parser.add_argument("--seed", type=int, default=0)
     # bf16 storage keeps the embedded pair small, but bf16 compute lets the K+1-token verify
     # forward and the 1-token forward round differently, so greedy near-ties can flip (measured:
@@ -173,13 +174,25 @@ def tree(args):
 
 def _refuse_chain_options_with_tree(args) -> None:
     """--lookup and --drafting shape chains; with --tree the tree's shape decides
-    what is drafted, so either would be ignored."""
+    what is drafted, so either would be ignored, except ``--drafting auto`` on a
+    dynamic tree, which chooses the tree's size each cycle."""
     if not _given(args, "tree"):
         return
     for flag in ("--lookup", "--drafting"):
-        if _given(args, flag[2:]):
-            raise SystemExit(f"error: {flag} applies to chains; with --tree the tree's shape decides what is "
-                             f"drafted: drop --tree or {flag}.")
+        if not _given(args, flag[2:]):
+            continue
+        if flag == "--drafting" and sizes_tree(args):
+            continue
+        sized = " (--drafting auto chooses a dynamic tree's size)" if flag == "--drafting" else ""
+        raise SystemExit(f"error: {flag} applies to chains; with --tree the tree's shape decides what is "
+                         f"drafted{sized}: drop --tree or {flag}.")
+
+
+def sizes_tree(args) -> bool:
+    """Whether ``--drafting auto`` was given with a dynamic ``--tree``: auto then
+    verifies, each cycle, only the tree's best-ranked nodes that pay (or none)."""
+    policy, tree = str(getattr(args, "drafting", "") or ""), str(getattr(args, "tree", "") or "")
+    return policy.strip().partition(":")[0] == "auto" and tree.strip().startswith("dynamic")
 
 
 def lookup(args):

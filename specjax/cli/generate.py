@@ -17,8 +17,9 @@ def run(args) -> int:
     # Checked before anything loads or prints: --lookup / --drafting with --tree are refused here.
     tree, lookup = common.tree(args), common.lookup(args)
     # Chains default to drafting.auto(): each cycle drafts the K that pays on this machine (at most --num-draft).
+    # With a dynamic tree, --drafting auto chooses its size each cycle; otherwise the tree's shape decides.
     chain = (dict(drafting=common.drafting_policy(args, specjax.drafting.auto()), num_draft=args.num_draft,
-                  lookup=lookup) if tree is None else {})
+                  lookup=lookup) if tree is None else dict(drafting=common.drafting_policy(args)))
     target, draft = common.load_pair(args, quantize=args.quantize)
     if target.tokenizer is None:
         raise SystemExit("error: the target has no tokenizer; pass token ids from Python instead.")

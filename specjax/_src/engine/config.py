@@ -54,11 +54,19 @@ class LoopConfig(NamedTuple):
     lookup: Optional[Any] = None
     # The widths a chain's verification block may run at
     # (:func:`specjax._src.engine.prepare.verify_widths_for`), ascending, the last
-    # ``num_draft + 1``; ``None``: always the full block.
+    # ``num_draft + 1``; ``None``: always the full block. With auto() on a dynamic tree,
+    # the widths its verification chooses from (:func:`specjax._src.engine.prepare.tree_size_widths`).
     verify_widths: Optional[tuple[int, ...]] = None
     # The rule's and drafting policy's pytree classes (:func:`specjax._src.jit_keys.pytree_classes`):
     # without them jit may run one rule's program for another rule with the same fields.
     classes: tuple = ()
+
+
+def policy_slots(cfg: LoopConfig) -> int:
+    """How many slots a drafting policy's state keeps evidence for: a dynamic tree's
+    verified nodes (by rank), else the chain's ``K`` draft slots."""
+    num_kept = getattr(cfg.tree, "num_kept", None)
+    return cfg.num_draft if num_kept is None else num_kept
 
 
 @struct.dataclass

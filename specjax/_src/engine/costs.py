@@ -49,7 +49,7 @@ _LAST: list = []
 
 def measure_costs(params: ModelPair, *, batch: int = 1, num_draft: int = 4,
                   verify_widths: Optional[Sequence[int]] = None, cache_length: int = 512, context: int = 64,
-                  repeats: int = 7) -> drafting_lib.CostModel:
+                  repeats: int = 7, tree=None) -> drafting_lib.CostModel:
     """Times one cycle's pieces on this machine and returns their costs.
 
     Args:
@@ -63,6 +63,11 @@ def measure_costs(params: ModelPair, *, batch: int = 1, num_draft: int = 4,
       context: tokens already in the caches when timed (attention reads them).
       repeats: timed rounds after one warm-up call each (more, up to 20x, where
         a one-token forward takes under 7 ms, so that about 50 ms is timed).
+      tree: a :class:`specjax.trees.DynamicTree` whose size :func:`specjax.drafting.auto`
+        chooses (``num_draft`` is then its ``num_nodes``): its draft steps are
+        timed as it runs them, a feature head's first one over ``depth + 1``
+        tokens and each further one over a level's ``top_k`` frontier nodes,
+        each drawing children over the vocabulary.
 
     Returns:
       A :class:`~specjax._src.proposals.drafting.CostModel` in units of the target's
@@ -84,10 +89,14 @@ def measure_costs(params: ModelPair, *, batch: int = 1, num_draft: int = 4,
     runs = {1: _forward(target, batch, 1, context, cache_length, hidden_layers=head_layers)}
     for w in widths:
         runs.setdefault(w, _forward(target, batch, w, context, cache_length, hidden_layers=head_layers))
-    first_width = num_draft + 1 if head else 2
+    depth, rows = (num_draft, 1) if tree is None else (tree.depth, tree.top_k)
+    if tree is not None and num_draft != tree.num_kept:
+        raise ValueError(f"measure_costs(tree=...) verifies up to the tree's {tree.num_kept} nodes: pass "
+                         f"num_draft={tree.num_kept}, got {num_draft}.")
+    first_width = depth + 1 if head else 2
     runs["draft_first"] = _forward(draft, batch, first_width, context, cache_length, features=head,
                                    logits_at=head or getattr(draft.module, "supports_logits_at", False))
-    runs["draft_step"] = _forward(draft, batch, 1, context, cache_length, features=head)
+    runs["draft_step"] = _forward(draft, batch, rows, context, cache_length, features=head)
     runs["slot_work"] = _slot_work(batch, params.vocab_size)
     runs["cycle_work"] = _cycle_work(batch, num_draft, params.vocab_size)
     times = {name: [] for name in runs}
@@ -107,7 +116,7 @@ def measure_costs(params: ModelPair, *, batch: int = 1, num_draft: int = 4,
     return drafting_lib.CostModel(
         verify=jnp.asarray(nondecreasing(at_width), jnp.float32),
         draft_first=jnp.float32((median["draft_first"] + slot) / unit),
-        draft_step=jnp.float32((median["draft_step"] + slot) / unit),
+        draft_step=jnp.float32((median["draft_step"] + rows * slot) / unit),
         cycle=jnp.float32(median["cycle_work"] / unit),
         forward_ms=jnp.float32(1e3 * unit),
         batch=jnp.float32(batch),
@@ -192,24 +201,25 @@ def _warm(call):
 
 
 def cached_costs(params: ModelPair, *, batch: int, num_draft: int, verify_widths: Optional[Sequence[int]],
-                 cache_length: int) -> drafting_lib.CostModel:
+                 cache_length: int, tree=None) -> drafting_lib.CostModel:
     """:func:`measure_costs` once per shape in this process (costs depend on
     the models' shapes and dtypes and the loop's, not on the weights' values)."""
-    key = (shape_key(params), batch, num_draft, tuple(verify_widths or ()), cache_length)
+    key = (shape_key(params), batch, num_draft, tuple(verify_widths or ()), cache_length, tree)
     if key not in _MEASURED:
         _MEASURED[key] = measure_costs(params, batch=batch, num_draft=num_draft, verify_widths=verify_widths,
-                                       cache_length=cache_length)
+                                       cache_length=cache_length, tree=tree)
     _LAST[:] = [_MEASURED[key]]
     return _MEASURED[key]
 
 
 def cached_costs_by_batch(params: ModelPair, *, batches: Sequence[int], num_draft: int,
-                          verify_widths: Optional[Sequence[int]], cache_length: int) -> drafting_lib.CostModel:
+                          verify_widths: Optional[Sequence[int]], cache_length: int,
+                          tree=None) -> drafting_lib.CostModel:
     """:func:`cached_costs` at each of ``batches`` (ascending), stacked
     (:func:`~specjax.drafting.stack_costs`): the slots engine's steps run at
     its row buckets, and whether a draft pays differs between 1 and 8 rows."""
     costs = drafting_lib.stack_costs([cached_costs(params, batch=b, num_draft=num_draft, verify_widths=verify_widths,
-                                                   cache_length=cache_length) for b in batches])
+                                                   cache_length=cache_length, tree=tree) for b in batches])
     _LAST[:] = [costs]
     return costs
 

@@ -116,6 +116,7 @@ from specjax._src.engine.prepare import (
     finish_call,
     prepare_call,
     replicated,
+    tree_size_widths,
     verify_widths_for,
 )
 from specjax._src.engine.state import init_state
@@ -324,7 +325,10 @@ def decode(
         drawn without replacement, recursive rejection sampling; a
         ``sampled=False`` dynamic tree's top-k children as point masses);
         every other rule, greedy or sampling (see :mod:`specjax.trees`). The drafting
-        policy is the tree's shape, and ``num_draft`` is its depth.
+        policy is the tree's shape, and ``num_draft`` is its depth; with
+        ``drafting=auto()`` and a dynamic tree, each cycle verifies only the
+        best-ranked nodes that pay on this machine (1, 2, 4, ... or all), or
+        runs a plain target step (docs/trees.md).
       lookup: ``specjax.drafting.ngram_lookup()`` to copy drafts from the
         context: where a sequence's last ``min_match``..``max_match`` tokens
         occurred earlier in it, the tokens that followed them there fill the
@@ -398,15 +402,17 @@ def decode(
               + (f"the tree's {cache_room} nodes)" if tree is not None else f"num_draft {num_draft})")),
     )
     check_diagnostics(diagnostics)
+    sized = tree is not None and type(drafting) is drafting_lib.Auto  # auto() chooses the tree's size
+    widths = tree_size_widths(tree) if sized else (None if tree is not None else
+                                                    verify_widths_for(buckets, drafting, num_draft))
     cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree, lookup=lookup,
-                            verify_widths=None if tree is not None else verify_widths_for(buckets, drafting, num_draft),
-                            classes=pytree_classes(rule, drafting))
+                            verify_widths=widths, classes=pytree_classes(rule, drafting))
     timing = costs_lib.timing_asked(drafting) if tree is None and cfg.layout is None else False
-    if tree is None:  # auto() without costs: measured once per shape on this machine
+    if tree is None or sized:  # auto() without costs: measured once per shape on this machine
         measured_pair = params.replace(target=call.models["target"], draft=call.models["draft"])
         drafting = costs_lib.with_costs(drafting, lambda: costs_lib.cached_costs(
-            measured_pair, batch=call.prompts.shape[0], num_draft=num_draft, verify_widths=cfg.verify_widths,
-            cache_length=cfg.cache_length))
+            measured_pair, batch=call.prompts.shape[0], num_draft=widths[-1] - 1 if sized else num_draft,
+            verify_widths=cfg.verify_widths, cache_length=cfg.cache_length, tree=tree if sized else None))
         cfg = cfg._replace(classes=pytree_classes(rule, drafting))  # the filled-in costs are a node too
     if cfg.layout is not None:  # the rule's and policy's traced numbers, replicated on the mesh
         rule, drafting = jax.tree_util.tree_map(
@@ -421,7 +427,10 @@ def decode(
         shape = (costs_lib.shape_key(params), cfg, call.prompts.shape, rows is None)
         drafting = costs_lib.set_costs(drafting, costs_lib.cached_calibration(
             shape, costs_lib.auto_costs(drafting), _timed_loop(params, rule, drafting, call, cfg, rows)))
-    if tree is None and diagnostics is None and not drafting_lib.drafts_before_evidence(drafting, num_draft):
+    opens_plain = (not drafting_lib.drafts_before_evidence(drafting, num_draft) if tree is None
+                   else sized and not drafting_lib.drafts_before_evidence(drafting, num_draft, sizes=widths,
+                                                                         top_k=tree.top_k))
+    if diagnostics is None and opens_plain:
         # auto() would open with plain steps: run them in generate's program, not in the drafting one,
         # whose plain steps still carry the draft (its prefill, and a catch-up every K cycles) and
         # cost 0.85-0.93 of a generate step on a 2-core CPU at batch 4 and 8.

@@ -441,6 +441,20 @@ def verify_widths_for(buckets: Optional[Buckets], drafting, num_draft: int) -> O
     return None if widths == [num_draft + 1] else tuple(widths)
 
 
+def tree_size_widths(tree) -> tuple[int, ...]:
+    """The widths a dynamic tree's verification runs at when :func:`specjax.drafting.auto`
+    chooses its size: ``n + 1`` for ``n`` = 0 (a plain step), 1, 2, 4, ... and the tree's
+    ``num_nodes`` (its best-ranked ``n`` draft nodes and the root). Powers of two keep the
+    compiled branches few (five for ``num_nodes=12``) where every width is one more forward
+    in the cycle's program."""
+    counts, n = [0], 1
+    while n < tree.num_kept:
+        counts.append(n)
+        n *= 2
+    counts.append(tree.num_kept)
+    return tuple(c + 1 for c in counts)
+
+
 def _names_rule(spec, name: str) -> bool:
     """Whether the rule spec ``spec`` is, or holds, a rule called ``name``."""
     if isinstance(spec, RuleSpec):  # a NamedTuple: before the plain tuples
@@ -679,8 +693,14 @@ def check_tree(tree, params, rule, drafting, num_draft):
             raise ValueError(f"tree decoding needs tree attention, which the {name} model "
                              f"({type(model.module).__name__}) does not implement (supports_trees); "
                              "decode it with chains (no tree=).")
-    if not isinstance(drafting, drafting_lib.Fixed) or drafting.k is not None:
-        raise ValueError("with tree=, the tree's shape decides what is drafted: leave drafting unset.")
+    if type(drafting) is drafting_lib.Auto:
+        if not dynamic:
+            raise ValueError("drafting.auto() chooses how many of a dynamic tree's nodes to verify each cycle; a "
+                             "static tree's shape is fixed. Use specjax.trees.dynamic_tree(depth, top_k, num_nodes), "
+                             "or leave drafting unset.")
+    elif not isinstance(drafting, drafting_lib.Fixed) or drafting.k is not None:
+        raise ValueError("with tree=, the tree's shape decides what is drafted: leave drafting unset, or give "
+                         "drafting.auto() with a dynamic tree to choose its size each cycle.")
     if _names_rule(rule.spec, "fly"):
         # FLy's window reads the slots after a mismatch as one chain; a tree's block is its nodes in
         # breadth-first order, so the window would read nodes that are not descendants.

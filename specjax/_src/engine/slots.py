@@ -58,7 +58,7 @@ from specjax._src.engine.config import LoopConfig
 from specjax._src.engine import slot_programs as programs
 from specjax._src.engine import slot_settings as settings_lib
 from specjax._src.engine.ops import PREFILL_BLOCK, SINGLE_PREFILL_BLOCK, prefill_block
-from specjax._src.engine.prepare import (BUCKETS, bucket_of, check_decode_args, check_tree,
+from specjax._src.engine.prepare import (BUCKETS, bucket_of, check_decode_args, check_tree, tree_size_widths,
                                          prepare_prompts, verify_widths_for)
 from specjax._src.engine.slot_programs import SlotsConfig, SlotState, StepOutput
 from specjax._src.engine.slot_settings import FieldError, SlotSettings
@@ -160,7 +160,9 @@ class Engine:
         temperature, top-p, top-k, rule numbers and log-probs. ``K`` is the
         tree's depth; a request's ``num_draft`` caps the depth its path may
         accept (0: one target token per cycle). Not with ``lookup``; the
-        drafting policy is the tree's shape.
+        drafting policy is the tree's shape, or, with ``drafting=auto()`` and a
+        dynamic tree, each step's cycles verify only its best-ranked nodes that
+        pay (or run plain steps), as ``decode`` does.
       controls: compile the logits processors in (``SlotSettings.controls``);
         False saves their work when no request uses them. Default: True.
         On a tree each node's logits are processed after the tokens on its path.
@@ -242,11 +244,13 @@ class Engine:
         # auto(): a verification as narrow as the drafts (one token when none), and costs measured at each
         # row bucket (a step of one live request runs one row, where drafting pays most).
         verify_widths = None
-        if tree is None and drafting.may_draft_none:
-            verify_widths = verify_widths_for(BUCKETS, drafting, num_draft)
+        if drafting.may_draft_none:  # auto(): a chain's length, or a dynamic tree's size (check_tree)
+            verify_widths = (verify_widths_for(BUCKETS, drafting, num_draft) if tree is None
+                             else tree_size_widths(tree))
+            drafts = num_draft if tree is None else verify_widths[-1] - 1
             drafting = costs_lib.with_costs(drafting, lambda: costs_lib.cached_costs_by_batch(
-                params, batches=settings_lib.check_row_buckets(row_buckets, int(num_slots)), num_draft=num_draft,
-                verify_widths=verify_widths, cache_length=capacity + cache_room))
+                params, batches=settings_lib.check_row_buckets(row_buckets, int(num_slots)), num_draft=drafts,
+                verify_widths=verify_widths, cache_length=capacity + cache_room, tree=tree))
         self.params, self.rule, self.drafting = params, rule, drafting
         self.donate_state = bool(donate_state)
         self._insert_fn, self._step_fn, self._fork_fn = (

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax._src.proposals import drafting as drafting_lib
-from specjax._src.engine.config import DecodeState, LoopConfig
+from specjax._src.engine.config import DecodeState, LoopConfig, policy_slots
 from specjax._src.engine.ops import batched_init, prefill, prefill_chunk, row_at
 from specjax._src.models.lm import KVCache
 from specjax._src.models.feature_head import is_feature_head
@@ -102,7 +102,7 @@ def _state_after_prefill(cfg: LoopConfig, rule: AcceptanceRule, policy: drafting
         target_cache=target_cache,
         draft_cache=draft_cache,
         rule_state=None if rule is None else batched_init(rule.init, batch),
-        policy_state=None if policy is None else batched_init(lambda: policy.init(k_max), batch),
+        policy_state=None if policy is None else batched_init(lambda: policy.init(policy_slots(cfg)), batch),
         stats=DecodeStats.zeros(batch, k_max),
         draft_features=draft_features,
     )

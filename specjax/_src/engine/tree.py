@@ -89,7 +89,8 @@ from specjax._src.engine.cycle import (
     usable_reduced,
     with_greedy_rows,
 )
-from specjax._src.engine.ops import gather, warp, where_b
+from specjax._src.engine.ops import cond_in_place, gather, switch_in_place, warp, where_b
+from specjax._src.engine.plain import draft_can_wait, first_draft_step, plain_cycle
 from specjax._src.models.lm import KVCache, ReducedLogits
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.models.pairing import ModelPair
@@ -109,14 +110,67 @@ def _tree_cycle(
     with any rule, as the chain cycle's five steps (:data:`TREE`'s ``run``).
     Returns ``(state, diagnostics or None)``.
 
-    ``policy`` is not read: the tree's shape is the drafting policy.
+    The tree's shape is the drafting policy, except with :func:`drafting.auto
+    <specjax._src.proposals.drafting.auto>` on a dynamic tree (:func:`_sized_cycle`):
+    each cycle then verifies only the ``n`` best-ranked of its nodes, ``n`` chosen
+    from ``cfg.verify_widths`` (``0``: a plain target step, the draft skipped).
     ``inputs.rows`` (the slots engine's): per-row temperature, top-p and
     top-k, greedy rows among sampled ones, rule numbers, log-probabilities,
     the logits processors (each node's logits, the draft's and the target's,
     processed after the tokens on its path, :func:`_processed`), and the draft
     cap, which limits the accepted path's depth
     (:func:`specjax._src.proposals.trees.verify_tree`'s ``limit``)."""
-    del policy
+    if chooses_size(cfg, policy):
+        return _sized_cycle(cfg, pair_params, rule, policy, inputs, state)
+    return _drafting_cycle(cfg, pair_params, rule, policy, inputs, state, None)
+
+
+def chooses_size(cfg: LoopConfig, policy) -> bool:
+    """Whether each cycle chooses how many of its tree's nodes to verify: a
+    policy that may draft none (:func:`drafting.auto
+    <specjax._src.proposals.drafting.auto>`) on a dynamic tree."""
+    return isinstance(cfg.tree, DynamicTree) and bool(getattr(policy, "may_draft_none", False))
+
+
+def size_counts(cfg: LoopConfig) -> tuple[int, ...]:
+    """The draft-node counts a sized cycle chooses from (``0``: a plain step), ascending."""
+    return tuple(w - 1 for w in cfg.verify_widths)
+
+
+def _sized_cycle(cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule, policy, inputs: CycleInputs,
+                 state: DecodeState):
+    """A dynamic tree's cycle whose size the policy chooses from past cycles alone
+    (:meth:`~specjax._src.proposals.drafting.Auto.plan_tree`): a plain target step
+    (:func:`specjax._src.engine.plain.plain_cycle`) where it chooses no nodes and the
+    draft can wait, else the tree verified at the chosen count's width. Where it chooses
+    none but the draft cannot wait, the cycle runs the draft's first step (its catch-up)
+    and verifies the root alone: a target step that keeps the draft in step."""
+    counts = size_counts(cfg)
+    batch = state.num_committed.shape[0]
+    drafting = ~state.done
+    if inputs.rows is not None and inputs.rows.draft_cap is not None:
+        drafting = drafting & (inputs.rows.draft_cap > 0)  # a row capped at no drafts gains nothing from nodes
+    choice = policy.plan_tree(state.policy_state, drafting, counts, cfg.tree.max_depth, cfg.tree.top_k)
+    if cfg.diagnostics is not None:  # the hook reads every cycle's decided path: always a drafting cycle
+        return _drafting_cycle(cfg, pair_params, rule, policy, inputs, state, choice)
+    nodes = cfg.tree.num_kept
+
+    def plain(s):
+        _, _, emit_uniform = _tree_uniforms(cfg, inputs.keys, s.step, batch)
+        nothing = (jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, nodes), bool))
+        return plain_cycle(cfg, pair_params, inputs, s, emit_uniform,
+                           lambda live: jax.vmap(policy.update_tree)(s.policy_state, *nothing))
+
+    go_plain = (choice == 0) & draft_can_wait(cfg, pair_params, state)
+    return cond_in_place(go_plain, plain,
+                         lambda s: _drafting_cycle(cfg, pair_params, rule, policy, inputs, s, choice)[0], state), None
+
+
+def _drafting_cycle(cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule, policy, inputs: CycleInputs,
+                    state: DecodeState, size):
+    """The draft, verify, accept, commit and record of :func:`_tree_cycle`. ``size``:
+    None (every node verified), or a traced index into :func:`size_counts`, the
+    number of best-ranked nodes verified (the policy learns from their outcome)."""
     prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows = inputs
     if rows is not None:
         rows, top_p = live_settings(rows, top_p, ~state.done)
@@ -124,19 +178,38 @@ def _tree_cycle(
     batch = state.num_committed.shape[0]
     need_view = _needs_chain_view(cfg, state)
     draft_keys, uniforms, emit_uniform = _tree_uniforms(cfg, seq_keys, state.step, batch)
+    count = None if size is None else jnp.asarray(size_counts(cfg), jnp.int32)[size]
     drafted, draft_cache = _draft(cfg, pair_params, rule, state, draft_keys, temperature, top_p, need_view, rows,
-                                  hist)
-    verified = _verify(cfg, pair_params, rule, state, drafted, temperature, top_p, rows, hist)
+                                  hist, count)
+    verified = _verify(cfg, pair_params, rule, state, drafted, temperature, top_p, rows, hist, size)
     accepted = _accept(cfg, rule, state, drafted, verified, uniforms, emit_uniform, rows)
     committed, draft_features = _commit(pair_params, state, drafted, verified, accepted, draft_cache, prompt_lengths,
                                         max_new, eos_ids)
     logprobs = None if state.logprobs is None else _logprobs(state, drafted, verified, accepted, rows)
     rule_state, stats, diag = _record(cfg, rule, state, drafted, verified, accepted, committed, uniforms, need_view,
-                                      rows)
+                                      rows, count)
+    policy_state = state.policy_state
+    if count is not None:
+        policy_state = where_b(accepted.live, _learn_sizes(policy, state, accepted, count, rows), policy_state)
     new_state = next_state(state, committed, bad=accepted.bad, rule_state=rule_state,
-                           policy_state=state.policy_state, stats=stats, draft_features=draft_features,
+                           policy_state=policy_state, stats=stats, draft_features=draft_features,
                            logprobs=logprobs)
     return new_state, diag
+
+
+def _learn_sizes(policy, state: DecodeState, accepted: _TreeAccepted, count: Array, rows):
+    """The policy's state after a sized cycle: the ``count`` best-ranked nodes were
+    judged, and those on the accepted path were accepted. A row whose draft cap cut
+    its walk short of the tree's depth tells nothing about the deeper ranks: it only decays."""
+    path, n = accepted.verdict.path, accepted.num_accepted
+    nodes = state.policy_state.accepted.shape[-1]
+    on = jnp.arange(path.shape[1] - 1)[None, :] < n[:, None]  # [B, D] path slots accepted
+    on_path = ((path[:, 1:, None] == jnp.arange(1, nodes + 1)) & on[..., None]).any(1)  # [B, M]
+    judged = jnp.broadcast_to(count, n.shape)
+    limit = _draft_limit(rows)
+    if limit is not None:
+        judged = jnp.where(limit >= path.shape[1] - 1, judged, 0)
+    return jax.vmap(policy.update_tree)(state.policy_state, judged, on_path)
 
 
 def _draft_limit(rows):
@@ -240,12 +313,17 @@ class _DraftedTree(NamedTuple):
 
 
 def _draft(cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule, state: DecodeState, draft_keys,
-           temperature, top_p, need_view: bool, rows=None, hist=None) -> tuple[_DraftedTree, KVCache]:
+           temperature, top_p, need_view: bool, rows=None, hist=None, count=None) -> tuple[_DraftedTree, KVCache]:
     """Drafts the cycle's tree: a static tree level by level
     (:func:`_draft_tree`), a dynamic one by EAGLE-2's expansion and rerank
     (:func:`draft_dynamic`). Returns the tree and the draft cache after it,
     whose accepted path :func:`_commit` keeps. Greedy rows among sampled
-    ones (``rows.greedy``) take the draft's best tokens as a greedy loop does."""
+    ones (``rows.greedy``) take the draft's best tokens as a greedy loop does.
+
+    ``count`` (a sized cycle's, traced): the dynamic tree's nodes come best-ranked
+    first, and only the first ``count`` are in the tree the walk reads (the
+    others' parents are ``-1``); a draft model whose earlier cycles were plain
+    steps catches up in its first step."""
     tree = cfg.tree
     batch = state.num_committed.shape[0]
     lossless = rule.lossless
@@ -255,10 +333,14 @@ def _draft(cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule, state:
         # rules judge by the target's ranks and accept more of the draft's best.
         sampled = lossless if tree.sampled is None else bool(tree.sampled)
         drafts, cache = draft_dynamic(cfg, tree, pair_params, state, need_logits=need_logits, draft_keys=draft_keys,
-                                       temperature=temperature, top_p=top_p, sampled=sampled, rows=rows, hist=hist)
+                                       temperature=temperature, top_p=top_p, sampled=sampled, rows=rows, hist=hist,
+                                       count=count)
         parent_logits = warp(cfg, drafts.parent_logits, temperature, top_p, rows) if need_logits else None
-        table = jax.vmap(lambda p: children_table(p, tree.top_k))(drafts.parents)
-        return _DraftedTree(tokens=drafts.tokens, parents=drafts.parents, table=table, probs=drafts.probs,
+        parents = drafts.parents
+        if count is not None:  # the best-ranked count nodes: a subtree, its nodes' ancestors all rank above them
+            parents = jnp.where(jnp.arange(parents.shape[1])[None, :] > count, -1, parents)
+        table = jax.vmap(lambda p: children_table(p, tree.top_k))(parents)
+        return _DraftedTree(tokens=drafts.tokens, parents=parents, table=table, probs=drafts.probs,
                             parent_logits=parent_logits, fed=drafts.fed, bad=drafts.bad,
                             forwards=drafts.forwards), cache
     drafts, cache = _draft_tree(cfg, tree, pair_params, state, draft_keys, temperature, top_p, rows, hist)
@@ -392,7 +474,7 @@ class _DynamicDrafts(NamedTuple):
 
 def draft_dynamic(cfg: LoopConfig, tree: DynamicTree, pair_params: ModelPair, state: DecodeState,
                    need_logits: bool, draft_keys=None, temperature=1.0, top_p=1.0,
-                   sampled: bool = False, rows=None, hist=None) -> tuple[_DynamicDrafts, KVCache]:
+                   sampled: bool = False, rows=None, hist=None, count=None) -> tuple[_DynamicDrafts, KVCache]:
     """EAGLE-2's expansion and rerank (:func:`specjax._src.proposals.trees.dynamic_tree`).
 
     The draft sees a *fed tree*: node 0 the root, then each level's frontier
@@ -408,6 +490,11 @@ def draft_dynamic(cfg: LoopConfig, tree: DynamicTree, pair_params: ModelPair, st
     greedy rows among them (``rows.greedy``) take the top-k, as a greedy loop does.
     With logits processors (``hist``), each fed node's logits are processed
     after the tokens on its fed path before anything ranks or draws from them.
+    ``count`` (traced; a cycle that verifies only its ``count`` best-ranked
+    nodes): the kept candidates come in rank order
+    (:func:`specjax._src.proposals.trees.rerank`'s ``by_rank``), levels deeper
+    than ``count`` are not drafted (the best ``count`` nodes lie above them),
+    and a draft model's first step catches up on skipped cycles.
     """
     module, params = pair_params.draft.module, pair_params.draft.params
     vocab, k, depth = pair_params.vocab_size, tree.top_k, tree.depth
@@ -418,6 +505,8 @@ def draft_dynamic(cfg: LoopConfig, tree: DynamicTree, pair_params: ModelPair, st
         raw0, root_feature, cache, reduced0 = first_head_logits(cfg, module, params, vocab, state)
         fed_features = jnp.zeros((batch, tree.num_fed + 1, root_feature.shape[-1]), jnp.float32)
         fed_features = fed_features.at[:, 0].set(root_feature)
+    elif count is not None:
+        raw0, cache = first_draft_step(cfg, module, params, vocab, state)
     else:
         raw0, cache = first_draft_logits(module, params, vocab, state)
     raw0 = raw0.astype(jnp.float32)
@@ -455,16 +544,29 @@ def draft_dynamic(cfg: LoopConfig, tree: DynamicTree, pair_params: ModelPair, st
     base = k
     for d in range(1, depth):
         lo = 1 + (d - 1) * k  # this level's frontier: fed slots lo .. lo + k - 1
-        tree_parents = fed_parents[:, : lo + k]
-        if head:
-            feats = jnp.take_along_axis(fed_features, fed_parents[:, lo : lo + k, None], axis=1)
-            out = module.apply(params, front_tokens, cache, tree_parents=tree_parents, tree_offset=lo,
-                               features=feats)
-            fed_features = fed_features.at[:, lo : lo + k].set(out.hidden[0])
+
+        def level(carry, lo=lo, front_tokens=front_tokens, tree_parents=fed_parents[:, : lo + k],
+                  front_fed=fed_parents[:, lo : lo + k]):
+            """The level's draft forward: ``(cache, fed features, raw logits [B, k, V], reduced)``."""
+            cache, fed_features, _, _ = carry
+            if head:
+                feats = jnp.take_along_axis(fed_features, front_fed[..., None], axis=1)
+                out = module.apply(params, front_tokens, cache, tree_parents=tree_parents, tree_offset=lo,
+                                   features=feats)
+                fed_features = fed_features.at[:, lo : lo + k].set(out.hidden[0])
+            else:
+                out = module.apply(params, front_tokens, cache, tree_parents=tree_parents, tree_offset=lo)
+            return out.cache, fed_features, out.logits[..., :vocab].astype(jnp.float32), usable_reduced(out, vocab)
+
+        carry = (cache, fed_features if head else None, None, None)
+        if count is None:
+            cache, fed_features, raw, reduced = level(carry)
         else:
-            out = module.apply(params, front_tokens, cache, tree_parents=tree_parents, tree_offset=lo)
-        cache, raw = out.cache, out.logits[..., :vocab].astype(jnp.float32)  # [B, k, V]
-        reduced = usable_reduced(out, vocab)
+            # The best-ranked count nodes are a subtree, at most count levels deep: a level
+            # below it is not drafted, and its candidates score -inf (never among the count).
+            shapes = jax.eval_shape(level, carry)
+            blank = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), (shapes[2], shapes[3]))
+            cache, fed_features, raw, reduced = cond_in_place(d < count, level, lambda c: c, carry[:2] + blank)
         bad = bad | sampling.nonfinite_rows(raw if reduced is None else reduced.logits).any(1)
         if hist is not None:
             fed_tokens = fed_tokens.at[:, lo : lo + k].set(front_tokens)
@@ -474,6 +576,8 @@ def draft_dynamic(cfg: LoopConfig, tree: DynamicTree, pair_params: ModelPair, st
         raws.append(raw)
         level_kids, kid_scores = children(raw, d, reduced)  # [B, k, k]
         level_scores = front_scores[:, :, None] + kid_scores
+        if count is not None:
+            level_scores = jnp.where(d < count, level_scores, -jnp.inf)
         level_tokens, level_scores = level_kids.reshape(batch, k * k), level_scores.reshape(batch, k * k)
         cand_tokens.append(level_tokens)
         cand_scores.append(level_scores)
@@ -491,7 +595,8 @@ def draft_dynamic(cfg: LoopConfig, tree: DynamicTree, pair_params: ModelPair, st
         base += k * k
 
     cand = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
-    kept, parents = jax.vmap(lambda s, p: rerank(s, p, tree.num_kept))(cand(cand_scores), cand(cand_parents))
+    kept, parents = jax.vmap(lambda s, p: rerank(s, p, tree.num_kept, by_rank=count is not None))(cand(cand_scores),
+                                                                                        cand(cand_parents))
     take = lambda x: jnp.take_along_axis(x, kept, axis=1)  # noqa: E731
     tokens = jnp.concatenate([root[:, None], take(cand(cand_tokens))], axis=1)
     fed = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), take(cand(cand_fed))], axis=1)
@@ -501,7 +606,9 @@ def draft_dynamic(cfg: LoopConfig, tree: DynamicTree, pair_params: ModelPair, st
         parent_logits = jnp.take_along_axis(cand(raws), parent_fed[:, :, None], axis=1)
     if sampled:  # a node with children was fed; a never-fed leaf's row (the root's) is not read
         probs = jnp.take_along_axis(cand(fed_probs), jnp.maximum(fed, 0)[:, :, None], axis=1)
-    return _DynamicDrafts(tokens, parents, fed, parent_logits, probs, bad, jnp.int32(depth)), cache
+    # A sized cycle drafts min(count, depth) levels, and always its first step (count 0: the catch-up).
+    forwards = jnp.int32(depth) if count is None else jnp.clip(count, 1, depth).astype(jnp.int32)
+    return _DynamicDrafts(tokens, parents, fed, parent_logits, probs, bad, forwards), cache
 
 
 # ---------------------------------------------------------------------------
@@ -519,27 +626,49 @@ class _TreeVerified(NamedTuple):
 
 
 def _verify(cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule, state: DecodeState,
-            drafted: _DraftedTree, temperature, top_p, rows=None, hist=None) -> _TreeVerified:
+            drafted: _DraftedTree, temperature, top_p, rows=None, hist=None, size=None) -> _TreeVerified:
     """One target forward over all ``N`` nodes with tree attention: row ``j``
-    of its logits judges node ``j``'s children (processed after node ``j``'s path)."""
+    of its logits judges node ``j``'s children (processed after node ``j``'s path).
+    ``size`` (a sized cycle's index into ``cfg.verify_widths``): the forward runs
+    over the first ``width`` nodes only (the root alone at index 0), and the rows
+    past them come back zero (no walk reaches those nodes: their parents are ``-1``)."""
     head = pair_params.draft.module
     head_layers = head.feature_layers if is_feature_head(head) else ()
-    out = pair_params.target.module.apply(pair_params.target.params, drafted.tokens, state.target_cache,
-                                          tree_parents=drafted.parents,
-                                          hidden_layers=tuple(rule.hidden_layers) + head_layers)
-    raw = out.logits[..., : pair_params.vocab_size]
-    processed = raw
-    if hist is not None:
-        parents = drafted.parents[None] if isinstance(drafted.parents, np.ndarray) else drafted.parents
-        n = drafted.tokens.shape[1]
-        paths = node_paths(jnp.asarray(parents), jnp.arange(n)[None], cfg.num_draft)
-        processed = _processed(rows, hist, raw, drafted.tokens, paths)
-    target_logits = warp(cfg, processed, temperature, top_p, rows)
+    layers = tuple(rule.hidden_layers) + head_layers
+    target, vocab, full = pair_params.target, pair_params.vocab_size, drafted.tokens.shape[1]
+
+    def scored(width, cache):
+        """The forward over the first ``width`` nodes and their distributions, padded to all ``N``:
+        ``(raw, target_logits, target_probs, hidden, cache)`` (the softmaxes over the vocabulary
+        are a tree cycle's largest work past the forwards: only the verified rows pay them)."""
+        parents = drafted.parents if isinstance(drafted.parents, np.ndarray) else drafted.parents[:, :width]
+        out = target.module.apply(target.params, drafted.tokens[:, :width], cache, tree_parents=parents,
+                                  hidden_layers=layers)
+        raw = out.logits[..., :vocab]
+        processed = raw
+        if hist is not None:
+            every = drafted.parents[None] if isinstance(drafted.parents, np.ndarray) else drafted.parents
+            paths = node_paths(jnp.asarray(every), jnp.arange(width)[None], cfg.num_draft)
+            processed = _processed(rows, hist, raw, drafted.tokens, paths)
+        target_logits = warp(cfg, processed, temperature, top_p, rows)
+        rows_out = (raw, target_logits, jax.nn.softmax(target_logits, axis=-1), tuple(out.hidden))
+        if width < full:
+            pad = lambda x: jnp.pad(x, [(0, 0), (0, full - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+            rows_out = jax.tree_util.tree_map(pad, rows_out)
+        return rows_out + (out.cache,)
+
+    if size is None:
+        raw, target_logits, target_probs, hidden, cache = scored(full, state.target_cache)
+    else:
+        shapes = jax.eval_shape(lambda c: scored(full, c), state.target_cache)
+        blank = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[:4])
+        raw, target_logits, target_probs, hidden, cache = switch_in_place(
+            size, [lambda o, w=w: scored(w, o[4]) for w in cfg.verify_widths], blank + (state.target_cache,))
     head_hidden = None
     if head_layers:
-        head_hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)
-    return _TreeVerified(raw=raw, target_logits=target_logits, target_probs=jax.nn.softmax(target_logits, axis=-1),
-                         hidden=dict(zip(rule.hidden_layers, out.hidden)), head_hidden=head_hidden, cache=out.cache)
+        head_hidden = jnp.concatenate(hidden[len(hidden) - len(head_layers):], axis=-1)
+    return _TreeVerified(raw=raw, target_logits=target_logits, target_probs=target_probs,
+                         hidden=dict(zip(rule.hidden_layers, hidden)), head_hidden=head_hidden, cache=cache)
 
 
 # ---------------------------------------------------------------------------
@@ -753,7 +882,7 @@ def _logprobs(state: DecodeState, drafted: _DraftedTree, verified: _TreeVerified
 
 
 def _record(cfg: LoopConfig, rule: AcceptanceRule, state: DecodeState, drafted: _DraftedTree, verified: _TreeVerified,
-            accepted: _TreeAccepted, committed: Committed, uniforms, need_view: bool, rows=None):
+            accepted: _TreeAccepted, committed: Committed, uniforms, need_view: bool, rows=None, count=None):
     """What the cycle leaves for later, for live sequences only: the stats
     with ``K`` = the tree's depth (each cycle judges one path), and, from the
     decided path as a chain block (:func:`_path_as_chain`), a stateful rule's
@@ -788,7 +917,8 @@ def _record(cfg: LoopConfig, rule: AcceptanceRule, state: DecodeState, drafted: 
             rule_state = where_b(live, rule_state, state.rule_state)
         diag = live_diagnostics(cfg, live, *view, n)
     stats = record_cycle(state.stats, live=live, valid=judged, num_accepted=n, num_committed=committed.num_new,
-                         paths=paths, draft_forwards=drafted.forwards, verified=_verified_nodes(tree))
+                         paths=paths, draft_forwards=drafted.forwards,
+                         verified=_verified_nodes(tree) if count is None else count + 1)
     return rule_state, stats, diag
 
 

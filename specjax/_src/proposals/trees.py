@@ -633,7 +633,7 @@ def top_ranked(scores: Array, k: int) -> Array:
     return fill(out, rank)
 
 
-def rerank(scores: Array, cand_parents: Array, num_kept: int) -> tuple[Array, Array]:
+def rerank(scores: Array, cand_parents: Array, num_kept: int, *, by_rank: bool = False) -> tuple[Array, Array]:
     """EAGLE-2's rerank of one sequence's drafted candidates.
 
     Args:
@@ -641,17 +641,25 @@ def rerank(scores: Array, cand_parents: Array, num_kept: int) -> tuple[Array, Ar
       cand_parents: ``int32 [C]`` each candidate's parent candidate (``-1``:
         the root); a parent is drafted before its children.
       num_kept: static, ``M <= C``.
+      by_rank: keep the candidates best first instead of in drafting order, so
+        that the first ``n`` nodes are the ``n`` best for every ``n`` (a cycle
+        that verifies only some of them, :func:`specjax.drafting.auto`).
 
     Returns:
       ``(kept, parents)``: ``kept int32 [M]``, the candidates of the ``M`` best
-      ``(score, -index)``, in drafting order; ``parents int32 [M + 1]``, the
-      verified tree (node 0 the root, node ``m + 1`` candidate ``kept[m]``).
-      When a candidate scores at most its parent (log-probabilities), the kept
-      set is a subtree in topological order.
+      ``(score, -index)``, in drafting order (or best first); ``parents int32
+      [M + 1]``, the verified tree (node 0 the root, node ``m + 1`` candidate
+      ``kept[m]``). When a candidate scores at most its parent
+      (log-probabilities), the kept set is a subtree in topological order
+      either way: a parent ranks before its children (on a tie, the lower index
+      is the parent's), and siblings keep their drafting order.
     """
     c = scores.shape[-1]
-    chosen = jnp.zeros((c,), bool).at[top_ranked(scores, num_kept)].set(True)
+    best = top_ranked(scores, num_kept)
+    chosen = jnp.zeros((c,), bool).at[best].set(True)
     position = jnp.cumsum(chosen.astype(jnp.int32)) - 1  # rank of each kept candidate in drafting order
+    if by_rank:
+        position = jnp.zeros((c,), jnp.int32).at[best].set(jnp.arange(num_kept, dtype=jnp.int32))
     kept = jnp.zeros((num_kept,), jnp.int32).at[jnp.where(chosen, position, num_kept)].set(
         jnp.arange(c, dtype=jnp.int32), mode="drop")
     node_of = jnp.where(chosen, position + 1, 0)  # candidate -> verified node (0: not kept)

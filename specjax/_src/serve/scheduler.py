@@ -266,8 +266,10 @@ class Scheduler:
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             raise TypeError(f"prefix_cache must be a PrefixCache or None, got {type(prefix_cache).__name__}.")
         self.prefix_cache = prefix_cache
-        # auto(): refresh its costs from the steps' own wall times (see LiveCosts).
-        self.live_costs = LiveCosts(engine.costs) if live_costs and engine.costs is not None else None
+        # auto(): refresh its costs from the steps' own wall times (see LiveCosts). A step's time
+        # tells a chain's draft length; a tree's size is chosen by the parts' costs alone.
+        timed = live_costs and engine.costs is not None and engine.tree is None
+        self.live_costs = LiveCosts(engine.costs) if timed else None
         self._timed_steps = 0
         if prefill_groups is None:
             prefill_groups = [2**i for i in range(engine.num_slots.bit_length()) if 2**i <= engine.num_slots]
