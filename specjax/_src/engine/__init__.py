@@ -6,6 +6,8 @@
 * :mod:`.state`: the prefills and the state before the first cycle (``init_state``);
 * :mod:`.chain` and :mod:`.tree`: one draft-verify cycle over a chain or a
   token tree, as the same five steps (draft, verify, accept, commit, record);
+* :mod:`.plain`: a plain step inside a drafting program (``auto``'s choice of no
+  drafts, on a chain or a tree) and the draft's catch-up after it;
 * :mod:`.target_only`: ``generate``'s cycle, one target token and no draft;
 * :mod:`.cycle`: the cycle interface (``Cycle``, ``run_cycles``) and what the
   cycles are built from; :mod:`.cycles`: the cycles as values;

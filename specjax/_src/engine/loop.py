@@ -78,6 +78,8 @@ jitted loop both run, :func:`_run_loop`):
 * :mod:`specjax._src.engine.chain`: one chain cycle as five pure functions
   (draft, verify, accept, commit, record);
 * :mod:`specjax._src.engine.tree`: one cycle over a token tree, the same five steps;
+* :mod:`specjax._src.engine.plain`: the plain step ``auto()`` may choose inside
+  either cycle, and the draft's catch-up after skipped cycles;
 * :mod:`specjax._src.engine.target_only`: ``generate``'s cycle, one target token
   per cycle and no draft;
 * :mod:`specjax._src.engine.cycle`: the cycle interface (``Cycle``,
