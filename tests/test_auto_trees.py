@@ -79,16 +79,17 @@ def test_rerank_by_rank_keeps_the_same_subtree_best_first():
 def test_the_estimate_per_rank_and_its_prior():
     policy = drafting.auto(tree_costs(), memory=0.5, prior=0.5, prior_weight=1.0)
     state = policy.init(TREE.num_kept)
-    # prior ** (1 + r // top_k): ranks 0-1 at depth 1, 2-3 at depth 2, 4-5 at depth 3
-    np.testing.assert_allclose(policy.node_acceptance(state, 2), [0.5, 0.5, 0.25, 0.25, 0.125, 0.125])
-    np.testing.assert_allclose(policy.tree_prior(6, 2), [0.5, 0.5, 0.25, 0.25, 0.125, 0.125])
+    # prior ** (1 + r // top_k + r % top_k): a level a slot deeper, a later node of a level a slot less
+    prior = [0.5, 0.25, 0.25, 0.125, 0.125, 0.0625]
+    np.testing.assert_allclose(policy.node_acceptance(state, 2), prior)
+    np.testing.assert_allclose(policy.tree_prior(6, 2), prior)
     np.testing.assert_allclose(policy.tree_prior(3, 1), [0.5, 0.25, 0.125])  # a chain: the chain's prior
     on_path = jnp.asarray([True, False, True, False, False, False])
     state = policy.update_tree(state, jnp.int32(4), on_path)  # ranks 0-3 verified; 0 and 2 on the path
     # each rank shrinks towards prior times the estimate top_k ranks above (one cycle's weight)
     want = []
     for r, (accepted, judged) in enumerate(zip([1, 0, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0])):
-        above = 1.0 if r < 2 else want[r - 2]
+        above = 0.5**r if r < 2 else want[r - 2]
         want.append((accepted + 0.5 * above) / (judged + 1.0))
     np.testing.assert_allclose(policy.node_acceptance(state, 2), want, rtol=1e-6)
     # unverified ranks 4 and 5 follow ranks 2 and 3: rank 2 was on the path, rank 3 was not

@@ -589,16 +589,21 @@ class Auto(DraftingPolicy):
 
     def tree_prior(self, num_nodes: int, top_k: int) -> Array:
         """``[M]`` the chance that the draft node of rank ``r`` (by draft score, best first)
-        lies on the accepted path before any evidence: ``prior ** (1 + r // top_k)``, a
-        chain's slot at the depth where a tree of ``top_k`` nodes a level would hold it (a
-        chain, ``top_k = 1``, gets the chain's prior)."""
-        return jnp.asarray(self.prior, jnp.float32) ** (1.0 + jnp.arange(num_nodes, dtype=jnp.float32) // top_k)
+        lies on the accepted path before any evidence: ``prior ** (1 + r // top_k + r %
+        top_k)``, as if a tree held ``top_k`` nodes a level, each level a chain's slot deeper
+        and each later node of a level a slot's chance less (a chain, ``top_k = 1``, gets the
+        chain's prior). Giving every node of a level its full chance instead, ``prior ** (1 +
+        r // top_k)``, valued a (4, 4, 12) tree at 4.7 tokens before any evidence; at batch 4
+        on a 2-core CPU the sized trees then ran their program and 0.62-0.96x target-only,
+        where with this prior they open with plain decoding's and ran 0.98-1.00x."""
+        r = jnp.arange(num_nodes, dtype=jnp.float32)
+        return jnp.asarray(self.prior, jnp.float32) ** (1.0 + r // top_k + r % top_k)
 
     def node_acceptance(self, state: AutoState, top_k: int) -> Array:
         """``[M]`` the estimated chance that the rank-``r`` node, when verified, lies on the
         accepted path: its decayed counts shrunk, with the weight of ``prior_weight`` cycles,
         towards ``prior`` times the estimate of rank ``r - top_k`` (about a level above; ranks
-        below ``top_k``: towards ``prior``), so :meth:`tree_prior` without evidence. A rank
+        below ``top_k``: towards ``prior ** (1 + r)``), so :meth:`tree_prior` without evidence. A rank
         seldom verified is thus valued from the ranks above it, as a chain's next slot is.
         Shrunk towards ``prior ** (1 + r)`` instead (a fixed chain), the real pair's ranks 2
         and 3 of a (4, 2, 6) tree at T=1, accepted 0.40 and 0.21 of the times verified, were
@@ -615,7 +620,8 @@ class Auto(DraftingPolicy):
             estimate = jnp.clip((accepted + prior * above[0] * w) / (judged + w), 0.0, 1.0)
             return jnp.concatenate([above[1:], estimate[None]]), estimate
 
-        _, estimates = jax.lax.scan(rank, jnp.ones((top_k,), jnp.float32), (state.accepted, state.judged))
+        _, estimates = jax.lax.scan(rank, prior ** jnp.arange(top_k, dtype=jnp.float32),
+                                    (state.accepted, state.judged))
         return estimates
 
     def tree_costs(self, counts, depth: int, rows: int = 1) -> Array:
