@@ -525,24 +525,31 @@ def test_drafts_after_skipped_cycles_equal_cache_free_drafts(drafter):
     assert checked == 8
 
 
+def engine_greedy_tokens(engine, prompts, max_new_tokens: int) -> dict:
+    """Each prompt's greedy tokens from the slots engine, one slot each, two cycles a step."""
+    from specjax.engine import SlotSettings
+
+    state = engine.init()
+    for slot, prompt in enumerate(prompts):
+        state = engine.insert(state, slot, prompt, SlotSettings(temperature=0.0, max_new_tokens=max_new_tokens))
+    got = {slot: [] for slot in range(len(prompts))}
+    for _ in range(max_new_tokens):
+        state, out = engine.step(state, num_cycles=2)
+        for slot in got:
+            got[slot] += np.asarray(out.tokens)[slot, : int(out.counts[slot])].tolist()
+    return got
+
+
 def test_the_slots_engine_drafts_automatically_and_stays_exact(bigram_pair):
     """Engine(drafting=auto()) measures its costs at its slots and switches like decode;
     each request's greedy tokens are the target's."""
-    from specjax.engine import Engine, SlotSettings
+    from specjax.engine import Engine
 
     prompts = [[1, 2, 3], [4], [6, 5]]
     ref = specjax.generate(bigram_pair.target, prompts, max_new_tokens=12, temperature=0.0)
     engine = Engine(bigram_pair, num_slots=4, capacity=32, num_draft=K, drafting=switching_policy())
     assert engine.cfg.loop.verify_widths[0] == 1
-    state = engine.init()
-    for slot, prompt in enumerate(prompts):
-        state = engine.insert(state, slot, prompt, SlotSettings(temperature=0.0, max_new_tokens=12))
-    got = {slot: [] for slot in range(len(prompts))}
-    for _ in range(12):
-        state, out = engine.step(state, num_cycles=2)
-        for slot in got:
-            got[slot] += np.asarray(out.tokens)[slot, : int(out.counts[slot])].tolist()
-    for slot, tokens in got.items():
+    for slot, tokens in engine_greedy_tokens(engine, prompts, 12).items():
         assert tokens == np.asarray(ref.tokens)[slot].tolist()
     measured = Engine(bigram_pair, num_slots=2, capacity=32, num_draft=K, drafting=drafting.auto()).drafting
     assert measured.costs is not None and int(measured.costs.batch) == 2

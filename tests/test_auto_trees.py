@@ -270,21 +270,14 @@ def test_a_sized_tree_that_would_open_plain_runs_plain_decodings_program(bigram_
 
 
 def test_the_slots_engine_sizes_its_trees_and_stays_exact(bigram_pair):
-    from specjax.engine import Engine, SlotSettings
+    from specjax.engine import Engine
+    from test_auto_drafting import engine_greedy_tokens
 
     prompts = [[1, 2, 3], [4], [6, 5]]
     ref = specjax.generate(bigram_pair.target, prompts, max_new_tokens=12, temperature=0.0)
     engine = Engine(bigram_pair, num_slots=4, capacity=32, tree=TREE, drafting=switching_policy())
     assert engine.cfg.loop.verify_widths == (1, 2, 3, 5, 7)
-    state = engine.init()
-    for slot, prompt in enumerate(prompts):
-        state = engine.insert(state, slot, prompt, SlotSettings(temperature=0.0, max_new_tokens=12))
-    got = {slot: [] for slot in range(len(prompts))}
-    for _ in range(12):
-        state, out = engine.step(state, num_cycles=2)
-        for slot in got:
-            got[slot] += np.asarray(out.tokens)[slot, : int(out.counts[slot])].tolist()
-    for slot, tokens in got.items():
+    for slot, tokens in engine_greedy_tokens(engine, prompts, 12).items():
         assert tokens == np.asarray(ref.tokens)[slot].tolist()
     measured = Engine(bigram_pair, num_slots=2, capacity=32, tree=TREE, drafting=drafting.auto()).drafting
     assert measured.costs is not None and measured.costs.max_draft == TREE.num_kept

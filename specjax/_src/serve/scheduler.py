@@ -266,8 +266,7 @@ class Scheduler:
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             raise TypeError(f"prefix_cache must be a PrefixCache or None, got {type(prefix_cache).__name__}.")
         self.prefix_cache = prefix_cache
-        # auto(): refresh its costs from the steps' own wall times (see LiveCosts). A step's time
-        # tells a chain's draft length; a tree's size is chosen by the parts' costs alone.
+        # auto() on a chain: costs refreshed from the steps' own times (LiveCosts); a tree's from its parts alone.
         timed = live_costs and engine.costs is not None and engine.tree is None
         self.live_costs = LiveCosts(engine.costs) if timed else None
         self._timed_steps = 0
