@@ -141,7 +141,7 @@ def test_a_sized_draft_holds_the_best_nodes_and_drafts_only_their_levels(count):
     """Drafted for ``count`` nodes, the tree's first ``count`` nodes are the ``count`` best
     candidates by EAGLE-2's score (those ``dynamic_tree(depth, top_k, count)`` verifies,
     best first), and levels below them are not drafted (one draft forward per level)."""
-    from specjax._src.engine.tree import draft_dynamic
+    from specjax._src.engine.tree_drafting import draft_dynamic
     from test_dynamic_trees import _reference_expansion, _state
 
     vocab, depth, k, m = 12, 4, 3, 9

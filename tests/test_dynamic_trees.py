@@ -22,8 +22,8 @@ import specjax
 from specjax._src.logits import sampling
 from specjax._src.proposals import trees as trees_lib
 from specjax._src.proposals.drafting import fixed
-from specjax._src.engine import tree as tree_cycle
-from specjax._src.engine.tree import draft_dynamic
+from specjax._src.engine import tree_drafting
+from specjax._src.engine.tree_drafting import draft_dynamic
 from specjax.engine import CycleInputs, LoopConfig, init_state
 from specjax.rules import mars, speculative_sampling
 from specjax.testing import bigram_model, random_table
@@ -300,7 +300,7 @@ def test_the_statistic_rejects_a_tree_shaped_by_its_draws(bigram_pair, monkeypat
     score, read off the drawn token) instead of its slot's: a low draw is then
     dropped from the verified tree more often than a likely one, the verified
     children are no longer draws from ``q``, and the law is off."""
-    monkeypatch.setattr(tree_cycle, "slot_scores",
+    monkeypatch.setattr(tree_drafting, "slot_scores",
                         lambda log_q, children, draw_probs=None: jnp.take_along_axis(log_q, children, axis=-1))
     table = np.asarray(bigram_pair.target.params["table"])
     expected = exact_two_token_distribution(table, 3, 1.0, None, None)

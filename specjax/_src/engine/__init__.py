@@ -6,6 +6,7 @@
 * :mod:`.state`: the prefills and the state before the first cycle (``init_state``);
 * :mod:`.chain` and :mod:`.tree`: one draft-verify cycle over a chain or a
   token tree, as the same five steps (draft, verify, accept, commit, record);
+  :mod:`.tree_drafting`: the tree cycle's draft step (static trees, EAGLE-2's dynamic ones);
 * :mod:`.plain`: a plain step inside a drafting program (``auto``'s choice of no
   drafts, on a chain or a tree) and the draft's catch-up after it;
 * :mod:`.target_only`: ``generate``'s cycle, one target token and no draft;
