@@ -462,13 +462,13 @@ def test_greedy_trees_draft_the_same_from_a_reduced_heads_own_columns(head_pair,
     """Greedy tree drafting ranks a reduced head's 80 columns (ids in reverse
     order) instead of the 96-token scatter: the same children, the same
     acceptance, the target's greedy text."""
-    from specjax._src.engine import cycle, tree as tree_cycle
+    from specjax._src.engine import cycle, tree_drafting
 
     prompts = random_prompts(34, 8, 96, 12)
     kw = dict(tree=tree, max_new_tokens=20, temperature=0.0, eos_token_id=())
     jax.clear_caches()
     fast = specjax.decode(head_pair, prompts, **kw)
-    for module in (cycle, tree_cycle):  # the scatter's path: every rank over the full vocabulary
+    for module in (cycle, tree_drafting):  # the scatter's path: every rank over the full vocabulary
         monkeypatch.setattr(module, "usable_reduced", lambda out, vocab: None)
     jax.clear_caches()
     full = specjax.decode(head_pair, prompts, **kw)
