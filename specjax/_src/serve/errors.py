@@ -7,7 +7,7 @@ from typing import Optional
 
 from fastapi.responses import JSONResponse
 
-from specjax._src.serve import scheduler as sched
+from specjax._src.serve import events as events_lib
 
 
 class ApiError(Exception):
@@ -63,13 +63,13 @@ def too_long(what: str, param: str, capacity: int) -> ApiError:
 
 
 def refusal(e: Exception) -> ApiError:
-    """The answer to :class:`~specjax._src.serve.scheduler.QueueFull` (429) or ``Closed`` (503)."""
-    if isinstance(e, sched.QueueFull):
+    """The answer to :class:`~specjax._src.serve.events.QueueFull` (429) or ``Closed`` (503)."""
+    if isinstance(e, events_lib.QueueFull):
         return ApiError(429, str(e), type="rate_limit_error", code="queue_full", retry_after=1)
     return ApiError(503, str(e), type="server_error", code="shutting_down", retry_after=5)
 
 
-def failure(event: sched.Failed) -> ApiError:
+def failure(event: events_lib.Failed) -> ApiError:
     """The answer to a request the scheduler could not serve."""
     if event.code == "invalid_request":
         return bad(event.message)

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from specjax._src.engine.cycle import LOGPROB_FLOOR
-from specjax._src.serve import scheduler as sched
+from specjax._src.serve import events as events_lib
 from specjax._src.serve.config import ServerConfig
 from specjax._src.serve.errors import failure
 from specjax._src.serve.metrics import add_into
@@ -93,9 +93,9 @@ class Reply:
 
     def index(self, tag: int, event) -> int:
         """The choice an event of prompt ``tag`` belongs to."""
-        return tag * self.n + (event.index if isinstance(event, (sched.Delta, sched.Done)) else 0)
+        return tag * self.n + (event.index if isinstance(event, (events_lib.Delta, events_lib.Done)) else 0)
 
-    def logprobs(self, index: int, delta: sched.Delta) -> Optional[dict]:
+    def logprobs(self, index: int, delta: events_lib.Delta) -> Optional[dict]:
         """The delta's tokens' log-probabilities in the route's shape, or None."""
         if self.k is None or delta.logprobs is None:
             return None
@@ -224,7 +224,7 @@ class Reply:
     def nothing_generated(self) -> dict:
         """Every choice's end where the request asked for no tokens (``max_tokens`` 0)."""
         return {
-            g: sched.Done("length", len(self.prompt_of(g).ids), 0, dict(NO_STATS), g % self.n)
+            g: events_lib.Done("length", len(self.prompt_of(g).ids), 0, dict(NO_STATS), g % self.n)
             for g in range(self.choices)
         }
 
@@ -256,7 +256,7 @@ async def first_event(raw: Request, scheduler, requests, events: asyncio.Queue):
             cancel_all(scheduler, requests)
             return None
         tagged = get.result()
-        if isinstance(tagged[1], sched.Failed):
+        if isinstance(tagged[1], events_lib.Failed):
             cancel_all(scheduler, requests)
             raise failure(tagged[1])
         return tagged
@@ -283,10 +283,10 @@ async def collect(raw: Request, scheduler, requests, events: asyncio.Queue, repl
                 return JSONResponse({}, status_code=499)
             tag, event = get.result()
             index = reply.index(tag, event)
-            if isinstance(event, sched.Delta):
+            if isinstance(event, events_lib.Delta):
                 texts[index].append(event.text)
                 logprobs[index].append(reply.logprobs(index, event))
-            elif isinstance(event, sched.Failed):
+            elif isinstance(event, events_lib.Failed):
                 cancel_all(scheduler, requests)
                 raise failure(event)
             else:
@@ -341,11 +341,11 @@ async def sse_events(scheduler, requests, events: asyncio.Queue, reply: Reply, i
         while len(done) < reply.choices:
             tag, event = pending.pop() if pending else await events.get()
             index = reply.index(tag, event)
-            if isinstance(event, sched.Delta):
+            if isinstance(event, events_lib.Delta):
                 logprobs = reply.logprobs(index, event)
                 if event.text or logprobs:
                     yield _sse({**reply.chunk(index, event.text, logprobs), **extra})
-            elif isinstance(event, sched.Failed):
+            elif isinstance(event, events_lib.Failed):
                 yield _sse(failure(event).body())
                 break
             else:

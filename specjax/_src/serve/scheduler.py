@@ -23,11 +23,10 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-import itertools
 import secrets
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
@@ -37,105 +36,9 @@ from specjax._src.engine.ops import SINGLE_PREFILL_BLOCK
 from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, blocks_in_common, usable_blocks
 from specjax._src.engine.slots import Engine, PrefillJob, SlotSettings
 from specjax._src.engine.text import TextStream
+from specjax._src.serve.events import Closed, Delta, Done, Failed, QueueFull, Request
 from specjax._src.serve.metrics import Counters, add_into, draft_lengths, latency_histograms
 from specjax._src.serve.step_length import StepLength
-
-
-# ---------------------------------------------------------------------------
-# What a consumer receives (on the loop's thread: hand it over, don't block)
-# ---------------------------------------------------------------------------
-
-
-class Delta(NamedTuple):
-    """New text of one of a request's choices (final: never part of a stop string).
-
-    Attributes:
-      text: the text that became final.
-      index: the choice (``0 .. n - 1``).
-      tokens: the ids this step committed for the choice that count in its
-        completion (those after a stop string are left out).
-      logprobs: with ``SlotSettings.logprobs`` set, each of ``tokens``'
-        log-probability (:class:`specjax.engine.StepOutput`'s), else None.
-      top: with ``SlotSettings.logprobs = k > 0``, per token its ``k`` most
-        likely ``(id, logprob)`` pairs, else None.
-    """
-
-    text: str
-    index: int = 0
-    tokens: tuple = ()
-    logprobs: Optional[tuple] = None
-    top: Optional[tuple] = None
-
-
-class Done(NamedTuple):
-    """One of the request's choices ended (``index``; a request of ``n`` choices gets ``n``).
-
-    Attributes:
-      finish_reason: ``"stop"`` (EOS, a stop id or a stop string) or
-        ``"length"`` (``max_new_tokens``).
-      prompt_tokens, completion_tokens: token counts (the completion's up to
-        the step that found a stop string).
-      stats: the request's speculative-decoding counters: ``cycles``,
-        ``drafted``, ``accepted``, ``tau`` (tokens per target forward),
-        ``acceptance_rate`` (accepted / drafted), ``accepted_at`` (``[K]``
-        drafts accepted at each position) and ``draft_lengths`` (``[K + 1]``
-        cycles that drafted ``k = 0 .. K`` tokens: what the drafting policy chose).
-      cached_tokens: the prompt's tokens read from the prefix cache, not prefilled.
-    """
-
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    stats: dict
-    index: int = 0
-    cached_tokens: int = 0
-
-
-class Failed(NamedTuple):
-    """The request could not be served (it was refused, cancelled or its logits went non-finite)."""
-
-    message: str
-    code: str
-
-
-class QueueFull(RuntimeError):
-    """More requests wait than the free slots and ``max_queue`` hold: refuse, retry later."""
-
-
-class Closed(RuntimeError):
-    """The scheduler is shutting down and takes no more requests."""
-
-
-_ids = itertools.count()
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One request: its prompt ids, settings, stop strings and consumer.
-
-    ``emit`` is called on the loop's thread with :class:`Delta` events, then
-    one :class:`Done` per choice, or one :class:`Failed`; it must not block
-    (e.g. ``loop.call_soon_threadsafe(queue.put_nowait, event)``).
-
-    ``n`` choices share one prefill: the prompt is inserted once and copied
-    into ``n - 1`` more slots (:meth:`specjax.engine.Engine.fork`); choice
-    ``i`` samples with ``fold_in(key(seed), i)``, the key ``decode`` gives
-    sequence ``i`` of a batch of ``n`` copies of the prompt, so choice 0 is
-    what the request with ``n = 1`` samples. The request waits until ``n``
-    slots are free at once.
-    """
-
-    prompt: Sequence[int]
-    settings: SlotSettings
-    emit: Callable[[object], None]
-    stop: Sequence[str] = ()
-    n: int = 1
-    skip_special_tokens: bool = True
-    id: int = dataclasses.field(default_factory=lambda: next(_ids))
-    cancelled: bool = False
-    arrived: float = dataclasses.field(default_factory=time.perf_counter)
-    remaining: int = 0  # choices not yet done (set at admission)
-    cached: int = 0  # prompt tokens read from the prefix cache (set at admission)
 
 
 @dataclasses.dataclass
