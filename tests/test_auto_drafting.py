@@ -136,14 +136,36 @@ def test_acceptance_estimates_per_slot():
     state = policy.init(K)
     np.testing.assert_allclose(policy.acceptance(state), [0.5] * 3)
     state = policy.update(state, outcome(num_accepted=1, num_drafted=3))  # slot 0 accepted, 1 rejected, 2 unjudged
-    np.testing.assert_allclose(policy.acceptance(state), [(1 + 0.5) / 2, 0.5 / 2, 0.5], rtol=1e-6)
+    # slot 0 shrinks towards the prior, each later slot towards the estimate of the slot before
+    a0 = (1 + 0.5) / 2
+    a1 = (0 + a0) / 2
+    np.testing.assert_allclose(policy.acceptance(state), [a0, a1, a1], rtol=1e-6)
     # a cycle without drafts judges slot 0 by first_acceptance, and everything decays towards the prior
     state = policy.update(state, outcome(num_accepted=0, num_drafted=0, first_acceptance=0.0))
-    np.testing.assert_allclose(policy.acceptance(state), [(0.5 + 0.5) / 2.5, 0.5 / 1.5, 0.5], rtol=1e-6)
+    a0 = (0.5 + 0.5) / 2.5
+    a1 = (0 + a0) / 1.5
+    np.testing.assert_allclose(policy.acceptance(state), [a0, a1, a1], rtol=1e-6)
     # -1: the draft did not run, so nothing about slot 0 was learnt
     before = policy.acceptance(state)
     state = policy.update(state, outcome(num_accepted=0, num_drafted=0, first_acceptance=-1.0))
     assert float(policy.acceptance(state)[0]) > float(before[0])  # only the decay towards 0.5 moved it
+
+
+def test_a_rarely_judged_slot_follows_the_slot_before_it():
+    """Slot 0 accepted a third of the time over many cycles, slots 1 and 2 never judged: their
+    estimates follow slot 0's, not the prior, and one draft is chosen. The negative control:
+    shrunk towards the prior alone (0.9), the same counts would draft three."""
+    policy = drafting.auto(cost_model(first=0.05, step=0.05, verify=[1.0, 1.1, 1.2, 1.3]), memory=1.0, prior=0.9,
+                           prior_weight=2.0, margin=0.0)
+    state = policy.init(K)
+    for i in range(30):
+        state = policy.update(state, outcome(num_accepted=int(i % 3 == 0), num_drafted=1))
+    est = np.asarray(policy.acceptance(state))
+    np.testing.assert_allclose(est, [(10 + 1.8) / 32] * 3, rtol=1e-6)
+    assert int(policy.budget(state, K)) == 1
+    prior_only = jnp.asarray([est[0], 0.9, 0.9])
+    costs = policy.costs.cycle_costs(K)
+    assert int(drafting.best_draft_length(drafting.expected_tokens(prior_only), costs)) == K
 
 
 def test_copies_are_taken_only_while_accepted_more_often_than_the_drafters_tokens():

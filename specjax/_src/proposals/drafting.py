@@ -527,11 +527,23 @@ class Auto(DraftingPolicy):
 
     def acceptance(self, state: AutoState) -> Array:
         """``[K]`` the estimated acceptance of each slot given the slots before it:
-        the decayed counts shrunk towards ``prior`` with the weight of
-        ``prior_weight`` observations (a slot not judged for a while drifts
-        back to the prior, so a policy that stopped drafting tries again)."""
+        the decayed counts shrunk, with the weight of ``prior_weight``
+        observations, towards ``prior`` for slot 0 and towards the estimate of
+        the slot before for the others (a slot not judged for a while drifts
+        back to them, so a policy that stopped drafting tries again).
+
+        A deep slot is judged only after an accepted run, so its own evidence is
+        thin and the shrinkage target decides its estimate. Shrunk towards the
+        fixed ``prior`` (0.6) instead, slots 2 and 3 of the real pair at T=1
+        (accepted about half the time) looked better than slot 1, and ``auto()``
+        drafted three tokens in 85% of cycles at batch 2, where two paid more
+        (benchmarks/results/2026-11-30-auto-drafting-grid-batch-2-and-16-k1-6-lookup.md)."""
         w = jnp.asarray(self.prior_weight, jnp.float32)
-        return jnp.clip((state.accepted + self.prior * w) / (state.judged + w), 0.0, 1.0)
+        estimates, above = [], jnp.asarray(self.prior, jnp.float32)
+        for j in range(state.accepted.shape[-1]):
+            above = jnp.clip((state.accepted[..., j] + above * w) / (state.judged[..., j] + w), 0.0, 1.0)
+            estimates.append(above)
+        return jnp.stack(estimates, axis=-1)
 
     def _choice_costs(self, num_draft: int, rows: int = 1) -> tuple[Array, Array]:
         """``[K + 1]`` the cost of a cycle drafting ``k = 0 .. K`` at ``rows`` rows, and the margin
@@ -680,7 +692,8 @@ def auto(costs: Optional[CostModel] = None, *, memory: float = 0.9, prior: float
 
     The expected tokens come from each sequence's own acceptance so far, per
     draft slot (:class:`AutoState`: counts decayed by ``memory`` per cycle and
-    shrunk towards ``prior`` with the weight of ``prior_weight`` cycles); the
+    shrunk, with the weight of ``prior_weight`` cycles, towards ``prior`` for the
+    first slot and towards the slot before's estimate for the others); the
     cost of each ``k`` from ``costs`` (:class:`CostModel`, measured on this
     machine: ``decode`` and the slots engine measure it once per shape when
     ``costs`` is None). Drafting must promise ``1 + margin`` times a plain
