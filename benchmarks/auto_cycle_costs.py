@@ -3,9 +3,11 @@ fixed-K program of the same length.
 
     python benchmarks/auto_cycle_costs.py --batch 4                      # float32, batch 4
     python benchmarks/auto_cycle_costs.py --quantize gguf --batch 1      # the GGUF's 4-bit target
+    python benchmarks/auto_cycle_costs.py --batch 2 --temperature 1      # sampled, lossless
 
 The real pair (SmolLM2-135M-Instruct and its EAGLE-3-style head), the first ``--batch`` held-out
-chat prompts, greedy, ``--max-new-tokens`` new tokens, no EOS. Contenders: ``generate``
+chat prompts, greedy (or ``--temperature``, lossless speculative sampling), ``--max-new-tokens``
+new tokens, no EOS. Contenders: ``generate``
 (target-only); ``decode`` with ``drafting.fixed()`` at K = 1 .. ``--cap``; ``decode`` with
 ``auto()`` capped at ``--cap`` whose costs force every cycle to draft k (k = 0: plain target
 steps inside the drafting program), for k = 0 .. cap; then ``auto()`` itself. Each compiles once,
@@ -48,6 +50,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quantize", choices=["gguf"], help="the target's weights: the GGUF's own 4-bit blocks")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0, lossless sampling")
     args = ap.parse_args()
     batch, n, cap = args.batch, args.max_new_tokens, args.cap
     rows = common.read_prompt_file(common.ROOT / "benchmarks/prompts/heldout_chat_64.jsonl", ap)[:batch]
@@ -55,9 +58,10 @@ def main():
     params = specjax.pair(target, specjax.load("smollm2-135m-instruct-eagle", dtype="float32"))
     prompts = [specjax.encode_chat(target, r["prompt"]) for r in rows]
     buckets = specjax.Buckets(prompt=max(map(len, prompts)), new_tokens=n)
-    kw = dict(max_new_tokens=n, temperature=0.0, eos_token_id=(), buckets=buckets, key=jax.random.key(0))
+    kw = dict(max_new_tokens=n, temperature=args.temperature, eos_token_id=(), buckets=buckets, key=jax.random.key(0))
     weights = "the GGUF's 4-bit weights" if args.quantize else "float32"
-    print(common.header(f"auto()'s cycle forced to each draft length against fixed K, batch {batch}, {weights}"))
+    print(common.header(f"auto()'s cycle forced to each draft length against fixed K, batch {batch}, {weights}, "
+                        f"T={args.temperature:g}"))
     base = specjax.engine.measure_costs(params, batch=batch, num_draft=cap)
     print(base.describe())
     cont = {"target-only": lambda: specjax.generate(params.target, prompts, **kw)}
