@@ -224,10 +224,10 @@ def cached_costs_by_batch(params: ModelPair, *, batches: Sequence[int], num_draf
     return costs
 
 
-def cached_calibration(key, costs: drafting_lib.CostModel, run) -> drafting_lib.CostModel:
+def cached_calibration(key, costs: drafting_lib.CostModel, run, baseline=None) -> drafting_lib.CostModel:
     """:func:`calibrate_costs` once per ``key`` (the loop's static settings and shapes) in this process."""
     if key not in _CALIBRATED:
-        _CALIBRATED[key] = calibrate_costs(costs, run)
+        _CALIBRATED[key] = calibrate_costs(costs, run, baseline=baseline)
     _LAST[:] = [_CALIBRATED[key]]
     return _CALIBRATED[key]
 
@@ -262,7 +262,7 @@ def forcing(costs: drafting_lib.CostModel, k: int) -> drafting_lib.CostModel:
                          cycle=jnp.zeros_like(costs.cycle), measured=jnp.zeros_like(costs.measured))
 
 
-def calibrate_costs(costs: drafting_lib.CostModel, run, *, short: int = 2, long: int = 24,
+def calibrate_costs(costs: drafting_lib.CostModel, run, *, baseline=None, short: int = 2, long: int = 24,
                     repeats: int = 3) -> drafting_lib.CostModel:
     """``costs`` with :attr:`~specjax.drafting.CostModel.measured` timed in the loop itself.
 
@@ -276,24 +276,38 @@ def calibrate_costs(costs: drafting_lib.CostModel, run, *, short: int = 2, long:
     a cycle's cost, the prefill cancelling out. A plain length's cost includes
     the draft's catch-up every ``K`` cycles. Where some length gives no extra
     cycles (every sequence ended early), ``costs`` is returned as it was.
+
+    ``baseline(max_new_tokens) -> (seconds, steps)``: ``generate``'s program on
+    the same call, timed in the same turns. Where given, the costs are in units
+    of its step, so ``measured[0]`` tells what a plain cycle of the drafting
+    program costs against ``generate``'s (which ``decode`` runs when drafting
+    does not pay from the start; :func:`~specjax.drafting.drafts_before_evidence`);
+    else in units of the drafting program's own plain cycle.
     """
     run(forcing(costs, 0), short)  # compiles: every forced length runs this one program
+    if baseline is not None:
+        baseline(short)
     lengths = range(costs.max_draft + 1)
-    fastest = {(k, n): (np.inf, 0) for k in lengths for n in (short, long)}
+    fastest = {(k, n): (np.inf, 0) for k in [*lengths, "generate"] for n in (short, long)}
     for _ in range(repeats):
-        for k in lengths:  # in turns, so that a slow spell of a shared machine hits every length alike
+        for k in [*lengths, "generate"]:  # in turns, so that a slow spell of a shared machine hits each alike
+            if k == "generate" and baseline is None:
+                continue
             for n in (short, long):
-                seconds, cycles = run(forcing(costs, k), n)
+                seconds, cycles = baseline(n) if k == "generate" else run(forcing(costs, k), n)
                 fastest[k, n] = (min(fastest[k, n][0], seconds), cycles)
-    per_cycle = []
-    for k in lengths:
+
+    def per_cycle_of(k):
         (t_short, c_short), (t_long, c_long) = fastest[k, short], fastest[k, long]
-        if c_long <= c_short:
-            return costs
-        per_cycle.append((t_long - t_short) / (c_long - c_short))
-    if min(per_cycle) <= 0:  # a noisy machine timed a longer run as shorter: keep the parts' estimate
-        return costs
-    return costs.replace(measured=jnp.asarray(nondecreasing(np.array(per_cycle) / per_cycle[0]), jnp.float32))
+        return (t_long - t_short) / (c_long - c_short) if c_long > c_short else None
+
+    per_cycle = [per_cycle_of(k) for k in lengths]
+    if any(c is None for c in per_cycle) or min(per_cycle) <= 0:
+        return costs  # sequences ended early, or a noisy machine timed a longer run as shorter: the parts
+    unit = per_cycle_of("generate") if baseline is not None else None
+    if unit is None or unit <= 0:
+        unit = per_cycle[0]
+    return costs.replace(measured=jnp.asarray(nondecreasing(np.array(per_cycle) / unit), jnp.float32))
 
 
 def nondecreasing(costs) -> np.ndarray:

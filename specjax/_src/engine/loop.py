@@ -427,8 +427,14 @@ def decode(
     if timing or (timing is None and costs_lib.parts_undecided(drafting, num_draft, call.prompts.shape[0])):
         # the cycle's cost by draft length, timed in this very program (compiled once anyway)
         shape = (costs_lib.shape_key(params), cfg, call.prompts.shape, rows is None)
+        baseline = None
+        if tree is None and diagnostics is None:  # decode falls back to generate's program: time it too
+            baseline = _timed_generation(params, prompt_ids, max_new_tokens, controls, temperature=temperature,
+                                         top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, key=key,
+                                         max_length=max_length, prompt_lengths=prompt_lengths,
+                                         pad_token_id=pad_token_id, mesh=mesh, buckets=buckets)
         drafting = costs_lib.set_costs(drafting, costs_lib.cached_calibration(
-            shape, costs_lib.auto_costs(drafting), _timed_loop(params, rule, drafting, call, cfg, rows)))
+            shape, costs_lib.auto_costs(drafting), _timed_loop(params, rule, drafting, call, cfg, rows), baseline))
     opens_plain = (not drafting_lib.drafts_before_evidence(drafting, num_draft) if tree is None
                    else sized and not drafting_lib.drafts_before_evidence(drafting, num_draft, sizes=widths,
                                                                          top_k=tree.top_k))
@@ -524,6 +530,25 @@ def generate(
 
     ``controls``: logits processors, as for :func:`decode`.
     """
+    call, vocab, cfg, rows = _generation_call(model, prompt_ids, max_new_tokens=max_new_tokens,
+                                              temperature=temperature, top_k=top_k, top_p=top_p,
+                                              eos_token_id=eos_token_id, key=key, max_length=max_length,
+                                              prompt_lengths=prompt_lengths, pad_token_id=pad_token_id, mesh=mesh,
+                                              buckets=buckets, controls=controls)
+    check_on_tokens(on_tokens, call)
+    cfg = cfg._replace(stream=on_tokens is not None)
+    args = (call.models["target"], vocab, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id,
+            call.key, call.temperature, call.top_p)
+    out, bad = run_streaming(
+        on_tokens, call.batch,
+        lambda sid: (_generate_jit(*args, cfg=cfg, rows=rows) if sid is None
+                     else _generate_jit(*args, sid, cfg=cfg, rows=rows)),
+    )
+    return finish_call(call, out, bad, {1: "target"})
+
+
+def _generation_call(model, prompt_ids, *, max_new_tokens, controls, **kw):
+    """``generate``'s checked call: ``(call, vocab, cfg, rows)``."""
     if isinstance(model, ModelPair):
         vocab, model = model.vocab_size, model.target
     elif isinstance(model, Model):
@@ -534,32 +559,27 @@ def generate(
         vocab = model_vocab(model)
     else:
         raise TypeError(f"generate(): model must be a specjax.Model, got {type(model).__name__}.")
-    call = prepare_call(
-        {"target": model},
-        vocab,
-        prompt_ids,
-        extra=0,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_token_id=eos_token_id,
-        key=key,
-        max_length=max_length,
-        prompt_lengths=prompt_lengths,
-        pad_token_id=pad_token_id,
-        mesh=mesh,
-        buckets=buckets,
-        what=f"generation (longest prompt {{width}} + max_new_tokens {max_new_tokens})",
-    )
-    check_on_tokens(on_tokens, call)
+    call = prepare_call({"target": model}, vocab, prompt_ids, extra=0, max_new_tokens=max_new_tokens,
+                        what=f"generation (longest prompt {{width}} + max_new_tokens {max_new_tokens})", **kw)
     rows = _controls_rows(controls, vocab, call.batch, call.prompts.shape[0], call.cfg.layout)
-    cfg = call.cfg._replace(stream=on_tokens is not None)
-    args = (call.models["target"], vocab, call.prompts, call.lengths, call.max_new, call.eos, call.pad_id,
-            call.key, call.temperature, call.top_p)
-    out, bad = run_streaming(
-        on_tokens, call.batch,
-        lambda sid: (_generate_jit(*args, cfg=cfg, rows=rows) if sid is None
-                     else _generate_jit(*args, sid, cfg=cfg, rows=rows)),
-    )
-    return finish_call(call, out, bad, {1: "target"})
+    return call, vocab, call.cfg, rows
+
+
+def _timed_generation(params, prompt_ids, max_new_tokens: int, controls, **kw):
+    """``run(max_new_tokens) -> (seconds, steps)``: the program ``generate`` runs for this call (the
+    one ``decode`` falls back to), no EOS, each sequence stopping at ``max_new_tokens``
+    (:func:`specjax._src.engine.costs.calibrate_costs`'s ``baseline``)."""
+    call, vocab, cfg, rows = _generation_call(params, prompt_ids, max_new_tokens=max_new_tokens, controls=controls,
+                                              **kw)
+    no_eos = jnp.full_like(call.eos, -1)
+
+    def run(n: int):
+        max_new = jnp.where(call.max_new > 0, min(n, cfg.max_new_tokens), 0).astype(call.max_new.dtype)
+        args = (call.models["target"], vocab, call.prompts, call.lengths, max_new, no_eos, call.pad_id, call.key,
+                call.temperature, call.top_p)
+        start = time.perf_counter()
+        out, _ = _generate_jit(*args, cfg=cfg, rows=rows)
+        jax.block_until_ready(out.tokens)
+        return time.perf_counter() - start, int(out.stats.target_forwards)
+
+    return run

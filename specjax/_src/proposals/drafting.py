@@ -425,7 +425,8 @@ class CostModel:
                 f"{float(self.draft_step):.3f}; a drafting cycle's own work {float(self.cycle):.3f} "
                 "(in target forwards)"
                 + ("" if not (self.measured > 0).all() else "; timed in the loop, a cycle drafting k costs {"
-                   + ", ".join(f"{k}: {float(c):.2f}" for k, c in enumerate(self.measured)) + "} plain cycles"))
+                   + ", ".join(f"{k}: {float(c):.2f}" for k, c in enumerate(self.measured))
+                   + "} plain steps (generate's where decode timed it, else the loop's own)"))
 
 
 def stack_costs(costs) -> CostModel:
@@ -744,12 +745,32 @@ def drafts_before_evidence(policy: DraftingPolicy, num_draft: int, sizes=None, t
     has been seen (its initial state, one live sequence). Only a policy that
     ``may_draft_none`` can answer False: :func:`auto` whose costs say that
     drafts accepted at its prior do not pay (``decode`` then runs the
-    target-only program). ``sizes``: a dynamic tree's verification widths
+    target-only program). With costs timed in the loop, drafting must also
+    beat the target-only step itself (their unit where ``decode`` timed
+    ``generate`` beside the loop), whose cost the drafting program's plain
+    cycle exceeds by its draft's catch-up and its own work. ``sizes``: a dynamic tree's verification widths
     (``n + 1`` for each node count ``n`` auto chooses from), whose ``depth``
     is ``num_draft`` and frontier ``top_k``."""
     if not policy.may_draft_none:
         return True
-    return bool(_first_plan(policy, num_draft, None if sizes is None else tuple(sizes), top_k) > 0)
+    first = bool(_first_plan(policy, num_draft, None if sizes is None else tuple(sizes), top_k) > 0)
+    if not first or sizes is not None or not isinstance(policy, Auto):
+        return first
+    # Costs timed in the loop: against generate's step, which decode runs instead (their unit where
+    # decode timed generate beside the loop), not against the drafting program's own plain cycle,
+    # which also carries the draft's catch-up and the cycle's work.
+    return bool(_beats_target_only(policy, num_draft))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _beats_target_only(policy: "Auto", num_draft: int) -> Array:
+    """Whether, with costs timed in the loop, some ``k >= 1`` promises ``1 + timed_margin`` tokens
+    per unit of cost at the prior: more than a target-only step's one token for one unit. True for
+    the parts' costs, whose plain cycle is already weighed against drafting by :meth:`Auto.plan`."""
+    expected = expected_tokens(policy.acceptance(policy.init(num_draft)))
+    costs, margin = policy._choice_costs(num_draft)
+    timed = policy.costs.at_batch(1).is_timed(num_draft)
+    return ~timed | (jnp.max(expected[1:] / costs[1:]) >= 1.0 + margin)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
