@@ -325,6 +325,27 @@ def test_greedy_with_a_feature_head_while_switching():
     assert plain_cycles(out.stats).sum() > 0 and np.asarray(out.stats.accepted).sum() > 0
 
 
+def first_two_tokens(pair, prompts, lengths, key, **decode_kw):
+    """``(counts [V, V], stats)``: how often each pair of first two tokens was sampled at T=1."""
+    out = specjax.decode(pair, prompts, prompt_lengths=lengths, max_new_tokens=2, temperature=1.0, key=key,
+                         buckets=NO_BUCKETS, **decode_kw)
+    c = np.zeros((VOCAB, VOCAB))
+    np.add.at(c, (np.asarray(out.tokens)[:, 0], np.asarray(out.tokens)[:, 1]), 1)
+    return c, out.stats
+
+
+def assert_law_with_negative_control(counts, expected):
+    """``counts(rule) -> (pair counts, stats)``: lossless sampling follows ``expected``, and the
+    same statistic rejects a rule with a wrong residual. Returns the lossless run's stats."""
+    c, stats = counts(speculative_sampling())
+    pvalue, tv = goodness_of_fit(c, expected)
+    assert pvalue > 1e-3 and tv < 0.03, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
+    c, _ = counts(wrong_residual_rule())
+    pvalue, tv = goodness_of_fit(c, expected)
+    assert pvalue < 1e-6, f"the wrong residual passed: p={pvalue:.2e}, TV={tv:.4f}"
+    return stats
+
+
 def test_lossless_law_under_the_policy(bigram_pair):
     """The first two sampled tokens follow the target's law while the policy
     switches; the same statistic rejects a rule with a wrong residual under
@@ -340,21 +361,12 @@ def test_lossless_law_under_the_policy(bigram_pair):
     policy = drafting.auto(cost_model(first=0.5, verify=[1.0, 1.5], k=1), **SWITCHING)
 
     def counts(rule):
-        out = specjax.decode(bigram_pair, prompts, prompt_lengths=lengths, rule=rule, drafting=policy,
-                             num_draft=1, max_new_tokens=2, temperature=1.0, key=jax.random.key(3),
-                             buckets=NO_BUCKETS)
-        c = np.zeros((VOCAB, VOCAB))
-        np.add.at(c, (np.asarray(out.tokens)[:, 0], np.asarray(out.tokens)[:, 1]), 1)
-        return c, out.stats
+        return first_two_tokens(bigram_pair, prompts, lengths, jax.random.key(3), rule=rule, drafting=policy,
+                                num_draft=1)
 
-    c, stats = counts(speculative_sampling())
+    stats = assert_law_with_negative_control(counts, expected)
     # the second cycle's choice depended on the first: both kinds of cycle happened
     assert plain_cycles(stats).sum() > 1000 and np.asarray(stats.drafted).sum() > 1000
-    pvalue, tv = goodness_of_fit(c, expected)
-    assert pvalue > 1e-3 and tv < 0.03, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
-    c, _ = counts(wrong_residual_rule())
-    pvalue, tv = goodness_of_fit(c, expected)
-    assert pvalue < 1e-6, f"the wrong residual passed: p={pvalue:.2e}, TV={tv:.4f}"
 
 
 def test_lossless_law_while_choosing_whether_to_copy(bigram_pair):
@@ -377,25 +389,15 @@ def test_lossless_law_while_choosing_whether_to_copy(bigram_pair):
 
     def run(rule, choose_copies=True):
         policy = drafting.auto(costs, choose_copies=choose_copies, **SWITCHING)
-        out = specjax.decode(bigram_pair, prompts, prompt_lengths=lengths, rule=rule, drafting=policy,
-                             lookup=drafting.ngram_lookup(min_match=1), num_draft=1, max_new_tokens=2,
-                             temperature=1.0, key=jax.random.key(5), buckets=NO_BUCKETS)
-        c = np.zeros((VOCAB, VOCAB))
-        np.add.at(c, (np.asarray(out.tokens)[:, 0], np.asarray(out.tokens)[:, 1]), 1)
-        return c, out.stats
+        return first_two_tokens(bigram_pair, prompts, lengths, jax.random.key(5), rule=rule, drafting=policy,
+                                lookup=drafting.ngram_lookup(min_match=1), num_draft=1)
 
-    c, stats = run(speculative_sampling())
+    stats = assert_law_with_negative_control(run, exact_two_token_distribution(table, last, 1.0, None, None))
     _, always = run(speculative_sampling(), choose_copies=False)
     copied, cycles = np.asarray(stats.copied), np.asarray(stats.cycles)
     assert copied[cycles == 1].sum() == 0  # first cycles did not copy
     assert copied[cycles == 2].sum() > 1000  # second cycles did
     assert (np.asarray(always.copied)[np.asarray(always.cycles) == 1] == 1).all()  # the control's first cycles did
-    expected = exact_two_token_distribution(table, last, 1.0, None, None)
-    pvalue, tv = goodness_of_fit(c, expected)
-    assert pvalue > 1e-3 and tv < 0.03, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
-    c, _ = run(wrong_residual_rule())
-    pvalue, tv = goodness_of_fit(c, expected)
-    assert pvalue < 1e-6, f"the wrong residual passed: p={pvalue:.2e}, TV={tv:.4f}"
 
 
 def test_a_call_that_would_open_without_drafts_runs_plain_decodings_program(bigram_pair):

@@ -16,7 +16,6 @@ import pytest
 
 import specjax
 from specjax import drafting
-from specjax.rules import speculative_sampling
 from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
 from specjax.trees import dynamic_tree, rerank, static_tree
 
@@ -24,9 +23,7 @@ from test_decode import (
     NO_BUCKETS,
     VOCAB,
     exact_two_token_distribution,
-    goodness_of_fit,
     random_prompts,
-    wrong_residual_rule,
 )
 
 TREE = dynamic_tree(3, 2, 6)  # sizes 0, 1, 2, 4, 6
@@ -234,22 +231,15 @@ def test_lossless_law_while_the_size_switches(bigram_pair):
     lengths = np.array([1, 2] * 10000, np.int32)
     tree = dynamic_tree(2, 3, 6, sampled=True)  # drawn children for both rules
 
-    def counts(rule):
-        out = specjax.decode(bigram_pair, prompts, prompt_lengths=lengths, rule=rule, drafting=switching_policy(),
-                             tree=tree, max_new_tokens=2, temperature=1.0, key=jax.random.key(3),
-                             buckets=NO_BUCKETS)
-        c = np.zeros((VOCAB, VOCAB))
-        np.add.at(c, (np.asarray(out.tokens)[:, 0], np.asarray(out.tokens)[:, 1]), 1)
-        return c, out.stats
+    from test_auto_drafting import assert_law_with_negative_control, first_two_tokens
 
-    c, stats = counts(speculative_sampling())
+    def counts(rule):
+        return first_two_tokens(bigram_pair, prompts, lengths, jax.random.key(3), rule=rule,
+                                drafting=switching_policy(), tree=tree)
+
+    stats = assert_law_with_negative_control(counts, expected)
     plain, drafted = cycle_kinds(stats)
     assert plain.sum() > 1000 and drafted.sum() > 1000  # the second cycle's choice followed the first
-    pvalue, tv = goodness_of_fit(c, expected)
-    assert pvalue > 1e-3 and tv < 0.03, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
-    c, _ = counts(wrong_residual_rule())
-    pvalue, tv = goodness_of_fit(c, expected)
-    assert pvalue < 1e-6, f"the wrong residual passed: p={pvalue:.2e}, TV={tv:.4f}"
 
 
 def test_a_sized_tree_that_would_open_plain_runs_plain_decodings_program(bigram_pair):
