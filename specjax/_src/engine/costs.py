@@ -284,17 +284,18 @@ def calibrate_costs(costs: drafting_lib.CostModel, run, *, baseline=None, short:
     does not pay from the start; :func:`~specjax.drafting.drafts_before_evidence`);
     else in units of the drafting program's own plain cycle.
     """
-    run(forcing(costs, 0), short)  # compiles: every forced length runs this one program
+    lengths = range(costs.max_draft + 1)
+    timed = {k: (lambda n, k=k: run(forcing(costs, k), n)) for k in lengths}
+    if baseline is not None:
+        timed["generate"] = baseline
+    timed[0](short)  # compiles: every forced length runs this one program
     if baseline is not None:
         baseline(short)
-    lengths = range(costs.max_draft + 1)
-    fastest = {(k, n): (np.inf, 0) for k in [*lengths, "generate"] for n in (short, long)}
+    fastest = {(k, n): (np.inf, 0) for k in timed for n in (short, long)}
     for _ in range(repeats):
-        for k in [*lengths, "generate"]:  # in turns, so that a slow spell of a shared machine hits each alike
-            if k == "generate" and baseline is None:
-                continue
+        for k, go in timed.items():  # in turns, so that a slow spell of a shared machine hits each alike
             for n in (short, long):
-                seconds, cycles = baseline(n) if k == "generate" else run(forcing(costs, k), n)
+                seconds, cycles = go(n)
                 fastest[k, n] = (min(fastest[k, n][0], seconds), cycles)
 
     def per_cycle_of(k):
