@@ -300,6 +300,32 @@ def test_greedy_output_is_the_targets_while_drafting_switches(bigram_pair):
     assert (np.asarray(s.verified) < np.asarray(s.cycles) * (K + 1)).all()
 
 
+def test_a_cycle_is_judged_at_the_width_it_drafted(bigram_pair):
+    """The rule reads as many slots as the widest live draft, not the cap's K: each vocabulary-wide
+    pass of the judging (verification logits, residuals, checks) costs what a fixed K of that length
+    pays. Seen at run time, from inside the rule, in the branch the cycle took."""
+    from specjax.rules import from_functions
+
+    base, seen = speculative_sampling(), []
+
+    def record(valid):
+        seen.append((valid.shape[-1], int(np.asarray(valid).sum(-1).max())))  # (slots, most valid in a row)
+
+    def verify(inputs, state, *, greedy):
+        jax.debug.callback(record, inputs.valid)
+        return base.verify(inputs, state, greedy=greedy)
+
+    probe = from_functions(verify, init=base.init, update=base.update, name="probe")
+    prompts = [np.random.default_rng(i).integers(0, VOCAB, size=1 + i % 6).tolist() for i in range(4)]
+    ref = specjax.generate(bigram_pair.target, prompts, max_new_tokens=24, temperature=0.0)
+    out = specjax.decode(bigram_pair, prompts, rule=probe, drafting=switching_policy(), num_draft=K,
+                         max_new_tokens=24, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    slots = [width for width, _ in seen]
+    assert all(width >= most for width, most in seen), seen  # every valid draft was judged
+    assert min(slots) < K and max(slots) == K, seen  # both narrow and full cycles ran
+
+
 def test_greedy_with_a_draft_model_decoder_pair_while_switching():
     target, draft = peaked_target_and_draft(llama_config())
     pair = specjax.pair(target, draft)

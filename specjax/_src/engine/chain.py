@@ -7,6 +7,7 @@ arrays, traced inside the ``while_loop`` of :mod:`specjax._src.engine.loop`::
     uniforms  = _cycle_uniforms(...)  # the cycle's randomness, one draw per sequence
     drafts    = draft_chain(...)      # up to K draft tokens, one draft forward each (some copied
                                       # from the context with decode(lookup=...))
+    # _judge: the rest, at the narrowest verification width that holds the drafts
     verified  = _verify(...)          # one target forward over [last, d_1 .. d_K]
     accepted  = _accept(...)          # the rule's verdict, the accepted run, the emitted token
     committed = _commit(...)          # tokens written, EOS / max_new_tokens, caches rolled back
@@ -99,25 +100,82 @@ def _drafting_cycle(
     cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy,
     inputs: CycleInputs, state: DecodeState,
 ):
-    """:func:`_decode_cycle`'s draft, verify, accept, commit and record."""
+    """:func:`_decode_cycle`'s draft, then :func:`_judge` over the drafted slots.
+
+    With several ``cfg.verify_widths`` (a policy whose drafts vary in length),
+    the judging runs at the narrowest width that holds every live sequence's
+    drafts, as if ``K`` were that width less one: the verification, the rule's
+    verdicts, the residuals and the non-finite checks then read only the rows a
+    cycle drafted. Each of those passes reads ``[B, width, V]`` logits, so a
+    cycle that drafts one token under a cap of three costs what a fixed ``K = 1``
+    cycle does, not a fixed ``K = 3`` cycle's vocabulary-wide work."""
     prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows = inputs
     batch = state.num_committed.shape[0]
     if rows is not None:
         rows, top_p = live_settings(rows, top_p, ~state.done)
+    inputs = inputs._replace(top_p=top_p, rows=rows)
     hist = cycle_history(rows, state, prompt_lengths, eos_ids, pair_params.vocab_size)
     uniforms, draft_uniforms, emit_uniform = _cycle_uniforms(cfg, seq_keys, state.step, batch)
     drafts, draft_cache = draft_chain(cfg, pair_params, policy, state, draft_uniforms, temperature, top_p, rows, hist)
-    verified = _verify(cfg, pair_params, rule, state, drafts, uniforms, temperature, top_p, rows, hist)
-    accepted = _accept(cfg, rule, state, drafts, verified, emit_uniform, rows)
+    judge = functools.partial(_judge, pair_params, rule, policy, inputs, hist, drafts, uniforms, emit_uniform)
+    # The draft's cache rides in the carry, so that no branch copies it (switch_in_place).
+    state = state.replace(draft_cache=draft_cache)
+    widths = cfg.verify_widths
+    if widths is None or len(widths) == 1 or cfg.diagnostics is not None:
+        return judge(cfg, state)
+    need = 1 + jnp.max(jnp.where(~state.done, drafts.valid.sum(1), 0))
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)
+    branches = [lambda s, w=w: judge(_narrowed(cfg, w), s)[0] for w in widths]
+    return switch_in_place(index, branches, state), None
+
+
+def _narrowed(cfg: LoopConfig, width: int) -> LoopConfig:
+    """``cfg`` for a cycle judged at ``width`` tokens: ``K = width - 1`` (a
+    one-token block keeps one slot, verified at width 1 and never valid)."""
+    return cfg._replace(num_draft=max(width - 1, 1), verify_widths=None if width > 1 else (1,))
+
+
+def _judge(
+    pair_params: ModelPair, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, inputs: CycleInputs, hist,
+    drafts: _Drafts, uniforms, emit_uniform, cfg: LoopConfig, state: DecodeState,
+):
+    """Verify, accept, commit and record the first ``cfg.num_draft`` of
+    ``drafts``' slots (every valid one lies among them); ``state.draft_cache``
+    is the draft's cache after drafting. Returns ``(state, diagnostics or
+    None)`` with the state's per-slot arrays at the drafts' full ``K``."""
+    prompt_lengths, max_new, eos_ids, _, temperature, top_p, rows = inputs
+    k_full, k = drafts.tokens.shape[1], cfg.num_draft
+    judged = _first_slots(drafts, k)
+    if uniforms is not None:
+        uniforms = uniforms[:, :k]
+    verified = _verify(cfg, pair_params, rule, state, judged, uniforms, temperature, top_p, rows, hist)
+    accepted = _accept(cfg, rule, state, judged, verified, emit_uniform, rows)
     committed = _commit(
-        cfg, state, drafts, accepted, verified.cache, draft_cache, prompt_lengths, max_new, eos_ids
+        cfg, state, judged, accepted, verified.cache, state.draft_cache, prompt_lengths, max_new, eos_ids
     )
-    logprobs = None if state.logprobs is None else _logprobs(state, drafts, verified, accepted, rows)
-    rule_state, policy_state, stats, diag = _record(cfg, rule, policy, state, drafts, verified, accepted, committed,
-                                                    rows)
+    logprobs = None if state.logprobs is None else _logprobs(state, judged, verified, accepted, rows)
+    rule_state, policy_state, stats, diag = _record(cfg, rule, policy, state, drafts, judged, verified, accepted,
+                                                    committed, rows)
+    if verified.features is not None:  # a feature head's pending features keep K + 1 rows
+        verified = verified._replace(features=_widen(verified.features, k_full + 1))
     new_state = next_state(state, committed, bad=accepted.bad, rule_state=rule_state, policy_state=policy_state,
-                           stats=stats, draft_features=_next_features(state, drafts, verified), logprobs=logprobs)
+                           stats=stats, draft_features=_next_features(state, judged, verified), logprobs=logprobs)
     return new_state, diag
+
+
+def _first_slots(drafts: _Drafts, k: int) -> _Drafts:
+    """``drafts`` cut to their first ``k`` slots."""
+    if k == drafts.tokens.shape[1]:
+        return drafts
+    cut = lambda x: x[:, :k]  # noqa: E731
+    return drafts._replace(tokens=cut(drafts.tokens), logits=cut(drafts.logits), probs=cut(drafts.probs),
+                           valid=cut(drafts.valid), entropies=cut(drafts.entropies),
+                           token_probs=cut(drafts.token_probs), bad=cut(drafts.bad), copied=cut(drafts.copied))
+
+
+def _widen(x: Array, width: int) -> Array:
+    """``x [B, T, ...]`` padded with zeros to ``[B, width, ...]``."""
+    return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
 def _budgets(cfg: LoopConfig, policy: drafting_lib.DraftingPolicy, state: DecodeState, rows) -> Array:
@@ -570,12 +628,13 @@ def _logprobs(state: DecodeState, drafts: _Drafts, verified: _Verified, accepted
 
 def _record(
     cfg: LoopConfig, rule: AcceptanceRule, policy: drafting_lib.DraftingPolicy, state: DecodeState, drafts: _Drafts,
-    verified: _Verified, accepted: _Accepted, committed: Committed, rows=None,
+    judged: _Drafts, verified: _Verified, accepted: _Accepted, committed: Committed, rows=None,
 ):
     """What the cycle leaves for later, for live sequences only: the rule's
     and the drafting policy's running states, the stats
     (:func:`specjax._src.engine.stats.record_cycle`) and the ``diagnostics`` hook's
-    values. Returns ``(rule_state, policy_state, stats, diagnostics or None)``."""
+    values. ``drafts``: all ``K`` slots; ``judged``: those the verification
+    read (:func:`_judge`). Returns ``(rule_state, policy_state, stats, diagnostics or None)``."""
     live, n = accepted.live, accepted.num_accepted
     args = (state.rule_state, verified.inputs, accepted.verdict, n)
     rule_state = with_greedy_rows(cfg, rows, per_row_rule(rule, rows, "update", cfg.greedy, *args),
@@ -587,13 +646,14 @@ def _record(
         valid=drafts.valid,
         entropies=drafts.entropies,
         token_probs=drafts.token_probs,
-        first_acceptance=_first_acceptance(cfg, drafts, verified),
-        copy_acceptance=_copy_acceptance(cfg, drafts, verified),
+        first_acceptance=_first_acceptance(cfg, judged, verified),
+        copy_acceptance=_copy_acceptance(cfg, judged, verified),
     )
     policy_state = jax.vmap(policy.update)(state.policy_state, outcome)
     policy_state = where_b(live, policy_state, state.policy_state)
     stats = record_cycle(state.stats, live=live, valid=drafts.valid, num_accepted=n,
-                         num_committed=committed.num_new, paths=accepted.verdict.path,
+                         num_committed=committed.num_new,
+                         paths=_widen(jnp.asarray(accepted.verdict.path), drafts.tokens.shape[1]),
                          draft_forwards=drafts.forwards, copied=drafts.copied, verified=verified.width)
     diag = live_diagnostics(cfg, live, verified.inputs, accepted.verdict, n)
     return rule_state, policy_state, stats, diag
