@@ -158,6 +158,29 @@ def test_costs_timed_in_the_loop_need_only_the_timed_margin():
     with pytest.raises(ValueError, match=r"auto\(timed_margin\)"):
         drafting.auto(timed_margin=-0.1)
 
+def test_a_longer_draft_within_the_tie_of_a_shorter_one_is_not_drafted():
+    # Slots accepted at 0.49 and 0.43: one draft commits 1.49 tokens, two 1.70. At 1.37 and 1.56
+    # timed steps both promise about 1.09 a step, two 0.2% more (the GGUF's 4-bit target at batch
+    # 1, T=1, where fixed K=1 ran 1.14x and K=2 1.06x).
+    state = drafting.AutoState(jnp.asarray([49.0, 43.0, 0.0]), jnp.asarray([100.0, 100.0, 0.0]))
+    timed = cost_model(first=0.0, step=0.0, verify=[1.17, 1.37, 1.56, 9.0])
+    timed = timed.replace(measured=jnp.asarray([1.17, 1.37, 1.56, 9.0], jnp.float32))
+    expected = drafting.expected_tokens(drafting.auto(timed, prior_weight=1e-6).acceptance(state))
+    costs = timed.cycle_costs(K)
+    assert expected[2] / costs[2] > expected[1] / costs[1] > 1.05 * expected[0] / costs[0]
+    live, batch = jnp.asarray([True]), jax.tree_util.tree_map(lambda x: x[None], state)
+    assert int(drafting.auto(timed, prior_weight=1e-6, tie=0.0).budget(state, K)) == 2  # the strict best
+    for policy in (drafting.auto(timed, prior_weight=1e-6), drafting.auto(timed, prior_weight=1e-6, tie=0.1)):
+        assert int(policy.budget(state, K)) == 1 and int(policy.plan(batch, live, K)[0]) == 1
+    # A longer draft that promises clearly more is still drafted, and no draft where none pays.
+    sure = drafting.AutoState(jnp.asarray([90.0, 90.0, 90.0]), jnp.asarray([100.0, 100.0, 100.0]))
+    assert int(drafting.auto(timed, prior_weight=1e-6).budget(sure, K)) == 2
+    poor = drafting.AutoState(jnp.asarray([5.0, 0.0, 0.0]), jnp.asarray([100.0, 0.0, 0.0]))
+    assert int(drafting.auto(timed, prior_weight=1e-6).budget(poor, K)) == 0
+    with pytest.raises(ValueError, match=r"auto\(tie\)"):
+        drafting.auto(tie=-0.1)
+
+
 def test_acceptance_estimates_per_slot():
     policy = drafting.auto(cost_model(), memory=0.5, prior=0.5, prior_weight=1.0)
     state = policy.init(K)
