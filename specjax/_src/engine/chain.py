@@ -123,10 +123,15 @@ def _drafting_cycle(
     widths = cfg.verify_widths
     if widths is None or len(widths) == 1 or cfg.diagnostics is not None:
         return judge(cfg, state)
-    need = 1 + jnp.max(jnp.where(~state.done, drafts.valid.sum(1), 0))
-    index = jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)
     branches = [lambda s, w=w: judge(_narrowed(cfg, w), s)[0] for w in widths]
-    return switch_in_place(index, branches, state), None
+    return switch_in_place(_width_index(widths, drafts.valid, ~state.done), branches, state), None
+
+
+def _width_index(widths: tuple[int, ...], valid: Array, live: Array) -> Array:
+    """The index in ``widths`` of the narrowest that holds every live sequence's last token and
+    valid drafts (the widest where none does)."""
+    need = 1 + jnp.max(jnp.where(live, valid.sum(1), 0))
+    return jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)
 
 
 def _narrowed(cfg: LoopConfig, width: int) -> LoopConfig:
@@ -509,14 +514,13 @@ def _verify_forward(cfg: LoopConfig, forward, block_in: Array, cache: KVCache, v
             out = forward(block_in[:, :width], cache)
             if width == full:
                 return out
-            pad = lambda x: jnp.pad(x, [(0, 0), (0, full - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-            return LMOutput(logits=pad(out.logits), hidden=tuple(pad(h) for h in out.hidden), cache=out.cache)
+            return LMOutput(logits=_widen(out.logits, full), hidden=tuple(_widen(h, full) for h in out.hidden),
+                            cache=out.cache)
         return run
 
     if len(widths) == 1:
         return at(widths[0])(block_in, cache), jnp.int32(widths[0])
-    need = 1 + jnp.max(jnp.where(live, valid.sum(1), 0))
-    index = jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)
+    index = _width_index(widths, valid, live)
     shapes = jax.eval_shape(at(full), block_in, cache)
     blank = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes._replace(cache=None))
     out = switch_in_place(index, [lambda out, w=w: at(w)(block_in, out.cache) for w in widths],
