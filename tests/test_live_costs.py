@@ -79,6 +79,29 @@ def test_timings_are_medians_and_never_cheaper_for_a_longer_draft():
     assert 'specjax_cycle_cost{rows="1",draft_length="3"} 3.0' in text
 
 
+def test_a_busy_spell_does_not_make_the_lengths_it_timed_look_dear():
+    """The drafting lengths timed only during a spell that slowed every step twofold, the plain
+    cycle before, during and after it: each length costs its time over the plain steps timed
+    around it (1.25, 1.45, 1.725 plain cycles), not over the quiet plain median (2.5, 2.9, 3.45,
+    what comparing the medians gave). The control: the same lengths dear in quiet times stay dear."""
+    quiet = [0.040, 0.050, 0.058, 0.069]
+    live = LiveCosts(EXPENSIVE, min_samples=3)
+    feed(live, 4, quiet[:1], times=8)
+    for _ in range(3):  # the spell: plain steps as the policy chose them, and one forced step of each length
+        feed(live, 4, [2 * quiet[0]], times=4)
+        for k in (1, 2, 3):
+            live.observe(4, k, 2 * quiet[k])
+        feed(live, 4, [2 * quiet[0]], times=4)
+    feed(live, 4, quiet[:1], times=24)
+    np.testing.assert_allclose(np.asarray(live.costs().measured), [1.0, 1.25, 1.45, 1.725], rtol=1e-6)
+    assert live.seconds()[0, 0] == pytest.approx(0.040)  # the plain cycles' median is the quiet one
+
+    dear = LiveCosts(EXPENSIVE, min_samples=3)
+    feed(dear, 4, [0.040, 0.100, 0.116, 0.138], times=3)
+    feed(dear, 4, quiet[:1], times=24)
+    np.testing.assert_allclose(np.asarray(dear.costs().measured), [1.0, 2.5, 2.9, 3.45], rtol=1e-6)
+
+
 def _metrics_with(report):
     m = dataclasses.asdict(Counters())
     m.update(queue_depth=0, live_slots=0, num_slots=1, latency=latency_histograms(), host_share=0.0, cycle_costs=report)

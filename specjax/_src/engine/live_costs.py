@@ -12,6 +12,16 @@ draft length ``k``, the recent seconds per cycle of the steps that drafted
 ``k``, and once every length has been timed, sets
 :attr:`~specjax.drafting.CostModel.measured` to their ratios to a plain cycle.
 
+A length's cost is the median, over its samples, of its time over the plain
+cycles' timed nearest it (the ``neighbours`` plain samples closest in the
+order the steps were timed), not its median over the plain cycles' median: a
+busy spell that slowed the few steps timing a length slowed the plain steps
+around them as much, and does not make that length look dear for the hundreds
+of steps its samples stay in the window. (Comparing medians did: on a 2-core
+CPU, a test run beside the server during the first requests left a one-draft
+cycle timed at 2.3 plain ones at four rows, where it cost 1.3, and auto drafted
+too little for the rest of the run.)
+
 Lengths the policy stops choosing would never be timed again, so every
 ``explore_every`` steps of a row bucket one step is run at the length timed
 longest ago (every ``warmup_explore_every`` steps while some length has too
@@ -47,6 +57,9 @@ class LiveCosts:
       explore_every: once every length has ``min_samples``, one step in this
         many (per row bucket) runs at the length timed longest ago.
       warmup_explore_every: the same while some length has fewer samples.
+      neighbours: the plain cycles' samples each sample of a drafting length is
+        compared with (those timed nearest it); the plain cycles keep
+        ``4 * window`` samples for it.
     """
 
     def __init__(
@@ -57,6 +70,7 @@ class LiveCosts:
         min_samples: int = 3,
         explore_every: int = 32,
         warmup_explore_every: int = 4,
+        neighbours: int = 4,
     ):
         if not isinstance(costs, CostModel):
             raise TypeError(f"LiveCosts takes a CostModel (Engine.costs), got {type(costs).__name__}.")
@@ -64,12 +78,16 @@ class LiveCosts:
         self.min_samples = check_positive_int("min_samples", min_samples)
         self.explore_every = check_positive_int("explore_every", explore_every)
         self.warmup_explore_every = check_positive_int("warmup_explore_every", warmup_explore_every)
+        self.neighbours = check_positive_int("neighbours", neighbours)
         if self.min_samples > self.window:
             raise ValueError(f"min_samples ({min_samples}) cannot exceed window ({window}).")
         self.start = costs
         self.batches = tuple(int(b) for b in np.atleast_1d(np.asarray(costs.batch)))
         self.num_lengths = costs.max_draft + 1
-        self._samples = [[collections.deque(maxlen=self.window) for _ in range(self.num_lengths)] for _ in self.batches]
+        # (clock, seconds) per row bucket and length; the clock counts a bucket's timed steps.
+        self._samples = [[collections.deque(maxlen=self.window * (4 if k == 0 else 1)) for k in range(self.num_lengths)]
+                         for _ in self.batches]
+        self._clock = np.zeros(len(self.batches), np.int64)
         self._last_seen = np.full((len(self.batches), self.num_lengths), -1, np.int64)
         self._steps = np.zeros(len(self.batches), np.int64)
         self._costs: Optional[CostModel] = None
@@ -100,34 +118,53 @@ class LiveCosts:
             return  # a clock that went backwards tells nothing
         i = self.bucket(rows)
         with self._lock:
-            self._samples[i][k].append(float(seconds_per_cycle))
+            self._samples[i][k].append((int(self._clock[i]), float(seconds_per_cycle)))
+            self._clock[i] += 1
             self._last_seen[i, k] = self._steps[i]
             self._costs = None
 
     def seconds(self) -> np.ndarray:
         """``[R, K + 1]`` median seconds per cycle by row bucket and draft length (NaN: not timed)."""
         with self._lock:
-            return np.array([[np.median(s) if s else np.nan for s in row] for row in self._samples])
+            return np.array([[np.median([x for _, x in s]) if s else np.nan for s in row] for row in self._samples])
 
     def samples(self) -> np.ndarray:
         """``[R, K + 1]`` samples held by row bucket and draft length."""
         with self._lock:
             return np.array([[len(s) for s in row] for row in self._samples])
 
+    def relative(self, rows: int) -> np.ndarray:
+        """``[K + 1]`` each length's cost in plain cycles at ``rows``' bucket: the median over its
+        samples of the sample over the median of the ``neighbours`` plain samples timed nearest it
+        (non-decreasing; NaN where a length, or the plain cycle, has no sample)."""
+        i = self.bucket(rows)
+        with self._lock:
+            plain = np.array(self._samples[i][0], np.float64).reshape(-1, 2)
+            drafting = [np.array(self._samples[i][k], np.float64).reshape(-1, 2) for k in range(1, self.num_lengths)]
+        out = np.full(self.num_lengths, np.nan)
+        if not len(plain):
+            return out
+        out[0] = 1.0
+        for k, samples in enumerate(drafting, start=1):
+            if len(samples):
+                nearest = np.argsort(np.abs(plain[None, :, 0] - samples[:, :1]), axis=1, kind="stable")
+                around = np.median(plain[nearest[:, : self.neighbours], 1], axis=1)
+                out[k] = np.median(samples[:, 1] / around)
+        return np.fmax.accumulate(out)
+
     def costs(self) -> CostModel:
         """The start-up costs with ``measured`` set, for every row bucket whose
-        lengths all have ``min_samples``, to each length's median time over
-        the plain cycle's (non-decreasing); other buckets keep their parts."""
+        lengths all have ``min_samples``, to :meth:`relative`; other buckets keep their parts."""
         if self._costs is not None:
             return self._costs
         start = self.start
         measured = np.array(
             np.broadcast_to(np.asarray(start.measured, np.float64), (len(self.batches), self.num_lengths))
         )
-        seconds, counts = self.seconds(), self.samples()
-        for i in range(len(self.batches)):
+        counts = self.samples()
+        for i, rows in enumerate(self.batches):
             if (counts[i] >= self.min_samples).all():
-                measured[i] = np.maximum.accumulate(seconds[i] / seconds[i, 0])
+                measured[i] = self.relative(rows)
         measured = measured.reshape(np.shape(start.measured))
         self._costs = start.replace(measured=jnp.asarray(measured, jnp.float32))
         return self._costs
