@@ -103,6 +103,11 @@ def parse_args(argv=None):
                    help='also serve the pair with these `specjax serve` flags added (e.g. "--prefill-chunk 0"): '
                         "its rows alternate with the speculative rows, the same requests")
     p.add_argument("--second-label", default="second", help="the rows' name for --second-flags' server")
+    p.add_argument("--also", metavar="LABEL=FLAGS", action="append", default=[],
+                   help='one more server with these flags added (e.g. "fixed-K1=--drafting fixed --num-draft 1"), '
+                        "its rows labelled LABEL; repeatable, each server's rows alternate with the others'")
+    p.add_argument("--flags", default="",
+                   help='`specjax serve` flags every server gets (e.g. "--quantize gguf")')
     p.add_argument("--long-every", type=int, default=0, metavar="N",
                    help="every N-th request gets a long prompt (--long-words words of held-out text); the "
                         "'short gap' columns are the gaps between the text deltas of the other requests")
@@ -110,6 +115,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if sum(bool(x) for x in (args.tree, args.baseline, args.second_flags)) > 1:
         p.error("give one of --baseline, --tree and --second-flags (each runs the second server)")
+    for item in args.also:
+        if "=" not in item or not item.split("=", 1)[0]:
+            p.error(f"--also takes LABEL=FLAGS, got {item!r}")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     return args
@@ -127,7 +135,7 @@ def start_server(args, checkout: Path = ROOT, extra: list | tuple = ()) -> commo
              "--max-queue", str(max(64, max(args.clients) * args.requests_per_client))]
     if args.lookup and "--tree" not in extra:
         flags += ["--lookup", args.lookup]
-    return common.Server(flags + list(extra), checkout)
+    return common.Server(flags + args.flags.split() + list(extra), checkout)
 
 
 def second_server(args) -> tuple:
@@ -141,6 +149,11 @@ def second_server(args) -> tuple:
     if args.second_flags:
         return args.second_label, ROOT, tuple(args.second_flags.split())
     return None, None, ()
+
+
+def more_servers(args) -> list[tuple[str, tuple]]:
+    """``(label, extra flags)`` of each ``--also`` server."""
+    return [(item.split("=", 1)[0], tuple(item.split("=", 1)[1].split())) for item in args.also]
 
 
 def own_cpu_seconds() -> float:
@@ -347,6 +360,7 @@ def main(argv=None) -> int:
 
     server = start_server(args)
     other = None
+    more: dict[str, common.Server] = {}
     rows = []
     try:
         print(f"server ready after {server.wait_ready():.0f} s (load and compile)", flush=True)
@@ -355,12 +369,16 @@ def main(argv=None) -> int:
             other = start_server(args, checkout, extra)
             print(f"{second} server ({args.baseline or ' '.join(extra)}) ready after {other.wait_ready():.0f} s",
                   flush=True)
+        for label, extra in more_servers(args):  # one at a time: they do not compile at once
+            more[label] = start_server(args, ROOT, extra)
+            print(f"{label} server ({' '.join(extra)}) ready after {more[label].wait_ready():.0f} s", flush=True)
         static = None if args.skip_decode else static_runner(args, texts)
         for rnd in range(args.rounds):
             for clients in args.clients:
                 share = requests[: clients * args.requests_per_client]
-                for mode, num_draft in (("speculative", None), (second, None), ("no drafts", 0),
-                                        ("static decode", None)):
+                modes = [("speculative", None), (second, None), *((label, None) for label in more),
+                         ("no drafts", 0), ("static decode", None)]
+                for mode, num_draft in modes:
                     if mode is None or (mode == "no drafts" and args.skip_no_drafts):
                         continue
                     if mode == "static decode":
@@ -368,7 +386,8 @@ def main(argv=None) -> int:
                             continue
                         row = static(clients)
                     else:
-                        row = run_load(httpx, other if mode == second else server, share, clients, args, num_draft)
+                        target = other if mode == second else more.get(mode, server)
+                        row = run_load(httpx, target, share, clients, args, num_draft)
                     rows.append(dict(mode=mode, clients=clients, round=rnd, **row))
                     print(f"  {mode:13s} C={clients} round {rnd}: {row['tok_s']:.1f} tok/s, {row['tokens']} tokens, "
                           f"{row['completed']}/{row['requests']} completed, lost {row['lost']}", flush=True)
@@ -379,6 +398,8 @@ def main(argv=None) -> int:
         code = server.stop()
         if other is not None:
             other.stop()
+        for extra_server in more.values():
+            extra_server.stop()
     # uvicorn shuts down gracefully, then re-raises the signal it caught: -SIGTERM is a clean exit.
     clean = code in (0, -signal.SIGTERM)
     print(f"server: peak RSS {rss:.0f} MiB; /health after the load: {health}; after SIGTERM it exited "
@@ -422,6 +443,16 @@ def main(argv=None) -> int:
                 print(f"C={clients}: short requests' gaps between text deltas, p99 / max: "
                       f"{pct(gaps(spec), 99)} / {max(gaps(spec)) * 1000:.0f} ms (speculative) against "
                       f"{pct(gaps(base_rows), 99)} / {max(gaps(base_rows)) * 1000:.0f} ms ({second})")
+        contenders = [m for m in ("speculative", second, *more) if m and of(m)]
+        for mode in contenders if off else []:  # every server against the same requests with drafts off
+            ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(of(mode), off)]
+            print(f"C={clients}: tok/s {mode} / no drafts = {common.ratio_cell(ratios)}")
+        if more:  # the default server against the best of the others, round by round
+            best = [max([r["tok_s"] for m in contenders[1:] for r in of(m) if r["round"] == a["round"]]
+                        + ([o["tok_s"] for o in off if o["round"] == a["round"]] if off else []))
+                    for a in of("speculative")]
+            ratios = [a["tok_s"] / b for a, b in zip(of("speculative"), best)]
+            print(f"C={clients}: tok/s speculative / best of the others and no drafts = {common.ratio_cell(ratios)}")
         if static_rows:  # rows of one round ran one after the other: their ratio is the fair one
             ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(spec, static_rows)]
             print(f"C={clients}: tok/s speculative server / static decode = {common.ratio_cell(ratios)} "
