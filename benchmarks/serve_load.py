@@ -392,6 +392,11 @@ def main(argv=None) -> int:
                     print(f"  {mode:13s} C={clients} round {rnd}: {row['tok_s']:.1f} tok/s, {row['tokens']} tokens, "
                           f"{row['completed']}/{row['requests']} completed, lost {row['lost']}", flush=True)
         health = httpx.get(server.url + "/health", timeout=10).status_code
+        for label, srv in [("speculative", server), *more.items()]:  # what auto planned with, and chose
+            text = httpx.get(srv.url + "/metrics", timeout=10).text
+            lines = [line for line in text.splitlines() if line.startswith(("specjax_cycle_cost", "specjax_draft_length"))]
+            if lines:
+                print(f"{label} server's /metrics after the rows:\n  " + "\n  ".join(lines))
         rss = server.peak_rss_mib()
         other_rss = other.peak_rss_mib() if other is not None else None
     finally:
