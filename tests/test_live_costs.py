@@ -177,6 +177,10 @@ def test_forced_steps_draft_as_forced_and_serving_times_its_steps(bigram_pair):
         after = np.asarray(state.loop.stats.drafted_at)[0]
         assert step_draft_length([2], [after - before], 2) == k
         before = after.copy()
+    # Built once per length, whatever the timings since: a forced step adds no host work to the step it times.
+    forced = live.forced_costs(2)
+    feed(live, 1, [0.010, 0.011, 0.012, 0.013], times=3)
+    assert live.forced_costs(2) is forced
 
     scheduler = sched.Scheduler(engine, _NoText(), num_cycles=2, warmup_widths=(16,), prefill_groups=[1]).start()
     prompt = [1, 2, 3]

@@ -91,6 +91,7 @@ class LiveCosts:
         self._last_seen = np.full((len(self.batches), self.num_lengths), -1, np.int64)
         self._steps = np.zeros(len(self.batches), np.int64)
         self._costs: Optional[CostModel] = None
+        self._forced: dict[int, CostModel] = {}
         self._lock = threading.Lock()  # a server's metrics are read from other threads
 
     def bucket(self, rows: int) -> int:
@@ -170,8 +171,15 @@ class LiveCosts:
         return self._costs
 
     def forced_costs(self, draft_length: int) -> CostModel:
-        """Costs under which :func:`~specjax.drafting.auto` drafts ``draft_length`` tokens."""
-        return forcing(self.costs(), draft_length)
+        """Costs under which :func:`~specjax.drafting.auto` drafts ``draft_length`` tokens.
+
+        Built once per length: they hold no timing (only the shapes and the start-up
+        costs' forward time), so a forced step adds no host work of its own to the step
+        it times (building them took several small device calls each time)."""
+        k = int(draft_length)
+        if k not in self._forced:
+            self._forced[k] = forcing(self.start, k)
+        return self._forced[k]
 
     def report(self) -> dict:
         """What a server's metrics show: per row bucket (``rows``), the median

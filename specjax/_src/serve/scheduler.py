@@ -683,7 +683,6 @@ class Scheduler:
         return self.engine.plan({slot: live.request.settings for slot, live in self._live.items()})
 
     def _step(self, state):
-        t0 = time.perf_counter()
         with self._cond:
             waiting = bool(self._waiting) and not self._paused
             free = bool(self._free)
@@ -695,6 +694,9 @@ class Scheduler:
         # A new request's one-cycle first step is neither forced nor timed (see _time_step).
         forced = None if self.live_costs is None or fresh else self.live_costs.explore(plan.rows)
         costs = None if forced is None else self.live_costs.forced_costs(forced)
+        # Timed from here: the step and reading its output back, what every step pays alike (the
+        # plan and a forced step's costs, prepared above, are not part of a cycle's cost).
+        t0 = time.perf_counter()
         state, out = self.engine.step(state, asked, until_first_finish=True, plan=plan, costs=costs)
         stats, loop = state.loop.stats, state.loop
         # With a prefix cache, the caches' lengths too (read with the rest): a finished request's
