@@ -374,6 +374,42 @@ def test_greedy_with_a_feature_head_while_switching():
     assert plain_cycles(out.stats).sum() > 0 and np.asarray(out.stats.accepted).sum() > 0
 
 
+class _FirstStepSpy:
+    """A head module that records, at run time, each first draft step's width and the most
+    pending features any sequence read (``logits_at + 1``); everything else is the head's."""
+
+    def __init__(self, inner, seen):
+        self._inner, self._seen = inner, seen
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def apply(self, params, tokens, cache=None, **kw):
+        if kw.get("logits_at") is not None and "features" in kw:
+            jax.debug.callback(lambda at, w=tokens.shape[1]: self._seen.append((w, int(np.max(at)) + 1)),
+                               kw["logits_at"])
+        return self._inner.apply(params, tokens, cache, **kw)
+
+
+def test_a_heads_first_step_reads_only_the_pending_rows():
+    """With drafts of varying length, the head's first step runs over the narrowest verification
+    width that holds every sequence's pending target features, not the cap's K + 1 (a cycle after a
+    one-draft one reads two rows, as a fixed K = 1 head does); output stays the target's greedy."""
+    from test_feature_head import _small_head_pair
+
+    pair = _small_head_pair(16)
+    seen = []
+    spied = specjax.pair(pair.target, pair.draft.replace(module=_FirstStepSpy(pair.draft.module, seen)))
+    # One prompt in every row: the rows finish together, so no finished row's count (never read) is recorded.
+    prompts = random_prompts(21, 1, 16, 14) * 4
+    ref = specjax.generate(pair.target, prompts, max_new_tokens=24, temperature=0.0)
+    out = specjax.decode(spied, prompts, drafting=switching_policy(), num_draft=K, max_new_tokens=24,
+                         temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert seen and all(width >= pending for width, pending in seen), seen  # every pending row was read
+    assert min(w for w, _ in seen) < K + 1, seen  # narrower than the cap's K + 1 rows
+
+
 def first_two_tokens(pair, prompts, lengths, key, **decode_kw):
     """``(counts [V, V], stats)``: how often each pair of first two tokens was sampled at T=1."""
     out = specjax.decode(pair, prompts, prompt_lengths=lengths, max_new_tokens=2, temperature=1.0, key=key,
