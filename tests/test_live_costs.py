@@ -141,8 +141,12 @@ def test_bad_arguments_get_clear_errors(bigram_pair):
         LiveCosts({"verify": 1})
     with pytest.raises(ValueError, match="min_samples .* cannot exceed window"):
         LiveCosts(EXPENSIVE, window=2, min_samples=3)
+    with pytest.raises(ValueError, match="neighbours"):
+        LiveCosts(EXPENSIVE, neighbours=0)
     with pytest.raises(ValueError, match="draft_length must lie in 0 .. 3"):
         LiveCosts(EXPENSIVE).observe(1, 4, 0.01)
+    with pytest.raises(ValueError, match="draft_length must lie in 0 .. 3"):
+        LiveCosts(EXPENSIVE).forced_costs(4)  # would force nothing: every length costs a million cycles
     fixed = Engine(bigram_pair, num_slots=2, capacity=32, num_draft=K)
     assert fixed.costs is None
     with pytest.raises(ValueError, match="drafting=auto"):

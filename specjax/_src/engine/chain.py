@@ -53,7 +53,7 @@ from specjax._src.engine.cycle import (
     per_row_rule,
     with_greedy_rows,
 )
-from specjax._src.engine.ops import cond_in_place, gather, row_at, switch_in_place, warp, where_b
+from specjax._src.engine.ops import cond_in_place, gather, narrowest_width, row_at, switch_in_place, warp, where_b
 from specjax._src.engine.plain import draft_can_wait, first_draft_step, pending_after_skip, plain_cycle
 from specjax._src.models.lm import KVCache, LMOutput
 from specjax._src.proposals.lookup import lookup_drafts
@@ -130,8 +130,7 @@ def _drafting_cycle(
 def _width_index(widths: tuple[int, ...], valid: Array, live: Array) -> Array:
     """The index in ``widths`` of the narrowest that holds every live sequence's last token and
     valid drafts (the widest where none does)."""
-    need = 1 + jnp.max(jnp.where(live, valid.sum(1), 0))
-    return jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)
+    return narrowest_width(widths, 1 + jnp.max(jnp.where(live, valid.sum(1), 0)))
 
 
 def _narrowed(cfg: LoopConfig, width: int) -> LoopConfig:

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 
 from specjax._src.logits import processors as processors_lib
 from specjax._src.engine.config import DecodeState, LoopConfig, Logprobs
-from specjax._src.engine.ops import gather, is_eos, row_at, switch_in_place, where_b
+from specjax._src.engine.ops import gather, is_eos, narrowest_width, row_at, switch_in_place, where_b
 from specjax._src.models.lm import KVCache, LMOutput, ReducedLogits
 from specjax._src.engine.stats import DecodeStats
 
@@ -222,8 +222,7 @@ def first_head_logits(cfg: LoopConfig, module, params, vocab: int, state: Decode
     if len(widths) == 1:
         logits, feature, cache, reduced = at(widths[-1])((None, None, cache, None))
     else:
-        need = jnp.max(jnp.where(state.done, 1, count))
-        pick = jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)
+        pick = narrowest_width(widths, jnp.max(jnp.where(state.done, 1, count)))
         blank = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype),
                                        jax.eval_shape(at(widths[-1]), (None, None, cache, None)))
         logits, feature, cache, reduced = switch_in_place(pick, [at(w) for w in widths],

@@ -177,6 +177,8 @@ class LiveCosts:
         costs' forward time), so a forced step adds no host work of its own to the step
         it times (building them took several small device calls each time)."""
         k = int(draft_length)
+        if not 0 <= k < self.num_lengths:
+            raise ValueError(f"draft_length must lie in 0 .. {self.num_lengths - 1}, got {draft_length}.")
         if k not in self._forced:
             self._forced[k] = forcing(self.start, k)
         return self._forced[k]

@@ -52,6 +52,12 @@ def switch_in_place(index: Array, branches: Sequence[Callable[[Any], Any]], carr
     return carry
 
 
+def narrowest_width(widths: Sequence[int], need: Array) -> Array:
+    """The index in ``widths`` (ascending) of the narrowest that holds ``need`` (a traced
+    int32 scalar) positions, or of the widest where none does."""
+    return jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)
+
+
 def cond_in_place(pred: Array, true_fn: Callable[[Any], Any], false_fn: Callable[[Any], Any], carry):
     """``lax.cond(pred, true_fn, false_fn, carry)`` without a copy of the
     buffers the branches write (:func:`switch_in_place`)."""
