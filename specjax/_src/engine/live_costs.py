@@ -17,10 +17,10 @@ cycles' timed nearest it (the ``neighbours`` plain samples closest in the
 order the steps were timed), not its median over the plain cycles' median: a
 busy spell that slowed the few steps timing a length slowed the plain steps
 around them as much, and does not make that length look dear for the hundreds
-of steps its samples stay in the window. (Comparing medians did: on a 2-core
-CPU, a test run beside the server during the first requests left a one-draft
-cycle timed at 2.3 plain ones at four rows, where it cost 1.3, and auto drafted
-too little for the rest of the run.)
+of steps its samples stay in the window. (Comparing medians, a server on a
+2-core CPU whose first requests ran beside a test job kept a one-draft cycle at
+four rows at 2.3 plain ones for the rest of the run, where it cost 1.3 measured
+alone, and auto drafted too little.)
 
 Lengths the policy stops choosing would never be timed again, so every
 ``explore_every`` steps of a row bucket one step is run at the length timed
