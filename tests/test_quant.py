@@ -114,14 +114,20 @@ def test_the_cpu_kernel_matches_the_float_product_of_the_dequantized_weights(fmt
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", ["int8", "q4"])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt):
-    leaves = _leaves(_matrix(200, 256), fmt)
-    x = np.random.default_rng(3).standard_normal((16, 256)).astype(np.float32)
+@pytest.mark.parametrize("rows", [16, 41])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt, rows):
+    """16 rows go through the register tiles, 41 through dequantized panels (a prefill chunk's
+    path, with a last tile of 5 rows): either way a row's sums are bit for bit its own."""
+    leaves = _leaves(_matrix(203, 256), fmt)
+    x = np.random.default_rng(3).standard_normal((rows, 256)).astype(np.float32)
     product = jax.jit(quant.qdot)
     together = np.asarray(product(jnp.asarray(x), leaves))
-    for i in (0, 5, 15):
+    for i in (0, 5, 15, rows - 1):
         alone = np.asarray(product(jnp.asarray(x[i : i + 1]), leaves))
         np.testing.assert_array_equal(alone[0], together[i])
+    w_hat = np.asarray(quant.dequantize_matrix(leaves))
+    want = x.astype(np.float64) @ w_hat.T.astype(np.float64)
+    assert np.all(np.abs(together - want) <= _error_bound(x, w_hat))
 
 
 def test_quantized_products_lower_without_the_cpu_kernel_for_accelerators():
@@ -386,7 +392,7 @@ sys.path.insert(0, {tests!r})
 from specjax._src.kernels import quant
 from test_quant import _error_bound, _fingerprint, _leaves, _matrix
 for fmt in ("int8", "int8/32", "q4", "q4/64"):
-    for rows in (1, 4, 6):
+    for rows in (1, 4, 6, 27):
         w = _matrix(45, 128, seed=rows)
         leaves = _leaves(w, fmt)
         w_hat = np.asarray(quant.dequantize_matrix(leaves))

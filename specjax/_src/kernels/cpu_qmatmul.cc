@@ -144,6 +144,7 @@ struct Ops {
   static V Zero() { return _mm512_setzero_ps(); }
   static V Set(float v) { return _mm512_set1_ps(v); }
   static V Load(const float* x) { return _mm512_loadu_ps(x); }
+  static void Store(float* out, V v) { _mm512_storeu_ps(out, v); }
   static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static float Sum(V v) { return _mm512_reduce_add_ps(v); }
@@ -177,6 +178,7 @@ struct Ops {
   static V Zero() { return _mm256_setzero_ps(); }
   static V Set(float v) { return _mm256_set1_ps(v); }
   static V Load(const float* x) { return _mm256_loadu_ps(x); }
+  static void Store(float* out, V v) { _mm256_storeu_ps(out, v); }
   static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static float Sum(V v) {
