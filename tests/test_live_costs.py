@@ -37,10 +37,16 @@ def sure_drafts(rows: int = 1):
     return state, jnp.ones((rows,), bool)
 
 
+def note(live, rows, k, seconds):
+    """One timed step of length ``k``, after the (untimed) step that switched to it where the last one's differed."""
+    live.observe(rows, k, None)
+    live.observe(rows, k, seconds)
+
+
 def feed(live, rows, seconds_by_length, times):
     for _ in range(times):
         for k, seconds in enumerate(seconds_by_length):
-            live.observe(rows, k, seconds)
+            note(live, rows, k, seconds)
 
 
 def test_costs_come_from_the_steps_once_every_length_is_timed():
@@ -51,7 +57,7 @@ def test_costs_come_from_the_steps_once_every_length_is_timed():
     state, alive = sure_drafts()
     assert int(policy(live.costs()).plan(state, alive, K)[0]) == 0
     feed(live, 1, [0.010, 0.011, 0.012, 0.013], times=2)
-    live.observe(1, 0, 0.010)  # k = 0 has 3, the others 2: still the parts
+    note(live, 1, 0, 0.010)  # k = 0 has 3, the others 2: still the parts
     assert (np.asarray(live.costs().measured) == 0).all()
     assert int(policy(live.costs()).plan(state, alive, K)[0]) == 0
     feed(live, 1, [0.010, 0.011, 0.012, 0.013], times=1)
@@ -90,7 +96,7 @@ def test_a_busy_spell_does_not_make_the_lengths_it_timed_look_dear():
     for _ in range(3):  # the spell: plain steps as the policy chose them, and one forced step of each length
         feed(live, 4, [2 * quiet[0]], times=4)
         for k in (1, 2, 3):
-            live.observe(4, k, 2 * quiet[k])
+            note(live, 4, k, 2 * quiet[k])
         feed(live, 4, [2 * quiet[0]], times=4)
     feed(live, 4, quiet[:1], times=24)
     np.testing.assert_allclose(np.asarray(live.costs().measured), [1.0, 1.25, 1.45, 1.725], rtol=1e-6)
@@ -108,9 +114,10 @@ def _metrics_with(report):
     return m
 
 
-def test_exploration_times_every_length_then_one_step_in_explore_every():
-    """A policy that always drafts K: forced steps time the other lengths, four apart until each has
-    its samples, then one in ``explore_every``, each time the length timed longest ago."""
+def test_exploration_times_every_length_then_two_steps_in_explore_every():
+    """A policy that always drafts K: forced steps time the other lengths, a pair every four steps
+    until each has its samples, then a pair in ``explore_every``, each time the length timed
+    longest ago; only the second step of a pair is a sample."""
     live = LiveCosts(EXPENSIVE, min_samples=2, explore_every=10, warmup_explore_every=4)
     forced = []
     for step in range(1, 101):
@@ -118,12 +125,35 @@ def test_exploration_times_every_length_then_one_step_in_explore_every():
         forced.append((step, k))
         live.observe(1, K if k is None else k, 0.01)
     forced = [(step, k) for step, k in forced if k is not None]
-    assert [k for _, k in forced[:6]] == [0, 1, 2, 0, 1, 2]  # never timed first, then the oldest
-    assert [step for step, _ in forced[:6]] == [4, 8, 12, 16, 20, 24]
-    after = [(step, k) for step, k in forced if step > 24]
-    assert [step for step, _ in after] == [30, 40, 50, 60, 70, 80, 90, 100]
-    assert [k for _, k in after] == [0, 1, 2, 0, 1, 2, 0, 1]
-    assert (live.samples() >= 2).all()
+    assert [k for _, k in forced[:12]] == [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]  # never timed first, then the oldest
+    assert [step for step, _ in forced[:12]] == [4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25]
+    after = [(step, k) for step, k in forced if step > 25]
+    assert [step for step, _ in after] == [30, 31, 40, 41, 50, 51, 60, 61, 70, 71, 80, 81, 90, 91, 100]
+    assert [k for _, k in after] == [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2, 0, 0, 1]
+    # One sample per whole pair: five of length 0, four of 1 (step 100 began a fifth) and of 2.
+    assert live.samples()[0, :3].tolist() == [5, 4, 4]
+
+
+def test_the_first_step_after_a_length_changes_is_not_a_sample():
+    """In the server a step that changed the draft length ran up to 150 ms longer than a cycle of
+    its length (cause not located): neither that step nor the one switching back is a sample of
+    the length it ran. The control: the same switch, timed, would have made a plain cycle look
+    20 times dearer than its steady ones."""
+    live = LiveCosts(EXPENSIVE, min_samples=1)
+    steps = [(K, 0.010)] * 4 + [(0, 0.140), (0, 0.007), (K, 0.150)] + [(K, 0.010)] * 4 + [(None, 0.01), (K, 0.2)]
+    for k, seconds in steps:
+        live.observe(1, k, seconds)
+    np.testing.assert_allclose(live.seconds()[0, [0, K]], [0.007, 0.010])
+    assert live.samples()[0].tolist() == [1, 0, 0, 7]
+    np.testing.assert_allclose(live.relative(1)[[0, K]], [1.0, 0.010 / 0.007], rtol=1e-6)
+    # So is the first step after a change of row bucket or of program, at any length.
+    live.observe(4, K, 0.3)
+    live.observe(1, K, 0.4)
+    live.observe(1, K, 0.5, program="sampled")
+    live.observe(1, K, 0.010, program="sampled")
+    assert live.samples()[:, K].tolist() == [8]
+    timed_every_step = np.median([0.140, 0.007])  # what recording the switch gave the plain cycle
+    assert timed_every_step > 10 * 0.007
 
 
 def test_a_steps_draft_length_from_the_slots_counters():

@@ -664,17 +664,18 @@ class Scheduler:
             self._live[s].seen_cycles, self._live[s].seen_drafted_at = int(cycles[s]), np.asarray(drafted_at[s])
         return ran, lengths
 
-    def _time_step(self, rows: int, asked: int, ran: np.ndarray, lengths: np.ndarray, seconds: float) -> None:
-        """Gives :attr:`live_costs` the step's seconds per cycle and the length its cycles
-        drafted (``ran``, ``lengths``: :meth:`_since_last_step`), and every 8 timed steps
-        hands the engine the refreshed costs. A step cut short by a finish is not timed: its
-        fixed host work, over fewer cycles, would make its length look dear (docs/drafting.md)."""
-        if not ran.size or int(ran.max()) != asked:
+    def _time_step(self, rows: int, asked: int, ran: np.ndarray, lengths: np.ndarray, seconds: float,
+                   timed: bool = True, program: str = "") -> None:
+        """Gives :attr:`live_costs` the length the step's cycles drafted (``ran``, ``lengths``:
+        :meth:`_since_last_step`) and, for a ``timed`` step, its seconds per cycle, and every 8
+        timed steps hands the engine the refreshed costs. A step cut short by a finish is not
+        timed: its fixed host work, over fewer cycles, would make its length look dear
+        (docs/drafting.md)."""
+        k = step_draft_length(ran, lengths, asked) if ran.size else None
+        timed = timed and k is not None and int(ran.max()) == asked
+        self.live_costs.observe(rows, k, seconds / int(ran.max()) if timed else None, program)
+        if not timed:
             return
-        k = step_draft_length(ran, lengths, asked)
-        if k is None:
-            return
-        self.live_costs.observe(rows, k, seconds / int(ran.max()))
         self._timed_steps += 1
         if self._timed_steps % 8 == 0:
             self.engine.set_costs(self.live_costs.costs())
@@ -709,8 +710,8 @@ class Scheduler:
         self.counters.steps += 1
         ran, lengths = self._since_last_step(cycles, drafted_at)
         self.step_length.observe(plan.rows, asked, ran, now - t0)
-        if self.live_costs is not None and not fresh:
-            self._time_step(plan.rows, asked, ran, lengths, now - t0)
+        if self.live_costs is not None:
+            self._time_step(plan.rows, asked, ran, lengths, now - t0, timed=not fresh, program=plan.program)
         for slot in list(self._live):
             live = self._live[slot]
             request, stream, index = live.request, live.stream, live.index
