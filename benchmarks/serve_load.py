@@ -335,6 +335,16 @@ def pct(xs, q) -> str:
     return f"{np.percentile(xs, q) * 1000:.0f}" if xs else "-"
 
 
+def draft_length_counts(httpx, srv) -> dict[int, int]:
+    """The server's sequence-cycles by draft length so far (``specjax_draft_length_cycles_total``)."""
+    counts = {}
+    for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("specjax_draft_length_cycles_total{"):
+            length = int(line.split('length="')[1].split('"')[0])
+            counts[length] = int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import httpx
@@ -387,16 +397,26 @@ def main(argv=None) -> int:
                         row = static(clients)
                     else:
                         target = other if mode == second else more.get(mode, server)
+                        # Per row: the default server also runs the "no drafts" rows, so its counters
+                        # over the whole run mix the two.
+                        before = draft_length_counts(httpx, target)
                         row = run_load(httpx, target, share, clients, args, num_draft)
+                        after = draft_length_counts(httpx, target)
+                        row["draft_lengths"] = {k: after[k] - before.get(k, 0) for k in sorted(after)}
                     rows.append(dict(mode=mode, clients=clients, round=rnd, **row))
+                    lengths = row.get("draft_lengths")
+                    drafted = "" if not lengths else ", cycles by draft length " + " ".join(
+                        f"{k}:{n}" for k, n in lengths.items())
                     print(f"  {mode:13s} C={clients} round {rnd}: {row['tok_s']:.1f} tok/s, {row['tokens']} tokens, "
-                          f"{row['completed']}/{row['requests']} completed, lost {row['lost']}", flush=True)
+                          f"{row['completed']}/{row['requests']} completed, lost {row['lost']}{drafted}", flush=True)
         health = httpx.get(server.url + "/health", timeout=10).status_code
         for label, srv in [("speculative", server), *more.items()]:  # what auto planned with, and chose
             text = httpx.get(srv.url + "/metrics", timeout=10).text
             lines = [line for line in text.splitlines() if line.startswith(("specjax_cycle_cost", "specjax_draft_length"))]
             if lines:
-                print(f"{label} server's /metrics after the rows:\n  " + "\n  ".join(lines))
+                print(f"{label} server's /metrics after the rows (its draft-length counters hold every "
+                      f"row it ran{', the no-drafts rows too' if label == 'speculative' else ''}):\n  "
+                      + "\n  ".join(lines))
         rss = server.peak_rss_mib()
         other_rss = other.peak_rss_mib() if other is not None else None
     finally:
