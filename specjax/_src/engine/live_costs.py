@@ -29,24 +29,27 @@ few samples). A forced step is an ordinary cycle with another draft length:
 the sampled law and greedy output do not change, only its speed, by at most
 two steps in ``explore_every``.
 
-Only the second of the two is timed: the first step after the draft length,
-the row bucket or the compiled program changes is not a sample of either. In `specjax serve`'s scheduler on a
-2-core CPU, with the real pair at four rows, 11 of 27 single forced steps ran
-80-150 ms longer than a cycle of their length (plain cycles timed at 141 ms where
-they cost 33), and so did 4 of 31 steps where the policy changed its length
-itself, against 1 of 257 steps that kept it; the same engine stepping in a loop
-of its own, switching every step, showed no such cost, and the cause is not
-located. The first steps at two rows after steps at four, where a server
-runs rarely, were as slow. Timed, those switches made the lengths they forced
-look dear: a served run planned with a one-draft cycle at two rows costing
-4.2 plain ones and stopped drafting there.
+Only the second of the two is timed, and no step that runs a branch of the
+compiled step for the first time is a sample: the draft length and the
+attention's key width (:meth:`specjax.engine.Engine.attention_widths`) each
+pick a branch of a ``lax.switch``, and XLA's CPU runtime prepares a branch's
+kernels the first time it runs it. The real pair's step at four rows, every
+program compiled, ran 100-150 ms longer the first time a draft length met a
+new key width, and not the second time. A length the policy rarely chooses is
+mostly timed at such first encounters, so they made it look dear: a served
+run planned with two and three drafts at eight rows costing 2.1 and 2.4 plain
+cycles, where their parts sum to 1.6 and 1.75, and one with a one-draft cycle
+at two rows costing 4.2. Nor is the first step after the draft length, the row
+bucket or the program changes a sample (before the cause was found, that kept
+out most of them: 11 of 27 single forced steps ran 80-150 ms long, against 1
+of 257 steps that kept their length).
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -104,6 +107,7 @@ class LiveCosts:
         self._steps = np.zeros(len(self.batches), np.int64)
         self._forcing = [None] * len(self.batches)  # the length the next step repeats, after a first forced step
         self._previous = (None, -1)  # the last step's program (its row bucket and kind) and length (-1: not known)
+        self._ran: set = set()  # (rows, program, length, key width index) of every branch a step has run
         self._costs: Optional[CostModel] = None
         self._forced: dict[int, CostModel] = {}
         self._lock = threading.Lock()  # a server's metrics are read from other threads
@@ -131,20 +135,25 @@ class LiveCosts:
         return k
 
     def observe(self, rows: int, draft_length: Optional[int], seconds_per_cycle: Optional[float],
-                program: str = "") -> None:
+                program: str = "", widths: Sequence[int] = ()) -> None:
         """Records a step of ``rows`` rows whose cycles all drafted ``draft_length`` tokens.
 
         ``draft_length`` None: the step's cycles drafted several lengths; ``seconds_per_cycle``
         None: the step is not a timing (its length is still noted); ``program``: the compiled
-        step it ran (``StepPlan.program``). A step whose length, row bucket or program differs
-        from the last step's is not recorded (see the module's docstring)."""
+        step it ran (``StepPlan.program``); ``widths``: the indices of the key widths its
+        attention read (:func:`widths_read`). A step whose length, row bucket or program differs
+        from the last step's, or that ran a length at a key width for the first time, is not
+        recorded (see the module's docstring)."""
         i = self.bucket(rows)
         k = -1 if draft_length is None else int(draft_length)
         if not -1 <= k < self.num_lengths:
             raise ValueError(f"draft_length must lie in 0 .. {self.num_lengths - 1}, got {draft_length}.")
         switched = ((rows, program), k) != self._previous
         self._previous = ((rows, program), k)
-        if switched or k < 0 or seconds_per_cycle is None:
+        branches = {(rows, program, k, int(w)) for w in widths} if k >= 0 else set()
+        first_run = not branches <= self._ran
+        self._ran |= branches
+        if switched or first_run or k < 0 or seconds_per_cycle is None:
             return
         if not np.isfinite(seconds_per_cycle) or seconds_per_cycle <= 0:
             return  # a clock that went backwards tells nothing
@@ -263,3 +272,16 @@ def step_draft_length(cycles, drafted_at, steps_asked: int) -> Optional[int]:
     if ((per_slot != 0) & (per_slot != n[0])).any():
         return None
     return int((per_slot == n[0]).sum(axis=1).max())
+
+
+def widths_read(widths: Sequence[int], longest_before: int, longest_after: int, draft_length: int) -> tuple[int, ...]:
+    """The indices into ``widths`` (the key widths a step's attention may read,
+    ascending; :meth:`specjax.engine.Engine.attention_widths`) that its cycles'
+    verifications read, as the model picks them (the first width holding the
+    batch's longest row and the ``draft_length + 1`` tokens verified; past the
+    last, the last): the longest row held ``longest_before`` positions before the step and
+    ``longest_after`` after it, so its last cycle began at ``longest_after - 1`` or less."""
+    bounds = np.asarray(widths[:-1], np.int64)
+    first = int(np.searchsorted(bounds, int(longest_before) + draft_length + 1))
+    last = int(np.searchsorted(bounds, max(int(longest_after), int(longest_before) + 1) + draft_length))
+    return tuple(range(first, last + 1))

@@ -296,6 +296,14 @@ class Engine:
     def capacity(self) -> int:
         return self.cfg.capacity
 
+    def attention_widths(self) -> tuple[int, ...]:
+        """The key widths the target's attention may read from a slot's cache,
+        ascending: each step reads the narrowest that holds its longest row's
+        positions (one width where it reads the whole buffer)."""
+        module, length = self.params.target.module, self.cfg.loop.cache_length
+        widths = getattr(module, "attention_widths", None)
+        return tuple(widths(length)) if widths is not None else (int(length),)
+
     @property
     def logprobs(self) -> int:
         """The most alternatives per token a request may ask for (``Engine(logprobs=N)``'s N;

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 
-from specjax._src.engine.live_costs import LiveCosts, step_draft_length
+from specjax._src.engine.live_costs import LiveCosts, step_draft_length, widths_read
 from specjax._src.engine.ops import SINGLE_PREFILL_BLOCK
 from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, blocks_in_common, usable_blocks
 from specjax._src.engine.slots import Engine, PrefillJob, SlotSettings
@@ -173,6 +173,8 @@ class Scheduler:
         timed = live_costs and engine.costs is not None and engine.tree is None
         self.live_costs = LiveCosts(engine.costs) if timed else None
         self._timed_steps = 0
+        self._attention_widths = engine.attention_widths()
+        self._target_lengths: Optional[np.ndarray] = None  # each slot's cached positions after the last step
         if prefill_groups is None:
             prefill_groups = [2**i for i in range(engine.num_slots.bit_length()) if 2**i <= engine.num_slots]
         groups = sorted({int(n) for n in prefill_groups})
@@ -665,15 +667,17 @@ class Scheduler:
         return ran, lengths
 
     def _time_step(self, rows: int, asked: int, ran: np.ndarray, lengths: np.ndarray, seconds: float,
-                   timed: bool = True, program: str = "") -> None:
+                   timed: bool = True, program: str = "", longest: Optional[tuple[int, int]] = None) -> None:
         """Gives :attr:`live_costs` the length the step's cycles drafted (``ran``, ``lengths``:
-        :meth:`_since_last_step`) and, for a ``timed`` step, its seconds per cycle, and every 8
-        timed steps hands the engine the refreshed costs. A step cut short by a finish is not
-        timed: its fixed host work, over fewer cycles, would make its length look dear
-        (docs/drafting.md)."""
+        :meth:`_since_last_step`), the key widths they read (``longest``: the longest of the
+        step's rows before and after it, in cached positions) and, for a ``timed`` step, its
+        seconds per cycle, and every 8 timed steps hands the engine the refreshed costs. A
+        step cut short by a finish is not timed: its fixed host work, over fewer cycles,
+        would make its length look dear (docs/drafting.md)."""
         k = step_draft_length(ran, lengths, asked) if ran.size else None
         timed = timed and k is not None and int(ran.max()) == asked
-        self.live_costs.observe(rows, k, seconds / int(ran.max()) if timed else None, program)
+        widths = () if longest is None or k is None else widths_read(self._attention_widths, *longest, k)
+        self.live_costs.observe(rows, k, seconds / int(ran.max()) if timed else None, program, widths)
         if not timed:
             return
         self._timed_steps += 1
@@ -703,15 +707,20 @@ class Scheduler:
         # With a prefix cache, the caches' lengths too (read with the rest): a finished request's
         # entries are stored up to them.
         cache_lengths = None if self.prefix_cache is None else (loop.target_cache.lengths, loop.draft_cache.lengths)
-        out, cycles, drafted, accepted, accepted_at, drafted_at, cache_lengths = jax.device_get(
-            (out, stats.cycles, stats.drafted, stats.accepted, stats.accepted_at, stats.drafted_at, cache_lengths))
+        out, cycles, drafted, accepted, accepted_at, drafted_at, cache_lengths, target_lengths = jax.device_get(
+            (out, stats.cycles, stats.drafted, stats.accepted, stats.accepted_at, stats.drafted_at, cache_lengths,
+             loop.target_cache.lengths))
         now = time.perf_counter()
         self.counters.step_seconds += now - t0
         self.counters.steps += 1
         ran, lengths = self._since_last_step(cycles, drafted_at)
         self.step_length.observe(plan.rows, asked, ran, now - t0)
         if self.live_costs is not None:
-            self._time_step(plan.rows, asked, ran, lengths, now - t0, timed=not fresh, program=plan.program)
+            after = int(np.max(target_lengths[: plan.rows]))
+            before = after if self._target_lengths is None else int(np.max(self._target_lengths[: plan.rows]))
+            self._time_step(plan.rows, asked, ran, lengths, now - t0, timed=not fresh, program=plan.program,
+                            longest=(min(before, after), after))
+        self._target_lengths = target_lengths
         for slot in list(self._live):
             live = self._live[slot]
             request, stream, index = live.request, live.stream, live.index
