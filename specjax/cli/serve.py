@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -179,10 +180,21 @@ def run(args) -> int:
     host, port = sock.getsockname()[:2]
     print(f"specjax serve: compiling{f' (programs kept in {cache})' if cache else ''}, then serving on "
           f"http://{args.host}:{port} (GET /health answers 200 once ready)", flush=True)
+    if scheduler.live_costs is not None:
+        threading.Thread(target=_print_timed_costs, args=(scheduler,), daemon=True).start()
     # On SIGINT / SIGTERM the server stops accepting, refuses what waits, lets live requests finish
     # for --drain-seconds and ends the rest with an error event (specjax._src.serve.server).
     make_server(app, scheduler, drain_seconds=args.drain_seconds, log_level=args.log_level).run(sockets=[sock])
     return 0
+
+
+def _print_timed_costs(scheduler) -> None:
+    """Once the server is ready: what its steps cost at each draft length, timed before any request,
+    and the costs auto plans with from them (refreshed from the served steps after)."""
+    scheduler.ready.wait()
+    if scheduler.error is None:
+        print("specjax serve: each row bucket's step timed at each draft length (ms per cycle, samples):\n"
+              + scheduler.live_costs.describe(), file=sys.stderr, flush=True)
 
 
 def add_arguments(p) -> None:

@@ -237,14 +237,16 @@ class LiveCosts:
         }
 
     def describe(self) -> str:
-        """One line per row bucket: samples and median milliseconds per cycle by draft length."""
-        seconds, counts = self.seconds(), self.samples()
+        """One line per row bucket: samples and median milliseconds per cycle by draft length, and
+        the cost in plain cycles auto plans with (timed where every length is, else the parts)."""
+        seconds, counts, planned = self.seconds(), self.samples(), self.report()["relative"]
         return "\n".join(
             f"rows {b}: "
             + ", ".join(
                 f"k={k}: " + ("-" if counts[i, k] == 0 else f"{1e3 * seconds[i, k]:.1f} ms x{counts[i, k]}")
                 for k in range(self.num_lengths)
             )
+            + "; plans with " + ", ".join(f"{x:.2f}" for x in planned[i]) + " plain cycles"
             for i, b in enumerate(self.batches)
         )
 

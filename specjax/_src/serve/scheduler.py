@@ -413,6 +413,58 @@ class Scheduler:
                 if rows > 1 or settings is not greedy:  # (greedy at one row: compiled above)
                     state = serve_one(state, rows - 1, [0], settings)
         jax.block_until_ready(state)
+        if self.live_costs is not None:
+            state = self._time_lengths(state)
+        return state
+
+    def _time_lengths(self, state, rounds: int = 3):
+        """Times each row bucket's step forced to each draft length, before any request, into
+        :attr:`live_costs` as serving's own steps would (two steps per length, the second timed;
+        ``rounds`` turns over the lengths), and hands the engine the costs.
+
+        Without it a server's first requests plan with the parts' costs until every length of
+        their row bucket has been timed by exploration: on a 2-core CPU the parts put three
+        drafts at eight rows at 1.75 plain cycles where the loop's cost more (fixed K=3 ran 0.83 of
+        fixed K=1 there), so auto drafted three tokens in a third of its first cycles at eight
+        clients. One request, alone in the bucket's last slot, runs each step: a step computes
+        every row of its bucket whatever the others hold. It is re-inserted before it outgrows
+        the narrowest key width, so every sample reads one width."""
+        engine, live = self.engine, self.live_costs
+        lengths = range(live.num_lengths)
+        per_step = self.num_cycles * (engine.num_draft + 1)
+        first_width = self._attention_widths[0]
+        if min(first_width, engine.capacity) < 2 * per_step + 2:
+            return state  # too small a cache to time a few steps in: exploration times them while serving
+        settings = SlotSettings(temperature=0.0, max_new_tokens=engine.capacity - 2, seed=0, eos_token_id=())
+        for rows in engine.row_buckets:
+            slot = rows - 1
+            plan = engine.plan({slot: settings})
+            state = engine.insert(state, slot, [0], settings)
+            for _ in range(rounds):
+                for k in lengths:
+                    for timed in (False, True):
+                        if self._stop:
+                            raise _Stopped()
+                        stats = jax.device_get((state.loop.stats.cycles[slot], state.loop.stats.drafted_at[slot],
+                                                state.loop.target_cache.lengths[slot]))
+                        if stats[2] + per_step + engine.num_draft + 1 > first_width:
+                            state = engine.release(state, slot)
+                            state = engine.insert(state, slot, [0], settings)
+                            stats = jax.device_get((state.loop.stats.cycles[slot], state.loop.stats.drafted_at[slot],
+                                                    state.loop.target_cache.lengths[slot]))
+                        t0 = time.perf_counter()
+                        state, out = engine.step(state, self.num_cycles, plan=plan, costs=live.forced_costs(k))
+                        after = jax.device_get((state.loop.stats.cycles[slot], state.loop.stats.drafted_at[slot],
+                                                state.loop.target_cache.lengths[slot], out.done[slot]))
+                        seconds = time.perf_counter() - t0
+                        ran = np.array([after[0] - stats[0]])
+                        drafted = np.array([np.asarray(after[1]) - np.asarray(stats[1])])
+                        self._time_step(plan.rows, self.num_cycles, ran, drafted, seconds,
+                                        timed=timed and not after[3], program=plan.program,
+                                        longest=(int(stats[2]), int(after[2])))
+            state = engine.release(state, slot)
+        engine.set_costs(live.costs())
+        jax.block_until_ready(state)
         return state
 
     def _serve(self, state) -> None:
