@@ -141,7 +141,7 @@ class LiveCosts:
         ``draft_length`` None: the step's cycles drafted several lengths; ``seconds_per_cycle``
         None: the step is not a timing (its length is still noted); ``program``: the compiled
         step it ran (``StepPlan.program``); ``widths``: the indices of the key widths its
-        attention read (:func:`widths_read`). A step whose length, row bucket or program differs
+        attention read (this module's ``widths_read``). A step whose length, row bucket or program differs
         from the last step's, or that ran a length at a key width for the first time, is not
         recorded (see the module's docstring)."""
         i = self.bucket(rows)
