@@ -180,6 +180,30 @@ def test_a_step_that_runs_a_length_at_a_key_width_for_the_first_time_is_not_a_sa
     assert control.samples()[0, K] == 1
 
 
+def test_a_length_is_priced_against_plain_cycles_that_read_the_same_key_width():
+    """While drafting pays, plain cycles are timed rarely, so the plain samples nearest in time
+    may come from shorter contexts (a narrower key width, cheaper). A length is priced against the
+    plain samples that read its key width first; the control, the same samples with no widths,
+    prices one draft against the narrow, old plain cycles and makes it look a third dearer."""
+    def run(with_widths):
+        live = LiveCosts(EXPENSIVE, min_samples=1, neighbours=2)
+        width = (lambda w: (w,)) if with_widths else (lambda w: ())
+        live.observe(1, 0, None, widths=width(0))
+        for _ in range(6):
+            live.observe(1, 0, 0.030, widths=width(0))  # plain cycles over short contexts
+        for k in (1, 2, 3):  # drafting at the wider width, no plain cycle timed meanwhile
+            live.observe(1, k, None, widths=width(1))
+            for _ in range(5 if k == 1 else 3):
+                live.observe(1, k, 0.040 * (1 + 0.1 * k), widths=width(1))
+        live.observe(1, 0, None, widths=width(1))
+        for _ in range(2):
+            live.observe(1, 0, 0.040, widths=width(1))  # plain cycles at the wider width, later
+        return live.relative(1)
+
+    np.testing.assert_allclose(run(True), [1.0, 1.1, 1.2, 1.3], rtol=1e-6)
+    assert run(False)[1] > 1.4  # 0.044 against the short contexts' 0.030
+
+
 @pytest.mark.parametrize("capacity", [64, 512, 2051])
 def test_the_widths_a_step_reads_are_the_models(capacity):
     """``widths_read`` picks, for every cycle a step may have run, the index the model's

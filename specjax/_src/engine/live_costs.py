@@ -14,7 +14,8 @@ draft length ``k``, the recent seconds per cycle of the steps that drafted
 
 A length's cost is the median, over its samples, of its time over the plain
 cycles' timed nearest it (the ``neighbours`` plain samples closest in the
-order the steps were timed), not its median over the plain cycles' median: a
+order the steps were timed, those that read the same key width first), not its
+median over the plain cycles' median: a
 busy spell that slowed the few steps timing a length slowed the plain steps
 around them as much, and does not make that length look dear for the hundreds
 of steps its samples stay in the window. (Comparing medians, a server on a
@@ -99,7 +100,8 @@ class LiveCosts:
         self.start = costs
         self.batches = tuple(int(b) for b in np.atleast_1d(np.asarray(costs.batch)))
         self.num_lengths = costs.max_draft + 1
-        # (clock, seconds) per row bucket and length; the clock counts a bucket's timed steps.
+        # (clock, seconds, widest key width index or -1) per row bucket and length; the clock counts a
+        # bucket's timed steps.
         self._samples = [[collections.deque(maxlen=self.window * (4 if k == 0 else 1)) for k in range(self.num_lengths)]
                          for _ in self.batches]
         self._clock = np.zeros(len(self.batches), np.int64)
@@ -158,7 +160,8 @@ class LiveCosts:
         if not np.isfinite(seconds_per_cycle) or seconds_per_cycle <= 0:
             return  # a clock that went backwards tells nothing
         with self._lock:
-            self._samples[i][k].append((int(self._clock[i]), float(seconds_per_cycle)))
+            width = max(int(w) for w in widths) if len(widths) else -1
+            self._samples[i][k].append((int(self._clock[i]), float(seconds_per_cycle), width))
             self._clock[i] += 1
             self._last_seen[i, k] = self._steps[i]
             self._costs = None
@@ -166,7 +169,7 @@ class LiveCosts:
     def seconds(self) -> np.ndarray:
         """``[R, K + 1]`` median seconds per cycle by row bucket and draft length (NaN: not timed)."""
         with self._lock:
-            return np.array([[np.median([x for _, x in s]) if s else np.nan for s in row] for row in self._samples])
+            return np.array([[np.median([x[1] for x in s]) if s else np.nan for s in row] for row in self._samples])
 
     def samples(self) -> np.ndarray:
         """``[R, K + 1]`` samples held by row bucket and draft length."""
@@ -175,19 +178,27 @@ class LiveCosts:
 
     def relative(self, rows: int) -> np.ndarray:
         """``[K + 1]`` each length's cost in plain cycles at ``rows``' bucket: the median over its
-        samples of the sample over the median of the ``neighbours`` plain samples timed nearest it
-        (non-decreasing; NaN where a length, or the plain cycle, has no sample)."""
+        samples of the sample over the median of the ``neighbours`` plain samples timed nearest it,
+        those that read the same key width first (non-decreasing; NaN where a length, or the plain
+        cycle, has no sample).
+
+        The same width first: plain cycles are timed rarely while drafting pays, so the plain
+        samples nearest in time may be from shorter contexts, whose attention read fewer keys,
+        and would make every drafting length look dearer than it is against a plain cycle now."""
         i = self.bucket(rows)
         with self._lock:
-            plain = np.array(self._samples[i][0], np.float64).reshape(-1, 2)
-            drafting = [np.array(self._samples[i][k], np.float64).reshape(-1, 2) for k in range(1, self.num_lengths)]
+            plain = np.array(self._samples[i][0], np.float64).reshape(-1, 3)
+            drafting = [np.array(self._samples[i][k], np.float64).reshape(-1, 3) for k in range(1, self.num_lengths)]
         out = np.full(self.num_lengths, np.nan)
         if not len(plain):
             return out
         out[0] = 1.0
+        other_width = 1e12  # farther than any two steps' clocks: another width's samples come last
         for k, samples in enumerate(drafting, start=1):
             if len(samples):
-                nearest = np.argsort(np.abs(plain[None, :, 0] - samples[:, :1]), axis=1, kind="stable")
+                distance = (np.abs(plain[None, :, 0] - samples[:, :1])
+                            + other_width * (plain[None, :, 2] != samples[:, 2:3]))
+                nearest = np.argsort(distance, axis=1, kind="stable")
                 around = np.median(plain[nearest[:, : self.neighbours], 1], axis=1)
                 out[k] = np.median(samples[:, 1] / around)
         return np.fmax.accumulate(out)
