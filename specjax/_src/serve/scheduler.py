@@ -436,6 +436,14 @@ class Scheduler:
         if min(first_width, engine.capacity) < 2 * per_step + 2:
             return state  # too small a cache to time a few steps in: exploration times them while serving
         settings = SlotSettings(temperature=0.0, max_new_tokens=engine.capacity - 2, seed=0, eos_token_id=())
+
+        def counters(state, slot, out=None):  # the slot's cycles, drafted-slot counts, cached positions, done
+            stats = state.loop.stats
+            cycles, drafted_at, length, done = jax.device_get(
+                (stats.cycles[slot], stats.drafted_at[slot], state.loop.target_cache.lengths[slot],
+                 None if out is None else out.done[slot]))
+            return int(cycles), np.asarray(drafted_at), int(length), bool(done)
+
         for rows in engine.row_buckets:
             slot = rows - 1
             plan = engine.plan({slot: settings})
@@ -445,23 +453,17 @@ class Scheduler:
                     for timed in (False, True):
                         if self._stop:
                             raise _Stopped()
-                        stats = jax.device_get((state.loop.stats.cycles[slot], state.loop.stats.drafted_at[slot],
-                                                state.loop.target_cache.lengths[slot]))
-                        if stats[2] + per_step + engine.num_draft + 1 > first_width:
-                            state = engine.release(state, slot)
-                            state = engine.insert(state, slot, [0], settings)
-                            stats = jax.device_get((state.loop.stats.cycles[slot], state.loop.stats.drafted_at[slot],
-                                                    state.loop.target_cache.lengths[slot]))
+                        before = counters(state, slot)
+                        if before[2] + per_step + engine.num_draft + 1 > first_width:
+                            state = engine.insert(engine.release(state, slot), slot, [0], settings)
+                            before = counters(state, slot)
                         t0 = time.perf_counter()
                         state, out = engine.step(state, self.num_cycles, plan=plan, costs=live.forced_costs(k))
-                        after = jax.device_get((state.loop.stats.cycles[slot], state.loop.stats.drafted_at[slot],
-                                                state.loop.target_cache.lengths[slot], out.done[slot]))
+                        after = counters(state, slot, out)
                         seconds = time.perf_counter() - t0
-                        ran = np.array([after[0] - stats[0]])
-                        drafted = np.array([np.asarray(after[1]) - np.asarray(stats[1])])
-                        self._time_step(plan.rows, self.num_cycles, ran, drafted, seconds,
-                                        timed=timed and not after[3], program=plan.program,
-                                        longest=(int(stats[2]), int(after[2])))
+                        self._time_step(plan.rows, self.num_cycles, np.array([after[0] - before[0]]),
+                                        (after[1] - before[1])[None], seconds, timed=timed and not after[3],
+                                        program=plan.program, longest=(before[2], after[2]))
             state = engine.release(state, slot)
         engine.set_costs(live.costs())
         jax.block_until_ready(state)
