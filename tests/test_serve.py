@@ -458,8 +458,8 @@ def test_a_lone_request_runs_the_cycles_that_fit_the_admission_wait(setup, monke
 
 
 def test_the_admission_wait_sizes_steps_from_their_timed_cycles():
-    """The arithmetic behind it: a running mean of each row bucket's seconds per cycle; a
-    forked slot's copied counts (more cycles than the step asked) are not a timing; a full
+    """The arithmetic behind it: a running mean of each row bucket's seconds per cycle, and
+    the nearest whole number of them in the wait; a forked slot's copied counts (more cycles than the step asked) are not a timing; a full
     server or a waiting request gets every cycle; a wait that is not seconds is refused, by
     the scheduler's own check and by `specjax serve`'s before anything loads."""
     from specjax._src.serve.step_length import StepLength
@@ -481,6 +481,11 @@ def test_the_admission_wait_sizes_steps_from_their_timed_cycles():
     steps.observe(rows, 4, np.array([4]), 0.0)
     assert steps.cycles(rows, free=True, waiting=False) == 8  # never more than num_cycles
     assert steps.cycles(2, free=True, waiting=False) == 1  # another row bucket: timed apart
+    # The nearest whole number of cycles, not the floor: cycles of 34 and 32 ms both run 3 a step.
+    for per_cycle in (0.034, 0.032):
+        nearest = StepLength(num_cycles=8, admission_wait=0.1)
+        nearest.observe(rows, 2, np.array([2]), 2 * per_cycle)
+        assert nearest.cycles(rows, free=True, waiting=False) == 3
     for bad in (-0.1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="admission_wait"):
             StepLength(8, bad)
