@@ -204,6 +204,29 @@ def test_a_length_is_priced_against_plain_cycles_that_read_the_same_key_width():
     assert run(False)[1] > 1.4  # 0.044 against the short contexts' 0.030
 
 
+def test_a_length_is_priced_against_plain_steps_of_as_many_cycles():
+    """A step's fixed host cost is spread over its cycles, so a one-cycle step's seconds per
+    cycle hold all of it. A length timed in one-cycle steps is priced against plain one-cycle
+    steps first; the control, the same samples with no cycle counts, prices one draft against
+    plain four-cycle steps and makes it look dear enough not to draft."""
+    def run(with_cycles):
+        live = LiveCosts(EXPENSIVE, min_samples=1, neighbours=2)
+        cycles = (lambda n: n) if with_cycles else (lambda n: 0)
+        live.observe(1, 0, None, widths=(0,), cycles=cycles(4))
+        for _ in range(2):
+            live.observe(1, 0, 0.060, widths=(0,), cycles=cycles(1))  # plain one-cycle steps: 16 ms of fixed cost
+        for _ in range(2):
+            live.observe(1, 0, 0.048, widths=(0,), cycles=cycles(4))  # then four-cycle steps: 4 ms a cycle of it
+        for k in (1, 2, 3):  # drafting in one-cycle steps only, timed after the plain ones
+            live.observe(1, k, None, widths=(0,), cycles=cycles(1))
+            for _ in range(3):
+                live.observe(1, k, 0.060 + 0.011 * k, widths=(0,), cycles=cycles(1))
+        return live.relative(1)
+
+    np.testing.assert_allclose(run(True), [1.0, 71 / 60, 82 / 60, 93 / 60], rtol=1e-6)
+    assert run(False)[1] > 1.4  # 0.071 against the four-cycle steps' 0.048
+
+
 @pytest.mark.parametrize("capacity", [64, 512, 2051])
 def test_the_widths_a_step_reads_are_the_models(capacity):
     """``widths_read`` picks, for every cycle a step may have run, the index the model's

@@ -458,8 +458,8 @@ def test_a_lone_request_runs_the_cycles_that_fit_the_admission_wait(setup, monke
 
 
 def test_the_admission_wait_sizes_steps_from_their_timed_cycles():
-    """The arithmetic behind it: a running mean of each row bucket's seconds per cycle, and
-    the nearest whole number of them in the wait; a forked slot's copied counts (more cycles than the step asked) are not a timing; a full
+    """The arithmetic behind it: the median of each row bucket's last steps' seconds per
+    cycle, and the nearest whole number of them in the wait; a forked slot's copied counts (more cycles than the step asked) are not a timing; a full
     server or a waiting request gets every cycle; a wait that is not seconds is refused, by
     the scheduler's own check and by `specjax serve`'s before anything loads."""
     from specjax._src.serve.step_length import StepLength
@@ -476,10 +476,20 @@ def test_the_admission_wait_sizes_steps_from_their_timed_cycles():
     assert steps.cycles(rows, free=True, waiting=False, fresh=True) == 1  # a request's first tokens
     steps.observe(rows, 2, np.array([9]), 0.001)  # copied counts: not a timing
     assert steps.cycles(rows, free=True, waiting=False) == 3
-    steps.observe(rows, 4, np.array([4, 4]), 0.008)  # 2 ms a cycle: the mean is 16 ms
+    steps.observe(rows, 4, np.array([4, 4]), 0.008)  # 2 ms a cycle: the median of two is 16 ms
     assert steps.cycles(rows, free=True, waiting=False) == 6
     steps.observe(rows, 4, np.array([4]), 0.0)
     assert steps.cycles(rows, free=True, waiting=False) == 8  # never more than num_cycles
+    # The median of the last steps: a step forced to a dear length (or a one-cycle step) among
+    # 30 ms ones does not shorten the next steps, as a mean would (75 ms: one cycle).
+    robust = StepLength(num_cycles=8, admission_wait=0.1)
+    for seconds in (0.03, 0.03, 0.12):
+        robust.observe(rows, 1, np.array([1]), seconds)
+    assert robust.cycle_seconds(rows) == pytest.approx(0.03)
+    assert robust.cycles(rows, free=True, waiting=False) == 3
+    for _ in range(robust.window):  # the window moves on: a lasting change is followed
+        robust.observe(rows, 1, np.array([1]), 0.06)
+    assert robust.cycles(rows, free=True, waiting=False) == 2
     assert steps.cycles(2, free=True, waiting=False) == 1  # another row bucket: timed apart
     # The nearest whole number of cycles, not the floor: cycles of 34 and 32 ms both run 3 a step.
     for per_cycle in (0.034, 0.032):

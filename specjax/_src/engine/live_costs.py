@@ -100,8 +100,8 @@ class LiveCosts:
         self.start = costs
         self.batches = tuple(int(b) for b in np.atleast_1d(np.asarray(costs.batch)))
         self.num_lengths = costs.max_draft + 1
-        # (clock, seconds, widest key width index or -1) per row bucket and length; the clock counts a
-        # bucket's timed steps.
+        # (clock, seconds, widest key width index or -1, cycles the step ran or 0) per row bucket and
+        # length; the clock counts a bucket's timed steps.
         self._samples = [[collections.deque(maxlen=self.window * (4 if k == 0 else 1)) for k in range(self.num_lengths)]
                          for _ in self.batches]
         self._clock = np.zeros(len(self.batches), np.int64)
@@ -137,13 +137,14 @@ class LiveCosts:
         return k
 
     def observe(self, rows: int, draft_length: Optional[int], seconds_per_cycle: Optional[float],
-                program: str = "", widths: Sequence[int] = ()) -> None:
+                program: str = "", widths: Sequence[int] = (), cycles: int = 0) -> None:
         """Records a step of ``rows`` rows whose cycles all drafted ``draft_length`` tokens.
 
         ``draft_length`` None: the step's cycles drafted several lengths; ``seconds_per_cycle``
         None: the step is not a timing (its length is still noted); ``program``: the compiled
         step it ran (``StepPlan.program``); ``widths``: the indices of the key widths its
-        attention read (this module's ``widths_read``). A step whose length, row bucket or program differs
+        attention read (this module's ``widths_read``); ``cycles``: how many cycles the step ran
+        (0: not known). A step whose length, row bucket or program differs
         from the last step's, or that ran a length at a key width for the first time, is not
         recorded (see the module's docstring)."""
         i = self.bucket(rows)
@@ -161,7 +162,7 @@ class LiveCosts:
             return  # a clock that went backwards tells nothing
         with self._lock:
             width = max(int(w) for w in widths) if len(widths) else -1
-            self._samples[i][k].append((int(self._clock[i]), float(seconds_per_cycle), width))
+            self._samples[i][k].append((int(self._clock[i]), float(seconds_per_cycle), width, int(cycles)))
             self._clock[i] += 1
             self._last_seen[i, k] = self._steps[i]
             self._costs = None
@@ -179,25 +180,31 @@ class LiveCosts:
     def relative(self, rows: int) -> np.ndarray:
         """``[K + 1]`` each length's cost in plain cycles at ``rows``' bucket: the median over its
         samples of the sample over the median of the ``neighbours`` plain samples timed nearest it,
-        those that read the same key width first (non-decreasing; NaN where a length, or the plain
-        cycle, has no sample).
+        those that read the same key width and ran as many cycles a step first (non-decreasing;
+        NaN where a length, or the plain cycle, has no sample).
 
         The same width first: plain cycles are timed rarely while drafting pays, so the plain
         samples nearest in time may be from shorter contexts, whose attention read fewer keys,
-        and would make every drafting length look dearer than it is against a plain cycle now."""
+        and would make every drafting length look dearer than it is against a plain cycle now.
+        As many cycles a step first: a step's fixed host cost (dispatch, the read back) is spread
+        over its cycles, so a one-cycle step's seconds per cycle hold all of it. Against plain
+        four-cycle steps (44 ms a cycle at eight rows on the real pair), one-draft one-cycle steps
+        (68 ms) made a draft look 1.55 plain cycles where it costs 1.36, and auto drafted nothing
+        in a third of its steps at 16 clients."""
         i = self.bucket(rows)
         with self._lock:
-            plain = np.array(self._samples[i][0], np.float64).reshape(-1, 3)
-            drafting = [np.array(self._samples[i][k], np.float64).reshape(-1, 3) for k in range(1, self.num_lengths)]
+            plain = np.array(self._samples[i][0], np.float64).reshape(-1, 4)
+            drafting = [np.array(self._samples[i][k], np.float64).reshape(-1, 4) for k in range(1, self.num_lengths)]
         out = np.full(self.num_lengths, np.nan)
         if not len(plain):
             return out
         out[0] = 1.0
-        other_width = 1e12  # farther than any two steps' clocks: another width's samples come last
+        unlike = 1e12  # farther than any two steps' clocks: another width's or cycle count's samples come last
         for k, samples in enumerate(drafting, start=1):
             if len(samples):
                 distance = (np.abs(plain[None, :, 0] - samples[:, :1])
-                            + other_width * (plain[None, :, 2] != samples[:, 2:3]))
+                            + unlike * (plain[None, :, 2] != samples[:, 2:3])
+                            + unlike * (plain[None, :, 3] != samples[:, 3:4]))
                 nearest = np.argsort(distance, axis=1, kind="stable")
                 around = np.median(plain[nearest[:, : self.neighbours], 1], axis=1)
                 out[k] = np.median(samples[:, 1] / around)

@@ -731,7 +731,8 @@ class Scheduler:
         k = step_draft_length(ran, lengths, asked) if ran.size else None
         timed = timed and k is not None and int(ran.max()) == asked
         widths = () if longest is None or k is None else widths_read(self._attention_widths, *longest, k)
-        self.live_costs.observe(rows, k, seconds / int(ran.max()) if timed else None, program, widths)
+        self.live_costs.observe(rows, k, seconds / int(ran.max()) if timed else None, program, widths,
+                                cycles=int(ran.max()) if ran.size else 0)
         if not timed:
             return
         self._timed_steps += 1
