@@ -187,10 +187,9 @@ class LiveCosts:
         samples nearest in time may be from shorter contexts, whose attention read fewer keys,
         and would make every drafting length look dearer than it is against a plain cycle now.
         As many cycles a step first: a step's fixed host cost (dispatch, the read back) is spread
-        over its cycles, so a one-cycle step's seconds per cycle hold all of it. Against plain
-        four-cycle steps (44 ms a cycle at eight rows on the real pair), one-draft one-cycle steps
-        (68 ms) made a draft look 1.55 plain cycles where it costs 1.36, and auto drafted nothing
-        in a third of its steps at 16 clients."""
+        over its cycles, so a one-cycle step's seconds per cycle hold all of it. At eight rows on
+        the real pair, one-draft one-cycle steps (68 ms a cycle) against plain four-cycle steps
+        (44 ms) price a draft at 1.55 plain cycles, where in four-cycle steps (60 ms) it costs 1.36."""
         i = self.bucket(rows)
         with self._lock:
             plain = np.array(self._samples[i][0], np.float64).reshape(-1, 4)
