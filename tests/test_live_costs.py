@@ -227,6 +227,56 @@ def test_a_length_is_priced_against_plain_steps_of_as_many_cycles():
     assert run(False)[1] > 1.4  # 0.071 against the four-cycle steps' 0.048
 
 
+def test_a_length_is_priced_against_plain_cycles_of_its_program_and_width_only():
+    """A server times its lengths at start-up in the greedy program; requests at T=1 then run
+    the sampled program, whose cycles do more work. Their drafting cycles are priced against
+    plain cycles of the sampled program at their key width, and where a length has such samples,
+    its samples at a width with no plain cycle (here seven, more than half) are not priced at all.
+    The control, with no program named, prices the sampled one-draft cycles mostly against the
+    greedy plain ones and makes them look 1.4 plain cycles or dearer, where they cost 1.33."""
+    def run(programs):
+        live = LiveCosts(EXPENSIVE, min_samples=1, neighbours=2)
+        greedy, sampled = ("greedy", "sampled") if programs else ("", "")
+        for k in range(K, -1, -1):  # start-up, plain cycles last
+            live.observe(1, k, None, greedy, widths=(1,), cycles=4)
+            for _ in range(3 if k == 0 else 1):
+                live.observe(1, k, 0.040 * (1 + 0.3 * k), greedy, widths=(1,), cycles=4)
+        live.observe(1, 1, None, sampled, widths=(1,), cycles=4)
+        for _ in range(6):
+            live.observe(1, 1, 0.060, sampled, widths=(1,), cycles=4)  # serving at T=1: no plain cycle yet
+        live.observe(1, 0, None, sampled, widths=(1,), cycles=4)
+        live.observe(1, 0, 0.045, sampled, widths=(1,), cycles=4)  # plain cycles of that program, width
+        live.observe(1, 1, None, sampled, widths=(2,), cycles=4)
+        for _ in range(7):
+            live.observe(1, 1, 0.090, sampled, widths=(2,), cycles=4)  # a wider width: no plain partner
+        return live.relative(1)
+
+    np.testing.assert_allclose(run(True)[1], 0.060 / 0.045, rtol=1e-6)
+    assert run(False)[1] > 1.4
+
+
+def test_plain_cycles_are_forced_where_a_program_and_width_has_none():
+    """A step at a program and key width with no plain sample in its bucket runs two plain
+    steps (the second timed), then lets the policy choose; once a plain sample is there, never
+    again, and without one (the steps cut short) at most once in ``explore_every`` steps. The
+    control: a step whose width is not known is never forced for it."""
+    live = LiveCosts(EXPENSIVE, min_samples=1, explore_every=1000, warmup_explore_every=1000)
+    forced = [live.explore(1, "sampled", 1) for _ in range(4)]
+    assert forced == [0, 0, None, None]
+    forced = [live.explore(1, "sampled", 2) for _ in range(3)]  # another width, its steps never timed
+    assert forced == [0, 0, None]
+    assert 0 not in [live.explore(1, "sampled", 2) for _ in range(991)]  # steps 8-998: not within explore_every
+    # Steps 999-1006: the regular exploration's pair at step 1000, then this width's again at 1005.
+    assert [live.explore(1, "sampled", 2) for _ in range(8)] == [None, 0, 0, None, None, None, 0, 0]
+    live.observe(1, 0, None, "greedy", widths=(3,))
+    live.observe(1, 0, 0.04, "greedy", widths=(3,))
+    assert [live.explore(1, "greedy", 3) for _ in range(3)] == [None] * 3  # a plain sample there already
+    assert [live.explore(1, "greedy", 3) for _ in range(3)] == [None] * 3
+    assert [live.explore(1, "sampled", 3)] == [0]  # the same width, another program
+    control = LiveCosts(EXPENSIVE, min_samples=1, explore_every=1000, warmup_explore_every=1000)
+    assert [control.explore(1) for _ in range(10)] == [None] * 10
+
+
 @pytest.mark.parametrize("capacity", [64, 512, 2051])
 def test_the_widths_a_step_reads_are_the_models(capacity):
     """``widths_read`` picks, for every cycle a step may have run, the index the model's

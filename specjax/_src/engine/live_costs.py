@@ -14,7 +14,9 @@ draft length ``k``, the recent seconds per cycle of the steps that drafted
 
 A length's cost is the median, over its samples, of its time over the plain
 cycles' timed nearest it (the ``neighbours`` plain samples closest in the
-order the steps were timed, those that read the same key width first), not its
+order the steps were timed, those of the same compiled program and key width
+first; a step at a program and width with no plain sample runs plain cycles to
+get one), not its
 median over the plain cycles' median: a
 busy spell that slowed the few steps timing a length slowed the plain steps
 around them as much, and does not make that length look dear for the hundreds
@@ -100,8 +102,8 @@ class LiveCosts:
         self.start = costs
         self.batches = tuple(int(b) for b in np.atleast_1d(np.asarray(costs.batch)))
         self.num_lengths = costs.max_draft + 1
-        # (clock, seconds, widest key width index or -1, cycles the step ran or 0) per row bucket and
-        # length; the clock counts a bucket's timed steps.
+        # (clock, seconds, widest key width index or -1, cycles the step ran or 0, program id) per row
+        # bucket and length; the clock counts a bucket's timed steps.
         self._samples = [[collections.deque(maxlen=self.window * (4 if k == 0 else 1)) for k in range(self.num_lengths)]
                          for _ in self.batches]
         self._clock = np.zeros(len(self.batches), np.int64)
@@ -109,6 +111,8 @@ class LiveCosts:
         self._steps = np.zeros(len(self.batches), np.int64)
         self._forcing = [None] * len(self.batches)  # the length the next step repeats, after a first forced step
         self._previous = (None, -1)  # the last step's program (its row bucket and kind) and length (-1: not known)
+        self._programs: dict[str, int] = {}  # a program's name to the id its samples carry
+        self._partnered: dict[tuple, int] = {}  # (bucket, program id, width) to the step that last forced plain cycles
         self._ran: set = set()  # (rows, program, length, key width index) of every branch a step has run
         self._costs: Optional[CostModel] = None
         self._forced: dict[int, CostModel] = {}
@@ -118,15 +122,30 @@ class LiveCosts:
         """The index of the costs a step of ``rows`` rows reads (as :meth:`specjax.drafting.CostModel.at_batch`)."""
         return next((i for i, b in enumerate(self.batches) if b >= rows), len(self.batches) - 1)
 
-    def explore(self, rows: int) -> Optional[int]:
+    def explore(self, rows: int, program: str = "", width: int = -1) -> Optional[int]:
         """Counts a step of ``rows`` rows about to run; returns the draft length
         it should be forced to (:meth:`forced_costs`), or None to let the policy choose.
-        A length is forced for two steps in a row: the first changes the length, the second is timed."""
+        A length is forced for two steps in a row: the first changes the length, the second is timed.
+
+        ``program`` and ``width`` (the index of the key width holding the longest row now; -1: not
+        known): where the bucket holds no plain sample of that program and width, the step runs
+        plain cycles (at most once in ``explore_every`` steps per program and width), so that the
+        drafting lengths timed there have plain cycles to be priced against (:meth:`relative`).
+        Without them, a server at T=1 priced its one-draft cycles at eight rows, 60 ms over wide
+        contexts, against the start-up's greedy plain cycles over the narrowest width (40 ms):
+        1.48 plain cycles where they cost 1.33, and auto went plain."""
         i = self.bucket(rows)
         self._steps[i] += 1
         if self._forcing[i] is not None:
             k, self._forcing[i] = self._forcing[i], None
             return k
+        if width >= 0 and not self._has_plain(i, program, width):
+            key = (i, self._program_id(program), int(width))
+            last = self._partnered.get(key)
+            if last is None or self._steps[i] - last >= self.explore_every:
+                self._partnered[key] = int(self._steps[i])
+                self._forcing[i] = 0
+                return 0
         counts = np.array([len(s) for s in self._samples[i]])
         every = self.warmup_explore_every if (counts < self.min_samples).any() else self.explore_every
         if self._steps[i] % every:
@@ -135,6 +154,15 @@ class LiveCosts:
         k = int(np.lexsort((self._last_seen[i], np.minimum(counts, self.min_samples)))[0])
         self._forcing[i] = k
         return k
+
+    def _program_id(self, program: str) -> int:
+        return self._programs.setdefault(program, len(self._programs))
+
+    def _has_plain(self, i: int, program: str, width: int) -> bool:
+        """Whether bucket ``i`` holds a plain sample of ``program`` whose widest key width is ``width``."""
+        p = self._program_id(program)
+        with self._lock:
+            return any(x[2] == width and x[4] == p for x in self._samples[i][0])
 
     def observe(self, rows: int, draft_length: Optional[int], seconds_per_cycle: Optional[float],
                 program: str = "", widths: Sequence[int] = (), cycles: int = 0) -> None:
@@ -162,7 +190,8 @@ class LiveCosts:
             return  # a clock that went backwards tells nothing
         with self._lock:
             width = max(int(w) for w in widths) if len(widths) else -1
-            self._samples[i][k].append((int(self._clock[i]), float(seconds_per_cycle), width, int(cycles)))
+            self._samples[i][k].append((int(self._clock[i]), float(seconds_per_cycle), width, int(cycles),
+                                        self._program_id(program)))
             self._clock[i] += 1
             self._last_seen[i, k] = self._steps[i]
             self._costs = None
@@ -180,33 +209,42 @@ class LiveCosts:
     def relative(self, rows: int) -> np.ndarray:
         """``[K + 1]`` each length's cost in plain cycles at ``rows``' bucket: the median over its
         samples of the sample over the median of the ``neighbours`` plain samples timed nearest it,
-        those that read the same key width and ran as many cycles a step first (non-decreasing;
-        NaN where a length, or the plain cycle, has no sample).
+        those of the same compiled program and key width and as many cycles a step first
+        (non-decreasing; NaN where a length, or the plain cycle, has no sample). Where some of a
+        length's samples have plain samples of their program and width, only those are priced.
 
         The same width first: plain cycles are timed rarely while drafting pays, so the plain
         samples nearest in time may be from shorter contexts, whose attention read fewer keys,
         and would make every drafting length look dearer than it is against a plain cycle now.
-        As many cycles a step first: a step's fixed host cost (dispatch, the read back) is spread
-        over its cycles, so a one-cycle step's seconds per cycle hold all of it. At eight rows on
-        the real pair, one-draft one-cycle steps (68 ms a cycle) against plain four-cycle steps
-        (44 ms) price a draft at 1.55 plain cycles, where in four-cycle steps (60 ms) it costs 1.36."""
+        The same program: a sampled step does work a greedy one does not, in plain and drafting
+        cycles alike. As many cycles a step first: a step's fixed host cost (dispatch, the read
+        back) is spread over its cycles, so a one-cycle step's seconds per cycle hold all of it.
+        At eight rows on the real pair, one-draft one-cycle steps (68 ms a cycle) against plain
+        four-cycle steps (44 ms) price a draft at 1.55 plain cycles, where in four-cycle steps
+        (60 ms) it costs 1.36."""
         i = self.bucket(rows)
         with self._lock:
-            plain = np.array(self._samples[i][0], np.float64).reshape(-1, 4)
-            drafting = [np.array(self._samples[i][k], np.float64).reshape(-1, 4) for k in range(1, self.num_lengths)]
+            plain = np.array(self._samples[i][0], np.float64).reshape(-1, 5)
+            drafting = [np.array(self._samples[i][k], np.float64).reshape(-1, 5) for k in range(1, self.num_lengths)]
         out = np.full(self.num_lengths, np.nan)
         if not len(plain):
             return out
         out[0] = 1.0
-        unlike = 1e12  # farther than any two steps' clocks: another width's or cycle count's samples come last
+        unlike = 1e12  # farther than any two steps' clocks: another program's, width's or cycle count's come last
         for k, samples in enumerate(drafting, start=1):
-            if len(samples):
-                distance = (np.abs(plain[None, :, 0] - samples[:, :1])
-                            + unlike * (plain[None, :, 2] != samples[:, 2:3])
-                            + unlike * (plain[None, :, 3] != samples[:, 3:4]))
-                nearest = np.argsort(distance, axis=1, kind="stable")
-                around = np.median(plain[nearest[:, : self.neighbours], 1], axis=1)
-                out[k] = np.median(samples[:, 1] / around)
+            if not len(samples):
+                continue
+            other_kind = (plain[None, :, 2] != samples[:, 2:3]) | (plain[None, :, 4] != samples[:, 4:5])
+            partnered = (~other_kind).any(axis=1)
+            if partnered.any():
+                samples, other_kind = samples[partnered], other_kind[partnered]
+            distance = (np.abs(plain[None, :, 0] - samples[:, :1]) + 2 * unlike * other_kind
+                        + unlike * (plain[None, :, 3] != samples[:, 3:4]))
+            nearest = np.argsort(distance, axis=1, kind="stable")[:, : self.neighbours]
+            # A partnered sample's plain cycles are its own program's and width's only.
+            alike = ~np.take_along_axis(other_kind, nearest, axis=1) | ~partnered.any()
+            around = [np.median(plain[n[a], 1]) for n, a in zip(nearest, alike)]
+            out[k] = np.median(samples[:, 1] / np.asarray(around))
         return np.fmax.accumulate(out)
 
     def costs(self) -> CostModel:

@@ -739,6 +739,14 @@ class Scheduler:
         if self._timed_steps % 8 == 0:
             self.engine.set_costs(self.live_costs.costs())
 
+    def _width_now(self, rows: int) -> int:
+        """The index of the key width a plain cycle of the first ``rows`` slots reads now (-1 before
+        any step)."""
+        if self._target_lengths is None:
+            return -1
+        longest = int(np.max(self._target_lengths[:rows]))
+        return widths_read(self._attention_widths, longest, longest, 0)[0]
+
     def _plan(self):
         return self.engine.plan({slot: live.request.settings for slot, live in self._live.items()})
 
@@ -752,7 +760,9 @@ class Scheduler:
         fresh = any(live.last is None for live in self._live.values())
         asked = self.step_length.cycles(plan.rows, free, waiting, fresh)
         # A new request's one-cycle first step is neither forced nor timed (see _time_step).
-        forced = None if self.live_costs is None or fresh else self.live_costs.explore(plan.rows)
+        forced = None
+        if self.live_costs is not None and not fresh:
+            forced = self.live_costs.explore(plan.rows, plan.program, self._width_now(plan.rows))
         costs = None if forced is None else self.live_costs.forced_costs(forced)
         # Timed from here: the step and reading its output back, what every step pays alike (the
         # plan and a forced step's costs, prepared above, are not part of a cycle's cost).
