@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -277,6 +278,39 @@ def test_plain_cycles_are_forced_where_a_program_and_width_has_none():
     assert [control.explore(1) for _ in range(10)] == [None] * 10
 
 
+def _timed_at_eight_rows():
+    """Every length timed, one draft at 1.3 plain cycles, two and three at 2.0 and 2.3."""
+    live = LiveCosts(EXPENSIVE, min_samples=1, explore_every=4, warmup_explore_every=4)
+    feed(live, 1, [0.040, 0.052, 0.080, 0.092], times=2)
+    return live
+
+
+def test_exploration_skips_lengths_no_cost_error_would_make_worth_drafting():
+    """With the rows' promised tokens, exploration times only the lengths whose promised rate lies
+    within ``1 + explore_within`` of the best's: at an acceptance of a half (8, 12, 14 and 15
+    tokens from eight rows), plain cycles (rate 8 against one draft's 9.2) and not two or three
+    drafts (7 and 6.5). Where one draft promises far more, nothing is explored. The control: without
+    a promise every length the policy does not choose is, two and three drafts too."""
+    def forced(promise, steps=32):
+        live, seconds, out = _timed_at_eight_rows(), [0.040, 0.052, 0.080, 0.092], []
+        for _ in range(steps):
+            k = live.explore(1, promise=promise)
+            live.observe(1, 1 if k is None else k, seconds[1 if k is None else k])  # the policy drafts one
+            out += [] if k is None else [k]
+        return out
+
+    half = np.array([8.0, 12.0, 14.0, 15.0])
+    np.testing.assert_allclose(_timed_at_eight_rows().relative(1), [1.0, 1.3, 2.0, 2.3])
+    assert set(forced(lambda: half)) == {0}
+    assert forced(lambda: np.array([8.0, 15.0, 17.0, 18.0])) == []  # one draft: 11.5, plain 8
+    assert set(forced(None)) == {0, 2, 3}  # (one draft, chosen, is timed at every step)
+    assert set(forced(lambda: None)) == {0, 2, 3}  # no estimate: as without a promise
+    # Plain cycles at a width with none are only timed while plain cycles are worth timing.
+    live = _timed_at_eight_rows()
+    assert live.explore(1, "", 5, promise=lambda: np.array([8.0, 15.0, 17.0, 18.0])) is None
+    assert live.explore(1, "", 5, promise=lambda: half) == 0
+
+
 @pytest.mark.parametrize("capacity", [64, 512, 2051])
 def test_the_widths_a_step_reads_are_the_models(capacity):
     """``widths_read`` picks, for every cycle a step may have run, the index the model's
@@ -391,6 +425,30 @@ def test_only_steps_that_ran_every_cycle_asked_are_timed(bigram_pair):
     scheduler._time_step(1, 3, np.array([3]), two_drafts, 0.03)
     assert scheduler.live_costs.samples()[0].tolist() == [0, 0, 1, 0]
     np.testing.assert_allclose(scheduler.live_costs.seconds()[0, 2], 0.01)
+
+
+def test_the_scheduler_promises_auto_s_expected_tokens_of_its_live_slots(bigram_pair):
+    """What exploration weighs (``Scheduler._promise``): the committed tokens a cycle of each
+    length promises, summed over the live slots among the step's rows, from auto's own state;
+    None for an engine that drafts with another policy."""
+    engine = Engine(bigram_pair, num_slots=2, capacity=48, num_draft=K, drafting=drafting.auto(EXPENSIVE))
+    scheduler = sched.Scheduler(engine, _NoText(), num_cycles=2)
+    settings = SlotSettings(temperature=0.0, max_new_tokens=8, eos_token_id=())
+    state = engine.insert(engine.insert(engine.init(), 0, [1, 2], settings), 1, [3], settings)
+    sure, _ = sure_drafts(2)
+    never = sure._replace(accepted=sure.accepted.at[1].set(0.0))  # slot 1: nothing ever accepted
+    state = state.replace(loop=state.loop.replace(policy_state=state.loop.policy_state._replace(
+        accepted=never.accepted, judged=never.judged)))
+    scheduler._live = {0: None, 1: None}
+    per_slot = np.asarray(drafting.expected_tokens(jax.vmap(engine.drafting.acceptance)(state.loop.policy_state)))
+    np.testing.assert_allclose(scheduler._promise(state, 2), per_slot.sum(0), rtol=1e-6)
+    assert per_slot[0, K] > 3.9 and per_slot[1, K] < 1.1
+    np.testing.assert_allclose(scheduler._promise(state, 1), per_slot[0], rtol=1e-6)  # slot 1 is not in the step
+    scheduler._live = {1: None}
+    assert scheduler._promise(state, 1) is None  # no live slot among the rows
+    fixed = sched.Scheduler(Engine(bigram_pair, num_slots=2, capacity=48, num_draft=K), _NoText(), num_cycles=2)
+    fixed._live = {0: None}
+    assert fixed._promise(state, 2) is None
 
 
 class _NoText:

@@ -29,6 +29,7 @@ import time
 from typing import Any, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax._src.engine.live_costs import LiveCosts, step_draft_length, widths_read
@@ -36,6 +37,7 @@ from specjax._src.engine.ops import SINGLE_PREFILL_BLOCK
 from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, blocks_in_common, usable_blocks
 from specjax._src.engine.slots import Engine, PrefillJob, SlotSettings
 from specjax._src.engine.text import TextStream
+from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.serve.events import Closed, Delta, Done, Failed, QueueFull, Request
 from specjax._src.serve.metrics import Counters, add_into, draft_lengths, latency_histograms
 from specjax._src.serve.step_length import StepLength
@@ -747,6 +749,18 @@ class Scheduler:
         longest = int(np.max(self._target_lengths[:rows]))
         return widths_read(self._attention_widths, longest, longest, 0)[0]
 
+    def _promise(self, state, rows: int) -> Optional[np.ndarray]:
+        """``[K + 1]`` the committed tokens a cycle drafting ``k = 0 .. K`` promises the live
+        slots among the first ``rows``, by auto's own acceptance estimates (None: the engine
+        drafts with another policy, or no slot is live). Read from the device only when
+        :attr:`live_costs` is about to explore."""
+        policy = self.engine.drafting
+        slots = np.array([s for s in self._live if s < rows], np.int32)
+        if not isinstance(policy, drafting_lib.Auto) or not slots.size:
+            return None
+        states = jax.tree_util.tree_map(lambda x: x[slots], state.loop.policy_state)
+        return np.asarray(jnp.sum(drafting_lib.expected_tokens(jax.vmap(policy.acceptance)(states)), axis=0))
+
     def _plan(self):
         return self.engine.plan({slot: live.request.settings for slot, live in self._live.items()})
 
@@ -762,7 +776,8 @@ class Scheduler:
         # A new request's one-cycle first step is neither forced nor timed (see _time_step).
         forced = None
         if self.live_costs is not None and not fresh:
-            forced = self.live_costs.explore(plan.rows, plan.program, self._width_now(plan.rows))
+            forced = self.live_costs.explore(plan.rows, plan.program, self._width_now(plan.rows),
+                                             promise=lambda: self._promise(state, plan.rows))
         costs = None if forced is None else self.live_costs.forced_costs(forced)
         # Timed from here: the step and reading its output back, what every step pays alike (the
         # plan and a forced step's costs, prepared above, are not part of a cycle's cost).
