@@ -306,9 +306,11 @@ def test_exploration_skips_lengths_no_cost_error_would_make_worth_drafting():
     assert set(forced(None)) == {0, 2, 3}  # (one draft, chosen, is timed at every step)
     assert set(forced(lambda: None)) == {0, 2, 3}  # no estimate: as without a promise
     # Plain cycles at a width with none are only timed while plain cycles are worth timing.
-    live = _timed_at_eight_rows()
-    assert live.explore(1, "", 5, promise=lambda: np.array([8.0, 15.0, 17.0, 18.0])) is None
-    assert live.explore(1, "", 5, promise=lambda: half) == 0
+    live, asked = _timed_at_eight_rows(), []
+    far = lambda: asked.append(1) or np.array([8.0, 15.0, 17.0, 18.0])  # noqa: E731
+    assert [live.explore(1, "", 5, promise=far) for _ in range(3)] == [None] * 3
+    assert len(asked) == 1  # the promise, read from the device, is asked once in explore_every steps
+    assert live.explore(1, "", 6, promise=lambda: half) == 0
 
 
 @pytest.mark.parametrize("capacity", [64, 512, 2051])

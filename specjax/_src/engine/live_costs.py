@@ -154,16 +154,15 @@ class LiveCosts:
         if self._forcing[i] is not None:
             k, self._forcing[i] = self._forcing[i], None
             return k
-        due = width >= 0 and not self._has_plain(i, program, width)
-        if due and promise is not None and not self._worth_timing(rows, 0, promise()):
-            due = False
-        if due:
+        if width >= 0 and not self._has_plain(i, program, width):
             key = (i, self._program_id(program), int(width))
             last = self._partnered.get(key)
+            # Asked at most once in explore_every steps: the promise is read from the device.
             if last is None or self._steps[i] - last >= self.explore_every:
                 self._partnered[key] = int(self._steps[i])
-                self._forcing[i] = 0
-                return 0
+                if promise is None or self._worth_timing(rows, 0, promise()):
+                    self._forcing[i] = 0
+                    return 0
         counts = np.array([len(s) for s in self._samples[i]])
         warming = (counts < self.min_samples).any()
         if self._steps[i] % (self.warmup_explore_every if warming else self.explore_every):
