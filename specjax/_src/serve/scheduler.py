@@ -468,6 +468,8 @@ class Scheduler:
                                         program=plan.program, longest=(before[2], after[2]))
             state = engine.release(state, slot)
         engine.set_costs(live.costs())
+        if isinstance(engine.drafting, drafting_lib.Auto):  # compiled here, not at the first exploration
+            _promised_tokens(engine.drafting, state.loop.policy_state, np.zeros(engine.num_slots, bool))
         jax.block_until_ready(state)
         return state
 
@@ -753,13 +755,14 @@ class Scheduler:
         """``[K + 1]`` the committed tokens a cycle drafting ``k = 0 .. K`` promises the live
         slots among the first ``rows``, by auto's own acceptance estimates (None: the engine
         drafts with another policy, or no slot is live). Read from the device only when
-        :attr:`live_costs` is about to explore."""
+        :attr:`live_costs` is about to explore, by one program of fixed shapes: eager operations
+        on the live slots compiled once per slot count, 24 programs in a round at eight clients."""
         policy = self.engine.drafting
-        slots = np.array([s for s in self._live if s < rows], np.int32)
-        if not isinstance(policy, drafting_lib.Auto) or not slots.size:
+        live = np.zeros(self.engine.num_slots, bool)
+        live[[s for s in self._live if s < rows]] = True
+        if not isinstance(policy, drafting_lib.Auto) or not live.any():
             return None
-        states = jax.tree_util.tree_map(lambda x: x[slots], state.loop.policy_state)
-        return np.asarray(jnp.sum(drafting_lib.expected_tokens(jax.vmap(policy.acceptance)(states)), axis=0))
+        return np.asarray(_promised_tokens(policy, state.loop.policy_state, live))
 
     def _plan(self):
         return self.engine.plan({slot: live.request.settings for slot, live in self._live.items()})
@@ -877,6 +880,13 @@ class Scheduler:
         else:
             ends = frozenset(np.atleast_1d(request.settings.eos_token_id).tolist())
         return ends | frozenset(request.settings.stop_token_ids)
+
+
+@jax.jit
+def _promised_tokens(policy, states, live) -> jax.Array:
+    """``[K + 1]``: :func:`~specjax.drafting.expected_tokens` of ``policy``'s estimates, summed over the ``live [S]`` slots."""
+    expected = drafting_lib.expected_tokens(jax.vmap(policy.acceptance)(states))
+    return jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
 
 
 def _choice_keys(settings: SlotSettings, n: int) -> list:
