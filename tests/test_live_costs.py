@@ -348,6 +348,8 @@ def test_bad_arguments_get_clear_errors(bigram_pair):
         LiveCosts(EXPENSIVE, window=2, min_samples=3)
     with pytest.raises(ValueError, match="neighbours"):
         LiveCosts(EXPENSIVE, neighbours=0)
+    with pytest.raises(ValueError, match=r"explore_within must lie in \[0, 100\], got -0.1"):
+        LiveCosts(EXPENSIVE, explore_within=-0.1)
     with pytest.raises(ValueError, match="draft_length must lie in 0 .. 3"):
         LiveCosts(EXPENSIVE).observe(1, 4, 0.01)
     with pytest.raises(ValueError, match="draft_length must lie in 0 .. 3"):

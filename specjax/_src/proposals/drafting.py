@@ -569,13 +569,18 @@ class Auto(DraftingPolicy):
         return best_draft_length(expected_tokens(self.acceptance(state)), *self._choice_costs(num_draft),
                                  tie=self.tie)
 
+    def promised(self, states: AutoState, live: Array) -> Array:
+        """``[K + 1]`` the tokens a cycle drafting ``k = 0 .. K`` commits on average, summed
+        over the ``live [B]`` sequences of ``states``, by their own estimates."""
+        expected = expected_tokens(jax.vmap(self.acceptance)(states))  # [B, K + 1]
+        return jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
+
     def plan(self, states: AutoState, live: Array, num_draft: int) -> Array:
         """One ``k`` for the whole batch: the verification's width, and so its
         cost, is the batch's longest draft, and each draft step runs every row.
         The expected tokens of the live rows are summed per ``k``."""
-        expected = expected_tokens(jax.vmap(self.acceptance)(states))  # [B, K + 1]
-        total = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
-        k = best_draft_length(total, *self._choice_costs(num_draft, live.shape[0]), tie=self.tie)
+        k = best_draft_length(self.promised(states, live), *self._choice_costs(num_draft, live.shape[0]),
+                              tie=self.tie)
         return jnp.full(live.shape, jnp.where(live.any(), k, 0), jnp.int32)
 
     def update(self, state: AutoState, outcome: DraftOutcome) -> AutoState:

@@ -29,15 +29,13 @@ import time
 from typing import Any, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from specjax._src.engine.live_costs import LiveCosts, step_draft_length, widths_read
+from specjax._src.engine.live_costs import LiveCosts, promised_tokens, step_draft_length, widths_read
 from specjax._src.engine.ops import SINGLE_PREFILL_BLOCK
 from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, blocks_in_common, usable_blocks
 from specjax._src.engine.slots import Engine, PrefillJob, SlotSettings
 from specjax._src.engine.text import TextStream
-from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.serve.events import Closed, Delta, Done, Failed, QueueFull, Request
 from specjax._src.serve.metrics import Counters, add_into, draft_lengths, latency_histograms
 from specjax._src.serve.step_length import StepLength
@@ -468,8 +466,8 @@ class Scheduler:
                                         program=plan.program, longest=(before[2], after[2]))
             state = engine.release(state, slot)
         engine.set_costs(live.costs())
-        if isinstance(engine.drafting, drafting_lib.Auto):  # compiled here, not at the first exploration
-            _promised_tokens(engine.drafting, state.loop.policy_state, np.zeros(engine.num_slots, bool))
+        # Compiled here, not at the first exploration.
+        promised_tokens(engine.drafting, state.loop.policy_state, np.arange(engine.num_slots) == 0)
         jax.block_until_ready(state)
         return state
 
@@ -752,17 +750,11 @@ class Scheduler:
         return widths_read(self._attention_widths, longest, longest, 0)[0]
 
     def _promise(self, state, rows: int) -> Optional[np.ndarray]:
-        """``[K + 1]`` the committed tokens a cycle drafting ``k = 0 .. K`` promises the live
-        slots among the first ``rows``, by auto's own acceptance estimates (None: the engine
-        drafts with another policy, or no slot is live). Read from the device only when
-        :attr:`live_costs` is about to explore, by one program of fixed shapes: eager operations
-        on the live slots compiled once per slot count, 24 programs in a round at eight clients."""
-        policy = self.engine.drafting
+        """:func:`promised_tokens` of the live slots among the first ``rows`` (read only when
+        :attr:`live_costs` is about to explore)."""
         live = np.zeros(self.engine.num_slots, bool)
         live[[s for s in self._live if s < rows]] = True
-        if not isinstance(policy, drafting_lib.Auto) or not live.any():
-            return None
-        return np.asarray(_promised_tokens(policy, state.loop.policy_state, live))
+        return promised_tokens(self.engine.drafting, state.loop.policy_state, live)
 
     def _plan(self):
         return self.engine.plan({slot: live.request.settings for slot, live in self._live.items()})
@@ -880,13 +872,6 @@ class Scheduler:
         else:
             ends = frozenset(np.atleast_1d(request.settings.eos_token_id).tolist())
         return ends | frozenset(request.settings.stop_token_ids)
-
-
-@jax.jit
-def _promised_tokens(policy, states, live) -> jax.Array:
-    """``[K + 1]``: :func:`~specjax.drafting.expected_tokens` of ``policy``'s estimates, summed over the ``live [S]`` slots."""
-    expected = drafting_lib.expected_tokens(jax.vmap(policy.acceptance)(states))
-    return jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
 
 
 def _choice_keys(settings: SlotSettings, n: int) -> list:
