@@ -20,7 +20,8 @@ too, for a new drafter or a new driver of the draft-verify loop:
   ``num_committed [B]``, ``done [B]``, both KV caches, the rule's and the
   policy's states, :class:`~specjax.DecodeStats`), and :class:`Logprobs`
   beside its tokens;
-* :func:`init_state`: the prefills and the state before the first cycle;
+* :func:`init_state`: the prefills and the state before the first cycle (with
+  ``inputs``, each sequence's first token drawn from the prefill's logits);
 * :class:`Cycle`: one cycle as a value, ``run(cfg, pair_params, rule, policy,
   inputs, state) -> (state, diagnostics or None)`` over :class:`CycleInputs`:
   ``CHAIN``, ``TREE``, ``TARGET_ONLY`` (``generate``'s), :func:`cycle_for`;
@@ -30,8 +31,8 @@ too, for a new drafter or a new driver of the draft-verify loop:
 
     cfg = LoopConfig(diagnostics=None, num_draft=3, max_new_tokens=16, cache_length=64,
                      greedy=True, top_k=None, use_top_p=False)
-    state = init_state(cfg, pair, rule, policy, prompts, lengths, max_new)
     inputs = CycleInputs(lengths, max_new, eos_ids, keys, 1.0, 1.0)
+    state = init_state(cfg, pair, rule, policy, prompts, lengths, max_new, inputs)
     state = run_cycles(CHAIN.bind(cfg, pair, rule, policy, inputs), state,
                        lambda s, _: ~s.done.all())
 

@@ -32,6 +32,7 @@ from test_decode import (
     exact_two_token_distribution,
     goodness_of_fit,
     np_warp_probs,
+    opening_with,
     random_prompts,
     wrong_residual_rule,
 )
@@ -341,7 +342,9 @@ def test_a_cycle_is_judged_at_the_width_it_drafted(bigram_pair):
     probe = from_functions(verify, init=base.init, update=base.update, name="probe")
     prompts = [np.random.default_rng(i).integers(0, VOCAB, size=1 + i % 6).tolist() for i in range(4)]
     ref = specjax.generate(bigram_pair.target, prompts, max_new_tokens=24, temperature=0.0)
-    out = specjax.decode(bigram_pair, prompts, rule=probe, drafting=switching_policy(), num_draft=K,
+    # The draft is the target: the first cycle drafts 2 at the prior, the later ones K once accepted.
+    agreeing = specjax.pair(bigram_pair.target, bigram_pair.target)
+    out = specjax.decode(agreeing, prompts, rule=probe, drafting=switching_policy(), num_draft=K,
                          max_new_tokens=24, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     slots = [width for width, _ in seen]
@@ -410,12 +413,13 @@ def test_a_heads_first_step_reads_only_the_pending_rows():
     assert min(w for w, _ in seen) < K + 1, seen  # narrower than the cap's K + 1 rows
 
 
-def first_two_tokens(pair, prompts, lengths, key, **decode_kw):
-    """``(counts [V, V], stats)``: how often each pair of first two tokens was sampled at T=1."""
-    out = specjax.decode(pair, prompts, prompt_lengths=lengths, max_new_tokens=2, temperature=1.0, key=key,
+def two_tokens_after_the_first(pair, prompts, lengths, key, **decode_kw):
+    """``(counts [V, V], stats)``: how often each pair of the two tokens after the first (the
+    prefill's: those of the first two cycles) was sampled at T=1."""
+    out = specjax.decode(pair, prompts, prompt_lengths=lengths, max_new_tokens=3, temperature=1.0, key=key,
                          buckets=NO_BUCKETS, **decode_kw)
     c = np.zeros((VOCAB, VOCAB))
-    np.add.at(c, (np.asarray(out.tokens)[:, 0], np.asarray(out.tokens)[:, 1]), 1)
+    np.add.at(c, (np.asarray(out.tokens)[:, 1], np.asarray(out.tokens)[:, 2]), 1)
     return c, out.stats
 
 
@@ -432,22 +436,22 @@ def assert_law_with_negative_control(counts, expected):
 
 
 def test_lossless_law_under_the_policy(bigram_pair):
-    """The first two sampled tokens follow the target's law while the policy
+    """The tokens of the first two cycles follow the target's law while the policy
     switches; the same statistic rejects a rule with a wrong residual under
-    the same policy (the test can fail). After token 2 the draft is not the
+    the same policy (the test can fail). After the cycle's first token the draft is not the
     target: the rows whose draft was rejected in the first cycle make the
-    batch's second cycle a plain one."""
-    table = np.asarray(bigram_pair.target.params["table"])
+    batch's second cycle a plain one. (The prompts' last token leads to 2: the first cycle drafts after 2.)"""
+    pair, table = opening_with(bigram_pair, 7, 2)
     expected = exact_two_token_distribution(table, 2, 1.0, None, None)
-    prompts = np.array([[2, 0], [5, 2]] * 10000, np.int32)
+    prompts = np.array([[7, 0], [5, 7]] * 10000, np.int32)
     lengths = np.array([1, 2] * 10000, np.int32)
 
     # one draft: worth it at the prior's 0.5, not after a rejection (goodput 0.75 and 0.55 against 0.67)
     policy = drafting.auto(cost_model(first=0.5, verify=[1.0, 1.5], k=1), **SWITCHING)
 
     def counts(rule):
-        return first_two_tokens(bigram_pair, prompts, lengths, jax.random.key(3), rule=rule, drafting=policy,
-                                num_draft=1)
+        return two_tokens_after_the_first(pair, prompts, lengths, jax.random.key(3), rule=rule, drafting=policy,
+                                          num_draft=1)
 
     stats = assert_law_with_negative_control(counts, expected)
     # the second cycle's choice depended on the first: both kinds of cycle happened
@@ -467,17 +471,20 @@ def test_lossless_law_while_choosing_whether_to_copy(bigram_pair):
     last = int(np.argmax(p.max(-1) - overlap))  # where the target's likeliest token beats the drafter most
     copy = int(np.argmax(p[last]))
     assert p[last, copy] > overlap[last] + 0.02
-    # Every prompt ends in `last` after an earlier `last` followed by `copy`: the lookup proposes `copy`.
-    prompts = np.array([[last, copy, last, 0], [1, last, copy, last]] * 10000, np.int32)
+    # Every prompt's first token is `last` (its last token, `end`, leads there), after an earlier
+    # `last` followed by `copy`: the lookup proposes `copy`.
+    end = next(t for t in range(VOCAB) if t not in (last, copy, 0, 1))
+    pair, opened = opening_with(bigram_pair, end, last)
+    prompts = np.array([[last, copy, end, 0], [1, last, copy, end]] * 10000, np.int32)
     lengths = np.array([3, 4] * 10000, np.int32)
     costs = cost_model(first=0.0, step=0.0, verify=[1.0, 1.0], k=1)  # always draft: only the copies are chosen
 
     def run(rule, choose_copies=True):
         policy = drafting.auto(costs, choose_copies=choose_copies, **SWITCHING)
-        return first_two_tokens(bigram_pair, prompts, lengths, jax.random.key(5), rule=rule, drafting=policy,
-                                lookup=drafting.ngram_lookup(min_match=1), num_draft=1)
+        return two_tokens_after_the_first(pair, prompts, lengths, jax.random.key(5), rule=rule, drafting=policy,
+                                          lookup=drafting.ngram_lookup(min_match=1), num_draft=1)
 
-    stats = assert_law_with_negative_control(run, exact_two_token_distribution(table, last, 1.0, None, None))
+    stats = assert_law_with_negative_control(run, exact_two_token_distribution(opened, last, 1.0, None, None))
     _, always = run(speculative_sampling(), choose_copies=False)
     copied, cycles = np.asarray(stats.copied), np.asarray(stats.cycles)
     assert copied[cycles == 1].sum() == 0  # first cycles did not copy
@@ -499,7 +506,7 @@ def test_a_call_that_would_open_without_drafts_runs_plain_decodings_program(bigr
     assert drafting.drafts_before_evidence(drafting.fixed(), K)
     out = specjax.decode(bigram_pair, prompts, drafting=costly, num_draft=K, **kw)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
-    assert int(out.stats.draft_forwards) == 0 and (np.asarray(out.stats.cycles) == np.asarray(out.lengths)).all()
+    assert int(out.stats.draft_forwards) == 0 and (np.asarray(out.stats.cycles) == np.asarray(out.lengths) - 1).all()
     control = specjax.decode(bigram_pair, prompts, drafting=cheap, num_draft=K, **kw)
     assert int(control.stats.draft_forwards) > 0
 

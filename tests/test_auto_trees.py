@@ -23,6 +23,7 @@ from test_decode import (
     NO_BUCKETS,
     VOCAB,
     exact_two_token_distribution,
+    opening_with,
     random_prompts,
 )
 
@@ -222,20 +223,21 @@ def test_greedy_with_transformers_while_the_size_switches(drafter):
 
 
 def test_lossless_law_while_the_size_switches(bigram_pair):
-    """The first two sampled tokens follow the target's law: the first cycle verifies the tree
-    the prior chose, and rows whose nodes were all rejected make the second cycle a plain step.
-    The same statistic rejects a rule with a wrong residual under the same policy."""
-    table = np.asarray(bigram_pair.target.params["table"])
+    """The tokens of the first two cycles follow the target's law: the first cycle verifies the
+    tree the prior chose, and rows whose nodes were all rejected make the second cycle a plain
+    step. The same statistic rejects a rule with a wrong residual under the same policy. (The
+    prompts' last token leads to 2, the first token: the first cycle drafts after 2.)"""
+    pair, table = opening_with(bigram_pair, 7, 2)
     expected = exact_two_token_distribution(table, 2, 1.0, None, None)
-    prompts = np.array([[2, 0], [5, 2]] * 10000, np.int32)
+    prompts = np.array([[7, 0], [5, 7]] * 10000, np.int32)
     lengths = np.array([1, 2] * 10000, np.int32)
     tree = dynamic_tree(2, 3, 6, sampled=True)  # drawn children for both rules
 
-    from test_auto_drafting import assert_law_with_negative_control, first_two_tokens
+    from test_auto_drafting import assert_law_with_negative_control, two_tokens_after_the_first
 
     def counts(rule):
-        return first_two_tokens(bigram_pair, prompts, lengths, jax.random.key(3), rule=rule,
-                                drafting=switching_policy(), tree=tree)
+        return two_tokens_after_the_first(pair, prompts, lengths, jax.random.key(3), rule=rule,
+                                          drafting=switching_policy(), tree=tree)
 
     stats = assert_law_with_negative_control(counts, expected)
     plain, drafted = cycle_kinds(stats)

@@ -196,8 +196,8 @@ def test_the_prefill_skips_the_buckets_padding_and_changes_nothing_it_keeps(widt
     prompts = jax.numpy.asarray(np.random.default_rng(3).integers(0, VOCAB, size=(2, width)), jax.numpy.int32)
     keep = jax.numpy.asarray([5, 20], jax.numpy.int32)  # two of the blocks hold a kept position
     run = lambda k: prefill(target.module, target.params, prompts, k, 128, hidden_layers=(0, 1))  # noqa: E731
-    cache, hidden = run(keep)
-    full_cache, full_hidden = run(jax.numpy.full((2,), width, jax.numpy.int32))
+    cache, hidden, _ = run(keep)
+    full_cache, full_hidden, _ = run(jax.numpy.full((2,), width, jax.numpy.int32))
     np.testing.assert_array_equal(np.asarray(cache.lengths), [5, 20])
     for b, n in enumerate([5, 20]):
         for mine, ref in zip(cache.keys + cache.values, full_cache.keys + full_cache.values):
@@ -208,7 +208,7 @@ def test_the_prefill_skips_the_buckets_padding_and_changes_nothing_it_keeps(widt
     assert hidden.shape == full_hidden.shape == (2, width, 2 * 32)
     # A kept position in the tail runs every block and the tail.
     tail_keep = jax.numpy.asarray([width - 1, 3], jax.numpy.int32)
-    tail_cache, tail_hidden = run(tail_keep)
+    tail_cache, tail_hidden, _ = run(tail_keep)
     np.testing.assert_array_equal(np.asarray(tail_hidden[0]), np.asarray(full_hidden[0]))
     np.testing.assert_array_equal(np.asarray(tail_cache.keys[0][0, :, : width - 1]),
                                   np.asarray(full_cache.keys[0][0, :, : width - 1]))
@@ -224,11 +224,28 @@ def test_a_prompt_alone_is_prefilled_in_wide_blocks():
     assert block > PREFILL_BLOCK == prefill_block(2)
     target, _ = peaked_target_and_draft(llama_config(max_position_embeddings=256))
     prompt = jax.numpy.asarray(np.random.default_rng(4).integers(0, VOCAB, size=(1, 2 * block)), jax.numpy.int32)
-    cache = prefill(target.module, target.params, prompt, jax.numpy.asarray([20], jax.numpy.int32), 160)
+    cache = prefill(target.module, target.params, prompt, jax.numpy.asarray([20], jax.numpy.int32), 160).cache
     np.testing.assert_array_equal(np.asarray(cache.lengths), [20])
     keys = np.asarray(cache.keys[0])[0]  # [kv heads, positions, head dim]
     assert np.abs(keys[:, 20:block]).max(axis=-1).min() > 0, "the first block did not run whole"
     assert not keys[:, block:].any(), "a block past the prompt ran"
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_prefill_gives_the_logits_at_each_sequence_s_last_position(batch):
+    """``logits_at`` reads each sequence's logits from the block that holds that position (64-token
+    blocks alone, 16 in a batch, the second block here): they are a whole forward's logits there."""
+    from specjax._src.engine.ops import prefill
+
+    target, _ = peaked_target_and_draft(llama_config(max_position_embeddings=256))
+    prompts = jax.numpy.asarray(np.random.default_rng(5).integers(0, VOCAB, size=(batch, 80)), jax.numpy.int32)
+    lengths = jax.numpy.asarray([70, 23][:batch], jax.numpy.int32)
+    done = prefill(target.module, target.params, prompts, lengths, 128, logits_at=lengths - 1)
+    whole = target.module.apply(target.params, prompts, target.module.init_cache(batch, 128)).logits
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(np.asarray(done.logits[b]), np.asarray(whole[b, n - 1]), rtol=1e-4, atol=1e-4)
+        assert np.abs(np.asarray(whole[b, n - 2]) - np.asarray(done.logits[b])).max() > 1e-2  # not its neighbour's
+    assert prefill(target.module, target.params, prompts, lengths, 128).logits is None
 
 
 @pytest.mark.parametrize("dtype,temperature", [

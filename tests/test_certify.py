@@ -69,7 +69,8 @@ def replay(models, prompt):
         padded[0, : len(seq)] = seq
         return np.asarray(jax.nn.softmax(specjax.logits(model, padded)[0].astype(jnp.float32), -1))
 
-    seq, generated, recs = list(prompt), 0, []
+    # The first token is the prefill's: the target's at the prompt's last position, judged by no rule.
+    seq, generated, recs = list(prompt) + [int(np.argmax(probs(target, prompt)[len(prompt) - 1]))], 1, []
     while generated < N:
         drafts, qs = [], []
         for _ in range(K):

@@ -202,9 +202,10 @@ def test_compare_and_generate_draft_trees(small_model, eval_set, capsys):
     from specjax.trees import static_tree
 
     rows = evaluation.run_comparison(small_model, small_model, eval_set, rules=("speculative_sampling", "adasd"),
-                                  temperatures=(0.0,), max_new_tokens=9, tree=static_tree((2, 1)), progress=False)
+                                  temperatures=(0.0,), max_new_tokens=10, tree=static_tree((2, 1)), progress=False)
     assert [r.method for r in rows] == ["target-only", "speculative_sampling", "adasd"]
-    # Draft == target: the tree's best path is always accepted, 3 tokens a cycle (the chain's K=4 would give 5).
+    # Draft == target: the tree's best path is always accepted, 3 tokens a cycle (the chain's K=4 would give 5)
+    # after the first token, the prefill's.
     assert rows[1].agreement == 1.0 and rows[1].tau == 3.0 and rows[1].drafted_per_cycle == 2.0
     code = main(["generate", "--target", str(DRAFT_DIR), "--draft", str(DRAFT_DIR), "--tree", "dynamic:2,2,3",
                  "--rule", "mars:theta=0.9", "--prompt", "assert 2 + 3 ==", "--max-new-tokens", "6",
@@ -216,7 +217,8 @@ def test_compare_and_generate_draft_trees(small_model, eval_set, capsys):
 def test_compare_and_generate_copy_drafts_from_the_context(small_model, eval_set, capsys):
     from specjax.drafting import ngram_lookup
 
-    kw = dict(rules=("speculative_sampling",), temperatures=(0.0,), max_new_tokens=9, num_draft=4, progress=False)
+    # 11 tokens: the prefill's first, then two cycles of K + 1.
+    kw = dict(rules=("speculative_sampling",), temperatures=(0.0,), max_new_tokens=11, num_draft=4, progress=False)
     plain = evaluation.run_comparison(small_model, small_model, eval_set, **kw)
     copied = evaluation.run_comparison(small_model, small_model, eval_set, lookup=ngram_lookup(1), **kw)
     # Draft == target: every model draft is accepted and the output is the target's, copied or not

@@ -112,6 +112,16 @@ def np_warp_probs(logits, temperature, top_k, top_p):
     return p
 
 
+def opening_with(pair, end: int, first: int):
+    """``pair`` with its bigram target's row ``end`` giving ``first`` alone: a prompt ending in
+    ``end`` has ``first`` for its first token (the prefill's, which no rule judges), so the first
+    cycle drafts after ``first``. Returns ``(pair, target table)``."""
+    table = np.array(pair.target.params["table"])
+    table[end] = -1e9
+    table[end, first] = 10.0
+    return specjax.pair(bigram_model(table), pair.draft), table
+
+
 def exact_two_token_distribution(table, last, temperature, top_k, top_p):
     v = table.shape[0]
     first = np_warp_probs(table[last], temperature, top_k, top_p)
@@ -277,7 +287,8 @@ def test_greedy_matches_generate_bigram(bigram_pair, num_draft):
             assert lens[b] == 13 or row[-1] == eos
             assert (toks[b, lens[b]:] == 0).all()  # padded after the end
         assert ref.stats.tau == 1.0  # generate: one token per cycle
-        np.testing.assert_array_equal(np.asarray(ref.stats.cycles), np.asarray(ref.lengths))
+        # The first token is the prefill's: every later one is a cycle's.
+        np.testing.assert_array_equal(np.asarray(ref.stats.cycles), np.asarray(ref.lengths) - 1)
 
 
 @pytest.mark.parametrize("num_draft", [3])
@@ -437,7 +448,7 @@ def test_generate_is_deterministic_and_batch_invariant(bigram_pair):
 def test_stats_when_draft_equals_target(num_draft):
     model = bigram_model(random_table(0, VOCAB))
     pair = specjax.pair(model, model)
-    n = 3 * (num_draft + 1)
+    n = 1 + 3 * (num_draft + 1)  # the prefill's first token, then 3 cycles of K + 1
     out = specjax.decode(pair, [[1], [2, 3], [4, 5, 6]], num_draft=num_draft, max_new_tokens=n, key=jax.random.key(0))
     s = out.stats
     np.testing.assert_array_equal(np.asarray(s.cycles), 3)
@@ -469,10 +480,25 @@ def test_stats_when_draft_never_agrees():
     out = greedy_bigram(pair, random_prompts(3, G_BATCH, VOCAB, G_WIDTH), num_draft=5)
     s = out.stats
     assert s.acceptance_rate == 0.0 and s.tau == 1.0
-    np.testing.assert_array_equal(np.asarray(s.cycles), np.asarray(out.lengths))
+    np.testing.assert_array_equal(np.asarray(s.cycles), np.asarray(out.lengths) - 1)  # after the prefill's token
     # Each cycle judges slot 0 only (rejected, correction committed).
     np.testing.assert_array_equal(np.asarray(s.judged), np.asarray(s.cycles))
     np.testing.assert_array_equal(np.asarray(s.reached_at)[:, 1:], 0)
+
+
+def test_the_first_token_comes_from_the_prefill_with_no_forward_of_its_own(bigram_pair):
+    """One new token takes no cycle: the prefill's logits at the prompt's last position give it
+    (the bigram's row of that token); a second one takes one cycle (the control)."""
+    table = np.asarray(bigram_pair.target.params["table"])
+    prompts = [[1, 2], [3], [4, 6, 5]]
+    one = specjax.decode(bigram_pair, prompts, num_draft=3, max_new_tokens=1, temperature=0.0, eos_token_id=())
+    assert one.to_lists() == [[int(np.argmax(table[p[-1]]))] for p in prompts]
+    s = one.stats
+    assert int(np.sum(s.cycles)) == 0 and int(s.target_forwards) == 0 and int(s.draft_forwards) == 0
+    two = specjax.decode(bigram_pair, prompts, num_draft=3, max_new_tokens=2, temperature=0.0, eos_token_id=())
+    assert [t[:1] for t in two.to_lists()] == one.to_lists()
+    np.testing.assert_array_equal(np.asarray(two.stats.cycles), 1)
+    assert int(two.stats.target_forwards) == 1
 
 
 def test_stats_are_consistent(bigram_pair):
@@ -480,7 +506,7 @@ def test_stats_are_consistent(bigram_pair):
     s = out.stats
     cycles, drafted, accepted, judged = (np.asarray(x) for x in (s.cycles, s.drafted, s.accepted, s.judged))
     tokens = np.asarray(s.tokens)
-    np.testing.assert_array_equal(tokens, np.asarray(out.lengths))
+    np.testing.assert_array_equal(tokens, np.asarray(out.lengths) - 1)  # the first token is the prefill's
     assert s.tau == pytest.approx(tokens.sum() / cycles.sum())
     assert s.acceptance_rate == pytest.approx(accepted.sum() / judged.sum())
     assert s.accepted_per_drafted == pytest.approx(accepted.sum() / drafted.sum())
@@ -552,12 +578,12 @@ def test_rule_state_is_carried_per_sequence():
     rule = from_functions(verify, init=lambda: jnp.int32(0), update=update, name="warm_up")
     model = bigram_model(random_table(0, VOCAB))
     k = 3
-    # 3 one-token cycles, then 2 cycles of K + 1 tokens, for each sequence.
+    # The prefill's first token, 3 one-token cycles, then 2 cycles of K + 1 tokens, for each sequence.
     out = specjax.decode(specjax.pair(model, model), [[1], [2, 3]], rule=rule, num_draft=k,
-                         max_new_tokens=3 + 2 * (k + 1), temperature=0.0)
+                         max_new_tokens=1 + 3 + 2 * (k + 1), temperature=0.0)
     np.testing.assert_array_equal(np.asarray(out.stats.cycles), 5)
     np.testing.assert_array_equal(np.asarray(out.stats.accepted), 2 * k)
-    ref = specjax.generate(model, [[1], [2, 3]], max_new_tokens=3 + 2 * (k + 1), temperature=0.0)
+    ref = specjax.generate(model, [[1], [2, 3]], max_new_tokens=1 + 3 + 2 * (k + 1), temperature=0.0)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
 
 
@@ -706,11 +732,14 @@ def test_nan_logits_raise_floating_point_error():
         sample_bigram(specjax.pair(bad, good), prompts, jax.random.key(0))
     partial = info.value.output
     assert int(partial.lengths[3]) == 0 and int(np.sum(partial.lengths)) > 0
-    greedy = [[t if t != 5 else 4 for t in p] for p in random_prompts(7, G_BATCH, VOCAB, G_WIDTH)]
-    greedy[0] = [2, 5]
-    never_5 = random_table(0, VOCAB)
-    never_5[:, 5] = -1e9  # this target never produces 5 itself
+    # The target's first token for sequence 0 is 5 (after 7, which no other sequence reaches): the
+    # draft's NaN row after it stops that sequence alone.
+    greedy = [[t if t not in (5, 7) else 4 for t in p] for p in random_prompts(7, G_BATCH, VOCAB, G_WIDTH)]
+    greedy[0] = [2, 7]
+    only_7_to_5 = random_table(0, VOCAB)
+    only_7_to_5[:, [5, 7]] = -1e9
+    only_7_to_5[7, 5] = 10.0
     with pytest.raises(FloatingPointError, match=r"in sequence 0 \(draft model\); "):
-        greedy_bigram(specjax.pair(bigram_model(never_5), bad), greedy, num_draft=5)
+        greedy_bigram(specjax.pair(bigram_model(only_7_to_5), bad), greedy, num_draft=5)
     with pytest.raises(FloatingPointError, match=r"in sequence 1 \(target model\); "):
         sample_generate(bad, [[1], [5], [2], [3]], jax.random.split(jax.random.key(0), 4))

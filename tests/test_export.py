@@ -248,10 +248,11 @@ def _jaxpr_of(call):
     return c.program.trace(*c.args, **c.kwargs).jaxpr.jaxpr
 
 
-def test_streaming_holds_exactly_one_ordered_callback_and_nothing_else_does(llama_pair):
+def test_streaming_holds_exactly_its_ordered_callbacks_and_nothing_else_does(llama_pair):
+    """Two ordered callbacks: the first tokens, drawn from the prefill, and each cycle's tokens in the loop."""
     streaming = _jaxpr_of(lambda: specjax.decode(llama_pair, PROMPTS, **KW, **SAMPLE, on_tokens=lambda t, c: None))
     plain = _jaxpr_of(lambda: specjax.decode(llama_pair, PROMPTS, **KW, **SAMPLE))
-    assert _callback_primitives(streaming) == ["io_callback:ordered"]
+    assert _callback_primitives(streaming) == ["io_callback:ordered"] * 2
     assert _callback_primitives(plain) == []
 
 

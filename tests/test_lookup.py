@@ -112,7 +112,9 @@ def test_lossless_sampling_with_copied_drafts_follows_the_target(rule, num_draft
     target = peaked_target_and_draft(llama_config(vocab_size=vocab))[0]
     target = target.replace(params={**target.params, "lm_head": target.params["lm_head"] * 0.1})
     pair = specjax.pair(target, fhb.init_from_target(target, jax.random.key(2), np.arange(12)))
-    prompt, samples = [3, 5, 3], 40000  # [3] recurs: the first two drafts are the copies 5, 3
+    # Every token is followed by 3 once: after the first token v (the prefill's), the first two
+    # drafts are the copies 3, v + 1.
+    prompt, samples = [t for v in range(vocab) for t in (v, 3)], 40000
     counts, stats = _sampled_two_tokens(pair, prompt, vocab, samples, num_draft=num_draft, key=jax.random.key(7),
                                         rule=rule, lookup=drafting.ngram_lookup(1))
     pvalue, tv = goodness_of_fit(counts, _exact_two_tokens(target, prompt, vocab))

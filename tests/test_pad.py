@@ -85,9 +85,9 @@ def test_features_from_the_verify_pass_match_a_full_forward(pair):
         h, s = pivot_features(inputs.features["hidden"][layer], inputs.target_probs, inputs.draft_tokens)
         return {"hidden": h, "scalars": s, "draft": inputs.draft_tokens.astype(jnp.float32)}
 
-    prompt = PROMPTS[1]
-    out = specjax.decode(pair, [prompt], rule=spec_rule, temperature=0.0, num_draft=3,
-                         max_new_tokens=1, diagnostics=diag)  # exactly one cycle
+    out = specjax.decode(pair, [PROMPTS[1]], rule=spec_rule, temperature=0.0, num_draft=3,
+                         max_new_tokens=2, diagnostics=diag)  # the prefill's first token, then exactly one cycle
+    prompt = PROMPTS[1] + [int(out.tokens[0, 0])]
     extra = out.stats.extra
     drafts = np.asarray(extra["draft"][0]).astype(np.int32)
     seq = jnp.asarray([prompt + drafts.tolist()], jnp.int32)

@@ -56,12 +56,14 @@ def _until_done(state: DecodeState, cycles_run):
     return ~state.done.all() & (cycles_run < N)
 
 
-def _drive(cycle: Cycle, pair_params, rule, policy, cfg: LoopConfig, after_cycle=None, extra=None) -> DecodeState:
+def _drive(cycle: Cycle, pair_params, rule, policy, cfg: LoopConfig, after_cycle=None, extra=None,
+           first_token: bool = False) -> DecodeState:
     prompts, lengths, max_new, inputs = _batch()
 
     @jax.jit
     def run(pair_params, prompts):
-        state = init_state(cfg, pair_params, rule, policy, prompts, lengths, max_new)
+        state = init_state(cfg, pair_params, rule, policy, prompts, lengths, max_new,
+                           inputs if first_token else None)
         if extra is not None:
             state = state.replace(stats=state.stats.replace(extra=extra(state)))
         return run_cycles(cycle.bind(cfg, pair_params, rule, policy, inputs), state, _until_done, after_cycle)
@@ -90,6 +92,19 @@ def test_the_target_only_cycle_driven_by_hand_generates_what_generate_does(pair)
     ref = specjax.generate(pair.target, PROMPTS, max_new_tokens=N, temperature=0.0, eos_token_id=())
     assert _generated(state) == ref.to_lists()
     assert state.draft_cache is None and int(state.stats.target_forwards) == N
+
+
+@pytest.mark.parametrize("first_token", [False, True])
+def test_init_state_draws_the_first_token_from_the_prefill_given_the_inputs(pair, first_token):
+    """With the cycles' inputs, ``init_state`` commits each sequence's first token from the
+    prefill's logits: the same tokens, one target forward fewer (control: without them, N)."""
+    target_only = specjax.ModelPair(target=pair.target, draft=None, vocab_size=pair.vocab_size)
+    state = _drive(TARGET_ONLY, target_only, None, None, _config(0), first_token=first_token)
+    ref = specjax.generate(pair.target, PROMPTS, max_new_tokens=N, temperature=0.0, eos_token_id=())
+    assert _generated(state) == ref.to_lists()
+    assert int(state.stats.target_forwards) == N - int(first_token)
+    chain = _drive(CHAIN, pair, speculative_sampling(), fixed(), _config(K), first_token=first_token)
+    assert _generated(chain) == ref.to_lists()
 
 
 def counting(inner: Cycle) -> Cycle:

@@ -91,6 +91,27 @@ def test_mixed_settings_each_equal_decode_alone(llama_pair, engine):
     assert again[1] == got[2]
 
 
+def test_an_inserted_request_s_first_token_is_out_before_any_step(llama_pair, engine):
+    """The insert draws each request's first token from its prefill: ``flush`` gives it out
+    with no cycle run, the steps after it give the rest, and together they are decode's tokens."""
+    settings = [SlotSettings(temperature=0.0, max_new_tokens=9), SlotSettings(temperature=1.0, seed=4,
+                                                                                max_new_tokens=9)]
+    state = engine.insert_many(engine.init(), [0, 2], [PROMPTS[0], PROMPTS[2]], settings)
+    state, first = engine.flush(state)
+    first = jax.device_get(first)
+    np.testing.assert_array_equal(first.counts, [1, 0, 1, 0])
+    assert int(np.sum(state.loop.stats.cycles)) == 0  # no cycle ran
+    state, again = engine.flush(state)
+    np.testing.assert_array_equal(again.counts, 0)  # given out once
+    got, _ = run_to_end(engine, state)
+    for slot, prompt, s in zip((0, 2), (PROMPTS[0], PROMPTS[2]), settings):
+        assert [int(first.tokens[slot, 0])] + got[slot] == alone(llama_pair, prompt, s)
+    # Without a flush, the first step gives the first token with its own.
+    state = engine.insert(engine.init(), 1, PROMPTS[1], settings[0])
+    state, step = engine.step(state, 1)
+    assert int(step.counts[1]) >= 2 and int(step.tokens[1, 0]) == alone(llama_pair, PROMPTS[1], settings[0])[0]
+
+
 def test_lookup_in_slots(llama_pair):
     """Drafts copied from each slot's own context."""
     engine = Engine(llama_pair, num_slots=2, capacity=CAPACITY, num_draft=K, lookup=ngram_lookup(2),

@@ -188,6 +188,10 @@ def test_fork_checks_its_arguments(llama_pair, engine):
         with pytest.raises((ValueError, TypeError), match=message):
             engine.fork(state, args["source"], args["slots"], args["keys"])
     assert engine.free_slots(state) == [0, 2, 3]
+    # A copy draws its own first token from the prompt's prefill: a request that has stepped is refused.
+    stepped, _ = engine.step(state, 1)
+    with pytest.raises(ValueError, match="slot 1's request has run steps since its insert"):
+        engine.fork(stepped, 1, [2], [key])
     # A donating engine consumes the state passed in, as insert does.
     donating = Engine(llama_pair, num_slots=4, capacity=CAPACITY, num_draft=K, logprobs=TOP, donate_state=True)
     before = donating.insert(donating.init(), 1, [4, 5], SlotSettings(seed=0, max_new_tokens=4))

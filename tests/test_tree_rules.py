@@ -25,7 +25,7 @@ import pytest
 import specjax
 from specjax.rules import adasd, ears, mars, pad, speculative_sampling, top_m
 from specjax.trees import dynamic_tree, static_tree
-from test_decode import NO_BUCKETS, VOCAB, goodness_of_fit, random_prompts
+from test_decode import NO_BUCKETS, VOCAB, goodness_of_fit, opening_with, random_prompts
 
 PROMPTS = random_prompts(21, 24, 96, 14)
 THETA = 0.5
@@ -85,12 +85,16 @@ def dynamic_tree_law(p, draft_logits, logits, width, theta):
     return walk_law(p, logits, [(c, np.eye(len(p))[c]) for c in kids], theta)
 
 
-def first_token_counts(pair, tree, rule, samples=20000, seed=0):
-    prompts = np.array([[3, 0], [5, 3]] * (samples // 2), np.int32)  # both end in token 3
+def first_cycle_token_counts(pair, tree, rule, samples=20000, seed=0):
+    """How often each first token of the first cycle was sampled, after 3: the prompts' last
+    token, 7, leads to 3 alone in the target (the prefill draws the first token, 3)."""
+    pair, _ = opening_with(pair, 7, 3)
+    prompts = np.array([[7, 0], [5, 7]] * (samples // 2), np.int32)
     lengths = np.array([1, 2] * (samples // 2), np.int32)
-    out = specjax.decode(pair, prompts, prompt_lengths=lengths, tree=tree, rule=rule, max_new_tokens=1,
+    out = specjax.decode(pair, prompts, prompt_lengths=lengths, tree=tree, rule=rule, max_new_tokens=2,
                          temperature=1.0, key=jax.random.key(seed), buckets=NO_BUCKETS)
-    return np.bincount(np.asarray(out.tokens)[:, 0], minlength=VOCAB).astype(float)
+    assert (np.asarray(out.tokens)[:, 0] == 3).all()
+    return np.bincount(np.asarray(out.tokens)[:, 1], minlength=VOCAB).astype(float)
 
 
 @pytest.mark.parametrize("kind", ["static", "dynamic", "dynamic-topk"])
@@ -107,7 +111,7 @@ def test_mars_first_token_law_on_a_tree(bigram_pair, kind):
     else:
         tree, expected = dynamic_tree(1, 3, 3, sampled=False), dynamic_tree_law(p, draft, target, 3, THETA_LAW)
     assert np.abs(expected - p).sum() > 0.1  # MARS moves this law away from the target's
-    counts = first_token_counts(bigram_pair, tree, mars(THETA_LAW))
+    counts = first_cycle_token_counts(bigram_pair, tree, mars(THETA_LAW))
     pvalue, tv = goodness_of_fit(counts[None], expected[None])
     assert pvalue > 1e-3, f"chi-square p={pvalue:.2e}, TV={tv:.4f}"
     assert tv < 0.02
@@ -159,12 +163,13 @@ def test_a_dynamic_trees_children_follow_the_rule_by_default(llama_pair):
 def test_top_m_sampling_on_a_tree_emits_only_top_m_tokens(bigram_pair):
     """A criterion's accepted children and its corrections stay in its set.
     (A bonus token after a leaf follows ``p``, as on a chain: with a depth-2
-    tree the first two tokens are never bonus tokens.)"""
+    tree the first cycle's first two tokens are never bonus tokens. The first
+    token, the prefill's, follows ``p`` too: it is left out.)"""
     table = np.asarray(bigram_pair.target.params["table"])
     prompts = np.array([[t] for t in range(VOCAB)] * 256, np.int32)
-    out = specjax.decode(bigram_pair, prompts, tree=static_tree((3, 2)), rule=top_m(2), max_new_tokens=2,
+    out = specjax.decode(bigram_pair, prompts, tree=static_tree((3, 2)), rule=top_m(2), max_new_tokens=3,
                          temperature=1.0, eos_token_id=(), key=jax.random.key(5))
-    toks = np.concatenate([prompts, np.asarray(out.tokens)], axis=1)
+    toks = np.asarray(out.tokens)
     prev, nxt = toks[:, :-1].ravel(), toks[:, 1:].ravel()
     rank = (table[prev] > table[prev, nxt][:, None]).sum(-1)
     assert rank.max() < 2

@@ -159,11 +159,12 @@ def _run_loop(
     batch = prompts.shape[0]
     k_max, n_max = cfg.num_draft, cfg.max_new_tokens
     seq_keys = per_sequence_keys(key, batch)
-    state = init_state(cfg, pair_params, rule, policy, prompts, prompt_lengths, max_new)
+    inputs = CycleInputs(prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows)
+    state = init_state(cfg, pair_params, rule, policy, prompts, prompt_lengths, max_new, inputs)
+    report_tokens(cfg, stream_id, state.tokens, prompt_lengths, state.num_committed, k_max + 1, pad_id)
     caches = tuple((field, which) for field, which in (("target_cache", "target"), ("draft_cache", "draft"))
                    if getattr(state, field) is not None)
     state = constrain(cfg, state, batch, caches)
-    inputs = CycleInputs(prompt_lengths, max_new, eos_ids, seq_keys, temperature, top_p, rows)
     bound = cycle.bind(cfg, pair_params, rule, policy, inputs)
     if cfg.diagnostics is not None:
         shapes = jax.eval_shape(lambda s: bound(s)[1], state)

@@ -11,7 +11,7 @@ module's own.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -148,8 +148,27 @@ def prefill_block(batch: int) -> int:
     return SINGLE_PREFILL_BLOCK if batch == 1 else PREFILL_BLOCK
 
 
+class Prefilled(NamedTuple):
+    """What :func:`prefill` and :func:`prefill_chunk` leave.
+
+    Attributes:
+      cache: the cache (``prefill``'s rolled back to ``keep``; a chunk's not yet).
+      hidden: ``[B, P, ...]`` the asked ``hidden_layers``' outputs (through
+        ``hidden_fn``) at every position, zeros where a block was skipped; None
+        without ``hidden_layers``.
+      logits: ``[B, V]`` float32, the raw logits at each sequence's
+        ``logits_at`` position (zeros where that position lies in no block run
+        here); None without ``logits_at``.
+    """
+
+    cache: KVCache
+    hidden: Array | None = None
+    logits: Array | None = None
+
+
 def prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, hidden_layers=(),
-             features: Array | None = None, hidden_fn: Callable | None = None) -> KVCache | tuple[KVCache, Array]:
+            features: Array | None = None, hidden_fn: Callable | None = None,
+            logits_at: Array | None = None) -> Prefilled:
     """Runs ``prompts[B, P]`` into a fresh cache, then keeps ``keep[B]`` entries.
 
     Blocks of :func:`prefill_block` tokens run one at a time through one compiled
@@ -161,19 +180,21 @@ def prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, h
     and every block that runs has the same shape, so skipping changes no
     sequence's numbers.
 
-    Returns the cache, or ``(cache, hidden [B, P, ...])`` with n
-    ``hidden_layers`` (those blocks' outputs at every prompt position,
-    concatenated, then ``hidden_fn`` of them, applied block by block: a
-    feature head's input; zeros where a block was skipped). Applying
+    With n ``hidden_layers``, :attr:`Prefilled.hidden` holds those blocks'
+    outputs at every prompt position, concatenated, then ``hidden_fn`` of
+    them, applied block by block: a feature head's input. Applying
     ``hidden_fn`` per block keeps its products the shape they have in
     :func:`prefill_chunk`, so that a prompt prefilled in chunks gets the
-    same numbers.
-    A feature head reads ``features [B, P, H]`` alongside the tokens.
+    same numbers. A feature head reads ``features [B, P, H]`` alongside the tokens.
+    ``logits_at [B]``: a position below ``keep`` per sequence whose raw logits
+    :attr:`Prefilled.logits` returns (the prompt's last: its first token's
+    distribution), read from the block that holds it (one row of the LM
+    head per block, not the block's).
     """
     batch, width = prompts.shape
     block_size = prefill_block(batch)
     cache = module.init_cache(batch, cache_length)
-    run, skip = _block_forward(module, params, hidden_layers, hidden_fn)
+    run, skip = _block_forward(module, params, hidden_layers, hidden_fn, logits_at)
     layers = tuple(hidden_layers)
 
     def split(x, full):  # [B, full * PB, ...] -> [full, B, PB, ...]
@@ -185,60 +206,88 @@ def prefill(module, params, prompts: Array, keep: Array, cache_length: int, *, h
 
     full, tail = divmod(width, block_size)
     longest = jnp.max(keep)
-    hidden = []
+    hidden, logits = [], _no_logits(run, cache, prompts[:, :block_size], features, logits_at)
     if full:
         xs = (split(prompts, full), None if features is None else split(features, full))
-        _, h = skip(cache, *block(xs, 0))
+        _, h, _ = skip(cache, *block(xs, 0), jnp.int32(0))
         h_all = None if h is None else jnp.zeros((full,) + h.shape, h.dtype)
 
         def body(i, carry):
-            c, h_all = carry
-            c, h = run(c, *block(xs, i))
-            return c, (None if h_all is None else h_all.at[i].set(h))
+            c, h_all, got = carry
+            c, h, lg = run(c, *block(xs, i), i * block_size)
+            return c, (None if h_all is None else h_all.at[i].set(h)), _keep_logits(got, lg, logits_at,
+                                                                                    i * block_size, block_size)
 
         needed = jnp.minimum((longest + block_size - 1) // block_size, full)
-        cache, h_all = jax.lax.fori_loop(0, needed, body, (cache, h_all))
+        cache, h_all, logits = jax.lax.fori_loop(0, needed, body, (cache, h_all, logits))
         if layers:
             hidden.append(h_all.swapaxes(0, 1).reshape(batch, full * block_size, -1))
     if tail:
         rest = full * block_size
-        args = (cache, prompts[:, rest:], None if features is None else features[:, rest:])
+        args = (cache, prompts[:, rest:], None if features is None else features[:, rest:], jnp.int32(rest))
         # Only where a kept position lies in the tail; skipping it leaves the cache's lengths short of
         # ``rest``, which the rollback below makes moot (every kept entry was written).
-        cache, h = jax.lax.cond(longest > rest, run, skip, *args)
+        cache, h, lg = jax.lax.cond(longest > rest, run, skip, *args)
+        logits = _keep_logits(logits, lg, logits_at, rest, tail)
         if layers:
             hidden.append(h)
     cache = cache.rollback(keep)
-    if not layers:
-        return cache
-    return cache, jnp.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
+    if layers:
+        hidden = jnp.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
+    return Prefilled(cache, hidden if layers else None, logits)
 
 
-def _block_forward(module, params, hidden_layers, hidden_fn):
-    """``(run, skip)``: one prefill block's forward ``(cache, tokens, features) -> (cache, hidden or
-    None)``, and what it returns without running (the cache as it was, zero hidden)."""
+def _no_logits(run, cache, block, features, logits_at) -> Array | None:
+    """Zero logits of the shape one block's forward gives, or None without ``logits_at``."""
+    if logits_at is None:
+        return None
+    shape = jax.eval_shape(run, cache, block, None if features is None else features[:, : block.shape[1]],
+                           jnp.int32(0))[2]
+    return jnp.zeros(shape.shape, shape.dtype)
+
+
+def _keep_logits(got, new, logits_at, start, size: int):
+    """``got [B, V]`` with the rows whose ``logits_at`` lies in ``[start, start + size)`` from ``new``."""
+    if logits_at is None:
+        return None
+    inside = (logits_at >= start) & (logits_at < start + size)
+    return jnp.where(inside[:, None], new, got)
+
+
+def _block_forward(module, params, hidden_layers, hidden_fn, logits_at=None):
+    """``(run, skip)``: one prefill block's forward ``(cache, tokens, features, start) -> (cache,
+    hidden or None, logits [B, V] at ``logits_at - start`` or None)``, and what it returns without
+    running (the cache as it was, zero hidden and logits)."""
     layers = tuple(hidden_layers)
 
-    def run(c, block, feats):
+    def run(c, block, feats, start):
         extra = {} if feats is None else {"features": feats}
-        out = module.apply(params, block, c, hidden_layers=layers, **extra)
-        if not layers:
-            return out.cache, None
-        h = jnp.concatenate(out.hidden, axis=-1)
-        return out.cache, (h if hidden_fn is None else hidden_fn(h))
+        at = None if logits_at is None else jnp.clip(logits_at - start, 0, block.shape[1] - 1)
+        if at is not None and getattr(module, "supports_logits_at", False):
+            out = module.apply(params, block, c, hidden_layers=layers, logits_at=at, **extra)
+            logits = out.logits[:, 0]
+        else:
+            out = module.apply(params, block, c, hidden_layers=layers, **extra)
+            logits = None if at is None else row_at(out.logits, at)
+        h = None
+        if layers:
+            h = jnp.concatenate(out.hidden, axis=-1)
+            h = h if hidden_fn is None else hidden_fn(h)
+        return out.cache, h, None if logits is None else logits.astype(jnp.float32)
 
-    def skip(c, block, feats):
-        if not layers:
-            return c, None
-        shape = jax.eval_shape(run, c, block, feats)[1]
-        return c, jnp.zeros(shape.shape, shape.dtype)
+    def skip(c, block, feats, start):
+        if not layers and logits_at is None:
+            return c, None, None
+        _, h, lg = jax.eval_shape(run, c, block, feats, start)
+        zeros = lambda x: None if x is None else jnp.zeros(x.shape, x.dtype)  # noqa: E731
+        return c, zeros(h), zeros(lg)
 
     return run, skip
 
 
 def prefill_chunk(module, params, cache: KVCache, chunk: Array, keep: Array, start: Array, width: Array, *,
-                   tail: int, hidden_layers=(), features: Array | None = None,
-                   hidden_fn: Callable | None = None) -> tuple[KVCache, Array | None]:
+                  tail: int, hidden_layers=(), features: Array | None = None,
+                  hidden_fn: Callable | None = None, logits_at: Array | None = None) -> Prefilled:
     """The part of :func:`prefill` that lies in one chunk of a prompt: for
     one prompt padded to ``width`` (traced) and prefilled alone (blocks of
     :func:`prefill_block` ``(1)``), the blocks ``prefill`` runs whose
@@ -253,13 +302,14 @@ def prefill_chunk(module, params, cache: KVCache, chunk: Array, keep: Array, sta
     Each block runs the forward ``prefill`` runs for it, with the same
     tokens and cache entries before it, so chunk after chunk leaves the
     cache ``prefill`` leaves (before its rollback to ``keep``, which the
-    caller does after the last chunk). Returns ``(cache, hidden [1, N, ...] or
-    None)`` as ``prefill`` does for those positions.
+    caller does after the last chunk). Returns :class:`Prefilled` as
+    ``prefill`` does for those positions (``hidden [1, N, ...]``; the logits
+    at ``logits_at`` where this chunk holds it).
     """
     batch, n = chunk.shape
     block_size = prefill_block(batch)
     blocks = n // block_size
-    run, skip = _block_forward(module, params, hidden_layers, hidden_fn)
+    run, skip = _block_forward(module, params, hidden_layers, hidden_fn, logits_at)
     layers = tuple(hidden_layers)
     first = start // block_size
     full = width // block_size
@@ -272,29 +322,33 @@ def prefill_chunk(module, params, cache: KVCache, chunk: Array, keep: Array, sta
     def block(i):
         return tuple(None if x is None else x[i] for x in xs)
 
-    _, h = skip(cache, *block(0))
+    _, h, _ = skip(cache, *block(0), jnp.int32(0))
     h_all = None if h is None else jnp.zeros((blocks,) + h.shape, h.dtype)
+    logits = _no_logits(run, cache, chunk[:, :block_size], None if features is None else features, logits_at)
 
     def body(i, carry):
-        c, h_all = carry
-        c, h = run(c, *block(i))
-        return c, (None if h_all is None else h_all.at[i].set(h))
+        c, h_all, got = carry
+        at = start + i * block_size
+        c, h, lg = run(c, *block(i), at)
+        return c, (None if h_all is None else h_all.at[i].set(h)), _keep_logits(got, lg, logits_at, at, block_size)
 
     needed = jnp.minimum((jnp.max(keep) + block_size - 1) // block_size, full)
     count = jnp.clip(needed - first, 0, blocks)
-    cache, h_all = jax.lax.fori_loop(0, count, body, (cache, h_all))
+    cache, h_all, logits = jax.lax.fori_loop(0, count, body, (cache, h_all, logits))
     hidden = h_all.swapaxes(0, 1).reshape(batch, n, -1) if layers else None
     if tail:
         offset = (full - first) * block_size
         runs = (width % block_size != 0) & (jnp.max(keep) > full * block_size) & (offset >= 0) & (offset < n)
         at = jnp.clip(offset, 0, n - tail)
         args = (cache, jax.lax.dynamic_slice_in_dim(chunk, at, tail, axis=1),
-                None if features is None else jax.lax.dynamic_slice_in_dim(features, at, tail, axis=1))
-        cache, h = jax.lax.cond(runs, run, skip, *args)
+                None if features is None else jax.lax.dynamic_slice_in_dim(features, at, tail, axis=1), start + at)
+        cache, h, lg = jax.lax.cond(runs, run, skip, *args)
+        if logits is not None:
+            logits = jnp.where(runs, _keep_logits(logits, lg, logits_at, start + at, tail), logits)
         if layers:
             hidden = jnp.where(runs, jax.lax.dynamic_update_slice_in_dim(hidden, h.astype(hidden.dtype), at, axis=1),
                                hidden)
-    return cache, hidden
+    return Prefilled(cache, hidden, logits)
 
 
 def constrain(cfg: LoopConfig, state, batch: int, caches: Sequence[tuple[str, str]]):

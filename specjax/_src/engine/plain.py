@@ -45,23 +45,47 @@ def plain_cycle(cfg: LoopConfig, pair_params: ModelPair, inputs: CycleInputs, st
                 emit_uniform, update_policy: Callable[[Array], object]) -> DecodeState:
     """A cycle that drafts nothing: one target forward over each sequence's
     last token, its token emitted as a drafting cycle would emit its bonus
-    token after no drafts (the cycle's ``emit_uniform [B]``, greedy rows,
-    processors, non-finite checks, log-probabilities), the draft skipped (its
-    cache waits; a head's features are kept pending), the rule's state
+    token after no drafts (:func:`commit_target_token`), the draft skipped
+    (its cache waits; a head's features are kept pending), the rule's state
     unchanged (nothing judged). ``update_policy(live [B])`` gives the policy's
     state after the cycle (each cycle kind tells its policy what a plain step
     showed). Returns the state after the cycle."""
-    prompt_lengths, max_new, eos_ids, _, temperature, top_p, rows = inputs
-    batch, vocab, k_max = state.num_committed.shape[0], pair_params.vocab_size, cfg.num_draft
-    if rows is not None:
-        rows, top_p = live_settings(rows, top_p, ~state.done)
-    hist = cycle_history(rows, state, prompt_lengths, eos_ids, vocab)
+    k_max = cfg.num_draft
     head = pair_params.draft.module
     head_layers = head.feature_layers if is_feature_head(head) else ()
     last = gather(state.tokens, state.num_committed - 1)
     out = pair_params.target.module.apply(pair_params.target.params, last[:, None], state.target_cache,
                                           hidden_layers=head_layers)
-    raw = out.logits[..., :vocab]  # [B, 1, V]
+    after, live = commit_target_token(cfg, pair_params.vocab_size, inputs, state, out.logits[:, 0], emit_uniform)
+    features = None
+    if head_layers:
+        hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)
+        own = head.target_features(pair_params.draft.params, hidden)  # [B, 1, H]
+        features = pending_after_skip(state, jnp.pad(own, [(0, 0), (0, k_max), (0, 0)]))
+    return after.replace(target_cache=out.cache.rollback(after.num_committed - 1),
+                         policy_state=where_b(live, update_policy(live), state.policy_state),
+                         draft_features=features)
+
+
+def commit_target_token(cfg: LoopConfig, vocab: int, inputs: CycleInputs, state: DecodeState, raw: Array,
+                        emit_uniform) -> tuple[DecodeState, Array]:
+    """Commits one token per live sequence drawn from the target's ``raw [B, V']``
+    logits at its last committed token, as a drafting cycle emits its bonus
+    token after no drafts: the logits processors, greedy rows, temperature,
+    top-k and top-p, ``emit_uniform [B]``, the non-finite check, EOS and
+    ``max_new_tokens``, the log-probabilities, counted as a cycle of no drafts.
+
+    The caches, the rule's and the policy's states are left as they were (the
+    caller sets them: :func:`plain_cycle` after its forward, the prefill's
+    first token, :func:`specjax._src.engine.state.draw_first_token`). Returns
+    ``(state, live [B])``: the state one step on, and the rows that committed.
+    """
+    prompt_lengths, max_new, eos_ids, _, temperature, top_p, rows = inputs
+    batch, k_max = state.num_committed.shape[0], cfg.num_draft
+    if rows is not None:
+        rows, top_p = live_settings(rows, top_p, ~state.done)
+    hist = cycle_history(rows, state, prompt_lengths, eos_ids, vocab)
+    raw = raw[:, None, :vocab]  # [B, 1, V]
     no_drafts = jnp.zeros((batch, k_max), jnp.int32)
     processed = raw if hist is None else processors_lib.process(rows.processors, rows.controls, hist, raw,
                                                                 no_drafts, 0)
@@ -78,23 +102,18 @@ def plain_cycle(cfg: LoopConfig, pair_params: ModelPair, inputs: CycleInputs, st
     tokens, n_commit, finished = commit_block(state, no_drafts, none, emitted, live, prompt_lengths, max_new, eos_ids)
     new_nc = state.num_committed + n_commit
     committed = Committed(tokens=tokens, num_committed=new_nc, num_new=n_commit,
-                          done=state.done | (new_bad > 0) | finished, target_cache=out.cache.rollback(new_nc - 1),
+                          done=state.done | (new_bad > 0) | finished, target_cache=state.target_cache,
                           draft_cache=state.draft_cache)
     logprobs = None
     if state.logprobs is not None:
         padded = jnp.pad(target_logits, [(0, 0), (0, k_max), (0, 0)])
         logprobs = cycle_logprobs(state, padded, committed_block(no_drafts, none, emitted), rows)
     unused = jnp.zeros((batch, k_max), bool)
-    policy_state = where_b(live, update_policy(live), state.policy_state)
     stats = record_cycle(state.stats, live=live, valid=unused, num_accepted=none, num_committed=n_commit,
                          paths=no_drafts, draft_forwards=jnp.int32(0), copied=unused, verified=jnp.int32(1))
-    features = None
-    if head_layers:
-        hidden = jnp.concatenate(out.hidden[len(out.hidden) - len(head_layers):], axis=-1)
-        own = head.target_features(pair_params.draft.params, hidden)  # [B, 1, H]
-        features = pending_after_skip(state, jnp.pad(own, [(0, 0), (0, k_max), (0, 0)]))
-    return next_state(state, committed, bad=bad, rule_state=state.rule_state, policy_state=policy_state,
-                      stats=stats, draft_features=features, logprobs=logprobs)
+    after = next_state(state, committed, bad=bad, rule_state=state.rule_state, policy_state=state.policy_state,
+                       stats=stats, draft_features=state.draft_features, logprobs=logprobs)
+    return after, live
 
 
 def draft_lag(state: DecodeState) -> Array:

@@ -2,10 +2,11 @@
 their arguments on the host and calls them).
 
 One program per static structure (:class:`SlotsConfig`) and shape: ``init_jit``; ``insert_jit``
-(a batch of prompts prefilled whole into their slots); ``prefill_start_jit``, ``prefill_chunk_jit``
-and ``prefill_finish_jit`` (one prompt prefilled chunk by chunk, its caches kept apart from the
-state until the last chunk); ``fork_jit``; ``step_jit`` (up to ``num_cycles`` cycles of the leading
-``rows_run`` slots). The ``*_donating`` variants write the new state into the old one's buffers.
+(a batch of prompts prefilled whole into their slots, each request's first token drawn from its
+prefill); ``prefill_start_jit``, ``prefill_chunk_jit`` and ``prefill_finish_jit`` (one prompt
+prefilled chunk by chunk, its caches kept apart from the state until the last chunk); ``fork_jit``;
+``step_jit`` (up to ``num_cycles`` cycles of the leading ``rows_run`` slots); ``flush_jit`` (what
+a step would report before its cycles: the first tokens of requests inserted since the last one). The ``*_donating`` variants write the new state into the old one's buffers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from specjax._src.engine.config import DecodeState, LoopConfig, Logprobs
 from specjax._src.engine.cycle import LOGPROB_FLOOR, CycleInputs, run_cycles
 from specjax._src.engine.cycles import cycle_for
 from specjax._src.engine.ops import SINGLE_PREFILL_BLOCK
-from specjax._src.engine.state import empty_prefill_caches, init_state, prefill_pair_chunk, state_after_chunks
+from specjax._src.engine.state import (draw_first_token, empty_prefill_caches, init_state, prefill_pair_chunk,
+                                       prefill_state, state_after_chunks)
 from specjax._src.logits import processors as processors_lib
 from specjax._src.models.pairing import ModelPair
 
@@ -51,6 +53,8 @@ class SlotState:
         numbers per slot), or None where the numbers are shared.
       logprobs: ``[S]`` int32 ``SlotSettings.logprobs`` (-1 for None) with
         ``Engine(logprobs=N)``, N > 0; else None.
+      reported: ``[S]`` int32, each slot's committed tokens already given out
+        (by a step's or a flush's :class:`StepOutput`): the next output starts there.
     """
 
     loop: DecodeState
@@ -66,15 +70,17 @@ class SlotState:
     controls: Any = None
     rules: Any = None
     logprobs: Any = None
+    reported: Any = None
 
 
 @struct.dataclass
 class StepOutput:
-    """What one :meth:`Engine.step` committed.
+    """What one :meth:`Engine.step` committed (or :meth:`Engine.flush` found committed).
 
     Attributes:
       tokens: ``[S, W]`` int32: row ``s``'s first ``counts[s]`` entries are the
-        tokens slot ``s`` committed in this step, in order; ``-1`` after them.
+        tokens slot ``s`` committed since the last output (this step's, and a
+        request's first token, drawn at its insert), in order; ``-1`` after them.
         ``W`` is the token buffer's width, ``capacity + K + 1``.
       counts: ``[S]`` int32.
       done: ``[S]`` bool: the slot's request is finished (EOS, a stop id,
@@ -159,6 +165,7 @@ def _init_impl(params: ModelPair, rule, policy, *, cfg: SlotsConfig) -> SlotStat
             else None
         ),
         logprobs=jnp.full((s,), -1, jnp.int32) if cfg.logprobs else None,
+        reported=ones,
     )
 
 
@@ -178,8 +185,8 @@ def _insert_impl(
     params: ModelPair, rule, policy, state: SlotState, slots, prompts, lengths, row: dict, *, cfg: SlotsConfig
 ) -> SlotState:
     loop_cfg = cfg.loop._replace(max_new_tokens=cfg.capacity - prompts.shape[1])
-    fresh = init_state(loop_cfg, params, rule, policy, prompts, lengths, row["max_new"])
-    return _write_requests(state, slots, fresh, lengths, row, cfg)
+    fresh, logits = prefill_state(loop_cfg, params, rule, policy, prompts, lengths, row["max_new"])
+    return _write_requests(params, state, slots, fresh, logits, lengths, row, cfg)
 
 
 def _prefill_start_impl(params: ModelPair, *, cfg: SlotsConfig):
@@ -189,7 +196,7 @@ def _prefill_start_impl(params: ModelPair, *, cfg: SlotsConfig):
 
 def _prefill_chunk_impl(params: ModelPair, caches, prompt, length, width, start, *, cfg: SlotsConfig, chunk: int):
     """One chunk that is not the prompt's last: the caches after it (:meth:`Engine.continue_insert`)."""
-    caches, _ = prefill_pair_chunk(
+    caches, _, _ = prefill_pair_chunk(
         cfg.loop, params, caches, prompt, length, width, start, chunk, cfg.capacity % SINGLE_PREFILL_BLOCK
     )
     return caches
@@ -212,20 +219,29 @@ def _prefill_finish_impl(
     chunk: int,
 ) -> SlotState:
     """The prompt's last chunk, then the request written into its slot as :func:`_insert_impl` writes it."""
-    caches, features = prefill_pair_chunk(
+    caches, features, logits = prefill_pair_chunk(
         cfg.loop, params, caches, prompt, length, width, start, chunk, cfg.capacity % SINGLE_PREFILL_BLOCK
     )
     loop_cfg = cfg.loop._replace(max_new_tokens=0)
     fresh = state_after_chunks(
         loop_cfg, params, rule, policy, caches, features, prompt[:, : cfg.capacity], length, start, row["max_new"]
     )
-    return _write_requests(state, slots, fresh, jnp.reshape(length, (1,)), row, cfg)
+    return _write_requests(params, state, slots, fresh, logits, jnp.reshape(length, (1,)), row, cfg)
 
 
-def _write_requests(state: SlotState, slots, fresh, lengths, row: dict, cfg: SlotsConfig) -> SlotState:
-    """``state`` with the requests of ``fresh`` (their prefilled loop rows) and ``row`` (their settings) in ``slots``."""
+def _write_requests(params: ModelPair, state: SlotState, slots, fresh, logits, lengths, row: dict,
+                    cfg: SlotsConfig) -> SlotState:
+    """``state`` with the requests of ``fresh`` (their prefilled loop rows, before their first
+    token) and ``row`` (their settings) in ``slots``, each first token drawn from ``logits [n, V']``."""
+    state = _write_settings(state, slots, lengths, row, cfg)
+    settings = jax.tree_util.tree_map(lambda x: x[slots], state.replace(loop=None))
     fresh = fresh.replace(step=jnp.zeros_like(lengths), logprobs=_no_logprobs(fresh.tokens.shape, cfg))
-    loop = _set_rows(state.loop, fresh, slots)
+    fresh = draw_first_token(cfg.loop, params, _cycle_inputs(settings, cfg), fresh, logits)
+    return state.replace(loop=_set_rows(state.loop, fresh, slots), reported=state.reported.at[slots].set(lengths))
+
+
+def _write_settings(state: SlotState, slots, lengths, row: dict, cfg: SlotsConfig) -> SlotState:
+    """``state`` with the settings ``row`` of requests whose prompts hold ``lengths`` tokens in ``slots``."""
     controls, rules = state.controls, state.rules
     if cfg.per_slot_rule:
         rules = _set_rows(rules, row["rule"], slots)
@@ -236,7 +252,6 @@ def _write_requests(state: SlotState, slots, fresh, lengths, row: dict, cfg: Slo
     seeded = jax.vmap(lambda seed: jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0)))(row["seed"])
     keys = jnp.where(row["use_key"][:, None], row["keys"], seeded)
     return state.replace(
-        loop=loop,
         occupied=state.occupied.at[slots].set(True),
         prompt_lengths=state.prompt_lengths.at[slots].set(lengths),
         max_new=put("max_new"),
@@ -252,14 +267,40 @@ def _write_requests(state: SlotState, slots, fresh, lengths, row: dict, cfg: Slo
     )
 
 
-def _fork_impl(state: SlotState, source, slots, keys) -> SlotState:
+def _fork_impl(params: ModelPair, state: SlotState, source, slots, keys, *, cfg: SlotsConfig) -> SlotState:
     """Rows ``slots [n]`` become copies of row ``source`` (its caches, tokens,
-    settings and counters), each with its own key data ``keys [n, ...]``."""
+    settings and counters), each with its own key data ``keys [n, ...]`` and
+    its own first token: drawn again with that key from the target's logits
+    at the prompt's last position (one forward of that token over the
+    source's cache), as an insert with that key draws it. The source must
+    have run no step since its insert."""
     n = slots.shape[0]
     copies = jax.tree_util.tree_map(
         lambda x: x if jnp.ndim(x) == 0 else jnp.broadcast_to(x[source], (n,) + x.shape[1:]), state
-    )
-    return _set_rows(state, copies.replace(keys=keys), slots)
+    ).replace(keys=keys)
+    lengths = copies.prompt_lengths
+    loop = copies.loop.replace(num_committed=lengths, done=copies.max_new <= 0, bad=jnp.zeros_like(lengths),
+                               step=jnp.zeros_like(lengths))
+    logits = jnp.broadcast_to(_last_prompt_logits(params, state, source), (n, params.vocab_size))
+    loop = draw_first_token(cfg.loop, params, _cycle_inputs(copies, cfg), loop, logits)
+    return _set_rows(state, copies.replace(loop=loop, reported=lengths), slots)
+
+
+def _last_prompt_logits(params: ModelPair, state: SlotState, source) -> Array:
+    """``[V']`` the target's raw logits at the last prompt position of slot ``source``: one
+    forward of that token over the slot's target cache (which holds the prompt)."""
+    length = state.prompt_lengths[source]
+    cache = jax.tree_util.tree_map(lambda x: x[source][None], state.loop.target_cache).rollback(length[None] - 1)
+    token = state.loop.tokens[source, length - 1]
+    target = params.target
+    return target.module.apply(target.params, token.reshape(1, 1), cache).logits[0, 0, : params.vocab_size]
+
+
+def _cycle_inputs(state: SlotState, cfg: SlotsConfig) -> CycleInputs:
+    """What a cycle reads of each of ``state``'s rows besides the loop state."""
+    keys = jax.random.wrap_key_data(state.keys)
+    return CycleInputs(state.prompt_lengths, state.max_new, state.eos, keys, state.temperature, state.top_p,
+                       _rows(state, cfg))
 
 
 def _rows(state: SlotState, cfg: SlotsConfig) -> processors_lib.RowSettings:
@@ -337,11 +378,21 @@ def _step_impl(
     """Cycles for the first ``rows_run`` slots (static: the engine passes a row
     bucket holding every occupied slot; the rows past it are free, so nothing
     of theirs changes), then the step's output for all ``S``."""
-    start = state.loop.num_committed
     part = state if rows_run == cfg.num_slots else _leading_state_rows(state, rows_run, cfg)
     loop = _run_rows(params, rule, policy, part, num_cycles, until_first_finish, cfg)
     if rows_run != cfg.num_slots:
         loop = _with_leading_loop_rows(state.loop, loop, cfg)
+    return _output(state, loop, cfg)
+
+
+def _flush_impl(state: SlotState, *, cfg: SlotsConfig) -> tuple[SlotState, StepOutput]:
+    """The tokens committed since the last output, no cycle run (:meth:`Engine.flush`)."""
+    return _output(state, state.loop, cfg)
+
+
+def _output(state: SlotState, loop: DecodeState, cfg: SlotsConfig) -> tuple[SlotState, StepOutput]:
+    """``state`` with ``loop``, and the :class:`StepOutput` of what its rows committed since ``state.reported``."""
+    start = state.reported
     counts = loop.num_committed - start
     width = loop.tokens.shape[1]
     cols = jnp.arange(width)[None, :]
@@ -365,18 +416,14 @@ def _step_impl(
             top_ids=new(loop.logprobs.top_ids, -1),
             top_logprobs=new(loop.logprobs.top_logprobs, 0.0),
         )
-    return state.replace(loop=loop), out
+    return state.replace(loop=loop, reported=loop.num_committed), out
 
 
 def _run_rows(
     params: ModelPair, rule, policy, state: SlotState, num_cycles, until_first_finish, cfg: SlotsConfig
 ) -> DecodeState:
     """Up to ``num_cycles`` cycles of ``state``'s rows; returns the loop state after them."""
-    keys = jax.random.wrap_key_data(state.keys)
-    inputs = CycleInputs(
-        state.prompt_lengths, state.max_new, state.eos, keys, state.temperature, state.top_p, _rows(state, cfg)
-    )
-    cycle = cycle_for(cfg.loop).bind(cfg.loop, params, rule, policy, inputs)
+    cycle = cycle_for(cfg.loop).bind(cfg.loop, params, rule, policy, _cycle_inputs(state, cfg))
     done_before = state.loop.done
 
     def keep_going(loop: DecodeState, cycles_run):
@@ -394,14 +441,16 @@ prefill_chunk_donating = jax.jit(_prefill_chunk_impl, static_argnames=("cfg", "c
 # (The last chunk's caches go into the state's rows: no output of its shape could reuse them.)
 prefill_finish_donating = jax.jit(_prefill_finish_impl, static_argnames=("cfg", "chunk"), donate_argnames=("state",))
 insert_jit = jax.jit(_insert_impl, static_argnames=("cfg",))
-fork_jit = jax.jit(_fork_impl)
+fork_jit = jax.jit(_fork_impl, static_argnames=("cfg",))
 step_jit = jax.jit(_step_impl, static_argnames=("cfg", "rows_run"))
+flush_jit = jax.jit(_flush_impl, static_argnames=("cfg",))
 # The same programs writing the new state into the old one's buffers: without
 # donation every call copies the whole state, both KV caches of every slot
 # included, to write a few rows of it.
 insert_donating = jax.jit(_insert_impl, static_argnames=("cfg",), donate_argnames=("state",))
 step_donating = jax.jit(_step_impl, static_argnames=("cfg", "rows_run"), donate_argnames=("state",))
-fork_donating = jax.jit(_fork_impl, donate_argnames=("state",))
+fork_donating = jax.jit(_fork_impl, static_argnames=("cfg",), donate_argnames=("state",))
+flush_donating = jax.jit(_flush_impl, static_argnames=("cfg",), donate_argnames=("state",))
 
 
 def with_entry(flags: Array, index: int, value) -> Array:

@@ -14,7 +14,10 @@ arrays; two jitted pure functions move it on, and a host-side update frees a slo
 * :meth:`Engine.release` frees a slot: it sets the slot's ``occupied`` and
   ``done`` flags from the host (no program of its own, no work added to a step);
 * :meth:`Engine.fork` copies an inserted request into free slots, each with
-  its own key (``n`` choices of one prompt, one prefill).
+  its own key (``n`` choices of one prompt, one prefill);
+* :meth:`Engine.flush` returns the tokens committed since the last output
+  without a cycle: an insert draws each request's first token from its
+  prefill's logits at the prompt's last position, so it needs none.
 
 For a serving loop, :meth:`Engine.validate` returns a request's bad settings
 as data (:class:`FieldError`), and :meth:`Engine.plan` picks a step's program
@@ -253,9 +256,9 @@ class Engine:
                 verify_widths=verify_widths, cache_length=capacity + cache_room, tree=tree))
         self.params, self.rule, self.drafting = params, rule, drafting
         self.donate_state = bool(donate_state)
-        self._insert_fn, self._step_fn, self._fork_fn = (
-            (programs.insert_donating, programs.step_donating, programs.fork_donating) if self.donate_state
-            else (programs.insert_jit, programs.step_jit, programs.fork_jit))
+        self._insert_fn, self._step_fn, self._fork_fn, self._flush_fn = (
+            (programs.insert_donating, programs.step_donating, programs.fork_donating, programs.flush_donating)
+            if self.donate_state else (programs.insert_jit, programs.step_jit, programs.fork_jit, programs.flush_jit))
         self._chunk_fn, self._finish_fn = ((programs.prefill_chunk_donating, programs.prefill_finish_donating) if self.donate_state
                                            else (programs.prefill_chunk_jit, programs.prefill_finish_jit))
         leaves = jax.tree_util.tree_leaves(rule)
@@ -411,7 +414,7 @@ class Engine:
             caches = self.empty_prefill_caches()
         else:
             caches, start = self._check_prefix(prefix, length)
-        chunks = max(1, -(-(length - 1 - start) // size))
+        chunks = max(1, -(-(length - start) // size))  # through the last position: its logits give the first token
         return PrefillJob(slot=slot, length=length, chunk=size, position=start, chunks=chunks, finished=False,
                           prompt=padded, width=self._insert_width(1, length), settings=settings, row=row,
                           caches=caches, start=start)
@@ -527,6 +530,19 @@ class Engine:
         program, rows_run = self._step_program(state) if plan is None else self._check_plan(plan)
         return self._step_fn(self.params, self.rule, drafting, state, np.int32(n),
                              np.bool_(until_first_finish), cfg=self._programs[program], rows_run=rows_run)
+
+    def flush(self, state: SlotState) -> tuple[SlotState, StepOutput]:
+        """The tokens committed since the last output, without running a cycle.
+
+        An insert draws each request's first token from the target's logits
+        at the prompt's last position, which its prefill computes: that token
+        comes out with the next :meth:`step`, or at once from ``flush``, so a
+        server can stream it as soon as the prefill ends. Returns ``(state,
+        StepOutput)`` as :meth:`step` does (one program; with
+        ``donate_state=True`` the state passed in is consumed).
+        """
+        self._check_state(state)
+        return self._flush_fn(state, cfg=self.cfg)
 
     @property
     def costs(self) -> Optional[CostModel]:
@@ -667,7 +683,11 @@ class Engine:
         if len(keys) != len(slots):
             raise ValueError(f"fork: {len(slots)} slots and {len(keys)} keys: give one key per slot.")
         data = np.stack([settings_lib.key_fields(SlotSettings(key=key))["keys"] for key in keys])
-        return self._fork_fn(state, np.int32(source), np.asarray(slots, np.int32), data)
+        stepped = int(np.asarray(state.loop.num_committed)[source]) - int(np.asarray(state.prompt_lengths)[source])
+        if stepped > 1:
+            raise ValueError(f"fork: slot {source}'s request has run steps since its insert ({stepped} tokens "
+                             "committed); fork copies a request right after its insert, before any step.")
+        return self._fork_fn(self.params, state, np.int32(source), np.asarray(slots, np.int32), data, cfg=self.cfg)
 
     def release(self, state: SlotState, slot: int) -> SlotState:
         """Frees ``slot`` (finished or not): it stops and takes the next :meth:`insert`.

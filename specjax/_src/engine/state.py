@@ -21,14 +21,18 @@ import jax.numpy as jnp
 
 from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.engine.config import DecodeState, LoopConfig, policy_slots
+from specjax._src.engine.cycle import CycleInputs
 from specjax._src.engine.ops import batched_init, prefill, prefill_chunk, row_at
+from specjax._src.engine.plain import commit_target_token
+from specjax._src.logits import sampling
 from specjax._src.models.lm import KVCache
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.models.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule
 from specjax._src.engine.stats import DecodeStats
 
-__all__ = ["init_state", "empty_prefill_caches", "prefill_pair_chunk", "state_after_chunks"]
+__all__ = ["init_state", "prefill_state", "draw_first_token", "empty_prefill_caches", "prefill_pair_chunk",
+           "state_after_chunks"]
 
 Array = jax.Array
 
@@ -40,8 +44,14 @@ Array = jax.Array
 def init_state(
     cfg: LoopConfig, pair_params: ModelPair, rule: Optional[AcceptanceRule],
     policy: Optional[drafting_lib.DraftingPolicy], prompts: Array, prompt_lengths: Array, max_new: Array,
+    inputs: Optional[CycleInputs] = None,
 ) -> DecodeState:
     """The loop state before the first cycle: both prefills, each cache to its invariant.
+
+    With ``inputs``, each sequence's first token is drawn from the target's
+    logits at its prompt's last position, which the prefill computes anyway
+    (:func:`~specjax._src.engine.state.draw_first_token`): no cycle is spent on it. Without, the prefill
+    keeps every prompt token but the last, and the first cycle computes it.
 
     Args:
       cfg: the loop's :class:`~specjax._src.engine.config.LoopConfig`
@@ -55,30 +65,76 @@ def init_state(
       prompt_lengths: ``[B]`` int32, each prompt's tokens (at least 1).
       max_new: ``[B]`` int32, each sequence's ``max_new_tokens`` (0: a
         padding row, done from the start).
+      inputs: the :class:`~specjax._src.engine.cycle.CycleInputs` the cycles
+        will read (keys, sampling settings, EOS), or None.
 
     Returns:
       A :class:`~specjax._src.engine.config.DecodeState`: ``tokens [B, P + N +
-      K + 1]`` with the prompts first, ``num_committed = prompt_lengths``, the
-      target cache holding every prompt token but the last, the draft cache
-      every one but the last two (a feature head's: see
+      K + 1]`` with the prompts first (and the first tokens after them, with
+      ``inputs``), the target cache holding every committed token but the
+      last, the draft cache every one but the last two (a feature head's: see
       :mod:`specjax._src.engine.loop`), zero stats.
     """
+    if inputs is None:
+        return _prefilled(cfg, pair_params, rule, policy, prompts, prompt_lengths, max_new, first_token=False)[0]
+    state, logits = _prefilled(cfg, pair_params, rule, policy, prompts, prompt_lengths, max_new, first_token=True)
+    return draw_first_token(cfg, pair_params, inputs, state, logits)
+
+
+def prefill_state(cfg: LoopConfig, pair_params: ModelPair, rule: Optional[AcceptanceRule],
+                  policy: Optional[drafting_lib.DraftingPolicy], prompts: Array, prompt_lengths: Array,
+                  max_new: Array) -> tuple[DecodeState, Array]:
+    """:func:`init_state`'s prefills before the first token is drawn: ``(state,
+    logits [B, V'])``, the target's raw logits at each prompt's last position
+    and the state :func:`~specjax._src.engine.state.draw_first_token` reads (``num_committed = prompt_lengths``,
+    the caches holding one entry more than their invariants ask)."""
+    return _prefilled(cfg, pair_params, rule, policy, prompts, prompt_lengths, max_new, first_token=True)
+
+
+def _prefilled(cfg: LoopConfig, pair_params: ModelPair, rule, policy, prompts, prompt_lengths, max_new, *,
+               first_token: bool) -> tuple[DecodeState, Optional[Array]]:
+    """Both prefills: the target keeps the prompt but its last ``1 - first_token`` tokens, the draft
+    one fewer (a feature head: see :func:`_prefill_head`); the last position's logits with ``first_token``."""
     target, draft = pair_params.target, pair_params.draft
+    keep_target = prompt_lengths - 1 + int(first_token)
+    logits_at = prompt_lengths - 1 if first_token else None
     draft_features, draft_cache = None, None
     if draft is not None and is_feature_head(draft.module):
-        target_cache, features = prefill(
-            target.module, target.params, prompts, prompt_lengths - 1, cfg.cache_length,
-            hidden_layers=draft.module.feature_layers, hidden_fn=_features_fn(draft),
-        )
-        draft_cache, draft_features = _prefill_head(cfg, draft, prompts, prompt_lengths, features)
+        done = prefill(target.module, target.params, prompts, keep_target, cfg.cache_length, logits_at=logits_at,
+                       hidden_layers=draft.module.feature_layers, hidden_fn=_features_fn(draft))
+        draft_cache, draft_features = _prefill_head(cfg, draft, prompts, keep_target, done.hidden)
     else:
-        target_cache = prefill(target.module, target.params, prompts, prompt_lengths - 1, cfg.cache_length)
+        done = prefill(target.module, target.params, prompts, keep_target, cfg.cache_length, logits_at=logits_at)
         if draft is not None:
-            draft_cache = prefill(
-                draft.module, draft.params, prompts, jnp.maximum(prompt_lengths - 2, 0), cfg.cache_length
-            )
-    return _state_after_prefill(cfg, rule, policy, prompts, prompt_lengths, max_new, target_cache, draft_cache,
-                                draft_features)
+            draft_cache = prefill(draft.module, draft.params, prompts, jnp.maximum(keep_target - 1, 0),
+                                  cfg.cache_length).cache
+    state = _state_after_prefill(cfg, rule, policy, prompts, prompt_lengths, max_new, done.cache, draft_cache,
+                                 draft_features)
+    return state, done.logits
+
+
+def draw_first_token(cfg: LoopConfig, pair_params: ModelPair, inputs: CycleInputs, state: DecodeState,
+                     logits: Array) -> DecodeState:
+    """Commits each sequence's first token, drawn from the target's raw
+    ``logits [B, V']`` at its prompt's last position (:func:`prefill_state`'s),
+    as a plain cycle would draw it (:func:`specjax._src.engine.plain.commit_target_token`:
+    processors, sampling settings, EOS, log-probabilities), with the uniform
+    of ``fold_in(key, 0)``: the first cycle is then step 1. Leaves both
+    caches at their invariants, and the rule's and policy's states and the
+    statistics as they were (nothing was drafted; the statistics count
+    cycles, and the token is in ``DecodeOutput.lengths`` but not in
+    ``DecodeStats.tokens``)."""
+    seq_keys = inputs.keys
+    uniform = None
+    if not cfg.greedy:
+        uniform = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, 0), ()))(seq_keys)
+    stats = state.stats  # they count cycles; this token is the prefill's
+    state, _ = commit_target_token(cfg, pair_params.vocab_size, inputs, state, logits, uniform)
+    nc = state.num_committed
+    draft_cache = state.draft_cache
+    if draft_cache is not None and state.draft_features is None:
+        draft_cache = draft_cache.rollback(jnp.maximum(nc - 2, 0))
+    return state.replace(target_cache=state.target_cache.rollback(nc - 1), draft_cache=draft_cache, stats=stats)
 
 
 def _features_fn(head):
@@ -108,22 +164,24 @@ def _state_after_prefill(cfg: LoopConfig, rule: AcceptanceRule, policy: drafting
     )
 
 
-def _prefill_head(cfg: LoopConfig, head, prompts, prompt_lengths, features) -> tuple[KVCache, Array]:
-    """A feature head's prefill: head position ``i`` reads the target's
-    feature ``f_i`` and the token ``x_{i+1}``. Keeps positions ``0 .. n - 3``
-    and leaves ``f_{n-2}`` pending (a one-token prompt has no feature yet: its
-    first draft reads zeros, a poor guess that costs speed, never correctness).
-    Returns ``(cache, pending [B, K + 1, H])``."""
+def _prefill_head(cfg: LoopConfig, head, prompts, kept, features) -> tuple[KVCache, Array]:
+    """A feature head's prefill, for a target cache holding ``kept [B]`` positions:
+    head position ``i`` reads the target's feature ``f_i`` and the token
+    ``x_{i+1}``. Keeps positions ``0 .. kept - 2`` and leaves ``f_{kept-1}``
+    pending (where the target kept nothing, a one-token prompt before its
+    first token, the first draft reads zeros: a poor guess that costs speed,
+    never correctness). Returns ``(cache, pending [B, K + 1, H])``."""
     batch = prompts.shape[0]
     shifted = jnp.concatenate([prompts[:, 1:], jnp.zeros((batch, 1), prompts.dtype)], axis=1)
-    keep = jnp.maximum(prompt_lengths - 2, 0)
-    cache = prefill(head.module, head.params, shifted, keep, cfg.cache_length, features=features)
-    return cache, _pending_features(cfg, prompt_lengths, row_at(features, keep))
+    keep = jnp.maximum(kept - 1, 0)
+    cache = prefill(head.module, head.params, shifted, keep, cfg.cache_length, features=features).cache
+    return cache, _pending_features(cfg, kept >= 1, row_at(features, keep))
 
 
-def _pending_features(cfg: LoopConfig, prompt_lengths, last) -> Array:
-    """``[B, K + 1, H]``: ``last [B, H]`` (the target's ``f_{n-2}``) first, zeros for a one-token prompt."""
-    last = jnp.where((prompt_lengths >= 2)[:, None], last, 0.0)
+def _pending_features(cfg: LoopConfig, valid, last) -> Array:
+    """``[B, K + 1, H]``: ``last [B, H]`` (the target's feature at the head's first pending
+    position) first, zeros where not ``valid``."""
+    last = jnp.where(valid[:, None], last, 0.0)
     batch, hidden = last.shape
     return jnp.zeros((batch, cfg.num_draft + 1, hidden), last.dtype).at[:, 0].set(last)
 
@@ -140,47 +198,51 @@ def empty_prefill_caches(cfg: LoopConfig, pair_params: ModelPair) -> tuple[KVCac
 
 def prefill_pair_chunk(cfg: LoopConfig, pair_params: ModelPair, caches, prompt, length, width, start, chunk: int,
                        tail: int):
-    """The prompt positions ``[start, start + chunk)`` of :func:`init_state`'s prefills of one prompt.
+    """The prompt positions ``[start, start + chunk)`` of :func:`prefill_state`'s prefills of one prompt.
 
     ``prompt [1, P]``: the prompt padded with zeros (``P >= start + chunk + 1``:
     a feature head reads the token after each position); ``length``: its
-    tokens; ``width``: the width :func:`init_state` would be called with
+    tokens; ``width``: the width :func:`prefill_state` would be called with
     (traced); ``tail``: that call's tail block's width where ``width`` is cut
     to the capacity (see :func:`specjax._src.engine.ops.prefill_chunk`).
-    ``caches``: both caches after the chunks before ``start``. Returns the
-    caches after this chunk, not yet rolled back, and a feature head's
-    features at these positions (None for a draft model).
+    ``caches``: both caches after the chunks before ``start``. Returns
+    ``(caches, features, logits)``: the caches after this chunk, not yet
+    rolled back, a feature head's features at these positions (None for a
+    draft model), and the target's logits at the prompt's last position
+    (``[1, V']``, zeros unless this chunk holds it).
     """
     target, draft = pair_params.target, pair_params.draft
     target_cache, draft_cache = caches
     tokens = jax.lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)
-    keep_target, keep_draft = length - 1, jnp.maximum(length - 2, 0)
+    lengths = jnp.reshape(length, (1,))
+    keep_target, keep_draft = lengths, jnp.maximum(lengths - 1, 0)
     common = dict(tail=tail)
     if is_feature_head(draft.module):
-        target_cache, features = prefill_chunk(
-            target.module, target.params, target_cache, tokens, keep_target, start, width,
-            hidden_layers=draft.module.feature_layers, hidden_fn=_features_fn(draft), **common)
+        done = prefill_chunk(target.module, target.params, target_cache, tokens, keep_target, start, width,
+                             hidden_layers=draft.module.feature_layers, hidden_fn=_features_fn(draft),
+                             logits_at=lengths - 1, **common)
         # _prefill_head's shifted prompt (its zero at the width's last position: the padding's).
         shifted = jax.lax.dynamic_slice_in_dim(prompt, start + 1, chunk, axis=1)
-        draft_cache, _ = prefill_chunk(draft.module, draft.params, draft_cache, shifted, keep_draft, start, width,
-                                       features=features, **common)
-        return (target_cache, draft_cache), features
-    target_cache, _ = prefill_chunk(target.module, target.params, target_cache, tokens, keep_target, start, width,
-                                    **common)
-    draft_cache, _ = prefill_chunk(draft.module, draft.params, draft_cache, tokens, keep_draft, start, width,
-                                   **common)
-    return (target_cache, draft_cache), None
+        draft_cache = prefill_chunk(draft.module, draft.params, draft_cache, shifted, keep_draft, start, width,
+                                    features=done.hidden, **common).cache
+        return (done.cache, draft_cache), done.hidden, done.logits
+    done = prefill_chunk(target.module, target.params, target_cache, tokens, keep_target, start, width,
+                         logits_at=lengths - 1, **common)
+    draft_cache = prefill_chunk(draft.module, draft.params, draft_cache, tokens, keep_draft, start, width,
+                                **common).cache
+    return (done.cache, draft_cache), None, done.logits
 
 
 def state_after_chunks(cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRule,
                        policy: drafting_lib.DraftingPolicy, caches, features, prompt, length, start, max_new):
-    """The state :func:`init_state` builds for one prompt, from its caches after the last chunk
+    """The state :func:`prefill_state` builds for one prompt, from its caches after the last chunk
     (``features``: that chunk's, for a feature head; ``start``: where it began). ``prompt [1, W]``."""
     target_cache, draft_cache = caches
     lengths = jnp.reshape(length, (1,))
-    keep_draft = jnp.maximum(lengths - 2, 0)
-    target_cache, draft_cache = target_cache.rollback(lengths - 1), draft_cache.rollback(keep_draft)
+    keep_draft = jnp.maximum(lengths - 1, 0)
+    target_cache, draft_cache = target_cache.rollback(lengths), draft_cache.rollback(keep_draft)
     pending = None
     if features is not None:
-        pending = _pending_features(cfg, lengths, row_at(features, jnp.clip(keep_draft - start, 0, features.shape[1] - 1)))
+        at = jnp.clip(keep_draft - start, 0, features.shape[1] - 1)
+        pending = _pending_features(cfg, lengths >= 1, row_at(features, at))
     return _state_after_prefill(cfg, rule, policy, prompt, lengths, max_new, target_cache, draft_cache, pending)

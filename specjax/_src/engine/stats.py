@@ -33,7 +33,9 @@ Counters (per sequence ``[B]`` unless noted):
 * ``accepted_by_path [B, NUM_PATHS]``: accepted drafts by
   :class:`~specjax.rules.Path` (``EXACT`` / ``RELAXED`` / ``PARDON``; the
   ``REJECTED`` column stays 0).
-* ``tokens``: tokens committed (= ``DecodeOutput.lengths``).
+* ``tokens``: tokens the cycles committed: ``DecodeOutput.lengths`` less the
+  first token, which the prefill draws (from the target's logits at the
+  prompt's last position) before any cycle.
 * ``draft_forwards`` / ``target_forwards``: batch forwards run (scalars;
   ``generate`` counts its target forwards).
 * ``verified``: tokens the verification forwards scored for the sequence
