@@ -3,7 +3,8 @@
 A consumer's ``emit`` gets :class:`Delta` events as text becomes final, then
 one :class:`Done` per choice, or one :class:`Failed`; :class:`QueueFull` and
 :class:`Closed` are what submitting raises when the scheduler cannot take a
-request (:mod:`specjax._src.serve.scheduler`).
+request (:mod:`specjax._src.serve.scheduler`). :class:`LiveChoice` is the
+scheduler's record of a choice being generated, which makes its :class:`Delta` events.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from specjax._src.engine.slots import SlotSettings
+from specjax._src.engine.text import TextStream
 
-__all__ = ["Delta", "Done", "Failed", "QueueFull", "Closed", "Request"]
+__all__ = ["Delta", "Done", "Failed", "QueueFull", "Closed", "Request", "LiveChoice"]
 
 
 class Delta(NamedTuple):
@@ -108,3 +110,45 @@ class Request:
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     remaining: int = 0  # choices not yet done (set at admission)
     cached: int = 0  # prompt tokens read from the prefix cache (set at admission)
+
+
+@dataclasses.dataclass
+class LiveChoice:
+    """A slot's choice: its stream, and where the request asked for them, its tokens'
+    log-probabilities (``logprobs``, ``top``: aligned with ``stream.tokens``) until their text
+    is final (``reported`` of them are out)."""
+
+    request: Request
+    index: int  # the choice this slot generates
+    stream: TextStream
+    last: Optional[float] = None  # when its last tokens went out (None: none yet)
+    logprobs: Optional[list] = None
+    top: Optional[list] = None
+    reported: int = 0
+    seen_cycles: int = 0  # the slot's cycle and drafted-slot counters at the last step (for LiveCosts)
+    seen_drafted_at: Any = 0
+
+    def keep_logprobs(self, out, slot: int) -> None:
+        """Keeps this step's tokens' log-probabilities (their text may still be held back)."""
+        count, k = int(out.counts[slot]), self.request.settings.logprobs
+        self.logprobs.extend(float(x) for x in out.logprobs[slot, :count])
+        if k:
+            ids, lps = out.top_ids[slot, :count, :k], out.top_logprobs[slot, :count, :k]
+            self.top.extend(tuple((int(i), float(x)) for i, x in zip(row_ids, row_lps))
+                            for row_ids, row_lps in zip(ids, lps))
+
+    def delta(self, text: str, finished: bool) -> Optional[Delta]:
+        """The event for ``text``: with log-probabilities, those of the tokens whose text is now
+        final (a token inside a held-back stop-string candidate waits; one past the stop never
+        goes out), so that the tokens reported are the completion's, however steps fell."""
+        if self.logprobs is None:
+            return Delta(text, self.index) if text else None
+        stream = self.stream
+        final = stream.covered_tokens() if finished else stream.final_tokens()
+        final = max(final, self.reported)
+        if not text and final == self.reported:
+            return None
+        span = slice(self.reported, final)
+        self.reported = final
+        return Delta(text, self.index, tuple(stream.tokens[span]), tuple(self.logprobs[span]),
+                     tuple(self.top[span]) if self.top is not None else None)

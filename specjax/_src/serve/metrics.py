@@ -11,7 +11,7 @@ TTFT_BOUNDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BOUNDS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
               2.5, 5.0, 10.0)
-# Tokens per target forward of a finished choice (1: nothing accepted).
+# Tokens per cycle of a finished choice (1: nothing accepted), after its first token (the prefill's).
 TAU_BOUNDS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 E2E_BOUNDS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
               240.0, 480.0, 960.0)
@@ -54,6 +54,7 @@ class Counters:
     requests_refused: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cycle_tokens: int = 0  # of those, the cycles' (all but each choice's first, the prefill's)
     cycles: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -73,6 +74,12 @@ def add_into(total: list, values) -> None:
     total.extend([0] * (len(values) - len(total)))
     for i, v in enumerate(values):
         total[i] += int(v)
+
+
+def cycle_tokens(completion_tokens: int) -> int:
+    """A choice's tokens that its cycles committed: all but the first, which the insert drew
+    from the prefill (the numerator of its tau, as ``DecodeStats.tau`` counts it)."""
+    return max(int(completion_tokens) - 1, 0)
 
 
 def draft_lengths(cycles: int, drafted_at) -> list:
@@ -118,7 +125,7 @@ _METRICS = (
     ("specjax_live_slots", "gauge", "live_slots", "Slots holding a request."),
     ("specjax_slots", "gauge", "num_slots", "Slots in the engine."),
     ("specjax_acceptance_rate", "gauge", "acceptance_rate", "Accepted / drafted tokens over finished choices."),
-    ("specjax_tau", "gauge", "tau", "Generated tokens per target forward over finished choices."),
+    ("specjax_tau", "gauge", "tau", "Tokens per cycle over finished choices (each choice's first, the prefill's, left out)."),
     (
         "specjax_host_share",
         "gauge",
@@ -134,7 +141,7 @@ _HISTOGRAMS = (
         "Seconds between a choice's tokens (a step's gap shared among the tokens it delivered).",
     ),
     ("e2e_request_latency_seconds", "Seconds from a request's arrival to its end."),
-    ("request_tau", "Tokens per target forward of each finished choice (1: no draft accepted)."),
+    ("request_tau", "Tokens per cycle of each finished choice after its first (1: no draft accepted)."),
 )
 
 # Per-position counters: (name, key in the metrics, label, help)
@@ -179,7 +186,7 @@ def prometheus_text(m: dict) -> str:
     """The scheduler's metrics in Prometheus' text exposition format."""
     m = dict(m)
     m["acceptance_rate"] = m["accepted"] / m["drafted"] if m["drafted"] else 0.0
-    m["tau"] = m["completion_tokens"] / m["cycles"] if m["cycles"] else 0.0
+    m["tau"] = m["cycle_tokens"] / m["cycles"] if m["cycles"] else 0.0
     lines = []
     for name, kind, key, help_text in _METRICS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_number(m[key])}"]

@@ -21,7 +21,7 @@ from specjax._src.engine.cycle import LOGPROB_FLOOR
 from specjax._src.serve import events as events_lib
 from specjax._src.serve.config import ServerConfig
 from specjax._src.serve.errors import failure
-from specjax._src.serve.metrics import add_into
+from specjax._src.serve.metrics import add_into, cycle_tokens
 
 NO_STATS = dict(cycles=0, drafted=0, accepted=0, tau=0.0, acceptance_rate=0.0, accepted_at=[], draft_lengths=[])
 
@@ -205,7 +205,7 @@ class Reply:
         if len(done) == 1:
             return {"rule": self.rule, **done[0].stats}
         c, d, a = (sum(x.stats[key] for x in done) for key in ("cycles", "drafted", "accepted"))
-        tokens = sum(x.completion_tokens for x in done)
+        tokens = sum(cycle_tokens(x.completion_tokens) for x in done)
         at, lengths = [], []
         for x in done:
             add_into(at, x.stats["accepted_at"])

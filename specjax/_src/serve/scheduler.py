@@ -7,11 +7,9 @@ ones, and hands each request's new text to its consumer. The device work is
 the engine's jitted programs; the loop only does bookkeeping between them,
 and measures its own share of the wall time.
 
-The shape is JetStream's orchestrator (a prefill side that inserts requests
-into decode slots, a generate side that steps them, and a detokenizer that
-streams the results) folded into one thread: on a CPU or a single device
-the steps are serialized anyway, and one owner of the state needs no locks
-around it.
+The shape is JetStream's orchestrator (prefill, generate and detokenize)
+folded into one thread: on a CPU or a single device the steps are serialized
+anyway, and one owner of the state needs no locks around it.
 
 A request's output does not depend on the others: each slot samples with its
 own key (``SlotSettings.seed``) and counts its own cycles (see
@@ -36,51 +34,12 @@ from specjax._src.engine.ops import SINGLE_PREFILL_BLOCK
 from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, blocks_in_common, usable_blocks
 from specjax._src.engine.slots import Engine, PrefillJob, SlotSettings
 from specjax._src.engine.text import TextStream
-from specjax._src.serve.events import Closed, Delta, Done, Failed, QueueFull, Request
-from specjax._src.serve.metrics import Counters, add_into, draft_lengths, latency_histograms
+from specjax._src.serve.events import Closed, Delta, Done, Failed, LiveChoice, QueueFull, Request
+from specjax._src.serve.metrics import Counters, add_into, cycle_tokens, draft_lengths, latency_histograms
 from specjax._src.serve.step_length import StepLength
 
-
-@dataclasses.dataclass
-class _Live:
-    """A slot's choice: its stream, and where the request asked for them, its tokens'
-    log-probabilities (``logprobs``, ``top``: aligned with ``stream.tokens``) until their text
-    is final (``reported`` of them are out)."""
-
-    request: Request
-    index: int  # the choice this slot generates
-    stream: TextStream
-    last: Optional[float] = None  # when its last tokens went out (None: none yet)
-    logprobs: Optional[list] = None
-    top: Optional[list] = None
-    reported: int = 0
-    seen_cycles: int = 0  # the slot's cycle and drafted-slot counters at the last step (for LiveCosts)
-    seen_drafted_at: Any = 0
-
-    def keep_logprobs(self, out, slot: int) -> None:
-        """Keeps this step's tokens' log-probabilities (their text may still be held back)."""
-        count, k = int(out.counts[slot]), self.request.settings.logprobs
-        self.logprobs.extend(float(x) for x in out.logprobs[slot, :count])
-        if k:
-            ids, lps = out.top_ids[slot, :count, :k], out.top_logprobs[slot, :count, :k]
-            self.top.extend(tuple((int(i), float(x)) for i, x in zip(row_ids, row_lps))
-                            for row_ids, row_lps in zip(ids, lps))
-
-    def delta(self, text: str, finished: bool) -> Optional[Delta]:
-        """The event for ``text``: with log-probabilities, those of the tokens whose text is now
-        final (a token inside a held-back stop-string candidate waits; one past the stop never
-        goes out), so that the tokens reported are the completion's, however steps fell."""
-        if self.logprobs is None:
-            return Delta(text, self.index) if text else None
-        stream = self.stream
-        final = stream.covered_tokens() if finished else stream.final_tokens()
-        final = max(final, self.reported)
-        if not text and final == self.reported:
-            return None
-        span = slice(self.reported, final)
-        self.reported = final
-        return Delta(text, self.index, tuple(stream.tokens[span]), tuple(self.logprobs[span]),
-                     tuple(self.top[span]) if self.top is not None else None)
+# The events and the request are the scheduler's vocabulary: importable from here too.
+__all__ = ["Scheduler", "Request", "Delta", "Done", "Failed", "QueueFull", "Closed"]
 
 
 @dataclasses.dataclass
@@ -130,12 +89,7 @@ class Scheduler:
         prefilled in the fewest such groups (7 as 4 + 2 + 1), the shorter
         prompts together, since a group's prefill runs as many positions as
         its longest prompt. One ``insert`` program per group size and
-        width, all compiled before :attr:`ready`. A group shares one pass
-        over the weights, most of a short prefill's cost on an accelerator.
-        On a 2-core CPU, where a prompt alone runs no wider than it needs
-        (a multiple of 16 positions) and its cost is mostly arithmetic, 8
-        chat prompts took as long one by one as in one group (677 against
-        674 ms on the real pair, ``benchmarks/serve_programs.py``).
+        width, all compiled before :attr:`ready` (docs/server.md: what a group saves).
       eos_ids: the ids that end a request (the target's EOS), to tell
         ``"stop"`` from ``"length"``.
       prefill_chunk: a prompt longer than this many tokens (a positive
@@ -143,10 +97,8 @@ class Scheduler:
         (:meth:`specjax.engine.Engine.begin_insert`), one chunk between two
         steps, so that the running requests keep streaming while it is
         prefilled: a stream's gap between tokens grows by one chunk's
-        prefill at most, not by the whole prompt's. The request decodes
-        what a whole insert gives it. Its slots are held for it meanwhile;
-        steps neither run nor plan them. Shorter prompts are prefilled whole,
-        in groups, as before. 0: every prompt is prefilled whole.
+        prefill at most. The request decodes what a whole insert gives it;
+        its slots are held for it meanwhile. 0: every prompt is prefilled whole.
       prefix_cache: a :class:`specjax._src.engine.prefix_cache.PrefixCache`: every prefilled
         prompt's blocks are kept in it, and at its release every finished request's prompt and
         generated tokens (up to the positions both caches hold); a prompt that begins with
@@ -175,6 +127,7 @@ class Scheduler:
         self._timed_steps = 0
         self._attention_widths = engine.attention_widths()
         self._target_lengths: Optional[np.ndarray] = None  # each slot's cached positions after the last step
+        self._unflushed = False  # a request went live whose first token is not yet streamed
         if prefill_groups is None:
             prefill_groups = [2**i for i in range(engine.num_slots.bit_length()) if 2**i <= engine.num_slots]
         groups = sorted({int(n) for n in prefill_groups})
@@ -191,7 +144,7 @@ class Scheduler:
         self.latency = latency_histograms()
         self.ready = threading.Event()
         self._waiting: collections.deque[Request] = collections.deque()
-        self._live: dict[int, _Live] = {}
+        self._live: dict[int, LiveChoice] = {}
         self._pending: dict[int, _Pending] = {}  # by first slot, oldest first
         self._free = list(range(engine.num_slots))  # slots no request holds or is about to take
         self._cond = threading.Condition()
@@ -340,9 +293,10 @@ class Scheduler:
                 _emit(request, Failed(f"the server's engine failed: {type(e).__name__}: {e}", "engine_error"))
 
     def _warm_up(self):
-        """Compiles init, insert (per prompt width), the chunked prefill's programs, fork (per copy count) and step (per row
-        bucket, and for an engine with ``specialized_steps`` each of its three programs) before
-        any request (release compiles nothing). Stops early when the scheduler is closed."""
+        """Compiles init, insert (per prompt width), the chunked prefill's programs, fork (per copy count), flush
+        and step (per row bucket, and for an engine with ``specialized_steps`` each of its three programs)
+        before any request, and runs each step's cycle once (release compiles nothing). Stops early
+        when the scheduler is closed."""
         engine = self.engine
         state = engine.init()
         widths = self.warmup_widths
@@ -352,10 +306,12 @@ class Scheduler:
                 widths.append(w)
                 w *= 2
             widths.append(engine.capacity)
-        greedy = SlotSettings(temperature=0.0, max_new_tokens=1, seed=0)
+        # Two tokens: the insert draws the first, a cycle the second (XLA's CPU runtime prepares a
+        # loop body's kernels at its first run, which would otherwise fall on a request).
+        greedy = SlotSettings(temperature=0.0, max_new_tokens=2, seed=0)
         # One request per step program: greedy, sampled without filters, and (top-p) the general one.
-        programs = [greedy, SlotSettings(temperature=1.0, max_new_tokens=1, seed=0),
-                    SlotSettings(temperature=1.0, top_p=0.5, max_new_tokens=1, seed=0)]
+        programs = [greedy, SlotSettings(temperature=1.0, max_new_tokens=2, seed=0),
+                    SlotSettings(temperature=1.0, top_p=0.5, max_new_tokens=2, seed=0)]
 
         def serve_one(state, slot: int, prompt, settings=greedy, group: int = 1, copies: int = 0):
             if self._stop:
@@ -366,6 +322,7 @@ class Scheduler:
                 keys = [jax.random.key(i) for i in range(copies)]
                 state = engine.fork(state, slot, range(slot + 1, slot + 1 + copies), keys)
                 slots = range(slot, slot + 1 + copies)
+            state, _ = engine.flush(state)
             plan = engine.plan({s: settings for s in slots})
             state, out = engine.step(state, self.num_cycles, plan=plan)
             jax.block_until_ready(out)
@@ -375,14 +332,14 @@ class Scheduler:
 
         for width in sorted(set(int(w) for w in widths)):  # insert's programs, and step's first row bucket
             for group in self.prefill_groups:
-                state = serve_one(state, 0, [0] * max(1, min(width, engine.capacity - 1)), group=group)
+                state = serve_one(state, 0, [0] * max(1, min(width, engine.capacity - 2)), group=group)
         for width in engine._single_prompt_widths():  # a short prompt alone runs at its own width
             state = serve_one(state, 0, [0] * width)
         chunk = self.prefill_chunk
-        if chunk and engine.capacity - 1 > chunk:  # a long prompt's chunks: the middle ones' program, the last's
+        if chunk and engine.capacity - 2 > chunk:  # a long prompt's chunks: the middle ones' program, the last's
             if self._stop:
                 raise _Stopped()
-            length = min(engine.capacity - 1, 2 * chunk + 1)
+            length = min(engine.capacity - 2, 2 * chunk + 1)
             job = engine.begin_insert(state, 0, [0] * length, greedy, chunk=chunk)
             while not job.finished:
                 state, job = engine.continue_insert(state, job)
@@ -390,10 +347,10 @@ class Scheduler:
             jax.block_until_ready(out)
             state = engine.release(state, 0)
         cache = self.prefix_cache
-        if cache is not None and usable_blocks(engine.capacity - 1):  # its copies, and a prefill from a hit
+        if cache is not None and usable_blocks(engine.capacity - 2):  # its copies, and a prefill from a hit
             if self._stop:
                 raise _Stopped()
-            prompt = [0] * min(engine.capacity - 1, BLOCK + 3)
+            prompt = [0] * min(engine.capacity - 2, BLOCK + 3)
             state = engine.insert(state, 0, prompt, greedy)
             cache.store(engine, state, 0, prompt)
             state = engine.release(state, 0)
@@ -494,6 +451,8 @@ class Scheduler:
                         admitted.append((slots, request))
             state = self._admit(state, admitted)
             state = self._prefill_chunk(state)
+            if self._unflushed:
+                state = self._flush(state)
             if self._live:
                 state = self._step(state)
             self.counters.busy_seconds += time.perf_counter() - began
@@ -598,8 +557,8 @@ class Scheduler:
         chunks of others run while it waited (the oldest of a tie): a prompt that the prefix cache
         mostly covers gets its first token without waiting for a long cold one, and a long one
         passed over ``c`` times ranks as one ``c`` chunks shorter, so none waits forever. At its
-        last chunk the request goes live (its copies forked) and its first tokens come with the
-        next step. A cancelled one's slots are freed instead."""
+        last chunk the request goes live (its copies forked), its first tokens drawn from the
+        prefill and streamed before the next step (:meth:`_flush`). A cancelled one's slots are freed instead."""
         if not self._pending:
             return state
         cancelled = [s for s, p in self._pending.items() if p.request.cancelled]  # their slots go first
@@ -651,13 +610,14 @@ class Scheduler:
     def _start(self, slot, request, copies=()) -> None:
         """``request`` is in ``slot`` (and its copies): each choice's stream goes live."""
         request.remaining = request.n
+        self._unflushed = True
         with self._cond:
             for index, s in enumerate((slot, *copies) if request.n > 1 else (slot,)):
                 controls = request.settings.controls
                 stream = TextStream(self.tokenizer, stop=request.stop, skip_special_tokens=request.skip_special_tokens,
                                     min_tokens=controls.min_new_tokens if controls is not None else 0)
                 k = request.settings.logprobs
-                self._live[s] = _Live(request, index, stream, logprobs=None if k is None else [],
+                self._live[s] = LiveChoice(request, index, stream, logprobs=None if k is None else [],
                                       top=[] if k else None)
         self.counters.prompt_tokens += len(request.prompt)
 
@@ -778,13 +738,9 @@ class Scheduler:
         # plan and a forced step's costs, prepared above, are not part of a cycle's cost).
         t0 = time.perf_counter()
         state, out = self.engine.step(state, asked, until_first_finish=True, plan=plan, costs=costs)
-        stats, loop = state.loop.stats, state.loop
-        # With a prefix cache, the caches' lengths too (read with the rest): a finished request's
-        # entries are stored up to them.
-        cache_lengths = None if self.prefix_cache is None else (loop.target_cache.lengths, loop.draft_cache.lengths)
-        out, cycles, drafted, accepted, accepted_at, drafted_at, cache_lengths, target_lengths = jax.device_get(
-            (out, stats.cycles, stats.drafted, stats.accepted, stats.accepted_at, stats.drafted_at, cache_lengths,
-             loop.target_cache.lengths))
+        out, counts, cache_lengths, target_lengths = jax.device_get(
+            (out, self._counts(state), self._cache_lengths(state), state.loop.target_cache.lengths))
+        cycles, drafted_at = counts[0], counts[4]
         now = time.perf_counter()
         self.counters.step_seconds += now - t0
         self.counters.steps += 1
@@ -796,6 +752,32 @@ class Scheduler:
             self._time_step(plan.rows, asked, ran, lengths, now - t0, timed=not fresh, program=plan.program,
                             longest=(min(before, after), after))
         self._target_lengths = target_lengths
+        return self._deliver(state, out, counts, cache_lengths, now)
+
+    def _flush(self, state):
+        """Streams the first tokens of the requests inserted since the last step at once: an insert
+        draws them from the prefill (:meth:`Engine.flush`), so they need not wait for a step."""
+        self._unflushed = False
+        state, out = self.engine.flush(state)
+        out, *counts, cache_lengths = jax.device_get((out, *self._counts(state), self._cache_lengths(state)))
+        return self._deliver(state, out, counts, cache_lengths, time.perf_counter())
+
+    @staticmethod
+    def _counts(state) -> tuple:
+        stats = state.loop.stats
+        return stats.cycles, stats.drafted, stats.accepted, stats.accepted_at, stats.drafted_at
+
+    def _cache_lengths(self, state):
+        """Both caches' lengths with a prefix cache (a finished request's entries are stored up to them)."""
+        loop = state.loop
+        return None if self.prefix_cache is None else (loop.target_cache.lengths, loop.draft_cache.lengths)
+
+    def _deliver(self, state, out, counts, cache_lengths, now: float):
+        """Streams each live slot's new tokens of ``out`` (a step's or a flush's, on the host) to its
+        client and ends the choices that finished. ``counts``: the slots' ``cycles``, ``drafted``,
+        ``accepted``, ``accepted_at`` and ``drafted_at`` statistics; ``cache_lengths``: both caches'
+        lengths with a prefix cache, else None."""
+        cycles, drafted, accepted, accepted_at, drafted_at = counts
         for slot in list(self._live):
             live = self._live[slot]
             request, stream, index = live.request, live.stream, live.index
@@ -831,19 +813,20 @@ class Scheduler:
             c, d, a = int(cycles[slot]), int(drafted[slot]), int(accepted[slot])
             at, lengths = [int(x) for x in accepted_at[slot]], draft_lengths(c, drafted_at[slot])
             self.counters.completion_tokens += n
+            self.counters.cycle_tokens += cycle_tokens(n)
             self.counters.cycles += c
             self.counters.drafted += d
             self.counters.accepted += a
             add_into(self.counters.accepted_at, at)
             add_into(self.counters.draft_lengths, lengths)
             if c:
-                self.latency["request_tau"].observe(n / c)
+                self.latency["request_tau"].observe(cycle_tokens(n) / c)
             request.remaining -= 1
             if request.remaining == 0:
                 self.counters.requests_finished += 1
                 self.latency["e2e_request_latency_seconds"].observe(now - request.arrived)
             _emit(request, Done("length" if length else "stop", len(request.prompt), n, dict(
-                cycles=c, drafted=d, accepted=a, tau=n / c if c else 0.0, acceptance_rate=a / d if d else 0.0,
+                cycles=c, drafted=d, accepted=a, tau=cycle_tokens(n) / c if c else 0.0, acceptance_rate=a / d if d else 0.0,
                 accepted_at=at, draft_lengths=lengths), index, request.cached))
         return state
 
@@ -854,7 +837,7 @@ class Scheduler:
         request.remaining = -1
         _emit(request, event)
 
-    def _observe_tokens(self, live: _Live, count: int, now: float) -> None:
+    def _observe_tokens(self, live: LiveChoice, count: int, now: float) -> None:
         """The time to a choice's first tokens, or the gap since its last ones shared among the
         ``count`` tokens that arrived together (one observation each)."""
         with self._cond:
