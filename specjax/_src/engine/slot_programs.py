@@ -6,7 +6,8 @@ One program per static structure (:class:`SlotsConfig`) and shape: ``init_jit``;
 prefill); ``prefill_start_jit``, ``prefill_chunk_jit`` and ``prefill_finish_jit`` (one prompt
 prefilled chunk by chunk, its caches kept apart from the state until the last chunk); ``fork_jit``;
 ``step_jit`` (up to ``num_cycles`` cycles of the leading ``rows_run`` slots); ``flush_jit`` (what
-a step would report before its cycles: the first tokens of requests inserted since the last one). The ``*_donating`` variants write the new state into the old one's buffers.
+a step would report before its cycles: the first tokens of requests inserted since the last one).
+The ``*_donating`` variants write the new state into the old one's buffers.
 """
 
 from __future__ import annotations
