@@ -14,6 +14,10 @@ traced value, dummy rows are finished from the start, and the output is cut
 back on the host. The prefill runs in blocks of ``prefill_block(B)`` tokens so
 that no matmul's shape depends on the padded width.
 
+The prefill draws each sequence's first token from the target's logits at
+its prompt's last position (:func:`~specjax._src.engine.state.init_state`
+given the cycles' inputs): the first cycle drafts the second token.
+
 Loop state (per sequence ``b``; ``P`` padded prompt length, ``N`` the
 ``max_new_tokens`` buffer, ``K`` ``num_draft``):
 

@@ -4,11 +4,14 @@
 invariant (:mod:`specjax._src.engine.loop`), and returns the
 :class:`~specjax._src.engine.config.DecodeState` that ``decode``'s loop, the
 slots engine's ``insert`` and any driver of :func:`~specjax._src.engine.cycle.run_cycles`
-start from. A pair without a draft (``draft=None``, ``generate``'s) prefills
-the target alone. The slots engine prefills a long prompt one chunk at a time
-instead: :func:`empty_prefill_caches`, then :func:`prefill_pair_chunk` per
-chunk, then :func:`state_after_chunks`, which leave the state :func:`init_state`
-builds for that prompt.
+start from. Given the cycles' inputs it also commits each sequence's first
+token, drawn from the target's logits at the prompt's last position, which
+the prefill computes anyway (:func:`prefill_state`, then
+:func:`draw_first_token`): no cycle is spent on it. A pair without a draft
+(``draft=None``, ``generate``'s) prefills the target alone. The slots engine
+prefills a long prompt one chunk at a time instead: :func:`empty_prefill_caches`,
+then :func:`prefill_pair_chunk` per chunk, then :func:`state_after_chunks`,
+which leave the state :func:`prefill_state` builds for that prompt.
 """
 
 from __future__ import annotations
