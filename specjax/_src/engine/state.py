@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.engine.config import DecodeState, LoopConfig, policy_slots
-from specjax._src.engine.cycle import CycleInputs
+from specjax._src.engine.cycle import CycleInputs, draft_keep
 from specjax._src.engine.ops import batched_init, prefill, prefill_chunk, row_at
 from specjax._src.engine.plain import commit_target_token
 from specjax._src.logits import sampling
@@ -131,13 +131,13 @@ def draw_first_token(cfg: LoopConfig, pair_params: ModelPair, inputs: CycleInput
     uniform = None
     if not cfg.greedy:
         uniform = jax.vmap(lambda k: sampling.uniform_open(jax.random.fold_in(k, 0), ()))(seq_keys)
-    stats = state.stats  # they count cycles; this token is the prefill's
+    before = state
     state, _ = commit_target_token(cfg, pair_params.vocab_size, inputs, state, logits, uniform)
     nc = state.num_committed
-    draft_cache = state.draft_cache
-    if draft_cache is not None and state.draft_features is None:
-        draft_cache = draft_cache.rollback(jnp.maximum(nc - 2, 0))
-    return state.replace(target_cache=state.target_cache.rollback(nc - 1), draft_cache=draft_cache, stats=stats)
+    draft_cache = None if state.draft_cache is None else state.draft_cache.rollback(draft_keep(before, nc))
+    # The statistics count cycles; this token is the prefill's.
+    return state.replace(target_cache=state.target_cache.rollback(nc - 1), draft_cache=draft_cache,
+                         stats=before.stats)
 
 
 def _features_fn(head):
