@@ -14,7 +14,10 @@ completions streamed as a chat client sends them:
   arrive) and of the later ones (steady state);
 * ``nothing shared``: ``--clients`` clients, each sending ``--requests-per-client`` requests with a
   prompt of its own: output tokens per second over the wall time (what a cache that never hits
-  costs: storing every prompt's blocks).
+  costs: storing every prompt's blocks). It runs twice: first, on the fresh server, and last,
+  after the other workloads (the cache then holds their blocks, and each server's live cost
+  estimates have seen a different history), with the server's counters over each (steps and
+  their seconds, prefill seconds, cycles and the draft lengths chosen).
 
 Reported per server: time to first token (median and range), the prompt tokens the server read from
 its cache (``usage.prompt_tokens_details.cached_tokens``), throughput, and from ``/metrics`` the
@@ -47,8 +50,17 @@ TEMPLATE = (
 
 
 def start_server(args, extra: list, template: Path) -> common.Server:
-    flags = ["--pair", args.pair, "--slots", str(args.slots), "--capacity", str(args.capacity), "--max-queue", "256",
-             *extra]
+    flags = [
+        "--pair",
+        args.pair,
+        "--slots",
+        str(args.slots),
+        "--capacity",
+        str(args.capacity),
+        "--max-queue",
+        "256",
+        *extra,
+    ]
     if args.lookup:
         flags += ["--lookup", args.lookup]
     if args.pair == "embedded":
@@ -133,11 +145,53 @@ def run_clients(httpx, url: str, args, make_messages) -> tuple[list[list[dict]],
     return results, time.perf_counter() - began
 
 
+def run_unshared(httpx, server, args, tag: str) -> tuple[list[list[dict]], float, dict]:
+    """The nothing-shared workload: each client's prompts its own (tagged ``tag``, so that two runs of
+    it share nothing either); its results, wall time, and the server's counters over it."""
+    offset = args.turns + args.clients * args.requests_per_client
+    own = questions()[offset:] + questions()[:offset]
+    before = server.metrics()
+    results, wall = run_clients(
+        httpx,
+        server.url,
+        args,
+        lambda c, r: [
+            {"role": "user", "content": f"Request {tag}{c}-{r}. " + own[(c * args.requests_per_client + r) % len(own)]}
+        ],
+    )
+    after = server.metrics()
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items() if k.split("{")[0].endswith("_total")}
+    return results, wall, delta
+
+
+def where_time_went(delta: dict) -> str:
+    """The server's steps, their seconds, prefill and loop seconds, cycles and the draft lengths
+    its cycles chose, over one workload."""
+    lengths = {
+        k.split('"')[1]: int(v) for k, v in delta.items() if k.startswith("specjax_draft_length_cycles_total{") and v
+    }
+    cycles = delta.get("specjax_cycles_total", 0.0)
+    tokens = delta.get("specjax_generation_tokens_total", 0.0)
+    return (
+        f"{delta.get('specjax_steps_total', 0):.0f} steps in {delta.get('specjax_step_seconds_total', 0):.2f} s, "
+        f"prefill {delta.get('specjax_prefill_seconds_total', 0):.2f} s, "
+        f"loop busy {delta.get('specjax_busy_seconds_total', 0):.2f} s, {cycles:.0f} cycles "
+        f"({tokens / cycles if cycles else 0:.2f} tokens each), draft lengths {lengths}"
+    )
+
+
 def serve_and_measure(httpx, args, label: str, extra: list, template: Path) -> dict:
     with start_server(args, extra, template) as server:
         url = server.url
         print(f"[{label}] ready after {server.wait_ready(3600.0):.0f} s; {common.load_average()}", flush=True)
         out = {"label": label}
+        out["fresh"], out["fresh_wall"], out["fresh_delta"] = run_unshared(httpx, server, args, "A")
+        tokens = sum(r["usage"]["completion_tokens"] for reqs in out["fresh"] for r in reqs)
+        print(
+            f"[{label}] nothing shared, fresh server: {tokens} tokens in {out['fresh_wall']:.1f} s; "
+            f"{where_time_went(out['fresh_delta'])}",
+            flush=True,
+        )
         out["conversation"] = run_conversation(httpx, url, args)
         print(
             f"[{label}] conversation: TTFT per turn " + ", ".join(f"{t['ttft']:.2f}" for t in out["conversation"]),
@@ -159,18 +213,13 @@ def serve_and_measure(httpx, args, label: str, extra: list, template: Path) -> d
             + "; ".join(", ".join(f"{r['ttft']:.2f}" for r in reqs) for reqs in out["shared"]),
             flush=True,
         )
-        offset = args.turns + args.clients * args.requests_per_client
-        own = questions()[offset:] + questions()[:offset]
-        out["unshared"], out["unshared_wall"] = run_clients(
-            httpx,
-            url,
-            args,
-            lambda c, r: [
-                {"role": "user", "content": f"Request {c}-{r}. " + own[(c * args.requests_per_client + r) % len(own)]}
-            ],
-        )
+        out["unshared"], out["unshared_wall"], out["unshared_delta"] = run_unshared(httpx, server, args, "B")
         tokens = sum(r["usage"]["completion_tokens"] for reqs in out["unshared"] for r in reqs)
-        print(f"[{label}] nothing shared: {tokens} tokens in {out['unshared_wall']:.1f} s", flush=True)
+        print(
+            f"[{label}] nothing shared, after the others: {tokens} tokens in {out['unshared_wall']:.1f} s; "
+            f"{where_time_went(out['unshared_delta'])}",
+            flush=True,
+        )
         out["metrics"] = server.metrics()
         out["rss"] = server.peak_rss_mib()
         print(f"[{label}] done; {common.load_average()}", flush=True)
@@ -180,6 +229,11 @@ def serve_and_measure(httpx, args, label: str, extra: list, template: Path) -> d
 def spread(xs) -> str:
     xs = sorted(xs)
     return f"{statistics.median(xs):.3f} [{xs[0]:.3f}-{xs[-1]:.3f}]" if xs else "-"
+
+
+def throughput(run: dict, key: str) -> float:
+    """Output tokens per second of one run's nothing-shared workload (``fresh`` or ``unshared``)."""
+    return sum(r["usage"]["completion_tokens"] for reqs in run[key] for r in reqs) / run[key + "_wall"]
 
 
 def report(runs: list[dict], args) -> str:
@@ -203,10 +257,8 @@ def report(runs: list[dict], args) -> str:
             for reqs in run["shared"]
             for r in reqs[1:]
         ]
-        tput = [
-            sum(r["usage"]["completion_tokens"] for reqs in run["unshared"] for r in reqs) / run["unshared_wall"]
-            for run in group
-        ]
+        tput = [throughput(run, "unshared") for run in group]
+        fresh = [throughput(run, "fresh") for run in group]
         m = group[-1]["metrics"]
         cache = (
             f"hit rate {m['specjax_prefix_cache_hit_rate']:.2f}, {int(m['specjax_prefix_cache_blocks'])} blocks, "
@@ -222,6 +274,7 @@ def report(runs: list[dict], args) -> str:
                 f"{spread(last)} ({last_cached} of {last_prompt} cached)",
                 f"{spread(first_wave)}",
                 f"{spread(steady)} ({statistics.median(steady_cached):.0f} of {shared_prompt} cached)",
+                spread(fresh),
                 spread(tput),
                 cache,
                 f"{max(run['rss'] for run in group):.0f}",
@@ -233,7 +286,8 @@ def report(runs: list[dict], args) -> str:
         f"TTFT turn {args.turns} (s)",
         "shared prompt TTFT, first requests (s)",
         "shared prompt TTFT, later requests (s)",
-        "nothing shared: tok/s",
+        "nothing shared, fresh server: tok/s",
+        "nothing shared, after the others: tok/s",
         "prefix cache (at the end)",
         "peak RSS MiB",
     ]
@@ -247,9 +301,18 @@ def report(runs: list[dict], args) -> str:
             f"{statistics.median([r['conversation'][-1]['ttft'] for r in b]) / statistics.median([r['conversation'][-1]['ttft'] for r in a]):.2f}x; "
             f"shared-prompt steady TTFT "
             f"{statistics.median([x['ttft'] for r in b for q in r['shared'] for x in q[1:]]) / statistics.median([x['ttft'] for r in a for q in r['shared'] for x in q[1:]]):.2f}x; "
-            "nothing-shared throughput (cache / none) "
-            f"{statistics.median([sum(x['usage']['completion_tokens'] for q in r['unshared'] for x in q) / r['unshared_wall'] for r in a]) / statistics.median([sum(x['usage']['completion_tokens'] for q in r['unshared'] for x in q) / r['unshared_wall'] for r in b]):.3f}x"
+            "nothing-shared throughput (cache / none): fresh server "
+            f"{statistics.median([throughput(r, 'fresh') for r in a]) / statistics.median([throughput(r, 'fresh') for r in b]):.3f}x, "
+            "after the others "
+            f"{statistics.median([throughput(r, 'unshared') for r in a]) / statistics.median([throughput(r, 'unshared') for r in b]):.3f}x"
         )
+        for label, group in ((labels[0], a), (labels[1], b)):
+            for run in group:
+                for key in ("fresh", "unshared"):
+                    lines.append(
+                        f"{label}, nothing shared ({'fresh server' if key == 'fresh' else 'after the others'}): "
+                        f"{throughput(run, key):.1f} tok/s; {where_time_went(run[key + '_delta'])}"
+                    )
         same = all(
             x["text"] == y["text"] for ra, rb in zip(a, b) for x, y in zip(ra["conversation"], rb["conversation"])
         )
@@ -278,9 +341,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         template = Path(tmp) / "template.jinja"
         template.write_text(TEMPLATE)
-        for _ in range(args.rounds):
-            runs.append(serve_and_measure(httpx, args, "prefix cache", ["--prefix-cache", args.prefix_cache], template))
-            runs.append(serve_and_measure(httpx, args, "no prefix cache", ["--no-prefix-cache"], template))
+        servers = [("prefix cache", ["--prefix-cache", args.prefix_cache]), ("no prefix cache", ["--no-prefix-cache"])]
+        for round_ in range(args.rounds):  # the order swapped every round
+            for label, extra in servers if round_ % 2 == 0 else servers[::-1]:
+                runs.append(serve_and_measure(httpx, args, label, extra, template))
     if args.markdown:  # the raw figures first: a report that fails leaves them
         Path(args.markdown).with_suffix(".json").write_text(json.dumps(runs))
     text = report(runs, args)
