@@ -273,3 +273,26 @@ def test_the_scheduler_streams_on_while_a_long_prompt_is_prefilled():
     during = [steps for steps, done in streaming.seen if first_chunk <= done < chunks_before + chunks]
     assert len(during) > 1, streaming.seen
     assert late.seen[0][0] - during[0] > 1
+
+
+@pytest.mark.parametrize("capacity, chunk", [(400, 64), (1100, 128), (CAPACITY, 64)])
+def test_the_warm_up_s_chunked_prefills_read_every_key_width(capacity, chunk):
+    """A chunk's attention reads the narrowest key width holding the positions up to its end (a
+    branch of its program, which XLA's CPU runtime prepares the first time it runs it): the
+    server's warm-up prefills prompts whose last chunks read every width a chunked prompt's last
+    chunk can read, and whose middle chunks read every width a middle chunk can, so that no
+    request pays for a first run. (Three chunks' worth alone, as before, read two widths.)"""
+    pair = specjax.pair(*peaked_target_and_draft(llama_config(max_position_embeddings=1200)))
+    engine = Engine(pair, num_slots=1, capacity=capacity, num_draft=K, controls=False)
+    lengths = sched.Scheduler(engine, None, prefill_chunk=chunk)._chunked_warmup_lengths()
+    widths = engine.attention_widths()
+
+    def read(end):  # the width index a chunk ending at position ``end`` reads
+        return next(i for i, w in enumerate(widths) if w >= end)
+
+    longest = capacity - 2  # the warm-up's requests generate two tokens
+    assert all(chunk < n <= longest for n in lengths)
+    assert {read(n) for n in lengths} == {read(n) for n in range(chunk + 1, longest + 1)}
+    middle = {read(end) for n in lengths for end in range(chunk, n, chunk)}
+    assert middle == {read(end) for end in range(chunk, longest, chunk)}
+    assert (len(widths) > 1) == (len(lengths) > 1)
