@@ -164,6 +164,19 @@ def run_unshared(httpx, server, args, tag: str) -> tuple[list[list[dict]], float
     return results, wall, delta
 
 
+def measure_unshared(httpx, server, args, out: dict, key: str, when: str) -> None:
+    """Runs the nothing-shared workload into ``out[key]`` (results), ``out[key + "_wall"]`` and
+    ``out[key + "_delta"]`` (the server's counters over it), and prints its line."""
+    tag = "A" if key == "fresh" else "B"
+    out[key], out[key + "_wall"], out[key + "_delta"] = run_unshared(httpx, server, args, tag)
+    tokens = sum(r["usage"]["completion_tokens"] for reqs in out[key] for r in reqs)
+    print(
+        f"[{out['label']}] nothing shared, {when}: {tokens} tokens in {out[key + '_wall']:.1f} s; "
+        f"{where_time_went(out[key + '_delta'])}",
+        flush=True,
+    )
+
+
 def where_time_went(delta: dict) -> str:
     """The server's steps, their seconds, prefill and loop seconds, cycles and the draft lengths
     its cycles chose, over one workload."""
@@ -185,13 +198,7 @@ def serve_and_measure(httpx, args, label: str, extra: list, template: Path) -> d
         url = server.url
         print(f"[{label}] ready after {server.wait_ready(3600.0):.0f} s; {common.load_average()}", flush=True)
         out = {"label": label}
-        out["fresh"], out["fresh_wall"], out["fresh_delta"] = run_unshared(httpx, server, args, "A")
-        tokens = sum(r["usage"]["completion_tokens"] for reqs in out["fresh"] for r in reqs)
-        print(
-            f"[{label}] nothing shared, fresh server: {tokens} tokens in {out['fresh_wall']:.1f} s; "
-            f"{where_time_went(out['fresh_delta'])}",
-            flush=True,
-        )
+        measure_unshared(httpx, server, args, out, "fresh", "fresh server")
         out["conversation"] = run_conversation(httpx, url, args)
         print(
             f"[{label}] conversation: TTFT per turn " + ", ".join(f"{t['ttft']:.2f}" for t in out["conversation"]),
@@ -213,13 +220,7 @@ def serve_and_measure(httpx, args, label: str, extra: list, template: Path) -> d
             + "; ".join(", ".join(f"{r['ttft']:.2f}" for r in reqs) for reqs in out["shared"]),
             flush=True,
         )
-        out["unshared"], out["unshared_wall"], out["unshared_delta"] = run_unshared(httpx, server, args, "B")
-        tokens = sum(r["usage"]["completion_tokens"] for reqs in out["unshared"] for r in reqs)
-        print(
-            f"[{label}] nothing shared, after the others: {tokens} tokens in {out['unshared_wall']:.1f} s; "
-            f"{where_time_went(out['unshared_delta'])}",
-            flush=True,
-        )
+        measure_unshared(httpx, server, args, out, "unshared", "after the others")
         out["metrics"] = server.metrics()
         out["rss"] = server.peak_rss_mib()
         print(f"[{label}] done; {common.load_average()}", flush=True)
