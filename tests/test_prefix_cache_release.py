@@ -94,15 +94,17 @@ def test_a_finished_request_stores_its_reply_and_the_next_turn_decodes_exactly(e
     assert tokens != ref_tokens or np.abs(logprobs - ref_logprobs).max() > 1e-3
 
 
-def test_store_takes_only_whole_blocks_below_the_cached_positions(engines):
+def test_store_takes_the_positions_below_the_cached_ones(engines):
+    """Whole blocks, then the rest as one partial block, which a whole block over it replaces."""
     engine = engines["head"]
     state = engine.insert(engine.init(), 0, A, GREEDY)
     cache = PrefixCache(BIG)
-    assert cache.store(engine, state, 0, A, cached=BLOCK - 1) == 0
-    assert cache.store(engine, state, 0, A, cached=BLOCK) == 1
-    assert cache.store(engine, state, 0, A[: BLOCK + 1], cached=10 * BLOCK) == 0  # no token after block 0
-    assert cache.store(engine, state, 0, A) == 1  # the default: len - 2 positions, block 1 joins
-    assert cache.num_blocks == 2
+    assert cache.store(engine, state, 0, A, cached=BLOCK - 1) == 1  # block 0's first 63 positions
+    assert cache.store(engine, state, 0, A, cached=BLOCK - 2) == 0  # held by that block already
+    assert cache.store(engine, state, 0, A, cached=BLOCK) == 1 and cache.num_blocks == 1  # whole: it replaces it
+    assert cache.store(engine, state, 0, A[: BLOCK + 1], cached=10 * BLOCK) == 0  # block 0 and the token after it
+    assert cache.store(engine, state, 0, A) == 2  # the default: len - 2 positions: block 1, and 40 of block 2
+    assert cache.num_blocks == 3 and [b.positions for b in cache._blocks.values()] == [BLOCK, BLOCK, 40]
 
 
 class _NoText:
@@ -128,24 +130,27 @@ def _wait(events, timeout=300):
     raise AssertionError("the request did not finish")
 
 
-def test_the_scheduler_serves_a_conversation_from_its_whole_history(engines):
-    """Turn 2 of a conversation reads turn 1's prompt and reply from the cache (three blocks, where
-    the prompt alone gives two), and decodes what a cold engine decodes."""
+@pytest.mark.parametrize("first", [A, A[:150]], ids=["whole-blocks", "inside-a-block"])
+def test_the_scheduler_serves_a_conversation_from_its_whole_history(engines, first):
+    """Turn 2 of a conversation reads turn 1's prompt and reply from the cache and decodes what a
+    cold engine decodes: three whole blocks, where the prompt alone gives two; or, where the
+    history ends inside block 2, that block's positions too, the prefill resuming one block before
+    the prompt's end (one block to prefill, where whole blocks leave two)."""
     engine = engines["head"]
     settings = GREEDY._replace(logprobs=0)  # (the events then carry their tokens)
     scheduler = sched.Scheduler(engine, _NoText(), num_cycles=2, warmup_widths=(16,), prefill_chunk=64,
                                 prefill_groups=[1], prefix_cache=PrefixCache(BIG)).start()
     try:
         assert scheduler.ready.wait(300)
-        request, events = _request(A, settings)
+        request, events = _request(first, settings)
         scheduler.submit(request)
         reply, done = _wait(events)
         assert done.cached_tokens == 0 and len(reply) == 32
-        nxt = A + reply + prompt(20, seed=7)
+        nxt = first + reply + prompt(20, seed=7)
         request, events = _request(nxt, settings._replace(max_new_tokens=16))
         scheduler.submit(request)
         tokens, done = _wait(events)
-        assert done.cached_tokens == 3 * BLOCK
+        assert done.cached_tokens == (3 * BLOCK if first is A else len(nxt) - BLOCK)
     finally:
         scheduler.close(drain_seconds=5)
     _, ref, _ = run(engine, engine.insert(engine.init(), 0, nxt, GREEDY._replace(max_new_tokens=16)), 0)
@@ -191,7 +196,8 @@ def test_requests_finishing_in_one_step_each_store_their_reply(engines):
             for request, _ in pending:
                 scheduler.submit(request)
         replies = [_wait(events)[0] for _, events in pending]
-        assert scheduler.error is None and cache.num_blocks == 2
+        # Each: its whole block 0 and a partial block 1 (the insert's partial block 0 gave way).
+        assert scheduler.error is None and cache.num_blocks == 4
         request, events = _request(first[1] + replies[1] + prompt(5, seed=13), settings._replace(max_new_tokens=4))
         scheduler.submit(request)
         assert _wait(events)[1].cached_tokens == BLOCK

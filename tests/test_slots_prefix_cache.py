@@ -75,6 +75,7 @@ def test_a_cached_prefix_decodes_what_a_cold_cache_does(engines, kind):
     engine = engines[kind]
     cache = PrefixCache(BIG)
     state = engine.insert(engine.init(), 0, A, GREEDY)
+    # Three whole blocks; the partial fourth (positions 192 .. 197) would not fit the 251-position buffers.
     assert cache.store(engine, state, 0, A) == usable_blocks(len(A)) == 3
     assert cache.num_blocks == 3 and cache.bytes == sum(b.nbytes for b in cache._blocks.values())
     for settings in (GREEDY, SAMPLED):
@@ -99,21 +100,79 @@ def test_a_cached_prefix_decodes_what_a_cold_cache_does(engines, kind):
     assert got != ref or np.abs(got_logprobs - ref_logprobs).max() > 1e-3
 
 
+@pytest.mark.parametrize("kind", ["draft+lookup", "head"])
+def test_a_prefix_cached_inside_a_block_resumes_there(engines, kind):
+    """A prompt that agrees with a cached prompt into its last, partial block reads that block too:
+    the prefill resumes inside it, its blocks ending at the prompt's last token, and decodes the
+    tokens it decodes cold (log-probabilities within float rounding: other block boundaries). The
+    negative control (another prompt's partial block under it) does not; a partial match that saves
+    no block is not taken; a whole block that extends a partial one replaces it."""
+    engine = engines[kind]
+    cache = PrefixCache(BIG)
+    first = A[:150]
+    assert cache.store(engine, engine.insert(engine.init(), 0, first, GREEDY), 0, first) == 3  # 2 whole, positions 128 .. 147
+    other = A[:130] + prompt(20, seed=6)  # agrees with `first` into block 2 for one position only
+    assert cache.store(engine, engine.insert(engine.init(), 0, other, GREEDY), 0, other) == 1
+    nxt = A[:149] + prompt(51, seed=5)  # 200 tokens: block 2 agrees through position 147
+    for settings in (GREEDY, SAMPLED):
+        hit, (tokens, logprobs) = from_cache(engine, cache, nxt, settings)
+        assert hit.tokens == len(nxt) - BLOCK == 136 and len(hit.keys) == 3  # one block to prefill, not two
+        ref_tokens, ref_logprobs = cold(engine, nxt, settings)
+        assert tokens == ref_tokens
+        np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-4)
+    # Negative control: `other`'s partial block restored under `nxt` (wrong from position 130 on).
+    wrong = cache.match(engine, other + prompt(50, seed=7))
+    right = cache.match(engine, nxt)
+    assert wrong.tokens == 136 and wrong.keys[2] not in right.keys
+    job = engine.begin_insert(engine.init(), 1, nxt, GREEDY, chunk=64, prefix=(cache.restore(engine, wrong), 136))
+    state = engine.init()
+    while not job.finished:
+        state, job = engine.continue_insert(state, job)
+    got, got_logprobs = run(engine, state, 1)
+    ref, ref_logprobs = cold(engine, nxt, GREEDY)
+    assert got != ref or np.abs(got_logprobs - ref_logprobs).max() > 1e-3
+    # 190 tokens: from position 128 or from 148, one block either way; the whole blocks' hit stays exact.
+    short = cache.match(engine, nxt[:190])
+    assert short.tokens == 2 * BLOCK and len(short.keys) == 2
+    # `nxt` stored whole through block 2: `first`'s partial block 2 is dropped (its tokens begin `nxt`'s).
+    for h in (wrong, right, short):
+        cache.release(h)
+    before = cache.num_blocks
+    assert cache.store(engine, engine.insert(engine.init(), 0, nxt, GREEDY), 0, nxt) == 1
+    assert cache.num_blocks == before and cache.bytes == sum(b.nbytes for b in cache._blocks.values())
+    assert cache.match(engine, nxt).tokens == 3 * BLOCK
+    # Two blocks after the resumption (block 1 agrees through position 117; 229 - 2 x 64 = 101), in
+    # one chunk of 256 (its last two blocks not run) and in two of 64: the same tokens as cold.
+    longer = A[:119] + prompt(110, seed=8)
+    for chunk in (256, 64):
+        hit, (tokens, logprobs) = from_cache(engine, cache, longer, GREEDY, chunk=chunk)
+        ref_tokens, ref_logprobs = cold(engine, longer, GREEDY)
+        assert hit.tokens == 101 and tokens == ref_tokens
+        np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-4)
+    # The engine takes a start off the block grid only where its blocks end at the prompt's last token.
+    with pytest.raises(ValueError, match="multiple of 64 or the prompt's length"):
+        engine.begin_insert(engine.init(), 1, nxt, GREEDY, chunk=64, prefix=(engine.empty_prefill_caches(), 130))
+
+
 def test_blocks_are_keyed_by_their_tokens_and_the_model(engines, draft_pair):
     engine = engines["draft+lookup"]
     cache = PrefixCache(BIG)
     cache.store(engine, engine.insert(engine.init(), 0, A, GREEDY), 0, A)
     assert cache.match(engine, A).tokens == 3 * BLOCK
-    # One token changed in block 1: block 0 is reused, nothing after it.
+    # One token changed in block 1: block 0 is reused whole, block 1 through position 98 (the token
+    # after it differs), and the prefill resumes at 200 - 2 x 64 = 72: two blocks, where three
+    # would run from position 64.
     changed = list(A)
     changed[100] = (changed[100] + 1) % 96
-    assert cache.match(engine, changed).tokens == BLOCK
-    # The token after a block (a feature head's draft entry reads it) is part of the block's key.
+    assert cache.match(engine, changed).tokens == len(A) - 2 * BLOCK
+    # The token after a block (a feature head's draft entry reads it) is part of the block's key:
+    # block 0 is not reused whole, its first 63 positions are (the prefill resumes at 8: 3 blocks).
     after = list(A)
     after[BLOCK] = (after[BLOCK] + 1) % 96
-    assert cache.match(engine, after).tokens == 0
-    # A prompt too short to keep a block's last position in both caches takes none.
-    assert cache.match(engine, A[: BLOCK + 1]).tokens == 0 and cache.match(engine, A[: BLOCK + 2]).tokens == BLOCK
+    hit = cache.match(engine, after)
+    assert hit.tokens == len(A) - 3 * BLOCK and len(hit.keys) == 1
+    # A prompt too short to keep a block's last position in both caches takes it in part.
+    assert cache.match(engine, A[: BLOCK + 1]).tokens == 1 and cache.match(engine, A[: BLOCK + 2]).tokens == BLOCK
     # A block whose stored tokens disagree with its key (a hash collision) is never reused.
     first = next(b for b in cache._blocks.values() if b.parent == cache.identity(engine))
     first.tokens = first.tokens.copy()
@@ -157,7 +216,7 @@ def test_eviction_is_least_recently_used_and_spares_pinned_blocks(engines):
     cache.store(engine, state, 0, A[: 2 * BLOCK + 2])  # A's blocks 0 and 1
     cache.store(engine, state_other, 0, other[: BLOCK + 2])  # other's block 0
     cache.release(cache.match(engine, A))  # A's blocks are now the most recently used
-    third = prompt(70, seed=4)
+    third = prompt(66, seed=4)  # one whole block, no partial one
     assert cache.store(engine, engine.insert(engine.init(), 0, third, GREEDY), 0, third) == 1
     assert cache.match(engine, other).tokens == 0 and cache.match(engine, A).tokens == 2 * BLOCK
 

@@ -295,16 +295,24 @@ def prefill_chunk(module, params, cache: KVCache, chunk: Array, keep: Array, sta
     the blocks before ``start``: a fresh cache for ``start = 0``).
 
     ``chunk [1, N]``: the padded prompt's tokens at those positions (N a
-    multiple of the block); ``start`` a multiple of N; ``keep``: the entries
-    the whole prefill keeps; ``tail``: the width of ``prefill``'s tail block
-    when ``width`` is not a multiple of the block (the engine's capacity
-    modulo the block: only a width cut to the capacity is one), else unused.
-    Each block runs the forward ``prefill`` runs for it, with the same
-    tokens and cache entries before it, so chunk after chunk leaves the
-    cache ``prefill`` leaves (before its rollback to ``keep``, which the
+    multiple of the block); ``start`` a multiple of the block; ``keep``: the
+    entries the whole prefill keeps; ``tail``: the width of ``prefill``'s
+    tail block when ``width`` is not a multiple of the block (the engine's
+    capacity modulo the block: only a width cut to the capacity is one),
+    else unused. Each block runs the forward ``prefill`` runs for it, with
+    the same tokens and cache entries before it, so chunk after chunk leaves
+    the cache ``prefill`` leaves (before its rollback to ``keep``, which the
     caller does after the last chunk). Returns :class:`Prefilled` as
     ``prefill`` does for those positions (``hidden [1, N, ...]``; the logits
     at ``logits_at`` where this chunk holds it).
+
+    A ``start`` off the block grid resumes a prefix cached to a position
+    inside a block: the chunks' blocks then run from ``start`` on and the
+    last one must end at the prompt's last token (``max(keep)`` minus
+    ``start`` a multiple of the block, rounded up for a draft model's keep of
+    one less), so that none writes past the prompt; their entries match
+    ``prefill``'s within float rounding (other block boundaries), and no
+    tail block runs.
     """
     batch, n = chunk.shape
     block_size = prefill_block(batch)
@@ -332,13 +340,14 @@ def prefill_chunk(module, params, cache: KVCache, chunk: Array, keep: Array, sta
         c, h, lg = run(c, *block(i), at)
         return c, (None if h_all is None else h_all.at[i].set(h)), _keep_logits(got, lg, logits_at, at, block_size)
 
-    needed = jnp.minimum((jnp.max(keep) + block_size - 1) // block_size, full)
-    count = jnp.clip(needed - first, 0, blocks)
+    aligned = start % block_size == 0
+    needed = jnp.minimum((jnp.max(keep) + block_size - 1) // block_size, full) - first
+    count = jnp.clip(jnp.where(aligned, needed, (jnp.max(keep) - start + block_size - 1) // block_size), 0, blocks)
     cache, h_all, logits = jax.lax.fori_loop(0, count, body, (cache, h_all, logits))
     hidden = h_all.swapaxes(0, 1).reshape(batch, n, -1) if layers else None
     if tail:
         offset = (full - first) * block_size
-        runs = (width % block_size != 0) & (jnp.max(keep) > full * block_size) & (offset >= 0) & (offset < n)
+        runs = aligned & (width % block_size != 0) & (jnp.max(keep) > full * block_size) & (offset >= 0) & (offset < n)
         at = jnp.clip(offset, 0, n - tail)
         args = (cache, jax.lax.dynamic_slice_in_dim(chunk, at, tail, axis=1),
                 None if features is None else jax.lax.dynamic_slice_in_dim(features, at, tail, axis=1), start + at)

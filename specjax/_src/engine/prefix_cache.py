@@ -17,6 +17,19 @@ checkpoint, weights format or quantization never matches), the KV buffers' shape
 and a caller's ``namespace`` (a server names its chat template there). A block also
 keeps its tokens, compared on every match, so a hash collision cannot reuse it.
 
+**Partial blocks.** A conversation's history rarely ends on a block boundary,
+and a prompt that diverges from a cached one mid-block still shares that
+block's first positions. So the cache also keeps a prompt's (or a finished
+request's) last, incomplete block, keyed by the tokens it holds, and a match
+that runs out of whole blocks takes, among the cached children of the last
+matched block, the one that agrees with the prompt longest: causal entries
+before the first differing token are exact. The prefill then resumes inside
+that block, at the prompt's length less a whole number of blocks, so that its
+blocks end at the prompt's last token (:func:`resume_position`; positions
+between the resumption and the match are computed again). A partial match is
+taken only where it leaves fewer blocks to prefill than the whole blocks do,
+and a partial block that a longer sibling covers is dropped.
+
 **What a block holds**: every KV buffer of both caches at its ``B`` positions:
 the target's, and the draft model's or the feature head's (whose entries were
 computed from the target's features at those positions, so nothing else of the
@@ -32,8 +45,9 @@ those positions; copied in, they leave the job's caches as the chunks before
 would have, so a prompt inserted alone decodes the same tokens from a cached
 prefix as from a cold cache (bit for bit when the block came from an insert of
 one prompt, which runs ``B``-wide blocks as the chunks do; within float
-rounding when it came from a group prefill, which runs 16-wide blocks, or from a
-finished request's generated tokens, whose entries the verifications computed).
+rounding when it came from a group prefill, which runs 16-wide blocks, from a
+finished request's generated tokens, whose entries the verifications computed,
+or when the prefill resumes inside a block).
 
 **Memory**: blocks live on the device, under ``budget_bytes``; when a new block
 would exceed it, the least recently used unpinned block with no cached
@@ -63,7 +77,9 @@ class PrefixHit(NamedTuple):
     """The cached start of a prompt (:meth:`PrefixCache.match`).
 
     Attributes:
-      tokens: prompt positions the cached blocks cover (a multiple of ``BLOCK`` (64); 0: none).
+      tokens: prompt positions the prefill takes from the cached blocks and does not compute
+        (0: none): a multiple of ``BLOCK`` (64), or after a partial block, the prompt's length
+        less a multiple of it (:func:`resume_position`).
       keys: the blocks' keys, first to last (pinned until :meth:`PrefixCache.release`).
     """
 
@@ -75,12 +91,16 @@ class PrefixHit(NamedTuple):
 class _Block:
     key: bytes
     parent: bytes
-    tokens: np.ndarray  # [BLOCK + 1] int32: the block's tokens and the one after it
+    tokens: np.ndarray  # [m + 1] int32: the block's first m positions' tokens and the one after (m = BLOCK: whole)
     arrays: Any  # per cache, (keys per layer, values per layer), each [H, BLOCK, D]
     nbytes: int
     used: int  # the LRU clock when last matched or stored
     pins: int = 0
-    children: int = 0
+
+    @property
+    def positions(self) -> int:
+        """Positions whose entries the block holds (``BLOCK`` for a whole block)."""
+        return len(self.tokens) - 1
 
 
 # ---------------------------------------------------------------------------
@@ -151,6 +171,32 @@ def _block_key(parent: bytes, tokens: np.ndarray) -> bytes:
     return hashlib.sha256(parent + np.asarray(tokens, np.int32).tobytes()).digest()
 
 
+def resume_position(cached: int, length: int) -> int:
+    """Where the prefill of a prompt of ``length`` tokens resumes after a match of its first
+    ``cached`` positions: ``cached`` itself on the block grid, else the prompt's length less the
+    whole blocks that cover the rest (their last ends at the prompt's last token, none past it)."""
+    cached, length = int(cached), int(length)
+    if cached % BLOCK == 0:
+        return cached
+    return length - -(-(length - cached) // BLOCK) * BLOCK
+
+
+def _agreeing_positions(block: "_Block", tokens: np.ndarray, limit: int) -> int:
+    """How many of ``block``'s leading positions ``tokens`` (the prompt from the block's first
+    position on) shares: a position counts when its token and the one after it agree; at most
+    ``limit``."""
+    stored = block.tokens[: len(tokens)]
+    differs = np.flatnonzero(stored != tokens[: len(stored)])
+    agree = int(differs[0]) if differs.size else len(stored)
+    return max(0, min(agree - 1, len(block.tokens) - 1, limit))
+
+
+def _fits(engine, index: int) -> bool:
+    """Whether block ``index`` lies within ``engine``'s KV buffers: a partial block near the end of
+    a capacity that is not a multiple of ``BLOCK`` may not (its copies are ``BLOCK`` wide)."""
+    return (index + 1) * BLOCK <= engine.cfg.loop.cache_length
+
+
 def usable_blocks(length: int) -> int:
     """How many leading blocks a prompt of ``length`` tokens may take from (or give to) the cache:
     those whose positions all lie below ``length - 2`` (kept by both caches, and the token after
@@ -193,6 +239,7 @@ class PrefixCache:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes!r}.")
         self.budget_bytes, self.namespace = budget, str(namespace)
         self._blocks: dict[bytes, _Block] = {}
+        self._children: dict[bytes, set] = {}  # a block's key (or an identity) -> its cached children's
         self._identities: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._clock = itertools.count(1)
         self.bytes = 0
@@ -211,11 +258,14 @@ class PrefixCache:
         return found
 
     def match(self, engine, prompt: Sequence[int]) -> PrefixHit:
-        """The longest cached start of ``prompt`` for ``engine``; its blocks are pinned (not evicted)
-        until :meth:`release`. Counts toward the hit rate."""
+        """The longest cached start of ``prompt`` for ``engine``: whole blocks, then the child of the
+        last that agrees with the prompt longest where that leaves fewer blocks to prefill (see the
+        module's docstring). Its blocks are pinned (not evicted) until :meth:`release`. Counts
+        toward the hit rate."""
         tokens = np.asarray(prompt, np.int32)
+        length = len(tokens)
         parent, keys = self.identity(engine), []
-        for j in range(usable_blocks(len(tokens))):
+        for j in range(usable_blocks(length)):
             span = tokens[j * BLOCK : (j + 1) * BLOCK + 1]
             key = _block_key(parent, span)
             block = self._blocks.get(key)
@@ -223,14 +273,31 @@ class PrefixCache:
                 break
             keys.append(key)
             parent = key
+        cached = len(keys) * BLOCK
+        partial = self._best_child(engine, parent, len(keys), tokens[cached:], limit=length - 2 - cached)
+        if partial is not None and resume_position(cached + partial[1], length) > cached:
+            keys.append(partial[0])
+            cached = resume_position(cached + partial[1], length)
         now = next(self._clock)
         for key in keys:
             block = self._blocks[key]
             block.pins += 1
             block.used = now
-        self.queried_tokens += len(tokens)
-        self.hit_tokens += len(keys) * BLOCK
-        return PrefixHit(len(keys) * BLOCK, tuple(keys))
+        self.queried_tokens += length
+        self.hit_tokens += cached
+        return PrefixHit(cached, tuple(keys))
+
+    def _best_child(self, engine, parent: bytes, index: int, rest: np.ndarray, *, limit: int):
+        """``(key, positions)`` of the child of ``parent`` (block ``index`` of a prompt) that agrees
+        with ``rest`` (the prompt from the child's first position on) over the most positions, at
+        most ``limit``; None: none agrees, or the block would not fit the KV buffers."""
+        best, most = None, 0
+        if _fits(engine, index):
+            for key in self._children.get(parent, ()):
+                agree = _agreeing_positions(self._blocks[key], rest, limit)
+                if agree > most:
+                    best, most = key, agree
+        return None if best is None else (best, most)
 
     def release(self, hit: PrefixHit) -> None:
         """Unpins ``hit``'s blocks (each call once per :meth:`match`)."""
@@ -271,17 +338,21 @@ class PrefixCache:
         prefill's). A finished request stores its prompt and generated tokens with the caches'
         lengths (``target_cache.lengths`` and ``draft_cache.lengths`` at the slot, the smaller):
         its entries past the prompt are the verifications', within float rounding of what a
-        prefill of those tokens computes. Only whole blocks whose positions all lie below
-        ``cached`` (and below the last token: a block's key holds the token after it) are stored.
-        Returns the blocks added; stops at the first that the budget cannot hold without evicting
-        a pinned block. Dispatches device copies only (no wait for the device)."""
+        prefill of those tokens computes. The positions below ``cached`` (and below the last
+        token: a block's key holds the token after it) are stored as whole blocks and, for the
+        rest, one partial block, unless a cached sibling already holds those tokens or the block
+        would not fit the KV buffers. Returns the blocks added; stops at the first that the
+        budget cannot hold without evicting a pinned block. Dispatches device copies only (no
+        wait for the device)."""
         tokens = np.asarray(prompt, np.int32)
         caches = (state.loop.target_cache, state.loop.draft_cache)
         parent, added, now = self.identity(engine), 0, next(self._clock)
-        count = usable_blocks(len(tokens)) if cached is None else max(0, min(int(cached), len(tokens) - 1) // BLOCK)
+        kept = len(tokens) - 2 if cached is None else min(int(cached), len(tokens) - 1)
         chain = []
-        for j in range(count):
-            span = tokens[j * BLOCK : (j + 1) * BLOCK + 1]
+        for j in range(-(-max(kept, 0) // BLOCK)):
+            span = tokens[j * BLOCK : min(j * BLOCK + BLOCK, kept) + 1]
+            if len(span) <= BLOCK and (not _fits(engine, j) or self._covers(parent, span, now)):
+                break  # a partial block past the buffers' end, or one a sibling holds
             key = _block_key(parent, span)
             chain.append(key)
             block = self._blocks.get(key)
@@ -295,27 +366,52 @@ class PrefixCache:
             nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(arrays))
             if not self._make_room(nbytes, keep=set(chain)):
                 break
-            self._blocks[key] = _Block(key, parent, span.copy(), arrays, nbytes, now)
-            if parent in self._blocks:
-                self._blocks[parent].children += 1
-            self.bytes += nbytes
-            self.stored_blocks += 1
+            self._add(_Block(key, parent, span.copy(), arrays, nbytes, now))
             added += 1
             parent = key
         return added
+
+    def _covers(self, parent: bytes, span: np.ndarray, now: int) -> bool:
+        """Whether a child of ``parent`` holds entries for all of ``span``'s positions (its tokens
+        begin with ``span``); that child counts as used."""
+        for key in self._children.get(parent, ()):
+            block = self._blocks[key]
+            if len(block.tokens) >= len(span) and np.array_equal(block.tokens[: len(span)], span):
+                block.used = now
+                return True
+        return False
+
+    def _add(self, block: _Block) -> None:
+        """Stores ``block``, and drops the unpinned partial siblings whose tokens it extends."""
+        for key in list(self._children.get(block.parent, ())):
+            other = self._blocks[key]
+            shorter = len(other.tokens) < len(block.tokens)
+            if shorter and not other.pins and np.array_equal(block.tokens[: len(other.tokens)], other.tokens):
+                self._drop(other)
+        self._blocks[block.key] = block
+        self._children.setdefault(block.parent, set()).add(block.key)
+        self.bytes += block.nbytes
+        self.stored_blocks += 1
+
+    def _drop(self, block: _Block) -> None:
+        del self._blocks[block.key]
+        siblings = self._children.get(block.parent)
+        if siblings is not None:
+            siblings.discard(block.key)
+            if not siblings:
+                del self._children[block.parent]
+        self._children.pop(block.key, None)
+        self.bytes -= block.nbytes
 
     def _make_room(self, nbytes: int, keep: set) -> bool:
         """Evicts least recently used leaves (unpinned, not in ``keep``: the chain being stored)
         until ``nbytes`` more fit the budget; False (nothing evicted beyond need) where they cannot."""
         while self.bytes + nbytes > self.budget_bytes:
-            leaves = [b for b in self._blocks.values() if not b.pins and not b.children and b.key not in keep]
+            leaves = [b for b in self._blocks.values()
+                      if not b.pins and b.key not in self._children and b.key not in keep]
             if not leaves:
                 return False
-            victim = min(leaves, key=lambda b: b.used)
-            del self._blocks[victim.key]
-            if victim.parent in self._blocks:
-                self._blocks[victim.parent].children -= 1
-            self.bytes -= victim.nbytes
+            self._drop(min(leaves, key=lambda b: b.used))
             self.evictions += 1
         return True
 

@@ -388,11 +388,14 @@ class Engine:
         call, that insert. Raises as :meth:`insert` does before anything runs.
 
         ``prefix``: ``(caches, tokens)``, both caches of one prompt already
-        holding its first ``tokens`` positions (a multiple of 64 below the
-        prompt's length - 2), as :meth:`PrefixCache.restore` gives them; the
-        chunks then start at ``tokens``, and the request decodes what it would
-        from a cold start where those entries are the prefill's (consumed
-        with ``donate_state=True``).
+        holding its first ``tokens`` positions (at most the prompt's length
+        - 2), as :meth:`PrefixCache.restore` gives them; the chunks then start
+        at ``tokens``, and the request decodes what it would from a cold start
+        where those entries are the prefill's (consumed with
+        ``donate_state=True``). ``tokens`` is a multiple of 64, or, for a
+        prefix cached to a position inside a block, the prompt's length less a
+        multiple of 64, so that the chunks' blocks end at the prompt's last
+        token (:func:`specjax._src.engine.ops.prefill_chunk`).
         """
         self._check_state(state)
         slot = self._check_slot(slot)
@@ -429,10 +432,11 @@ class Engine:
             raise TypeError("prefix must be (caches, tokens): both caches of one prompt holding its first "
                             "`tokens` positions (specjax.engine.PrefixCache.restore).")
         caches, tokens = prefix
-        start, most = as_integer(tokens), (max(0, length - 2) // SINGLE_PREFILL_BLOCK) * SINGLE_PREFILL_BLOCK
-        if start is None or start < 0 or start % SINGLE_PREFILL_BLOCK or start > most:
-            raise ValueError(f"prefix tokens must be a multiple of {SINGLE_PREFILL_BLOCK} in 0 .. {most} (positions "
-                             f"below the prompt's length - 2, {length - 2}, that both caches keep), got {tokens!r}.")
+        start, block = as_integer(tokens), SINGLE_PREFILL_BLOCK
+        if start is None or start < 0 or start > length - 2 or (start % block and (length - start) % block):
+            raise ValueError(f"prefix tokens must lie in 0 .. {length - 2} (positions below the prompt's length - 2 "
+                             f"that both caches keep) and be a multiple of {block} or the prompt's length "
+                             f"({length}) less a multiple of {block} (as PrefixCache.match counts), got {tokens!r}.")
         want = jax.eval_shape(self.empty_prefill_caches)
         same = jax.tree_util.tree_structure(caches) == jax.tree_util.tree_structure(want) and all(
             np.shape(a) == b.shape and a.dtype == b.dtype
