@@ -25,7 +25,7 @@ that runs out of whole blocks takes, among the cached children of the last
 matched block, the one that agrees with the prompt longest: causal entries
 before the first differing token are exact. The prefill then resumes inside
 that block, at the prompt's length less a whole number of blocks, so that its
-blocks end at the prompt's last token (:func:`resume_position`; positions
+blocks end at the prompt's last token (``resume_position``; positions
 between the resumption and the match are computed again). A partial match is
 taken only where it leaves fewer blocks to prefill than the whole blocks do,
 and a partial block that a longer sibling covers is dropped.
@@ -79,7 +79,7 @@ class PrefixHit(NamedTuple):
     Attributes:
       tokens: prompt positions the prefill takes from the cached blocks and does not compute
         (0: none): a multiple of ``BLOCK`` (64), or after a partial block, the prompt's length
-        less a multiple of it (:func:`resume_position`).
+        less a multiple of it (``resume_position``).
       keys: the blocks' keys, first to last (pinned until :meth:`PrefixCache.release`).
     """
 
