@@ -130,7 +130,10 @@ def _wait(events, timeout=300):
     raise AssertionError("the request did not finish")
 
 
-@pytest.mark.parametrize("first", [A, A[:150]], ids=["whole-blocks", "inside-a-block"])
+# Whole blocks alone (the history ending past block 2) with -m slow: the default case reads two whole
+# blocks and a partial one, and whole blocks alone are checked on the engine above.
+@pytest.mark.parametrize("first", [pytest.param(A, marks=pytest.mark.slow), A[:150]],
+                         ids=["whole-blocks", "inside-a-block"])
 def test_the_scheduler_serves_a_conversation_from_its_whole_history(engines, first):
     """Turn 2 of a conversation reads turn 1's prompt and reply from the cache and decodes what a
     cold engine decodes: three whole blocks, where the prompt alone gives two; or, where the
