@@ -161,20 +161,37 @@ def run_unshared(httpx, server, args, tag: str) -> tuple[list[list[dict]], float
     )
     after = server.metrics()
     delta = {k: v - before.get(k, 0.0) for k, v in after.items() if k.split("{")[0].endswith("_total")}
+    delta.update({k: v for k, v in after.items() if k.startswith("specjax_cycle_cost{")})  # gauges: as they end
     return results, wall, delta
 
 
 def measure_unshared(httpx, server, args, out: dict, key: str, when: str) -> None:
     """Runs the nothing-shared workload into ``out[key]`` (results), ``out[key + "_wall"]`` and
-    ``out[key + "_delta"]`` (the server's counters over it), and prints its line."""
+    ``out[key + "_delta"]`` (the server's counters over it, and auto's cycle costs as it ends), and
+    prints its line."""
     tag = "A" if key == "fresh" else "B"
     out[key], out[key + "_wall"], out[key + "_delta"] = run_unshared(httpx, server, args, tag)
     tokens = sum(r["usage"]["completion_tokens"] for reqs in out[key] for r in reqs)
     print(
         f"[{out['label']}] nothing shared, {when}: {tokens} tokens in {out[key + '_wall']:.1f} s; "
-        f"{where_time_went(out[key + '_delta'])}",
+        f"{where_time_went(out[key + '_delta'])}; {planned_costs(out[key + '_delta'])}",
         flush=True,
     )
+
+
+def planned_costs(metrics: dict) -> str:
+    """The relative cycle costs auto planned with at the end of a workload (``specjax_cycle_cost``, in
+    plain cycles by draft length), for the largest row bucket: what a choice of draft length read."""
+    by_rows: dict[int, dict[int, float]] = {}
+    for key, value in metrics.items():
+        if key.startswith("specjax_cycle_cost{"):
+            labels = dict(part.split("=") for part in key[key.index("{") + 1 : -1].split(","))
+            by_rows.setdefault(int(labels["rows"].strip('"')), {})[int(labels["draft_length"].strip('"'))] = value
+    if not by_rows:
+        return "auto's cycle costs: none (fixed drafting)"
+    rows = max(by_rows)
+    costs = ", ".join(f"{by_rows[rows][k]:.2f}" for k in sorted(by_rows[rows]))
+    return f"auto's cycle costs at {rows} rows by draft length 0..: {costs}"
 
 
 def where_time_went(delta: dict) -> str:
@@ -312,7 +329,8 @@ def report(runs: list[dict], args) -> str:
                 for key in ("fresh", "unshared"):
                     lines.append(
                         f"{label}, nothing shared ({'fresh server' if key == 'fresh' else 'after the others'}): "
-                        f"{throughput(run, key):.1f} tok/s; {where_time_went(run[key + '_delta'])}"
+                        f"{throughput(run, key):.1f} tok/s; {where_time_went(run[key + '_delta'])}; "
+                        f"{planned_costs(run[key + '_delta'])}"
                     )
         same = all(
             x["text"] == y["text"] for ra, rb in zip(a, b) for x, y in zip(ra["conversation"], rb["conversation"])
