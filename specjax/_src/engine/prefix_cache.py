@@ -275,9 +275,10 @@ class PrefixCache:
             parent = key
         cached = len(keys) * BLOCK
         partial = self._best_child(engine, parent, len(keys), tokens[cached:], limit=length - 2 - cached)
-        if partial is not None and resume_position(cached + partial[1], length) > cached:
+        resume = cached if partial is None else resume_position(cached + partial[1], length)
+        if resume > cached:  # the partial block leaves fewer blocks to prefill
             keys.append(partial[0])
-            cached = resume_position(cached + partial[1], length)
+            cached = resume
         now = next(self._clock)
         for key in keys:
             block = self._blocks[key]
