@@ -30,7 +30,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -65,7 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write every cell's figures to this file (benchmarks/plot_auto_grid.py)")
     ap.add_argument("--busy", action="store_true", help="keep one core busy with a Python loop for the whole run")
     args = ap.parse_args(argv)
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
+    busy = common.keep_a_core_busy() if args.busy else None
     try:
         return _run(args, ap, busy is not None)
     finally:

@@ -80,6 +80,12 @@ def alternate(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
     return times
 
 
+def keep_a_core_busy() -> subprocess.Popen:
+    """Another process spinning on one core until it is killed: a ``--busy`` run's machine with
+    another job on it."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
 def timed(fn: Callable[[], object], repeats: int) -> float:
     """Median wall seconds of ``fn()`` (which must block) after one untimed warm-up call."""
     fn()

@@ -32,7 +32,6 @@ to ``off``'s, tokens and drafts per cycle.
 
 import argparse
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -56,7 +55,7 @@ ap.add_argument("--max-new-tokens", type=int, default=64)
 ap.add_argument("--markdown", help="also write the output to this file")
 args = ap.parse_args()
 
-busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
+busy = common.keep_a_core_busy() if args.busy else None
 lines = []
 
 
