@@ -111,13 +111,24 @@ def plot(cells: list[dict], path: str) -> None:
     fig.savefig(path, metadata={"Date": None} if path.endswith(".svg") else None)
 
 
+def read_cells(path: str) -> list[dict]:
+    """The cells of one ``auto_drafting.py --json`` file; a clear error for any other file."""
+    try:
+        run = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not readable as JSON ({e}); pass the files auto_drafting.py --json wrote") from e
+    if not isinstance(run, dict) or not isinstance(run.get("cells"), list):
+        raise ValueError(f"{path} holds no 'cells' list: it is not a file benchmarks/auto_drafting.py --json wrote")
+    return run["cells"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="JSON files written by benchmarks/auto_drafting.py --json")
     ap.add_argument("--plot", help="write the plot here (.svg or .png)")
     ap.add_argument("--markdown", help="also write the table here")
     args = ap.parse_args(argv)
-    cells = [cell for run in args.runs for cell in json.loads(Path(run).read_text())["cells"]]
+    cells = [cell for run in args.runs for cell in read_cells(run)]
     summaries = [summarise(c) for c in cells]
     table = markdown(summaries)
     met = sum(s["meets"] for s in summaries)

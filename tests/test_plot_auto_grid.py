@@ -56,3 +56,14 @@ def test_a_run_without_an_auto_row_is_refused(grid, tmp_path):
     run.write_text(json.dumps({"cells": [cell(2, {"target-only": row(1.0), "fixed K=1": row(1.2)})]}))
     with pytest.raises(ValueError, match="no 'auto \\(cap N\\)' row"):
         grid.main([str(run)])
+
+
+def test_a_file_that_is_not_a_grid_run_is_named(grid, tmp_path):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="other.json holds no 'cells' list"):
+        grid.main([str(other)])
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(ValueError, match="broken.json: not readable as JSON"):
+        grid.main([str(broken)])
