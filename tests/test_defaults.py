@@ -177,7 +177,7 @@ def test_any_int32_pad_token_id_fills_after_the_end(bigram_pair):
 
 
 def test_sizes_given_as_floats_are_refused():
-    """One check (specjax._src.checks) for every size: a float is a slip, said in one line."""
+    """One check (specjax._src.foundation.checks) for every size: a float is a slip, said in one line."""
     from specjax.testing import bigram_model, random_table
 
     pair = specjax.pair(bigram_model(random_table(0, 8)), bigram_model(random_table(1, 8)))

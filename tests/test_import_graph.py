@@ -29,9 +29,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # name; it may import modules of its own layer and of the layers below, never above.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation: the LM protocol, argument checks and the numerics (kernels, quantized weights) every layer shares", (
-        "specjax._src", "specjax._src.models.lm", "specjax._src.checks", "specjax._src.models.chat",
+        "specjax._src", "specjax._src.models.lm", "specjax._src.foundation*", "specjax._src.models.chat",
         "specjax._src.models.multihost",
-        "specjax._src.jit_keys",
         "specjax._src.logits*", "specjax._src.kernels*",
     )),
     ("models and rules: checkpoints and their formats, model pairs and meshes, acceptance rules, drafting", (

@@ -2,7 +2,7 @@
 
 JAX compares the treedefs of two ``flax.struct.dataclass`` classes with equal fields as equal, so
 ``jax.jit`` alone occasionally runs one rule's program for another (a silent wrong result); specjax
-passes the rule's classes in a static argument (:mod:`specjax._src.jit_keys`).
+passes the rule's classes in a static argument (:mod:`specjax._src.foundation.jit_keys`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from specjax.engine import Engine
 from specjax.rules import block_verification, speculative_sampling
 from specjax.testing import bigram_model, random_table
 from specjax._src.engine import loop
-from specjax._src.jit_keys import pytree_classes
+from specjax._src.foundation.jit_keys import pytree_classes
 from specjax._src.rules.base import SpeculativeSampling
 
 

@@ -57,7 +57,7 @@ class LoopConfig(NamedTuple):
     # ``num_draft + 1``; ``None``: always the full block. With auto() on a dynamic tree,
     # the widths its verification chooses from (:func:`specjax._src.engine.prepare.tree_size_widths`).
     verify_widths: Optional[tuple[int, ...]] = None
-    # The rule's and drafting policy's pytree classes (:func:`specjax._src.jit_keys.pytree_classes`):
+    # The rule's and drafting policy's pytree classes (:func:`specjax._src.foundation.jit_keys.pytree_classes`):
     # without them jit may run one rule's program for another rule with the same fields.
     classes: tuple = ()
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from specjax._src.proposals import drafting as drafting_lib
 from specjax._src.logits import sampling
-from specjax._src.checks import check_positive_int
+from specjax._src.foundation.checks import check_positive_int
 from specjax._src.models.feature_head import is_feature_head
 from specjax._src.models.pairing import ModelPair
 from specjax._src.rules.base import VerifyInputs, speculative_sampling

@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax._src.checks import check_positive_int
+from specjax._src.foundation.checks import check_positive_int
 from specjax._src.engine.costs import forcing
 from specjax._src.proposals.drafting import Auto, CostModel, DraftingPolicy
 

@@ -127,7 +127,7 @@ from specjax._src.engine.prepare import (
 )
 from specjax._src.engine.state import init_state
 from specjax._src.engine.streaming import check_on_tokens, report_tokens, run_streaming
-from specjax._src.jit_keys import pytree_classes
+from specjax._src.foundation.jit_keys import pytree_classes
 from specjax._src.models.lm import Model
 from specjax._src.models.pairing import ModelPair, model_vocab, pair
 from specjax._src.rules.base import AcceptanceRule

@@ -36,7 +36,7 @@ from specjax._src.models import multihost
 from specjax._src.logits import sampling
 from specjax._src.models import sharding as sharding_lib
 from specjax._src.proposals import trees as trees_lib
-from specjax._src.checks import as_integer, check_positive_int
+from specjax._src.foundation.checks import as_integer, check_positive_int
 from specjax._src.engine.config import LoopConfig
 from specjax._src.models.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule, RuleSpec, speculative_sampling

@@ -17,9 +17,9 @@ import numpy as np
 
 from specjax._src.logits import processors as processors_lib
 from specjax._src.logits import sampling
-from specjax._src.checks import as_integer, check_positive_int
+from specjax._src.foundation.checks import as_integer, check_positive_int
 from specjax._src.engine.prepare import check_min_temperature, resolve_eos_ids
-from specjax._src.jit_keys import pytree_classes
+from specjax._src.foundation.jit_keys import pytree_classes
 from specjax._src.rules.base import AcceptanceRule
 from specjax._src.rules.combinators import OneOf
 

@@ -55,7 +55,7 @@ import numpy as np
 from specjax._src.proposals.drafting import CostModel
 from specjax._src.proposals import lookup as lookup_lib
 from specjax._src.logits import processors as processors_lib
-from specjax._src.checks import as_integer
+from specjax._src.foundation.checks import as_integer
 from specjax._src.engine import costs as costs_lib
 from specjax._src.engine.config import LoopConfig
 from specjax._src.engine import slot_programs as programs
@@ -65,7 +65,7 @@ from specjax._src.engine.prepare import (BUCKETS, bucket_of, check_decode_args, 
                                          prepare_prompts, verify_widths_for)
 from specjax._src.engine.slot_programs import SlotsConfig, SlotState, StepOutput
 from specjax._src.engine.slot_settings import FieldError, SlotSettings
-from specjax._src.jit_keys import pytree_classes
+from specjax._src.foundation.jit_keys import pytree_classes
 from specjax._src.models.pairing import ModelPair
 from specjax._src.rules.base import AcceptanceRule
 from specjax._src.rules.combinators import OneOf

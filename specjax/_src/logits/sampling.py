@@ -21,7 +21,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from specjax._src.checks import check_positive_int
+from specjax._src.foundation.checks import check_positive_int
 
 Array = jax.Array
 

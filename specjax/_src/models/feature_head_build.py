@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src.kernels import quant
-from specjax._src.checks import check_positive_int
+from specjax._src.foundation.checks import check_positive_int
 from specjax._src.models.lm import Array, Model, Params
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.feature_head import BORROWED_HEAD, EMBED_PATH, TARGET_NORM, FeatureHead, require_head

@@ -55,7 +55,7 @@ from specjax._src.models.lm import KVCache, Model
 from specjax._src.models.config import ModelConfig
 from specjax._src.models.decoder import Decoder
 from specjax._src.models.moe import ExpertMesh
-from specjax._src.checks import check_positive_int
+from specjax._src.foundation.checks import check_positive_int
 from specjax._src.models.pairing import ModelPair
 
 DATA = "data"

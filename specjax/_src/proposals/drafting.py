@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax._src.checks import check_interval, check_positive_int
+from specjax._src.foundation.checks import check_interval, check_positive_int
 from specjax._src.rules.base import RuleSpec, spec_value
 
 Array = jax.Array

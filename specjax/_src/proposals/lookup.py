@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax._src.checks import check_positive_int
+from specjax._src.foundation.checks import check_positive_int
 
 Array = jax.Array
 

@@ -94,7 +94,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._src.logits import sampling
-from specjax._src.checks import check_positive_int
+from specjax._src.foundation.checks import check_positive_int
 
 Array = jax.Array
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax._src.checks import as_integer
+from specjax._src.foundation.checks import as_integer
 from specjax._src.rules.base import AcceptanceRule, Path, RuleSpec, Verdict, VerifyInputs, spec_value
 
 Array = jax.Array

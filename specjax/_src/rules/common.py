@@ -1,4 +1,4 @@
-"""Small pure helpers shared by the rules (argument checks: ``specjax._src.checks``).
+"""Small pure helpers shared by the rules (argument checks: ``specjax._src.foundation.checks``).
 
 Shapes are per sequence: ``K`` draft slots, vocabulary ``V``.
 """

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax._src.checks import check_interval, check_positive, check_positive_int
+from specjax._src.foundation.checks import check_interval, check_positive, check_positive_int
 from specjax._src.rules import common
 from specjax._src.rules.base import (
     AcceptanceRule,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
-from specjax._src.checks import check_nonnegative
+from specjax._src.foundation.checks import check_nonnegative
 from specjax._src.rules import common
 from specjax._src.rules.base import (
     AcceptanceRule,

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax._src.checks import as_integer, check_nonnegative
+from specjax._src.foundation.checks import as_integer, check_nonnegative
 from specjax._src.rules import common
 from specjax._src.rules.base import (
     AcceptanceRule,

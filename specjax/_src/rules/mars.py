@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax._src.checks import check_positive
+from specjax._src.foundation.checks import check_positive
 from specjax._src.rules import common
 from flax import struct
 

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax._src.checks import check_interval
+from specjax._src.foundation.checks import check_interval
 from specjax._src.models.pivot_head import DEFAULT_LAYER, NAMED_HEADS, PivotHead, as_pivot_head, resolve_layer
 from specjax._src.rules import common
 from specjax._src.rules.base import (

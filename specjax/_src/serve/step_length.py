@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from specjax._src.checks import check_positive_int
+from specjax._src.foundation.checks import check_positive_int
 
 
 class StepLength:

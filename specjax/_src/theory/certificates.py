@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from jax.scipy.special import xlogy
 
 from specjax._src.logits import sampling
-from specjax._src.jit_keys import pytree_classes
+from specjax._src.foundation.jit_keys import pytree_classes
 from specjax._src.rules.base import AcceptanceRule, RuleSpec
 from specjax._src.rules.parse import COMBINATORS, RULES, parse_spec, rule_from_spec
 
