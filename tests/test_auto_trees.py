@@ -16,6 +16,7 @@ import pytest
 
 import specjax
 from specjax import drafting
+from specjax._src.engine import costs as costs_lib
 from specjax.testing import bigram_model, llama_config, peaked_target_and_draft, random_table
 from specjax.trees import dynamic_tree, rerank, static_tree
 
@@ -259,6 +260,83 @@ def test_a_sized_tree_that_would_open_plain_runs_plain_decodings_program(bigram_
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     assert int(out.stats.draft_forwards) == 0
     assert int(specjax.decode(bigram_pair, prompts, drafting=cheap, tree=TREE, **kw).stats.draft_forwards) > 0
+
+
+def test_a_sized_trees_costs_timed_in_the_loop_replace_the_parts():
+    """Calibrated at the tree's node counts, each count's cost is its extra time over its extra
+    cycles; a count between two of them gets the next one's. The plan then reads those times
+    and needs only ``timed_margin``."""
+    per_cycle, prefill = {0: 2.0, 1: 2.4, 2: 2.6, 4: 3.0, 6: 3.6}, 30.0
+
+    def run(costs, max_new):
+        n = int(np.argmin(np.asarray(costs.verify)))  # forcing(n): every other count costs 1e6
+        cycles = 1 + max_new // (1 + min(n, TREE.depth))
+        return prefill + cycles * per_cycle[n], cycles
+
+    parts = tree_costs(first=0.5, step=0.1, verify=[1.0 + 0.2 * n for n in range(7)])
+    timed = costs_lib.calibrate_costs(parts, run, lengths=COUNTS, short=2, long=14, repeats=1)
+    np.testing.assert_allclose(timed.measured, [1.0, 1.2, 1.3, 1.5, 1.5, 1.8, 1.8], rtol=1e-6)
+    policy = drafting.auto(parts, prior_weight=1e-3)
+    np.testing.assert_allclose(policy.replace(costs=timed).tree_costs(COUNTS, TREE.depth), [1.0, 1.2, 1.3, 1.5, 1.8],
+                               rtol=1e-6)
+    # one node always on the path: 2 tokens. By the parts (1.8 against 1.17 for a plain step) a
+    # gain of 1.30; timed (1.2 against 1.0), 1.67
+    sure = batched(policy.update_tree(policy.init(6), jnp.int32(6), jnp.asarray([True] + [False] * 5)))
+    live = jnp.ones((1,), bool)
+    assert int(policy.replace(margin=0.4).plan_tree(sure, live, COUNTS, TREE.depth, TREE.top_k)) == 0
+    assert int(policy.replace(costs=timed, margin=0.4).plan_tree(sure, live, COUNTS, TREE.depth, TREE.top_k)) == 1
+    assert int(policy.replace(costs=timed, timed_margin=0.7).plan_tree(sure, live, COUNTS, TREE.depth,
+                                                                      TREE.top_k)) == 0
+    with pytest.raises(ValueError, match="ascending from 0"):
+        costs_lib.calibrate_costs(parts, run, lengths=(1, 2), repeats=1)
+
+
+def test_decode_times_a_sized_trees_loop_where_the_parts_cannot_decide(monkeypatch):
+    """As on a chain: where the parts' gain at the tree's prior lies within their error of the
+    margin, ``decode`` times its program forced to each of the tree's node counts. Here the
+    parts say plain (a gain of 1.14, short of 1.2); timed, the tree pays and the call drafts,
+    greedy output still the target's. A forced count runs as asked (the draft is the target
+    here, so every drafted node on the path is accepted): one token a cycle at 0 nodes, the
+    tree's depth and one more at 6."""
+    bigram_pair = specjax.pair(bigram_model(random_table(0, VOCAB)), bigram_model(random_table(0, VOCAB)))
+    cycles_by_count, timed = {}, [[1.0, 1.1, 1.2, 1.3, 1.3, 1.4, 1.4]]
+
+    def timed_costs(costs, run, *, lengths=None, **kwargs):
+        for n in lengths:
+            cycles_by_count[n] = run(costs_lib.forcing(costs, n), 12)[1]
+        return costs.replace(measured=jnp.asarray(timed[0], jnp.float32))
+
+    monkeypatch.setattr(costs_lib, "calibrate_costs", timed_costs)
+    undecided = tree_costs(first=0.5, step=0.1, verify=[1.0 + 0.2 * n for n in range(7)]).replace(
+        cycle=jnp.float32(0.1))
+    cheap = tree_costs(first=0.0, step=0.0, verify=np.ones(7))
+    costly = tree_costs(first=0.5, verify=np.linspace(1.0, 4.0, 7))
+    widths = (1, 2, 3, 5, 7)
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    kw = dict(max_new_tokens=12, temperature=0.0, buckets=NO_BUCKETS)
+    reference = specjax.generate(bigram_pair, prompts, **kw)
+
+    def run(parts, policy):
+        monkeypatch.setattr(costs_lib, "cached_costs", lambda *a, **k: parts)
+        monkeypatch.setattr(costs_lib, "_CALIBRATED", {})
+        cycles_by_count.clear()
+        out = specjax.decode(bigram_pair, prompts, drafting=policy, tree=TREE, **kw)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
+        return sorted(cycles_by_count), int(out.stats.draft_forwards) > 0
+
+    def undecided_parts(parts):
+        return costs_lib.parts_undecided(drafting.auto(parts), TREE.depth, 1, tree=TREE, sizes=widths)
+
+    assert undecided_parts(undecided) and not undecided_parts(cheap) and not undecided_parts(costly)
+    assert run(undecided, drafting.auto()) == (list(COUNTS), True)  # timed: drafts
+    assert (cycles_by_count[0], cycles_by_count[6]) == (11, 3)  # the first token comes from the prefill
+    assert run(undecided, drafting.auto(timed=False)) == ([], False)  # the parts alone: plain
+    # timed in units of generate's step: the tree beats the drafting program's plain cycle (1.3)
+    # but not generate's own step by timed_margin (at most 1.03 tokens per unit): generate's program
+    timed[0] = [1.3, 1.6, 1.9, 2.5, 2.5, 2.9, 2.9]
+    assert run(undecided, drafting.auto()) == (list(COUNTS), False)
+    assert run(cheap, drafting.auto()) == ([], True)
+    assert run(costly, drafting.auto()) == ([], False)
 
 
 def test_the_slots_engine_sizes_its_trees_and_stays_exact(bigram_pair):

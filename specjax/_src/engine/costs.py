@@ -224,10 +224,11 @@ def cached_costs_by_batch(params: ModelPair, *, batches: Sequence[int], num_draf
     return costs
 
 
-def cached_calibration(key, costs: drafting_lib.CostModel, run, baseline=None) -> drafting_lib.CostModel:
+def cached_calibration(key, costs: drafting_lib.CostModel, run, baseline=None,
+                       lengths: Optional[Sequence[int]] = None) -> drafting_lib.CostModel:
     """:func:`calibrate_costs` once per ``key`` (the loop's static settings and shapes) in this process."""
     if key not in _CALIBRATED:
-        _CALIBRATED[key] = calibrate_costs(costs, run, baseline=baseline)
+        _CALIBRATED[key] = calibrate_costs(costs, run, baseline=baseline, lengths=lengths)
     _LAST[:] = [_CALIBRATED[key]]
     return _CALIBRATED[key]
 
@@ -262,8 +263,8 @@ def forcing(costs: drafting_lib.CostModel, k: int) -> drafting_lib.CostModel:
                          cycle=jnp.zeros_like(costs.cycle), measured=jnp.zeros_like(costs.measured))
 
 
-def calibrate_costs(costs: drafting_lib.CostModel, run, *, baseline=None, short: int = 2, long: int = 24,
-                    repeats: int = 3) -> drafting_lib.CostModel:
+def calibrate_costs(costs: drafting_lib.CostModel, run, *, baseline=None, lengths: Optional[Sequence[int]] = None,
+                    short: int = 2, long: int = 24, repeats: int = 3) -> drafting_lib.CostModel:
     """``costs`` with :attr:`~specjax.drafting.CostModel.measured` timed in the loop itself.
 
     ``run(costs, max_new_tokens) -> (seconds, cycles)`` runs the loop's own
@@ -283,8 +284,15 @@ def calibrate_costs(costs: drafting_lib.CostModel, run, *, baseline=None, short:
     program costs against ``generate``'s (which ``decode`` runs when drafting
     does not pay from the start; :func:`~specjax.drafting.drafts_before_evidence`);
     else in units of the drafting program's own plain cycle.
+
+    ``lengths``: the ``k`` the policy chooses from, ascending from 0 (default every
+    ``0 .. K``); a dynamic tree's node counts (``0, 1, 2, 4, ..., num_nodes``). A
+    ``k`` between two of them is given the next one's cost (it is never chosen).
     """
-    lengths = range(costs.max_draft + 1)
+    lengths = tuple(range(costs.max_draft + 1) if lengths is None else lengths)
+    if lengths[0] != 0 or list(lengths) != sorted(set(lengths)) or lengths[-1] > costs.max_draft:
+        raise ValueError(f"calibrate_costs times lengths ascending from 0 up to the costs' {costs.max_draft}; "
+                         f"got {lengths}.")
     timed = {k: (lambda n, k=k: run(forcing(costs, k), n)) for k in lengths}
     if baseline is not None:
         timed["generate"] = baseline
@@ -308,7 +316,10 @@ def calibrate_costs(costs: drafting_lib.CostModel, run, *, baseline=None, short:
     unit = per_cycle_of("generate") if baseline is not None else None
     if unit is None or unit <= 0:
         unit = per_cycle[0]
-    return costs.replace(measured=jnp.asarray(nondecreasing(np.array(per_cycle) / unit), jnp.float32))
+    by_length = [per_cycle[next(i for i, k in enumerate(lengths) if k >= n)] for n in range(lengths[-1] + 1)]
+    measured = np.zeros(costs.max_draft + 1)
+    measured[: len(by_length)] = nondecreasing(np.array(by_length) / unit)
+    return costs.replace(measured=jnp.asarray(measured, jnp.float32))
 
 
 def nondecreasing(costs) -> np.ndarray:
@@ -341,19 +352,31 @@ def timing_asked(policy: drafting_lib.DraftingPolicy) -> Optional[bool]:
 PARTS_ERROR = 0.25
 
 
-def parts_undecided(policy: drafting_lib.DraftingPolicy, num_draft: int, rows: int) -> bool:
+def parts_undecided(policy: drafting_lib.DraftingPolicy, num_draft: int, rows: int, tree=None,
+                    sizes: Optional[Sequence[int]] = None) -> bool:
     """Whether the parts' costs cannot tell if drafting pays at the prior.
 
     The gain is the best draft length's expected tokens per unit of cost over
     a plain step's, every slot accepted at ``auto``'s ``prior``, at ``rows``
     rows. Drafting needs ``1 + margin``; where the gain lies within a factor
     ``1 + PARTS_ERROR`` of that, either way, the parts' error could flip the
-    choice, and ``decode`` times its own loop (``auto(timed=None)``)."""
+    choice, and ``decode`` times its own loop (``auto(timed=None)``). With a
+    dynamic ``tree`` sized by ``auto`` (``sizes``: its verification widths), the
+    sizes' expected tokens at the tree's prior over their parts' costs."""
     found = find_auto(policy)
-    if found is None or found.costs is None or found.costs.max_draft < num_draft:
-        return False
-    costs = np.asarray(found.costs.at_batch(rows).cycle_costs(num_draft), np.float64)
-    expected = np.asarray(drafting_lib.expected_tokens(jnp.full((num_draft,), found.prior, jnp.float32)), np.float64)
+    if tree is not None:
+        counts = tuple(w - 1 for w in sizes)
+        if found is None or found.costs is None or found.costs.max_draft < counts[-1]:
+            return False
+        costs = np.asarray(found.tree_costs(counts, tree.max_depth, rows), np.float64)
+        upto = np.concatenate([[0.0], np.cumsum(np.asarray(found.tree_prior(counts[-1], tree.top_k)))])
+        expected = 1.0 + upto[list(counts)]
+    else:
+        if found is None or found.costs is None or found.costs.max_draft < num_draft:
+            return False
+        costs = np.asarray(found.costs.at_batch(rows).cycle_costs(num_draft), np.float64)
+        expected = np.asarray(drafting_lib.expected_tokens(jnp.full((num_draft,), found.prior, jnp.float32)),
+                              np.float64)
     goodput = expected / costs
     gain = goodput[1:].max() / goodput[0]
     need = 1.0 + float(found.margin)

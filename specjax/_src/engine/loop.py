@@ -414,7 +414,7 @@ def decode(
                                                     verify_widths_for(buckets, drafting, num_draft))
     cfg = call.cfg._replace(diagnostics=diagnostics, num_draft=num_draft, tree=tree, lookup=lookup,
                             verify_widths=widths, classes=pytree_classes(rule, drafting))
-    timing = costs_lib.timing_asked(drafting) if tree is None and cfg.layout is None else False
+    timing = costs_lib.timing_asked(drafting) if (tree is None or sized) and cfg.layout is None else False
     if tree is None or sized:  # auto() without costs: measured once per shape on this machine
         measured_pair = params.replace(target=call.models["target"], draft=call.models["draft"])
         drafting = costs_lib.with_costs(drafting, lambda: costs_lib.cached_costs(
@@ -429,17 +429,20 @@ def decode(
     rows = _controls_rows(controls, params.vocab_size, call.batch, call.prompts.shape[0], cfg.layout)
     cfg = cfg._replace(stream=on_tokens is not None)
     params = params.replace(target=call.models["target"], draft=call.models["draft"])
-    if timing or (timing is None and costs_lib.parts_undecided(drafting, num_draft, call.prompts.shape[0])):
-        # the cycle's cost by draft length, timed in this very program (compiled once anyway)
+    if timing or (timing is None and costs_lib.parts_undecided(drafting, num_draft, call.prompts.shape[0],
+                                                               tree=tree, sizes=widths)):
+        # the cycle's cost by draft length (a sized tree's: by node count), timed in this very program
+        # (compiled once anyway)
         shape = (costs_lib.shape_key(params), cfg, call.prompts.shape, rows is None)
         baseline = None
-        if tree is None and diagnostics is None:  # decode falls back to generate's program: time it too
+        if diagnostics is None:  # decode falls back to generate's program: time it too
             baseline = _timed_generation(params, prompt_ids, max_new_tokens, controls, temperature=temperature,
                                          top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, key=key,
                                          max_length=max_length, prompt_lengths=prompt_lengths,
                                          pad_token_id=pad_token_id, mesh=mesh, buckets=buckets)
         drafting = costs_lib.set_costs(drafting, costs_lib.cached_calibration(
-            shape, costs_lib.auto_costs(drafting), _timed_loop(params, rule, drafting, call, cfg, rows), baseline))
+            shape, costs_lib.auto_costs(drafting), _timed_loop(params, rule, drafting, call, cfg, rows), baseline,
+            lengths=None if tree is None else tuple(w - 1 for w in widths)))
     opens_plain = (not drafting_lib.drafts_before_evidence(drafting, num_draft) if tree is None
                    else sized and not drafting_lib.drafts_before_evidence(drafting, num_draft, sizes=widths,
                                                                          top_k=tree.top_k))

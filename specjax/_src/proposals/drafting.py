@@ -655,8 +655,8 @@ class Auto(DraftingPolicy):
         ``measure_costs(tree=...)``; the best ``n`` nodes lie in the first ``n`` levels),
         the verification of ``n + 1`` nodes and the cycle's own work; a plain step verifies
         one token and pays ``draft_first / depth`` for the catch-up every ``depth`` cycles,
-        as a chain's does. Always the parts' sum (and so ``margin``): the loop's timings
-        are a chain's."""
+        as a chain's does. Where ``decode`` timed its own program verifying each of
+        ``counts`` (``measured``, indexed by ``n``), those times instead."""
         if self.costs is None:
             raise ValueError("drafting.auto() has no measured costs: decode and Engine measure them when "
                              "given auto(); elsewhere pass auto(costs=specjax.engine.measure_costs(...)).")
@@ -669,20 +669,26 @@ class Auto(DraftingPolicy):
         levels = jnp.minimum(n, depth).astype(jnp.float32)
         drafting = costs.draft_first + jnp.maximum(levels - 1.0, 0.0) * costs.draft_step + costs.cycle
         draft = jnp.where(n > 0, drafting, costs.draft_first / depth)
-        return draft + costs.verify[n]
+        return jnp.where(costs.is_timed(most), costs.measured[n], draft + costs.verify[n])
+
+    def _tree_margin(self, counts, rows: int = 1) -> Array:
+        """``timed_margin`` where the tree's costs were timed in the loop, else ``margin``."""
+        return jnp.where(self.costs.at_batch(rows).is_timed(max(counts)), self.timed_margin, self.margin)
 
     def plan_tree(self, states: AutoState, live: Array, counts, depth: int, top_k: int) -> Array:
         """The index into ``counts`` (draft nodes verified, ascending, ``counts[0] = 0``: a
         plain step) that maximises the batch's expected committed tokens per unit of cost:
         verifying the ``n`` best-ranked nodes commits ``1 + sum_{r < n}`` of their
         :meth:`node_acceptance` on average, and drafting must beat a plain step by ``1 +
-        margin``. int32 scalar (0 when no row is live)."""
+        margin`` (``1 + timed_margin`` against costs timed in the loop). int32 scalar (0
+        when no row is live)."""
         n = jnp.asarray(counts, jnp.int32)
         acceptance = jax.vmap(lambda s: self.node_acceptance(s, top_k))(states)  # [B, M]
         upto = jnp.concatenate([jnp.zeros(acceptance.shape[:-1] + (1,)), jnp.cumsum(acceptance, -1)], -1)
         expected = 1.0 + jnp.take(upto, n, axis=-1)  # [B, W]
         total = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
-        index = best_draft_length(total, self.tree_costs(counts, depth, live.shape[0]), self.margin)
+        index = best_draft_length(total, self.tree_costs(counts, depth, live.shape[0]),
+                                  self._tree_margin(counts, live.shape[0]))
         return jnp.where(live.any(), index, 0).astype(jnp.int32)
 
     def update_tree(self, state: AutoState, verified: Array, on_path: Array) -> AutoState:
@@ -773,11 +779,13 @@ def drafts_before_evidence(policy: DraftingPolicy, num_draft: int, sizes=None, t
     if not policy.may_draft_none:
         return True
     first = bool(_first_plan(policy, num_draft, None if sizes is None else tuple(sizes), top_k) > 0)
-    if not first or sizes is not None or not isinstance(policy, Auto):
+    if not first or not isinstance(policy, Auto):
         return first
     # Costs timed in the loop: against generate's step, which decode runs instead (their unit where
     # decode timed generate beside the loop), not against the drafting program's own plain cycle,
     # which also carries the draft's catch-up and the cycle's work.
+    if sizes is not None:
+        return bool(_tree_beats_target_only(policy, num_draft, tuple(sizes), top_k))
     return bool(_beats_target_only(policy, num_draft))
 
 
@@ -790,6 +798,17 @@ def _beats_target_only(policy: "Auto", num_draft: int) -> Array:
     costs, margin = policy._choice_costs(num_draft)
     timed = policy.costs.at_batch(1).is_timed(num_draft)
     return ~timed | (jnp.max(expected[1:] / costs[1:]) >= 1.0 + margin)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _tree_beats_target_only(policy: "Auto", depth: int, sizes: tuple, top_k: int) -> Array:
+    """:func:`_beats_target_only` for a dynamic tree verifying ``n = sizes - 1`` draft nodes."""
+    counts = tuple(w - 1 for w in sizes)
+    acceptance = policy.node_acceptance(policy.init(counts[-1]), top_k)
+    expected = 1.0 + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(acceptance)])[jnp.asarray(counts)]
+    costs = policy.tree_costs(counts, depth)
+    timed = policy.costs.at_batch(1).is_timed(counts[-1])
+    return ~timed | (jnp.max(expected[1:] / costs[1:]) >= 1.0 + policy.timed_margin)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
