@@ -145,7 +145,7 @@ def _run(args, ap, busy: bool) -> int:
                         out = run(name, group)
                         seconds[name][r, g] = time.perf_counter() - start
                         tokens[name][g] = int(np.sum(np.asarray(out.lengths)))
-                        if r == 0 and contenders[name] is not None:
+                        if r == 0:
                             stats[name].append(out.stats)
             base = seconds["target-only"]
             table = []
@@ -164,7 +164,13 @@ def _run(args, ap, busy: bool) -> int:
                     per_group_p90=float(np.percentile(per_group, 90)), faster_groups=int((per_group > 1).sum()),
                     groups=len(groups))
                 tau = drafted = verified = ""
-                if stats[name]:
+                # A batch's loop runs until its last row finishes: at T=1 each contender samples
+                # other texts, and a group whose longest answer runs longer pays more cycles for
+                # the same tokens. The share of row-cycles that held a live sequence shows it.
+                row_cycles = sum(int(np.asarray(s.target_forwards)) * len(group) for s, group in zip(stats[name], groups))
+                live = sum(int(np.sum(np.asarray(s.cycles))) for s in stats[name]) / row_cycles
+                cell["contenders"][name]["live_rows"] = live
+                if contenders[name] is not None:
                     committed = sum(int(np.sum(np.asarray(s.tokens))) for s in stats[name])
                     cycles = sum(int(np.sum(np.asarray(s.cycles))) for s in stats[name])
                     drafts = sum(int(np.sum(np.asarray(s.drafted))) for s in stats[name])
@@ -175,10 +181,10 @@ def _run(args, ap, busy: bool) -> int:
                 table.append([name, f"{tok_s:.1f}", f"{np.median(rounds):.2f}x [{min(rounds):.2f}-{max(rounds):.2f}]",
                               f"{np.median(per_group):.2f}x [{np.percentile(per_group, 10):.2f}-"
                               f"{np.percentile(per_group, 90):.2f}], {int((per_group > 1).sum())} of {len(groups)}",
-                              tau, drafted, verified])
+                              tau, drafted, verified, f"{live:.2f}"])
             report.table(f"batch {batch}, T={temperature:g}",
                          ["contender", "tok/s", "vs target-only", "per group", "tau", "drafts/cycle",
-                          "verified/cycle"], table)
+                          "verified/cycle", "live rows"], table)
             measured = specjax.engine.last_measured_costs()
             if measured is not None:
                 report.text(f"auto's measured costs at batch {batch}: {measured.describe()}")
