@@ -85,10 +85,11 @@ def test_the_estimate_per_rank_and_its_prior():
     np.testing.assert_allclose(policy.tree_prior(3, 1), [0.5, 0.25, 0.125])  # a chain: the chain's prior
     on_path = jnp.asarray([True, False, True, False, False, False])
     state = policy.update_tree(state, jnp.int32(4), on_path)  # ranks 0-3 verified; 0 and 2 on the path
-    # each rank shrinks towards prior times the estimate top_k ranks above (one cycle's weight)
+    # each rank shrinks towards prior times the estimate top_k ranks above (one cycle's weight);
+    # the root's later children towards prior times the sibling before
     want = []
     for r, (accepted, judged) in enumerate(zip([1, 0, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0])):
-        above = 0.5**r if r < 2 else want[r - 2]
+        above = 1.0 if r == 0 else want[r - 1] if r < 2 else want[r - 2]
         want.append((accepted + 0.5 * above) / (judged + 1.0))
     np.testing.assert_allclose(policy.node_acceptance(state, 2), want, rtol=1e-6)
     # unverified ranks 4 and 5 follow ranks 2 and 3: rank 2 was on the path, rank 3 was not
@@ -97,6 +98,14 @@ def test_the_estimate_per_rank_and_its_prior():
     state = policy.update_tree(state, jnp.int32(0), jnp.zeros(6, bool))
     np.testing.assert_allclose(state.judged, [0.5, 0.5, 0.5, 0.5, 0.0, 0.0])
     np.testing.assert_allclose(state.accepted, [0.5, 0.0, 0.5, 0.0, 0.0, 0.0])
+    # a plain cycle that ran the draft judges rank 0 by its acceptance probability; the root's
+    # second child and the level below follow it down
+    first = policy.update_tree_first(policy.init(6), jnp.float32(0.1))
+    np.testing.assert_allclose(first.judged, [1, 0, 0, 0, 0, 0])
+    np.testing.assert_allclose(first.accepted, [0.1, 0, 0, 0, 0, 0], rtol=1e-6)
+    low = np.asarray(policy.node_acceptance(first, 2))
+    assert low[0] == pytest.approx(0.3) and low[1] == pytest.approx(0.15) and low[2] == pytest.approx(0.15)
+    assert (low < np.asarray(prior)).all()
     # a node past the verified count is never counted as accepted
     state = policy.update_tree(policy.init(6), jnp.int32(1), jnp.asarray([True, True, False, False, False, False]))
     np.testing.assert_allclose(state.accepted, [1, 0, 0, 0, 0, 0])
@@ -221,6 +230,25 @@ def test_greedy_with_transformers_while_the_size_switches(drafter):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     plain, drafted = cycle_kinds(out.stats)
     assert plain.sum() > 0 and drafted.sum() > 0 and np.asarray(out.stats.accepted).sum() > 0
+
+
+def test_plain_cycles_that_run_the_draft_teach_the_size():
+    """A draft whose every pick the target rejects (its bigram table rolled half the
+    vocabulary): the tree pays at the prior, so the first cycles draft; after that the
+    catch-up cycles, which run the draft's first step while verifying no node, judge the best
+    node against the root's target distribution, and the estimates stay low. Without that
+    evidence they drifted back to the prior between catch-ups, and the tree was drafted again
+    in 14 of 39 cycles."""
+    table = np.asarray(random_table(0, VOCAB))
+    pair = specjax.pair(bigram_model(table), bigram_model(np.roll(table, VOCAB // 2, axis=-1)))
+    policy = drafting.auto(tree_costs(first=0.1, step=0.05, verify=np.linspace(1.0, 1.2, TREE.num_kept + 1)))
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    ref = specjax.generate(pair.target, prompts, max_new_tokens=40, temperature=0.0)
+    out = specjax.decode(pair, prompts, drafting=policy, tree=TREE, max_new_tokens=40, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    plain, drafted = cycle_kinds(out.stats)
+    assert np.asarray(out.stats.accepted).sum() == 0
+    assert drafted.min() > 0 and drafted.max() <= 8 and plain.min() >= 30
 
 
 def test_lossless_law_while_the_size_switches(bigram_pair):

@@ -187,17 +187,45 @@ def _drafting_cycle(cfg: LoopConfig, pair_params: ModelPair, rule: AcceptanceRul
                                       rows, count)
     policy_state = state.policy_state
     if count is not None:
-        policy_state = where_b(accepted.live, _learn_sizes(policy, state, accepted, count, rows), policy_state)
+        policy_state = where_b(accepted.live, _learn_sizes(cfg, policy, state, drafted, verified, accepted, count, rows),
+                               policy_state)
     new_state = next_state(state, committed, bad=accepted.bad, rule_state=rule_state,
                            policy_state=policy_state, stats=stats, draft_features=draft_features,
                            logprobs=logprobs)
     return new_state, diag
 
 
-def _learn_sizes(policy, state: DecodeState, accepted: _TreeAccepted, count: Array, rows):
+def _learn_sizes(cfg: LoopConfig, policy, state: DecodeState, drafted: DraftedTree, verified: _TreeVerified,
+                 accepted: _TreeAccepted, count: Array, rows):
     """The policy's state after a sized cycle: the ``count`` best-ranked nodes were
     judged, and those on the accepted path were accepted. A row whose draft cap cut
-    its walk short of the tree's depth tells nothing about the deeper ranks: it only decays."""
+    its walk short of the tree's depth tells nothing about the deeper ranks: it only decays.
+    A cycle that verified no node but ran the draft's first step (its catch-up) judges the
+    best-ranked node against the root's target distribution (:func:`_first_node_acceptance`),
+    as a chain's plain cycle judges its first slot: else plain cycles teach nothing, every
+    estimate drifts back to its prior, and the tree is drafted again where it does not pay."""
+    learned = _learn_verified(policy, state, accepted, count, rows)
+    first = jax.vmap(policy.update_tree_first)(state.policy_state, _first_node_acceptance(cfg, drafted, verified))
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(count == 0, a, b), first, learned)
+
+
+def _first_node_acceptance(cfg: LoopConfig, drafted: DraftedTree, verified: _TreeVerified) -> Array:
+    """``[B]`` how likely the best-ranked node (node 1, a child of the root) was to be
+    accepted, judged by the root's target distribution ``p``: greedy, whether it is the
+    target's pick; sampled, ``min(1, p(x) / q(x))`` for a child drawn from the draft's
+    ``q``, and ``p(x)`` for a point-mass child (a top-k one)."""
+    x = drafted.tokens[:, 1]
+    if cfg.greedy:
+        return (jnp.argmax(verified.target_logits[:, 0], axis=-1) == x).astype(jnp.float32)
+    p = jnp.take_along_axis(verified.target_probs[:, 0], x[:, None], axis=-1)[:, 0]
+    if drafted.probs is None:
+        return p.astype(jnp.float32)
+    q = jnp.take_along_axis(drafted.probs[:, 0], x[:, None], axis=-1)[:, 0]
+    return jnp.clip(p / jnp.maximum(q, jnp.finfo(jnp.float32).tiny), 0.0, 1.0).astype(jnp.float32)
+
+
+def _learn_verified(policy, state: DecodeState, accepted: _TreeAccepted, count: Array, rows):
+    """:func:`_learn_sizes` for a cycle that verified ``count`` nodes."""
     path, n = accepted.verdict.path, accepted.num_accepted
     nodes = state.policy_state.accepted.shape[-1]
     on = jnp.arange(path.shape[1] - 1)[None, :] < n[:, None]  # [B, D] path slots accepted

@@ -627,8 +627,11 @@ class Auto(DraftingPolicy):
         """``[M]`` the estimated chance that the rank-``r`` node, when verified, lies on the
         accepted path: its decayed counts shrunk, with the weight of ``prior_weight`` cycles,
         towards ``prior`` times the estimate of rank ``r - top_k`` (about a level above; ranks
-        below ``top_k``: towards ``prior ** (1 + r)``), so :meth:`tree_prior` without evidence. A rank
-        seldom verified is thus valued from the ranks above it, as a chain's next slot is.
+        below ``top_k``, the root's children: of rank ``r - 1``, the sibling before), so
+        :meth:`tree_prior` without evidence. A rank seldom verified is thus valued from the
+        ranks above it, as a chain's next slot is, and the root's later children follow what
+        plain cycles learn of the first (:meth:`update_tree_first`); shrunk towards ``prior **
+        (1 + r)`` there, a second child's estimate went back to ``prior ** 2`` whatever they learned.
         Shrunk towards ``prior ** (1 + r)`` instead (a fixed chain), the real pair's ranks 2
         and 3 of a (4, 2, 6) tree at T=1, accepted 0.40 and 0.21 of the times verified, were
         valued 0.18 and 0.11 after a few cycles unverified, and the sized tree verified 2.2
@@ -639,13 +642,14 @@ class Auto(DraftingPolicy):
         walk reaches and judges it as it would in any larger tree."""
         w, prior = jnp.asarray(self.prior_weight, jnp.float32), jnp.asarray(self.prior, jnp.float32)
 
-        def rank(above, counts):  # above: the last top_k estimates, the oldest first
-            accepted, judged = counts
-            estimate = jnp.clip((accepted + prior * above[0] * w) / (judged + w), 0.0, 1.0)
+        def rank(above, inputs):  # above: the last top_k estimates, the oldest first
+            r, accepted, judged = inputs
+            towards = jnp.where(r < top_k, above[-1], above[0])  # the rank before, or a level above
+            estimate = jnp.clip((accepted + prior * towards * w) / (judged + w), 0.0, 1.0)
             return jnp.concatenate([above[1:], estimate[None]]), estimate
 
-        _, estimates = jax.lax.scan(rank, prior ** jnp.arange(top_k, dtype=jnp.float32),
-                                    (state.accepted, state.judged))
+        ranks = jnp.arange(state.accepted.shape[-1])
+        _, estimates = jax.lax.scan(rank, jnp.ones((top_k,), jnp.float32), (ranks, state.accepted, state.judged))
         return estimates
 
     def tree_costs(self, counts, depth: int, rows: int = 1) -> Array:
@@ -690,6 +694,14 @@ class Auto(DraftingPolicy):
         index = best_draft_length(total, self.tree_costs(counts, depth, live.shape[0]),
                                   self._tree_margin(counts, live.shape[0]))
         return jnp.where(live.any(), index, 0).astype(jnp.int32)
+
+    def update_tree_first(self, state: AutoState, acceptance: Array) -> AutoState:
+        """One sequence's cycle that verified no node but judged the best-ranked one against
+        the root's target distribution (``acceptance``, a probability): rank 0 gains that much
+        evidence, as a chain's first slot does in a cycle that drafted nothing; every count decays."""
+        m = jnp.asarray(self.memory, jnp.float32)
+        first = (jnp.arange(state.accepted.shape[-1]) == 0).astype(jnp.float32)
+        return state._replace(accepted=m * state.accepted + first * acceptance, judged=m * state.judged + first)
 
     def update_tree(self, state: AutoState, verified: Array, on_path: Array) -> AutoState:
         """One sequence's cycle: the ``verified`` best-ranked nodes were judged (0 in a plain
