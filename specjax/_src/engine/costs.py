@@ -369,8 +369,7 @@ def parts_undecided(policy: drafting_lib.DraftingPolicy, num_draft: int, rows: i
         if found is None or found.costs is None or found.costs.max_draft < counts[-1]:
             return False
         costs = np.asarray(found.tree_costs(counts, tree.max_depth, rows), np.float64)
-        upto = np.concatenate([[0.0], np.cumsum(np.asarray(found.tree_prior(counts[-1], tree.top_k)))])
-        expected = 1.0 + upto[list(counts)]
+        expected = np.asarray(found.tree_expected(found.init(counts[-1]), counts, tree.top_k), np.float64)
     else:
         if found is None or found.costs is None or found.costs.max_draft < num_draft:
             return False

@@ -675,9 +675,11 @@ class Auto(DraftingPolicy):
         draft = jnp.where(n > 0, drafting, costs.draft_first / depth)
         return jnp.where(costs.is_timed(most), costs.measured[n], draft + costs.verify[n])
 
-    def _tree_margin(self, counts, rows: int = 1) -> Array:
-        """``timed_margin`` where the tree's costs were timed in the loop, else ``margin``."""
-        return jnp.where(self.costs.at_batch(rows).is_timed(max(counts)), self.timed_margin, self.margin)
+    def tree_expected(self, state: AutoState, counts, top_k: int) -> Array:
+        """``[W]`` one sequence's expected committed tokens when verifying its ``counts[i]``
+        best-ranked nodes: ``1 + sum_{r < n}`` of their :meth:`node_acceptance`."""
+        upto = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(self.node_acceptance(state, top_k))])
+        return 1.0 + upto[jnp.asarray(counts, jnp.int32)]
 
     def plan_tree(self, states: AutoState, live: Array, counts, depth: int, top_k: int) -> Array:
         """The index into ``counts`` (draft nodes verified, ascending, ``counts[0] = 0``: a
@@ -686,13 +688,11 @@ class Auto(DraftingPolicy):
         :meth:`node_acceptance` on average, and drafting must beat a plain step by ``1 +
         margin`` (``1 + timed_margin`` against costs timed in the loop). int32 scalar (0
         when no row is live)."""
-        n = jnp.asarray(counts, jnp.int32)
-        acceptance = jax.vmap(lambda s: self.node_acceptance(s, top_k))(states)  # [B, M]
-        upto = jnp.concatenate([jnp.zeros(acceptance.shape[:-1] + (1,)), jnp.cumsum(acceptance, -1)], -1)
-        expected = 1.0 + jnp.take(upto, n, axis=-1)  # [B, W]
+        expected = jax.vmap(lambda s: self.tree_expected(s, counts, top_k))(states)  # [B, W]
         total = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
+        timed = self.costs.at_batch(live.shape[0]).is_timed(max(counts))
         index = best_draft_length(total, self.tree_costs(counts, depth, live.shape[0]),
-                                  self._tree_margin(counts, live.shape[0]))
+                                  jnp.where(timed, self.timed_margin, self.margin))
         return jnp.where(live.any(), index, 0).astype(jnp.int32)
 
     def update_tree_first(self, state: AutoState, acceptance: Array) -> AutoState:
@@ -796,30 +796,23 @@ def drafts_before_evidence(policy: DraftingPolicy, num_draft: int, sizes=None, t
     # Costs timed in the loop: against generate's step, which decode runs instead (their unit where
     # decode timed generate beside the loop), not against the drafting program's own plain cycle,
     # which also carries the draft's catch-up and the cycle's work.
-    if sizes is not None:
-        return bool(_tree_beats_target_only(policy, num_draft, tuple(sizes), top_k))
-    return bool(_beats_target_only(policy, num_draft))
-
-
-@functools.partial(jax.jit, static_argnums=(1,))
-def _beats_target_only(policy: "Auto", num_draft: int) -> Array:
-    """Whether, with costs timed in the loop, some ``k >= 1`` promises ``1 + timed_margin`` tokens
-    per unit of cost at the prior: more than a target-only step's one token for one unit. True for
-    the parts' costs, whose plain cycle is already weighed against drafting by :meth:`Auto.plan`."""
-    expected = expected_tokens(policy.acceptance(policy.init(num_draft)))
-    costs, margin = policy._choice_costs(num_draft)
-    timed = policy.costs.at_batch(1).is_timed(num_draft)
-    return ~timed | (jnp.max(expected[1:] / costs[1:]) >= 1.0 + margin)
+    return bool(_beats_target_only(policy, num_draft, None if sizes is None else tuple(sizes), top_k))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _tree_beats_target_only(policy: "Auto", depth: int, sizes: tuple, top_k: int) -> Array:
-    """:func:`_beats_target_only` for a dynamic tree verifying ``n = sizes - 1`` draft nodes."""
-    counts = tuple(w - 1 for w in sizes)
-    acceptance = policy.node_acceptance(policy.init(counts[-1]), top_k)
-    expected = 1.0 + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(acceptance)])[jnp.asarray(counts)]
-    costs = policy.tree_costs(counts, depth)
-    timed = policy.costs.at_batch(1).is_timed(counts[-1])
+def _beats_target_only(policy: "Auto", num_draft: int, sizes, top_k: int) -> Array:
+    """Whether, with costs timed in the loop, some ``k >= 1`` (a tree: some node count of
+    ``sizes - 1``) promises ``1 + timed_margin`` tokens per unit of cost at the prior: more
+    than a target-only step's one token for one unit. True for the parts' costs, whose plain
+    cycle is already weighed against drafting by :meth:`Auto.plan`."""
+    if sizes is None:
+        expected = expected_tokens(policy.acceptance(policy.init(num_draft)))
+        costs, most = policy._choice_costs(num_draft)[0], num_draft
+    else:
+        counts = tuple(w - 1 for w in sizes)
+        expected = policy.tree_expected(policy.init(counts[-1]), counts, top_k)
+        costs, most = policy.tree_costs(counts, num_draft), counts[-1]
+    timed = policy.costs.at_batch(1).is_timed(most)
     return ~timed | (jnp.max(expected[1:] / costs[1:]) >= 1.0 + policy.timed_margin)
 
 
