@@ -10,6 +10,7 @@ tokens it gives in a short one.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,6 @@ import pytest
 import specjax
 from specjax.models import exporting_for
 from specjax._src.engine import loop as decode_lib
-from specjax._src.models import attention_ops
 from specjax._src.models import feature_head_build as fhb
 from specjax._src.models.decoder import Decoder, attention_widths
 from specjax.testing import llama_config, peaked_target_and_draft
@@ -159,9 +159,9 @@ def test_the_cache_is_written_in_place_in_a_loop_of_steps():
     assert " conditional(" in hlo and copies == [], f"{len(copies)} copies of a whole cache buffer per step"
 
 
-def _generate_loop_cache_copies(target, read_in_a_conditional: bool) -> int:
+def _generate_loop_cache_copies(target) -> int:
     """Copies of a whole cache buffer in the loop body of ``generate``'s compiled program
-    (a 48-slot cache: one width), with or without the CPU's conditional around its read."""
+    (a 48-slot cache: one width)."""
     jitted = decode_lib._generate_jit
     captured = {}
 
@@ -171,11 +171,7 @@ def _generate_loop_cache_copies(target, read_in_a_conditional: bool) -> int:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(decode_lib, "_generate_jit", spy)
-        if not read_in_a_conditional:
-            mp.setattr(attention_ops, "_in_a_conditional", lambda attend, width_index: attend)
-        jax.clear_caches()
         specjax.generate(target, [list(range(1, 33))], max_new_tokens=16)
-    jax.clear_caches()
     hlo = captured["hlo"]
     computations = dict(re.findall(r"\n%(\S+) \([^\n]*\{\n(.*?)\n\}\n", hlo, re.S))
     body = computations[re.findall(r"while\([^\n]*?body=%([^,\s]+)", hlo)[-1]]
@@ -185,12 +181,14 @@ def _generate_loop_cache_copies(target, read_in_a_conditional: bool) -> int:
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the conditional is CPU-only")
 def test_one_width_reads_the_cache_where_it_lies_on_the_cpu():
     """With one key width, XLA:CPU fused the cache write into the attention's operand and
-    copied the whole buffer four times per layer and step; read through a conditional, the
-    loop copies none. The control shows the copies come back without it."""
+    copied the whole buffer four times per layer and step; read through a conditional (the
+    default), the loop copies none. The control, the read straight after the write
+    (``attention_reads="whole"``), shows the copies."""
     target = peaked_target_and_draft(config())[0]
+    after_the_write = target.replace(module=dataclasses.replace(target.module, attention_reads="whole"))
     assert attention_widths(48) == (48,)
-    assert _generate_loop_cache_copies(target, read_in_a_conditional=True) == 0
-    assert _generate_loop_cache_copies(target, read_in_a_conditional=False) > 0
+    assert _generate_loop_cache_copies(target) == 0
+    assert _generate_loop_cache_copies(after_the_write) > 0
 
 
 @pytest.fixture(scope="module")

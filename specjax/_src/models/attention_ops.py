@@ -358,9 +358,10 @@ def _in_a_conditional(attend, width_index: Array):
     write into the fusion that lays out the attention dot's operand, beside the
     write kept for the cache itself, and copies the whole buffer to update it in
     place twice: four copies of the value cache per layer and step (120 for
-    SmolLM2-135M, a 256-slot cache), plus the key cache's transpose. A
-    conditional's operands are buffers the write has finished, so the attention
-    reads the cache where it lies, as the width ladder's branches already did.
+    SmolLM2-135M, a 256-slot cache). A conditional's operands are buffers the
+    write has finished, so the attention reads the value cache where it lies, as
+    the width ladder's branches already did (the key cache is still transposed
+    for the score dot, once, as in those branches).
     ``generate`` on the GGUF's 4-bit SmolLM2-135M with a 256-slot cache took
     6.66 -> 5.86 ms a token (median of 6 alternating rounds, 2-core AMD EPYC VM).
     """
