@@ -362,8 +362,9 @@ def _in_a_conditional(attend, width_index: Array):
     write has finished, so the attention reads the value cache where it lies, as
     the width ladder's branches already did (the key cache is still transposed
     for the score dot, once, as in those branches).
-    ``generate`` on the GGUF's 4-bit SmolLM2-135M with a 256-slot cache took
-    6.66 -> 5.86 ms a token (median of 6 alternating rounds, 2-core AMD EPYC VM).
+    ``generate`` on the GGUF's 4-bit SmolLM2-135M took 0.94-0.96 of the time a
+    token it took with the read straight after the write (``benchmarks/one_width_read.py``,
+    10 alternating rounds, 2-core AMD EPYC VM).
     """
 
     def run(q, keys, values):
