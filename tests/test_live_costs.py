@@ -313,6 +313,40 @@ def test_exploration_skips_lengths_no_cost_error_would_make_worth_drafting():
     assert live.explore(1, "", 6, promise=lambda: half) == 0
 
 
+def test_a_length_timed_dear_once_is_timed_again_and_its_old_samples_dropped():
+    """Two and three drafts timed at 3.0 and 3.5 plain cycles (a busy spell, short contexts) promise
+    too little to be explored at those prices, though they now cost 1.5 and 1.7. Once their samples
+    are ``refresh_every`` steps old they are explored anyway, and once they have ``min_samples``
+    fresh ones the old ones go, so two drafts, now the best rate (9.3 against one draft's 9.2),
+    get their true price. The control: with no refresh the stale prices stand and they are never
+    forced."""
+    then, now = [0.040, 0.052, 0.120, 0.140], [0.040, 0.052, 0.060, 0.068]
+    half = np.array([8.0, 12.0, 14.0, 15.0])
+
+    def run(refresh_every):
+        live = LiveCosts(EXPENSIVE, min_samples=2, explore_every=4, warmup_explore_every=4,
+                         refresh_every=refresh_every)
+        feed(live, 1, then, times=2)
+        forced = []
+        for step in range(1, 301):
+            k = live.explore(1, promise=lambda: half)
+            forced += [] if k is None else [(step, k)]
+            live.observe(1, 1 if k is None else k, now[1 if k is None else k])  # the policy drafts one
+        return live, forced
+
+    live, forced = run(refresh_every=64)
+    np.testing.assert_allclose(live.relative(1), [1.0, 1.3, 1.5, 1.7], rtol=1e-6)
+    assert max(np.asarray(live.seconds())[0, 2:]) < 0.1  # nothing from the spell is left
+    first = min(step for step, k in forced if k in (2, 3))
+    assert 64 <= first < 64 + 4  # stale after refresh_every steps, explored at the next turn
+
+    stale, forced = run(refresh_every=10**6)
+    np.testing.assert_allclose(stale.relative(1), [1.0, 1.3, 3.0, 3.5], rtol=1e-6)
+    assert not {2, 3} & {k for _, k in forced}
+    with pytest.raises(ValueError, match="refresh_every"):
+        LiveCosts(EXPENSIVE, min_samples=3, explore_every=32, refresh_every=64)
+
+
 @pytest.mark.parametrize("capacity", [64, 512, 2051])
 def test_the_widths_a_step_reads_are_the_models(capacity):
     """``widths_read`` picks, for every cycle a step may have run, the index the model's

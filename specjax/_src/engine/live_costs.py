@@ -30,7 +30,11 @@ Lengths the policy stops choosing would never be timed again, so every
 longest ago (every ``warmup_explore_every`` steps while some length has too
 few samples). A forced step is an ordinary cycle with another draft length:
 the sampled law and greedy output do not change, only its speed, by at most
-two steps in ``explore_every``.
+two steps in ``explore_every``. Exploration skips lengths that no error in
+their costs would make worth drafting, so a length priced too dear once would
+keep that price: a length with fewer than ``min_samples`` samples from its
+bucket's last ``refresh_every`` steps is explored whatever it promises, and
+once it has them its older samples are dropped.
 
 Only the second of the two is timed, and no step that runs a branch of the
 compiled step for the first time is a sample: the draft length and the
@@ -81,6 +85,12 @@ class LiveCosts:
         ``4 * window`` samples for it.
       explore_within: with a ``promise`` (:meth:`explore`), only lengths whose promised rate
         lies within this factor of the best length's are explored.
+      refresh_every: a length with fewer than ``min_samples`` samples from its row bucket's
+        last ``refresh_every`` steps is stale: it is explored even where it promises little,
+        and its older samples are dropped once it has ``min_samples`` fresh ones. It bounds
+        how long a price timed once, in a busy spell or at short contexts, keeps a length from
+        being chosen, at a cost of ``2 * min_samples`` forced steps per stale length in
+        ``refresh_every``.
     """
 
     def __init__(
@@ -93,6 +103,7 @@ class LiveCosts:
         warmup_explore_every: int = 4,
         neighbours: int = 4,
         explore_within: float = 0.2,
+        refresh_every: int = 1024,
     ):
         if not isinstance(costs, CostModel):
             raise TypeError(f"LiveCosts takes a CostModel (Engine.costs), got {type(costs).__name__}.")
@@ -104,13 +115,19 @@ class LiveCosts:
         if not 0.0 <= explore_within <= 100.0:
             raise ValueError(f"explore_within must lie in [0, 100], got {explore_within}.")
         self.explore_within = float(explore_within)
+        self.refresh_every = check_positive_int("refresh_every", refresh_every)
         if self.min_samples > self.window:
             raise ValueError(f"min_samples ({min_samples}) cannot exceed window ({window}).")
+        if self.refresh_every < self.explore_every * self.min_samples:
+            raise ValueError(
+                f"refresh_every ({refresh_every}) must be at least explore_every * min_samples "
+                f"({self.explore_every * self.min_samples}): exploration times one length in explore_every steps."
+            )
         self.start = costs
         self.batches = tuple(int(b) for b in np.atleast_1d(np.asarray(costs.batch)))
         self.num_lengths = costs.max_draft + 1
-        # (clock, seconds, widest key width index or -1, cycles the step ran or 0, program id) per row
-        # bucket and length; the clock counts a bucket's timed steps.
+        # (clock, seconds, widest key width index or -1, cycles the step ran or 0, program id, step) per
+        # row bucket and length; the clock counts a bucket's timed steps, the step all its steps.
         self._samples = [[collections.deque(maxlen=self.window * (4 if k == 0 else 1)) for k in range(self.num_lengths)]
                          for _ in self.batches]
         self._clock = np.zeros(len(self.batches), np.int64)
@@ -170,7 +187,8 @@ class LiveCosts:
             return None
         worth = np.ones(self.num_lengths, bool)
         if promise is not None and not warming:
-            worth = self._worth_timing(rows, np.arange(self.num_lengths), promise(), exclude_best=True)
+            stale = self._fresh(i) < self.min_samples
+            worth = self._worth_timing(rows, np.arange(self.num_lengths), promise(), exclude_best=True) | stale
             if not worth.any():
                 return None
         # Fewest samples first (a length never timed), then the one timed longest ago.
@@ -191,6 +209,12 @@ class LiveCosts:
         best = int(np.argmax(rate))
         worth = rate[lengths] * (1.0 + self.explore_within) >= rate[best]
         return worth & (lengths != best) if exclude_best else worth
+
+    def _fresh(self, i: int) -> np.ndarray:
+        """``[K + 1]`` bucket ``i``'s samples by length from its last ``refresh_every`` steps."""
+        since = self._steps[i] - self.refresh_every
+        with self._lock:
+            return np.array([sum(x[5] > since for x in s) for s in self._samples[i]])
 
     def _program_id(self, program: str) -> int:
         return self._programs.setdefault(program, len(self._programs))
@@ -227,8 +251,14 @@ class LiveCosts:
             return  # a clock that went backwards tells nothing
         with self._lock:
             width = max(int(w) for w in widths) if len(widths) else -1
-            self._samples[i][k].append((int(self._clock[i]), float(seconds_per_cycle), width, int(cycles),
-                                        self._program_id(program)))
+            samples = self._samples[i][k]
+            samples.append((int(self._clock[i]), float(seconds_per_cycle), width, int(cycles),
+                            self._program_id(program), int(self._steps[i])))
+            since = self._steps[i] - self.refresh_every
+            if sum(x[5] > since for x in samples) >= self.min_samples and samples[0][5] <= since:
+                fresh = [x for x in samples if x[5] > since]
+                samples.clear()
+                samples.extend(fresh)
             self._clock[i] += 1
             self._last_seen[i, k] = self._steps[i]
             self._costs = None
@@ -261,8 +291,8 @@ class LiveCosts:
         (60 ms) it costs 1.36."""
         i = self.bucket(rows)
         with self._lock:
-            plain = np.array(self._samples[i][0], np.float64).reshape(-1, 5)
-            drafting = [np.array(self._samples[i][k], np.float64).reshape(-1, 5) for k in range(1, self.num_lengths)]
+            plain = np.array(self._samples[i][0], np.float64).reshape(-1, 6)
+            drafting = [np.array(self._samples[i][k], np.float64).reshape(-1, 6) for k in range(1, self.num_lengths)]
         out = np.full(self.num_lengths, np.nan)
         if not len(plain):
             return out
