@@ -296,3 +296,21 @@ def test_the_warm_up_s_chunked_prefills_read_every_key_width(capacity, chunk):
     middle = {read(end) for n in lengths for end in range(chunk, n, chunk)}
     assert middle == {read(end) for end in range(chunk, longest, chunk)}
     assert (len(widths) > 1) == (len(lengths) > 1)
+
+
+@pytest.mark.parametrize("capacity", [400, 1100, CAPACITY])
+def test_the_warm_up_runs_every_draft_length_at_every_key_width(capacity):
+    """The server's warm-up steps, for each key width, a request whose step reads that width at
+    every draft length (the draft length and the width each pick a branch of the step, which XLA's
+    CPU runtime prepares the first time it runs it): every width but one too narrow to hold any
+    prompt and a verification, as the model picks it."""
+    from specjax._src.engine.live_costs import widths_read
+
+    pair = specjax.pair(*peaked_target_and_draft(llama_config(max_position_embeddings=1200)))
+    engine = Engine(pair, num_slots=1, capacity=capacity, num_draft=K, controls=False)
+    prompts = sched.Scheduler(engine, None)._branch_warmup_prompts()
+    widths = engine.attention_widths()
+    assert [j for j, _ in prompts] == list(range(len(widths)))
+    for j, length in prompts:
+        assert length <= capacity - 2
+        assert all(widths_read(widths, length, length + 1, k) == (j,) for k in range(K + 1)), (j, length)

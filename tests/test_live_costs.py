@@ -21,6 +21,7 @@ from specjax._src.engine.live_costs import step_draft_length, widths_read
 from specjax._src.serve import scheduler as sched
 from specjax._src.serve.metrics import Counters, latency_histograms, prometheus_text
 from specjax.engine import Engine, LiveCosts, SlotSettings
+from specjax.testing import llama_config, peaked_target_and_draft
 
 from test_auto_drafting import cost_model
 
@@ -437,6 +438,10 @@ def test_forced_steps_draft_as_forced_and_serving_times_its_steps(bigram_pair):
         warmed = scheduler.live_costs.samples()
         assert (warmed >= scheduler.live_costs.min_samples).all(), warmed
         assert all(bool(engine.costs.at_batch(rows).is_timed(K)) for rows in (1, 2))
+        # And every branch of every step program ran once (a branch's first run is not timed).
+        programs = ("greedy", "sampled", "general") if engine.specialized_steps else ("general",)
+        assert all(scheduler.live_costs.has_run(rows, program, k, 0)
+                   for rows in (1, 2) for program in programs for k in range(K + 1))
         scheduler.submit(sched.Request(prompt=prompt, settings=settings, emit=events.append))
         deadline = time.monotonic() + 300
         while not any(isinstance(e, (sched.Done, sched.Failed)) for e in events) and time.monotonic() < deadline:
@@ -494,3 +499,33 @@ class _NoText:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(65 + i % 26) for i in ids)
+
+
+def test_the_warm_up_runs_every_draft_length_at_every_key_width():
+    """Before its first request the server runs one cycle of every (row bucket, program, draft
+    length, key width): XLA's CPU runtime prepares a branch of the step the first time it runs it,
+    which would fall on a request and leave that length untimed at that width. The control: the
+    rest of the warm-up leaves the wider widths unrun."""
+    pair = specjax.pair(*peaked_target_and_draft(llama_config(max_position_embeddings=512)))
+    engine = Engine(pair, num_slots=1, capacity=400, num_draft=K, drafting=drafting.auto(EXPENSIVE))
+    widths = engine.attention_widths()
+    assert len(widths) > 2
+    branches = [(1, "general", k, j) for k in range(K + 1) for j in range(len(widths))]
+
+    scheduler = sched.Scheduler(engine, _NoText(), num_cycles=2, warmup_widths=(16,), prefill_groups=[1],
+                                prefill_chunk=0)
+    run_every_branch, unrun_before = scheduler._run_every_branch, []
+
+    def spy(state, programs):  # what the rest of the warm-up left unrun
+        unrun_before.extend(b for b in branches if not scheduler.live_costs.has_run(*b))
+        return run_every_branch(state, programs)
+
+    scheduler._run_every_branch = spy
+    scheduler.start()
+    try:
+        assert scheduler.ready.wait(300), scheduler.error
+        assert not engine.specialized_steps
+        assert [b for b in branches if not scheduler.live_costs.has_run(*b)] == []
+        assert {j for _, _, _, j in unrun_before} == set(range(1, len(widths)))
+    finally:
+        scheduler.close()

@@ -263,6 +263,11 @@ class LiveCosts:
             self._last_seen[i, k] = self._steps[i]
             self._costs = None
 
+    def has_run(self, rows: int, program: str, draft_length: int, width: int) -> bool:
+        """Whether a step of ``rows`` rows in ``program`` has run ``draft_length`` at the key width
+        index ``width`` (:meth:`observe` records no sample at such a branch's first run)."""
+        return (int(rows), program, int(draft_length), int(width)) in self._ran
+
     def seconds(self) -> np.ndarray:
         """``[R, K + 1]`` median seconds per cycle by row bucket and draft length (NaN: not timed)."""
         with self._lock:

@@ -371,6 +371,70 @@ class Scheduler:
         jax.block_until_ready(state)
         if self.live_costs is not None:
             state = self._time_lengths(state)
+            state = self._run_every_branch(state, programs)
+        return state
+
+    def _branch_warmup_prompts(self) -> list[tuple[int, int]]:
+        """``(width index, prompt length)`` for each key width a step's attention may read: a
+        prompt whose step reads that width at every draft length (one position past the width
+        before; the first width: one token). Widths no such prompt fits before are left out."""
+        widths, room = self._attention_widths, self.engine.num_draft + 1
+        longest = self.engine.capacity - 2
+        out = []
+        for j, width in enumerate(widths):
+            length = 1 if j == 0 else widths[j - 1] + 1
+            if length + room <= min(width, longest):
+                out.append((j, length))
+        return out
+
+    def _run_every_branch(self, state, programs):
+        """Runs one cycle of every (row bucket, step program, draft length, key width) before any
+        request, so that no request's step is a branch's first run, and :attr:`live_costs` times
+        every one from the start (it records none at a first run).
+
+        The draft length and the key width each pick a branch of a ``lax.switch`` in the step, and
+        XLA's CPU runtime prepares a branch's kernels the first time it runs it: on the real pair
+        at four rows, 100-150 ms over a 40 ms cycle. Served, those fell on the first requests, and a
+        length met at a new width was not timed (docs/drafting.md). One long request in slot 0
+        sets the width every row of a step reads; a one-token request in a bucket's last slot
+        makes the step run that bucket."""
+        engine, live = self.engine, self.live_costs
+        chosen = programs if engine.specialized_steps else programs[:1]
+        widths = self._attention_widths
+
+        def longest(state, slots):
+            return int(np.max(np.asarray(state.loop.target_cache.lengths)[list(slots)]))
+
+        for j, length in self._branch_warmup_prompts():
+            prompt = [0] * length
+            settings = SlotSettings(temperature=0.0, max_new_tokens=engine.capacity - length, seed=0, eos_token_id=())
+            state = engine.insert(state, 0, prompt, settings)
+            for rows in engine.row_buckets:
+                slots = sorted({0, rows - 1})
+                if rows > 1:
+                    state = engine.insert(state, rows - 1, [0], settings)
+                for program_settings in chosen:
+                    plan = engine.plan({slot: program_settings for slot in slots})
+                    for k in range(live.num_lengths):
+                        if live.has_run(plan.rows, plan.program, k, j):
+                            continue
+                        if self._stop:
+                            raise _Stopped()
+                        before = longest(state, slots)
+                        if before + live.num_lengths > widths[j]:  # it would leave width j: start it again
+                            state = engine.insert(engine.release(state, 0), 0, prompt, settings)
+                            before = longest(state, slots)
+                        stats = state.loop.stats
+                        cycles, drafted = np.asarray(stats.cycles)[slots], np.asarray(stats.drafted_at)[slots]
+                        state, _ = engine.step(state, 1, plan=plan, costs=live.forced_costs(k))
+                        stats = state.loop.stats
+                        self._time_step(plan.rows, 1, np.asarray(stats.cycles)[slots] - cycles,
+                                        np.asarray(stats.drafted_at)[slots] - drafted, 0.0, timed=False,
+                                        program=plan.program, longest=(before, longest(state, slots)))
+                if rows > 1:
+                    state = engine.release(state, rows - 1)
+            state = engine.release(state, 0)
+        jax.block_until_ready(state)
         return state
 
     def _chunked_warmup_lengths(self) -> list[int]:
