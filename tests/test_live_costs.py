@@ -314,38 +314,36 @@ def test_exploration_skips_lengths_no_cost_error_would_make_worth_drafting():
     assert live.explore(1, "", 6, promise=lambda: half) == 0
 
 
-def test_a_length_timed_dear_once_is_timed_again_and_its_old_samples_dropped():
-    """Two and three drafts timed at 3.0 and 3.5 plain cycles (a busy spell, short contexts) promise
-    too little to be explored at those prices, though they now cost 1.5 and 1.7. Once their samples
-    are ``refresh_every`` steps old they are explored anyway, and once they have ``min_samples``
-    fresh ones the old ones go, so two drafts, now the best rate (9.3 against one draft's 9.2),
-    get their true price. The control: with no refresh the stale prices stand and they are never
-    forced."""
+def test_a_length_timed_dear_once_is_timed_again_and_priced_by_its_recent_samples():
+    """Two and three drafts timed at 3.0 and 3.5 plain cycles (at start-up, in a busy spell)
+    promise too little to be explored at those prices, though they now cost 1.5 and 1.7. Once
+    their last sample is ``refresh_every`` steps old they are explored anyway, one forced pair
+    each, and priced by their recent samples alone, so two drafts, now the best rate (9.3
+    against one draft's 9.2), get their true price. The control: with no refresh the old prices
+    stand and they are never forced."""
     then, now = [0.040, 0.052, 0.120, 0.140], [0.040, 0.052, 0.060, 0.068]
     half = np.array([8.0, 12.0, 14.0, 15.0])
 
-    def run(refresh_every):
+    def run(refresh_every, steps=100):
         live = LiveCosts(EXPENSIVE, min_samples=2, explore_every=4, warmup_explore_every=4,
                          refresh_every=refresh_every)
         feed(live, 1, then, times=2)
         forced = []
-        for step in range(1, 301):
+        for step in range(1, steps + 1):
             k = live.explore(1, promise=lambda: half)
             forced += [] if k is None else [(step, k)]
             live.observe(1, 1 if k is None else k, now[1 if k is None else k])  # the policy drafts one
         return live, forced
 
-    live, forced = run(refresh_every=64)
+    live, forced = run(refresh_every=64, steps=71)
     np.testing.assert_allclose(live.relative(1), [1.0, 1.3, 1.5, 1.7], rtol=1e-6)
-    assert max(np.asarray(live.seconds())[0, 2:]) < 0.1  # nothing from the spell is left
-    first = min(step for step, k in forced if k in (2, 3))
-    assert 64 <= first < 64 + 4  # stale after refresh_every steps, explored at the next turn
+    # Stale at step 64 (the start-up's samples are from step 0), each length one pair at the next turns.
+    assert [(step, k) for step, k in forced if k in (2, 3)] == [(64, 2), (65, 2), (68, 3), (69, 3)]
+    assert live.samples()[0, 2:].tolist() == [3, 3]  # the old samples stay, unread while recent ones exist
 
     stale, forced = run(refresh_every=10**6)
     np.testing.assert_allclose(stale.relative(1), [1.0, 1.3, 3.0, 3.5], rtol=1e-6)
     assert not {2, 3} & {k for _, k in forced}
-    with pytest.raises(ValueError, match="refresh_every"):
-        LiveCosts(EXPENSIVE, min_samples=3, explore_every=32, refresh_every=64)
 
 
 @pytest.mark.parametrize("capacity", [64, 512, 2051])
@@ -383,6 +381,8 @@ def test_bad_arguments_get_clear_errors(bigram_pair):
         LiveCosts(EXPENSIVE, window=2, min_samples=3)
     with pytest.raises(ValueError, match="neighbours"):
         LiveCosts(EXPENSIVE, neighbours=0)
+    with pytest.raises(ValueError, match="refresh_every"):
+        LiveCosts(EXPENSIVE, refresh_every=0)
     with pytest.raises(ValueError, match=r"explore_within must lie in \[0, 100\], got -0.1"):
         LiveCosts(EXPENSIVE, explore_within=-0.1)
     with pytest.raises(ValueError, match="draft_length must lie in 0 .. 3"):

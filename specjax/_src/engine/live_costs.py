@@ -32,9 +32,9 @@ few samples). A forced step is an ordinary cycle with another draft length:
 the sampled law and greedy output do not change, only its speed, by at most
 two steps in ``explore_every``. Exploration skips lengths that no error in
 their costs would make worth drafting, so a length priced too dear once would
-keep that price: a length with fewer than ``min_samples`` samples from its
-bucket's last ``refresh_every`` steps is explored whatever it promises, and
-once it has them its older samples are dropped.
+keep that price: a drafting length with no sample from its bucket's last
+``refresh_every`` steps is explored whatever it promises, and where a length
+has samples that recent, only they price it.
 
 Only the second of the two is timed, and no step that runs a branch of the
 compiled step for the first time is a sample: the draft length and the
@@ -85,12 +85,10 @@ class LiveCosts:
         ``4 * window`` samples for it.
       explore_within: with a ``promise`` (:meth:`explore`), only lengths whose promised rate
         lies within this factor of the best length's are explored.
-      refresh_every: a length with fewer than ``min_samples`` samples from its row bucket's
-        last ``refresh_every`` steps is stale: it is explored even where it promises little,
-        and its older samples are dropped once it has ``min_samples`` fresh ones. It bounds
-        how long a price timed once, in a busy spell or at short contexts, keeps a length from
-        being chosen, at a cost of ``2 * min_samples`` forced steps per stale length in
-        ``refresh_every``.
+      refresh_every: a length with no sample from its row bucket's last ``refresh_every``
+        steps is stale: it is explored even where it promises little (two forced steps), and
+        where a drafting length has samples that recent, only they price it. It bounds how long
+        a price timed once, at start-up or in a busy spell, keeps a length from being chosen.
     """
 
     def __init__(
@@ -103,7 +101,7 @@ class LiveCosts:
         warmup_explore_every: int = 4,
         neighbours: int = 4,
         explore_within: float = 0.2,
-        refresh_every: int = 1024,
+        refresh_every: int = 512,
     ):
         if not isinstance(costs, CostModel):
             raise TypeError(f"LiveCosts takes a CostModel (Engine.costs), got {type(costs).__name__}.")
@@ -118,11 +116,6 @@ class LiveCosts:
         self.refresh_every = check_positive_int("refresh_every", refresh_every)
         if self.min_samples > self.window:
             raise ValueError(f"min_samples ({min_samples}) cannot exceed window ({window}).")
-        if self.refresh_every < self.explore_every * self.min_samples:
-            raise ValueError(
-                f"refresh_every ({refresh_every}) must be at least explore_every * min_samples "
-                f"({self.explore_every * self.min_samples}): exploration times one length in explore_every steps."
-            )
         self.start = costs
         self.batches = tuple(int(b) for b in np.atleast_1d(np.asarray(costs.batch)))
         self.num_lengths = costs.max_draft + 1
@@ -187,7 +180,7 @@ class LiveCosts:
             return None
         worth = np.ones(self.num_lengths, bool)
         if promise is not None and not warming:
-            stale = self._fresh(i) < self.min_samples
+            stale = self._fresh(i) == 0
             worth = self._worth_timing(rows, np.arange(self.num_lengths), promise(), exclude_best=True) | stale
             if not worth.any():
                 return None
@@ -251,14 +244,8 @@ class LiveCosts:
             return  # a clock that went backwards tells nothing
         with self._lock:
             width = max(int(w) for w in widths) if len(widths) else -1
-            samples = self._samples[i][k]
-            samples.append((int(self._clock[i]), float(seconds_per_cycle), width, int(cycles),
-                            self._program_id(program), int(self._steps[i])))
-            since = self._steps[i] - self.refresh_every
-            if sum(x[5] > since for x in samples) >= self.min_samples and samples[0][5] <= since:
-                fresh = [x for x in samples if x[5] > since]
-                samples.clear()
-                samples.extend(fresh)
+            self._samples[i][k].append((int(self._clock[i]), float(seconds_per_cycle), width, int(cycles),
+                                        self._program_id(program), int(self._steps[i])))
             self._clock[i] += 1
             self._last_seen[i, k] = self._steps[i]
             self._costs = None
@@ -283,7 +270,8 @@ class LiveCosts:
         samples of the sample over the median of the ``neighbours`` plain samples timed nearest it,
         those of the same compiled program and key width and as many cycles a step first
         (non-decreasing; NaN where a length, or the plain cycle, has no sample). Where some of a
-        length's samples have plain samples of their program and width, only those are priced.
+        length's samples have plain samples of their program and width, only those are priced,
+        and where some are from the bucket's last ``refresh_every`` steps, only those.
 
         The same width first: plain cycles are timed rarely while drafting pays, so the plain
         samples nearest in time may be from shorter contexts, whose attention read fewer keys,
@@ -302,6 +290,8 @@ class LiveCosts:
         if not len(plain):
             return out
         out[0] = 1.0
+        since = self._steps[i] - self.refresh_every
+        drafting = [d[d[:, 5] > since] if (d[:, 5] > since).any() else d for d in drafting]  # the recent, if any
         unlike = 1e12  # farther than any two steps' clocks: another program's, width's or cycle count's come last
         for k, samples in enumerate(drafting, start=1):
             if not len(samples):
