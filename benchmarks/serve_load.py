@@ -412,7 +412,7 @@ def main(argv=None) -> int:
         health = httpx.get(server.url + "/health", timeout=10).status_code
         for label, srv in [("speculative", server), *more.items()]:  # what auto planned with, and chose
             text = httpx.get(srv.url + "/metrics", timeout=10).text
-            lines = [line for line in text.splitlines() if line.startswith(("specjax_cycle_cost", "specjax_draft_length"))]
+            lines = [line for line in text.splitlines() if line.startswith(("specjax_cycle_cost", "specjax_cycle_refreshes", "specjax_draft_length"))]
             if lines:
                 print(f"{label} server's /metrics after the rows (its draft-length counters hold every "
                       f"row it ran{', the no-drafts rows too' if label == 'speculative' else ''}):\n  "

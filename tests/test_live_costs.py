@@ -340,10 +340,13 @@ def test_a_length_timed_dear_once_is_timed_again_and_priced_by_its_recent_sample
     # Stale at step 64 (the start-up's samples are from step 0), each length one pair at the next turns.
     assert [(step, k) for step, k in forced if k in (2, 3)] == [(64, 2), (65, 2), (68, 3), (69, 3)]
     assert live.samples()[0, 2:].tolist() == [3, 3]  # the old samples stay, unread while recent ones exist
+    assert live.refreshes().tolist() == [[0, 0, 1, 1]]  # plain cycles were worth timing: not refreshes
+    assert 'specjax_cycle_refreshes_total{rows="1",draft_length="2"} 1' in prometheus_text(_metrics_with(live.report()))
 
     stale, forced = run(refresh_every=10**6)
     np.testing.assert_allclose(stale.relative(1), [1.0, 1.3, 3.0, 3.5], rtol=1e-6)
     assert not {2, 3} & {k for _, k in forced}
+    assert not stale.refreshes().any()
 
 
 @pytest.mark.parametrize("capacity", [64, 512, 2051])

@@ -125,6 +125,7 @@ class LiveCosts:
                          for _ in self.batches]
         self._clock = np.zeros(len(self.batches), np.int64)
         self._last_seen = np.full((len(self.batches), self.num_lengths), -1, np.int64)
+        self._refreshes = np.zeros((len(self.batches), self.num_lengths), np.int64)  # stale lengths forced
         self._steps = np.zeros(len(self.batches), np.int64)
         self._forcing = [None] * len(self.batches)  # the length the next step repeats, after a first forced step
         self._previous = (None, -1)  # the last step's program (its row bucket and kind) and length (-1: not known)
@@ -178,16 +179,19 @@ class LiveCosts:
         warming = (counts < self.min_samples).any()
         if self._steps[i] % (self.warmup_explore_every if warming else self.explore_every):
             return None
-        worth = np.ones(self.num_lengths, bool)
+        worth, stale = np.ones(self.num_lengths, bool), np.zeros(self.num_lengths, bool)
         if promise is not None and not warming:
             stale = self._fresh(i) == 0
-            worth = self._worth_timing(rows, np.arange(self.num_lengths), promise(), exclude_best=True) | stale
+            promising = self._worth_timing(rows, np.arange(self.num_lengths), promise(), exclude_best=True)
+            stale &= ~promising
+            worth = promising | stale
             if not worth.any():
                 return None
         # Fewest samples first (a length never timed), then the one timed longest ago.
         order = np.lexsort((self._last_seen[i], np.minimum(counts, self.min_samples), ~worth))
         k = int(order[0])
         self._forcing[i] = k
+        self._refreshes[i, k] += int(stale[k])
         return k
 
     def _worth_timing(self, rows: int, lengths, promised: Optional[np.ndarray], exclude_best: bool = False):
@@ -259,6 +263,11 @@ class LiveCosts:
         """``[R, K + 1]`` median seconds per cycle by row bucket and draft length (NaN: not timed)."""
         with self._lock:
             return np.array([[np.median([x[1] for x in s]) if s else np.nan for s in row] for row in self._samples])
+
+    def refreshes(self) -> np.ndarray:
+        """``[R, K + 1]`` times each length was explored only because its samples were stale
+        (``refresh_every``), by row bucket and draft length."""
+        return self._refreshes.copy()
 
     def samples(self) -> np.ndarray:
         """``[R, K + 1]`` samples held by row bucket and draft length."""
@@ -342,8 +351,9 @@ class LiveCosts:
     def report(self) -> dict:
         """What a server's metrics show: per row bucket (``rows``), the median
         ``seconds`` per cycle and ``samples`` by draft length (None: not
-        timed), and the ``relative`` cost by length that ``auto`` plans with
-        now (timed where every length is, else the parts)."""
+        timed), the ``relative`` cost by length that ``auto`` plans with
+        now (timed where every length is, else the parts), and the ``refreshes``
+        (:meth:`refreshes`)."""
         costs, seconds = self.costs(), self.seconds()
         k = self.num_lengths - 1
         return {
@@ -351,6 +361,7 @@ class LiveCosts:
             "seconds": [[None if np.isnan(x) else float(x) for x in row] for row in seconds],
             "samples": self.samples().tolist(),
             "relative": [[float(x) for x in np.asarray(costs.at_batch(b).cycle_costs(k))] for b in self.batches],
+            "refreshes": self.refreshes().tolist(),
         }
 
     def describe(self) -> str:

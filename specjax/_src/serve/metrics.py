@@ -215,7 +215,7 @@ def prometheus_text(m: dict) -> str:
 
 
 def _cycle_cost_lines(report: dict) -> list:
-    """``LiveCosts.report()`` as two gauges by row bucket and draft length."""
+    """``LiveCosts.report()`` as two gauges and a counter by row bucket and draft length."""
     lines = []
     for name, key, help_text in (
         ("specjax_cycle_seconds", "seconds",
@@ -227,6 +227,12 @@ def _cycle_cost_lines(report: dict) -> list:
         for rows, values in zip(report["rows"], report[key]):
             lines += [f'{name}{{rows="{rows}",draft_length="{k}"}} {_number(x)}'
                       for k, x in enumerate(values) if x is not None]
+    if "refreshes" in report:
+        name = "specjax_cycle_refreshes_total"
+        lines += [f"# HELP {name} Steps forced to a draft length only because its timings were stale, by row "
+                  "bucket and draft length.", f"# TYPE {name} counter"]
+        for rows, values in zip(report["rows"], report["refreshes"]):
+            lines += [f'{name}{{rows="{rows}",draft_length="{k}"}} {int(x)}' for k, x in enumerate(values)]
     return lines
 
 
