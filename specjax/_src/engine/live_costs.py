@@ -32,9 +32,9 @@ few samples). A forced step is an ordinary cycle with another draft length:
 the sampled law and greedy output do not change, only its speed, by at most
 two steps in ``explore_every``. Exploration skips lengths that no error in
 their costs would make worth drafting, so a length priced too dear once would
-keep that price: a drafting length with no sample from its bucket's last
-``refresh_every`` steps is explored whatever it promises, and where a length
-has samples that recent, only they price it.
+keep that price: a length with no sample from its bucket's last
+``refresh_every`` steps is explored whatever it promises, and where a drafting
+length has samples that recent, only they price it.
 
 Only the second of the two is timed, and no step that runs a branch of the
 compiled step for the first time is a sample: the draft length and the
