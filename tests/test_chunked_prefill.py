@@ -305,11 +305,12 @@ def test_the_warm_up_runs_every_draft_length_at_every_key_width(capacity):
     CPU runtime prepares the first time it runs it): every width but one too narrow to hold any
     prompt and a verification, as the model picks it."""
     from specjax._src.engine.live_costs import widths_read
+    from specjax._src.serve.warm_branches import branch_warmup_prompts
 
     pair = specjax.pair(*peaked_target_and_draft(llama_config(max_position_embeddings=1200)))
     engine = Engine(pair, num_slots=1, capacity=capacity, num_draft=K, controls=False)
-    prompts = sched.Scheduler(engine, None)._branch_warmup_prompts()
     widths = engine.attention_widths()
+    prompts = branch_warmup_prompts(widths, engine.num_draft, engine.capacity)
     assert [j for j, _ in prompts] == list(range(len(widths)))
     for j, length in prompts:
         assert length <= capacity - 2

@@ -20,6 +20,7 @@ from specjax import drafting
 from specjax._src.engine.live_costs import step_draft_length, widths_read
 from specjax._src.serve import scheduler as sched
 from specjax._src.serve.metrics import Counters, latency_histograms, prometheus_text
+from specjax._src.serve.warm_branches import run_every_branch
 from specjax.engine import Engine, LiveCosts, SlotSettings
 from specjax.testing import llama_config, peaked_target_and_draft
 
@@ -517,6 +518,6 @@ def test_the_warm_up_runs_every_draft_length_at_every_key_width():
     scheduler = sched.Scheduler(engine, _NoText(), num_cycles=2, prefill_chunk=0)
     live = scheduler.live_costs
     assert [b for b in branches if live.has_run(*b)] == []
-    state = scheduler._run_every_branch(engine.init(), [SlotSettings(temperature=0.0)])
+    state = run_every_branch(engine, live, engine.init(), [SlotSettings(temperature=0.0)], scheduler._note_untimed)
     assert [b for b in branches if not live.has_run(*b)] == []
     assert not np.asarray(state.occupied).any()  # every slot it used is free again

@@ -37,6 +37,7 @@ from specjax._src.engine.text import TextStream
 from specjax._src.serve.events import Closed, Delta, Done, Failed, LiveChoice, QueueFull, Request
 from specjax._src.serve.metrics import Counters, add_into, cycle_tokens, draft_lengths, latency_histograms
 from specjax._src.serve.step_length import StepLength
+from specjax._src.serve.warm_branches import run_every_branch
 
 # The events and the request are the scheduler's vocabulary: importable from here too.
 __all__ = ["Scheduler", "Request", "Delta", "Done", "Failed", "QueueFull", "Closed"]
@@ -314,8 +315,7 @@ class Scheduler:
                     SlotSettings(temperature=1.0, top_p=0.5, max_new_tokens=2, seed=0)]
 
         def serve_one(state, slot: int, prompt, settings=greedy, group: int = 1, copies: int = 0):
-            if self._stop:
-                raise _Stopped()
+            self._check_stop()
             slots = range(slot, slot + group)
             state = engine.insert_many(state, slots, [prompt] * group, [settings] * group)
             if copies:
@@ -337,8 +337,7 @@ class Scheduler:
             state = serve_one(state, 0, [0] * width)
         chunk = self.prefill_chunk
         for length in self._chunked_warmup_lengths():  # a long prompt's chunks: the middle ones' program, the last's
-            if self._stop:
-                raise _Stopped()
+            self._check_stop()
             job = engine.begin_insert(state, 0, [0] * length, greedy, chunk=chunk)
             while not job.finished:
                 state, job = engine.continue_insert(state, job)
@@ -347,8 +346,7 @@ class Scheduler:
             state = engine.release(state, 0)
         cache = self.prefix_cache
         if cache is not None and usable_blocks(engine.capacity - 2):  # its copies, and a prefill from a hit
-            if self._stop:
-                raise _Stopped()
+            self._check_stop()
             prompt = [0] * min(engine.capacity - 2, BLOCK + 3)
             state = engine.insert(state, 0, prompt, greedy)
             cache.store(engine, state, 0, prompt)
@@ -371,71 +369,15 @@ class Scheduler:
         jax.block_until_ready(state)
         if self.live_costs is not None:
             state = self._time_lengths(state)
-            state = self._run_every_branch(state, programs)
+            state = run_every_branch(engine, self.live_costs, state, programs, self._note_untimed, self._check_stop)
         return state
 
-    def _branch_warmup_prompts(self) -> list[tuple[int, int]]:
-        """``(width index, prompt length)`` for each key width a step's attention may read: a
-        prompt whose step reads that width at every draft length (one position past the width
-        before; the first width: one token). Widths no such prompt fits before are left out."""
-        widths, room = self._attention_widths, self.engine.num_draft + 1
-        longest = self.engine.capacity - 2
-        out = []
-        for j, width in enumerate(widths):
-            length = 1 if j == 0 else widths[j - 1] + 1
-            if length + room <= min(width, longest):
-                out.append((j, length))
-        return out
+    def _note_untimed(self, rows, ran, drafted, program, longest) -> None:
+        self._time_step(rows, 1, ran, drafted, 0.0, timed=False, program=program, longest=longest)
 
-    def _run_every_branch(self, state, programs):
-        """Runs one cycle of every (row bucket, step program, draft length, key width) before any
-        request, so that no request's step is a branch's first run, and :attr:`live_costs` times
-        every one from the start (it records none at a first run).
-
-        The draft length and the key width each pick a branch of a ``lax.switch`` in the step, and
-        XLA's CPU runtime prepares a branch's kernels the first time it runs it: on the real pair
-        at four rows, 100-150 ms over a 40 ms cycle. Served, those fell on the first requests, and a
-        length met at a new width was not timed (docs/drafting.md). One long request in slot 0
-        sets the width every row of a step reads; a one-token request in a bucket's last slot
-        makes the step run that bucket."""
-        engine, live = self.engine, self.live_costs
-        chosen = programs if engine.specialized_steps else programs[:1]
-        widths = self._attention_widths
-
-        def longest(state, slots):
-            return int(np.max(np.asarray(state.loop.target_cache.lengths)[list(slots)]))
-
-        for j, length in self._branch_warmup_prompts():
-            prompt = [0] * length
-            settings = SlotSettings(temperature=0.0, max_new_tokens=engine.capacity - length, seed=0, eos_token_id=())
-            state = engine.insert(state, 0, prompt, settings)
-            for rows in engine.row_buckets:
-                slots = sorted({0, rows - 1})
-                if rows > 1:
-                    state = engine.insert(state, rows - 1, [0], settings)
-                for program_settings in chosen:
-                    plan = engine.plan({slot: program_settings for slot in slots})
-                    for k in range(live.num_lengths):
-                        if live.has_run(plan.rows, plan.program, k, j):
-                            continue
-                        if self._stop:
-                            raise _Stopped()
-                        before = longest(state, slots)
-                        if before + live.num_lengths > widths[j]:  # it would leave width j: start it again
-                            state = engine.insert(engine.release(state, 0), 0, prompt, settings)
-                            before = longest(state, slots)
-                        stats = state.loop.stats
-                        cycles, drafted = np.asarray(stats.cycles)[slots], np.asarray(stats.drafted_at)[slots]
-                        state, _ = engine.step(state, 1, plan=plan, costs=live.forced_costs(k))
-                        stats = state.loop.stats
-                        self._time_step(plan.rows, 1, np.asarray(stats.cycles)[slots] - cycles,
-                                        np.asarray(stats.drafted_at)[slots] - drafted, 0.0, timed=False,
-                                        program=plan.program, longest=(before, longest(state, slots)))
-                if rows > 1:
-                    state = engine.release(state, rows - 1)
-            state = engine.release(state, 0)
-        jax.block_until_ready(state)
-        return state
+    def _check_stop(self) -> None:
+        if self._stop:
+            raise _Stopped()
 
     def _chunked_warmup_lengths(self) -> list[int]:
         """The prompt lengths the warm-up prefills chunk by chunk: three chunks' worth, and with
@@ -492,8 +434,7 @@ class Scheduler:
             for _ in range(rounds):
                 for k in lengths:
                     for timed in (False, True):
-                        if self._stop:
-                            raise _Stopped()
+                        self._check_stop()
                         before = counters(state, slot)
                         if before[2] + per_step + engine.num_draft + 1 > first_width:
                             state = engine.insert(engine.release(state, slot), slot, [0], settings)
