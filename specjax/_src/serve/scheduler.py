@@ -34,6 +34,7 @@ from specjax._src.engine.ops import SINGLE_PREFILL_BLOCK
 from specjax._src.engine.prefix_cache import BLOCK, PrefixCache, blocks_in_common, usable_blocks
 from specjax._src.engine.slots import Engine, PrefillJob, SlotSettings
 from specjax._src.engine.text import TextStream
+from specjax._src.foundation.memory import release_free_heap
 from specjax._src.serve.events import Closed, Delta, Done, Failed, LiveChoice, QueueFull, Request
 from specjax._src.serve.metrics import Counters, add_into, cycle_tokens, draft_lengths, latency_histograms
 from specjax._src.serve.step_length import StepLength
@@ -278,6 +279,7 @@ class Scheduler:
     def _run(self) -> None:
         try:
             state = self._warm_up()
+            release_free_heap()  # the warm-up's freed pages (about 2 GB on the real pair's 4-bit server)
             self.ready.set()
             self._serve(state)
         except _Stopped:
