@@ -69,6 +69,8 @@ PRIVATE_IMPORTS_ALLOWED = {
                                          "`specjax serve` does; their public face is `specjax serve`",
     "benchmarks/live_costs.py": "drives the server's schedulers in process (with and without live costs) to time "
                                 "served requests without HTTP; their public face is `specjax serve`",
+    "benchmarks/serve_step_trace.py": "drives the server's scheduler in process and wraps its step to time every "
+                                      "served step without HTTP; its public face is `specjax serve`",
     "benchmarks/qmatmul_before_after.py": "builds another commit's quantized kernels with the library's compiler "
                                           "settings and times single products, which have no public face",
 }
