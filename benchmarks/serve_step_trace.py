@@ -2,14 +2,17 @@
 
     python benchmarks/serve_step_trace.py                                          # auto, 4-bit
     python benchmarks/serve_step_trace.py --flags "--quantize gguf --drafting fixed --num-draft 3"
+    python benchmarks/serve_step_trace.py --also "--quantize gguf --drafting fixed --num-draft 3"
 
 The scheduler is built as ``specjax serve --pair smollm2-eagle --slots 8 --capacity 512 FLAGS``
 builds it, run in this process without HTTP, warmed up as the server warms up. One client: each
 held-out chat prompt is sent alone, greedy, up to ``--max-tokens`` tokens (EOS honoured), and
-waited for, ``--rounds`` rounds. One contender a run: two warmed-up schedulers of the real pair
+waited for, ``--rounds`` rounds. One contender a run by default: two warmed-up schedulers of the real pair
 in one process need more memory maps than Linux allows by default (``vm.max_map_count`` 65,530:
 XLA's CPU runtime maps each compiled kernel's sections), and the second one's compile aborts with
-"LLVM ERROR: Unable to allocate section memory"; the run prints the maps the first one holds. Every step the scheduler
+"LLVM ERROR: Unable to allocate section memory"; the run prints the maps each one holds. Where the
+limit is raised (``sudo sysctl -w vm.max_map_count=262144``), ``--also FLAGS`` adds contenders
+served in turns with the first, prompt by prompt, which a comparison should prefer. Every step the scheduler
 runs is recorded: its cycles, the draft lengths they ran (from the slots' counters) and its
 seconds (the step and reading its output back). Printed per contender: tok/s over its requests
 (median and range over requests), tokens per cycle, the draft lengths its cycles chose, the steps
@@ -40,7 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=8, help="the first N held-out chat prompts (default 8)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--flags", default="--quantize gguf", help="`specjax serve` flags of every contender")
+    p.add_argument("--flags", default="--quantize gguf", help="`specjax serve` flags of the first contender")
+    p.add_argument("--also", action="append", default=[], metavar="FLAGS",
+                   help="another contender's flags, served in turns with the first per prompt (needs "
+                        "vm.max_map_count raised: see above)")
     p.add_argument("--markdown")
     return p.parse_args(argv)
 
@@ -77,6 +83,25 @@ class Traced:
             scheduler.live_costs.explore = explored
 
 
+def _samples_by_width(live) -> str:
+    """The one-row bucket's samples held at the end, by draft length and key width index: median ms
+    per cycle and count (what each length is priced against: plain samples of the same width)."""
+    by = collections.defaultdict(list)
+    for k, samples in enumerate(live._samples[0]):
+        for _, seconds, width, *_ in samples:
+            by[(k, width)].append(1e3 * seconds)
+    return "rows 1 by (length, key width): " + ", ".join(
+        f"k={k} w{w}: {common.median(v):.1f} ms x{len(v)}" for (k, w), v in sorted(by.items()))
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except OSError:
+        return 0
+
+
 def _resident_gb() -> float:
     with open("/proc/self/status") as f:
         return int(f.read().split("VmRSS:")[1].split()[0]) / 2**20
@@ -95,8 +120,12 @@ def main(argv=None):
     from specjax.engine import SlotSettings
 
     cli_serve.use_compilation_cache(None)
-    contenders = {args.flags: ["--pair", "smollm2-eagle", "--slots", "8", "--capacity", "512",
-                               *shlex.split(args.flags)]}
+    if args.also and _max_map_count() < 200_000:
+        raise SystemExit(f"--also holds two real-pair schedulers in one process, which needs more memory maps than "
+                         f"vm.max_map_count ({_max_map_count()}) allows; raise it (sudo sysctl -w "
+                         "vm.max_map_count=262144) or run one contender per run.")
+    contenders = {flags: ["--pair", "smollm2-eagle", "--slots", "8", "--capacity", "512", *shlex.split(flags)]
+                  for flags in [args.flags, *args.also]}
     report = common.Report("one client served in process, every step traced")
     report.text(common.machine())
     traced = {}
@@ -163,7 +192,7 @@ def main(argv=None):
                       " ".join(f"{k}:{v}" for k, v in sorted(t.forced.items())) or "-", cells])
         if t.scheduler.live_costs is not None:
             report.text(f"{name}: live costs at the end (ms per cycle, samples):\n"
-                        + t.scheduler.live_costs.describe())
+                        + t.scheduler.live_costs.describe() + "\n" + _samples_by_width(t.scheduler.live_costs))
     report.table(f"{len(prompts)} prompts x {args.rounds} rounds, one at a time, greedy, up to {args.max_tokens} "
                  "tokens", ["contender", "tok/s (all)", "tok/s per request [range]", "tokens / cycle",
                             "cycles by draft length", "forced steps by length",
