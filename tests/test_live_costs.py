@@ -279,6 +279,21 @@ def test_lengths_chosen_over_wider_contexts_are_priced_once_plain_cycles_are_for
     np.testing.assert_allclose(live.relative(1), [1.0, 1.2, 1.4, 1.52], rtol=1e-6)
 
 
+def test_plain_cycles_are_forced_at_a_width_until_it_has_min_samples_of_them():
+    """One plain sample at a width prices every drafting length timed there alone, so plain steps
+    are forced there (a pair at most once in ``explore_every`` steps) until it holds
+    ``min_samples``; the control: once it does, never again."""
+    live = LiveCosts(EXPENSIVE, min_samples=3, explore_every=8, warmup_explore_every=1000)
+    forced = []
+    for _ in range(40):
+        k = live.explore(1, "greedy", 1)
+        forced.append(k)
+        live.observe(1, 0 if k == 0 else 1, 0.02, "greedy", widths=(1,))
+    runs = [i for i, k in enumerate(forced) if k == 0 and (i == 0 or forced[i - 1] != 0)]
+    assert runs[:3] == [0, 8, 16]  # two plain steps each (the second timed), a sample a pair
+    assert all(k != 0 for k in forced[18:])  # three samples: no more
+
+
 def test_a_length_priced_from_a_few_dear_samples_does_not_price_the_longer_ones():
     """One draft timed at start-up in a slow spell (3 samples, 2.4 plain cycles), two and three
     drafts timed while serving (12 and 16 samples, 1.35 and 1.45): a length costs at least what

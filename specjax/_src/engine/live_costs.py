@@ -149,7 +149,8 @@ class LiveCosts:
         A length is forced for two steps in a row: the first changes the length, the second is timed.
 
         ``program`` and ``width`` (the index of the key width holding the longest row now; -1: not
-        known): where the bucket holds no plain sample of that program and width, the step runs
+        known): where the bucket holds fewer than ``min_samples`` plain samples of that program and
+        width, the step runs
         plain cycles (at most once in ``explore_every`` steps per program and width), so that the
         drafting lengths timed there have plain cycles to be priced against (:meth:`relative`).
         Without them, a server at T=1 priced its one-draft cycles at eight rows, 60 ms over wide
@@ -223,10 +224,13 @@ class LiveCosts:
         return self._programs.setdefault(program, len(self._programs))
 
     def _has_plain(self, i: int, program: str, width: int) -> bool:
-        """Whether bucket ``i`` holds a plain sample of ``program`` whose widest key width is ``width``."""
+        """Whether bucket ``i`` holds ``min_samples`` plain samples of ``program`` whose widest key
+        width is ``width``: one would price every drafting length timed there alone, and on a
+        noisy VM a single plain step at a wider width ran 129 ms where its neighbours ran 34,
+        which priced every drafting length there below a plain cycle."""
         p = self._program_id(program)
         with self._lock:
-            return any(x[2] == width and x[4] == p for x in self._samples[i][0])
+            return sum(x[2] == width and x[4] == p for x in self._samples[i][0]) >= self.min_samples
 
     def observe(self, rows: int, draft_length: Optional[int], seconds_per_cycle: Optional[float],
                 program: str = "", widths: Sequence[int] = (), cycles: int = 0) -> None:
