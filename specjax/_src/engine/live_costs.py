@@ -61,6 +61,7 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy.optimize import isotonic_regression
 
 from specjax._src.foundation.checks import check_positive_int
 from specjax._src.engine.costs import forcing
@@ -150,8 +151,7 @@ class LiveCosts:
 
         ``program`` and ``width`` (the index of the key width holding the longest row now; -1: not
         known): where the bucket holds fewer than ``min_samples`` plain samples of that program and
-        width, the step runs
-        plain cycles (at most once in ``explore_every`` steps per program and width), so that the
+        width, the step runs plain cycles (at most once in ``explore_every`` steps per program and width), so that the
         drafting lengths timed there have plain cycles to be priced against (:meth:`relative`).
         Without them, a server at T=1 priced its one-draft cycles at eight rows, 60 ms over wide
         contexts, against the start-up's greedy plain cycles over the narrowest width (40 ms):
@@ -315,7 +315,7 @@ class LiveCosts:
         out, weight = np.full(self.num_lengths, np.nan), np.zeros(self.num_lengths)
         if not len(plain):
             return out
-        out[0], weight[0] = 1.0, len(plain)
+        out[0] = 1.0
         since = self._steps[i] - self.refresh_every
         drafting = [d[d[:, 5] > since] if (d[:, 5] > since).any() else d for d in drafting]  # the recent, if any
         unlike = 1e12  # farther than any two steps' clocks: another program's, width's or cycle count's come last
@@ -399,17 +399,13 @@ class LiveCosts:
 
 
 def _non_decreasing(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """The non-decreasing sequence nearest ``values [N]`` in weighted least squares (pool adjacent
-    violators); NaN entries are left out and stay NaN."""
-    finite = np.flatnonzero(np.isfinite(values))
-    blocks: list[list[float]] = []  # [mean, weight, count] of each pooled run, in order
-    for i in finite:
-        blocks.append([float(values[i]), max(float(weights[i]), 1e-9), 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, w1, n1), (m2, w2, n2) = blocks[-2], blocks.pop()
-            blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    """The non-decreasing sequence nearest ``values [N]`` in least squares weighted by
+    ``weights [N]`` (SciPy's isotonic regression; SciPy comes with JAX); NaN entries are left
+    out and stay NaN."""
     out = np.array(values, np.float64)
-    out[finite] = np.repeat([b[0] for b in blocks], [b[2] for b in blocks])
+    finite = np.isfinite(out)
+    if finite.any():
+        out[finite] = isotonic_regression(out[finite], weights=np.maximum(weights[finite], 1e-9)).x
     return out
 
 
